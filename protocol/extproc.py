@@ -1,0 +1,31 @@
+"""Names of the Endpoint Picker Protocol between the EPP and the proxy (Envoy or any Gateway)."""
+
+# The EPP's pick: a request header and dynamic metadata, value "ip:port" or a comma list (primary first).
+DESTINATION_ENDPOINT_HEADER = "x-gateway-destination-endpoint"
+DESTINATION_ENDPOINT_NAMESPACE = "envoy.lb"
+DESTINATION_ENDPOINT_KEY = DESTINATION_ENDPOINT_HEADER
+
+# Candidate subset the proxy allows, in the request's metadata_context (list or comma string).
+SUBSET_HINT_NAMESPACE = "envoy.lb.subset_hint"
+SUBSET_HINT_KEY = "x-gateway-destination-endpoint-subset"
+
+# The endpoint that actually served the request, in the response's metadata_context.
+SERVED_ENDPOINT_NAMESPACE = "envoy.lb"
+SERVED_ENDPOINT_KEY = "x-gateway-destination-endpoint-served"
+
+# Request headers the EPP reads.
+REQUEST_ID_HEADER = "x-request-id"
+OBJECTIVE_HEADER = "x-gateway-inference-objective"
+FAIRNESS_ID_HEADER = "x-gateway-inference-fairness-id"
+MODEL_NAME_REWRITE_HEADER = "x-gateway-model-name-rewrite"
+
+# Largest body chunk the EPP sends back to the proxy in FULL_DUPLEX_STREAMED mode.
+MAX_BODY_CHUNK_BYTES = 62_000
+
+# Default ports (DESIGN.md).
+MODEL_SERVER_PORT = 8000
+EPP_GRPC_PORT = 9002
+EPP_GRPC_HEALTH_PORT = 9003
+EPP_METRICS_PORT = 9090
+ENVOY_LISTENER_PORT = 8081
+ENVOY_ADMIN_PORT = 19000

@@ -1,0 +1,268 @@
+"""OpenAI Completions and Chat request shapes: parsing, validation with OpenAI-shaped errors, and the prompt text
+used for prefix hashing. Shared by the model server (which validates fully) and the EPP (which needs the model name
+and the prompt, and must not reject extensions that some model server accepts)."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from http import HTTPStatus
+from typing import Any
+
+COMPLETIONS_PATH = "/v1/completions"
+CHAT_COMPLETIONS_PATH = "/v1/chat/completions"
+
+CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
+MAX_N = 128
+MAX_LOGPROBS = 20
+
+
+class RequestKind(StrEnum):
+    COMPLETION = "completion"
+    CHAT = "chat"
+
+
+def request_kind(path: str) -> RequestKind | None:
+    """The kind of OpenAI request a URL path names (query string ignored), or None for any other path."""
+    path = path.partition("?")[0].rstrip("/")
+    if path == COMPLETIONS_PATH:
+        return RequestKind.COMPLETION
+    if path == CHAT_COMPLETIONS_PATH:
+        return RequestKind.CHAT
+    return None
+
+
+_ERROR_TYPES = {
+    HTTPStatus.BAD_REQUEST: "invalid_request_error",
+    HTTPStatus.NOT_FOUND: "not_found_error",
+    HTTPStatus.REQUEST_ENTITY_TOO_LARGE: "invalid_request_error",
+    HTTPStatus.TOO_MANY_REQUESTS: "rate_limit_error",
+    HTTPStatus.INTERNAL_SERVER_ERROR: "internal_error",
+    HTTPStatus.SERVICE_UNAVAILABLE: "service_unavailable",
+}
+
+
+class OpenAIError(Exception):
+    """An error with an HTTP status and OpenAI's body shape {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, message: str, status: int = 400, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.status = int(status)
+        self.param = param
+        self.code = code
+
+    @property
+    def type(self) -> str:
+        return _ERROR_TYPES.get(self.status, "invalid_request_error")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def to_json(self) -> bytes:
+        return json.dumps(self.to_dict()).encode()
+
+
+def model_not_found(model: str) -> OpenAIError:
+    return OpenAIError(f"The model `{model}` does not exist.", 404, param="model", code="model_not_found")
+
+
+@dataclass(slots=True)
+class CompletionRequest:
+    """A validated Completions or Chat request. `prompts` holds the completion prompt(s): text or token ids."""
+
+    kind: RequestKind
+    model: str
+    prompts: list[str | list[int]] = field(default_factory=list)
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    stream: bool = False
+    include_usage: bool = False
+    max_tokens: int | None = None
+    min_tokens: int = 0
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # completions: top-k count; chat: top_logprobs when logprobs is true
+    echo: bool = False
+    user: str | None = None
+    raw: dict[str, Any] = field(default_factory=dict)
+
+
+def _expect(payload: Mapping[str, Any], name: str, types: type | tuple[type, ...], what: str) -> Any:
+    value = payload.get(name)
+    if value is None:
+        return None
+    # bool is an int subclass; a JSON true is never a valid number here.
+    if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
+        raise OpenAIError(f"`{name}` must be {what}, got a boolean", param=name)
+    if not isinstance(value, types):
+        raise OpenAIError(f"`{name}` must be {what}, got {type(value).__name__}", param=name)
+    if isinstance(value, float) and not math.isfinite(value):
+        raise OpenAIError(f"`{name}` must be a finite number", param=name)
+    return value
+
+
+def _int_in(payload: Mapping[str, Any], name: str, low: int, high: int | None = None) -> int | None:
+    value = _expect(payload, name, int, "an integer")
+    if value is not None and (value < low or (high is not None and value > high)):
+        bound = f"between {low} and {high}" if high is not None else f"at least {low}"
+        raise OpenAIError(f"`{name}` must be {bound}, got {value}", param=name)
+    return value
+
+
+def _float_in(payload: Mapping[str, Any], name: str, low: float, high: float, low_open: bool = False) -> float | None:
+    value = _expect(payload, name, (int, float), "a number")
+    if value is not None and not ((low < value if low_open else low <= value) and value <= high):
+        raise OpenAIError(f"`{name}` must be in {'(' if low_open else '['}{low}, {high}], got {value}", param=name)
+    return None if value is None else float(value)
+
+
+def _is_token_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(type(t) is int and t >= 0 for t in value)
+
+
+def _prompts(payload: Mapping[str, Any]) -> list[str | list[int]]:
+    prompt = payload.get("prompt")
+    if isinstance(prompt, str):
+        return [prompt]
+    if _is_token_ids(prompt):
+        return [prompt]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) or _is_token_ids(p) for p in prompt):
+        return list(prompt)
+    if prompt is None:
+        raise OpenAIError("`prompt` is required", param="prompt")
+    raise OpenAIError("`prompt` must be a string, a list of strings, or a list of token ids", param="prompt")
+
+
+def _message_text(content: Any, index: int) -> str:
+    if isinstance(content, str):
+        return content
+    if content is None:
+        return ""
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise OpenAIError(
+                    f"`messages[{index}].content` parts must be {{'type': 'text', 'text': str}}", param="messages"
+                )
+            parts.append(part["text"])
+        return "".join(parts)
+    raise OpenAIError(f"`messages[{index}].content` must be a string or a list of parts", param="messages")
+
+
+def _messages(payload: Mapping[str, Any]) -> list[dict[str, Any]]:
+    messages = payload.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise OpenAIError("`messages` must be a non-empty list", param="messages")
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise OpenAIError(f"`messages[{i}]` must be an object", param="messages")
+        role = message.get("role")
+        if role not in CHAT_ROLES:
+            raise OpenAIError(f"`messages[{i}].role` must be one of {sorted(CHAT_ROLES)}", param="messages")
+        out.append({**message, "content": _message_text(message.get("content"), i)})
+    return out
+
+
+def _stop(payload: Mapping[str, Any]) -> list[str]:
+    stop = payload.get("stop")
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [stop] if stop else []
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        return [s for s in stop if s]
+    raise OpenAIError("`stop` must be a string or a list of strings", param="stop")
+
+
+def load_json_body(body: bytes | str) -> dict[str, Any]:
+    """Decode a request body that must be a JSON object; OpenAIError(400) for anything else."""
+    try:
+        payload = json.loads(body)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise OpenAIError(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(payload, dict):
+        raise OpenAIError("request body must be a JSON object")
+    return payload
+
+
+def parse_request(body: bytes | str | Mapping[str, Any], kind: RequestKind) -> CompletionRequest:
+    """Validate a Completions or Chat request body. Raises OpenAIError(400) with the offending `param`."""
+    payload = dict(body) if isinstance(body, Mapping) else load_json_body(body)
+    model = payload.get("model")
+    if not isinstance(model, str) or not model:
+        raise OpenAIError("`model` is required and must be a non-empty string", param="model")
+    request = CompletionRequest(kind=kind, model=model, raw=payload)
+    if kind is RequestKind.CHAT:
+        request.messages = _messages(payload)
+        max_tokens = _int_in(payload, "max_completion_tokens", 1)
+        request.max_tokens = max_tokens if max_tokens is not None else _int_in(payload, "max_tokens", 1)
+        if _expect(payload, "logprobs", bool, "a boolean"):
+            request.logprobs = _int_in(payload, "top_logprobs", 0, MAX_LOGPROBS) or 0
+    else:
+        request.prompts = _prompts(payload)
+        request.max_tokens = _int_in(payload, "max_tokens", 1)
+        request.logprobs = _int_in(payload, "logprobs", 0, MAX_LOGPROBS)
+        request.echo = bool(_expect(payload, "echo", bool, "a boolean"))
+    request.stream = bool(_expect(payload, "stream", bool, "a boolean"))
+    options = _expect(payload, "stream_options", dict, "an object")
+    if options is not None:
+        if not request.stream:
+            raise OpenAIError("`stream_options` is only allowed when `stream` is true", param="stream_options")
+        request.include_usage = bool(_expect(options, "include_usage", bool, "a boolean"))
+    request.min_tokens = _int_in(payload, "min_tokens", 0) or 0
+    if request.max_tokens is not None and request.min_tokens > request.max_tokens:
+        raise OpenAIError("`min_tokens` must not exceed `max_tokens`", param="min_tokens")
+    request.n = _int_in(payload, "n", 1, MAX_N) or 1
+    request.temperature = _float_in(payload, "temperature", 0.0, 2.0)
+    request.top_p = _float_in(payload, "top_p", 0.0, 1.0, low_open=True)
+    top_k = _int_in(payload, "top_k", -1)
+    request.top_k = None if top_k in (None, -1, 0) else top_k
+    request.seed = _int_in(payload, "seed", -(2**63), 2**64 - 1)
+    request.stop = _stop(payload)
+    request.ignore_eos = bool(_expect(payload, "ignore_eos", bool, "a boolean"))
+    request.user = _expect(payload, "user", str, "a string")
+    return request
+
+
+def chat_transcript(messages: list[Mapping[str, Any]]) -> str:
+    """A stable, prefix-preserving text of chat messages: a conversation that grows by turns keeps its prefix."""
+    return "".join(f"<|{m.get('role')}|>\n{_message_text(m.get('content'), i)}\n" for i, m in enumerate(messages))
+
+
+def prompt_text(request: CompletionRequest | Mapping[str, Any]) -> str:
+    """The text the EPP hashes for prefix affinity: the prompt, or the chat transcript.
+
+    Accepts a validated request or a raw payload (the EPP does not validate what the model server will).
+    Token-id prompts become their decimal ids joined by commas, which is stable and prefix-preserving.
+    """
+    if isinstance(request, CompletionRequest):
+        if request.kind is RequestKind.CHAT:
+            return chat_transcript(request.messages)
+        prompt: Any = request.prompts[0] if len(request.prompts) == 1 else request.prompts
+    else:
+        messages = request.get("messages")
+        if isinstance(messages, list):
+            try:
+                return chat_transcript([m for m in messages if isinstance(m, Mapping)])
+            except OpenAIError:
+                return json.dumps(messages, sort_keys=True, separators=(",", ":"))
+        prompt = request.get("prompt")
+    if isinstance(prompt, str):
+        return prompt
+    if _is_token_ids(prompt):
+        return ",".join(map(str, prompt))
+    if isinstance(prompt, list):
+        return "\n".join(
+            p if isinstance(p, str) else ",".join(map(str, p)) for p in prompt if isinstance(p, str | list)
+        )
+    return ""
