@@ -1,0 +1,64 @@
+"""The pool as discovery reports it (`PoolState`, `EndpointSpec`) and as the scheduler reads it (`Endpoint`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from protocol.metrics import EndpointMetrics
+
+
+@dataclass(frozen=True, slots=True)
+class EndpointSpec:
+    """One model-server endpoint as discovery knows it. `name` is unique in the pool (Kubernetes: `<pod>-rank-<i>`)."""
+
+    name: str
+    address: str
+    port: int
+    engine: str = "vllm"
+    labels: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def hostport(self) -> str:
+        return f"[{self.address}]:{self.port}" if ":" in self.address else f"{self.address}:{self.port}"
+
+
+@dataclass(frozen=True, slots=True)
+class ModelRewrite:
+    """Requests for `model` are sent as one of `targets` (name, weight), chosen by weight."""
+
+    model: str
+    targets: tuple[tuple[str, int], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class PoolState:
+    """Everything discovery knows at one moment. Discovery sources publish a whole new PoolState on each change."""
+
+    endpoints: tuple[EndpointSpec, ...] = ()
+    objectives: dict[str, int] = field(default_factory=dict)  # objective name -> priority (negative = sheddable)
+    models: frozenset[str] | None = None  # models the pool serves, when declared; None = any
+    rewrites: tuple[ModelRewrite, ...] = ()
+
+
+@dataclass(slots=True, eq=False)
+class Endpoint:
+    """Live state of one endpoint: identity, the latest scrape, and what the EPP routed there and is not finished.
+
+    The data layer mutates it in place (one object per endpoint for its lifetime in the pool), so the scheduler's
+    per-request path reads plain attributes with no copying or locking (single event loop).
+    """
+
+    spec: EndpointSpec
+    metrics: EndpointMetrics | None = None  # None until the first successful scrape
+    stale: bool = True  # no successful scrape within the staleness threshold
+    in_flight_requests: int = 0
+    in_flight_tokens: int = 0  # estimated prompt tokens of in-flight requests
+    routed_total: int = 0
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def hostport(self) -> str:
+        return self.spec.hostport

@@ -1,0 +1,1 @@
+"""Filters -> weighted scorers -> picker, configured like GIE's EndpointPickerConfig."""
