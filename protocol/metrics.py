@@ -1,17 +1,16 @@
 """Model-server metric names per engine, and the parser from a Prometheus page to an `EndpointMetrics` snapshot.
 
 The EPP scrapes every endpoint every 50 ms, so parsing is on a hot path. A vLLM page is ~400 lines (~25 KB) of
-histograms the EPP never reads; prometheus_client's parser over the whole page costs milliseconds. We therefore cut
-out the sample lines of the few wanted families with `str.find` (C speed, no split of the page) and hand only those
-lines to prometheus_client's parser.
+histograms the EPP never reads; prometheus_client's parser over the whole page costs ~13 ms. We therefore cut out
+the sample lines of the few wanted families with `str.find` (C speed, no split of the page) and parse only those
+lines, with a regex sample parser that tests check against prometheus_client's.
 """
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, field
-
-from prometheus_client.parser import text_string_to_metric_families
 
 # vLLM V1 names (seed 001), also served by our reference model server.
 VLLM_NUM_REQUESTS_WAITING = "vllm:num_requests_waiting"
@@ -74,11 +73,6 @@ class EngineSpec:
     kv_usage: tuple[MetricSpec, ...]
     lora_info: MetricSpec | None = None
     cache_info: MetricSpec | None = None
-
-    @property
-    def family_names(self) -> tuple[str, ...]:
-        specs = [*self.waiting, *self.running, *self.kv_usage, self.lora_info, self.cache_info]
-        return tuple(dict.fromkeys(s.name for s in specs if s is not None))
 
 
 def _specs(*texts: str) -> tuple[MetricSpec, ...]:
@@ -144,18 +138,57 @@ class EndpointMetrics:
 
 
 def _family_lines(page: str, name: str, out: list[str]) -> None:
-    """Append the sample lines of exactly family `name` (not `name_bucket`, not `name_other`)."""
+    """Append the sample lines of exactly family `name` (not `name_bucket`, not `name_other`).
+
+    The text format requires a family's lines to form one group, so the scan stops at the end of the first group:
+    no second pass over the rest of the page (a miss costs one `find` through ~25-40 KB).
+    """
     needle = "\n" + name
+    size = len(page)
     start = page.find(needle)
     while start != -1:
         line_start = start + 1
         after = line_start + len(name)
         end = page.find("\n", after)
         if end == -1:
-            end = len(page)
-        if after < len(page) and page[after] in "{ \t":
+            end = size
+        if after < size and page[after] in "{ \t":
             out.append(page[line_start:end])
-        start = page.find(needle, end)
+        elif out and out[-1].startswith(name):
+            return
+        start = end if page.startswith(needle, end) else -1
+
+
+# One sample line: name, optional {labels}, value, optional timestamp. Label values may hold escaped quotes.
+_LABEL = r'[ \t]*[a-zA-Z_][a-zA-Z0-9_]*[ \t]*=[ \t]*"(?:[^"\\\n]|\\.)*"[ \t]*'
+_SAMPLE_LINE = re.compile(
+    r"([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{((?:"
+    + _LABEL
+    + ",)*(?:"
+    + _LABEL
+    + r")?,?[ \t]*)\})?[ \t]+(\S+)(?:[ \t]+-?[0-9]+)?[ \t]*"
+)
+_LABEL_PAIR = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)[ \t]*=[ \t]*"((?:[^"\\\n]|\\.)*)"')
+_UNESCAPE = re.compile(r"\\(.)")
+
+
+def _parse_sample_line(line: str) -> tuple[str, dict[str, str], float]:
+    """Parse one sample line of the text format; ValueError on anything malformed.
+
+    prometheus_client's own sample parser walks labels a character at a time (~100 us for vLLM's 13-label
+    cache_config_info line); this regex is ~20x faster and is property-tested against it.
+    """
+    match = _SAMPLE_LINE.fullmatch(line)
+    if match is None:
+        raise ValueError(f"malformed sample line: {line[:200]!r}")
+    name, label_text, value = match.groups()
+    labels = {}
+    if label_text:
+        for key, raw in _LABEL_PAIR.findall(label_text):
+            labels[key] = (
+                _UNESCAPE.sub(lambda m: "\n" if m.group(1) == "n" else m.group(1), raw) if "\\" in raw else raw
+            )
+    return name, labels, float(value)
 
 
 def _int_label(value: str | None) -> int | None:
@@ -176,6 +209,24 @@ def _adapter_names(value: str) -> frozenset[str]:
     return frozenset(n for n in (part.strip() for part in value.split(",")) if n)
 
 
+def _series(page: str, spec: MetricSpec) -> list[tuple[dict[str, str], float]]:
+    lines: list[str] = []
+    _family_lines(page, spec.name, lines)
+    series = []
+    for line in lines:
+        _, labels, value = _parse_sample_line(line)
+        if spec.matches(labels):
+            series.append((labels, value))
+    return series
+
+
+def _first_present(page: str, alternatives: tuple[MetricSpec, ...]) -> list[float]:
+    for spec in alternatives:  # the fallback (e.g. a deprecated name) is only searched when needed
+        if series := _series(page, spec):
+            return [value for _, value in series]
+    return []
+
+
 def parse_metrics(
     page: str, engine: str | EngineSpec | None = None, scraped_at: float | None = None
 ) -> EndpointMetrics:
@@ -186,27 +237,16 @@ def parse_metrics(
     """
     spec = engine_spec(engine)
     page = "\n" + page
-    lines: list[str] = []
-    for name in spec.family_names:
-        _family_lines(page, name, lines)
-    samples: dict[str, list[tuple[dict[str, str], float]]] = {}
     try:
-        for family in text_string_to_metric_families("\n".join(lines) + "\n"):
-            for sample in family.samples:
-                samples.setdefault(sample.name, []).append((sample.labels, sample.value))
-    except Exception as exc:  # prometheus_client raises ValueError, IndexError, ... on garbage
-        raise MetricsParseError(f"malformed metrics page: {exc}") from None
-
-    def matching(alternatives: tuple[MetricSpec, ...]) -> list[float] | None:
-        for alt in alternatives:
-            values = [v for labels, v in samples.get(alt.name, ()) if alt.matches(labels)]
-            if values:
-                return values
-        return None
-
-    waiting, running, kv = matching(spec.waiting), matching(spec.running), matching(spec.kv_usage)
+        waiting = _first_present(page, spec.waiting)
+        running = _first_present(page, spec.running)
+        kv = _first_present(page, spec.kv_usage)
+        cache_info = _series(page, spec.cache_info) if spec.cache_info else []
+        lora_info = _series(page, spec.lora_info) if spec.lora_info else []
+    except ValueError as exc:
+        raise MetricsParseError(str(exc)) from None
     missing = [
-        s[0].name for s, v in ((spec.waiting, waiting), (spec.running, running), (spec.kv_usage, kv)) if v is None
+        alts[0].name for alts, v in ((spec.waiting, waiting), (spec.running, running), (spec.kv_usage, kv)) if not v
     ]
     if missing:
         raise MetricsParseError(f"metrics page lacks required gauge(s): {', '.join(missing)}")
@@ -216,12 +256,12 @@ def parse_metrics(
         kv_usage=min(1.0, max(0.0, max(kv))),
         scraped_at=time.monotonic() if scraped_at is None else scraped_at,
     )
-    if spec.cache_info is not None and (series := samples.get(spec.cache_info.name)):
-        labels = series[0][0]
+    if cache_info:
+        labels = cache_info[0][0]
         snapshot.block_size = _int_label(labels.get(LABEL_BLOCK_SIZE))
         snapshot.num_gpu_blocks = _int_label(labels.get(LABEL_NUM_GPU_BLOCKS))
-    if spec.lora_info is not None and (series := samples.get(spec.lora_info.name)):
-        labels = max(series, key=lambda s: s[1])[0]  # the value is the update time: newest wins
+    if lora_info:
+        labels = max(lora_info, key=lambda s: s[1])[0]  # the value is the update time: newest wins
         snapshot.max_lora = _int_label(labels.get(LABEL_MAX_LORA))
         snapshot.running_adapters = _adapter_names(labels.get(LABEL_RUNNING_LORA_ADAPTERS, ""))
         snapshot.waiting_adapters = _adapter_names(labels.get(LABEL_WAITING_LORA_ADAPTERS, ""))
