@@ -159,36 +159,46 @@ def _family_lines(page: str, name: str, out: list[str]) -> None:
         start = end if page.startswith(needle, end) else -1
 
 
-# One sample line: name, optional {labels}, value, optional timestamp. Label values may hold escaped quotes.
-_LABEL = r'[ \t]*[a-zA-Z_][a-zA-Z0-9_]*[ \t]*=[ \t]*"(?:[^"\\\n]|\\.)*"[ \t]*'
-_SAMPLE_LINE = re.compile(
-    r"([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{((?:"
-    + _LABEL
-    + ",)*(?:"
-    + _LABEL
-    + r")?,?[ \t]*)\})?[ \t]+(\S+)(?:[ \t]+-?[0-9]+)?[ \t]*"
-)
-_LABEL_PAIR = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)[ \t]*=[ \t]*"((?:[^"\\\n]|\\.)*)"')
+# Sample-line pieces. Label values may hold escaped quotes, backslashes and newlines.
+_METRIC_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
+_LABEL_PAIR = re.compile(r'[ \t]*([a-zA-Z_][a-zA-Z0-9_]*)[ \t]*=[ \t]*"((?:[^"\\\n]|\\.)*)"[ \t]*(?:,|$)')
 _UNESCAPE = re.compile(r"\\(.)")
 
 
+def _unescape(raw: str) -> str:
+    return _UNESCAPE.sub(lambda m: "\n" if m.group(1) == "n" else m.group(1), raw) if "\\" in raw else raw
+
+
 def _parse_sample_line(line: str) -> tuple[str, dict[str, str], float]:
-    """Parse one sample line of the text format; ValueError on anything malformed.
+    """Parse one sample line of the text format (`name{labels} value [timestamp]`); ValueError if malformed.
 
     prometheus_client's own sample parser walks labels a character at a time (~100 us for vLLM's 13-label
-    cache_config_info line); this regex is ~20x faster and is property-tested against it.
+    cache_config_info line here); this is ~5x faster and is property-tested against it.
     """
-    match = _SAMPLE_LINE.fullmatch(line)
-    if match is None:
-        raise ValueError(f"malformed sample line: {line[:200]!r}")
-    name, label_text, value = match.groups()
-    labels = {}
-    if label_text:
-        for key, raw in _LABEL_PAIR.findall(label_text):
-            labels[key] = (
-                _UNESCAPE.sub(lambda m: "\n" if m.group(1) == "n" else m.group(1), raw) if "\\" in raw else raw
-            )
-    return name, labels, float(value)
+    labels: dict[str, str] = {}
+    brace = line.find("{")
+    if brace == -1:
+        name, _, rest = line.partition(" ")
+    else:
+        close = line.rfind("}")
+        if close < brace:
+            raise ValueError(f"unclosed label set: {line[:200]!r}")
+        name, body, rest = line[:brace], line[brace + 1 : close], line[close + 1 :]
+        pos, size = 0, len(body)
+        while pos < size:
+            pair = _LABEL_PAIR.match(body, pos)
+            if pair is None:
+                if body[pos:].strip(" \t"):
+                    raise ValueError(f"malformed labels: {line[:200]!r}")
+                break
+            labels[pair.group(1)] = _unescape(pair.group(2))
+            pos = pair.end()
+    if _METRIC_NAME.fullmatch(name) is None:
+        raise ValueError(f"malformed metric name: {line[:200]!r}")
+    value = rest.split()
+    if not 1 <= len(value) <= 2:
+        raise ValueError(f"expected a value and an optional timestamp: {line[:200]!r}")
+    return name, labels, float(value[0])
 
 
 def _int_label(value: str | None) -> int | None:
