@@ -10,8 +10,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from protocol.metrics import (
     ENGINES,
     EndpointMetrics,
-    MetricSpec,
     MetricsParseError,
+    MetricSpec,
     _parse_sample_line,
     engine_spec,
     parse_metrics,
