@@ -1,0 +1,1 @@
+"""The engine core: requests, scheduler, KV block manager with prefix caching, LoRA slots, executors."""

@@ -1,0 +1,259 @@
+"""The async engine: one asyncio task per engine runs schedule -> execute -> update, and streams each request's
+tokens to its `generate()` iterator. Many engines (replicas) share one event loop; an idle engine waits on an
+event and costs nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from prometheus_client import CollectorRegistry
+
+from modelserver.engine.block_manager import KVCacheManager
+from modelserver.engine.config import EngineConfig
+from modelserver.engine.executor import Executor
+from modelserver.engine.lora import LoRAError, LoRASlots
+from modelserver.engine.request import FinishReason, Request, RequestOutput, RequestStatus, SamplingParams
+from modelserver.engine.scheduler import Scheduler, SchedulerOutput
+from modelserver.metrics import EngineMetrics, LoggingStatLogger
+
+log = logging.getLogger("modelserver.engine")
+
+
+class EngineDeadError(RuntimeError):
+    """The step loop crashed; the server answers 503 from now on."""
+
+
+class AsyncEngine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        executor: Executor,
+        *,
+        model_name: str,
+        engine_index: int = 0,
+        registry: CollectorRegistry | None = None,
+        log_stats: bool = True,
+        show_hidden_metrics_for_version: str | None = None,
+        lora_modules: dict[str, str] | None = None,
+    ):
+        self.config = config
+        self.executor = executor
+        self.model_name = model_name
+        self.kv = KVCacheManager(
+            config.num_gpu_blocks, config.block_size, config.enable_prefix_caching, config.kv_cache_metrics_sample
+        )
+        self.loras = LoRASlots(config.max_loras, max(config.cpu_lora_capacity, len(lora_modules or {})))
+        for name, path in (lora_modules or {}).items():
+            self.loras.add(name, path)
+        self.scheduler = Scheduler(config, self.kv, self.loras)
+        self.metrics = EngineMetrics(config, model_name, engine_index, registry, show_hidden_metrics_for_version)
+        self.registry = self.metrics.registry
+        self.stat_logger = LoggingStatLogger(f"Engine {engine_index:03d}") if log_stats else None
+        self._requests: dict[str, tuple[Request, asyncio.Queue]] = {}
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self.is_dead = False
+        self.dead_error: BaseException | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name=f"engine-{self.model_name}")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        for request_id in list(self._requests):
+            self.abort(request_id)
+        await self.executor.close()
+
+    @property
+    def num_unfinished(self) -> int:
+        return self.scheduler.num_unfinished
+
+    # -- LoRA --------------------------------------------------------------------------------------------------
+    @property
+    def lora_adapters(self) -> dict[str, str]:
+        return dict(self.loras.adapters)
+
+    def add_lora(self, name: str, path: str) -> None:
+        if not self.config.enable_lora:
+            raise LoRAError("LoRA is not enabled (start the server with --enable-lora)")
+        self.loras.add(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        if any(r.lora_name == name for r, _ in self._requests.values()):
+            raise LoRAError(f"The lora adapter '{name}' has unfinished requests.")
+        self.loras.remove(name)
+
+    # -- requests ----------------------------------------------------------------------------------------------
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, lora_name: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream the request's outputs. Closing or cancelling the iterator aborts the request."""
+        if self.is_dead:
+            raise EngineDeadError(f"engine is dead: {self.dead_error!r}")
+        if request_id in self._requests:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        if lora_name is not None and lora_name not in self.loras.adapters:
+            raise KeyError(lora_name)
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        if self.kv.blocks_needed(len(prompt_token_ids) + 1) > self.kv.num_blocks:
+            raise ValueError(
+                f"the prompt ({len(prompt_token_ids)} tokens) does not fit in the KV cache "
+                f"({self.kv.capacity_tokens} tokens)"
+            )
+        request = Request(request_id, prompt_token_ids, params, lora_name)
+        queue: asyncio.Queue = asyncio.Queue()
+        self._requests[request_id] = (request, queue)
+        self.scheduler.add(request)
+        self._update_gauges()
+        self._wake.set()
+        try:
+            while True:
+                output = await queue.get()
+                if isinstance(output, BaseException):
+                    raise output
+                yield output
+                if output.finished:
+                    return
+        finally:
+            if request.status is not RequestStatus.FINISHED:
+                self.abort(request_id)
+            self._requests.pop(request_id, None)
+
+    def abort(self, request_id: str, reason: str = FinishReason.ABORT) -> None:
+        """Finish a request now (client gone: "abort"; a stop string seen by the frontend: "stop")."""
+        entry = self._requests.get(request_id)
+        if entry is None or entry[0].status is RequestStatus.FINISHED:
+            return
+        request, queue = entry
+        self.scheduler.finish(request, reason)
+        self._record_finished(request, time.monotonic())
+        queue.put_nowait(
+            RequestOutput(request_id, [], True, reason, request.num_prompt_tokens, max(request.num_cached_tokens, 0))
+        )
+        self._update_gauges()
+
+    # -- the step loop -----------------------------------------------------------------------------------------
+    async def _run(self) -> None:
+        try:
+            while True:
+                if not self.scheduler.num_unfinished:
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
+                output = self.scheduler.schedule()
+                if not output.requests:
+                    await asyncio.sleep(0.001)  # nothing fits this step (e.g. all deferred); do not spin
+                    continue
+                tokens = await self.executor.execute(output.batch)
+                self._process(output, tokens, time.monotonic())
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            log.exception("engine step failed; the engine is dead")
+            self.is_dead, self.dead_error = True, exc
+            for request, queue in self._requests.values():
+                if request.status is not RequestStatus.FINISHED:
+                    queue.put_nowait(EngineDeadError(f"engine is dead: {exc!r}"))
+
+    def _process(self, output: SchedulerOutput, tokens: list[int | None], now: float) -> None:
+        metrics, kv, scheduler = self.metrics, self.kv, self.scheduler
+        eos = self.executor.eos_token_id
+        prompt_done = generated = 0
+        for request in output.newly_scheduled:
+            metrics.queue.observe(request.scheduled_ts - request.queued_ts)
+        requests = self._requests
+        for request, sequence, token in zip(output.requests, output.batch.sequences, tokens, strict=True):
+            if request.status is RequestStatus.FINISHED:  # aborted while the step ran
+                continue
+            request.num_computed_tokens = sequence.start + sequence.num_new_tokens
+            kv.register_full_blocks(request)
+            if token is None:
+                continue
+            request.token_ids.append(token)
+            generated += 1
+            if request.first_token_ts == 0.0:
+                request.first_token_ts = now
+                metrics.ttft.observe(now - request.arrival_time)
+                prompt_done += request.num_prompt_tokens
+            else:
+                metrics.itl.observe(now - request.last_token_ts)
+            request.last_token_ts = now
+            reason = scheduler.check_stop(request, token, eos)
+            if reason is not None:
+                scheduler.finish(request, reason)
+                self._record_finished(request, now)
+            requests[request.request_id][1].put_nowait(
+                RequestOutput(
+                    request.request_id, [token], reason is not None, reason, request.num_prompt_tokens,
+                    request.num_cached_tokens,
+                )
+            )  # fmt: skip
+        metrics.prompt_tokens.inc(prompt_done)
+        metrics.generation_tokens.inc(generated)
+        metrics.iteration_tokens.observe(output.batch.num_uncached_prefill_tokens + output.batch.num_decode_tokens)
+        if output.num_preemptions:
+            metrics.preemptions.inc(output.num_preemptions)
+        if kv.queries:
+            metrics.prefix_queries.inc(kv.queries)
+            metrics.prefix_hits.inc(kv.hits)
+        if kv.residency.lifetimes or kv.residency.reuse_gaps:
+            self._drain_residency()
+        if self.stat_logger is not None:
+            self.stat_logger.record(prompt_done, generated, kv.queries, kv.hits)
+        kv.queries = kv.hits = 0
+        self._update_gauges()
+
+    def _drain_residency(self) -> None:
+        events, metrics = self.kv.residency, self.metrics
+        if metrics.kv_lifetime is not None:
+            for value in events.lifetimes:
+                metrics.kv_lifetime.observe(value)
+            for value in events.idle_before_evict:
+                metrics.kv_idle.observe(value)
+            for value in events.reuse_gaps:
+                metrics.kv_reuse_gap.observe(value)
+        events.lifetimes.clear()
+        events.idle_before_evict.clear()
+        events.reuse_gaps.clear()
+
+    def _update_gauges(self) -> None:
+        scheduler, metrics = self.scheduler, self.metrics
+        running, waiting, usage = len(scheduler.running), len(scheduler.waiting), self.kv.usage
+        metrics.running.set(running)
+        metrics.waiting.set(waiting)
+        metrics.kv_usage.set(usage)
+        if metrics.gpu_cache_usage is not None:
+            metrics.gpu_cache_usage.set(usage)
+        if metrics.lora_info is not None:
+            metrics.set_lora_info(
+                list({r.lora_name for r in scheduler.running if r.lora_name}),
+                list({r.lora_name for r in scheduler.waiting if r.lora_name}),
+            )
+        if self.stat_logger is not None:
+            self.stat_logger.maybe_log(running, waiting, usage)
+
+    def _record_finished(self, request: Request, now: float) -> None:
+        metrics = self.metrics
+        num_output = request.num_output_tokens
+        metrics.e2e.observe(now - request.arrival_time)
+        if request.first_token_ts:
+            metrics.prefill.observe(request.first_token_ts - request.scheduled_ts)
+            metrics.decode.observe(request.last_token_ts - request.first_token_ts)
+            metrics.inference.observe(request.last_token_ts - request.scheduled_ts)
+            if num_output > 1:
+                metrics.tpot.observe((request.last_token_ts - request.first_token_ts) / (num_output - 1))
+        metrics.prompt_hist.observe(request.num_prompt_tokens)
+        metrics.generation_hist.observe(num_output)
+        metrics.params_n.observe(request.params.n)
+        metrics.params_max_tokens.observe(request.params.max_tokens)
+        metrics.max_generation.observe(request.params.max_tokens)
+        metrics.success[request.finish_reason or FinishReason.ABORT].inc()

@@ -1,0 +1,44 @@
+"""The executor interface: everything above it (scheduler, KV bookkeeping, LoRA slots, metrics) is the same code
+whether a real transformer (`torch`) or a timing model (`sim`) runs the step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from modelserver.engine.request import SamplingParams
+
+
+@dataclass(slots=True)
+class ScheduledSequence:
+    request_id: str
+    token_ids: list[int]  # all tokens so far (prompt + output); the executor reads, never writes
+    start: int  # first position computed this step (cached prefix and earlier chunks are skipped)
+    num_new_tokens: int  # positions [start, start + num_new_tokens)
+    block_table: list[int]  # physical blocks covering positions [0, start + num_new_tokens)
+    samples: bool  # the chunk reaches the end of the sequence: sample the next token
+    params: SamplingParams
+    lora_slot: int  # 0 = no adapter
+    num_sampled: int  # output tokens so far (seeded sampling stays reproducible across steps)
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    sequences: list[ScheduledSequence]
+    num_uncached_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    new_lora_loads: dict[int, tuple[str, str]] = field(default_factory=dict)  # slot -> (name, path)
+
+
+class Executor(Protocol):
+    block_size: int
+    num_gpu_blocks: int
+    eos_token_id: int | None
+
+    async def execute(self, batch: ScheduledBatch) -> list[int | None]:
+        """Run one step. Returns the next token for each sequence with `samples` (None for others), in order."""
+        ...
+
+    def load_lora(self, slot: int, name: str, path: str) -> None: ...
+
+    async def close(self) -> None: ...

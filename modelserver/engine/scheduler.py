@@ -1,0 +1,166 @@
+"""Continuous batching with chunked prefill and preemption by recompute (vLLM V1's unified scheduler, simplified).
+
+Each step has a token budget (`max_num_batched_tokens`). Running requests go first (a decode costs one token, an
+unfinished prefill continues in chunks), then waiting ones in arrival order while the budget, `max_num_seqs` and
+free KV blocks last. When a running request cannot get a block, the newest running request is preempted: its
+blocks are freed (they stay in the prefix cache) and it goes to the front of the waiting queue to recompute.
+A waiting request for a LoRA adapter that would exceed `max_loras` distinct adapters in the batch is deferred,
+and the scan continues behind it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from modelserver.engine.block_manager import KVCacheManager
+from modelserver.engine.config import EngineConfig
+from modelserver.engine.executor import ScheduledBatch, ScheduledSequence
+from modelserver.engine.lora import LoRASlots
+from modelserver.engine.request import FinishReason, Request, RequestStatus
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    batch: ScheduledBatch
+    requests: list[Request]  # parallel to batch.sequences
+    newly_scheduled: list[Request] = field(default_factory=list)
+    num_preemptions: int = 0
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, loras: LoRASlots):
+        self.config = config
+        self.kv = kv
+        self.loras = loras
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request)
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.queued_ts = time.monotonic()
+        self.waiting.appendleft(request)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        kv = self.kv
+        sequences: list[ScheduledSequence] = []
+        requests: list[Request] = []
+        newly: list[Request] = []
+        num_preemptions = 0
+        uncached_prefill = decode = 0
+
+        def emit(request: Request, num_new: int) -> None:
+            nonlocal uncached_prefill, decode
+            start = request.num_computed_tokens
+            end = start + num_new
+            samples = end == request.num_tokens
+            if samples and num_new == 1 and start >= request.num_prompt_tokens:
+                decode += 1
+            else:
+                uncached_prefill += num_new
+            sequences.append(
+                ScheduledSequence(
+                    request.request_id,
+                    request.token_ids,
+                    start,
+                    num_new,
+                    request.block_ids,
+                    samples,
+                    request.params,
+                    request.lora_slot,
+                    request.num_output_tokens,
+                )
+            )
+            requests.append(request)
+
+        running = self.running
+        i = 0
+        while i < len(running) and budget > 0:
+            request = running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not kv.allocate(request, num_new):
+                victim = running.pop()
+                self._preempt(victim)
+                num_preemptions += 1
+                if victim is request:
+                    break
+            else:
+                emit(request, num_new)
+                budget -= num_new
+                i += 1
+
+        if not num_preemptions:
+            busy_loras = {r.lora_name for r in running if r.lora_name}
+            skipped: list[Request] = []
+            waiting = self.waiting
+            while waiting and budget > 0 and len(running) < self.config.max_num_seqs:
+                request = waiting[0]
+                if request.lora_name is not None and request.lora_name not in busy_loras:
+                    slot = None
+                    if len(busy_loras) < self.loras.max_loras:
+                        slot = self.loras.slot_for(request.lora_name, busy_loras)
+                    if slot is None:  # deferred: the batch already holds max_loras adapters
+                        skipped.append(waiting.popleft())
+                        continue
+                    request.lora_slot = slot
+                elif request.lora_name is not None:
+                    request.lora_slot = self.loras.slot_for(request.lora_name, busy_loras) or 0
+                cached = kv.find_cached_prefix(request) if request.num_computed_tokens == 0 else []
+                num_cached_tokens = len(cached) * kv.block_size
+                num_new = min(request.num_tokens - request.num_computed_tokens - num_cached_tokens, budget)
+                if not kv.allocate(request, num_new, cached):
+                    break
+                waiting.popleft()
+                if request.num_cached_tokens < 0:
+                    request.num_cached_tokens = num_cached_tokens
+                    kv.record_query(request.num_tokens, num_cached_tokens)
+                    request.scheduled_ts = time.monotonic()
+                    newly.append(request)
+                request.num_computed_tokens += num_cached_tokens
+                request.status = RequestStatus.RUNNING
+                running.append(request)
+                if request.lora_name is not None:
+                    busy_loras.add(request.lora_name)
+                emit(request, num_new)
+                budget -= num_new
+            waiting.extendleft(reversed(skipped))
+
+        batch = ScheduledBatch(sequences, uncached_prefill, decode, self.loras.take_pending_loads())
+        return SchedulerOutput(batch, requests, newly, num_preemptions)
+
+    def finish(self, request: Request, reason: str) -> None:
+        """Remove a request wherever it is and free its blocks."""
+        if request.status is RequestStatus.FINISHED:
+            return
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self.kv.free(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+
+    def check_stop(self, request: Request, token: int, eos_token_id: int | None) -> str | None:
+        params = request.params
+        num_output = request.num_output_tokens
+        if num_output >= params.max_tokens:
+            return FinishReason.LENGTH
+        if request.num_tokens >= self.config.max_model_len or request.num_tokens >= self.kv.capacity_tokens:
+            return FinishReason.LENGTH
+        if num_output < params.min_tokens:
+            return None
+        if (token == eos_token_id and not params.ignore_eos) or token in params.stop_token_ids:
+            return FinishReason.STOP
+        return None

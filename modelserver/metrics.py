@@ -1,0 +1,223 @@
+"""vLLM V1's metrics (seed 001) for one engine, in its own prometheus_client registry.
+
+Histograms are observed on the engine step (inter-token latency once per running sequence per step), so they use a
+small list-based histogram (~0.3 us per observation) exposed through a custom collector instead of
+prometheus_client's locked Histogram. Gauges and counters are prometheus_client's, bound to their labels once.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from bisect import bisect_left
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client.core import HistogramMetricFamily
+
+from modelserver.engine.config import EngineConfig
+
+log = logging.getLogger("modelserver.stats")
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+               80.0)  # fmt: skip
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                           240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+KV_RESIDENCY_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600,
+                        1200, 1800)  # fmt: skip
+REQUEST_N_BUCKETS = (1, 2, 5, 10, 20)
+
+
+def buckets_1_2_5(maximum: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to `maximum` (vLLM's token-count buckets)."""
+    out, exponent = [], 0
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * 10**exponent
+            if value > maximum:
+                return tuple(out)
+            out.append(value)
+        exponent += 1
+
+
+class FastHistogram:
+    __slots__ = ("bounds", "counts", "documentation", "name", "sum")
+
+    def __init__(self, name: str, documentation: str, bounds: tuple[float, ...]):
+        self.name = name
+        self.documentation = documentation
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # last = +Inf
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+
+class _HistogramCollector:
+    def __init__(self, histograms: list[FastHistogram], label_names: list[str], label_values: list[str]):
+        self._histograms = histograms
+        self._label_names = label_names
+        self._label_values = label_values
+
+    def collect(self):
+        for h in self._histograms:
+            family = HistogramMetricFamily(h.name, h.documentation, labels=self._label_names)
+            cumulative, buckets = 0, []
+            for bound, count in zip((*h.bounds, float("inf")), h.counts, strict=True):
+                cumulative += count
+                buckets.append(("+Inf" if bound == float("inf") else repr(float(bound)), cumulative))
+            family.add_metric(self._label_values, buckets, h.sum)
+            yield family
+
+    def describe(self):
+        return [HistogramMetricFamily(h.name, h.documentation, labels=self._label_names) for h in self._histograms]
+
+
+class EngineMetrics:
+    """All vllm:* series of one engine. The engine calls the `on_*` hooks; nothing here touches the scheduler."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_name: str,
+        engine_index: int = 0,
+        registry: CollectorRegistry | None = None,
+        show_hidden_metrics_for_version: str | None = None,
+    ):
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.config = config
+        names, values = ["model_name", "engine"], [model_name, str(engine_index)]
+        labels = dict(zip(names, values, strict=True))
+        reg = self.registry
+
+        def gauge(name: str, doc: str):
+            return Gauge(name, doc, names, registry=reg).labels(**labels)
+
+        def counter(name: str, doc: str):
+            return Counter(name, doc, names, registry=reg).labels(**labels)
+
+        self.running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
+        self.waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
+        self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        self.gpu_cache_usage = None
+        if show_hidden_metrics_for_version:
+            self.gpu_cache_usage = gauge(
+                "vllm:gpu_cache_usage_perc",
+                "GPU KV-cache usage. 1 means 100 percent usage. DEPRECATED: use vllm:kv_cache_usage_perc; "
+                f"shown because --show-hidden-metrics-for-version={show_hidden_metrics_for_version}.",
+            )
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
+        self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.")
+        self.prefix_queries = counter(
+            "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."
+        )
+        self.prefix_hits = counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
+        success = Counter(
+            "vllm:request_success", "Count of successfully processed requests.", [*names, "finished_reason"],
+            registry=reg,
+        )  # fmt: skip
+        self.success = {r: success.labels(**labels, finished_reason=r) for r in ("stop", "length", "abort")}
+        cache_labels = config.cache_config_labels()
+        Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", list(cache_labels),
+              registry=reg).labels(**cache_labels).set(1)  # fmt: skip
+        self.lora_info = None
+        self._lora_labels: tuple[str, str] | None = None
+        if config.enable_lora:
+            self.lora_info = Gauge(
+                "vllm:lora_requests_info", "Running stats on lora requests.",
+                ["max_lora", "running_lora_adapters", "waiting_lora_adapters"], registry=reg,
+            )  # fmt: skip
+
+        token_buckets = buckets_1_2_5(config.max_model_len)
+        h = FastHistogram
+        self.ttft = h("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS)
+        self.itl = h("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS)
+        self.tpot = h(
+            "vllm:request_time_per_output_token_seconds", "Histogram of time_per_output_token_seconds per request.",
+            ITL_BUCKETS,
+        )  # fmt: skip
+        self.e2e = h("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                     REQUEST_LATENCY_BUCKETS)  # fmt: skip
+        self.queue = h("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.",
+                       REQUEST_LATENCY_BUCKETS)  # fmt: skip
+        self.inference = h("vllm:request_inference_time_seconds",
+                           "Histogram of time spent in RUNNING phase for request.", REQUEST_LATENCY_BUCKETS)  # fmt: skip
+        self.prefill = h("vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.",
+                         REQUEST_LATENCY_BUCKETS)  # fmt: skip
+        self.decode = h("vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.",
+                        REQUEST_LATENCY_BUCKETS)  # fmt: skip
+        self.prompt_hist = h("vllm:request_prompt_tokens", "Number of prefill tokens processed.", token_buckets)
+        self.generation_hist = h("vllm:request_generation_tokens", "Number of generation tokens processed.",
+                                 token_buckets)  # fmt: skip
+        self.iteration_tokens = h(
+            "vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+            buckets_1_2_5(max(config.max_num_batched_tokens, 1)),
+        )  # fmt: skip
+        self.params_n = h("vllm:request_params_n", "Histogram of the n request parameter.", REQUEST_N_BUCKETS)
+        self.params_max_tokens = h("vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.",
+                                   token_buckets)  # fmt: skip
+        self.max_generation = h("vllm:request_max_num_generation_tokens",
+                                "Histogram of maximum number of requested generation tokens.", token_buckets)  # fmt: skip
+        histograms = [self.ttft, self.itl, self.tpot, self.e2e, self.queue, self.inference, self.prefill,
+                      self.decode, self.prompt_hist, self.generation_hist, self.iteration_tokens, self.params_n,
+                      self.params_max_tokens, self.max_generation]  # fmt: skip
+        self.kv_lifetime = self.kv_idle = self.kv_reuse_gap = None
+        if config.kv_cache_metrics_sample > 0:
+            self.kv_lifetime = h("vllm:kv_block_lifetime_seconds",
+                                 "Histogram of KV cache block lifetime from allocation to eviction.",
+                                 KV_RESIDENCY_BUCKETS)  # fmt: skip
+            self.kv_idle = h("vllm:kv_block_idle_before_evict_seconds",
+                             "Histogram of idle time before KV cache block eviction.", KV_RESIDENCY_BUCKETS)  # fmt: skip
+            self.kv_reuse_gap = h("vllm:kv_block_reuse_gap_seconds",
+                                  "Histogram of time gaps between consecutive KV cache block accesses.",
+                                  KV_RESIDENCY_BUCKETS)  # fmt: skip
+            histograms += [self.kv_lifetime, self.kv_idle, self.kv_reuse_gap]
+        reg.register(_HistogramCollector(histograms, names, values))
+
+    def set_lora_info(self, running: list[str], waiting: list[str]) -> None:
+        if self.lora_info is None:
+            return
+        key = (",".join(sorted(running)), ",".join(sorted(waiting)))
+        if key != self._lora_labels:
+            if self._lora_labels is not None:  # old label combinations go, so the page never grows
+                self.lora_info.remove(str(self.config.max_loras), *self._lora_labels)
+            self._lora_labels = key
+        self.lora_info.labels(str(self.config.max_loras), *key).set(time.time())
+
+
+class LoggingStatLogger:
+    """Logs the seed's summary line every `interval` seconds: running/waiting, KV usage, throughput, hit rate."""
+
+    def __init__(self, name: str, interval: float = 5.0):
+        self.name = name
+        self.interval = interval
+        self._last = time.monotonic()
+        self._prompt = self._generation = 0
+        self._queries: list[tuple[int, int]] = []  # (queried, hit) tokens, most recent last
+
+    def record(self, prompt_tokens: int, generation_tokens: int, queries: int, hits: int) -> None:
+        self._prompt += prompt_tokens
+        self._generation += generation_tokens
+        if queries:
+            self._queries.append((queries, hits))
+            if len(self._queries) > 1000:  # "over the most recent 1k queries"
+                del self._queries[:-1000]
+
+    def maybe_log(self, running: int, waiting: int, kv_usage: float) -> None:
+        now = time.monotonic()
+        elapsed = now - self._last
+        if elapsed < self.interval:
+            return
+        queried = sum(q for q, _ in self._queries)
+        hit_rate = sum(h for _, h in self._queries) / queried if queried else 0.0
+        log.info(
+            "%s: Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, Running: %d reqs, "
+            "Waiting: %d reqs, GPU KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%",
+            self.name, self._prompt / elapsed, self._generation / elapsed, running, waiting, kv_usage * 100,
+            hit_rate * 100,
+        )  # fmt: skip
+        self._last, self._prompt, self._generation = now, 0, 0
