@@ -1,0 +1,460 @@
+"""OpenAI Completions and Chat, model listing, tokenization, LoRA admin, health and metrics, like vLLM's server.
+
+Requests are validated by `protocol.openai`; everything that goes wrong answers in OpenAI's error shape with
+vLLM's status codes, and an unexpected exception in one handler never affects another request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from modelserver.engine.engine import AsyncEngine, EngineDeadError
+from modelserver.engine.lora import LoRAError
+from modelserver.engine.request import FinishReason, SamplingParams
+from modelserver.lora_files import resolve_adapter_path
+from modelserver.tokenizer import Tokenizer
+from protocol.openai import (
+    CompletionRequest,
+    OpenAIError,
+    RequestKind,
+    load_json_body,
+    model_not_found,
+    parse_request,
+)
+
+log = logging.getLogger("modelserver.api")
+VERSION = "0.1.0"
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+
+
+@dataclass
+class ServerSettings:
+    served_model_name: str
+    model_path: str
+    max_model_len: int
+    backend: str = "sim"
+    lora_roots: list[str] = field(default_factory=list)
+    allow_runtime_lora_updating: bool = False
+    max_request_body_bytes: int = 32 * 1024 * 1024
+    extra_info: dict = field(default_factory=dict)
+
+
+def runtime_lora_updating_from_env() -> bool:
+    return os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").strip().lower() in ("1", "true", "yes")
+
+
+def _error_response(error: OpenAIError) -> web.Response:
+    return web.Response(status=error.status, body=error.to_json(), content_type="application/json")
+
+
+@web.middleware
+async def openai_errors(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except OpenAIError as error:
+        return _error_response(error)
+    except EngineDeadError as error:
+        return _error_response(OpenAIError(str(error), 503))
+    except web.HTTPException as http:
+        if http.status < 400:
+            raise
+        message = "request body too large" if http.status == 413 else (http.reason or "error")
+        return _error_response(OpenAIError(message, http.status))
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        log.exception("unexpected error in %s %s", request.method, request.path)
+        return _error_response(OpenAIError(f"internal error: {type(exc).__name__}", 500))
+
+
+class _Choice:
+    """One generated sequence: its engine stream, detokenized text so far, and stop-string handling."""
+
+    __slots__ = (
+        "closed",
+        "finish_reason",
+        "index",
+        "num_cached",
+        "num_prompt",
+        "request_id",
+        "sent",
+        "text",
+        "token_ids",
+    )
+
+    def __init__(self, index: int, request_id: str):
+        self.index = index
+        self.request_id = request_id
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.sent = 0  # characters already streamed
+        self.finish_reason: str | None = None
+        self.closed = False  # the final chunk (with finish_reason) was streamed
+        self.num_prompt = 0
+        self.num_cached = 0
+
+
+class ModelServer:
+    def __init__(self, engine: AsyncEngine, tokenizer: Tokenizer, settings: ServerSettings):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.settings = settings
+        self.created = int(time.time())
+        self.app = web.Application(middlewares=[openai_errors], client_max_size=settings.max_request_body_bytes)
+        self.app.router.add_post("/v1/completions", self.completions)
+        self.app.router.add_post("/v1/chat/completions", self.chat_completions)
+        self.app.router.add_get("/v1/models", self.models)
+        self.app.router.add_get("/health", self.health)
+        self.app.router.add_get("/version", self.version)
+        self.app.router.add_post("/tokenize", self.tokenize)
+        self.app.router.add_post("/detokenize", self.detokenize)
+        self.app.router.add_get("/metrics", self.metrics)
+        for path in ("/server_info", "/get_server_info"):
+            self.app.router.add_get(path, self.server_info)
+        for path in ("/model_info", "/get_model_info"):
+            self.app.router.add_get(path, self.model_info)
+        self.app.router.add_post("/v1/load_lora_adapter", self.load_lora_adapter)
+        self.app.router.add_post("/v1/unload_lora_adapter", self.unload_lora_adapter)
+
+    # -- info endpoints ----------------------------------------------------------------------------------------
+    async def health(self, request: web.Request) -> web.Response:
+        if self.engine.is_dead:
+            return _error_response(OpenAIError("engine is dead", 503))
+        return web.Response(status=200)
+
+    async def version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": VERSION})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        body = generate_latest(self.engine.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def models(self, request: web.Request) -> web.Response:
+        s = self.settings
+        base = {
+            "id": s.served_model_name, "object": "model", "created": self.created, "owned_by": "modelserver",
+            "root": s.model_path, "parent": None, "max_model_len": s.max_model_len,
+        }  # fmt: skip
+        adapters = [
+            {
+                "id": name,
+                "object": "model",
+                "created": self.created,
+                "owned_by": "modelserver",
+                "root": path,
+                "parent": s.served_model_name,
+            }
+            for name, path in self.engine.lora_adapters.items()
+        ]
+        return web.json_response({"object": "list", "data": [base, *adapters]})
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        config = self.engine.config
+        return web.json_response({
+            "model_path": self.settings.model_path, "served_model_name": self.settings.served_model_name,
+            "backend": self.settings.backend, "version": VERSION, "max_model_len": config.max_model_len,
+            "block_size": config.block_size, "num_gpu_blocks": config.num_gpu_blocks,
+            "max_num_seqs": config.max_num_seqs, "max_num_batched_tokens": config.max_num_batched_tokens,
+            "enable_prefix_caching": config.enable_prefix_caching, "enable_lora": config.enable_lora,
+            "max_loras": config.max_loras, **self.settings.extra_info,
+        })  # fmt: skip
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        return web.json_response({
+            "model_path": self.settings.model_path, "tokenizer_path": self.settings.model_path,
+            "is_generation": True, "served_model_name": self.settings.served_model_name,
+        })  # fmt: skip
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        payload = load_json_body(await request.read())
+        if "messages" in payload:
+            chat = parse_request({"model": self.settings.served_model_name, **payload}, RequestKind.CHAT)
+            text = self.tokenizer.apply_chat_template(chat.messages, payload.get("add_generation_prompt", True) is True)
+        elif isinstance(payload.get("prompt"), str):
+            text = payload["prompt"]
+        else:
+            raise OpenAIError("`prompt` (a string) or `messages` is required", param="prompt")
+        tokens = self.tokenizer.encode(text)
+        return web.json_response({"tokens": tokens, "count": len(tokens), "max_model_len": self.settings.max_model_len})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        tokens = load_json_body(await request.read()).get("tokens")
+        if not isinstance(tokens, list) or not all(
+            type(t) is int and 0 <= t < self.tokenizer.vocab_size for t in tokens
+        ):
+            raise OpenAIError("`tokens` must be a list of token ids in the vocabulary", param="tokens")
+        return web.json_response({"prompt": self.tokenizer.decode(tokens)})
+
+    # -- LoRA admin --------------------------------------------------------------------------------------------
+    def _check_lora_admin(self) -> None:
+        if not self.engine.config.enable_lora:
+            raise OpenAIError("LoRA is not enabled on this server (--enable-lora)", 400)
+        if not self.settings.allow_runtime_lora_updating:
+            raise OpenAIError(
+                "runtime LoRA updating is disabled (--allow-runtime-lora-updating or "
+                "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)", 400,
+            )  # fmt: skip
+
+    async def load_lora_adapter(self, request: web.Request) -> web.Response:
+        self._check_lora_admin()
+        payload = load_json_body(await request.read())
+        name = payload.get("lora_name")
+        if not isinstance(name, str) or not name or "," in name or name != name.strip():
+            raise OpenAIError("`lora_name` must be a non-empty name without commas or spaces", param="lora_name")
+        if name == self.settings.served_model_name:
+            raise OpenAIError("`lora_name` must differ from the base model's name", param="lora_name")
+        path = resolve_adapter_path(payload.get("lora_path"), self.settings.lora_roots)
+        try:
+            self.engine.add_lora(name, str(path))
+        except LoRAError as error:
+            raise OpenAIError(str(error), 400, param="lora_name") from None
+        return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
+        self._check_lora_admin()
+        name = load_json_body(await request.read()).get("lora_name")
+        if not isinstance(name, str) or not name:
+            raise OpenAIError("`lora_name` is required", param="lora_name")
+        try:
+            self.engine.remove_lora(name)
+        except KeyError:
+            raise OpenAIError(f"The lora adapter '{name}' cannot be found.", 404, param="lora_name") from None
+        except LoRAError as error:
+            raise OpenAIError(str(error), 400, param="lora_name") from None
+        return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
+
+    # -- generation --------------------------------------------------------------------------------------------
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, RequestKind.COMPLETION)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, RequestKind.CHAT)
+
+    def _resolve_model(self, model: str) -> str | None:
+        """The LoRA adapter a request's `model` names, None for the base model; 404 otherwise."""
+        if model in (self.settings.served_model_name, self.settings.model_path):
+            return None
+        if model in self.engine.lora_adapters:
+            return model
+        raise model_not_found(model)
+
+    def _prompt_ids(self, parsed: CompletionRequest) -> list[list[int]]:
+        if parsed.kind is RequestKind.CHAT:
+            return [self.tokenizer.encode(self.tokenizer.apply_chat_template(parsed.messages))]
+        vocab = self.tokenizer.vocab_size
+        prompts = []
+        for prompt in parsed.prompts:
+            if isinstance(prompt, str):
+                prompts.append(self.tokenizer.encode(prompt))
+            elif any(t >= vocab for t in prompt):
+                raise OpenAIError(f"token ids must be below the vocabulary size {vocab}", param="prompt")
+            else:
+                prompts.append(prompt)
+        return prompts
+
+    def _sampling_params(self, parsed: CompletionRequest, num_prompt_tokens: int) -> SamplingParams:
+        limit = self.settings.max_model_len
+        if num_prompt_tokens == 0:
+            raise OpenAIError("the prompt is empty", param="prompt")
+        if num_prompt_tokens >= limit:
+            raise OpenAIError(
+                f"This model's maximum context length is {limit} tokens. However, your prompt has "
+                f"{num_prompt_tokens} tokens. Please reduce the length of the prompt.", param="prompt",
+            )  # fmt: skip
+        max_tokens = parsed.max_tokens if parsed.max_tokens is not None else limit - num_prompt_tokens
+        if num_prompt_tokens + max_tokens > limit:
+            raise OpenAIError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the messages, {max_tokens} in the "
+                "completion). Please reduce the length of the messages or completion.", param="max_tokens",
+            )  # fmt: skip
+        return SamplingParams(
+            max_tokens=max_tokens,
+            min_tokens=parsed.min_tokens,
+            temperature=1.0 if parsed.temperature is None else parsed.temperature,
+            top_p=1.0 if parsed.top_p is None else parsed.top_p,
+            top_k=parsed.top_k,
+            seed=parsed.seed,
+            ignore_eos=parsed.ignore_eos,
+            logprobs=parsed.logprobs,
+            n=parsed.n,
+        )
+
+    async def _generate(self, request: web.Request, kind: RequestKind) -> web.StreamResponse:
+        if self.engine.is_dead:
+            raise OpenAIError("engine is dead", 503)
+        parsed = parse_request(await request.read(), kind)
+        lora = self._resolve_model(parsed.model)
+        prompt_ids = self._prompt_ids(parsed)
+        params = [self._sampling_params(parsed, len(ids)) for ids in prompt_ids]
+        base_id = ("chatcmpl-" if kind is RequestKind.CHAT else "cmpl-") + uuid.uuid4().hex
+        choices, streams = [], []
+        for p, ids in enumerate(prompt_ids):
+            for j in range(parsed.n):
+                choice = _Choice(p * parsed.n + j, f"{base_id}-{p}-{j}")
+                choices.append(choice)
+                streams.append(self._run_choice(choice, ids, params[p], lora, parsed.stop))
+        if parsed.stream:
+            return await self._stream(request, parsed, base_id, choices, streams)
+        try:
+            await asyncio.gather(*(self._drain(s) for s in streams))
+        except (ValueError, KeyError) as error:
+            raise OpenAIError(str(error)) from None
+        return web.json_response(self._full_response(parsed, base_id, choices))
+
+    @staticmethod
+    async def _drain(stream: AsyncIterator[None]) -> None:
+        async for _ in stream:
+            pass
+
+    async def _run_choice(
+        self, choice: _Choice, prompt_ids: list[int], params: SamplingParams, lora: str | None, stop: list[str]
+    ) -> AsyncIterator[None]:
+        """Drive one engine request, keeping `choice.text` current; yields after each step's new text."""
+        engine, tokenizer = self.engine, self.tokenizer
+        async for output in engine.generate(choice.request_id, prompt_ids, params, lora):
+            choice.num_prompt, choice.num_cached = output.num_prompt_tokens, output.num_cached_tokens
+            choice.token_ids += output.new_token_ids
+            text = tokenizer.decode(choice.token_ids)
+            if stop:
+                hits = [i for i in (text.find(s) for s in stop) if i >= 0]
+                if hits:
+                    choice.text = text[: min(hits)]
+                    choice.finish_reason = FinishReason.STOP
+                    engine.abort(choice.request_id, FinishReason.STOP)
+                    yield None
+                    return
+            choice.text = text
+            if output.finished:
+                choice.finish_reason = output.finish_reason
+            yield None
+
+    def _usage(self, choices: list[_Choice]) -> dict:
+        seen: dict[str, tuple[int, int]] = {}
+        for c in choices:  # prompts are counted once per distinct prompt, like OpenAI with n > 1
+            seen.setdefault(c.request_id.rsplit("-", 1)[0], (c.num_prompt, c.num_cached))
+        prompt_tokens = sum(p for p, _ in seen.values())
+        cached = sum(c for _, c in seen.values())
+        completion_tokens = sum(len(c.token_ids) for c in choices)
+        return {
+            "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached},
+        }  # fmt: skip
+
+    def _full_response(self, parsed: CompletionRequest, base_id: str, choices: list[_Choice]) -> dict:
+        if parsed.kind is RequestKind.CHAT:
+            items = [
+                {
+                    "index": c.index,
+                    "message": {"role": "assistant", "content": c.text},
+                    "logprobs": None,
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": None,
+                }
+                for c in choices
+            ]
+            obj = "chat.completion"
+        else:
+            items = [
+                {
+                    "index": c.index,
+                    "text": c.text,
+                    "logprobs": None,
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": None,
+                }
+                for c in choices
+            ]
+            obj = "text_completion"
+        return {"id": base_id, "object": obj, "created": int(time.time()), "model": parsed.model, "choices": items,
+                "usage": self._usage(choices)}  # fmt: skip
+
+    async def _stream(
+        self,
+        request: web.Request,
+        parsed: CompletionRequest,
+        base_id: str,
+        choices: list[_Choice],
+        streams: list[AsyncIterator[None]],
+    ) -> web.StreamResponse:
+        chat = parsed.kind is RequestKind.CHAT
+        created = int(time.time())
+        head = {"id": base_id, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
+                "model": parsed.model}  # fmt: skip
+        updates: asyncio.Queue[tuple[_Choice, BaseException | None]] = asyncio.Queue()
+
+        async def pump(choice: _Choice, stream: AsyncIterator[None]) -> None:
+            try:
+                async for _ in stream:
+                    updates.put_nowait((choice, None))
+                updates.put_nowait((choice, StopAsyncIteration()))
+            except Exception as exc:
+                updates.put_nowait((choice, exc))
+
+        # Start the first engine request before the headers so that input errors still get a proper status.
+        first_update = None
+        tasks = [asyncio.create_task(pump(c, s)) for c, s in zip(choices, streams, strict=True)]
+        response = None
+        try:
+            first_update = await updates.get()
+            if isinstance(first_update[1], (ValueError, KeyError)):
+                raise OpenAIError(str(first_update[1]))
+            if isinstance(first_update[1], EngineDeadError):
+                raise first_update[1]
+            response = web.StreamResponse(headers=SSE_HEADERS)
+            await response.prepare(request)
+            if chat:
+                for c in choices:
+                    delta = {"role": "assistant", "content": ""}
+                    await self._send(response, {**head, "choices": [
+                        {"index": c.index, "delta": delta, "logprobs": None, "finish_reason": None}]})  # fmt: skip
+            remaining = len(choices)
+            update = first_update
+            while True:
+                choice, event = update
+                if event is not None:  # the choice's stream ended, normally or by an error
+                    remaining -= 1
+                    if not isinstance(event, StopAsyncIteration):
+                        choice.finish_reason = choice.finish_reason or FinishReason.ABORT
+                if not choice.closed:
+                    text = choice.text[choice.sent :]
+                    finish = choice.finish_reason
+                    if finish is None and text.endswith("\ufffd"):  # incomplete UTF-8: wait for the next token
+                        text = text[:-1]
+                    if text or finish:
+                        choice.sent += len(text)
+                        choice.closed = finish is not None
+                        item = {"index": choice.index, "logprobs": None, "finish_reason": finish}
+                        if chat:
+                            item["delta"] = {"content": text} if text else {}
+                        else:
+                            item["text"] = text
+                        await self._send(response, {**head, "choices": [item]})
+                if remaining == 0:
+                    break
+                update = await updates.get()
+            if parsed.include_usage:
+                await self._send(response, {**head, "choices": [], "usage": self._usage(choices)})
+            await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+            return response
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for stream in streams:
+                await stream.aclose()
+
+    @staticmethod
+    async def _send(response: web.StreamResponse, payload: dict) -> None:
+        await response.write(b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n")

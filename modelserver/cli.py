@@ -1,0 +1,171 @@
+"""`modelserver`: an OpenAI-compatible model server with vLLM's flags and metrics (`--backend sim|torch`).
+
+`modelserver make-tiny-model DIR` writes a small random Llama-style model and tokenizer (needs the torch extra).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+from dataclasses import fields
+
+from aiohttp import web
+
+from modelserver.api.server import ModelServer, ServerSettings, runtime_lora_updating_from_env
+from modelserver.engine.config import EngineConfig
+from modelserver.engine.engine import AsyncEngine
+from modelserver.engine.sim import SimExecutor, SimTiming
+from modelserver.tokenizer import load_tokenizer
+
+log = logging.getLogger("modelserver")
+
+
+def _lora_module(text: str) -> tuple[str, str]:
+    name, eq, path = text.partition("=")
+    if not eq or not name or not path:
+        raise argparse.ArgumentTypeError(f"--lora-modules expects name=path, got {text!r}")
+    return name, path
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="modelserver", description=__doc__)
+    p.add_argument("--backend", choices=["sim", "torch"], default="sim")
+    p.add_argument("--model", default="sim-llama-8b", help="local model directory (torch) or a name (sim)")
+    p.add_argument("--served-model-name", default=None, help="name clients use in `model` (default: --model)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--replicas", type=int, default=1, help="independent servers on port .. port+N-1, one process")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-gpu-blocks", type=int, default=None, help="KV blocks (sim: 8192; torch: from memory)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-model-len", type=int, default=8192)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--enable-lora", action="store_true")
+    p.add_argument("--max-loras", type=int, default=1)
+    p.add_argument("--max-cpu-loras", type=int, default=None)
+    p.add_argument("--max-lora-rank", type=int, default=16)
+    p.add_argument("--lora-modules", nargs="*", type=_lora_module, default=[], metavar="NAME=PATH")
+    p.add_argument("--lora-root", action="append", default=[], help="directory runtime-loaded adapters must be in")
+    p.add_argument("--allow-runtime-lora-updating", action="store_true")
+    p.add_argument("--disable-log-stats", action="store_true")
+    p.add_argument("--show-hidden-metrics-for-version", default=None)
+    p.add_argument("--kv-cache-metrics-sample", type=float, default=0.0, help="fraction of KV blocks sampled")
+    p.add_argument("--max-request-body-bytes", type=int, default=32 * 1024 * 1024)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="auto", help="torch: cuda, cpu or auto")
+    p.add_argument("--dtype", default="auto", help="torch: bfloat16, float16, float32 or auto")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    sim = p.add_argument_group("sim backend timing (seconds)")
+    for f in fields(SimTiming):
+        if f.name != "seed":
+            sim.add_argument(f"--sim-{f.name.replace('_', '-')}", type=float, default=f.default)
+    sim.add_argument("--sim-zero-delay", action="store_true", help="all modelled times 0 (overhead benchmarks)")
+    p.add_argument("-v", "--verbose", action="store_true")
+    return p
+
+
+def _sim_timing(args: argparse.Namespace) -> SimTiming:
+    if args.sim_zero_delay:
+        return SimTiming.zero()
+    values = {f.name: getattr(args, f"sim_{f.name}") for f in fields(SimTiming) if f.name != "seed"}
+    return SimTiming(**values, seed=args.seed)
+
+
+def build_engine(args: argparse.Namespace, index: int, tokenizer) -> AsyncEngine:
+    config = EngineConfig(
+        block_size=args.block_size,
+        num_gpu_blocks=args.num_gpu_blocks or 8192,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=args.enable_prefix_caching,
+        enable_lora=args.enable_lora or bool(args.lora_modules),
+        max_loras=args.max_loras,
+        max_cpu_loras=args.max_cpu_loras,
+        max_lora_rank=args.max_lora_rank,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        kv_cache_metrics_sample=args.kv_cache_metrics_sample,
+    )
+    if args.backend == "torch":
+        try:
+            from modelserver.torch.executor import TorchExecutor
+        except ImportError as exc:
+            raise SystemExit(f"--backend torch needs the torch executor and `pip install .[torch]`: {exc}") from None
+        executor = TorchExecutor.from_args(args, config)
+        config.num_gpu_blocks = executor.num_gpu_blocks
+    else:
+        timing = _sim_timing(args)
+        timing.seed = args.seed + index
+        executor = SimExecutor(timing, config.block_size, config.num_gpu_blocks, tokenizer.filler_token_ids())
+    return AsyncEngine(
+        config,
+        executor,
+        model_name=args.served_model_name,
+        engine_index=0,
+        log_stats=not args.disable_log_stats,
+        show_hidden_metrics_for_version=args.show_hidden_metrics_for_version,
+        lora_modules=dict(args.lora_modules),
+    )
+
+
+async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
+    tokenizer = load_tokenizer(args.model if args.backend == "torch" else None)
+    runners: list[web.AppRunner] = []
+    engines: list[AsyncEngine] = []
+    try:
+        for index in range(args.replicas):
+            engine = build_engine(args, index, tokenizer)
+            await engine.start()
+            engines.append(engine)
+            settings = ServerSettings(
+                served_model_name=args.served_model_name,
+                model_path=args.model,
+                max_model_len=args.max_model_len,
+                backend=args.backend,
+                lora_roots=args.lora_root,
+                allow_runtime_lora_updating=args.allow_runtime_lora_updating or runtime_lora_updating_from_env(),
+                max_request_body_bytes=args.max_request_body_bytes,
+            )
+            server = ModelServer(engine, tokenizer, settings)
+            runner = web.AppRunner(server.app, access_log=None, handler_cancellation=True)
+            await runner.setup()
+            runners.append(runner)
+            await web.TCPSite(runner, args.host, args.port + index, backlog=1024).start()
+            print(f"ready on http://{args.host}:{args.port + index}", flush=True)
+        await stop.wait()
+    finally:
+        for runner in runners:
+            await runner.cleanup()
+        for engine in engines:
+            await engine.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "make-tiny-model":
+        from modelserver.torch.tiny import main as make_tiny_model
+
+        make_tiny_model(argv[1:])
+        return
+    args = build_parser().parse_args(argv)
+    args.served_model_name = args.served_model_name or args.model
+    if args.replicas < 1:
+        raise SystemExit("--replicas must be >= 1")
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(name)s %(message)s"
+    )
+
+    async def run() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await serve(args, stop)
+
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(run())
