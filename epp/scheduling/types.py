@@ -20,6 +20,7 @@ class SchedulingRequest:
     fairness_id: str | None = None
     headers: dict[str, str] = field(default_factory=dict)
     subset: frozenset[str] | None = None  # allowed "ip:port" from the proxy's subset hint; None = no hint
+    prefix_hashes: list[int] | None = None  # computed once by the prefix scorer, reused when the pick is recorded
 
 
 @dataclass(slots=True)

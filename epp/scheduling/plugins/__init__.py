@@ -1,0 +1,13 @@
+"""Built-in scheduler plugins; importing this package registers them by type name."""
+
+from epp.scheduling.plugins import (  # noqa: F401
+    header_based_testing_filter,
+    kv_cache_utilization_scorer,
+    lora_affinity_scorer,
+    max_score_picker,
+    prefix_cache_scorer,
+    queue_scorer,
+    random_picker,
+    running_requests_size_scorer,
+    weighted_random_picker,
+)

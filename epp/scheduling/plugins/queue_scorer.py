@@ -1,0 +1,25 @@
+"""queue-scorer: prefer endpoints with short queues.
+
+Reads: each endpoint's waiting requests from its last scrape, plus requests this EPP routed there that the scrape
+does not show yet (`epp.scheduling.load.queue_depth`).
+Score: inverted min-max over the candidates (shortest queue 1, longest 0; all 1 when equal).
+Parameters: none.
+Trade-offs: relative, so it separates endpoints even when all queues are short; it does not know how long each
+queued request will take (a long-prompt queue of 2 may be slower than a chat queue of 5).
+"""
+
+from __future__ import annotations
+
+from epp.datalayer.endpoint import Endpoint
+from epp.scheduling.framework import Parameters, register
+from epp.scheduling.load import inverted_min_max, queue_depth
+from epp.scheduling.types import SchedulingRequest
+
+
+@register("queue-scorer")
+class QueueScorer:
+    def __init__(self, parameters: dict):
+        Parameters("queue-scorer", parameters).done()
+
+    def score(self, request: SchedulingRequest, endpoints: list[Endpoint]) -> list[float]:
+        return inverted_min_max([queue_depth(e) for e in endpoints])

@@ -1,0 +1,23 @@
+"""random-picker: a uniformly random endpoint, ignoring scores (a baseline, and what a plain Service gives).
+
+Parameters: maxNumOfEndpoints (default 1).
+"""
+
+from __future__ import annotations
+
+import random
+
+from epp.datalayer.endpoint import Endpoint
+from epp.scheduling.framework import Parameters, register
+from epp.scheduling.types import SchedulingRequest
+
+
+@register("random-picker")
+class RandomPicker:
+    def __init__(self, parameters: dict):
+        p = Parameters("random-picker", parameters)
+        self.count = p.get("maxNumOfEndpoints", 1, int, minimum=1)
+        p.done()
+
+    def pick(self, request: SchedulingRequest, endpoints: list[Endpoint], scores: list[float]) -> list[Endpoint]:
+        return random.sample(endpoints, min(self.count, len(endpoints)))

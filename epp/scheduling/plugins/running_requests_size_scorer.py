@@ -1,0 +1,23 @@
+"""running-requests-size-scorer: prefer endpoints running fewer requests (a smaller decode batch, so lower ITL).
+
+Reads: running requests from the last scrape, corrected by this EPP's in-flight count.
+Score: inverted min-max over the candidates.
+Parameters: none.
+Trade-offs: complements queue-scorer when queues are empty; blind to how long each running request still has.
+"""
+
+from __future__ import annotations
+
+from epp.datalayer.endpoint import Endpoint
+from epp.scheduling.framework import Parameters, register
+from epp.scheduling.load import inverted_min_max, running_requests
+from epp.scheduling.types import SchedulingRequest
+
+
+@register("running-requests-size-scorer")
+class RunningRequestsSizeScorer:
+    def __init__(self, parameters: dict):
+        Parameters("running-requests-size-scorer", parameters).done()
+
+    def score(self, request: SchedulingRequest, endpoints: list[Endpoint]) -> list[float]:
+        return inverted_min_max([running_requests(e) for e in endpoints])
