@@ -1,0 +1,5 @@
+"""python -m epp: the Endpoint Picker."""
+
+from epp.cli import main
+
+main()

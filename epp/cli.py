@@ -1,0 +1,131 @@
+"""`epp`: the Endpoint Picker. Serves Envoy's ext_proc on --grpc-port, gRPC health on --grpc-health-port and
+Prometheus metrics on --metrics-port; discovers the pool from --pool-file and scrapes every endpoint."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import re
+import signal
+import sys
+from pathlib import Path
+
+import grpc
+from aiohttp import web
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from grpc_health.v1 import health_pb2_grpc
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from epp.datalayer.datastore import Datastore
+from epp.datalayer.pool_file import PoolFileError, PoolFileSource
+from epp.datalayer.scraper import Scraper
+from epp.health import HealthState
+from epp.metrics import EPPMetrics
+from epp.scheduling.errors import ConfigError
+from epp.scheduling.scheduler import Scheduler
+from epp.server import EndpointPicker, ExternalProcessor
+from protocol import extproc
+
+log = logging.getLogger("epp")
+
+
+def duration(text: str) -> float:
+    """Seconds from "50ms", "1s", "2m" or a plain number of seconds."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(ms|s|m)?\s*", text)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (use e.g. 50ms, 1s)")
+    value, unit = float(match.group(1)), match.group(2) or "s"
+    return value * {"ms": 0.001, "s": 1.0, "m": 60.0}[unit]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="epp", description=__doc__)
+    p.add_argument("--grpc-port", type=int, default=extproc.EPP_GRPC_PORT)
+    p.add_argument("--grpc-health-port", type=int, default=extproc.EPP_GRPC_HEALTH_PORT)
+    p.add_argument("--metrics-port", type=int, default=extproc.EPP_METRICS_PORT)
+    p.add_argument("--bind-address", default="0.0.0.0", help="address the three servers listen on")
+    p.add_argument("--pool-file", help="static pool (YAML); see epp/datalayer/pool_file.py")
+    p.add_argument("--pool-name", help="InferencePool to watch (Kubernetes discovery)")
+    p.add_argument("--pool-namespace", default="default")
+    p.add_argument("--pool-group", default="inference.networking.k8s.io")
+    p.add_argument("--refresh-metrics-interval", type=duration, default=0.05)
+    p.add_argument("--metrics-staleness-threshold", type=duration, default=2.0)
+    p.add_argument("--scrape-timeout", type=duration, default=1.0)
+    p.add_argument("--config-file", help="EndpointPickerConfig YAML")
+    p.add_argument("--config-text", help="EndpointPickerConfig YAML, inline")
+    p.add_argument("-v", "--verbosity", type=int, default=0, help="0 info, 1+ debug")
+    return p
+
+
+async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
+    config_text = Path(args.config_file).read_text() if args.config_file else args.config_text
+    scheduler = Scheduler.from_config(config_text)
+    source = PoolFileSource(args.pool_file)
+    scraper = Scraper(args.refresh_metrics_interval, args.scrape_timeout, args.metrics_staleness_threshold)
+    datastore = Datastore(scraper, scheduler.on_pool_changed)
+    datastore.apply(source.initial())
+    pool_name = args.pool_name or Path(args.pool_file).stem
+    metrics = EPPMetrics(pool_name, lambda: datastore.endpoints, lambda: scheduler.prefix_scorer)
+    picker = EndpointPicker(datastore, scheduler, metrics)
+
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 * 1024 * 1024)])
+    pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(picker), server)
+    server.add_insecure_port(f"{args.bind_address}:{args.grpc_port}")
+    health = HealthState()
+    health_server = grpc.aio.server()
+    health_pb2_grpc.add_HealthServicer_to_server(health.servicer, health_server)
+    health_server.add_insecure_port(f"{args.bind_address}:{args.grpc_health_port}")
+
+    async def metrics_handler(request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics_handler)
+    runner = web.AppRunner(app, access_log=None)
+    watcher = asyncio.create_task(source.run(datastore.apply))
+    try:
+        await server.start()
+        await health_server.start()
+        await runner.setup()
+        await web.TCPSite(runner, args.bind_address, args.metrics_port).start()
+        await health.set(live=True, ready=True)
+        log.info(
+            "epp ready: ext_proc %s:%d, health %d, metrics %d, %d endpoints",
+            args.bind_address, args.grpc_port, args.grpc_health_port, args.metrics_port, len(datastore.endpoints),
+        )  # fmt: skip
+        print(f"epp ready on {args.bind_address}:{args.grpc_port}", flush=True)
+        await stop.wait()
+    finally:
+        watcher.cancel()
+        await health.set(live=False, ready=False)
+        await server.stop(grace=1.0)
+        await health_server.stop(grace=None)
+        await runner.cleanup()
+        await datastore.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    if bool(args.pool_file) == bool(args.pool_name):
+        raise SystemExit("epp: give exactly one of --pool-file or --pool-name")
+    if args.pool_name:
+        raise SystemExit("epp: Kubernetes discovery (--pool-name) is not built into this version; use --pool-file")
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbosity > 0 else logging.INFO,
+        format='{"ts":"%(asctime)s","level":"%(levelname)s","logger":"%(name)s","msg":"%(message)s"}',
+    )
+
+    async def run() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await serve(args, stop)
+
+    try:
+        with contextlib.suppress(KeyboardInterrupt):
+            asyncio.run(run())
+    except (ConfigError, PoolFileError, OSError) as exc:
+        raise SystemExit(f"epp: {exc}") from None

@@ -1,0 +1,54 @@
+"""The live pool: one `Endpoint` object per endpoint for as long as it is in the pool, the pool's objectives,
+models and rewrites, and a scraper task per endpoint."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from epp.datalayer.endpoint import Endpoint, PoolState
+from epp.datalayer.scraper import Scraper
+
+log = logging.getLogger("epp.datastore")
+
+
+class Datastore:
+    def __init__(self, scraper: Scraper, on_pool_changed: Callable[[list[Endpoint]], None] | None = None):
+        self.scraper = scraper
+        self.on_pool_changed = on_pool_changed
+        self.state = PoolState()
+        self.endpoints: list[Endpoint] = []  # what the scheduler reads, replaced (never mutated) on change
+        self._by_name: dict[str, Endpoint] = {}
+        self._by_hostport: dict[str, Endpoint] = {}
+
+    def apply(self, state: PoolState) -> None:
+        """Reconcile with a new PoolState: keep unchanged endpoints (and their metrics), add and drop the rest."""
+        current = self._by_name
+        wanted = {spec.name: spec for spec in state.endpoints}
+        for name, endpoint in list(current.items()):
+            if wanted.get(name) != endpoint.spec:
+                self.scraper.stop(endpoint)
+                del current[name]
+                log.info("endpoint %s (%s) left the pool", name, endpoint.hostport)
+        for name, spec in wanted.items():
+            if name not in current:
+                endpoint = Endpoint(spec)
+                current[name] = endpoint
+                self.scraper.start(endpoint)
+                log.info("endpoint %s (%s, %s) joined the pool", name, spec.hostport, spec.engine)
+        self.state = state
+        self.endpoints = [current[spec.name] for spec in state.endpoints]
+        self._by_hostport = {e.hostport: e for e in self.endpoints}
+        if self.on_pool_changed is not None:
+            self.on_pool_changed(self.endpoints)
+
+    def by_hostport(self, hostport: str) -> Endpoint | None:
+        return self._by_hostport.get(hostport)
+
+    def priority(self, objective: str | None) -> int:
+        return self.state.objectives.get(objective, 0) if objective else 0
+
+    async def close(self) -> None:
+        for endpoint in self.endpoints:
+            self.scraper.stop(endpoint)
+        await self.scraper.close()

@@ -1,0 +1,121 @@
+"""Static pool discovery: a YAML file of endpoints (and objectives, models, rewrites), reloaded when it changes.
+
+endpoints:
+- address: 127.0.0.1
+  port: 8000
+  name: ms-0            # optional, default "address:port"
+  engine: vllm          # optional: vllm | sglang | trtllm-serve | triton-tensorrt-llm
+  labels: {zone: a}     # optional
+objectives:             # optional: x-gateway-inference-objective name -> priority (negative = sheddable)
+- {name: batch, priority: -1}
+models: [llama, sql-lora]   # optional: the pool answers 404 for any other model
+rewrites:               # optional: requests for `model` are sent as weighted targets
+- model: llama
+  targets: [{model: llama-v2, weight: 90}, {model: llama-v3, weight: 10}]
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from epp.datalayer.endpoint import EndpointSpec, ModelRewrite, PoolState
+from protocol.metrics import engine_spec
+
+log = logging.getLogger("epp.pool")
+
+
+class PoolFileError(ValueError):
+    pass
+
+
+def parse_pool(data: Any) -> PoolState:
+    if not isinstance(data, dict):
+        raise PoolFileError("the pool file must be a mapping with an `endpoints` list")
+    endpoints, names = [], set()
+    for i, item in enumerate(data.get("endpoints") or []):
+        if not isinstance(item, dict) or not isinstance(item.get("address"), str):
+            raise PoolFileError(f"endpoints[{i}] needs an `address` string")
+        port = item.get("port")
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+            raise PoolFileError(f"endpoints[{i}].port must be an integer in 1..65535")
+        engine = item.get("engine", "vllm")
+        try:
+            engine_spec(engine)
+        except ValueError as exc:
+            raise PoolFileError(f"endpoints[{i}]: {exc}") from None
+        name = str(item.get("name") or f"{item['address']}:{port}")
+        if name in names:
+            raise PoolFileError(f"duplicate endpoint name {name!r}")
+        names.add(name)
+        labels = item.get("labels") or {}
+        if not isinstance(labels, dict):
+            raise PoolFileError(f"endpoints[{i}].labels must be a mapping")
+        endpoints.append(
+            EndpointSpec(
+                name, item["address"], port, engine, tuple(sorted((str(k), str(v)) for k, v in labels.items()))
+            )
+        )
+    objectives = {}
+    for i, item in enumerate(data.get("objectives") or []):
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+            raise PoolFileError(f"objectives[{i}] needs a `name`")
+        priority = item.get("priority", 0)
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise PoolFileError(f"objectives[{i}].priority must be an integer")
+        objectives[item["name"]] = priority
+    models = data.get("models")
+    if models is not None and not (isinstance(models, list) and all(isinstance(m, str) for m in models)):
+        raise PoolFileError("`models` must be a list of names")
+    rewrites = []
+    for i, item in enumerate(data.get("rewrites") or []):
+        try:
+            targets = tuple((str(t["model"]), int(t.get("weight", 1))) for t in item["targets"])
+            rewrites.append(ModelRewrite(str(item["model"]), targets))
+        except (KeyError, TypeError, ValueError):
+            raise PoolFileError(f"rewrites[{i}] needs `model` and `targets: [{{model, weight}}]`") from None
+    return PoolState(tuple(endpoints), objectives, frozenset(models) if models is not None else None, tuple(rewrites))
+
+
+def load_pool_file(path: str | Path) -> PoolState:
+    try:
+        return parse_pool(yaml.safe_load(Path(path).read_text()))
+    except yaml.YAMLError as exc:
+        raise PoolFileError(f"{path}: not valid YAML: {exc}") from None
+
+
+class PoolFileSource:
+    """Publishes the file's PoolState at start and whenever the file changes; a broken edit keeps the old pool."""
+
+    def __init__(self, path: str | Path, poll_interval: float = 1.0):
+        self.path = Path(path)
+        self.poll_interval = poll_interval
+
+    def initial(self) -> PoolState:
+        return load_pool_file(self.path)
+
+    async def run(self, on_update: Callable[[PoolState], None]) -> None:
+        last = self._stamp()
+        while True:
+            await asyncio.sleep(self.poll_interval)
+            stamp = self._stamp()
+            if stamp == last:
+                continue
+            last = stamp
+            try:
+                on_update(load_pool_file(self.path))
+                log.info("pool file %s reloaded", self.path)
+            except (OSError, PoolFileError) as exc:
+                log.error("pool file %s not reloaded, keeping the current pool: %s", self.path, exc)
+
+    def _stamp(self) -> tuple[float, int] | None:
+        try:
+            stat = self.path.stat()
+        except OSError:
+            return None
+        return stat.st_mtime, stat.st_size

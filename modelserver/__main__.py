@@ -1,0 +1,5 @@
+"""python -m modelserver: the reference model server."""
+
+from modelserver.cli import main
+
+main()
