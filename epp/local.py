@@ -1,0 +1,242 @@
+"""`epp-local`: the whole stack on loopback — N model servers, the EPP and a real Envoy — supervised together.
+
+epp-local --model-servers 4            # prints the gateway URL; Ctrl-C stops everything
+epp-local --model-servers 4 --demo     # + a mixed workload through the gateway and a live table
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import yaml
+
+from epp.envoy import EnvoyProcess, render_bootstrap
+from protocol import extproc
+
+DEMO_ADAPTERS = ("sql-lora", "chat-lora")
+
+
+@dataclass
+class StackConfig:
+    model_servers: int = 4
+    backend: str = "sim"
+    host: str = "127.0.0.1"
+    base_port: int = extproc.MODEL_SERVER_PORT
+    grpc_port: int = extproc.EPP_GRPC_PORT
+    grpc_health_port: int = extproc.EPP_GRPC_HEALTH_PORT
+    metrics_port: int = extproc.EPP_METRICS_PORT
+    listener_port: int = extproc.ENVOY_LISTENER_PORT
+    admin_port: int = extproc.ENVOY_ADMIN_PORT
+    fail_open: bool = False
+    response_body_mode: str = "NONE"
+    model: str = "sim-llama-8b"
+    config_file: str | None = None
+    config_text: str | None = None
+    modelserver_args: list[str] = field(default_factory=list)
+    epp_args: list[str] = field(default_factory=list)
+    workdir: Path | None = None
+
+
+class LocalStack:
+    """Starts and stops the three kinds of processes; usable from tests (with free ports) and the CLI."""
+
+    def __init__(self, config: StackConfig):
+        self.config = config
+        self._tmp = None
+        if config.workdir is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="epp-local-")
+            config.workdir = Path(self._tmp.name)
+        self.workdir = config.workdir
+        self.processes: dict[str, subprocess.Popen] = {}
+        self.envoy: EnvoyProcess | None = None
+
+    @property
+    def model_server_urls(self) -> list[str]:
+        c = self.config
+        return [f"http://{c.host}:{c.base_port + i}" for i in range(c.model_servers)]
+
+    @property
+    def gateway_url(self) -> str:
+        return f"http://{self.config.host}:{self.config.listener_port}"
+
+    @property
+    def epp_metrics_url(self) -> str:
+        return f"http://{self.config.host}:{self.config.metrics_port}/metrics"
+
+    def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
+        log = (self.workdir / f"{name}.log").open("ab")
+        process = subprocess.Popen(
+            argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )  # fmt: skip
+        log.close()
+        self.processes[name] = process
+        return process
+
+    def start_model_servers(self) -> None:
+        c = self.config
+        argv = [sys.executable, "-m", "modelserver", "--backend", c.backend, "--model", c.model, "--host", c.host,
+                "--port", str(c.base_port), "--replicas", str(c.model_servers), *c.modelserver_args]  # fmt: skip
+        self._spawn("modelserver", argv)
+
+    def write_pool_file(self) -> Path:
+        c = self.config
+        path = self.workdir / "pool.yaml"
+        endpoints = [{"name": f"ms-{i}", "address": c.host, "port": c.base_port + i} for i in range(c.model_servers)]
+        path.write_text(yaml.safe_dump({"endpoints": endpoints}))
+        return path
+
+    def start_epp(self) -> None:
+        c = self.config
+        argv = [sys.executable, "-m", "epp", "--pool-file", str(self.write_pool_file()), "--bind-address", c.host,
+                "--grpc-port", str(c.grpc_port), "--grpc-health-port", str(c.grpc_health_port),
+                "--metrics-port", str(c.metrics_port), *c.epp_args]  # fmt: skip
+        if c.config_file:
+            argv += ["--config-file", c.config_file]
+        if c.config_text:
+            argv += ["--config-text", c.config_text]
+        self._spawn("epp", argv)
+
+    def start_envoy(self) -> None:
+        c = self.config
+        bootstrap = render_bootstrap(
+            epp_host=c.host, epp_port=c.grpc_port, listener_port=c.listener_port, admin_port=c.admin_port,
+            fail_open=c.fail_open, bind_address=c.host, response_body_mode=c.response_body_mode,
+            fallback_endpoints=[u.removeprefix("http://") for u in self.model_server_urls],
+        )  # fmt: skip
+        path = self.workdir / "envoy.yaml"
+        path.write_text(bootstrap)
+        self.envoy = EnvoyProcess(path, c.admin_port, self.workdir / "envoy.log")
+        self.envoy.start()
+
+    async def _wait_http(self, name: str, url: str, timeout: float) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
+            while True:
+                process = self.processes.get(name)
+                if process is not None and process.poll() is not None:
+                    raise RuntimeError(f"{name} exited with {process.returncode}; see {self.workdir / name}.log")
+                with contextlib.suppress(aiohttp.ClientError, OSError, asyncio.TimeoutError):
+                    async with session.get(url) as response:
+                        if response.status == 200:
+                            return
+                if loop.time() > deadline:
+                    raise TimeoutError(f"{name} not ready at {url} after {timeout}s; see {self.workdir / name}.log")
+                await asyncio.sleep(0.1)
+
+    async def start(self, timeout: float = 60.0) -> None:
+        try:
+            self.start_model_servers()
+            self.start_epp()
+            self.start_envoy()
+            await asyncio.gather(
+                *(self._wait_http("modelserver", f"{u}/health", timeout) for u in self.model_server_urls),
+                self._wait_http("epp", self.epp_metrics_url, timeout),
+                self.envoy.wait_ready(timeout),
+            )
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop_process(self, name: str, timeout: float = 10.0) -> None:
+        process = self.processes.pop(name, None)
+        if process is None or process.poll() is not None:
+            return
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+    def stop(self) -> None:
+        if self.envoy is not None:
+            self.envoy.stop()
+        for name in list(self.processes):
+            self.stop_process(name)
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="epp-local", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model-servers", type=int, default=4)
+    p.add_argument("--backend", choices=["sim", "torch"], default="sim")
+    p.add_argument("--model", default=None, help="model name (sim) or directory (torch; default: a tiny model)")
+    p.add_argument("--base-port", type=int, default=extproc.MODEL_SERVER_PORT)
+    p.add_argument("--grpc-port", type=int, default=extproc.EPP_GRPC_PORT)
+    p.add_argument("--grpc-health-port", type=int, default=extproc.EPP_GRPC_HEALTH_PORT)
+    p.add_argument("--metrics-port", type=int, default=extproc.EPP_METRICS_PORT)
+    p.add_argument("--listener-port", type=int, default=extproc.ENVOY_LISTENER_PORT)
+    p.add_argument("--admin-port", type=int, default=extproc.ENVOY_ADMIN_PORT)
+    p.add_argument("--fail-open", action="store_true", help="Envoy keeps serving (round robin) when the EPP is down")
+    p.add_argument("--config-file", help="EndpointPickerConfig YAML for the EPP")
+    p.add_argument("--demo", action="store_true", help="send a mixed workload and show a live table")
+    p.add_argument("--once", action="store_true", help="with --demo: exit after the workload")
+    p.add_argument("--requests", type=int, default=64, help="with --demo: how many requests")
+    return p
+
+
+async def run(args: argparse.Namespace, stop: asyncio.Event) -> int:
+    model = args.model or ("sim-llama-8b" if args.backend == "sim" else None)
+    workdir = Path(tempfile.mkdtemp(prefix="epp-local-"))
+    modelserver_args = ["--enable-lora", "--max-loras", "2", "--num-gpu-blocks", "4096",
+                        "--lora-modules", *(f"{a}={workdir / a}" for a in DEMO_ADAPTERS)]  # fmt: skip
+    if args.backend == "torch" and model is None:
+        from modelserver.torch.tiny import make_tiny_model
+
+        model = str(workdir / "tiny-model")
+        make_tiny_model(model, lora_names=DEMO_ADAPTERS)
+        modelserver_args[-len(DEMO_ADAPTERS) :] = [f"{a}={Path(model) / 'loras' / a}" for a in DEMO_ADAPTERS]
+    config = StackConfig(
+        model_servers=args.model_servers, backend=args.backend, base_port=args.base_port, grpc_port=args.grpc_port,
+        grpc_health_port=args.grpc_health_port, metrics_port=args.metrics_port, listener_port=args.listener_port,
+        admin_port=args.admin_port, fail_open=args.fail_open, model=model, config_file=args.config_file,
+        modelserver_args=modelserver_args, workdir=workdir,
+    )  # fmt: skip
+    stack = LocalStack(config)
+    print(f"starting {args.model_servers} {args.backend} model servers, the EPP and Envoy (logs in {workdir}) ...")
+    await stack.start()
+    try:
+        print(
+            f"gateway ready: {stack.gateway_url}/v1  (OpenAI API; model {model!r}, adapters {', '.join(DEMO_ADAPTERS)})"
+        )
+        print(f"EPP metrics: {stack.epp_metrics_url}   Envoy admin: http://127.0.0.1:{args.admin_port}")
+        if args.demo:
+            from epp.demo import run_demo
+
+            ok = await run_demo(stack, model, DEMO_ADAPTERS, args.requests, stop, once=args.once)
+            if args.once:
+                return 0 if ok else 1
+        else:
+            print("Ctrl-C to stop.")
+        await stop.wait()
+        return 0
+    finally:
+        print("stopping ...")
+        stack.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+
+    async def main_async() -> int:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        return await run(args, stop)
+
+    sys.exit(asyncio.run(main_async()))
