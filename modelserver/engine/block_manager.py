@@ -130,10 +130,8 @@ class KVCacheManager:
 
     def register_full_blocks(self, request: Request) -> None:
         """Enter the request's newly completed blocks in the prefix cache (after a step computed them)."""
-        if not self.enable_caching:
-            return
         num_full = request.num_computed_tokens // self.block_size
-        if num_full <= request.num_registered_blocks:
+        if num_full <= request.num_registered_blocks or not self.enable_caching:
             return
         hashes = self._extend_hashes(request, num_full)
         for i in range(request.num_registered_blocks, num_full):

@@ -15,7 +15,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_lora: bool = False
     max_loras: int = 1
-    max_cpu_loras: int | None = None  # None: max_loras
+    max_cpu_loras: int | None = None  # torch: adapters whose weights stay in host memory (None: max_loras)
     max_lora_rank: int = 16
     gpu_memory_utilization: float = 0.9
     cache_dtype: str = "auto"
@@ -32,10 +32,6 @@ class EngineConfig:
             raise ValueError("max_cpu_loras must be >= max_loras")
         if not 0.0 <= self.kv_cache_metrics_sample <= 1.0:
             raise ValueError("kv_cache_metrics_sample must be in [0, 1]")
-
-    @property
-    def cpu_lora_capacity(self) -> int:
-        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
 
     def cache_config_labels(self) -> dict[str, str]:
         """The labels of vllm:cache_config_info: every cache setting, integers where they are integers."""

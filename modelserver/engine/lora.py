@@ -1,5 +1,8 @@
-"""LoRA adapters: the registry of known adapters (CPU side, `--max-cpu-loras`) and the GPU slots a batch can use
-(`--max-loras`). Slot 0 means "no adapter"; slots 1..max_loras hold adapters, evicted least recently used."""
+"""LoRA adapters: the registry of known adapters and the GPU slots a batch can use (`--max-loras`).
+
+Slot 0 means "no adapter"; slots 1..max_loras hold adapters, the least recently used idle one is replaced when
+another adapter needs a slot. (`--max-cpu-loras` bounds the torch executor's cache of adapter weights in host
+memory; the registry itself keeps every adapter that was loaded until it is unloaded.)"""
 
 from __future__ import annotations
 
@@ -11,9 +14,8 @@ class LoRAError(ValueError):
 
 
 class LoRASlots:
-    def __init__(self, max_loras: int, max_cpu_loras: int):
+    def __init__(self, max_loras: int):
         self.max_loras = max_loras
-        self.max_cpu_loras = max_cpu_loras
         self.adapters: OrderedDict[str, str] = OrderedDict()  # name -> path, in LRU order (last = newest use)
         self._slot_of: dict[str, int] = {}
         self._free_slots = list(range(max_loras, 0, -1))
@@ -22,11 +24,6 @@ class LoRASlots:
     def add(self, name: str, path: str) -> None:
         if name in self.adapters:
             raise LoRAError(f"The lora adapter '{name}' has already been loaded.")
-        if len(self.adapters) >= self.max_cpu_loras:
-            evictable = [n for n in self.adapters if n not in self._slot_of]
-            if not evictable:
-                raise LoRAError(f"cannot load '{name}': all {self.max_cpu_loras} CPU LoRA slots are in use")
-            del self.adapters[evictable[0]]
         self.adapters[name] = path
 
     def remove(self, name: str) -> None:

@@ -66,6 +66,7 @@ class Request:
         "params",
         "queued_ts",
         "request_id",
+        "scheduled",
         "scheduled_ts",
         "status",
         "token_ids",
@@ -98,6 +99,7 @@ class Request:
         self.num_preemptions = 0
         self.block_ids: list[int] = []
         self.num_registered_blocks = 0  # leading blocks already entered in the prefix cache
+        self.scheduled = None  # the executor's view of this request (ScheduledSequence), reused every step
         self.block_hashes: list[int] = []  # hash chain of this request's full blocks, computed incrementally
 
     @property

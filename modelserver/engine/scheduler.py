@@ -64,42 +64,46 @@ class Scheduler:
         def emit(request: Request, num_new: int) -> None:
             nonlocal uncached_prefill, decode
             start = request.num_computed_tokens
-            end = start + num_new
-            samples = end == request.num_tokens
+            samples = start + num_new == len(request.token_ids)
             if samples and num_new == 1 and start >= request.num_prompt_tokens:
                 decode += 1
             else:
                 uncached_prefill += num_new
-            sequences.append(
-                ScheduledSequence(
-                    request.request_id,
-                    request.token_ids,
-                    start,
-                    num_new,
-                    request.block_ids,
-                    samples,
-                    request.params,
-                    request.lora_slot,
-                    request.num_output_tokens,
+            seq = request.scheduled  # one object per request, refreshed each step: no allocation per decode
+            if seq is None:
+                seq = request.scheduled = ScheduledSequence(
+                    request.request_id, request.token_ids, 0, 0, request.block_ids, False, request.params, 0, 0
                 )
-            )
+            seq.start = start
+            seq.num_new_tokens = num_new
+            seq.block_table = request.block_ids
+            seq.samples = samples
+            seq.lora_slot = request.lora_slot
+            seq.num_sampled = len(request.token_ids) - request.num_prompt_tokens
+            sequences.append(seq)
             requests.append(request)
 
         running = self.running
+        block_size = kv.block_size
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            while not kv.allocate(request, num_new):
-                victim = running.pop()
-                self._preempt(victim)
-                num_preemptions += 1
-                if victim is request:
-                    break
-            else:
-                emit(request, num_new)
-                budget -= num_new
-                i += 1
+            num_new = min(len(request.token_ids) - request.num_computed_tokens, budget)
+            # A decode usually fits in the last block: only call the allocator when a new block is needed.
+            if request.num_computed_tokens + num_new > len(request.block_ids) * block_size:
+                preempted_self = False
+                while not kv.allocate(request, num_new):
+                    victim = running.pop()
+                    self._preempt(victim)
+                    num_preemptions += 1
+                    if victim is request:
+                        preempted_self = True
+                        break
+                if preempted_self:
+                    continue
+            emit(request, num_new)
+            budget -= num_new
+            i += 1
 
         if not num_preemptions:
             busy_loras = {r.lora_name for r in running if r.lora_name}
