@@ -124,6 +124,15 @@ def _float_in(payload: Mapping[str, Any], name: str, low: float, high: float, lo
     return None if value is None else float(value)
 
 
+def _text(value: str, param: str) -> str:
+    """A string that is valid Unicode text (JSON can carry lone surrogates, which no tokenizer accepts)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise OpenAIError(f"`{param}` contains invalid Unicode (a lone surrogate)", param=param) from None
+    return value
+
+
 def _is_token_ids(value: Any) -> bool:
     return isinstance(value, list) and bool(value) and all(type(t) is int and t >= 0 for t in value)
 
@@ -131,11 +140,11 @@ def _is_token_ids(value: Any) -> bool:
 def _prompts(payload: Mapping[str, Any]) -> list[str | list[int]]:
     prompt = payload.get("prompt")
     if isinstance(prompt, str):
-        return [prompt]
+        return [_text(prompt, "prompt")]
     if _is_token_ids(prompt):
         return [prompt]
     if isinstance(prompt, list) and prompt and all(isinstance(p, str) or _is_token_ids(p) for p in prompt):
-        return list(prompt)
+        return [_text(p, "prompt") if isinstance(p, str) else p for p in prompt]
     if prompt is None:
         raise OpenAIError("`prompt` is required", param="prompt")
     raise OpenAIError("`prompt` must be a string, a list of strings, or a list of token ids", param="prompt")
@@ -143,7 +152,7 @@ def _prompts(payload: Mapping[str, Any]) -> list[str | list[int]]:
 
 def _message_text(content: Any, index: int) -> str:
     if isinstance(content, str):
-        return content
+        return _text(content, "messages")
     if content is None:
         return ""
     if isinstance(content, list):
@@ -153,7 +162,7 @@ def _message_text(content: Any, index: int) -> str:
                 raise OpenAIError(
                     f"`messages[{index}].content` parts must be {{'type': 'text', 'text': str}}", param="messages"
                 )
-            parts.append(part["text"])
+            parts.append(_text(part["text"], "messages"))
         return "".join(parts)
     raise OpenAIError(f"`messages[{index}].content` must be a string or a list of parts", param="messages")
 
@@ -178,9 +187,9 @@ def _stop(payload: Mapping[str, Any]) -> list[str]:
     if stop is None:
         return []
     if isinstance(stop, str):
-        return [stop] if stop else []
+        return [_text(stop, "stop")] if stop else []
     if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        return [s for s in stop if s]
+        return [_text(s, "stop") for s in stop if s]
     raise OpenAIError("`stop` must be a string or a list of strings", param="stop")
 
 

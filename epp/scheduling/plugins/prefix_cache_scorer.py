@@ -65,7 +65,7 @@ class PrefixCacheScorer:
     def hashes(self, request: SchedulingRequest, endpoints: Sequence[Endpoint]) -> list[int]:
         if request.prefix_hashes is None:
             size = self._block_chars(endpoints)
-            text = request.prompt[: size * self.max_blocks].encode()  # blocks of bytes: ~4 bytes per token
+            text = request.prompt[: size * self.max_blocks].encode("utf-8", "surrogatepass")  # ~4 bytes a token
             count = min(len(text) // size, self.max_blocks)
             digest = xxhash.xxh64_intdigest
             h = digest(request.model.encode())

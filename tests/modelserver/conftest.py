@@ -1,0 +1,53 @@
+"""An in-process model server (sim backend) on a free loopback port."""
+
+from dataclasses import dataclass
+
+import pytest
+from aiohttp import web
+
+from modelserver.api.server import ModelServer, ServerSettings
+from modelserver.engine.config import EngineConfig
+from modelserver.engine.engine import AsyncEngine
+from modelserver.engine.sim import SimExecutor, SimTiming
+from modelserver.tokenizer import load_tokenizer
+from tests.conftest import free_ports
+
+MODEL = "sim-model"
+
+
+@dataclass
+class RunningServer:
+    url: str
+    engine: AsyncEngine
+    server: ModelServer
+
+
+async def start_server(tmp_path, timing: SimTiming | None = None, **config) -> tuple[RunningServer, web.AppRunner]:
+    tokenizer = load_tokenizer(None)
+    cfg = EngineConfig(**{"num_gpu_blocks": 2048, "max_model_len": 4096, "enable_lora": True, "max_loras": 1, **config})
+    timing = timing or SimTiming(prefill_overhead=0.001, prefill_time_per_token=0.00002, decode_base=0.002)
+    executor = SimExecutor(timing, cfg.block_size, cfg.num_gpu_blocks, tokenizer.filler_token_ids())
+    (tmp_path / "loras" / "sql").mkdir(parents=True, exist_ok=True)
+    engine = AsyncEngine(cfg, executor, model_name=MODEL, log_stats=False,
+                         lora_modules={"sql": str(tmp_path / "loras" / "sql")})  # fmt: skip
+    await engine.start()
+    settings = ServerSettings(
+        served_model_name=MODEL, model_path=MODEL, max_model_len=cfg.max_model_len, lora_roots=[str(tmp_path / "loras")],
+        allow_runtime_lora_updating=True, max_request_body_bytes=2 * 1024 * 1024,
+    )  # fmt: skip
+    server = ModelServer(engine, tokenizer, settings)
+    runner = web.AppRunner(server.app, access_log=None, handler_cancellation=True)
+    await runner.setup()
+    (port,) = free_ports(1)
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return RunningServer(f"http://127.0.0.1:{port}", engine, server), runner
+
+
+@pytest.fixture
+async def model_server(tmp_path):
+    running, runner = await start_server(tmp_path)
+    try:
+        yield running
+    finally:
+        await runner.cleanup()
+        await running.engine.stop()
