@@ -102,7 +102,7 @@ class RequestStream:
 
     __slots__ = (
         "body_chunks", "body_done", "endpoint", "full_duplex", "headers", "model", "picker", "request",
-        "response_full_duplex", "response_tail", "result", "routed_at", "served", "status", "target_model",
+        "response_full_duplex", "response_tail", "result", "routed_at", "served", "status", "subset", "target_model",
     )  # fmt: skip
 
     def __init__(self, picker: EndpointPicker):
@@ -112,6 +112,7 @@ class RequestStream:
         self.body_done = False
         self.full_duplex = False
         self.response_full_duplex = False
+        self.subset: frozenset[str] | None = None
         self.request: SchedulingRequest | None = None
         self.result: SchedulingResult | None = None
         self.endpoint: Endpoint | None = None
@@ -125,7 +126,7 @@ class RequestStream:
     def handle(self, message: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
         kind = message.WhichOneof("request")
         if kind == "request_body":
-            return self._on_request_body(message, message.request_body)
+            return self._on_request_body(message.request_body)
         if kind == "request_headers":
             return self._on_request_headers(message)
         if kind == "response_headers":
@@ -133,7 +134,7 @@ class RequestStream:
         if kind == "response_body":
             return self._on_response_body(message.response_body)
         if kind == "request_trailers":
-            out = [] if self.body_done else self._on_request_body(message, pb.HttpBody(end_of_stream=True))
+            out = [] if self.body_done else self._on_request_body(pb.HttpBody(end_of_stream=True))
             return [*out, pb.ProcessingResponse(request_trailers=pb.TrailersResponse())]
         if kind == "response_trailers":
             return [pb.ProcessingResponse(response_trailers=pb.TrailersResponse())]
@@ -144,17 +145,18 @@ class RequestStream:
         headers = self.headers
         for h in message.request_headers.headers.headers:
             headers[h.key.lower()] = h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
+        self.subset = subset_hint(message)  # the proxy attaches its metadata to the headers message
         if message.HasField("protocol_config"):
             self.full_duplex = message.protocol_config.request_body_mode == FULL_DUPLEX
             self.response_full_duplex = message.protocol_config.response_body_mode == FULL_DUPLEX
         if message.request_headers.end_of_stream:  # no body (GET, ...): route now
             self.body_done = True
-            return [self._route(message, None, b"", headers_phase=True)]
+            return [self._route(None, b"", headers_phase=True)]
         if self.full_duplex:
             return []  # answer the headers once the body is complete
         return [pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=pb.CommonResponse()))]
 
-    def _on_request_body(self, message: pb.ProcessingRequest, body: pb.HttpBody) -> list[pb.ProcessingResponse]:
+    def _on_request_body(self, body: pb.HttpBody) -> list[pb.ProcessingResponse]:
         if body.body:
             self.body_chunks.append(body.body)
         if not body.end_of_stream:
@@ -166,9 +168,9 @@ class RequestStream:
             payload = load_json_body(raw)
         except OpenAIError as error:
             return [self._reject(error)]
-        return self._route_body(message, payload, raw)
+        return self._route_body(payload, raw)
 
-    def _route_body(self, message: pb.ProcessingRequest, payload: dict, raw: bytes) -> list[pb.ProcessingResponse]:
+    def _route_body(self, payload: dict, raw: bytes) -> list[pb.ProcessingResponse]:
         model = payload.get("model")
         if not isinstance(model, str) or not model:
             return [self._reject(OpenAIError("`model` is required and must be a non-empty string", param="model"))]
@@ -180,7 +182,7 @@ class RequestStream:
         if target and target != model:
             payload["model"] = target
             raw = json.dumps(payload, separators=(",", ":")).encode()
-        response = self._route(message, payload, raw, headers_phase=self.full_duplex)
+        response = self._route(payload, raw, headers_phase=self.full_duplex)
         if response.HasField("immediate_response") or not self.full_duplex:
             return [response]
         size = extproc.MAX_BODY_CHUNK_BYTES
@@ -199,9 +201,7 @@ class RequestStream:
             for i, chunk in enumerate(chunks)
         ]
 
-    def _route(
-        self, message: pb.ProcessingRequest, payload: dict | None, raw: bytes, headers_phase: bool
-    ) -> pb.ProcessingResponse:
+    def _route(self, payload: dict | None, raw: bytes, headers_phase: bool) -> pb.ProcessingResponse:
         picker = self.picker
         headers = self.headers
         request_id = headers.get(extproc.REQUEST_ID_HEADER) or str(uuid.uuid4())
@@ -216,7 +216,7 @@ class RequestStream:
             objective=objective,
             fairness_id=headers.get(extproc.FAIRNESS_ID_HEADER),
             headers=headers,
-            subset=subset_hint(message),
+            subset=self.subset,
         )
         endpoints = picker.datastore.endpoints
         started = time.perf_counter()

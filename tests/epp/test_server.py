@@ -1,0 +1,225 @@
+"""The ext_proc state machine against hand-built ProcessingRequest messages (no Envoy)."""
+
+import json
+
+import pytest
+from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from google.protobuf import struct_pb2
+
+from epp.datalayer.datastore import Datastore
+from epp.datalayer.endpoint import EndpointSpec, ModelRewrite, PoolState
+from epp.metrics import EPPMetrics
+from epp.scheduling.scheduler import Scheduler
+from epp.server import EndpointPicker, RequestStream
+from protocol.metrics import EndpointMetrics
+
+FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
+BUFFERED = processing_mode_pb2.ProcessingMode.BUFFERED
+
+
+class NoScraper:
+    def start(self, endpoint):
+        endpoint.metrics = EndpointMetrics(block_size=16, num_gpu_blocks=100)
+        endpoint.stale = False
+
+    def stop(self, endpoint):
+        endpoint.stale = True
+
+    async def close(self):
+        return None
+
+
+def make_picker(state: PoolState | None = None, config: str | None = None) -> EndpointPicker:
+    scheduler = Scheduler.from_config(config)
+    datastore = Datastore(NoScraper(), scheduler.on_pool_changed)
+    datastore.apply(
+        state or PoolState(endpoints=(EndpointSpec("a", "10.0.0.1", 8000), EndpointSpec("b", "10.0.0.2", 8000)))
+    )
+    return EndpointPicker(datastore, scheduler, EPPMetrics("pool", lambda: datastore.endpoints, lambda: None))
+
+
+def headers_message(headers: dict, end_of_stream=False, mode=FULL_DUPLEX, subset=None) -> pb.ProcessingRequest:
+    message = pb.ProcessingRequest(
+        request_headers=pb.HttpHeaders(
+            headers=base_pb2.HeaderMap(
+                headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in headers.items()]
+            ),
+            end_of_stream=end_of_stream,
+        ),
+        protocol_config=pb.ProtocolConfiguration(request_body_mode=mode),
+    )
+    if subset is not None:
+        hint = struct_pb2.Struct()
+        if isinstance(subset, str):
+            hint["x-gateway-destination-endpoint-subset"] = subset
+        else:
+            hint.get_or_create_list("x-gateway-destination-endpoint-subset").extend(subset)
+        message.metadata_context.filter_metadata["envoy.lb.subset_hint"].CopyFrom(hint)
+    return message
+
+
+def body_message(data: bytes, end=True) -> pb.ProcessingRequest:
+    return pb.ProcessingRequest(request_body=pb.HttpBody(body=data, end_of_stream=end))
+
+
+BASE_HEADERS = {":method": "POST", ":path": "/v1/completions", "content-type": "application/json"}
+
+
+def set_headers(response) -> dict[str, str]:
+    mutation = (response.request_headers or response.request_body).response.header_mutation
+    if response.HasField("request_body"):
+        mutation = response.request_body.response.header_mutation
+    else:
+        mutation = response.request_headers.response.header_mutation
+    return {h.header.key: h.header.raw_value.decode() for h in mutation.set_headers}
+
+
+def test_full_duplex_defers_headers_until_the_body_ends_and_streams_it_back_in_chunks():
+    picker = make_picker()
+    stream = RequestStream(picker)
+    assert stream.handle(headers_message({**BASE_HEADERS, "x-gateway-destination-endpoint": "6.6.6.6:1"})) == []
+    body = json.dumps({"model": "m", "prompt": "x" * 150_000}).encode()
+    assert stream.handle(body_message(body[:70_000], end=False)) == []
+    responses = stream.handle(body_message(body[70_000:]))
+    head, chunks = responses[0], responses[1:]
+    assert head.HasField("request_headers")
+    headers = set_headers(head)
+    assert headers["x-gateway-destination-endpoint"] in ("10.0.0.1:8000", "10.0.0.2:8000")  # spoofed value replaced
+    assert headers["content-length"] == str(len(body))
+    assert "x-request-id" in headers
+    assert head.request_headers.response.clear_route_cache
+    destination = head.dynamic_metadata.fields["envoy.lb"].struct_value.fields["x-gateway-destination-endpoint"]
+    assert destination.string_value == headers["x-gateway-destination-endpoint"]
+    streamed = [c.request_body.response.body_mutation.streamed_response for c in chunks]
+    assert all(len(s.body) <= 62_000 for s in streamed)
+    assert b"".join(s.body for s in streamed) == body  # not re-serialized
+    assert [s.end_of_stream for s in streamed] == [False, False, True]
+    endpoint = stream.endpoint
+    assert endpoint.in_flight_requests == 1
+    stream.after_reply()
+    stream.finish()
+    assert endpoint.in_flight_requests == 0
+
+
+def test_buffered_mode_answers_headers_at_once_and_routes_in_the_body_response():
+    stream = RequestStream(make_picker())
+    (first,) = stream.handle(headers_message(BASE_HEADERS, mode=BUFFERED))
+    assert first.HasField("request_headers") and not first.request_headers.response.header_mutation.set_headers
+    (routed,) = stream.handle(body_message(b'{"model": "m", "prompt": "hello"}'))
+    assert routed.HasField("request_body")
+    assert set_headers(routed)["x-gateway-destination-endpoint"].startswith("10.0.0.")
+    assert routed.request_body.response.clear_route_cache
+    assert not routed.request_body.response.body_mutation.body  # unchanged body is not sent back
+
+
+def test_header_only_request_is_routed_at_once():
+    stream = RequestStream(make_picker())
+    (response,) = stream.handle(headers_message({":method": "GET", ":path": "/v1/models"}, end_of_stream=True))
+    assert set_headers(response)["x-gateway-destination-endpoint"].startswith("10.0.0.")
+    assert "content-length" not in set_headers(response)
+
+
+@pytest.mark.parametrize(
+    ("body", "status"),
+    [(b"{not json", 400), (b'{"prompt": "x"}', 400), (b'{"model": 5}', 400), (b"[1]", 400)],
+)
+def test_bad_bodies_get_openai_errors(body, status):
+    stream = RequestStream(make_picker())
+    stream.handle(headers_message(BASE_HEADERS))
+    (response,) = stream.handle(body_message(body))
+    immediate = response.immediate_response
+    assert immediate.status.code == status
+    assert set(json.loads(immediate.body)["error"]) == {"message", "type", "param", "code"}
+    assert stream.endpoint is None
+
+
+def test_unknown_model_is_404_when_the_pool_declares_its_models():
+    state = PoolState(endpoints=(EndpointSpec("a", "10.0.0.1", 8000),), models=frozenset({"m"}))
+    stream = RequestStream(make_picker(state))
+    stream.handle(headers_message(BASE_HEADERS))
+    (response,) = stream.handle(body_message(b'{"model": "other", "prompt": "x"}'))
+    assert response.immediate_response.status.code == 404
+
+
+def test_empty_pool_is_503_and_sheddable_requests_are_429_when_saturated():
+    stream = RequestStream(make_picker(PoolState()))
+    stream.handle(headers_message(BASE_HEADERS))
+    (response,) = stream.handle(body_message(b'{"model": "m", "prompt": "x"}'))
+    assert response.immediate_response.status.code == 503
+    state = PoolState(endpoints=(EndpointSpec("a", "10.0.0.1", 8000),), objectives={"batch": -1})
+    picker = make_picker(state)
+    picker.datastore.endpoints[0].metrics.waiting = 10
+    stream = RequestStream(picker)
+    stream.handle(headers_message({**BASE_HEADERS, "x-gateway-inference-objective": "batch"}))
+    (response,) = stream.handle(body_message(b'{"model": "m", "prompt": "x"}'))
+    assert response.immediate_response.status.code == 429
+
+
+@pytest.mark.parametrize(
+    ("subset", "expected"),
+    [(["10.0.0.2:8000"], "10.0.0.2:8000"), ("10.0.0.1:8000, 9.9.9.9:1", "10.0.0.1:8000"), ([], None)],
+)
+def test_subset_hint(subset, expected):
+    stream = RequestStream(make_picker())
+    stream.handle(headers_message(BASE_HEADERS, subset=subset))
+    (response, *_) = stream.handle(body_message(b'{"model": "m", "prompt": "x"}'))
+    if expected is None:
+        assert response.immediate_response.status.code == 503
+    else:
+        assert set_headers(response)["x-gateway-destination-endpoint"] == expected
+
+
+def test_model_rewrite_header_and_pool_rewrites_change_the_body():
+    stream = RequestStream(make_picker())
+    stream.handle(headers_message({**BASE_HEADERS, "x-gateway-model-name-rewrite": "m-v2"}))
+    responses = stream.handle(body_message(b'{"model": "m", "prompt": "x"}'))
+    body = b"".join(r.request_body.response.body_mutation.streamed_response.body for r in responses[1:])
+    assert json.loads(body)["model"] == "m-v2"
+    assert set_headers(responses[0])["content-length"] == str(len(body))
+    state = PoolState(endpoints=(EndpointSpec("a", "10.0.0.1", 8000),), rewrites=(ModelRewrite("m", (("m-v3", 1),)),))
+    stream = RequestStream(make_picker(state))
+    stream.handle(headers_message(BASE_HEADERS, mode=BUFFERED))
+    (response,) = stream.handle(body_message(b'{"model": "m", "prompt": "x"}'))
+    assert response.request_body.response.status == pb.CommonResponse.CONTINUE_AND_REPLACE
+    assert json.loads(response.request_body.response.body_mutation.body)["model"] == "m-v3"
+
+
+def test_fallback_endpoints_travel_in_metadata():
+    config = "plugins:\n- type: max-score-picker\n  parameters: {maxNumOfEndpoints: 2}\nschedulingProfiles:\n- name: d\n  plugins:\n  - pluginRef: max-score-picker\n"
+    stream = RequestStream(make_picker(config=config))
+    stream.handle(headers_message(BASE_HEADERS))
+    (head, *_) = stream.handle(body_message(b'{"model": "m", "prompt": "x"}'))
+    listed = head.dynamic_metadata.fields["envoy.lb"].struct_value.fields["x-gateway-destination-endpoint"].string_value
+    assert sorted(listed.split(",")) == ["10.0.0.1:8000", "10.0.0.2:8000"]
+    assert set_headers(head)["x-gateway-destination-endpoint"] == listed.split(",")[0]
+
+
+def test_response_path_reads_served_endpoint_and_usage():
+    picker = make_picker()
+    stream = RequestStream(picker)
+    stream.handle(headers_message(BASE_HEADERS))
+    stream.handle(body_message(b'{"model": "m", "prompt": "x"}'))
+    served = pb.ProcessingRequest(
+        response_headers=pb.HttpHeaders(
+            headers=base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=":status", raw_value=b"200")])
+        )
+    )
+    served.metadata_context.filter_metadata["envoy.lb"].update(
+        {"x-gateway-destination-endpoint-served": "10.0.0.1:8000"}
+    )
+    (response,) = stream.handle(served)
+    assert response.HasField("response_headers")
+    assert stream.served == "10.0.0.1:8000"
+    (echo,) = stream.handle(
+        pb.ProcessingRequest(response_body=pb.HttpBody(body=b'{"usage": {"completion_tokens": 7}}', end_of_stream=True))
+    )
+    assert echo.HasField("response_body")
+    stream.finish()
+    assert (
+        picker.metrics.registry.get_sample_value(
+            "inference_objective_output_tokens_sum", {"model_name": "m", "target_model_name": "m"}
+        )
+        == 7
+    )
