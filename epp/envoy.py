@@ -34,11 +34,22 @@ def render_bootstrap(
     admin_port: int = 19000,
     fail_open: bool = False,
     bind_address: str = "127.0.0.1",
+    request_body_mode: str | None = None,
     response_body_mode: str = "NONE",
 ) -> str:
-    """The bootstrap YAML; `fallback_endpoints` are "host:port" strings of the pool (FailOpen routing)."""
+    """The bootstrap YAML; `fallback_endpoints` are "host:port" strings of the pool (FailOpen routing).
+
+    The request body mode defaults to FULL_DUPLEX_STREAMED, or BUFFERED with FailOpen: Envoy can fail open only
+    until the first body chunk went to the ext_proc server, which in full-duplex mode is at once, so a dead EPP
+    would fail every request with a body.
+    """
+    request_body_mode = request_body_mode or ("BUFFERED" if fail_open else "FULL_DUPLEX_STREAMED")
+    if fail_open and request_body_mode == "FULL_DUPLEX_STREAMED":
+        raise ValueError("FailOpen needs the BUFFERED request body mode (Envoy cannot fail open mid-stream)")
     if not fallback_endpoints:
         raise ValueError("the fallback cluster needs at least one endpoint")
+    if request_body_mode not in ("FULL_DUPLEX_STREAMED", "BUFFERED"):
+        raise ValueError("request_body_mode must be FULL_DUPLEX_STREAMED or BUFFERED")
     if response_body_mode not in ("NONE", "FULL_DUPLEX_STREAMED"):
         raise ValueError("response_body_mode must be NONE or FULL_DUPLEX_STREAMED")
     lines = []
@@ -56,6 +67,8 @@ def render_bootstrap(
         EPP_HOST=epp_host,
         EPP_PORT=epp_port,
         FAILURE_MODE_ALLOW="true" if fail_open else "false",
+        REQUEST_BODY_MODE=request_body_mode,
+        REQUEST_TRAILER_MODE="SEND" if request_body_mode == "FULL_DUPLEX_STREAMED" else "SKIP",
         RESPONSE_BODY_MODE=response_body_mode,
         RESPONSE_TRAILER_MODE="SEND" if response_body_mode == "FULL_DUPLEX_STREAMED" else "SKIP",
         FALLBACK_ENDPOINTS="\n".join(lines),

@@ -38,7 +38,9 @@ class StackConfig:
     listener_port: int = extproc.ENVOY_LISTENER_PORT
     admin_port: int = extproc.ENVOY_ADMIN_PORT
     fail_open: bool = False
+    request_body_mode: str | None = None  # FULL_DUPLEX_STREAMED, or BUFFERED with FailOpen
     response_body_mode: str = "NONE"
+    separate_model_server_processes: bool = False  # one process per model server (so one can be killed)
     model: str = "sim-llama-8b"
     config_file: str | None = None
     config_text: str | None = None
@@ -85,9 +87,15 @@ class LocalStack:
 
     def start_model_servers(self) -> None:
         c = self.config
-        argv = [sys.executable, "-m", "modelserver", "--backend", c.backend, "--model", c.model, "--host", c.host,
-                "--port", str(c.base_port), "--replicas", str(c.model_servers), *c.modelserver_args]  # fmt: skip
-        self._spawn("modelserver", argv)
+        groups = (
+            [(f"modelserver-{i}", c.base_port + i, 1) for i in range(c.model_servers)]
+            if c.separate_model_server_processes
+            else [("modelserver", c.base_port, c.model_servers)]
+        )
+        for name, port, replicas in groups:
+            argv = [sys.executable, "-m", "modelserver", "--backend", c.backend, "--model", c.model, "--host", c.host,
+                    "--port", str(port), "--replicas", str(replicas), *c.modelserver_args]  # fmt: skip
+            self._spawn(name, argv)
 
     def write_pool_file(self) -> Path:
         c = self.config
@@ -111,13 +119,20 @@ class LocalStack:
         c = self.config
         bootstrap = render_bootstrap(
             epp_host=c.host, epp_port=c.grpc_port, listener_port=c.listener_port, admin_port=c.admin_port,
-            fail_open=c.fail_open, bind_address=c.host, response_body_mode=c.response_body_mode,
+            fail_open=c.fail_open, bind_address=c.host, request_body_mode=c.request_body_mode,
+            response_body_mode=c.response_body_mode,
             fallback_endpoints=[u.removeprefix("http://") for u in self.model_server_urls],
         )  # fmt: skip
         path = self.workdir / "envoy.yaml"
         path.write_text(bootstrap)
         self.envoy = EnvoyProcess(path, c.admin_port, self.workdir / "envoy.log")
         self.envoy.start()
+
+    def _server_names(self) -> list[str]:
+        c = self.config
+        if c.separate_model_server_processes:
+            return [f"modelserver-{i}" for i in range(c.model_servers)]
+        return ["modelserver"] * c.model_servers
 
     async def _wait_http(self, name: str, url: str, timeout: float) -> None:
         loop = asyncio.get_running_loop()
@@ -141,7 +156,10 @@ class LocalStack:
             self.start_epp()
             self.start_envoy()
             await asyncio.gather(
-                *(self._wait_http("modelserver", f"{u}/health", timeout) for u in self.model_server_urls),
+                *(
+                    self._wait_http(n, f"{u}/health", timeout)
+                    for n, u in zip(self._server_names(), self.model_server_urls, strict=True)
+                ),
                 self._wait_http("epp", self.epp_metrics_url, timeout),
                 self.envoy.wait_ready(timeout),
             )

@@ -39,6 +39,7 @@ plugins:
 - type: queue-scorer
 - type: kv-cache-utilization-scorer
 - type: prefix-cache-scorer
+- type: lora-affinity-scorer
 - type: max-score-picker
 schedulingProfiles:
 - name: default
@@ -49,6 +50,8 @@ schedulingProfiles:
     weight: 2
   - pluginRef: prefix-cache-scorer
     weight: 3
+  - pluginRef: lora-affinity-scorer
+    weight: 1
   - pluginRef: max-score-picker
 """
 

@@ -148,7 +148,8 @@ def test_default_scheduler_prefers_short_queue_free_kv_and_cached_prefix():
     eps = [endpoint(0, waiting=6, kv=0.7), endpoint(1, waiting=0, kv=0.1), endpoint(2, waiting=3, kv=0.4)]
     assert scheduler.schedule(req(), eps).primary.name == "e1"
     assert [t for t, _, _ in scheduler.last_plugin_durations] == [
-        "queue-scorer", "kv-cache-utilization-scorer", "prefix-cache-scorer", "max-score-picker"]  # fmt: skip
+        "queue-scorer", "kv-cache-utilization-scorer", "prefix-cache-scorer", "lora-affinity-scorer",
+        "max-score-picker"]  # fmt: skip
 
 
 def test_subset_hint_and_staleness():

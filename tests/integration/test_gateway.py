@@ -1,0 +1,148 @@
+"""Envoy + EPP + sim model servers on loopback: routing follows the EPP and the model-server state."""
+
+import asyncio
+import json
+import signal
+
+import aiohttp
+import pytest
+
+from tests.integration.conftest import ADAPTERS, TESTING_CONFIG, served_counts
+
+MODEL = "sim-llama-8b"
+
+
+async def direct(session, url, body):
+    """A request straight to one model server, around the gateway (to load it)."""
+    async with session.post(f"{url}/v1/completions", json=body) as r:
+        await r.read()
+
+
+async def complete(session, stack, body=None, headers=None, path="/v1/completions"):
+    body = body or {"model": MODEL, "prompt": "hello", "max_tokens": 2}
+    async with session.post(f"{stack.gateway_url}{path}", json=body, headers=headers or {}) as r:
+        return r.status, await r.read()
+
+
+def delta(before, after):
+    return [a - b for a, b in zip(after, before, strict=True)]
+
+
+async def test_routing_follows_the_epp_and_spoofed_headers_are_ignored(make_stack):
+    stack = await make_stack(config_text=TESTING_CONFIG)
+    hosts = [u.removeprefix("http://") for u in stack.model_server_urls]
+    async with aiohttp.ClientSession() as session:
+        for target in (2, 0, 1):
+            before = await served_counts(stack)
+            headers = {
+                "test-epp-endpoint-selection": hosts[target],
+                "x-gateway-destination-endpoint": hosts[(target + 1) % 3],
+            }
+            for _ in range(3):
+                status, _ = await complete(session, stack, headers=headers)
+                assert status == 200
+            expected = [0, 0, 0]
+            expected[target] = 3
+            assert delta(before, await served_counts(stack)) == expected
+        # a header-only GET is routed too
+        async with session.get(f"{stack.gateway_url}/v1/models") as r:
+            assert r.status == 200
+            assert MODEL in {m["id"] for m in (await r.json())["data"]}
+
+
+async def test_load_prefix_and_lora_aware_routing(make_stack):
+    stack = await make_stack()
+    urls = stack.model_server_urls
+    async with aiohttp.ClientSession() as session:
+        # 1. a deep queue on server 0 (requests sent around the gateway) is avoided
+        long = {"model": MODEL, "prompt": "busy", "max_tokens": 400}
+        busy = [asyncio.create_task(direct(session, urls[0], long)) for _ in range(12)]
+        await asyncio.sleep(0.3)
+        before = await served_counts(stack)
+        for i in range(9):
+            assert (await complete(session, stack, {"model": MODEL, "prompt": f"short {i}", "max_tokens": 2}))[0] == 200
+        spread = delta(before, await served_counts(stack))
+        assert spread[0] == 0, spread
+        await asyncio.gather(*busy)
+
+        # 2. a repeated long prompt sticks to the server that cached it
+        prompt = "You are a meticulous assistant. Answer in one sentence. " * 40
+        before = await served_counts(stack)
+        for i in range(6):
+            body = {"model": MODEL, "prompt": prompt + f"Question {i}?", "max_tokens": 2}
+            status, payload = await complete(session, stack, body)
+            assert status == 200
+        spread = delta(before, await served_counts(stack))
+        assert sorted(spread) == [0, 0, 6], spread
+        assert json.loads(payload)["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+        # 3. a LoRA request goes where its adapter is running
+        adapter = ADAPTERS[0]
+        hold = asyncio.create_task(direct(session, urls[2], {"model": adapter, "prompt": "x", "max_tokens": 500}))
+        await asyncio.sleep(0.3)
+        before = await served_counts(stack)
+        for _ in range(3):
+            assert (await complete(session, stack, {"model": adapter, "prompt": "lora question", "max_tokens": 2}))[
+                0
+            ] == 200
+        assert delta(before, await served_counts(stack))[2] == 3
+        await hold
+
+
+@pytest.mark.parametrize("body_mode", ["FULL_DUPLEX_STREAMED", "BUFFERED"])
+async def test_one_megabyte_body_routes_in_both_body_modes(make_stack, body_mode):
+    big = ["--max-model-len", "2000000", "--num-gpu-blocks", "150000", "--max-num-batched-tokens", "2000000",
+           "--sim-prefill-time-per-token", "0"]  # fmt: skip
+    stack = await make_stack(servers=2, request_body_mode=body_mode, config_text=TESTING_CONFIG,
+                             extra_modelserver_args=big)  # fmt: skip
+    host = stack.model_server_urls[1].removeprefix("http://")
+    prompt = "lorem ipsum dolor sit amet " * 40_000  # ~1.08 MB
+    async with aiohttp.ClientSession() as session:
+        before = await served_counts(stack)
+        status, payload = await complete(session, stack, {"model": MODEL, "prompt": prompt, "max_tokens": 1},
+                                         headers={"test-epp-endpoint-selection": host})  # fmt: skip
+        assert status == 200, payload[:300]
+        assert json.loads(payload)["usage"]["prompt_tokens"] > 100_000  # the whole body arrived
+        assert delta(before, await served_counts(stack)) == [0, 1]
+
+
+async def test_streaming_through_the_gateway(make_stack):
+    stack = await make_stack(servers=2)
+    body = {"model": MODEL, "prompt": "stream me", "max_tokens": 6, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    async with aiohttp.ClientSession() as session, session.post(f"{stack.gateway_url}/v1/completions", json=body) as r:
+        raw = (await r.read()).decode()
+    events = [e[6:] for e in raw.split("\n\n") if e]
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["usage"]["completion_tokens"] == 6
+
+
+@pytest.mark.parametrize("fail_open", [True, False])
+async def test_epp_down_fail_open_and_fail_close(make_stack, fail_open):
+    stack = await make_stack(servers=2, fail_open=fail_open)
+    async with aiohttp.ClientSession() as session:
+        assert (await complete(session, stack))[0] == 200
+        stack.processes["epp"].send_signal(signal.SIGKILL)
+        stack.processes["epp"].wait(10)
+        spoofed = {"x-gateway-destination-endpoint": "127.0.0.1:1"}
+        status, payload = await complete(session, stack, headers=spoofed)
+        if fail_open:
+            assert status == 200, payload  # served by the pool fallback; the spoofed header went nowhere
+        else:
+            assert 500 <= status < 600
+
+
+async def test_killed_model_server_is_dropped_and_others_keep_serving(make_stack):
+    stack = await make_stack(servers=3, separate_model_server_processes=True)
+    async with aiohttp.ClientSession() as session:
+        slow = {"model": MODEL, "prompt": "x", "max_tokens": 300}
+        inflight = [asyncio.create_task(complete(session, stack, slow)) for _ in range(6)]
+        await asyncio.sleep(0.2)
+        stack.processes["modelserver-1"].send_signal(signal.SIGKILL)
+        results = await asyncio.gather(*inflight)
+        statuses = [s for s, _ in results]
+        assert all(s in (200, 502, 503) for s in statuses), statuses  # cut requests fail cleanly
+        assert 200 in statuses
+        await asyncio.sleep(0.3)  # the scraper notices the refused connection
+        after = [(await complete(session, stack))[0] for _ in range(12)]
+        assert after == [200] * 12
