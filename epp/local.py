@@ -258,3 +258,7 @@ def main(argv: list[str] | None = None) -> None:
         return await run(args, stop)
 
     sys.exit(asyncio.run(main_async()))
+
+
+if __name__ == "__main__":
+    main()

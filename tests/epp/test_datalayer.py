@@ -1,0 +1,130 @@
+"""Pool file parsing and reload, the datastore's reconciliation, and the scraper against a real HTTP server."""
+
+import asyncio
+
+import pytest
+from aiohttp import web
+
+from epp.datalayer.datastore import Datastore
+from epp.datalayer.endpoint import EndpointSpec, PoolState
+from epp.datalayer.pool_file import PoolFileError, PoolFileSource, parse_pool
+from epp.datalayer.scraper import Scraper
+from tests.conftest import free_ports
+
+PAGE = "vllm:num_requests_waiting 3\nvllm:num_requests_running 1\nvllm:kv_cache_usage_perc 0.5\n"
+
+
+def test_parse_pool_file():
+    state = parse_pool({
+        "endpoints": [{"address": "10.0.0.1", "port": 8000, "engine": "sglang", "labels": {"zone": "a"}},
+                      {"name": "b", "address": "10.0.0.2", "port": 8001}],
+        "objectives": [{"name": "batch", "priority": -1}],
+        "models": ["m"],
+        "rewrites": [{"model": "m", "targets": [{"model": "m2", "weight": 3}]}],
+    })  # fmt: skip
+    assert [e.name for e in state.endpoints] == ["10.0.0.1:8000", "b"]
+    assert state.endpoints[0].engine == "sglang" and state.endpoints[0].labels == (("zone", "a"),)
+    assert state.objectives == {"batch": -1}
+    assert state.models == {"m"}
+    assert state.rewrites[0].targets == (("m2", 3),)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        [],
+        {"endpoints": [{"port": 1}]},
+        {"endpoints": [{"address": "a", "port": 0}]},
+        {"endpoints": [{"address": "a", "port": True}]},
+        {"endpoints": [{"address": "a", "port": 1, "engine": "tgi"}]},
+        {"endpoints": [{"address": "a", "port": 1}, {"address": "a", "port": 1}]},
+        {"objectives": [{"name": "x", "priority": "high"}]},
+        {"models": "m"},
+        {"rewrites": [{"model": "m"}]},
+    ],
+)
+def test_bad_pool_files(data):
+    with pytest.raises(PoolFileError):
+        parse_pool(data)
+
+
+async def test_pool_file_reload_keeps_the_old_pool_on_a_broken_edit(tmp_path):
+    path = tmp_path / "pool.yaml"
+    path.write_text("endpoints: [{address: 10.0.0.1, port: 1}]\n")
+    source = PoolFileSource(path, poll_interval=0.02)
+    updates = []
+    task = asyncio.create_task(source.run(updates.append))
+    try:
+        await asyncio.sleep(0.05)
+        path.write_text("endpoints: [{address: 10.0.0.1, port: 1}, {address: 10.0.0.2, port: 2}]\n")
+        await asyncio.sleep(0.1)
+        path.write_text("endpoints: [{address: 10.0.0.3, port: 0}]\n")  # invalid
+        await asyncio.sleep(0.1)
+    finally:
+        task.cancel()
+    assert len(updates) == 1 and len(updates[0].endpoints) == 2
+
+
+class RecordingScraper:
+    def __init__(self):
+        self.started, self.stopped = [], []
+
+    def start(self, endpoint):
+        self.started.append(endpoint.name)
+
+    def stop(self, endpoint):
+        self.stopped.append(endpoint.name)
+
+    async def close(self):
+        return None
+
+
+def test_datastore_reconciles_and_keeps_unchanged_endpoints():
+    scraper = RecordingScraper()
+    changes = []
+    store = Datastore(scraper, changes.append)
+    a, b = EndpointSpec("a", "10.0.0.1", 1), EndpointSpec("b", "10.0.0.2", 1)
+    store.apply(PoolState(endpoints=(a, b), objectives={"x": 2}))
+    kept = store.endpoints[0]
+    kept.in_flight_requests = 3
+    store.apply(PoolState(endpoints=(a, EndpointSpec("b", "10.0.0.9", 1))))  # b's address changed
+    assert store.endpoints[0] is kept and kept.in_flight_requests == 3
+    assert scraper.started == ["a", "b", "b"] and scraper.stopped == ["b"]
+    assert store.by_hostport("10.0.0.9:1") is store.endpoints[1]
+    assert store.priority("x") == 0 and store.priority(None) == 0
+    assert len(changes) == 2
+
+
+async def test_scraper_updates_marks_stale_and_recovers():
+    port = free_ports(1)[0]
+    state = {"page": PAGE, "status": 200}
+
+    async def metrics(request):
+        return web.Response(text=state["page"], status=state["status"])
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", port)
+    await site.start()
+    scraper = Scraper(interval=0.01, timeout=0.5, staleness=0.05)
+    store = Datastore(scraper)
+    try:
+        store.apply(PoolState(endpoints=(EndpointSpec("e", "127.0.0.1", port),)))
+        endpoint = store.endpoints[0]
+        await asyncio.sleep(0.1)
+        assert not endpoint.stale and endpoint.metrics.waiting == 3
+        state["page"] = "garbage"
+        await asyncio.sleep(0.15)
+        assert endpoint.stale and endpoint.metrics.waiting == 3  # last good metrics kept
+        state["page"] = PAGE.replace(" 3", " 7")
+        await asyncio.sleep(0.1)
+        assert not endpoint.stale and endpoint.metrics.waiting == 7
+        await runner.cleanup()  # the server goes away: refused connections mark it stale at once
+        await asyncio.sleep(0.1)
+        assert endpoint.stale
+        assert scraper.failures > 0
+    finally:
+        await store.close()
+        await runner.cleanup()

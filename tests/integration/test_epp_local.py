@@ -1,0 +1,21 @@
+"""`epp-local --demo --once`: the whole stack comes up, the demo workload succeeds, everything stops."""
+
+import subprocess
+import sys
+
+from tests.conftest import free_port_block, free_ports
+
+
+def test_epp_local_demo_once():
+    base = free_port_block(2)
+    grpc, health, metrics, listener, admin = free_ports(5)
+    result = subprocess.run(
+        [sys.executable, "-m", "epp.local", "--model-servers", "2", "--demo", "--once", "--requests", "12",
+         "--base-port", str(base), "--grpc-port", str(grpc), "--grpc-health-port", str(health),
+         "--metrics-port", str(metrics), "--listener-port", str(listener), "--admin-port", str(admin)],
+        capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "gateway ready" in result.stdout
+    assert "12/12 requests done, 0 failed" in result.stdout
+    assert "stopping" in result.stdout
