@@ -16,7 +16,9 @@ from pathlib import Path
 
 import aiohttp
 
-TEMPLATE = Path(__file__).resolve().parent.parent / "manifests" / "envoy" / "envoy.yaml.tmpl"
+TEMPLATES = Path(__file__).resolve().parent.parent / "manifests" / "envoy"
+TEMPLATE = TEMPLATES / "envoy.yaml.tmpl"
+BASELINE_TEMPLATE = TEMPLATES / "baseline-envoy.yaml.tmpl"
 
 
 def envoy_binary() -> str:
@@ -46,19 +48,10 @@ def render_bootstrap(
     request_body_mode = request_body_mode or ("BUFFERED" if fail_open else "FULL_DUPLEX_STREAMED")
     if fail_open and request_body_mode == "FULL_DUPLEX_STREAMED":
         raise ValueError("FailOpen needs the BUFFERED request body mode (Envoy cannot fail open mid-stream)")
-    if not fallback_endpoints:
-        raise ValueError("the fallback cluster needs at least one endpoint")
     if request_body_mode not in ("FULL_DUPLEX_STREAMED", "BUFFERED"):
         raise ValueError("request_body_mode must be FULL_DUPLEX_STREAMED or BUFFERED")
     if response_body_mode not in ("NONE", "FULL_DUPLEX_STREAMED"):
         raise ValueError("response_body_mode must be NONE or FULL_DUPLEX_STREAMED")
-    lines = []
-    for hostport in fallback_endpoints:
-        host, _, port = hostport.rpartition(":")
-        lines.append(
-            f"        - endpoint:\n            address:\n              socket_address: "
-            f"{{address: {host.strip('[]')}, port_value: {int(port)}}}"
-        )
     return string.Template(TEMPLATE.read_text()).substitute(
         BIND_ADDRESS=bind_address,
         LISTENER_PORT=listener_port,
@@ -71,8 +64,34 @@ def render_bootstrap(
         REQUEST_TRAILER_MODE="SEND" if request_body_mode == "FULL_DUPLEX_STREAMED" else "SKIP",
         RESPONSE_BODY_MODE=response_body_mode,
         RESPONSE_TRAILER_MODE="SEND" if response_body_mode == "FULL_DUPLEX_STREAMED" else "SKIP",
-        FALLBACK_ENDPOINTS="\n".join(lines),
+        FALLBACK_ENDPOINTS=_endpoints_yaml(fallback_endpoints),
     )
+
+
+def render_baseline(
+    *, endpoints: list[str], listener_port: int, admin_port: int, lb_policy: str = "ROUND_ROBIN",
+    bind_address: str = "127.0.0.1",
+) -> str:  # fmt: skip
+    """A plain Envoy balancing over the pool without the EPP (the benchmarks' baseline)."""
+    if lb_policy not in ("ROUND_ROBIN", "LEAST_REQUEST", "RANDOM"):
+        raise ValueError("lb_policy must be ROUND_ROBIN, LEAST_REQUEST or RANDOM")
+    return string.Template(BASELINE_TEMPLATE.read_text()).substitute(
+        BIND_ADDRESS=bind_address, LISTENER_PORT=listener_port, ADMIN_ADDRESS=bind_address, ADMIN_PORT=admin_port,
+        LB_POLICY=lb_policy, FALLBACK_ENDPOINTS=_endpoints_yaml(endpoints),
+    )  # fmt: skip
+
+
+def _endpoints_yaml(endpoints: list[str]) -> str:
+    if not endpoints:
+        raise ValueError("a cluster needs at least one endpoint")
+    lines = []
+    for hostport in endpoints:
+        host, _, port = hostport.rpartition(":")
+        lines.append(
+            f"        - endpoint:\n            address:\n              socket_address: "
+            f"{{address: {host.strip('[]')}, port_value: {int(port)}}}"
+        )
+    return "\n".join(lines)
 
 
 class EnvoyProcess:

@@ -1,45 +1,5 @@
-"""Shared test helpers: free loopback ports."""
+"""Shared test helpers: free loopback ports (the same helpers the benchmarks use)."""
 
-import socket
+from epp.bench.ports import free_port_block, free_ports
 
-import pytest
-
-
-def free_ports(count: int) -> list[int]:
-    """Distinct free TCP ports on 127.0.0.1 (held open together so they differ, then released)."""
-    sockets = []
-    try:
-        for _ in range(count):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            sockets.append(s)
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
-def free_port_block(count: int) -> int:
-    """The first of `count` consecutive free ports (model-server replicas listen on port .. port+count-1)."""
-    for _ in range(200):
-        (base,) = free_ports(1)
-        if base + count >= 65535:
-            continue
-        sockets = []
-        try:
-            for port in range(base, base + count):
-                s = socket.socket()
-                s.bind(("127.0.0.1", port))
-                sockets.append(s)
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in sockets:
-                s.close()
-    raise RuntimeError("no block of free ports")
-
-
-@pytest.fixture
-def ports():
-    return free_ports
+__all__ = ["free_port_block", "free_ports"]

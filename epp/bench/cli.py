@@ -1,0 +1,36 @@
+"""`epp-bench`: benchmarks of the EPP on a local sim pool.
+
+epp-bench overhead [--servers 4] [--sequential 400] [--concurrency 32] [--requests 2000] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from pathlib import Path
+
+from epp.bench import overhead
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="epp-bench", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    over = sub.add_parser("overhead", help="added latency and throughput: Envoy+EPP vs plain Envoy")
+    over.add_argument("--servers", type=int, default=4)
+    over.add_argument("--sequential", type=int, default=400, help="requests one at a time, per target")
+    over.add_argument("--concurrency", type=int, default=32)
+    over.add_argument("--requests", type=int, default=2000, help="requests per throughput run")
+    over.add_argument("--out", type=Path, default=None, help="directory for overhead.json and overhead.md")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.command == "overhead":
+        result = asyncio.run(overhead.measure(args.servers, args.sequential, args.concurrency, args.requests))
+        report = result.markdown()
+        print(report)
+        if args.out:
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / "overhead.json").write_text(json.dumps(overhead.as_dict(result), indent=2))
+            (args.out / "overhead.md").write_text(report + "\n")
