@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import grpc
+import uvloop
 from aiohttp import web
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2_grpc
@@ -126,6 +127,6 @@ def main(argv: list[str] | None = None) -> None:
 
     try:
         with contextlib.suppress(KeyboardInterrupt):
-            asyncio.run(run())
+            uvloop.run(run())  # less per-callback overhead than asyncio's loop on the ext_proc path
     except (ConfigError, PoolFileError, OSError) as exc:
         raise SystemExit(f"epp: {exc}") from None
