@@ -14,7 +14,7 @@ import asyncio
 import random
 from dataclasses import dataclass, fields
 
-from modelserver.engine.executor import ScheduledBatch
+from modelserver.engine.executor import ScheduledBatch, ScheduledSequence
 
 
 @dataclass
@@ -62,9 +62,12 @@ class SimExecutor:
         for slot, (name, path) in batch.new_lora_loads.items():
             self.load_lora(slot, name, path)
         await asyncio.sleep(self.timing.step_time(batch, self._rng))
-        filler = self._filler
-        size = len(filler)
-        return [filler[(hash(s.request_id) + s.num_sampled) % size] if s.samples else None for s in batch.sequences]
+        return [self._filler_token(s) if s.samples else None for s in batch.sequences]
+
+    def _filler_token(self, s: ScheduledSequence) -> int:
+        """Deterministic like greedy decoding: the same prompt length (or seed) gives the same text."""
+        base = s.params.seed if s.params.seed is not None else len(s.token_ids) - s.num_sampled
+        return self._filler[(base * 31 + s.num_sampled) % len(self._filler)]
 
     def load_lora(self, slot: int, name: str, path: str) -> None:
         self.loaded_loras[slot] = name
