@@ -1,0 +1,1 @@
+"""Conformance suites: the Model Server Protocol, checked black-box against any OpenAI-compatible server."""

@@ -1,0 +1,66 @@
+"""`msp-conformance`: check a model server against the Model Server Protocol the EPP relies on.
+
+    msp-conformance --url http://host:8000 [--model NAME] [--lora-adapter A [--lora-adapter B]]
+                    [--engine vllm|sglang|trtllm-serve|triton-tensorrt-llm] [--report report.yaml] [--only NAME ...]
+
+Prints one line per check (PASS / FAIL / SKIP, with its MUST or SHOULD level) and exits 1 if a MUST check failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+
+import aiohttp
+import yaml
+
+from protocol.conformance.framework import Level, Outcome, Result
+from protocol.conformance.msp import Target, suite
+from protocol.conformance.report import conformance_report
+from protocol.metrics import ENGINES
+
+
+async def _first_model(session: aiohttp.ClientSession, url: str) -> str:
+    async with session.get(f"{url}/v1/models") as r:
+        data = (await r.json())["data"]
+    base = [m["id"] for m in data if not m.get("parent")]
+    return (base or [data[0]["id"]])[0]
+
+
+async def run(args: argparse.Namespace) -> list[Result]:
+    timeout = aiohttp.ClientTimeout(total=300)
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+        model = args.model or await _first_model(session, args.url)
+        target = Target(args.url.rstrip("/"), model, args.engine, args.lora_adapter, args.load_requests, session)
+
+        def show(result: Result) -> None:
+            note = f" — {result.message}" if result.message else ""
+            print(f"{result.outcome:<4} {result.check.level:<6} {result.check.name}{note}", flush=True)
+
+        print(f"Model Server Protocol conformance: {args.url} (model {model!r}, engine {args.engine})")
+        return await suite.run(target, set(args.only) if args.only else None, show)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(
+        prog="msp-conformance", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    p.add_argument("--url", required=True, help="base URL of the model server")
+    p.add_argument("--model", help="model name to request (default: the first base model of /v1/models)")
+    p.add_argument("--lora-adapter", action="append", default=[], help="a LoRA adapter the server serves (repeat)")
+    p.add_argument("--engine", choices=sorted(ENGINES), default="vllm", help="which metric names to expect")
+    p.add_argument("--load-requests", type=int, default=32, help="concurrent long requests used to load the server")
+    p.add_argument("--report", type=Path, help="write a ConformanceReport YAML here")
+    p.add_argument("--only", nargs="*", help="run only these checks")
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    results = asyncio.run(run(args))
+    counts = {o: sum(1 for r in results if r.outcome is o) for o in Outcome}
+    print(f"{counts[Outcome.PASS]} passed, {counts[Outcome.FAIL]} failed, {counts[Outcome.SKIP]} skipped")
+    if args.report:
+        implementation = {"project": "llm-routing-reference msp-conformance", "version": "0.1.0"}
+        args.report.write_text(yaml.safe_dump(conformance_report(suite.name, results, implementation, args.url),
+                                              sort_keys=False))  # fmt: skip
+    must_failed = any(r.outcome is Outcome.FAIL and r.check.level is Level.MUST for r in results)
+    sys.exit(1 if must_failed else 0)

@@ -1,0 +1,17 @@
+"""Run the Model Server Protocol suite as pytest tests: one test per check.
+
+    pytest -p protocol.conformance.pytest_plugin --msp-url http://host:8000 [--msp-model M] [--msp-lora-adapter A]
+           [--msp-engine vllm] --pyargs protocol.conformance.test_msp
+
+A SHOULD check that fails is reported as xfail, a skipped check as skipped.
+"""
+
+from __future__ import annotations
+
+
+def pytest_addoption(parser):
+    group = parser.getgroup("msp-conformance")
+    group.addoption("--msp-url", help="base URL of the model server under test")
+    group.addoption("--msp-model", default=None)
+    group.addoption("--msp-lora-adapter", action="append", default=[])
+    group.addoption("--msp-engine", default="vllm")

@@ -1,0 +1,105 @@
+"""The Model Server Protocol suite: all checks pass against our sim server (console script, report YAML, pytest
+plugin), and a server that breaks the protocol fails the right MUST checks."""
+
+import subprocess
+import sys
+
+import pytest
+import yaml
+from aiohttp import web
+
+from tests.conftest import free_ports
+
+FAST = ["--sim-decode-base", "0.002", "--sim-prefill-time-per-token", "0.00001", "--sim-prefill-overhead", "0.001"]
+
+
+@pytest.fixture
+def sim_server():
+    (port,) = free_ports(1)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "modelserver", "--port", str(port), "--disable-log-stats", "--enable-lora",
+         "--max-loras", "1", "--lora-modules", "sql=/adapters/sql", "chat=/adapters/chat", "--max-num-seqs", "8",
+         *FAST],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        assert process.stdout.readline().decode().startswith("ready on")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        process.terminate()
+        process.wait(10)
+
+
+def test_our_server_conforms(sim_server, tmp_path):
+    report = tmp_path / "report.yaml"
+    result = subprocess.run(
+        [sys.executable, "-m", "protocol.conformance", "--url", sim_server, "--lora-adapter", "sql",
+         "--lora-adapter", "chat", "--load-requests", "8", "--report", str(report)],
+        capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = [line for line in result.stdout.splitlines() if line.startswith(("PASS", "FAIL", "SKIP"))]
+    assert len(lines) == 17 and all(line.startswith("PASS") for line in lines), result.stdout
+    parsed = yaml.safe_load(report.read_text())
+    assert parsed["kind"] == "ConformanceReport"
+    profile = parsed["profiles"][0]
+    assert profile["name"] == "ModelServerProtocol"
+    assert profile["core"]["result"] == "success" and profile["core"]["statistics"]["Passed"] == 12
+    assert profile["extended"]["statistics"]["Passed"] == 5
+
+
+def test_pytest_plugin_runs_the_checks(sim_server):
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "protocol.conformance.pytest_plugin",
+         "--msp-url", sim_server, "--pyargs", "protocol.conformance.test_msp", "-k", "completions or metrics-gauges"],
+        capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "5 passed" in result.stdout
+
+
+async def broken_server() -> tuple[web.AppRunner, str]:
+    """Answers completions, but 500 for unknown models and no KV usage gauge: two MUST violations."""
+
+    async def completions(request):
+        body = await request.json()
+        if body.get("model") != "m":
+            return web.Response(status=500, text="boom")
+        usage = {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}
+        return web.json_response({"object": "text_completion", "choices": [{"text": "x", "finish_reason": "length"}],
+                                  "usage": usage})  # fmt: skip
+
+    async def metrics(request):
+        return web.Response(text="vllm:num_requests_waiting 0\nvllm:num_requests_running 0\n")
+
+    async def models(request):
+        return web.json_response({"data": [{"id": "m"}]})
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/v1/models", models)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    (port,) = free_ports(1)
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner, f"http://127.0.0.1:{port}"
+
+
+async def test_a_broken_server_fails_must_checks():
+    import aiohttp
+
+    from protocol.conformance.framework import Outcome
+    from protocol.conformance.msp import Target, suite
+
+    runner, url = await broken_server()
+    try:
+        async with aiohttp.ClientSession() as session:
+            results = await suite.run(
+                Target(url, "m", session=session), {"completions", "unknown-model", "metrics-gauges", "lora-served"}
+            )
+    finally:
+        await runner.cleanup()
+    outcomes = {r.check.name: r.outcome for r in results}
+    assert outcomes == {"completions": Outcome.PASS, "unknown-model": Outcome.FAIL, "metrics-gauges": Outcome.FAIL,
+                        "lora-served": Outcome.SKIP}  # fmt: skip
