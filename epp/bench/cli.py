@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from epp.bench import overhead
+from epp.bench import overhead, sim_capacity
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -25,7 +25,13 @@ def main(argv: list[str] | None = None) -> None:
     over.add_argument("--concurrency", type=int, default=32)
     over.add_argument("--requests", type=int, default=2000, help="requests per throughput run")
     over.add_argument("--out", type=Path, default=None, help="directory for overhead.json and overhead.md")
+    capacity = sub.add_parser("sim-capacity", help="how many sim servers one core carries at a request rate")
+    capacity.add_argument("--replicas", type=int, default=16)
+    capacity.add_argument("--rates", type=float, nargs="+", default=[16.0, 32.0, 64.0])
+    capacity.add_argument("--duration", type=float, default=20.0)
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.command == "sim-capacity":
+        sim_capacity.main(args.replicas, args.rates, args.duration)
     if args.command == "overhead":
         result = asyncio.run(overhead.measure(args.servers, args.sequential, args.concurrency, args.requests))
         report = result.markdown()
