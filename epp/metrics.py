@@ -80,6 +80,9 @@ class EPPMetrics:
                                          "Plugin latency distribution in seconds for each extension point, plugin "
                                          "type and plugin name.", ["extension_point", "plugin_type", "plugin_name"],
                                          buckets=SCHEDULER_BUCKETS, registry=reg)  # fmt: skip
+        self.served = Counter("inference_extension_served_endpoint_reports",
+                              "Responses for which the gateway reported the endpoint that served them, by whether "
+                              "it was the EPP's pick.", ["result"], registry=reg)  # fmt: skip
         reg.register(_PoolCollector(pool_name, endpoints, prefix_index))
         self._children: dict[tuple, object] = {}
 

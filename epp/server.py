@@ -45,6 +45,7 @@ CONTINUE_AND_REPLACE = pb.CommonResponse.CONTINUE_AND_REPLACE
 _PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
 _COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 _USAGE_TAIL_BYTES = 4096
+EXT_PROC_ATTRIBUTES = "envoy.filters.http.ext_proc"  # the key Envoy files CEL attributes under
 
 
 def _header(key: str, value: str) -> base_pb2.HeaderValueOption:
@@ -81,10 +82,14 @@ def subset_hint(request: pb.ProcessingRequest) -> frozenset[str] | None:
 
 
 def served_endpoint(request: pb.ProcessingRequest) -> str | None:
+    """The endpoint that served the request: the gateway's metadata (protocol), else Envoy's upstream.address
+    attribute (what our Envoy bootstrap sends)."""
     namespace = request.metadata_context.filter_metadata.get(extproc.SERVED_ENDPOINT_NAMESPACE)
-    if namespace is None:
-        return None
-    value = namespace.fields.get(extproc.SERVED_ENDPOINT_KEY)
+    value = namespace.fields.get(extproc.SERVED_ENDPOINT_KEY) if namespace is not None else None
+    if value is not None and value.string_value:
+        return value.string_value
+    attributes = request.attributes.get(EXT_PROC_ATTRIBUTES)
+    value = attributes.fields.get("upstream.address") if attributes is not None else None
     return value.string_value if value is not None and value.string_value else None
 
 
@@ -314,9 +319,12 @@ class RequestStream:
             metrics.child(metrics.errors, self.model, self.target_model, self.status).inc()
         if self.response_tail and (match := _COMPLETION_TOKENS.search(self.response_tail)):
             metrics.child(metrics.output_tokens, self.model, self.target_model).observe(int(match.group(1)))
-        if self.served and self.served != endpoint.hostport:
-            log.debug("request %s was served by %s, not the pick %s", self.request.request_id, self.served,
-                      endpoint.hostport)  # fmt: skip
+        if self.served:
+            picked = self.served == endpoint.hostport
+            metrics.child(metrics.served, "pick" if picked else "other").inc()
+            if not picked:
+                log.debug("request %s was served by %s, not the pick %s", self.request.request_id, self.served,
+                          endpoint.hostport)  # fmt: skip
 
 
 def _rewrite(model: str, rewrites: tuple[ModelRewrite, ...]) -> str | None:
