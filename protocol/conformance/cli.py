@@ -3,7 +3,11 @@
     msp-conformance --url http://host:8000 [--model NAME] [--lora-adapter A [--lora-adapter B]]
                     [--engine vllm|sglang|trtllm-serve|triton-tensorrt-llm] [--report report.yaml] [--only NAME ...]
 
-Prints one line per check (PASS / FAIL / SKIP, with its MUST or SHOULD level) and exits 1 if a MUST check failed.
+    msp-conformance gateway [--envoy-template BOOTSTRAP.tmpl] [--report report.yaml] [--only NAME ...]
+
+The first form checks a model server; `gateway` checks the gateway data path (a real Envoy from our bootstrap or
+yours, our EPP in test mode, echo backends, all on loopback). Prints one line per check (PASS / FAIL / SKIP, with
+its MUST or SHOULD level) and exits 1 if a MUST check failed.
 """
 
 from __future__ import annotations
@@ -35,15 +39,56 @@ async def run(args: argparse.Namespace) -> list[Result]:
         model = args.model or await _first_model(session, args.url)
         target = Target(args.url.rstrip("/"), model, args.engine, args.lora_adapter, args.load_requests, session)
 
-        def show(result: Result) -> None:
-            note = f" — {result.message}" if result.message else ""
-            print(f"{result.outcome:<4} {result.check.level:<6} {result.check.name}{note}", flush=True)
-
         print(f"Model Server Protocol conformance: {args.url} (model {model!r}, engine {args.engine})")
-        return await suite.run(target, set(args.only) if args.only else None, show)
+        return await suite.run(target, set(args.only) if args.only else None, _show)
+
+
+def _show(result: Result) -> None:
+    note = f" — {result.message}" if result.message else ""
+    print(f"{result.outcome:<4} {result.check.level:<6} {result.check.name}{note}", flush=True)
+
+
+async def run_gateway(args: argparse.Namespace) -> list[Result]:
+    from protocol.conformance import gateway
+
+    target = gateway.Gateway(envoy_template=args.envoy_template)
+    print(f"Gateway data-path conformance: Envoy bootstrap {args.envoy_template} (logs in {target.workdir})")
+    await target.start()
+    try:
+        return await gateway.suite.run(target, set(args.only) if args.only else None, _show)
+    finally:
+        await target.stop()
+
+
+def _finish(args: argparse.Namespace, suite_name: str, results: list[Result], target: str) -> None:
+    counts = {o: sum(1 for r in results if r.outcome is o) for o in Outcome}
+    print(f"{counts[Outcome.PASS]} passed, {counts[Outcome.FAIL]} failed, {counts[Outcome.SKIP]} skipped")
+    if args.report:
+        implementation = {"project": "llm-routing-reference msp-conformance", "version": "0.1.0"}
+        args.report.write_text(yaml.safe_dump(conformance_report(suite_name, results, implementation, target),
+                                              sort_keys=False))  # fmt: skip
+    must_failed = any(r.outcome is Outcome.FAIL and r.check.level is Level.MUST for r in results)
+    sys.exit(1 if must_failed else 0)
+
+
+def gateway_main(argv: list[str]) -> None:
+    from epp.envoy import TEMPLATE
+
+    p = argparse.ArgumentParser(prog="msp-conformance gateway", description=__doc__,
+                                formatter_class=argparse.RawTextHelpFormatter)  # fmt: skip
+    p.add_argument("--envoy-template", type=Path, default=TEMPLATE, help="Envoy bootstrap template to test")
+    p.add_argument("--report", type=Path, help="write a ConformanceReport YAML here")
+    p.add_argument("--only", nargs="*", help="run only these checks")
+    args = p.parse_args(argv)
+    results = asyncio.run(run_gateway(args))
+    _finish(args, "GatewayDataPath", results, str(args.envoy_template))
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["gateway"]:
+        gateway_main(argv[1:])
+        return
     p = argparse.ArgumentParser(
         prog="msp-conformance", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
@@ -54,13 +99,6 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--load-requests", type=int, default=32, help="concurrent long requests used to load the server")
     p.add_argument("--report", type=Path, help="write a ConformanceReport YAML here")
     p.add_argument("--only", nargs="*", help="run only these checks")
-    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    args = p.parse_args(argv)
     results = asyncio.run(run(args))
-    counts = {o: sum(1 for r in results if r.outcome is o) for o in Outcome}
-    print(f"{counts[Outcome.PASS]} passed, {counts[Outcome.FAIL]} failed, {counts[Outcome.SKIP]} skipped")
-    if args.report:
-        implementation = {"project": "llm-routing-reference msp-conformance", "version": "0.1.0"}
-        args.report.write_text(yaml.safe_dump(conformance_report(suite.name, results, implementation, args.url),
-                                              sort_keys=False))  # fmt: skip
-    must_failed = any(r.outcome is Outcome.FAIL and r.check.level is Level.MUST for r in results)
-    sys.exit(1 if must_failed else 0)
+    _finish(args, suite.name, results, args.url)
