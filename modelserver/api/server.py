@@ -84,6 +84,8 @@ class _Choice:
         "closed",
         "finish_reason",
         "index",
+        "logprobs",
+        "logprobs_sent",
         "num_cached",
         "num_prompt",
         "request_id",
@@ -96,6 +98,8 @@ class _Choice:
         self.index = index
         self.request_id = request_id
         self.token_ids: list[int] = []
+        self.logprobs: list[dict[int, float]] = []  # per generated token, when asked
+        self.logprobs_sent = 0  # how many of them went out in stream chunks
         self.text = ""
         self.sent = 0  # characters already streamed
         self.finish_reason: str | None = None
@@ -325,6 +329,8 @@ class ModelServer:
         async for output in engine.generate(choice.request_id, prompt_ids, params, lora):
             choice.num_prompt, choice.num_cached = output.num_prompt_tokens, output.num_cached_tokens
             choice.token_ids += output.new_token_ids
+            if output.new_logprobs:
+                choice.logprobs += output.new_logprobs
             text = tokenizer.decode(choice.token_ids)
             if stop:
                 hits = [i for i in (text.find(s) for s in stop) if i >= 0]
@@ -338,6 +344,25 @@ class ModelServer:
             if output.finished:
                 choice.finish_reason = output.finish_reason
             yield None
+
+    def _logprobs(self, chat: bool, token_ids: list[int], logprobs: list[dict[int, float]]) -> dict | None:
+        """OpenAI's logprobs object for these tokens: chat `{"content": [...]}`, completions parallel lists."""
+        if not logprobs:
+            return None
+        decode = self.tokenizer.decode
+        pairs = list(zip(token_ids, logprobs, strict=False))
+        if chat:
+
+            def entry(token: int, logprob: float) -> dict:
+                text = decode([token])
+                return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+            return {"content": [{**entry(t, lp[t]), "top_logprobs": [entry(k, v) for k, v in lp.items() if k != t]}
+                                for t, lp in pairs]}  # fmt: skip
+        texts = [decode([t]) for t, _ in pairs]
+        offsets = [sum(len(s) for s in texts[:i]) for i in range(len(texts))]
+        return {"tokens": texts, "token_logprobs": [lp[t] for t, lp in pairs],
+                "top_logprobs": [{decode([k]): v for k, v in lp.items()} for _, lp in pairs], "text_offset": offsets}  # fmt: skip
 
     def _usage(self, choices: list[_Choice]) -> dict:
         seen: dict[str, tuple[int, int]] = {}
@@ -357,7 +382,7 @@ class ModelServer:
                 {
                     "index": c.index,
                     "message": {"role": "assistant", "content": c.text},
-                    "logprobs": None,
+                    "logprobs": self._logprobs(True, c.token_ids, c.logprobs),
                     "finish_reason": c.finish_reason,
                     "stop_reason": None,
                 }
@@ -369,7 +394,7 @@ class ModelServer:
                 {
                     "index": c.index,
                     "text": c.text,
-                    "logprobs": None,
+                    "logprobs": self._logprobs(False, c.token_ids, c.logprobs),
                     "finish_reason": c.finish_reason,
                     "stop_reason": None,
                 }
@@ -434,7 +459,10 @@ class ModelServer:
                     if text or finish:
                         choice.sent += len(text)
                         choice.closed = finish is not None
-                        item = {"index": choice.index, "logprobs": None, "finish_reason": finish}
+                        new = slice(choice.logprobs_sent, len(choice.logprobs))
+                        choice.logprobs_sent = new.stop
+                        logprobs = self._logprobs(chat, choice.token_ids[new], choice.logprobs[new])
+                        item = {"index": choice.index, "logprobs": logprobs, "finish_reason": finish}
                         if chat:
                             item["delta"] = {"content": text} if text else {}
                         else:

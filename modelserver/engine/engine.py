@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry
 
 from modelserver.engine.block_manager import KVCacheManager
 from modelserver.engine.config import EngineConfig
-from modelserver.engine.executor import Executor
+from modelserver.engine.executor import Executor, StepOutput
 from modelserver.engine.lora import LoRAError, LoRASlots
 from modelserver.engine.request import FinishReason, Request, RequestOutput, RequestStatus, SamplingParams
 from modelserver.engine.scheduler import Scheduler, SchedulerOutput
@@ -181,8 +181,8 @@ class AsyncEngine:
                     await asyncio.sleep(0.001)  # nothing fits this step (e.g. all deferred); do not spin
                     continue
                 self._update_gauges()  # like vLLM's scheduler stats: the state with this step's batch in flight
-                tokens = await self.executor.execute(output.batch)
-                self._process(output, tokens, time.monotonic())
+                step = await self.executor.execute(output.batch)
+                self._process(output, step, time.monotonic())
         except asyncio.CancelledError:
             raise
         except BaseException as exc:
@@ -192,14 +192,17 @@ class AsyncEngine:
                 if request.status is not RequestStatus.FINISHED:
                     queue.put(EngineDeadError(f"engine is dead: {exc!r}"))
 
-    def _process(self, output: SchedulerOutput, tokens: list[int | None], now: float) -> None:
+    def _process(self, output: SchedulerOutput, step: StepOutput, now: float) -> None:
         metrics, kv, scheduler = self.metrics, self.kv, self.scheduler
         eos = self.executor.eos_token_id
         prompt_done = generated = 0
         for request in output.newly_scheduled:
             metrics.queue.observe(request.scheduled_ts - request.queued_ts)
         requests = self._requests
-        for request, sequence, token in zip(output.requests, output.batch.sequences, tokens, strict=True):
+        logprobs = step.logprobs
+        for i, (request, sequence, token) in enumerate(
+            zip(output.requests, output.batch.sequences, step.tokens, strict=True)
+        ):
             if request.status is RequestStatus.FINISHED:  # aborted while the step ran
                 continue
             request.num_computed_tokens = sequence.start + sequence.num_new_tokens
@@ -222,7 +225,7 @@ class AsyncEngine:
             requests[request.request_id][1].put(
                 RequestOutput(
                     request.request_id, [token], reason is not None, reason, request.num_prompt_tokens,
-                    request.num_cached_tokens,
+                    request.num_cached_tokens, [logprobs[i]] if logprobs is not None and logprobs[i] is not None else None,
                 )
             )  # fmt: skip
         metrics.prompt_tokens.inc(prompt_done)

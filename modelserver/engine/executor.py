@@ -30,13 +30,20 @@ class ScheduledBatch:
     new_lora_loads: dict[int, tuple[str, str]] = field(default_factory=dict)  # slot -> (name, path)
 
 
+@dataclass(slots=True)
+class StepOutput:
+    tokens: list[int | None]  # the next token of each sequence that samples (None for the others), in order
+    logprobs: list[dict[int, float] | None] | None = None  # per sequence, when one asked: token id -> logprob
+
+
 class Executor(Protocol):
     block_size: int
     num_gpu_blocks: int
     eos_token_id: int | None
 
-    async def execute(self, batch: ScheduledBatch) -> list[int | None]:
-        """Run one step. Returns the next token for each sequence with `samples` (None for others), in order."""
+    async def execute(self, batch: ScheduledBatch) -> StepOutput:
+        """Run one step: the next token of each sequence with `samples`, and logprobs where they were asked for
+        (the sampled token and the top `params.logprobs` alternatives)."""
         ...
 
     def load_lora(self, slot: int, name: str, path: str) -> None: ...

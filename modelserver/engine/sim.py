@@ -14,7 +14,7 @@ import asyncio
 import random
 from dataclasses import dataclass, fields
 
-from modelserver.engine.executor import ScheduledBatch, ScheduledSequence
+from modelserver.engine.executor import ScheduledBatch, ScheduledSequence, StepOutput
 
 
 @dataclass
@@ -58,11 +58,16 @@ class SimExecutor:
         self._rng = random.Random(timing.seed)
         self.loaded_loras: dict[int, str] = {}
 
-    async def execute(self, batch: ScheduledBatch) -> list[int | None]:
+    async def execute(self, batch: ScheduledBatch) -> StepOutput:
         for slot, (name, path) in batch.new_lora_loads.items():
             self.load_lora(slot, name, path)
         await asyncio.sleep(self.timing.step_time(batch, self._rng))
-        return [self._filler_token(s) if s.samples else None for s in batch.sequences]
+        tokens = [self._filler_token(s) if s.samples else None for s in batch.sequences]
+        if not any(s.params.logprobs is not None for s in batch.sequences):
+            return StepOutput(tokens)
+        # The filler is deterministic: the sampled token has probability 1.
+        return StepOutput(tokens, [{t: 0.0} if t is not None and s.params.logprobs is not None else None
+                                   for s, t in zip(batch.sequences, tokens, strict=True)])  # fmt: skip
 
     def _filler_token(self, s: ScheduledSequence) -> int:
         """Deterministic like greedy decoding: the same prompt length (or seed) gives the same text."""

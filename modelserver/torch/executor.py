@@ -9,7 +9,7 @@ import logging
 import torch
 
 from modelserver.engine.config import EngineConfig
-from modelserver.engine.executor import ScheduledBatch
+from modelserver.engine.executor import ScheduledBatch, StepOutput
 from modelserver.torch.loader import load_lora_into_slot, load_model
 from modelserver.torch.model import StepInput, Transformer
 from modelserver.torch.sampler import sample
@@ -72,10 +72,10 @@ class TorchExecutor:
         load_lora_into_slot(self.model, slot, path)
         log.info("LoRA adapter %s loaded into slot %d", name, slot)
 
-    async def execute(self, batch: ScheduledBatch) -> list[int | None]:
+    async def execute(self, batch: ScheduledBatch) -> StepOutput:
         return await asyncio.to_thread(self.step, batch)
 
-    def step(self, batch: ScheduledBatch) -> list[int | None]:
+    def step(self, batch: ScheduledBatch) -> StepOutput:
         for slot, (name, path) in batch.new_lora_loads.items():
             self.load_lora(slot, name, path)
         ids, positions, slots, loras = [], [], [], []
@@ -108,8 +108,10 @@ class TorchExecutor:
         )  # fmt: skip
         self.tokens_computed += len(ids)
         logits = self.model(step, self.kv_caches)
-        tokens = iter(sample(logits, samplers)) if samplers else iter(())
-        return [next(tokens) if seq.samples else None for seq in batch.sequences]
+        tokens, logprobs = sample(logits, samplers) if samplers else ([], [])
+        picked, lps = iter(tokens), iter(logprobs)
+        out = [(next(picked), next(lps)) if seq.samples else (None, None) for seq in batch.sequences]
+        return StepOutput([t for t, _ in out], [lp for _, lp in out] if any(logprobs) else None)
 
     async def close(self) -> None:
         self.kv_caches = []

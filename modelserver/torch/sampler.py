@@ -8,7 +8,9 @@ import torch
 from modelserver.engine.executor import ScheduledSequence
 
 
-def sample(logits: torch.Tensor, sequences: list[ScheduledSequence]) -> list[int]:
+def sample(logits: torch.Tensor, sequences: list[ScheduledSequence]) -> tuple[list[int], list[dict[int, float] | None]]:
+    """The next token of each row, and (where `params.logprobs` is set) the sampled token's logprob with the top
+    `params.logprobs` alternatives, from the unmodified distribution like OpenAI's API."""
     greedy = logits.argmax(dim=-1).tolist()
     out = []
     for row, seq in enumerate(sequences):
@@ -31,4 +33,16 @@ def sample(logits: torch.Tensor, sequences: list[ScheduledSequence]) -> list[int
                 (p.seed * 1_000_003 + seq.num_sampled) % 2**63
             )
         out.append(int(torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=generator)))
-    return out
+    return out, [_logprobs(logits[row], token, seq.params.logprobs) for row, (seq, token) in
+                 enumerate(zip(sequences, out, strict=True))]  # fmt: skip
+
+
+def _logprobs(row: torch.Tensor, token: int, top: int | None) -> dict[int, float] | None:
+    if top is None:
+        return None
+    logprobs = torch.log_softmax(row, dim=-1)
+    chosen = {token: float(logprobs[token])}
+    if top:
+        values, indices = torch.topk(logprobs, min(top, logprobs.shape[-1]))
+        chosen.update(zip(indices.tolist(), values.tolist(), strict=True))
+    return chosen

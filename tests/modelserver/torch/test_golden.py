@@ -154,6 +154,10 @@ def test_seeded_sampling_is_reproducible(tiny, tokenizer):
     logits = torch.randn(2, 50)
     seqs = [ScheduledSequence("a", [1], 0, 1, [0], True, SamplingParams(temperature=0.9, top_p=0.8, top_k=20, seed=5),
                               0, 3) for _ in range(2)]  # fmt: skip
-    assert sample(logits[:1], seqs[:1]) == sample(logits[:1], seqs[:1])
+    assert sample(logits[:1], seqs[:1])[0] == sample(logits[:1], seqs[:1])[0]
     greedy = [ScheduledSequence("g", [1], 0, 1, [0], True, SamplingParams(temperature=0.0), 0, 0)]
-    assert sample(logits[:1], greedy) == [int(logits[0].argmax())]
+    assert sample(logits[:1], greedy) == ([int(logits[0].argmax())], [None])
+    wants = [ScheduledSequence("l", [1], 0, 1, [0], True, SamplingParams(temperature=0.0, logprobs=3), 0, 0)]
+    (token,), (logprobs,) = sample(logits[:1], wants)
+    assert token in logprobs and len(logprobs) == 3
+    assert logprobs[token] == pytest.approx(float(torch.log_softmax(logits[0], -1).max()))

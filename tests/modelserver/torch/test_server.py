@@ -37,3 +37,43 @@ def test_msp_conformance_in_torch_mode(tmp_path):
     finally:
         server.terminate()
         server.wait(10)
+
+
+def test_logprobs_over_http(tmp_path):
+    import asyncio
+
+    from openai import AsyncOpenAI
+
+    model = make_tiny_model(tmp_path / "tiny")
+    (port,) = free_ports(1)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "modelserver", "--backend", "torch", "--model", str(model), "--port", str(port),
+         "--served-model-name", "tiny", "--disable-log-stats"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        while not (line := server.stdout.readline().decode()).startswith("ready on"):
+            assert line, "the torch server exited before it was ready"
+
+        async def ask():
+            client = AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x")
+            completion = await client.completions.create(model="tiny", prompt="hello", max_tokens=4, logprobs=2,
+                                                         temperature=0)  # fmt: skip
+            chat = await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                                        max_tokens=3, logprobs=True, top_logprobs=2, temperature=0)  # fmt: skip
+            stream = await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                                          max_tokens=3, logprobs=True, temperature=0, stream=True)  # fmt: skip
+            streamed = [c.choices[0].logprobs for c in [c async for c in stream] if c.choices and c.choices[0].logprobs]
+            return completion, chat, streamed
+
+        completion, chat, streamed = asyncio.run(ask())
+        lp = completion.choices[0].logprobs
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+        assert all(v <= 0 for v in lp.token_logprobs)
+        assert all(len(top) in (2, 3) for top in lp.top_logprobs)  # the top 2, plus the sampled token if not among them
+        assert max(lp.top_logprobs[0].values()) == lp.token_logprobs[0]  # temperature 0 samples the most likely
+        content = chat.choices[0].logprobs.content
+        assert len(content) == 3 and all(len(c.top_logprobs) <= 2 for c in content)
+        assert sum(len(s.content) for s in streamed) == 3
+    finally:
+        server.terminate()
+        server.wait(10)
