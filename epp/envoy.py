@@ -38,6 +38,7 @@ def render_bootstrap(
     bind_address: str = "127.0.0.1",
     request_body_mode: str | None = None,
     response_body_mode: str = "NONE",
+    template: Path = TEMPLATE,
 ) -> str:
     """The bootstrap YAML; `fallback_endpoints` are "host:port" strings of the pool (FailOpen routing).
 
@@ -52,7 +53,7 @@ def render_bootstrap(
         raise ValueError("request_body_mode must be FULL_DUPLEX_STREAMED or BUFFERED")
     if response_body_mode not in ("NONE", "FULL_DUPLEX_STREAMED"):
         raise ValueError("response_body_mode must be NONE or FULL_DUPLEX_STREAMED")
-    return string.Template(TEMPLATE.read_text()).substitute(
+    return string.Template(template.read_text()).substitute(
         BIND_ADDRESS=bind_address,
         LISTENER_PORT=listener_port,
         ADMIN_ADDRESS=bind_address,
