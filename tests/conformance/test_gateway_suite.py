@@ -13,6 +13,7 @@ def run_suite(tmp_path, *args):
     report = tmp_path / "report.yaml"
     result = subprocess.run([sys.executable, "-m", "protocol.conformance", "gateway", "--report", str(report), *args],
                             capture_output=True, text=True, timeout=240)  # fmt: skip
+    assert report.exists(), result.stdout[-3000:] + result.stderr[-3000:]
     return result, yaml.safe_load(report.read_text())
 
 
