@@ -39,6 +39,7 @@ def render_bootstrap(
     request_body_mode: str | None = None,
     response_body_mode: str = "NONE",
     template: Path = TEMPLATE,
+    admin_address: str | None = None,
 ) -> str:
     """The bootstrap YAML; `fallback_endpoints` are "host:port" strings of the pool (FailOpen routing).
 
@@ -56,7 +57,7 @@ def render_bootstrap(
     return string.Template(template.read_text()).substitute(
         BIND_ADDRESS=bind_address,
         LISTENER_PORT=listener_port,
-        ADMIN_ADDRESS=bind_address,
+        ADMIN_ADDRESS=admin_address or bind_address,
         ADMIN_PORT=admin_port,
         EPP_HOST=epp_host,
         EPP_PORT=epp_port,
@@ -67,6 +68,15 @@ def render_bootstrap(
         RESPONSE_TRAILER_MODE="SEND" if response_body_mode == "FULL_DUPLEX_STREAMED" else "SKIP",
         FALLBACK_ENDPOINTS=_endpoints_yaml(fallback_endpoints),
     )
+
+
+KUBERNETES_BOOTSTRAP = TEMPLATES.parent / "gateways" / "envoy" / "envoy.yaml"
+
+
+def render_kubernetes_bootstrap() -> str:
+    """The bootstrap the `gateways/envoy` kustomization ships: the EPP and the model servers by Service name."""
+    return render_bootstrap(epp_host="epp", epp_port=9002, fallback_endpoints=["model-server:8000"], listener_port=8081,
+                            admin_port=19000, bind_address="0.0.0.0", admin_address="127.0.0.1")  # fmt: skip
 
 
 def render_baseline(
@@ -148,3 +158,7 @@ class EnvoyProcess:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+if __name__ == "__main__":  # regenerate manifests/gateways/envoy/envoy.yaml after changing the template
+    KUBERNETES_BOOTSTRAP.write_text(render_kubernetes_bootstrap())
