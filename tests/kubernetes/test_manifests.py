@@ -1,0 +1,181 @@
+"""Every kustomization builds; every object validates against the Kubernetes OpenAPI schemas or our CRDs (with
+their CEL rules); the CRDs reject what upstream rejects; containers are locked down; RBAC is least-privilege."""
+
+import copy
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from epp.envoy import KUBERNETES_BOOTSTRAP, render_kubernetes_bootstrap
+from tests.kubernetes.crd_validation import crd_schemas, validate_custom_resource
+
+MANIFESTS = Path(__file__).resolve().parents[2] / "manifests"
+KUSTOMIZATIONS = [
+    "crds",
+    "base",
+    "overlays/sim",
+    "overlays/gpu",
+    "gateways/envoy",
+    "gateways/gateway-api",
+    "monitoring",
+]
+K8S_VERSION = "1.32.0"
+OUR_CRD_KINDS = {"InferencePool", "InferenceObjective", "InferenceModelRewrite"}
+# Kinds whose CRDs belong to other projects (Gateway API, Prometheus Operator): checked for shape only.
+FOREIGN_KINDS = {"Gateway", "HTTPRoute", "PodMonitor", "ServiceMonitor"}
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("kubectl") is None, reason="kubectl (for `kubectl kustomize`) is not installed"
+)
+
+
+def build(path: str) -> list[dict]:
+    out = subprocess.run(["kubectl", "kustomize", str(MANIFESTS / path)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return [doc for doc in yaml.safe_load_all(out.stdout) if doc]
+
+
+@pytest.mark.parametrize("path", KUSTOMIZATIONS)
+def test_kustomization_builds_and_validates(path):
+    schemas = crd_schemas()
+    objects = build(path)
+    assert objects
+    for obj in objects:
+        kind = obj["kind"]
+        if kind in OUR_CRD_KINDS:
+            assert validate_custom_resource(obj, schemas) == [], obj["metadata"]["name"]
+        elif kind in FOREIGN_KINDS:
+            assert obj["apiVersion"] and obj["metadata"]["name"] and obj["spec"]
+        else:
+            kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+
+
+def test_overlays_bring_up_pool_epp_and_gateway():
+    for overlay in ("overlays/sim", "overlays/gpu"):
+        kinds = {(o["kind"], o["metadata"]["name"]) for o in build(overlay)}
+        for needed in [("Deployment", "epp"), ("Deployment", "model-server"), ("Deployment", "inference-gateway"),
+                       ("InferencePool", "model-server-pool"), ("Service", "epp"), ("ConfigMap", "envoy-bootstrap"),
+                       ("CustomResourceDefinition", "inferencepools.inference.networking.k8s.io")]:  # fmt: skip
+            assert needed in kinds, (overlay, needed)
+    gpu = next(
+        o for o in build("overlays/gpu") if o["kind"] == "Deployment" and o["metadata"]["name"] == "model-server"
+    )
+    container = gpu["spec"]["template"]["spec"]["containers"][0]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert "--backend=torch" in container["args"]
+    assert container["readinessProbe"]["httpGet"]["path"] == "/health"
+
+
+def test_epp_service_ports():
+    service = next(o for o in build("base") if o["kind"] == "Service" and o["metadata"]["name"] == "epp")
+    ports = {p["port"]: p for p in service["spec"]["ports"]}
+    assert set(ports) == {9002, 9003, 9090}
+    assert ports[9002]["appProtocol"] == "http2"
+
+
+def test_containers_are_non_root_read_only_and_drop_capabilities():
+    for overlay in ("overlays/sim", "overlays/gpu"):
+        for obj in build(overlay):
+            if obj["kind"] != "Deployment":
+                continue
+            pod = obj["spec"]["template"]["spec"]
+            assert pod["securityContext"]["runAsNonRoot"] is True
+            for container in pod["containers"]:
+                sc = container["securityContext"]
+                assert sc["readOnlyRootFilesystem"] and not sc["allowPrivilegeEscalation"]
+                assert sc["capabilities"]["drop"] == ["ALL"]
+
+
+def test_rbac_is_least_privilege():
+    role = next(o for o in build("base") if o["kind"] == "Role")
+    grants = {
+        (g, r, v) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]
+    }
+    read = {"get", "list", "watch"}
+    expected = ({("", "pods", v) for v in read}
+                | {("inference.networking.k8s.io", "inferencepools", v) for v in read}
+                | {("inference.networking.x-k8s.io", r, v) for r in ("inferenceobjectives", "inferencemodelrewrites") for v in read}
+                | {("coordination.k8s.io", "leases", v) for v in (*read, "create", "update")})  # fmt: skip
+    assert grants == expected
+    assert all(o["kind"] != "ClusterRole" for o in build("overlays/sim"))
+
+
+def test_shipped_envoy_bootstrap_is_the_rendered_template():
+    assert KUBERNETES_BOOTSTRAP.read_text() == render_kubernetes_bootstrap(), "run `python -m epp.envoy`"
+
+
+def test_dashboard_is_valid_grafana_json():
+    dashboard = json.loads((MANIFESTS / "monitoring" / "dashboard.json").read_text())
+    titles = " ".join(p["title"] for p in dashboard["panels"]).lower()
+    for topic in ("queue", "running", "kv", "ttft", "inter-token", "end-to-end", "prefix", "epp"):
+        assert topic in titles, topic
+
+
+POOL = {
+    "apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool", "metadata": {"name": "p"},
+    "spec": {"selector": {"matchLabels": {"app": "m"}}, "targetPorts": [{"number": 8000}],
+             "endpointPickerRef": {"name": "epp", "port": {"number": 9002}}},
+}  # fmt: skip
+REWRITE = {
+    "apiVersion": "inference.networking.x-k8s.io/v1alpha2", "kind": "InferenceModelRewrite", "metadata": {"name": "r"},
+    "spec": {"poolRef": {"name": "p"}, "rules": [{"matches": [{"model": {"type": "Exact", "value": "a"}}],
+                                                  "targets": [{"modelRewrite": "a-v1", "weight": 90},
+                                                              {"modelRewrite": "a-v2", "weight": 10}]}]},
+}  # fmt: skip
+OBJECTIVE = {"apiVersion": "inference.networking.x-k8s.io/v1alpha2", "kind": "InferenceObjective",
+             "metadata": {"name": "o"}, "spec": {"priority": -1, "poolRef": {"name": "p"}}}  # fmt: skip
+
+
+def with_change(obj, path, value):
+    obj = copy.deepcopy(obj)
+    node = obj
+    for key in path[:-1]:
+        node = node[key]
+    if value is ...:
+        del node[path[-1]]
+    else:
+        node[path[-1]] = value
+    return obj
+
+
+@pytest.mark.parametrize("obj", [POOL, REWRITE, OBJECTIVE], ids=["pool", "rewrite", "objective"])
+def test_valid_custom_resources_are_accepted(obj):
+    assert validate_custom_resource(obj) == []
+
+
+@pytest.mark.parametrize(
+    ("obj", "message"),
+    [
+        (with_change(POOL, ["spec", "targetPorts"], [{"number": 8000}, {"number": 8000}]), "unique"),
+        (with_change(POOL, ["spec", "targetPorts"], [{"number": 8000 + i} for i in range(9)]), "too long"),
+        (with_change(POOL, ["spec", "targetPorts"], []), "should be non-empty"),
+        (with_change(POOL, ["spec", "targetPorts"], [{"number": 70000}]), "maximum"),
+        (with_change(POOL, ["spec", "selector"], ...), "selector"),
+        (with_change(POOL, ["spec", "endpointPickerRef", "port"], ...), "port is required"),
+        (with_change(POOL, ["spec", "endpointPickerRef", "failureMode"], "FailSometimes"), "is not one of"),
+        (with_change(POOL, ["spec", "appProtocol"], "grpc"), "is not one of"),
+        (with_change(REWRITE, ["spec", "rules"], []), "should be non-empty"),
+        (with_change(REWRITE, ["spec", "rules", 0, "targets"], [{"modelRewrite": "x", "weight": 0}]), "minimum"),
+        (
+            with_change(REWRITE, ["spec", "rules", 0, "targets"], [{"modelRewrite": "x"}, {"modelRewrite": "x"}]),
+            "unique",
+        ),
+        (with_change(OBJECTIVE, ["spec", "poolRef"], ...), "poolRef"),
+        (with_change(OBJECTIVE, ["spec", "priority"], "high"), "integer"),
+    ],
+)
+def test_invalid_custom_resources_are_rejected(obj, message):
+    errors = validate_custom_resource(obj)
+    assert errors and any(message in e for e in errors), errors
+
+
+def test_a_service_picker_needs_a_port_but_another_kind_does_not():
+    other_kind = with_change(
+        POOL, ["spec", "endpointPickerRef"], {"group": "example.com", "kind": "Picker", "name": "x"}
+    )
+    assert validate_custom_resource(other_kind) == []
