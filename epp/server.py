@@ -328,8 +328,8 @@ class RequestStream:
 
 
 def _rewrite(model: str, rewrites: tuple[ModelRewrite, ...]) -> str | None:
-    for rule in rewrites:
-        if rule.model == model and rule.targets:
+    for rule in rewrites:  # in order; "*" (an InferenceModelRewrite rule without matches) takes any model
+        if rule.model in (model, "*") and rule.targets:
             names, weights = zip(*rule.targets, strict=True)
             return random.choices(names, weights)[0]
     return None
