@@ -1,0 +1,153 @@
+"""A local HTTP server that speaks the Kubernetes API's list and watch protocol for the few resources the EPP reads
+(pods, inferencepools, inferenceobjectives, inferencemodelrewrites) and the leases it writes: resourceVersions,
+watch events after a version, bookmarks, 410 Gone after compaction, and connections it can drop mid-stream."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+
+from aiohttp import web
+
+PATHS = {
+    "pods": "/api/v1/namespaces/{ns}/pods",
+    "inferencepools": "/apis/inference.networking.k8s.io/v1/namespaces/{ns}/inferencepools",
+    "inferenceobjectives": "/apis/inference.networking.x-k8s.io/v1alpha2/namespaces/{ns}/inferenceobjectives",
+    "inferencemodelrewrites": "/apis/inference.networking.x-k8s.io/v1alpha2/namespaces/{ns}/inferencemodelrewrites",
+}
+LEASES = "/apis/coordination.k8s.io/v1/namespaces/{ns}/leases"
+
+
+class FakeAPIServer:
+    def __init__(self) -> None:
+        self.rv = 100
+        self.objects: dict[str, dict[str, dict]] = {kind: {} for kind in [*PATHS, "leases"]}
+        self.history: dict[str, list[tuple[int, str, dict]]] = {kind: [] for kind in PATHS}
+        self.compacted_before = 0
+        self.changed = asyncio.Event()
+        self.watches: list[web.StreamResponse] = []
+        self.watch_requests = 0
+        self.list_requests = 0
+        self.app = web.Application()
+        for kind, path in PATHS.items():
+            self.app.router.add_get(path, self._handler(kind))
+        self.app.router.add_get(LEASES + "/{name}", self.get_lease)
+        self.app.router.add_post(LEASES, self.create_lease)
+        self.app.router.add_put(LEASES + "/{name}", self.replace_lease)
+
+    # -- test controls -----------------------------------------------------------------------------------------
+    def apply(self, kind: str, obj: dict) -> None:
+        self.rv += 1
+        obj = copy.deepcopy(obj)
+        obj.setdefault("metadata", {})["resourceVersion"] = str(self.rv)
+        name = obj["metadata"]["name"]
+        event = "MODIFIED" if name in self.objects[kind] else "ADDED"
+        self.objects[kind][name] = obj
+        self.history[kind].append((self.rv, event, obj))
+        self._notify()
+
+    def delete(self, kind: str, name: str) -> None:
+        self.rv += 1
+        obj = copy.deepcopy(self.objects[kind].pop(name))
+        obj["metadata"]["resourceVersion"] = str(self.rv)
+        self.history[kind].append((self.rv, "DELETED", obj))
+        self._notify()
+
+    def compact(self) -> None:
+        """Forget the event history: a watch from an older resourceVersion now gets 410 Gone."""
+        self.compacted_before = self.rv + 1
+        for events in self.history.values():
+            events.clear()
+
+    async def drop_watches(self) -> None:
+        for response in list(self.watches):
+            transport = response._req.transport if response._req is not None else None
+            if transport is not None:
+                transport.close()
+        self.watches.clear()
+
+    def _notify(self) -> None:
+        self.changed.set()
+        self.changed = asyncio.Event()
+
+    # -- list and watch ----------------------------------------------------------------------------------------
+    def _handler(self, kind: str):
+        async def handle(request: web.Request) -> web.StreamResponse:
+            if request.query.get("watch") in ("true", "1", "True"):
+                return await self._watch(kind, request)
+            self.list_requests += 1
+            return web.json_response({"kind": "List", "apiVersion": "v1", "metadata": {"resourceVersion": str(self.rv)},
+                                      "items": list(self.objects[kind].values())})  # fmt: skip
+
+        return handle
+
+    async def _watch(self, kind: str, request: web.Request) -> web.StreamResponse:
+        self.watch_requests += 1
+        since = int(request.query.get("resourceVersion") or 0)
+        timeout = float(request.query.get("timeoutSeconds") or 30)
+        bookmarks = request.query.get("allowWatchBookmarks") in ("true", "True", "1")
+        response = web.StreamResponse(headers={"Content-Type": "application/json"})
+        await response.prepare(request)
+        self.watches.append(response)
+
+        async def send(event: dict) -> None:
+            await response.write(json.dumps(event).encode() + b"\n")
+
+        try:
+            if since < self.compacted_before:
+                await send({"type": "ERROR", "object": {"kind": "Status", "code": 410, "reason": "Expired",
+                                                        "message": f"too old resource version: {since}"}})  # fmt: skip
+                return response
+            deadline = asyncio.get_running_loop().time() + timeout
+            while asyncio.get_running_loop().time() < deadline:
+                for rv, event, obj in self.history[kind]:
+                    if rv > since:
+                        await send({"type": event, "object": obj})
+                        since = rv
+                changed = self.changed
+                try:
+                    await asyncio.wait_for(changed.wait(), 0.2)
+                except TimeoutError:
+                    if bookmarks:
+                        await send(
+                            {"type": "BOOKMARK", "object": {"metadata": {"resourceVersion": str(max(since, self.rv))}}}
+                        )
+                        since = max(since, self.rv)
+            await response.write_eof()
+        except (ConnectionResetError, RuntimeError):
+            pass
+        finally:
+            if response in self.watches:
+                self.watches.remove(response)
+        return response
+
+    # -- leases ------------------------------------------------------------------------------------------------
+    async def get_lease(self, request: web.Request) -> web.Response:
+        lease = self.objects["leases"].get(request.match_info["name"])
+        if lease is None:
+            return web.json_response({"kind": "Status", "code": 404, "reason": "NotFound"}, status=404)
+        return web.json_response(lease)
+
+    async def create_lease(self, request: web.Request) -> web.Response:
+        lease = await request.json()
+        name = lease["metadata"]["name"]
+        if name in self.objects["leases"]:
+            return web.json_response({"kind": "Status", "code": 409, "reason": "AlreadyExists"}, status=409)
+        self.rv += 1
+        lease["metadata"]["resourceVersion"] = str(self.rv)
+        self.objects["leases"][name] = lease
+        return web.json_response(lease, status=201)
+
+    async def replace_lease(self, request: web.Request) -> web.Response:
+        lease = await request.json()
+        name = request.match_info["name"]
+        current = self.objects["leases"].get(name)
+        if current is None:
+            return web.json_response({"kind": "Status", "code": 404, "reason": "NotFound"}, status=404)
+        if lease["metadata"].get("resourceVersion") != current["metadata"]["resourceVersion"]:
+            return web.json_response({"kind": "Status", "code": 409, "reason": "Conflict"}, status=409)
+        self.rv += 1
+        lease["metadata"]["resourceVersion"] = str(self.rv)
+        self.objects["leases"][name] = lease
+        return web.json_response(lease)
