@@ -3,13 +3,7 @@
 import asyncio
 import contextlib
 
-import pytest
-from aiohttp import web
-from kubernetes import client as k8s
-
 from epp.datalayer.kubernetes import KubernetesSource
-from tests.conftest import free_ports
-from tests.kubernetes.fake_apiserver import FakeAPIServer
 
 NS = "serving"
 
@@ -26,23 +20,6 @@ def pool(selector=None, ports=(8000,)):
     return {"apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool", "metadata": {"name": "pool"},
             "spec": {"selector": {"matchLabels": selector or {"app": "model-server"}},
                      "targetPorts": [{"number": p} for p in ports], "endpointPickerRef": {"name": "epp", "port": {"number": 9002}}}}  # fmt: skip
-
-
-@pytest.fixture
-async def apiserver():
-    server = FakeAPIServer()
-    runner = web.AppRunner(server.app)
-    await runner.setup()
-    (port,) = free_ports(1)
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    config = k8s.Configuration(host=f"http://127.0.0.1:{port}")
-    api = k8s.ApiClient(config)
-    try:
-        yield server, api
-    finally:
-        await server.drop_watches()
-        await runner.cleanup()
-        api.close()
 
 
 class Collector:
