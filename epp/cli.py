@@ -7,8 +7,10 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import re
 import signal
+import socket
 import sys
 from pathlib import Path
 
@@ -20,9 +22,12 @@ from grpc_health.v1 import health_pb2_grpc
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from epp.datalayer.datastore import Datastore
+from epp.datalayer.endpoint import PoolState
+from epp.datalayer.kubernetes import KubernetesSource
 from epp.datalayer.pool_file import PoolFileError, PoolFileSource
 from epp.datalayer.scraper import Scraper
 from epp.health import HealthState
+from epp.leader import LeaseElector
 from epp.metrics import EPPMetrics
 from epp.scheduling.errors import ConfigError
 from epp.scheduling.scheduler import Scheduler
@@ -41,6 +46,19 @@ def duration(text: str) -> float:
     return value * {"ms": 0.001, "s": 1.0, "m": 60.0}[unit]
 
 
+def _kubernetes_api(kubeconfig: str | None):
+    from kubernetes import client, config
+
+    if kubeconfig:
+        config.load_kube_config(config_file=kubeconfig)
+    else:
+        try:
+            config.load_incluster_config()
+        except config.ConfigException:
+            config.load_kube_config()
+    return client.ApiClient()
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="epp", description=__doc__)
     p.add_argument("--grpc-port", type=int, default=extproc.EPP_GRPC_PORT)
@@ -51,6 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pool-name", help="InferencePool to watch (Kubernetes discovery)")
     p.add_argument("--pool-namespace", default="default")
     p.add_argument("--pool-group", default="inference.networking.k8s.io")
+    p.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster config, else ~/.kube/config)")
+    p.add_argument(
+        "--ha-enable-leader-election",
+        action="store_true",
+        help="several replicas: only the Lease holder serves (reports ready)",
+    )
     p.add_argument("--refresh-metrics-interval", type=duration, default=0.05)
     p.add_argument("--metrics-staleness-threshold", type=duration, default=2.0)
     p.add_argument("--scrape-timeout", type=duration, default=1.0)
@@ -63,10 +87,20 @@ def build_parser() -> argparse.ArgumentParser:
 async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     config_text = Path(args.config_file).read_text() if args.config_file else args.config_text
     scheduler = Scheduler.from_config(config_text)
-    source = PoolFileSource(args.pool_file)
+    elector = None
+    if args.pool_file:
+        source = PoolFileSource(args.pool_file)
+        initial = source.initial()
+    else:
+        api = _kubernetes_api(args.kubeconfig)
+        source = KubernetesSource(api, args.pool_name, args.pool_namespace, args.pool_group)
+        initial = PoolState()
+        if args.ha_enable_leader_election:
+            identity = os.environ.get("POD_NAME") or f"{socket.gethostname()}-{os.getpid()}"
+            elector = LeaseElector(api, f"{args.pool_name}-epp", args.pool_namespace, identity)
     scraper = Scraper(args.refresh_metrics_interval, args.scrape_timeout, args.metrics_staleness_threshold)
     datastore = Datastore(scraper, scheduler.on_pool_changed)
-    datastore.apply(source.initial())
+    datastore.apply(initial)
     pool_name = args.pool_name or Path(args.pool_file).stem
     metrics = EPPMetrics(pool_name, lambda: datastore.endpoints, lambda: scheduler.prefix_scorer)
     picker = EndpointPicker(datastore, scheduler, metrics)
@@ -86,12 +120,16 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     app.router.add_get("/metrics", metrics_handler)
     runner = web.AppRunner(app, access_log=None)
     watcher = asyncio.create_task(source.run(datastore.apply))
+    tasks = [watcher]
     try:
         await server.start()
         await health_server.start()
         await runner.setup()
         await web.TCPSite(runner, args.bind_address, args.metrics_port).start()
-        await health.set(live=True, ready=True)
+        await health.set(live=True, ready=elector is None)
+        if elector is not None:
+            elector.on_change = lambda leader: health.set(live=True, ready=leader)
+            tasks.append(asyncio.create_task(elector.run()))
         log.info(
             "epp ready: ext_proc %s:%d, health %d, metrics %d, %d endpoints",
             args.bind_address, args.grpc_port, args.grpc_health_port, args.metrics_port, len(datastore.endpoints),
@@ -99,7 +137,8 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
         print(f"epp ready on {args.bind_address}:{args.grpc_port}", flush=True)
         await stop.wait()
     finally:
-        watcher.cancel()
+        for task in tasks:
+            task.cancel()
         await health.set(live=False, ready=False)
         await server.stop(grace=1.0)
         await health_server.stop(grace=None)
@@ -111,8 +150,6 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     if bool(args.pool_file) == bool(args.pool_name):
         raise SystemExit("epp: give exactly one of --pool-file or --pool-name")
-    if args.pool_name:
-        raise SystemExit("epp: Kubernetes discovery (--pool-name) is not built into this version; use --pool-file")
     logging.basicConfig(
         level=logging.DEBUG if args.verbosity > 0 else logging.INFO,
         format='{"ts":"%(asctime)s","level":"%(levelname)s","logger":"%(name)s","msg":"%(message)s"}',

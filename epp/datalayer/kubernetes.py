@@ -18,7 +18,6 @@ import asyncio
 import json
 import logging
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -119,6 +118,7 @@ class KubernetesSource:
         ]
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._open_watches: set = set()  # streaming responses, shut down on stop to unblock their threads
         self.relists = 0
 
     def state(self) -> PoolState:
@@ -137,10 +137,12 @@ class KubernetesSource:
         try:
             await asyncio.gather(*threads)
         finally:
-            self._stop.set()
+            self.stop()
 
     def stop(self) -> None:
         self._stop.set()
+        for response in list(self._open_watches):
+            response.shutdown()
 
     # -- one resource ------------------------------------------------------------------------------------------
     def _list(self, resource: _Resource, publish: Callable[[], None]) -> None:
@@ -158,6 +160,7 @@ class KubernetesSource:
             watch=True, resource_version=resource.resource_version, allow_watch_bookmarks=True,
             timeout_seconds=self.watch_timeout, _preload_content=False, _request_timeout=(5, self.watch_timeout + 5),
         )  # fmt: skip
+        self._open_watches.add(response)
         try:
             buffer = b""
             for chunk in response.stream(amt=None, decode_content=True):
@@ -169,6 +172,7 @@ class KubernetesSource:
                     if line.strip():
                         self._apply(resource, json.loads(line), publish)
         finally:
+            self._open_watches.discard(response)
             response.release_conn()
 
     def _apply(self, resource: _Resource, event: dict, publish: Callable[[], None]) -> None:
@@ -207,5 +211,5 @@ class KubernetesSource:
                 if self._stop.is_set():
                     return
                 log.warning("%s: watch failed (%s); retrying in %.1fs", resource.name, exc, backoff)
-                time.sleep(backoff)
+                self._stop.wait(backoff)
                 backoff = min(backoff * 2, 10.0)

@@ -1,0 +1,74 @@
+"""`epp --pool-name` end to end: two EPP replicas discover a sim model server through the (local) Kubernetes API,
+scrape it, and only the Lease holder reports ready."""
+
+import asyncio
+import subprocess
+import sys
+
+import aiohttp
+import grpc
+import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tests.conftest import free_ports
+from tests.kubernetes.test_discovery import NS, pod, pool
+
+
+async def readiness(port: int) -> int:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        response = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service="readiness"))
+        return response.status
+
+
+async def test_epp_replicas_discover_and_elect(apiserver, tmp_path):
+    server, api = apiserver
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "local",
+        "clusters": [{"name": "local", "cluster": {"server": api.configuration.host}}],
+        "contexts": [{"name": "local", "context": {"cluster": "local", "user": "u", "namespace": NS}}],
+        "users": [{"name": "u", "user": {"token": "test"}}]}))  # fmt: skip
+    (model_port,) = free_ports(1)
+    model = subprocess.Popen([sys.executable, "-m", "modelserver", "--port", str(model_port), "--disable-log-stats"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    server.apply("inferencepools", pool(ports=(model_port,)))
+    server.apply("pods", pod("ms-0", "127.0.0.1"))
+    replicas = []
+    try:
+        for _ in range(2):
+            grpc_port, health_port, metrics_port = free_ports(3)
+            process = subprocess.Popen(
+                [sys.executable, "-m", "epp", "--pool-name", "pool", "--pool-namespace", NS, "--kubeconfig",
+                 str(kubeconfig), "--ha-enable-leader-election", "--bind-address", "127.0.0.1", "--grpc-port",
+                 str(grpc_port), "--grpc-health-port", str(health_port), "--metrics-port", str(metrics_port)],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            )  # fmt: skip
+            replicas.append((process, health_port, metrics_port))
+        async with aiohttp.ClientSession() as session:
+            for _, _, metrics_port in replicas:
+                for _ in range(150):
+                    try:
+                        async with session.get(f"http://127.0.0.1:{metrics_port}/metrics") as r:
+                            if 'inference_pool_ready_pods{name="pool"} 1.0' in await r.text():
+                                break
+                    except aiohttp.ClientError:
+                        pass
+                    await asyncio.sleep(0.1)
+                else:
+                    raise AssertionError("the EPP never saw the model server as a ready endpoint")
+        statuses = []
+        for _ in range(50):
+            statuses = [await readiness(health) for _, health, _ in replicas]
+            if statuses.count(health_pb2.HealthCheckResponse.SERVING) == 1:
+                break
+            await asyncio.sleep(0.1)
+        assert sorted(statuses) == sorted(
+            [health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING]
+        )
+        assert server.objects["leases"]["pool-epp"]["spec"]["holderIdentity"]
+    finally:
+        for process, _, _ in replicas:
+            process.terminate()
+            process.wait(10)
+        model.terminate()
+        model.wait(10)
