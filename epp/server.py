@@ -281,15 +281,26 @@ class RequestStream:
             if h.key == ":status":
                 self.status = h.raw_value.decode() if h.raw_value else h.value
                 break
-        return [pb.ProcessingResponse(response_headers=pb.HeadersResponse(response=pb.CommonResponse()))]
+        common = pb.CommonResponse()
+        if self._rewrites_back():  # the body will change length: let the proxy re-frame it
+            common.header_mutation.remove_headers.append("content-length")
+        return [pb.ProcessingResponse(response_headers=pb.HeadersResponse(response=common))]
+
+    def _rewrites_back(self) -> bool:
+        """A rewritten model's name goes back to the client's name in responses the EPP streams back."""
+        return self.response_full_duplex and bool(self.target_model) and self.target_model != self.model
 
     def _on_response_body(self, body: pb.HttpBody) -> list[pb.ProcessingResponse]:
         if body.body:
             self.response_tail = (self.response_tail + body.body)[-_USAGE_TAIL_BYTES:]
         if not self.response_full_duplex:
             return [pb.ProcessingResponse(response_body=pb.BodyResponse(response=pb.CommonResponse()))]
+        chunk = body.body
+        if chunk and self._rewrites_back():
+            pattern = re.compile(rb'("model"\s*:\s*)' + re.escape(json.dumps(self.target_model).encode()))
+            chunk = pattern.sub(lambda m: m.group(1) + json.dumps(self.model).encode(), chunk)
         mutation = pb.BodyMutation(
-            streamed_response=pb.StreamedBodyResponse(body=body.body, end_of_stream=body.end_of_stream)
+            streamed_response=pb.StreamedBodyResponse(body=chunk, end_of_stream=body.end_of_stream)
         )
         return [
             pb.ProcessingResponse(response_body=pb.BodyResponse(response=pb.CommonResponse(body_mutation=mutation)))

@@ -223,3 +223,25 @@ def test_response_path_reads_served_endpoint_and_usage():
         )
         == 7
     )
+
+
+def test_rewritten_model_is_rewritten_back_in_streamed_responses():
+    state = PoolState(
+        endpoints=(EndpointSpec("a", "10.0.0.1", 8000),), rewrites=(ModelRewrite("food", (("food-v2", 1),)),)
+    )
+    stream = RequestStream(make_picker(state))
+    headers = headers_message(BASE_HEADERS)
+    headers.protocol_config.response_body_mode = FULL_DUPLEX
+    stream.handle(headers)
+    stream.handle(body_message(b'{"model": "food", "prompt": "x", "stream": true}'))
+    (response,) = stream.handle(pb.ProcessingRequest(response_headers=pb.HttpHeaders()))
+    assert list(response.response_headers.response.header_mutation.remove_headers) == ["content-length"]
+    chunk = b'data: {"id":"1","model":"food-v2","choices":[]}\n\n'
+    (echo,) = stream.handle(pb.ProcessingRequest(response_body=pb.HttpBody(body=chunk, end_of_stream=False)))
+    assert echo.response_body.response.body_mutation.streamed_response.body == chunk.replace(b"food-v2", b"food")
+    full = b'{"model": "food-v2", "text": "the model food-v2 said"}'
+    (echo,) = stream.handle(pb.ProcessingRequest(response_body=pb.HttpBody(body=full, end_of_stream=True)))
+    assert (
+        echo.response_body.response.body_mutation.streamed_response.body
+        == b'{"model": "food", "text": "the model food-v2 said"}'
+    )

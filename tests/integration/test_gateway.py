@@ -146,3 +146,20 @@ async def test_killed_model_server_is_dropped_and_others_keep_serving(make_stack
         await asyncio.sleep(0.3)  # the scraper notices the refused connection
         after = [(await complete(session, stack))[0] for _ in range(12)]
         assert after == [200] * 12
+
+
+async def test_rewritten_model_goes_back_to_the_client_name_with_response_bodies(make_stack):
+    stack = await make_stack(servers=2, response_body_mode="FULL_DUPLEX_STREAMED")
+    rewrite = {"x-gateway-model-name-rewrite": MODEL}
+    async with aiohttp.ClientSession() as session:
+        status, payload = await complete(
+            session, stack, {"model": "my-alias", "prompt": "hi", "max_tokens": 3}, rewrite
+        )
+        assert status == 200 and json.loads(payload)["model"] == "my-alias"
+        body = {"model": "my-alias", "prompt": "hi", "max_tokens": 3, "stream": True,
+                "stream_options": {"include_usage": True}}  # fmt: skip
+        async with session.post(f"{stack.gateway_url}/v1/completions", json=body, headers=rewrite) as r:
+            events = [e[6:] for e in (await r.read()).decode().split("\n\n") if e]
+    assert events[-1] == "[DONE]"
+    assert {json.loads(e)["model"] for e in events[:-1]} == {"my-alias"}
+    assert json.loads(events[-2])["usage"]["completion_tokens"] == 3
