@@ -65,6 +65,10 @@ async def test_pods_pool_objectives_and_rewrites(apiserver):
         state = await seen.until(lambda s: ("a-rank-0", "10.0.0.7:8000", "vllm") in addresses(s))
         server.apply("pods", pod("b", "10.0.0.2", terminating=True))  # terminating
         await seen.until(lambda s: len(s.endpoints) == 2)
+        server.apply("pods", pod("b", "10.0.0.2"))  # back, then deleted
+        await seen.until(lambda s: len(s.endpoints) == 4)
+        server.delete("pods", "b")
+        await seen.until(lambda s: len(s.endpoints) == 2)
         server.apply("pods", pod("a", "10.0.0.7", labels={"app": "renamed"}))  # labels no longer match
         await seen.until(lambda s: len(s.endpoints) == 0)
         server.apply("inferencepools", pool(selector={"app": "renamed"}))  # the pool's selector follows (one port)
