@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from epp.bench import overhead, sim_capacity
+from epp.bench import compare, overhead, sim_capacity
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -29,7 +29,25 @@ def main(argv: list[str] | None = None) -> None:
     capacity.add_argument("--replicas", type=int, default=16)
     capacity.add_argument("--rates", type=float, nargs="+", default=[16.0, 32.0, 64.0])
     capacity.add_argument("--duration", type=float, default=20.0)
+    cmp = sub.add_parser("compare", help="routing quality of our EPP, plain Envoy and the Rust routers")
+    cmp.add_argument("--workload", default="shared-prefix")
+    cmp.add_argument("--targets", nargs="+", default=["epp", "prefix-only", "queue-only", "round-robin", "least-request",
+                                                      "random", "sglang-cache-aware", "sglang-round-robin",
+                                                      "vllm-cache-aware"])  # fmt: skip
+    cmp.add_argument("--rates", type=float, nargs="+", default=[8.0, 16.0, 24.0])
+    cmp.add_argument("--duration", type=float, default=60.0)
+    cmp.add_argument("--servers", type=int, default=8)
+    cmp.add_argument("--scale", type=float, default=1.0, help="shrink prompt lengths (smoke runs)")
+    cmp.add_argument("--out", type=Path, default=Path("bench-results"))
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.command == "compare":
+        from rich.console import Console
+
+        console = Console()
+        results = asyncio.run(compare.compare(args.workload, args.targets, args.rates, args.duration, args.servers,
+                                              args.out, args.scale, progress=lambda m: console.log(m)))  # fmt: skip
+        print(compare.markdown(results))
+        print(f"results in {args.out}/{args.workload}.md, .json and *.png")
     if args.command == "sim-capacity":
         sim_capacity.main(args.replicas, args.rates, args.duration)
     if args.command == "overhead":

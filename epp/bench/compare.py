@@ -1,0 +1,367 @@
+"""Routing quality, side by side on the same sim pool: our EPP (default profile and each scorer alone) through
+Envoy, plain Envoy (round robin, least request, random), and the Rust routers from PyPI (sglang-router cache_aware
+and round_robin, vllm-router cache_aware) when installed. Every target gets a freshly started pool, the same seeded
+request stream, and the same measurements: TTFT / ITL / e2e percentiles, throughput, success and error codes, the
+servers' own prefix-cache hit rate, the per-server request split, and the CPU of every process (a run where the
+2-core machine itself is saturated is marked invalid: then the simulated GPUs are not the bottleneck)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import aiohttp
+
+from epp.bench.overhead import cpu_seconds, percentile
+from epp.bench.ports import free_port_block, free_ports
+from epp.bench.workloads import load_workload, lora_names, requests
+from epp.envoy import EnvoyProcess, render_baseline
+from epp.local import LocalStack, StackConfig
+
+MODEL = "sim-llama-8b"
+SINGLE_SCORER = """plugins:\n- type: {0}\nschedulingProfiles:\n- name: {0}\n  plugins:\n  - pluginRef: {0}\n"""
+EPP_TARGETS = {
+    "epp": None,
+    "queue-only": SINGLE_SCORER.format("queue-scorer"),
+    "kv-only": SINGLE_SCORER.format("kv-cache-utilization-scorer"),
+    "prefix-only": SINGLE_SCORER.format("prefix-cache-scorer"),
+    "lora-only": SINGLE_SCORER.format("lora-affinity-scorer"),
+}
+ENVOY_TARGETS = {"round-robin": "ROUND_ROBIN", "least-request": "LEAST_REQUEST", "random": "RANDOM"}
+PEER_TARGETS = {"sglang-cache-aware": ("sglang", "cache_aware"), "sglang-round-robin": ("sglang", "round_robin"),
+                "vllm-cache-aware": ("vllm", "cache_aware")}  # fmt: skip
+_COUNTER = re.compile(r"^(vllm:(?:prefix_cache_hits|prefix_cache_queries|request_success)_total)\{[^}]*\} (\S+)$", re.M)
+
+
+@dataclass
+class TargetResult:
+    target: str
+    rate: float
+    requests: int = 0
+    succeeded: int = 0
+    errors: dict[str, int] = field(default_factory=dict)
+    ttft_ms: dict[str, float] = field(default_factory=dict)
+    itl_ms: dict[str, float] = field(default_factory=dict)
+    e2e_ms: dict[str, float] = field(default_factory=dict)
+    requests_per_s: float = 0.0
+    output_tokens_per_s: float = 0.0
+    prefix_hit_rate: float = 0.0
+    per_server: list[int] = field(default_factory=list)
+    cpu_seconds: dict[str, float] = field(default_factory=dict)
+    machine_busy: float = 0.0  # CPU seconds of all processes / (wall x cores)
+    valid: bool = True
+    load_over_time: list[list[int]] = field(default_factory=list)  # per sample: running + waiting per server
+
+
+def _summary(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {}
+    return {"p50": percentile(values, 0.5) * 1e3, "p90": percentile(values, 0.9) * 1e3,
+            "p99": percentile(values, 0.99) * 1e3, "mean": statistics.fmean(values) * 1e3}  # fmt: skip
+
+
+def peer_command(kind: str) -> list[str] | None:
+    """The router's command line start, from this environment or PATH; None when not installed."""
+    if kind == "sglang":
+        try:
+            import sglang_router  # noqa: F401
+
+            return [sys.executable, "-m", "sglang_router.launch_router"]
+        except ImportError:
+            path = shutil.which("sglang-router")
+            return [path] if path else None
+    path = shutil.which("vllm-router") or str(Path(sys.executable).parent / "vllm-router")
+    return [path] if Path(path).exists() else None
+
+
+async def _counters(session: aiohttp.ClientSession, urls: list[str]) -> list[dict[str, float]]:
+    out = []
+    for url in urls:
+        async with session.get(f"{url}/metrics") as r:
+            text = await r.text()
+        totals: dict[str, float] = {}
+        for name, value in _COUNTER.findall(text):
+            totals[name] = totals.get(name, 0.0) + float(value)
+        out.append(totals)
+    return out
+
+
+async def _load(session: aiohttp.ClientSession, urls: list[str]) -> list[int]:
+    from protocol.metrics import parse_metrics
+
+    loads = []
+    for url in urls:
+        try:
+            async with session.get(f"{url}/metrics") as r:
+                m = parse_metrics(await r.text())
+            loads.append(m.running + m.waiting)
+        except Exception:
+            loads.append(-1)
+    return loads
+
+
+async def _one(session: aiohttp.ClientSession, url: str, body: dict) -> tuple[int, float, float, float, int]:
+    started = time.monotonic()
+    first = last = None
+    chunks = tokens = 0
+    try:
+        async with session.post(url, json=body) as response:
+            if response.status != 200:
+                await response.read()
+                return response.status, 0.0, 0.0, 0.0, 0
+            async for line in response.content:
+                if not line.startswith(b"data: {"):
+                    continue
+                now = time.monotonic()
+                event = json.loads(line[6:])
+                if event.get("choices"):
+                    first = first or now
+                    last = now
+                    chunks += 1
+                if event.get("usage"):
+                    tokens = event["usage"]["completion_tokens"]
+    except (TimeoutError, aiohttp.ClientError):
+        return 599, 0.0, 0.0, 0.0, 0
+    if first is None:
+        return 598, 0.0, 0.0, 0.0, 0
+    itl = (last - first) / max(1, chunks - 1)
+    return 200, first - started, itl, time.monotonic() - started, tokens
+
+
+class Pool:
+    """A fresh sim pool plus one kind of router in front of it."""
+
+    def __init__(self, target: str, servers: int, workdir: Path, modelserver_args: list[str]):
+        self.target, self.servers, self.workdir = target, servers, workdir
+        self.modelserver_args = modelserver_args
+        self.stack: LocalStack | None = None
+        self.envoy: EnvoyProcess | None = None
+        self.router: subprocess.Popen | None = None
+        self.url = ""
+
+    async def __aenter__(self) -> Pool:
+        base = free_port_block(self.servers)
+        grpc, health, metrics, listener, admin, router_port, prom = free_ports(7)
+        config = StackConfig(model_servers=self.servers, base_port=base, grpc_port=grpc, grpc_health_port=health,
+                             metrics_port=metrics, listener_port=listener, admin_port=admin, workdir=self.workdir,
+                             modelserver_args=self.modelserver_args, config_text=EPP_TARGETS.get(self.target))  # fmt: skip
+        self.stack = LocalStack(config)
+        hostports = [u.removeprefix("http://") for u in self.stack.model_server_urls]
+        if self.target in EPP_TARGETS:
+            await self.stack.start()
+            self.url = self.stack.gateway_url
+            return self
+        self.stack.start_model_servers()
+        await asyncio.gather(
+            *(self.stack._wait_http("modelserver", f"{u}/health", 60) for u in self.stack.model_server_urls)
+        )
+        if self.target in ENVOY_TARGETS:
+            path = self.workdir / "baseline.yaml"
+            path.write_text(render_baseline(endpoints=hostports, listener_port=listener, admin_port=admin,
+                                            lb_policy=ENVOY_TARGETS[self.target]))  # fmt: skip
+            self.envoy = EnvoyProcess(path, admin, self.workdir / "baseline-envoy.log")
+            self.envoy.start()
+            await self.envoy.wait_ready()
+            self.url = f"http://127.0.0.1:{listener}"
+            return self
+        kind, policy = PEER_TARGETS[self.target]
+        command = peer_command(kind)
+        log = (self.workdir / f"{self.target}.log").open("ab")
+        self.router = subprocess.Popen(
+            [*command, "--host", "127.0.0.1", "--port", str(router_port), "--policy", policy, "--prometheus-host",
+             "127.0.0.1", "--prometheus-port", str(prom), "--worker-urls", *self.stack.model_server_urls],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+        self.url = f"http://127.0.0.1:{router_port}"
+        async with aiohttp.ClientSession() as session:
+            for _ in range(300):
+                try:
+                    async with session.post(
+                        f"{self.url}/v1/completions", json={"model": MODEL, "prompt": "warm up", "max_tokens": 1}
+                    ) as r:
+                        if r.status == 200:
+                            return self
+                except aiohttp.ClientError:
+                    pass
+                if self.router.poll() is not None:
+                    break
+                await asyncio.sleep(0.2)
+        raise RuntimeError(f"{self.target} did not come up; see {self.workdir}")
+
+    def pids(self) -> dict[str, int]:
+        out = {name: p.pid for name, p in self.stack.processes.items()}
+        for name, process in (("envoy", self.stack.envoy and self.stack.envoy.process),
+                              ("envoy", self.envoy and self.envoy.process), ("router", self.router)):  # fmt: skip
+            if process is not None:
+                out[name] = process.pid
+        return out
+
+    async def __aexit__(self, *exc) -> None:
+        if self.router is not None:
+            self.router.terminate()
+            self.router.wait(10)
+        if self.envoy is not None:
+            self.envoy.stop()
+        self.stack.stop()
+
+
+async def run_target(target: str, spec: dict, rate: float, duration: float, servers: int, workdir: Path,
+                     scale: float = 1.0, seed: int = 0) -> TargetResult:  # fmt: skip
+    lora_args = []
+    if spec["name"] == "multi-lora":
+        names = lora_names(spec)
+        lora_args = ["--enable-lora", "--max-loras", str(spec.get("max_loras", 4)), "--lora-modules",
+                     *(f"{n}={workdir}/{n}" for n in names)]  # fmt: skip
+    stream = requests(spec, MODEL, rate, duration, seed, scale)
+    result = TargetResult(target, rate, requests=len(stream))
+    async with Pool(target, servers, workdir, ["--disable-log-stats", *lora_args]) as pool:
+        urls = pool.stack.model_server_urls
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                         timeout=aiohttp.ClientTimeout(total=300)) as session:  # fmt: skip
+            before = await _counters(session, urls)
+            pids = pool.pids()
+            cpu_before = {k: cpu_seconds(p) for k, p in pids.items()}
+            client_before = resource.getrusage(resource.RUSAGE_SELF)
+            started = time.monotonic()
+
+            async def sample_load() -> None:
+                while True:
+                    result.load_over_time.append(await _load(session, urls))
+                    await asyncio.sleep(0.5)
+
+            sampler = asyncio.create_task(sample_load())
+            tasks = []
+            for offset, body in stream:
+                await asyncio.sleep(max(0.0, started + offset - time.monotonic()))
+                tasks.append(asyncio.create_task(_one(session, f"{pool.url}/v1/completions", body)))
+            outcomes = await asyncio.gather(*tasks)
+            elapsed = time.monotonic() - started
+            sampler.cancel()
+            after = await _counters(session, urls)
+            client_after = resource.getrusage(resource.RUSAGE_SELF)
+        result.cpu_seconds = {k: cpu_seconds(p) - cpu_before[k] for k, p in pids.items()}
+        result.cpu_seconds["load generator"] = (client_after.ru_utime + client_after.ru_stime
+                                                - client_before.ru_utime - client_before.ru_stime)  # fmt: skip
+    ok = [o for o in outcomes if o[0] == 200]
+    result.succeeded = len(ok)
+    for status, *_ in outcomes:
+        if status != 200:
+            result.errors[str(status)] = result.errors.get(str(status), 0) + 1
+    result.ttft_ms = _summary([o[1] for o in ok])
+    result.itl_ms = _summary([o[2] for o in ok])
+    result.e2e_ms = _summary([o[3] for o in ok])
+    result.requests_per_s = len(ok) / elapsed
+    result.output_tokens_per_s = sum(o[4] for o in ok) / elapsed
+    hits = sum(
+        a.get("vllm:prefix_cache_hits_total", 0) - b.get("vllm:prefix_cache_hits_total", 0)
+        for a, b in zip(after, before, strict=True)
+    )
+    queries = sum(
+        a.get("vllm:prefix_cache_queries_total", 0) - b.get("vllm:prefix_cache_queries_total", 0)
+        for a, b in zip(after, before, strict=True)
+    )
+    result.prefix_hit_rate = hits / queries if queries else 0.0
+    result.per_server = [
+        int(a.get("vllm:request_success_total", 0) - b.get("vllm:request_success_total", 0))
+        for a, b in zip(after, before, strict=True)
+    ]
+    result.machine_busy = sum(result.cpu_seconds.values()) / (elapsed * (os.cpu_count() or 1))
+    result.valid = result.machine_busy < 0.9
+    return result
+
+
+def markdown(results: list[TargetResult]) -> str:
+    lines = []
+    for rate in sorted({r.rate for r in results}):
+        rows = [r for r in results if r.rate == rate]
+        base = next((r for r in rows if r.target == "round-robin"), None)
+        peers = [r for r in rows if r.target in PEER_TARGETS and r.ttft_ms]
+        best_peer = min(peers, key=lambda r: r.ttft_ms["mean"]) if peers else None
+        lines += [f"### {rate:g} requests/s", "",
+                  "| target | TTFT mean | TTFT p90 | ITL mean | e2e p90 | req/s | out tok/s | success | prefix hits | "
+                  "per server | TTFT vs RR (mean / p90) | TTFT vs best peer | valid |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+        for r in rows:
+            t = r.ttft_ms or {"mean": float("nan"), "p90": float("nan")}
+            vs_rr = (
+                f"{t['mean'] / base.ttft_ms['mean']:.2f} / {t['p90'] / base.ttft_ms['p90']:.2f}"
+                if base and base.ttft_ms
+                else "-"
+            )
+            vs_peer = f"{t['mean'] / best_peer.ttft_ms['mean']:.2f} ({best_peer.target})" if best_peer else "-"
+            lines.append(
+                f"| {r.target} | {t['mean']:.0f} | {t['p90']:.0f} | {r.itl_ms.get('mean', 0):.1f} | {r.e2e_ms.get('p90', 0):.0f} | "
+                f"{r.requests_per_s:.1f} | {r.output_tokens_per_s:.0f} | {r.succeeded}/{r.requests} | "
+                f"{r.prefix_hit_rate:.0%} | {'/'.join(map(str, r.per_server))} | {vs_rr} | {vs_peer} | "
+                f"{'yes' if r.valid else f'no (CPU {r.machine_busy:.0%})'} |"
+            )  # fmt: skip
+        lines.append("")
+    return "\n".join(lines) + "times in ms; TTFT ratios below 1 mean faster than the reference.\n"
+
+
+def plots(results: list[TargetResult], out: Path) -> list[Path]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    paths = []
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for target in dict.fromkeys(r.target for r in results):
+        points = sorted((r.rate, r.ttft_ms.get("p90", float("nan"))) for r in results if r.target == target)
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=target)
+    ax.set(xlabel="requests/s", ylabel="TTFT p90 (ms)", title="TTFT vs request rate")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    paths.append(out / "ttft_vs_rate.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+    for r in results:
+        if not r.load_over_time:
+            continue
+        fig, ax = plt.subplots(figsize=(7, 3))
+        for server in range(len(r.load_over_time[0])):
+            ax.plot(
+                [0.5 * i for i in range(len(r.load_over_time))],
+                [s[server] for s in r.load_over_time],
+                label=f"server {server}",
+            )
+        ax.set(xlabel="seconds", ylabel="running + waiting", title=f"{r.target} at {r.rate:g} req/s: load per server")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        paths.append(out / f"load_{r.target}_{r.rate:g}.png")
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+    return paths
+
+
+async def compare(workload: str, targets: list[str], rates: list[float], duration: float, servers: int, out: Path,
+                  scale: float = 1.0, progress=print) -> list[TargetResult]:  # fmt: skip
+    spec = load_workload(workload)
+    out.mkdir(parents=True, exist_ok=True)
+    results = []
+    for rate in rates:
+        for target in targets:
+            if target in PEER_TARGETS and peer_command(PEER_TARGETS[target][0]) is None:
+                progress(f"skip {target}: not installed (pip install '.[bench]')")
+                continue
+            progress(f"{workload}: {target} at {rate:g} req/s for {duration:g} s on {servers} servers ...")
+            workdir = out / "runs" / f"{target}-{rate:g}"
+            workdir.mkdir(parents=True, exist_ok=True)
+            results.append(await run_target(target, spec, rate, duration, servers, workdir, scale))
+    (out / f"{workload}.json").write_text(json.dumps([asdict(r) for r in results], indent=2))
+    (out / f"{workload}.md").write_text(markdown(results))
+    plots(results, out)
+    return results

@@ -1,0 +1,78 @@
+"""Seeded request streams from the YAML workloads in this folder: (arrival offset in seconds, request body)."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import yaml
+
+WORKLOADS = Path(__file__).parent / "workloads"
+WORDS = ["the", "model", "server", "cache", "request", "token", "route", "queue", "memory", "prompt", "answer", "question", "system", "user", "assistant", "latency", "batch", "prefix", "block", "adapter", "engine", "gateway", "picker", "metric", "scrape", "score", "weight", "budget", "decode", "prefill", "stream", "output", "input", "context", "window", "paged", "attention", "layer"]  # fmt: skip
+
+
+def load_workload(name: str) -> dict:
+    path = WORKLOADS / f"{name}.yaml"
+    if not path.is_file():
+        raise SystemExit(f"unknown workload {name!r}; known: {', '.join(p.stem for p in WORKLOADS.glob('*.yaml'))}")
+    return yaml.safe_load(path.read_text())
+
+
+def _text(rng: random.Random, tokens: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(max(1, int(tokens * 0.8))))  # ~1.25 tokens per word
+
+
+def _arrivals(rng: random.Random, arrival: dict, rate: float, duration: float) -> list[float]:
+    times, t = [], 0.0
+    burst = int(arrival.get("burst", 1))
+    while True:
+        t += rng.expovariate(rate / burst)
+        if t >= duration:
+            return times
+        times += [t] * burst
+
+
+def requests(spec: dict, model: str, rate: float | None = None, duration: float | None = None, seed: int = 0,
+             scale: float = 1.0) -> list[tuple[float, dict]]:  # fmt: skip
+    """The workload's requests; `scale` shrinks prompt lengths (for smoke runs)."""
+    rng = random.Random(seed)
+    arrival = spec.get("arrival", {})
+    times = _arrivals(rng, arrival, rate or arrival.get("rate", 10), duration or spec.get("duration", 60))
+    name = spec["name"]
+    out = []
+    if name == "shared-prefix":
+        systems = [_text(rng, spec["system_prompt_tokens"] * scale) for _ in range(spec["groups"])]
+        for t in times:
+            group = rng.randrange(spec["groups"])
+            prompt = f"{systems[group]}\nQuestion {rng.randrange(spec['prompts_per_group'])}: " + _text(
+                rng, spec["question_tokens"]
+            )
+            out.append((t, {"model": model, "prompt": prompt, "max_tokens": spec["output_tokens"]}))
+    elif name == "multi-lora":
+        names, weights = [], []
+        for tier_index, tier in enumerate(spec["tiers"]):
+            for i in range(tier["adapters"]):
+                names.append(f"lora-{tier_index}-{i}")
+                weights.append(tier["share"] / tier["adapters"])
+        for t in times:
+            out.append((t, {"model": rng.choices(names, weights)[0], "prompt": _text(rng, spec["prompt_tokens"] * scale),
+                            "max_tokens": spec["output_tokens"]}))  # fmt: skip
+    elif name == "heterogeneous":
+        kinds, shares = spec["mix"], [m["share"] for m in spec["mix"]]
+        for t in times:
+            kind = rng.choices(kinds, shares)[0]
+            out.append((t, {"model": model, "prompt": _text(rng, kind["prompt_tokens"] * scale),
+                            "max_tokens": kind["output_tokens"]}))  # fmt: skip
+    elif name == "long-prompt":
+        for t in times:
+            out.append((t, {"model": model, "prompt": _text(rng, spec["prompt_bytes"] * scale / 4),
+                            "max_tokens": spec["output_tokens"]}))  # fmt: skip
+    else:
+        raise SystemExit(f"workload {name!r} has no generator")
+    for _, body in out:
+        body.update(stream=True, stream_options={"include_usage": True}, ignore_eos=True)
+    return out
+
+
+def lora_names(spec: dict) -> list[str]:
+    return [f"lora-{i}-{j}" for i, tier in enumerate(spec.get("tiers", [])) for j in range(tier["adapters"])]
