@@ -1,0 +1,39 @@
+"""A few-second run of `epp-bench compare` (4 servers, EPP vs round robin) and of the overhead suite, so the
+harness cannot rot between `make bench` runs."""
+
+import asyncio
+import json
+
+from epp.bench import compare, overhead
+
+
+def test_compare_smoke(tmp_path):
+    results = asyncio.run(compare.compare("shared-prefix", ["epp", "round-robin"], [6.0], 3.0, 4, tmp_path, scale=0.2,
+                                          progress=lambda m: None))  # fmt: skip
+    assert [r.target for r in results] == ["epp", "round-robin"]
+    for r in results:
+        assert r.requests > 5 and r.succeeded == r.requests, r.errors
+        assert sum(r.per_server) == r.requests
+        assert r.ttft_ms["p50"] > 0 and r.output_tokens_per_s > 0
+        assert set(r.cpu_seconds) >= {"modelserver", "load generator"}
+    table = (tmp_path / "shared-prefix.md").read_text()
+    assert "| epp |" in table and "| round-robin |" in table
+    assert len(json.loads((tmp_path / "shared-prefix.json").read_text())) == 2
+
+
+def test_workloads_are_seeded_and_shaped():
+    from epp.bench.workloads import load_workload, requests
+
+    for name in ("shared-prefix", "multi-lora", "heterogeneous", "long-prompt"):
+        spec = load_workload(name)
+        first, again = requests(spec, "m", rate=5, duration=4, seed=1), requests(spec, "m", rate=5, duration=4, seed=1)
+        assert first == again and first
+        assert all(body["stream"] and body["stream_options"]["include_usage"] for _, body in first)
+    lora = requests(load_workload("multi-lora"), "m", rate=50, duration=10)
+    assert {body["model"] for _, body in lora} <= {f"lora-{i}-{j}" for i, n in enumerate((2, 4, 10)) for j in range(n)}
+
+
+def test_overhead_smoke():
+    result = asyncio.run(overhead.measure(servers=2, sequential=20, concurrency=4, concurrent_requests=40))
+    assert set(result.latency_ms) == {"envoy+epp", "plain envoy"}
+    assert result.throughput_ratio > 0 and result.latency_ms["envoy+epp"]["p50"] > 0
