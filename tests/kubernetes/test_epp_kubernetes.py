@@ -69,6 +69,10 @@ async def test_epp_replicas_discover_and_elect(apiserver, tmp_path):
     finally:
         for process, _, _ in replicas:
             process.terminate()
-            process.wait(10)
+            try:
+                process.wait(10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                raise
         model.terminate()
         model.wait(10)
