@@ -20,7 +20,7 @@ from pathlib import Path
 import aiohttp
 import yaml
 
-from epp.envoy import EnvoyProcess, render_bootstrap
+from epp.envoy import EnvoyProcess, render_bootstrap, terminate
 from protocol import extproc
 
 DEMO_ADAPTERS = ("sql-lora", "chat-lora")
@@ -168,15 +168,7 @@ class LocalStack:
             raise
 
     def stop_process(self, name: str, timeout: float = 10.0) -> None:
-        process = self.processes.pop(name, None)
-        if process is None or process.poll() is not None:
-            return
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        terminate(self.processes.pop(name, None), timeout)
 
     def stop(self) -> None:
         if self.envoy is not None:
