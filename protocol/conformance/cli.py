@@ -53,8 +53,8 @@ async def run_gateway(args: argparse.Namespace) -> list[Result]:
 
     target = gateway.Gateway(envoy_template=args.envoy_template)
     print(f"Gateway data-path conformance: Envoy bootstrap {args.envoy_template} (logs in {target.workdir})")
-    await target.start()
     try:
+        await target.start()
         return await gateway.suite.run(target, set(args.only) if args.only else None, _show)
     finally:
         await target.stop()
