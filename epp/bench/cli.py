@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from epp.bench import compare, overhead, sim_capacity
+from epp.bench import compare, decision, overhead, sim_capacity
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -39,7 +39,10 @@ def main(argv: list[str] | None = None) -> None:
     cmp.add_argument("--servers", type=int, default=8)
     cmp.add_argument("--scale", type=float, default=1.0, help="shrink prompt lengths (smoke runs)")
     cmp.add_argument("--out", type=Path, default=Path("bench-results"))
+    sub.add_parser("decision", help="scheduler decision time vs pool size (8, 32, 128) and prompt length")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.command == "decision":
+        decision.main()
     if args.command == "compare":
         from rich.console import Console
 

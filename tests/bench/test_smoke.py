@@ -37,3 +37,9 @@ def test_overhead_smoke():
     result = asyncio.run(overhead.measure(servers=2, sequential=20, concurrency=4, concurrent_requests=40))
     assert set(result.latency_ms) == {"envoy+epp", "plain envoy"}
     assert result.throughput_ratio > 0 and result.latency_ms["envoy+epp"]["p50"] > 0
+
+
+def test_decision_time_smoke():
+    from epp.bench import decision
+
+    assert 0 < decision.measure(8, 1000, repeats=20) < 50_000
