@@ -28,6 +28,7 @@ test: $(STAMP) system-deps
 bench: $(STAMP)
 	$(BIN)/pip install -q -e '.[bench]'
 	$(BIN)/epp-bench overhead --out bench-results
+	$(BIN)/epp-bench decision
 	$(BIN)/epp-bench compare --workload shared-prefix --out bench-results
 	$(BIN)/epp-bench compare --workload multi-lora --targets epp lora-only queue-only round-robin --out bench-results
 
