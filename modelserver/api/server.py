@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from modelserver.engine.engine import AsyncEngine, EngineDeadError
 from modelserver.engine.lora import LoRAError
@@ -140,7 +140,7 @@ class ModelServer:
         return web.json_response({"version": VERSION})
 
     async def metrics(self, request: web.Request) -> web.Response:
-        body = generate_latest(self.engine.registry)
+        body = self.engine.metrics.render()
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def models(self, request: web.Request) -> web.Response:

@@ -200,3 +200,20 @@ async def test_step_overhead_with_256_running_sequences():
         assert eng.num_unfinished == 0
     finally:
         await eng.stop()
+
+
+async def test_fast_page_equals_prometheus_client_exposition():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    eng = engine(enable_lora=True)
+    await eng.start()
+    try:
+        await run(eng, "a", list(range(1, 40)), max_tokens=5, lora="a")
+
+        def samples(text):
+            families = text_string_to_metric_families(text)
+            return sorted((s.name, tuple(sorted(s.labels.items())), s.value) for f in families for s in f.samples)
+
+        assert samples(eng.metrics.render().decode()) == samples(generate_latest(eng.registry).decode())
+    finally:
+        await eng.stop()
