@@ -78,7 +78,8 @@ async def test_load_prefix_and_lora_aware_routing(make_stack):
 
         # 3. a LoRA request goes where its adapter is running
         adapter = ADAPTERS[0]
-        hold = asyncio.create_task(direct(session, urls[2], {"model": adapter, "prompt": "x", "max_tokens": 500}))
+        # the adapter keeps running on server 2 for the whole check (the task is cancelled at the end)
+        hold = asyncio.create_task(direct(session, urls[2], {"model": adapter, "prompt": "x", "max_tokens": 4000}))
         await asyncio.sleep(0.3)
         before = await served_counts(stack)
         for _ in range(3):
@@ -86,7 +87,8 @@ async def test_load_prefix_and_lora_aware_routing(make_stack):
                 0
             ] == 200
         assert delta(before, await served_counts(stack))[2] == 3
-        await hold
+        hold.cancel()
+        await asyncio.gather(hold, return_exceptions=True)
 
 
 @pytest.mark.parametrize("body_mode", ["FULL_DUPLEX_STREAMED", "BUFFERED"])
