@@ -55,7 +55,7 @@ async def test_load_prefix_and_lora_aware_routing(make_stack):
     urls = stack.model_server_urls
     async with aiohttp.ClientSession() as session:
         # 1. a deep queue on server 0 (requests sent around the gateway) is avoided
-        long = {"model": MODEL, "prompt": "busy", "max_tokens": 400}
+        long = {"model": MODEL, "prompt": "busy", "max_tokens": 3000}  # busy for the whole check, cancelled after
         busy = [asyncio.create_task(direct(session, urls[0], long)) for _ in range(12)]
         await asyncio.sleep(0.3)
         before = await served_counts(stack)
@@ -63,7 +63,9 @@ async def test_load_prefix_and_lora_aware_routing(make_stack):
             assert (await complete(session, stack, {"model": MODEL, "prompt": f"short {i}", "max_tokens": 2}))[0] == 200
         spread = delta(before, await served_counts(stack))
         assert spread[0] == 0, spread
-        await asyncio.gather(*busy)
+        for task in busy:
+            task.cancel()
+        await asyncio.gather(*busy, return_exceptions=True)
 
         # 2. a repeated long prompt sticks to the server that cached it
         prompt = "You are a meticulous assistant. Answer in one sentence. " * 40
