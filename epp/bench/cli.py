@@ -35,6 +35,7 @@ def main(argv: list[str] | None = None) -> None:
                                                       "random", "sglang-cache-aware", "sglang-round-robin",
                                                       "vllm-cache-aware"])  # fmt: skip
     cmp.add_argument("--rates", type=float, nargs="+", default=[8.0, 16.0, 24.0])
+    cmp.add_argument("--concurrency", type=int, nargs="+", default=[], help="closed-loop clients (instead of --rates)")
     cmp.add_argument("--duration", type=float, default=60.0)
     cmp.add_argument("--servers", type=int, default=8)
     cmp.add_argument("--scale", type=float, default=1.0, help="shrink prompt lengths (smoke runs)")
@@ -48,7 +49,8 @@ def main(argv: list[str] | None = None) -> None:
 
         console = Console()
         results = asyncio.run(compare.compare(args.workload, args.targets, args.rates, args.duration, args.servers,
-                                              args.out, args.scale, progress=lambda m: console.log(m)))  # fmt: skip
+                                              args.out, args.scale, progress=lambda m: console.log(m),
+                                              concurrencies=args.concurrency))  # fmt: skip
         print(compare.markdown(results))
         print(f"results in {args.out}/{args.workload}.md, .json and *.png")
     if args.command == "sim-capacity":

@@ -46,7 +46,8 @@ _COUNTER = re.compile(r"^(vllm:(?:prefix_cache_hits|prefix_cache_queries|request
 @dataclass
 class TargetResult:
     target: str
-    rate: float
+    rate: float  # open loop: Poisson/bursty arrivals per second; 0 in closed-loop runs
+    concurrency: int = 0  # closed loop: this many clients, each sending its next request when one finishes
     requests: int = 0
     succeeded: int = 0
     errors: dict[str, int] = field(default_factory=dict)
@@ -216,14 +217,15 @@ class Pool:
 
 
 async def run_target(target: str, spec: dict, rate: float, duration: float, servers: int, workdir: Path,
-                     scale: float = 1.0, seed: int = 0) -> TargetResult:  # fmt: skip
+                     scale: float = 1.0, seed: int = 0, concurrency: int = 0) -> TargetResult:  # fmt: skip
     lora_args = []
     if spec["name"] == "multi-lora":
         names = lora_names(spec)
         lora_args = ["--enable-lora", "--max-loras", str(spec.get("max_loras", 4)), "--lora-modules",
                      *(f"{n}={workdir}/{n}" for n in names)]  # fmt: skip
-    stream = requests(spec, MODEL, rate, duration, seed, scale)
-    result = TargetResult(target, rate, requests=len(stream))
+    # A closed loop draws from a stream generated fast enough never to run dry.
+    stream = requests(spec, MODEL, rate or concurrency * 50, duration, seed, scale)
+    result = TargetResult(target, 0.0 if concurrency else rate, concurrency, requests=len(stream))
     async with Pool(target, servers, workdir, ["--disable-log-stats", *lora_args]) as pool:
         urls = pool.stack.model_server_urls
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
@@ -240,11 +242,24 @@ async def run_target(target: str, spec: dict, rate: float, duration: float, serv
                     await asyncio.sleep(0.5)
 
             sampler = asyncio.create_task(sample_load())
-            tasks = []
-            for offset, body in stream:
-                await asyncio.sleep(max(0.0, started + offset - time.monotonic()))
-                tasks.append(asyncio.create_task(_one(session, f"{pool.url}/v1/completions", body)))
-            outcomes = await asyncio.gather(*tasks)
+            url = f"{pool.url}/v1/completions"
+            if concurrency:
+                pending, outcomes = iter(stream), []
+
+                async def client() -> None:
+                    for _, body in pending:
+                        if time.monotonic() - started >= duration:
+                            return
+                        outcomes.append(await _one(session, url, body))
+
+                await asyncio.gather(*(client() for _ in range(concurrency)))
+                result.requests = len(outcomes)
+            else:
+                tasks = []
+                for offset, body in stream:
+                    await asyncio.sleep(max(0.0, started + offset - time.monotonic()))
+                    tasks.append(asyncio.create_task(_one(session, url, body)))
+                outcomes = await asyncio.gather(*tasks)
             elapsed = time.monotonic() - started
             sampler.cancel()
             after = await _counters(session, urls)
@@ -283,12 +298,13 @@ async def run_target(target: str, spec: dict, rate: float, duration: float, serv
 
 def markdown(results: list[TargetResult]) -> str:
     lines = []
-    for rate in sorted({r.rate for r in results}):
-        rows = [r for r in results if r.rate == rate]
+    for rate, concurrency in sorted({(r.rate, r.concurrency) for r in results}):
+        rows = [r for r in results if (r.rate, r.concurrency) == (rate, concurrency)]
         base = next((r for r in rows if r.target == "round-robin"), None)
         peers = [r for r in rows if r.target in PEER_TARGETS and r.ttft_ms]
         best_peer = min(peers, key=lambda r: r.ttft_ms["mean"]) if peers else None
-        lines += [f"### {rate:g} requests/s", "",
+        title = f"closed loop, {concurrency} concurrent clients" if concurrency else f"{rate:g} requests/s"
+        lines += [f"### {title}", "",
                   "| target | TTFT mean | TTFT p90 | ITL mean | e2e p90 | req/s | out tok/s | success | prefix hits | "
                   "per server | TTFT vs RR (mean / p90) | TTFT vs best peer | valid |",
                   "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
@@ -349,19 +365,23 @@ def plots(results: list[TargetResult], out: Path) -> list[Path]:
 
 
 async def compare(workload: str, targets: list[str], rates: list[float], duration: float, servers: int, out: Path,
-                  scale: float = 1.0, progress=print) -> list[TargetResult]:  # fmt: skip
+                  scale: float = 1.0, progress=print, concurrencies: list[int] = ()) -> list[TargetResult]:  # fmt: skip
     spec = load_workload(workload)
     out.mkdir(parents=True, exist_ok=True)
     results = []
-    for rate in rates:
+    loads = [(0.0, c) for c in concurrencies] or [(rate, 0) for rate in rates]
+    for rate, concurrency in loads:
         for target in targets:
             if target in PEER_TARGETS and peer_command(PEER_TARGETS[target][0]) is None:
                 progress(f"skip {target}: not installed (pip install '.[bench]')")
                 continue
-            progress(f"{workload}: {target} at {rate:g} req/s for {duration:g} s on {servers} servers ...")
-            workdir = out / "runs" / f"{target}-{rate:g}"
+            load = f"{concurrency} concurrent clients" if concurrency else f"{rate:g} req/s"
+            progress(f"{workload}: {target} at {load} for {duration:g} s on {servers} servers ...")
+            workdir = out / "runs" / f"{target}-{f'c{concurrency}' if concurrency else f'{rate:g}'}"
             workdir.mkdir(parents=True, exist_ok=True)
-            results.append(await run_target(target, spec, rate, duration, servers, workdir, scale))
+            results.append(
+                await run_target(target, spec, rate, duration, servers, workdir, scale, concurrency=concurrency)
+            )
     (out / f"{workload}.json").write_text(json.dumps([asdict(r) for r in results], indent=2))
     (out / f"{workload}.md").write_text(markdown(results))
     plots(results, out)

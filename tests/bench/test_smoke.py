@@ -21,6 +21,13 @@ def test_compare_smoke(tmp_path):
     assert len(json.loads((tmp_path / "shared-prefix.json").read_text())) == 2
 
 
+def test_closed_loop_smoke(tmp_path):
+    (result,) = asyncio.run(compare.compare("heterogeneous", ["round-robin"], [], 2.0, 2, tmp_path, scale=0.05,
+                                            progress=lambda m: None, concurrencies=[3]))  # fmt: skip
+    assert result.concurrency == 3 and result.requests == result.succeeded > 0
+    assert "closed loop, 3 concurrent clients" in (tmp_path / "heterogeneous.md").read_text()
+
+
 def test_workloads_are_seeded_and_shaped():
     from epp.bench.workloads import load_workload, requests
 
