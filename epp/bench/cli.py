@@ -45,12 +45,28 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "decision":
         decision.main()
     if args.command == "compare":
-        from rich.console import Console
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-        console = Console()
-        results = asyncio.run(compare.compare(args.workload, args.targets, args.rates, args.duration, args.servers,
-                                              args.out, args.scale, progress=lambda m: console.log(m),
-                                              concurrencies=args.concurrency))  # fmt: skip
+        runs = len(args.targets) * len(args.concurrency or args.rates)
+        with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} runs"),
+                      TimeElapsedColumn()) as bar:  # fmt: skip
+            task = bar.add_task("starting", total=runs)
+            started = []
+
+            def progress(message: str) -> None:
+                bar.log(message)
+                if message.startswith("skip"):
+                    bar.advance(task)
+                    return
+                if started:
+                    bar.advance(task)
+                started.append(message)
+                bar.update(task, description=message.split(" for ")[0])
+
+            results = asyncio.run(compare.compare(args.workload, args.targets, args.rates, args.duration, args.servers,
+                                                  args.out, args.scale, progress=progress,
+                                                  concurrencies=args.concurrency))  # fmt: skip
+            bar.update(task, completed=runs, description="done")
         print(compare.markdown(results))
         print(f"results in {args.out}/{args.workload}.md, .json and *.png")
     if args.command == "sim-capacity":

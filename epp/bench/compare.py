@@ -290,6 +290,8 @@ async def run_target(target: str, spec: dict, rate: float, duration: float, serv
         int(a.get("vllm:request_success_total", 0) - b.get("vllm:request_success_total", 0))
         for a, b in zip(after, before, strict=True)
     ]
+    if not outcomes:
+        raise SystemExit(f"{target}: the workload produced no request in {duration:g} s; raise --duration or the rate")
     result.machine_busy = sum(result.cpu_seconds.values()) / (elapsed * (os.cpu_count() or 1))
     # Invalid when the machine, or one process (the sim pool shares one event loop), had no CPU to spare.
     result.valid = result.machine_busy < 0.9 and max(result.cpu_seconds.values()) / elapsed < 0.9
