@@ -12,10 +12,8 @@ import json
 import os
 import re
 import resource
-import shutil
 import statistics
 import subprocess
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -23,6 +21,7 @@ from pathlib import Path
 import aiohttp
 
 from epp.bench.overhead import cpu_seconds, percentile
+from epp.bench.peers import peer_command, start_router
 from epp.bench.ports import free_port_block, free_ports
 from epp.bench.workloads import load_workload, lora_names, requests
 from epp.envoy import EnvoyProcess, render_baseline
@@ -69,20 +68,6 @@ def _summary(values: list[float]) -> dict[str, float]:
         return {}
     return {"p50": percentile(values, 0.5) * 1e3, "p90": percentile(values, 0.9) * 1e3,
             "p99": percentile(values, 0.99) * 1e3, "mean": statistics.fmean(values) * 1e3}  # fmt: skip
-
-
-def peer_command(kind: str) -> list[str] | None:
-    """The router's command line start, from this environment or PATH; None when not installed."""
-    if kind == "sglang":
-        try:
-            import sglang_router  # noqa: F401
-
-            return [sys.executable, "-m", "sglang_router.launch_router"]
-        except ImportError:
-            path = shutil.which("sglang-router")
-            return [path] if path else None
-    path = shutil.which("vllm-router") or str(Path(sys.executable).parent / "vllm-router")
-    return [path] if Path(path).exists() else None
 
 
 async def _counters(session: aiohttp.ClientSession, urls: list[str]) -> list[dict[str, float]]:
@@ -152,7 +137,7 @@ class Pool:
 
     async def __aenter__(self) -> Pool:
         base = free_port_block(self.servers)
-        grpc, health, metrics, listener, admin, router_port, prom = free_ports(7)
+        grpc, health, metrics, listener, admin = free_ports(5)
         config = StackConfig(model_servers=self.servers, base_port=base, grpc_port=grpc, grpc_health_port=health,
                              metrics_port=metrics, listener_port=listener, admin_port=admin, workdir=self.workdir,
                              modelserver_args=self.modelserver_args, config_text=EPP_TARGETS.get(self.target))  # fmt: skip
@@ -176,28 +161,8 @@ class Pool:
             self.url = f"http://127.0.0.1:{listener}"
             return self
         kind, policy = PEER_TARGETS[self.target]
-        command = peer_command(kind)
-        log = (self.workdir / f"{self.target}.log").open("ab")
-        self.router = subprocess.Popen(
-            [*command, "--host", "127.0.0.1", "--port", str(router_port), "--policy", policy, "--prometheus-host",
-             "127.0.0.1", "--prometheus-port", str(prom), "--worker-urls", *self.stack.model_server_urls],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
-        self.url = f"http://127.0.0.1:{router_port}"
-        async with aiohttp.ClientSession() as session:
-            for _ in range(300):
-                try:
-                    async with session.post(
-                        f"{self.url}/v1/completions", json={"model": MODEL, "prompt": "warm up", "max_tokens": 1}
-                    ) as r:
-                        if r.status == 200:
-                            return self
-                except aiohttp.ClientError:
-                    pass
-                if self.router.poll() is not None:
-                    break
-                await asyncio.sleep(0.2)
-        raise RuntimeError(f"{self.target} did not come up; see {self.workdir}")
+        self.router, self.url = await start_router(kind, policy, self.stack.model_server_urls, self.workdir, MODEL)
+        return self
 
     def pids(self) -> dict[str, int]:
         out = {name: p.pid for name, p in self.stack.processes.items()}

@@ -15,8 +15,9 @@ from pathlib import Path
 
 import aiohttp
 
+from epp.bench.peers import peer_command, start_router
 from epp.bench.ports import free_port_block, free_ports
-from epp.envoy import EnvoyProcess, render_baseline
+from epp.envoy import EnvoyProcess, render_baseline, terminate
 from epp.local import LocalStack, StackConfig
 
 BODY = {"model": "sim-llama-8b", "prompt": "Say hello to the benchmark.", "max_tokens": 1}
@@ -87,7 +88,7 @@ async def _throughput(session: aiohttp.ClientSession, url: str, total: int, conc
 
 async def measure(
     servers: int = 4, sequential: int = 400, concurrency: int = 32, concurrent_requests: int = 2000,
-    workdir: Path | None = None,
+    workdir: Path | None = None, with_peers: bool = True,
 ) -> OverheadResult:  # fmt: skip
     base = free_port_block(servers)
     grpc, health, metrics, listener, admin, plain_listener, plain_admin = free_ports(7)
@@ -100,6 +101,7 @@ async def measure(
     started_at = time.monotonic()
     await stack.start()
     plain = None
+    routers = []
     try:
         config = stack.workdir / "plain-envoy.yaml"
         config.write_text(render_baseline(endpoints=[u.removeprefix("http://") for u in stack.model_server_urls],
@@ -111,6 +113,13 @@ async def measure(
                    "plain envoy": f"http://127.0.0.1:{plain_listener}/v1/completions"}  # fmt: skip
         pids = {"epp": stack.processes["epp"].pid, "envoy (epp)": stack.envoy.process.pid,
                 "envoy (plain)": plain.process.pid, "model servers": stack.processes["modelserver"].pid}  # fmt: skip
+        for kind in ("sglang", "vllm") if with_peers else ():  # the Rust routers, when the [bench] extra installed them
+            if peer_command(kind) is not None:
+                process, url = await start_router(kind, "round_robin", stack.model_server_urls, stack.workdir,
+                                                  BODY["model"])  # fmt: skip
+                routers.append(process)
+                targets[f"{kind}-router"] = f"{url}/v1/completions"
+                pids[f"{kind}-router"] = process.pid
         cpu_before = {k: cpu_seconds(p) for k, p in pids.items()}
         connector = aiohttp.TCPConnector(limit=concurrency)
         async with aiohttp.ClientSession(connector=connector) as session:
@@ -134,6 +143,8 @@ async def measure(
         result.added_latency_ms = {"p50": epp["p50"] - base_lat["p50"], "p99": epp["p99"] - base_lat["p99"]}
         result.throughput_ratio = result.throughput_rps["envoy+epp"] / result.throughput_rps["plain envoy"]
     finally:
+        for process in routers:
+            terminate(process)
         if plain is not None:
             plain.stop()
         stack.stop()

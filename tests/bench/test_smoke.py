@@ -41,7 +41,9 @@ def test_workloads_are_seeded_and_shaped():
 
 
 def test_overhead_smoke():
-    result = asyncio.run(overhead.measure(servers=2, sequential=20, concurrency=4, concurrent_requests=40))
+    result = asyncio.run(
+        overhead.measure(servers=2, sequential=20, concurrency=4, concurrent_requests=40, with_peers=False)
+    )
     assert set(result.latency_ms) == {"envoy+epp", "plain envoy"}
     assert result.throughput_ratio > 0 and result.latency_ms["envoy+epp"]["p50"] > 0
 
