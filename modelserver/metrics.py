@@ -31,6 +31,7 @@ REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 2
 KV_RESIDENCY_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600,
                         1200, 1800)  # fmt: skip
 REQUEST_N_BUCKETS = (1, 2, 5, 10, 20)
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
 def buckets_1_2_5(maximum: int) -> tuple[int, ...]:
@@ -109,7 +110,8 @@ class _HistogramCollector:
 
 
 class EngineMetrics:
-    """All vllm:* series of one engine. The engine calls the `on_*` hooks; nothing here touches the scheduler."""
+    """All vllm:* series of one engine. The engine observes them directly (bound series, no label lookups on the
+    step); nothing here touches the scheduler."""
 
     def __init__(
         self,
@@ -135,12 +137,23 @@ class EngineMetrics:
         self.running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
         self.waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
         self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
-        self.gpu_cache_usage = None
+        # Deprecated names (vLLM v0 / before 0.11), only behind --show-hidden-metrics-for-version.
+        self.gpu_cache_usage = self.gpu_prefix_queries = self.gpu_prefix_hits = self.tpot_deprecated = None
+        hidden = f"shown because --show-hidden-metrics-for-version={show_hidden_metrics_for_version}."
         if show_hidden_metrics_for_version:
             self.gpu_cache_usage = gauge(
                 "vllm:gpu_cache_usage_perc",
-                "GPU KV-cache usage. 1 means 100 percent usage. DEPRECATED: use vllm:kv_cache_usage_perc; "
-                f"shown because --show-hidden-metrics-for-version={show_hidden_metrics_for_version}.",
+                f"GPU KV-cache usage. 1 means 100 percent usage. DEPRECATED: use vllm:kv_cache_usage_perc; {hidden}",
+            )
+            self.gpu_prefix_queries = counter(
+                "vllm:gpu_prefix_cache_queries",
+                "GPU prefix cache queries, in terms of number of queried tokens. "
+                f"DEPRECATED: use vllm:prefix_cache_queries; {hidden}",
+            )
+            self.gpu_prefix_hits = counter(
+                "vllm:gpu_prefix_cache_hits",
+                f"GPU prefix cache hits, in terms of number of cached tokens. DEPRECATED: use vllm:prefix_cache_hits; "
+                f"{hidden}",
             )
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
@@ -173,6 +186,13 @@ class EngineMetrics:
             "vllm:request_time_per_output_token_seconds", "Histogram of time_per_output_token_seconds per request.",
             ITL_BUCKETS,
         )  # fmt: skip
+        if show_hidden_metrics_for_version:
+            self.tpot_deprecated = h(
+                "vllm:time_per_output_token_seconds",
+                f"Histogram of time per output token in seconds. DEPRECATED: use vllm:inter_token_latency_seconds; "
+                f"{hidden}",
+                ITL_BUCKETS,
+            )
         self.e2e = h("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
                      REQUEST_LATENCY_BUCKETS)  # fmt: skip
         self.queue = h("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.",
@@ -186,10 +206,8 @@ class EngineMetrics:
         self.prompt_hist = h("vllm:request_prompt_tokens", "Number of prefill tokens processed.", token_buckets)
         self.generation_hist = h("vllm:request_generation_tokens", "Number of generation tokens processed.",
                                  token_buckets)  # fmt: skip
-        self.iteration_tokens = h(
-            "vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
-            buckets_1_2_5(max(config.max_num_batched_tokens, 1)),
-        )  # fmt: skip
+        self.iteration_tokens = h("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+                                  ITERATION_TOKENS_BUCKETS)  # fmt: skip
         self.params_n = h("vllm:request_params_n", "Histogram of the n request parameter.", REQUEST_N_BUCKETS)
         self.params_max_tokens = h("vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.",
                                    token_buckets)  # fmt: skip
@@ -198,6 +216,8 @@ class EngineMetrics:
         histograms = [self.ttft, self.itl, self.tpot, self.e2e, self.queue, self.inference, self.prefill,
                       self.decode, self.prompt_hist, self.generation_hist, self.iteration_tokens, self.params_n,
                       self.params_max_tokens, self.max_generation]  # fmt: skip
+        if self.tpot_deprecated is not None:
+            histograms.append(self.tpot_deprecated)
         self.kv_lifetime = self.kv_idle = self.kv_reuse_gap = None
         if config.kv_cache_metrics_sample > 0:
             self.kv_lifetime = h("vllm:kv_block_lifetime_seconds",
@@ -209,6 +229,7 @@ class EngineMetrics:
                                   "Histogram of time gaps between consecutive KV cache block accesses.",
                                   KV_RESIDENCY_BUCKETS)  # fmt: skip
             histograms += [self.kv_lifetime, self.kv_idle, self.kv_reuse_gap]
+        self.observe_itl = self.itl.observe if self.tpot_deprecated is None else self._observe_itl_and_tpot
         for collector in list(self.scalars._collector_to_names):
             self.registry.register(collector)
         self.registry.register(_HistogramCollector(histograms, names, values))
@@ -217,6 +238,17 @@ class EngineMetrics:
     def render(self) -> bytes:
         """The /metrics page: what generate_latest(self.registry) gives, ~10x cheaper."""
         return generate_latest(self.scalars) + self._histogram_text.render().encode()
+
+    def _observe_itl_and_tpot(self, seconds: float) -> None:
+        self.itl.observe(seconds)
+        self.tpot_deprecated.observe(seconds)
+
+    def record_prefix_cache(self, queries: int, hits: int) -> None:
+        self.prefix_queries.inc(queries)
+        self.prefix_hits.inc(hits)
+        if self.gpu_prefix_queries is not None:
+            self.gpu_prefix_queries.inc(queries)
+            self.gpu_prefix_hits.inc(hits)
 
     def set_lora_info(self, running: list[str], waiting: list[str]) -> None:
         if self.lora_info is None:

@@ -200,6 +200,7 @@ class AsyncEngine:
             metrics.queue.observe(request.scheduled_ts - request.queued_ts)
         requests = self._requests
         logprobs = step.logprobs
+        observe_itl = metrics.observe_itl
         for i, (request, sequence, token) in enumerate(
             zip(output.requests, output.batch.sequences, step.tokens, strict=True)
         ):
@@ -211,12 +212,13 @@ class AsyncEngine:
                 continue
             request.token_ids.append(token)
             generated += 1
-            if request.first_token_ts == 0.0:
+            if request.first_token_ts == 0.0:  # prefill done; a preemption before this stretches TTFT and prefill
                 request.first_token_ts = now
                 metrics.ttft.observe(now - request.arrival_time)
+                metrics.prefill.observe(now - request.scheduled_ts)
                 prompt_done += request.num_prompt_tokens
-            else:
-                metrics.itl.observe(now - request.last_token_ts)
+            else:  # a preemption during decode stretches this interval (and decode, inference)
+                observe_itl(now - request.last_token_ts)
             request.last_token_ts = now
             reason = scheduler.check_stop(request, token, eos)
             if reason is not None:
@@ -230,12 +232,12 @@ class AsyncEngine:
             )  # fmt: skip
         metrics.prompt_tokens.inc(prompt_done)
         metrics.generation_tokens.inc(generated)
-        metrics.iteration_tokens.observe(output.batch.num_uncached_prefill_tokens + output.batch.num_decode_tokens)
+        # vLLM's definition: prompt tokens of the prefills that completed this step plus the tokens generated.
+        metrics.iteration_tokens.observe(prompt_done + generated)
         if output.num_preemptions:
             metrics.preemptions.inc(output.num_preemptions)
         if kv.queries:
-            metrics.prefix_queries.inc(kv.queries)
-            metrics.prefix_hits.inc(kv.hits)
+            metrics.record_prefix_cache(kv.queries, kv.hits)
         if kv.residency.lifetimes or kv.residency.reuse_gaps:
             self._drain_residency()
         if self.stat_logger is not None:
@@ -276,15 +278,15 @@ class AsyncEngine:
         metrics = self.metrics
         num_output = request.num_output_tokens
         metrics.e2e.observe(now - request.arrival_time)
-        if request.first_token_ts:
-            metrics.prefill.observe(request.first_token_ts - request.scheduled_ts)
-            metrics.decode.observe(request.last_token_ts - request.first_token_ts)
+        if request.first_token_ts:  # intervals per seed 001, from the first SCHEDULED and first/last NEW_TOKENS
+            decode = request.last_token_ts - request.first_token_ts
+            metrics.decode.observe(decode)
             metrics.inference.observe(request.last_token_ts - request.scheduled_ts)
-            if num_output > 1:
-                metrics.tpot.observe((request.last_token_ts - request.first_token_ts) / (num_output - 1))
+            metrics.tpot.observe(decode / (num_output - 1) if num_output > 1 else 0.0)
         metrics.prompt_hist.observe(request.num_prompt_tokens)
         metrics.generation_hist.observe(num_output)
         metrics.params_n.observe(request.params.n)
-        metrics.params_max_tokens.observe(request.params.max_tokens)
-        metrics.max_generation.observe(request.params.max_tokens)
+        if request.params.max_tokens:
+            metrics.params_max_tokens.observe(request.params.max_tokens)
+        metrics.max_generation.observe(num_output)  # the most tokens any sequence of the request generated
         metrics.success[request.finish_reason or FinishReason.ABORT].inc()
