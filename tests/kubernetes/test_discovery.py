@@ -109,6 +109,8 @@ async def test_dropped_watch_resumes_and_410_relists(apiserver):
     task = asyncio.create_task(source.run(seen))
     try:
         await seen.until(lambda s: len(s.endpoints) == 1)
+        while server.list_requests < 4:  # all four resources listed once
+            await asyncio.sleep(0.01)
         lists = server.list_requests
         await server.drop_watches()  # connections cut mid-stream
         server.apply("pods", pod("b", "10.0.0.2"))
