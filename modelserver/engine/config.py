@@ -15,7 +15,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_lora: bool = False
     max_loras: int = 1
-    max_cpu_loras: int | None = None  # torch: adapters whose weights stay in host memory (None: max_loras)
+    max_cpu_loras: int | None = None  # adapters kept in host memory, LRU (None: max_loras)
     max_lora_rank: int = 16
     gpu_memory_utilization: float = 0.9
     cache_dtype: str = "auto"

@@ -72,10 +72,10 @@ class AsyncEngine:
         self.kv = KVCacheManager(
             config.num_gpu_blocks, config.block_size, config.enable_prefix_caching, config.kv_cache_metrics_sample
         )
-        self.loras = LoRASlots(config.max_loras)
+        self.loras = LoRASlots(config.max_loras, config.max_cpu_loras)
         for name, path in (lora_modules or {}).items():
             self.loras.add(name, path)
-        self.scheduler = Scheduler(config, self.kv, self.loras)
+        self.scheduler = Scheduler(config, self.kv, self.loras, executor.eos_token_id)
         self.metrics = EngineMetrics(config, model_name, engine_index, registry, show_hidden_metrics_for_version)
         self.registry = self.metrics.registry
         self.stat_logger = LoggingStatLogger(f"Engine {engine_index:03d}") if log_stats else None
@@ -194,7 +194,7 @@ class AsyncEngine:
 
     def _process(self, output: SchedulerOutput, step: StepOutput, now: float) -> None:
         metrics, kv, scheduler = self.metrics, self.kv, self.scheduler
-        eos = self.executor.eos_token_id
+        block_size = kv.block_size
         prompt_done = generated = 0
         for request in output.newly_scheduled:
             metrics.queue.observe(request.scheduled_ts - request.queued_ts)
@@ -206,8 +206,9 @@ class AsyncEngine:
         ):
             if request.status is RequestStatus.FINISHED:  # aborted while the step ran
                 continue
-            request.num_computed_tokens = sequence.start + sequence.num_new_tokens
-            kv.register_full_blocks(request)
+            request.num_computed_tokens = computed = sequence.start + sequence.num_new_tokens
+            if computed // block_size > request.num_registered_blocks:  # a block was completed: cache it
+                kv.register_full_blocks(request)
             if token is None:
                 continue
             request.token_ids.append(token)
@@ -220,7 +221,7 @@ class AsyncEngine:
             else:  # a preemption during decode stretches this interval (and decode, inference)
                 observe_itl(now - request.last_token_ts)
             request.last_token_ts = now
-            reason = scheduler.check_stop(request, token, eos)
+            reason = scheduler.check_stop(request, token)
             if reason is not None:
                 scheduler.finish(request, reason)
                 self._record_finished(request, now)

@@ -28,6 +28,7 @@ class ScheduledBatch:
     num_uncached_prefill_tokens: int = 0
     num_decode_tokens: int = 0
     new_lora_loads: dict[int, tuple[str, str]] = field(default_factory=dict)  # slot -> (name, path)
+    num_cold_lora_loads: int = 0  # of new_lora_loads, those not in host memory (read from storage first)
 
 
 @dataclass(slots=True)

@@ -58,6 +58,8 @@ class Request:
         "last_token_ts",
         "lora_name",
         "lora_slot",
+        "max_len",
+        "min_len",
         "num_cached_tokens",
         "num_computed_tokens",
         "num_preemptions",
@@ -69,6 +71,7 @@ class Request:
         "scheduled",
         "scheduled_ts",
         "status",
+        "stop_ids",
         "token_ids",
     )
 
@@ -101,6 +104,10 @@ class Request:
         self.num_registered_blocks = 0  # leading blocks already entered in the prefix cache
         self.scheduled = None  # the executor's view of this request (ScheduledSequence), reused every step
         self.block_hashes: list[int] = []  # hash chain of this request's full blocks, computed incrementally
+        # Stop conditions, set by the scheduler when the request is added (they depend on the engine's limits).
+        self.max_len = self.num_prompt_tokens + params.max_tokens  # finish with "length" at this many tokens
+        self.min_len = self.num_prompt_tokens + params.min_tokens  # no "stop" before this many tokens
+        self.stop_ids: set[int] = set(params.stop_token_ids)  # stop token ids, with EOS unless ignore_eos
 
     @property
     def num_tokens(self) -> int:

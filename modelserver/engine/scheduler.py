@@ -30,14 +30,25 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv: KVCacheManager, loras: LoRASlots):
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, loras: LoRASlots, eos_token_id: int | None = None):
         self.config = config
         self.kv = kv
         self.loras = loras
+        self.eos_token_id = eos_token_id
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
     def add(self, request: Request) -> None:
+        # The stop conditions as plain numbers and a set, so the per-token check on the step is two comparisons.
+        params = request.params
+        request.max_len = min(
+            request.num_prompt_tokens + params.max_tokens, self.config.max_model_len, self.kv.capacity_tokens
+        )
+        request.min_len = request.num_prompt_tokens + params.min_tokens
+        stop_ids = set(params.stop_token_ids)
+        if self.eos_token_id is not None and not params.ignore_eos:
+            stop_ids.add(self.eos_token_id)
+        request.stop_ids = stop_ids
         self.waiting.append(request)
 
     @property
@@ -140,7 +151,8 @@ class Scheduler:
                 budget -= num_new
             waiting.extendleft(reversed(skipped))
 
-        batch = ScheduledBatch(sequences, uncached_prefill, decode, self.loras.take_pending_loads())
+        loads, cold_loads = self.loras.take_pending_loads()
+        batch = ScheduledBatch(sequences, uncached_prefill, decode, loads, cold_loads)
         return SchedulerOutput(batch, requests, newly, num_preemptions)
 
     def finish(self, request: Request, reason: str) -> None:
@@ -155,15 +167,11 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
 
-    def check_stop(self, request: Request, token: int, eos_token_id: int | None) -> str | None:
-        params = request.params
-        num_output = request.num_output_tokens
-        if num_output >= params.max_tokens:
+    def check_stop(self, request: Request, token: int) -> str | None:
+        """Why `request` finishes now that `token` was appended to it, or None."""
+        num_tokens = len(request.token_ids)
+        if num_tokens >= request.max_len:
             return FinishReason.LENGTH
-        if request.num_tokens >= self.config.max_model_len or request.num_tokens >= self.kv.capacity_tokens:
-            return FinishReason.LENGTH
-        if num_output < params.min_tokens:
-            return None
-        if (token == eos_token_id and not params.ignore_eos) or token in params.stop_token_ids:
+        if token in request.stop_ids and num_tokens >= request.min_len:
             return FinishReason.STOP
         return None

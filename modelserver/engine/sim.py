@@ -3,9 +3,11 @@ timing model, so a pool of dozens of "GPUs" fits on one small machine and every 
 
 Step time = prefill_overhead (when the step prefills) + uncached prefill tokens x prefill_time_per_token
           + decode_base + decode_per_seq x decode sequences (when the step decodes)
-          + lora_load_time per adapter loaded into a slot, all times (1 + jitter x N(0, 1)) when jitter is set.
+          + lora_load_time per adapter loaded into a slot (+ lora_cold_load_time when it was not among the
+            max_cpu_loras adapters in host memory), all times (1 + jitter x N(0, 1)) when jitter is set.
 Defaults approximate an 8B model on one H100 (bf16): ~12 ms inter-token latency at low batch rising to ~25 ms at
-256 sequences, ~0.1 ms per uncached prompt token (~10k prefill tokens/s), LoRA load ~20 ms.
+256 sequences, ~0.1 ms per uncached prompt token (~10k prefill tokens/s), LoRA load ~20 ms from host memory and
+~70 ms from storage.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ class SimTiming:
     decode_base: float = 0.012  # seconds per decode step at batch size 1
     decode_per_seq: float = 0.00005  # extra seconds per sequence in the decode batch
     lora_load_time: float = 0.02  # seconds to load an adapter into a GPU slot
+    lora_cold_load_time: float = 0.05  # extra seconds when the adapter is not in host memory (--max-cpu-loras)
     jitter: float = 0.0  # relative standard deviation of the step time
     seed: int = 0
 
@@ -34,7 +37,7 @@ class SimTiming:
 
     def step_time(self, batch: ScheduledBatch, rng: random.Random) -> float:
         num_decode_seqs = batch.num_decode_tokens
-        seconds = len(batch.new_lora_loads) * self.lora_load_time
+        seconds = len(batch.new_lora_loads) * self.lora_load_time + batch.num_cold_lora_loads * self.lora_cold_load_time
         if batch.num_uncached_prefill_tokens:
             seconds += self.prefill_overhead + batch.num_uncached_prefill_tokens * self.prefill_time_per_token
         if num_decode_seqs:

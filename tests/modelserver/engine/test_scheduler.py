@@ -107,13 +107,24 @@ def test_lora_request_over_max_loras_is_deferred_and_the_scan_continues():
     assert base.status is RequestStatus.RUNNING
 
 
-def test_stop_conditions():
-    scheduler = make()
-    r = add(scheduler, "a", 4, max_tokens=2)
-    step(scheduler)
-    assert scheduler.check_stop(r, 7, eos_token_id=None) is None
-    r.token_ids.append(7)
-    assert scheduler.check_stop(r, 7, eos_token_id=None) == "length"
-    eos = add(scheduler, "b", 4, max_tokens=10)
-    eos.token_ids.append(0)
-    assert scheduler.check_stop(eos, 0, eos_token_id=0) == "stop"
+@pytest.mark.parametrize(
+    ("params", "eos", "outputs", "expected"),
+    [
+        (SamplingParams(max_tokens=3), None, [5, 5], None),
+        (SamplingParams(max_tokens=3), None, [5, 5, 5], "length"),
+        (SamplingParams(max_tokens=8), 0, [5, 0], "stop"),  # EOS
+        (SamplingParams(max_tokens=8, ignore_eos=True), 0, [5, 0], None),
+        (SamplingParams(max_tokens=8, min_tokens=3), 0, [5, 0], None),  # EOS before min_tokens is ignored
+        (SamplingParams(max_tokens=8, min_tokens=3), 0, [5, 5, 0], "stop"),
+        (SamplingParams(max_tokens=8, stop_token_ids=(9,)), None, [9], "stop"),
+        (SamplingParams(max_tokens=100), None, [5] * 12, "length"),  # max_model_len = 16 with a 4-token prompt
+    ],
+)
+def test_stop_conditions(params, eos, outputs, expected):
+    config = EngineConfig(block_size=4, num_gpu_blocks=64, max_model_len=16)
+    kv = KVCacheManager(config.num_gpu_blocks, config.block_size)
+    scheduler = Scheduler(config, kv, LoRASlots(1), eos_token_id=eos)
+    request = Request("r", [1, 2, 3, 4], params)
+    scheduler.add(request)
+    request.token_ids += outputs
+    assert scheduler.check_stop(request, outputs[-1]) == expected
