@@ -139,25 +139,106 @@ async def test_abort_frees_blocks_and_counts_abort():
         await eng.stop()
 
 
-async def test_preemptions_are_counted_and_requests_still_complete():
+async def test_preemptions_are_counted_and_stretch_intervals_instead_of_repeating_them():
     eng = engine(SimTiming.zero(), num_gpu_blocks=12, block_size=4)
     await eng.start()
     try:
         results = await asyncio.gather(*(run(eng, f"r{i}", list(range(i * 50, i * 50 + 8)), 16) for i in range(4)))
         assert all(len(tokens) == 16 for tokens, _, _ in results)
         assert sample(eng, "vllm:num_preemptions_total") > 0
+        # Seed 001: a recomputed request still has one first token and one prefill; the rest are inter-token gaps.
+        assert sample(eng, "vllm:time_to_first_token_seconds_count") == 4
+        assert sample(eng, "vllm:request_prefill_time_seconds_count") == 4
+        assert sample(eng, "vllm:request_queue_time_seconds_count") == 4
+        assert sample(eng, "vllm:inter_token_latency_seconds_count") == 4 * 15
+        assert sample(eng, "vllm:prompt_tokens_total") == 4 * 8  # recomputed prompts are not counted again
+        assert sample(eng, "vllm:prefix_cache_queries_total") == 4 * 8  # nor queried again
     finally:
         await eng.stop()
 
 
-async def test_hidden_v0_metric_only_when_asked():
-    plain = engine()
-    assert b"gpu_cache_usage_perc" not in generate_latest(plain.registry)
+async def test_prefill_is_observed_at_the_first_token_and_decode_at_the_end():
+    eng = engine()
+    await eng.start()
+    try:
+        stream = eng.generate("x", list(range(1, 50)), SamplingParams(max_tokens=1000))
+        await anext(stream)
+        assert sample(eng, "vllm:request_prefill_time_seconds_count") == 1
+        assert sample(eng, "vllm:time_to_first_token_seconds_count") == 1
+        assert sample(eng, "vllm:request_decode_time_seconds_count") == 0
+        await anext(stream)
+        await stream.aclose()
+        assert sample(eng, "vllm:request_decode_time_seconds_count") == 1
+        assert sample(eng, "vllm:request_inference_time_seconds_count") == 1
+        assert sample(eng, "vllm:e2e_request_latency_seconds_count") == 1
+        decode = sample(eng, "vllm:request_decode_time_seconds_sum")
+        inference = sample(eng, "vllm:request_inference_time_seconds_sum")
+        prefill = sample(eng, "vllm:request_prefill_time_seconds_sum")
+        assert inference == pytest.approx(prefill + decode)
+    finally:
+        await eng.stop()
+
+
+async def test_iteration_and_request_histograms_use_vllms_buckets_and_definitions():
+    eng = engine(max_model_len=1000)
+    await eng.start()
+    try:
+        await asyncio.gather(run(eng, "a", list(range(1, 31)), max_tokens=5), run(eng, "b", list(range(1, 11)), 3))
+        # Per step: prompt tokens of the prefills that completed plus tokens generated, as vLLM counts them.
+        assert sample(eng, "vllm:iteration_tokens_total_sum") == 30 + 10 + 5 + 3
+        assert sample(eng, "vllm:iteration_tokens_total_bucket", le="16384.0") is not None
+        assert sample(eng, "vllm:iteration_tokens_total_bucket", le="8.0") is not None
+        assert sample(eng, "vllm:request_prompt_tokens_bucket", le="1000.0") is not None  # 1-2-5 up to max_model_len
+        assert sample(eng, "vllm:request_prompt_tokens_bucket", le="2000.0") is None
+        assert sample(eng, "vllm:request_max_num_generation_tokens_sum") == 5 + 3
+        assert sample(eng, "vllm:request_params_max_tokens_sum") == 5 + 3
+        assert sample(eng, "vllm:request_params_n_bucket", le="1.0") == 2
+        assert sample(eng, "vllm:time_to_first_token_seconds_bucket", le="2560.0") == 2
+        assert sample(eng, "vllm:e2e_request_latency_seconds_bucket", le="7680.0") == 2
+        assert sample(eng, "vllm:request_time_per_output_token_seconds_count") == 2
+    finally:
+        await eng.stop()
+
+
+async def test_info_gauges():
+    eng = engine(enable_lora=True, max_loras=2)
+    await eng.start()
+    try:
+        before = time.time()
+        await run(eng, "a", list(range(1, 20)), max_tokens=2, lora="a")
+        snap = snapshot(eng)
+        assert (snap.block_size, snap.num_gpu_blocks, snap.max_lora) == (16, 512, 2)
+        page = generate_latest(eng.registry).decode()
+        (line,) = [ln for ln in page.splitlines() if ln.startswith("vllm:lora_requests_info{")]
+        assert 'running_lora_adapters=""' in line and 'waiting_lora_adapters=""' in line
+        assert before <= float(line.rsplit(" ", 1)[1]) <= time.time()  # wall-clock time of the last update
+        assert 'enable_prefix_caching="True"' in page and 'block_size="16"' in page
+    finally:
+        await eng.stop()
+
+
+async def test_hidden_v0_metrics_only_when_asked():
+    page = generate_latest(engine().registry).decode()
+    for name in ("gpu_cache_usage_perc", "gpu_prefix_cache", "vllm:time_per_output_token_seconds"):
+        assert name not in page
     cfg = EngineConfig(num_gpu_blocks=16)
     hidden = AsyncEngine(cfg, SimExecutor(SimTiming.zero(), 16, 16, FILLER), model_name="m", log_stats=False,
                          show_hidden_metrics_for_version="0.10")  # fmt: skip
-    page = generate_latest(hidden.registry).decode()
-    assert "vllm:gpu_cache_usage_perc" in page and "DEPRECATED" in page
+    await hidden.start()
+    try:
+        await run(hidden, "a", list(range(1, 40)), max_tokens=3)
+        page = generate_latest(hidden.registry).decode()
+        for name in (
+            "vllm:gpu_cache_usage_perc",
+            "vllm:gpu_prefix_cache_queries",
+            "vllm:time_per_output_token_seconds",
+        ):
+            (help_line, *_) = [ln for ln in page.splitlines() if ln.startswith(f"# HELP {name}")]
+            assert "DEPRECATED" in help_line
+        assert sample(hidden, "vllm:gpu_prefix_cache_queries_total") == 39
+        assert sample(hidden, "vllm:time_per_output_token_seconds_count") == 2
+    finally:
+        await hidden.stop()
 
 
 async def test_fast_page_equals_prometheus_client_exposition():
