@@ -1,6 +1,7 @@
 """A local HTTP server that speaks the Kubernetes API's list and watch protocol for the few resources the EPP reads
 (pods, inferencepools, inferenceobjectives, inferencemodelrewrites) and the leases it writes: resourceVersions,
-watch events after a version, bookmarks, 410 Gone after compaction, and connections it can drop mid-stream."""
+watch events after a version, bookmarks, 410 Gone after compaction (as a watch event, or as the HTTP status when
+`gone_as_status`), injected server errors, and connections it can drop mid-stream."""
 
 from __future__ import annotations
 
@@ -13,10 +14,15 @@ from aiohttp import web
 PATHS = {
     "pods": "/api/v1/namespaces/{ns}/pods",
     "inferencepools": "/apis/inference.networking.k8s.io/v1/namespaces/{ns}/inferencepools",
+    "x-inferencepools": "/apis/inference.networking.x-k8s.io/v1alpha2/namespaces/{ns}/inferencepools",
     "inferenceobjectives": "/apis/inference.networking.x-k8s.io/v1alpha2/namespaces/{ns}/inferenceobjectives",
     "inferencemodelrewrites": "/apis/inference.networking.x-k8s.io/v1alpha2/namespaces/{ns}/inferencemodelrewrites",
 }
 LEASES = "/apis/coordination.k8s.io/v1/namespaces/{ns}/leases"
+
+
+def _timestamp(seconds: int) -> str:
+    return f"2026-01-01T{seconds // 3600:02d}:{seconds // 60 % 60:02d}:{seconds % 60:02d}Z"
 
 
 class FakeAPIServer:
@@ -29,6 +35,8 @@ class FakeAPIServer:
         self.watches: list[web.StreamResponse] = []
         self.watch_requests = 0
         self.list_requests = 0
+        self.fail_requests = 0  # the next n list/watch requests get 500
+        self.gone_as_status = False
         self.app = web.Application()
         for kind, path in PATHS.items():
             self.app.router.add_get(path, self._handler(kind))
@@ -43,6 +51,8 @@ class FakeAPIServer:
         obj.setdefault("metadata", {})["resourceVersion"] = str(self.rv)
         name = obj["metadata"]["name"]
         event = "MODIFIED" if name in self.objects[kind] else "ADDED"
+        created = self.objects[kind][name]["metadata"].get("creationTimestamp") if event == "MODIFIED" else None
+        obj["metadata"].setdefault("creationTimestamp", created or _timestamp(self.rv))
         self.objects[kind][name] = obj
         self.history[kind].append((self.rv, event, obj))
         self._notify()
@@ -74,6 +84,9 @@ class FakeAPIServer:
     # -- list and watch ----------------------------------------------------------------------------------------
     def _handler(self, kind: str):
         async def handle(request: web.Request) -> web.StreamResponse:
+            if self.fail_requests > 0:
+                self.fail_requests -= 1
+                return web.json_response({"kind": "Status", "code": 500, "reason": "InternalError"}, status=500)
             if request.query.get("watch") in ("true", "1", "True"):
                 return await self._watch(kind, request)
             self.list_requests += 1
@@ -87,6 +100,8 @@ class FakeAPIServer:
         since = int(request.query.get("resourceVersion") or 0)
         timeout = float(request.query.get("timeoutSeconds") or 30)
         bookmarks = request.query.get("allowWatchBookmarks") in ("true", "True", "1")
+        if since < self.compacted_before and self.gone_as_status:
+            return web.json_response({"kind": "Status", "code": 410, "reason": "Expired"}, status=410)
         response = web.StreamResponse(headers={"Content-Type": "application/json"})
         await response.prepare(request)
         self.watches.append(response)

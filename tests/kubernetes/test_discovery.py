@@ -2,6 +2,9 @@
 
 import asyncio
 import contextlib
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
 
 from epp.datalayer.kubernetes import KubernetesSource
 
@@ -14,6 +17,12 @@ def pod(name, ip="10.0.0.1", ready=True, labels=None, terminating=False):
         meta["deletionTimestamp"] = "2026-01-01T00:00:00Z"
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta,
             "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}}  # fmt: skip
+
+
+def rewrite(name, rules, created=None, pool_group=None):
+    ref = {"name": "pool", **({"group": pool_group} if pool_group else {})}
+    meta = {"name": name, **({"creationTimestamp": created} if created else {})}
+    return {"metadata": meta, "spec": {"poolRef": ref, "rules": rules}}
 
 
 def pool(selector=None, ports=(8000,)):
@@ -46,6 +55,18 @@ def addresses(state):
     return sorted((e.name, e.hostport, e.engine) for e in state.endpoints)
 
 
+@contextlib.asynccontextmanager
+async def discovery(api, **kwargs):
+    source = KubernetesSource(api, "pool", NS, watch_timeout=5, **kwargs)
+    seen = Collector()
+    task = asyncio.create_task(source.run(seen))
+    try:
+        yield seen
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
 async def test_pods_pool_objectives_and_rewrites(apiserver):
     server, api = apiserver
     server.apply("inferencepools", pool(ports=(8000, 8001)))
@@ -57,6 +78,7 @@ async def test_pods_pool_objectives_and_rewrites(apiserver):
     task = asyncio.create_task(source.run(seen))
     try:
         state = await seen.until(lambda s: len(s.endpoints) == 2)
+        assert len(seen.states) == 1, "published before every resource was listed"
         assert addresses(state) == [("a-rank-0", "10.0.0.1:8000", "sglang"), ("a-rank-1", "10.0.0.1:8001", "sglang")]
 
         server.apply("pods", pod("b", "10.0.0.2", ready=True))  # becomes ready
@@ -127,3 +149,103 @@ async def test_dropped_watch_resumes_and_410_relists(apiserver):
         await server.drop_watches()
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_rewrite_precedence_and_pool_references(apiserver):
+    server, api = apiserver
+    server.apply("inferencepools", pool())
+    catch_all = [{"targets": [{"modelRewrite": "default"}]}]
+
+    def food(target):
+        return [{"matches": [{"model": {"value": "food"}}], "targets": [{"modelRewrite": target, "weight": 5}]}]
+
+    server.apply("inferencemodelrewrites", rewrite("new", food("food-new"), created="2026-02-01T00:00:00Z"))
+    server.apply("inferencemodelrewrites", rewrite("old", catch_all + food("food-old"), created="2026-01-01T00:00:00Z"))
+    server.apply(
+        "inferencemodelrewrites", rewrite("other-group", food("x"), pool_group="inference.networking.x-k8s.io")
+    )
+    server.apply("inferencemodelrewrites", rewrite("no-targets", [{"matches": [{"model": {"value": "x"}}]}]))
+    server.apply("inferenceobjectives", {"metadata": {"name": "chat"}, "spec": {"poolRef": {"name": "pool"}}})
+    server.apply(
+        "inferenceobjectives",
+        {"metadata": {"name": "alien"}, "spec": {"priority": 3, "poolRef": {"name": "pool", "kind": "Other"}}},
+    )
+    async with discovery(api) as seen:
+        state = await seen.until(lambda s: s.rewrites)
+        # Exact matches before catch-alls; among equals the oldest resource first; other pools' rewrites ignored.
+        assert [(r.model, r.targets) for r in state.rewrites] == [
+            ("food", (("food-old", 5),)), ("food", (("food-new", 5),)), ("*", (("default", 1),))
+        ]  # fmt: skip
+        assert state.objectives == {"chat": 0}  # no priority: 0
+        server.delete("inferencemodelrewrites", "old")
+        state = await seen.until(lambda s: len(s.rewrites) == 1)
+        assert state.rewrites[0].targets == (("food-new", 5),)
+
+
+async def test_v1alpha2_pool_group(apiserver):
+    server, api = apiserver
+    v1alpha2 = {"metadata": {"name": "pool"}, "spec": {"selector": {"app": "model-server"}, "targetPortNumber": 8001,
+                                                       "extensionRef": {"name": "epp"}}}  # fmt: skip
+    server.apply("x-inferencepools", v1alpha2)
+    server.apply("pods", pod("a", "10.0.0.1"))
+    async with discovery(api, pool_group="inference.networking.x-k8s.io") as seen:
+        state = await seen.until(lambda s: s.endpoints)
+        assert addresses(state) == [("a-rank-0", "10.0.0.1:8001", "vllm")]
+
+
+def test_unknown_pool_group_is_a_clear_error():
+    with pytest.raises(ValueError, match="pool-group"):
+        KubernetesSource(None, "pool", NS, pool_group="example.com")
+
+
+async def test_unchanged_state_is_not_republished(apiserver):
+    server, api = apiserver
+    server.apply("inferencepools", pool())
+    server.apply("pods", pod("a", "10.0.0.1"))
+    async with discovery(api) as seen:
+        await seen.until(lambda s: len(s.endpoints) == 1)
+        for i in range(5):  # status churn that does not change the endpoint
+            server.apply("pods", {**pod("a", "10.0.0.1"), "spec": {"nodeName": f"node-{i}"}})
+        server.apply("pods", pod("b", "10.0.0.2"))
+        await seen.until(lambda s: len(s.endpoints) == 2)
+        assert [len(s.endpoints) for s in seen.states] == [1, 2]
+
+
+async def test_server_errors_back_off_and_recover(apiserver):
+    server, api = apiserver
+    server.apply("inferencepools", pool())
+    server.apply("pods", pod("a", "10.0.0.1"))
+    server.fail_requests = 3
+    async with discovery(api) as seen:
+        await seen.until(lambda s: len(s.endpoints) == 1, timeout=10)
+        assert server.fail_requests == 0
+
+
+async def test_gone_status_relists_and_drops_pods_deleted_meanwhile(apiserver):
+    server, api = apiserver
+    server.gone_as_status = True
+    server.apply("inferencepools", pool())
+    server.apply("pods", pod("a", "10.0.0.1"))
+    server.apply("pods", pod("b", "10.0.0.2"))
+    async with discovery(api) as seen:
+        await seen.until(lambda s: len(s.endpoints) == 2)
+        lists = server.list_requests
+        await server.drop_watches()
+        server.delete("pods", "a")  # while no watch is open and then compacted away: only a relist sees it
+        server.compact()
+        await seen.until(lambda s: addresses(s) == [("b-rank-0", "10.0.0.2:8000", "vllm")], timeout=10)
+        assert server.list_requests > lists
+
+
+async def test_watchers_leave_the_default_executor_free(apiserver):
+    server, api = apiserver
+    server.apply("inferencepools", pool())
+    loop = asyncio.get_running_loop()
+    executor = ThreadPoolExecutor(max_workers=1)
+    loop.set_default_executor(executor)
+    try:
+        async with discovery(api) as seen:
+            await seen.until(lambda s: True)
+            assert await asyncio.wait_for(asyncio.to_thread(lambda: "free"), 2) == "free"
+    finally:
+        executor.shutdown(wait=False)
