@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from bisect import bisect_left
+from collections import deque
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.core import HistogramMetricFamily
@@ -262,34 +263,37 @@ class EngineMetrics:
 
 
 class LoggingStatLogger:
-    """Logs the seed's summary line every `interval` seconds: running/waiting, KV usage, throughput, hit rate."""
+    """Logs the seed's summary line every `interval` seconds: running/waiting, KV usage, prompt and generation
+    throughput since the last line, and the prefix-cache hit rate over the most recent 1k queries (requests)."""
 
-    def __init__(self, name: str, interval: float = 5.0):
+    def __init__(self, name: str, interval: float = 5.0, recent_queries: int = 1000):
         self.name = name
         self.interval = interval
         self._last = time.monotonic()
         self._prompt = self._generation = 0
-        self._queries: list[tuple[int, int]] = []  # (queried, hit) tokens, most recent last
+        self._queries: deque[tuple[int, int]] = deque(maxlen=recent_queries)  # (queried, hit) tokens per request
 
-    def record(self, prompt_tokens: int, generation_tokens: int, queries: int, hits: int) -> None:
+    def record(self, prompt_tokens: int, generation_tokens: int) -> None:
         self._prompt += prompt_tokens
         self._generation += generation_tokens
-        if queries:
-            self._queries.append((queries, hits))
-            if len(self._queries) > 1000:  # "over the most recent 1k queries"
-                del self._queries[:-1000]
+
+    def record_query(self, queried_tokens: int, hit_tokens: int) -> None:
+        self._queries.append((queried_tokens, hit_tokens))
+
+    @property
+    def hit_rate(self) -> float:
+        queried = sum(q for q, _ in self._queries)
+        return sum(h for _, h in self._queries) / queried if queried else 0.0
 
     def maybe_log(self, running: int, waiting: int, kv_usage: float) -> None:
         now = time.monotonic()
         elapsed = now - self._last
         if elapsed < self.interval:
             return
-        queried = sum(q for q, _ in self._queries)
-        hit_rate = sum(h for _, h in self._queries) / queried if queried else 0.0
         log.info(
             "%s: Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, Running: %d reqs, "
             "Waiting: %d reqs, GPU KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%",
             self.name, self._prompt / elapsed, self._generation / elapsed, running, waiting, kv_usage * 100,
-            hit_rate * 100,
+            self.hit_rate * 100,
         )  # fmt: skip
         self._last, self._prompt, self._generation = now, 0, 0

@@ -38,11 +38,15 @@ class EngineConfig:
         return {
             "block_size": str(self.block_size),
             "cache_dtype": self.cache_dtype,
+            "calculate_kv_scales": "False",
+            "cpu_offload_gb": "0",
             "enable_prefix_caching": str(self.enable_prefix_caching),
             "gpu_memory_utilization": str(self.gpu_memory_utilization),
+            "is_attention_free": "False",
             "num_cpu_blocks": "0",
             "num_gpu_blocks": str(self.num_gpu_blocks),
             "num_gpu_blocks_override": str(self.num_gpu_blocks),
             "prefix_caching_hash_algo": "builtin",
+            "sliding_window": "None",
             "swap_space": str(self.swap_space),
         }

@@ -196,8 +196,11 @@ class AsyncEngine:
         metrics, kv, scheduler = self.metrics, self.kv, self.scheduler
         block_size = kv.block_size
         prompt_done = generated = 0
+        stat_logger = self.stat_logger
         for request in output.newly_scheduled:
             metrics.queue.observe(request.scheduled_ts - request.queued_ts)
+            if stat_logger is not None:
+                stat_logger.record_query(request.num_prompt_tokens, request.num_cached_tokens)
         requests = self._requests
         logprobs = step.logprobs
         observe_itl = metrics.observe_itl
@@ -241,8 +244,8 @@ class AsyncEngine:
             metrics.record_prefix_cache(kv.queries, kv.hits)
         if kv.residency.lifetimes or kv.residency.reuse_gaps:
             self._drain_residency()
-        if self.stat_logger is not None:
-            self.stat_logger.record(prompt_done, generated, kv.queries, kv.hits)
+        if stat_logger is not None:
+            stat_logger.record(prompt_done, generated)
         kv.queries = kv.hits = 0
         self._update_gauges()
 

@@ -256,3 +256,22 @@ async def test_fast_page_equals_prometheus_client_exposition():
         assert samples(eng.metrics.render().decode()) == samples(generate_latest(eng.registry).decode())
     finally:
         await eng.stop()
+
+
+async def test_logging_stat_logger_prints_the_summary_line(caplog):
+    eng = AsyncEngine(EngineConfig(num_gpu_blocks=64), SimExecutor(SimTiming.zero(), 16, 64, FILLER), model_name="m",
+                      engine_index=3)  # fmt: skip
+    eng.stat_logger.interval = 0.0  # log on every update
+    await eng.start()
+    try:
+        with caplog.at_level("INFO", logger="modelserver.stats"):
+            await run(eng, "a", list(range(1, 33)), max_tokens=2)
+            await run(eng, "b", list(range(1, 33)), max_tokens=2)  # 16 of 32 tokens hit the cache
+        line = caplog.records[-1].getMessage()
+        assert line.startswith("Engine 003: Avg prompt throughput: ")
+        for part in ("Avg generation throughput: ", "Running: ", "Waiting: ", "GPU KV cache usage: "):
+            assert part in line
+        assert eng.stat_logger.hit_rate == 16 / 64
+        assert line.endswith("Prefix cache hit rate: 25.0%")
+    finally:
+        await eng.stop()
