@@ -42,12 +42,17 @@ def requests(spec: dict, model: str, rate: float | None = None, duration: float 
     out = []
     if name == "shared-prefix":
         systems = [_text(rng, spec["system_prompt_tokens"] * scale) for _ in range(spec["groups"])]
+        # Multi-turn: each (group, prompt) is one user whose next request carries its earlier turns, each answered
+        # by a stand-in text of output_tokens (the open-loop stream is generated before any answer exists).
+        histories: dict[tuple[int, int], str] = {}
         for t in times:
-            group = rng.randrange(spec["groups"])
-            prompt = f"{systems[group]}\nQuestion {rng.randrange(spec['prompts_per_group'])}: " + _text(
-                rng, spec["question_tokens"]
-            )
-            out.append((t, {"model": model, "prompt": prompt, "max_tokens": spec["output_tokens"]}))
+            user = (rng.randrange(spec["groups"]), rng.randrange(spec["prompts_per_group"]))
+            question = f"\nQuestion {user[1]}: " + _text(rng, spec["question_tokens"])
+            history = histories.get(user, "")
+            out.append((t, {"model": model, "prompt": systems[user[0]] + history + question,
+                            "max_tokens": spec["output_tokens"]}))  # fmt: skip
+            if spec.get("multi_turn"):
+                histories[user] = history + question + "\nAnswer: " + _text(rng, spec["output_tokens"])
     elif name == "multi-lora":
         names, weights = [], []
         for tier_index, tier in enumerate(spec["tiers"]):

@@ -2,6 +2,7 @@
 harness cannot rot between `make bench` runs."""
 
 import asyncio
+import itertools
 import json
 
 from epp.bench import compare, overhead
@@ -19,6 +20,8 @@ def test_compare_smoke(tmp_path):
     table = (tmp_path / "shared-prefix.md").read_text()
     assert "| epp |" in table and "| round-robin |" in table
     assert len(json.loads((tmp_path / "shared-prefix.json").read_text())) == 2
+    assert all(0 < r.host_busy <= 1 for r in results)
+    assert {"ttft_vs_rate.png", "load_epp_6.png", "load_round-robin_6.png"} <= {p.name for p in tmp_path.glob("*.png")}
 
 
 def test_closed_loop_smoke(tmp_path):
@@ -26,6 +29,7 @@ def test_closed_loop_smoke(tmp_path):
                                             progress=lambda m: None, concurrencies=[3]))  # fmt: skip
     assert result.concurrency == 3 and result.requests == result.succeeded > 0
     assert "closed loop, 3 concurrent clients" in (tmp_path / "heterogeneous.md").read_text()
+    assert (tmp_path / "ttft_vs_concurrency.png").is_file() and (tmp_path / "load_round-robin_c3.png").is_file()
 
 
 def test_workloads_are_seeded_and_shaped():
@@ -38,6 +42,21 @@ def test_workloads_are_seeded_and_shaped():
         assert all(body["stream"] and body["stream_options"]["include_usage"] for _, body in first)
     lora = requests(load_workload("multi-lora"), "m", rate=50, duration=10)
     assert {body["model"] for _, body in lora} <= {f"lora-{i}-{j}" for i, n in enumerate((2, 4, 10)) for j in range(n)}
+
+
+def test_multi_turn_requests_carry_the_users_earlier_turns():
+    from epp.bench.workloads import load_workload, requests
+
+    stream = requests(load_workload("shared-prefix-multi-turn"), "m", rate=20, duration=10, seed=2)
+    by_user: dict[str, list[str]] = {}
+    for _, body in stream:
+        prompt = body["prompt"]
+        by_user.setdefault(prompt.rsplit("\nQuestion ", 1)[1].split(":")[0] + prompt[:200], []).append(prompt)
+    turns = [prompts for prompts in by_user.values() if len(prompts) > 1]
+    assert turns, "some user came back within 10 s"
+    for prompts in turns:
+        for earlier, later in itertools.pairwise(prompts):
+            assert later.startswith(earlier + "\nAnswer: ")
 
 
 def test_overhead_smoke():
