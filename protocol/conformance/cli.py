@@ -21,22 +21,15 @@ import aiohttp
 import yaml
 
 from protocol.conformance.framework import Level, Outcome, Result
-from protocol.conformance.msp import Target, suite
-from protocol.conformance.report import conformance_report
+from protocol.conformance.msp import Target, default_model, suite
+from protocol.conformance.report import Implementation, conformance_report
 from protocol.metrics import ENGINES
-
-
-async def _first_model(session: aiohttp.ClientSession, url: str) -> str:
-    async with session.get(f"{url}/v1/models") as r:
-        data = (await r.json())["data"]
-    base = [m["id"] for m in data if not m.get("parent")]
-    return (base or [data[0]["id"]])[0]
 
 
 async def run(args: argparse.Namespace) -> list[Result]:
     timeout = aiohttp.ClientTimeout(total=300)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
-        model = args.model or await _first_model(session, args.url)
+        model = args.model or await default_model(session, args.url)
         target = Target(args.url.rstrip("/"), model, args.engine, args.lora_adapter, args.load_requests, session)
 
         print(f"Model Server Protocol conformance: {args.url} (model {model!r}, engine {args.engine})")
@@ -64,11 +57,23 @@ def _finish(args: argparse.Namespace, suite_name: str, results: list[Result], ta
     counts = {o: sum(1 for r in results if r.outcome is o) for o in Outcome}
     print(f"{counts[Outcome.PASS]} passed, {counts[Outcome.FAIL]} failed, {counts[Outcome.SKIP]} skipped")
     if args.report:
-        implementation = {"project": "llm-routing-reference msp-conformance", "version": "0.1.0"}
-        args.report.write_text(yaml.safe_dump(conformance_report(suite_name, results, implementation, target),
-                                              sort_keys=False))  # fmt: skip
+        implementation = Implementation(args.organization, args.project, args.implementation_url, args.version,
+                                        args.contact)  # fmt: skip
+        report = conformance_report(suite_name, results, implementation, target)
+        args.report.write_text(yaml.safe_dump(report, sort_keys=False))
     must_failed = any(r.outcome is Outcome.FAIL and r.check.level is Level.MUST for r in results)
     sys.exit(1 if must_failed else 0)
+
+
+def _report_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--only", nargs="*", help="run only these checks")
+    p.add_argument("--report", type=Path, help="write a ConformanceReport YAML here")
+    g = p.add_argument_group("implementation under test (report fields)")
+    g.add_argument("--organization", default="unknown")
+    g.add_argument("--project", default="unknown")
+    g.add_argument("--implementation-url", default="", help="the project's home page")
+    g.add_argument("--version", default="unknown")
+    g.add_argument("--contact", action="append", default=[])
 
 
 def gateway_main(argv: list[str]) -> None:
@@ -77,8 +82,7 @@ def gateway_main(argv: list[str]) -> None:
     p = argparse.ArgumentParser(prog="msp-conformance gateway", description=__doc__,
                                 formatter_class=argparse.RawTextHelpFormatter)  # fmt: skip
     p.add_argument("--envoy-template", type=Path, default=TEMPLATE, help="Envoy bootstrap template to test")
-    p.add_argument("--report", type=Path, help="write a ConformanceReport YAML here")
-    p.add_argument("--only", nargs="*", help="run only these checks")
+    _report_options(p)
     args = p.parse_args(argv)
     results = asyncio.run(run_gateway(args))
     _finish(args, "GatewayDataPath", results, str(args.envoy_template))
@@ -96,9 +100,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", help="model name to request (default: the first base model of /v1/models)")
     p.add_argument("--lora-adapter", action="append", default=[], help="a LoRA adapter the server serves (repeat)")
     p.add_argument("--engine", choices=sorted(ENGINES), default="vllm", help="which metric names to expect")
-    p.add_argument("--load-requests", type=int, default=32, help="concurrent long requests used to load the server")
-    p.add_argument("--report", type=Path, help="write a ConformanceReport YAML here")
-    p.add_argument("--only", nargs="*", help="run only these checks")
+    p.add_argument(
+        "--load-requests",
+        type=int,
+        default=32,
+        help="concurrent long requests that first load the server (then 4x, up to 64x, until requests queue)",
+    )
+    _report_options(p)
     args = p.parse_args(argv)
     results = asyncio.run(run(args))
     _finish(args, suite.name, results, args.url)

@@ -8,7 +8,7 @@ import aiohttp
 import pytest
 
 from protocol.conformance.framework import Level, Outcome
-from protocol.conformance.msp import Target, suite
+from protocol.conformance.msp import Target, default_model, suite
 
 
 @pytest.mark.parametrize("check", suite.checks, ids=[c.name for c in suite.checks])
@@ -19,10 +19,7 @@ def test_model_server_protocol(request, check):
 
     async def run():
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
-            model = request.config.getoption("--msp-model")
-            if model is None:
-                async with session.get(f"{url}/v1/models") as r:
-                    model = (await r.json())["data"][0]["id"]
+            model = request.config.getoption("--msp-model") or await default_model(session, url.rstrip("/"))
             target = Target(url.rstrip("/"), model, request.config.getoption("--msp-engine"),
                             request.config.getoption("--msp-lora-adapter"), session=session)  # fmt: skip
             return await suite.run_one(check, target)

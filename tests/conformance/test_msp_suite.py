@@ -1,6 +1,7 @@
 """The Model Server Protocol suite: all checks pass against our sim server (console script, report YAML, pytest
 plugin), and a server that breaks the protocol fails the right MUST checks."""
 
+import json
 import subprocess
 import sys
 
@@ -34,18 +35,19 @@ def test_our_server_conforms(sim_server, tmp_path):
     report = tmp_path / "report.yaml"
     result = subprocess.run(
         [sys.executable, "-m", "protocol.conformance", "--url", sim_server, "--lora-adapter", "sql",
-         "--lora-adapter", "chat", "--load-requests", "8", "--report", str(report)],
+         "--lora-adapter", "chat", "--load-requests", "8", "--report", str(report), "--project", "llm-routing-reference"],
         capture_output=True, text=True, timeout=240,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     lines = [line for line in result.stdout.splitlines() if line.startswith(("PASS", "FAIL", "SKIP"))]
     assert len(lines) == 17 and all(line.startswith("PASS") for line in lines), result.stdout
     parsed = yaml.safe_load(report.read_text())
-    assert parsed["kind"] == "ConformanceReport"
+    assert parsed["kind"] == "ConformanceReport" and parsed["GatewayAPIInferenceExtensionVersion"].startswith("v")
+    assert parsed["implementation"]["project"] == "llm-routing-reference"
     profile = parsed["profiles"][0]
     assert profile["name"] == "ModelServerProtocol"
-    assert profile["core"]["result"] == "success" and profile["core"]["statistics"]["Passed"] == 12
-    assert profile["extended"]["statistics"]["Passed"] == 5
+    assert profile["core"] == {"result": "success", "statistics": {"Failed": 0, "Passed": 14, "Skipped": 0}}
+    assert profile["extended"]["statistics"]["Passed"] == 3
 
 
 def test_pytest_plugin_runs_the_checks(sim_server):
@@ -59,18 +61,30 @@ def test_pytest_plugin_runs_the_checks(sim_server):
 
 
 async def broken_server() -> tuple[web.AppRunner, str]:
-    """Answers completions, but 500 for unknown models and no KV usage gauge: two MUST violations."""
+    """Answers completions, but breaks the protocol four ways: 500 for an unknown model, KV usage in percent,
+    no blank line between SSE events, and a `model` field that is not the requested one."""
 
     async def completions(request):
         body = await request.json()
         if body.get("model") != "m":
             return web.Response(status=500, text="boom")
+        choice = {"text": "x", "finish_reason": "length"}
+        if body.get("stream"):
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await response.prepare(request)
+            await response.write(f"data: {json.dumps({'object': 'text_completion', 'choices': [choice]})}\n".encode())
+            await response.write(b"data: [DONE]\n\n")
+            return response
         usage = {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}
-        return web.json_response({"object": "text_completion", "choices": [{"text": "x", "finish_reason": "length"}],
-                                  "usage": usage})  # fmt: skip
+        return web.json_response({"id": "c", "created": 1, "model": "other", "object": "text_completion",
+                                  "choices": [choice], "usage": usage})  # fmt: skip
 
     async def metrics(request):
-        return web.Response(text="vllm:num_requests_waiting 0\nvllm:num_requests_running 0\n")
+        return web.Response(
+            text="# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting 0\n"
+            "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 0\n"
+            "# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc 55\n"
+        )
 
     async def models(request):
         return web.json_response({"data": [{"id": "m"}]})
@@ -93,13 +107,16 @@ async def test_a_broken_server_fails_must_checks():
     from protocol.conformance.msp import Target, suite
 
     runner, url = await broken_server()
+    checks = {"completions", "completions-streaming", "unknown-model", "metrics-gauges", "lora-served"}
     try:
         async with aiohttp.ClientSession() as session:
-            results = await suite.run(
-                Target(url, "m", session=session), {"completions", "unknown-model", "metrics-gauges", "lora-served"}
-            )
+            results = await suite.run(Target(url, "m", session=session), checks)
     finally:
         await runner.cleanup()
-    outcomes = {r.check.name: r.outcome for r in results}
-    assert outcomes == {"completions": Outcome.PASS, "unknown-model": Outcome.FAIL, "metrics-gauges": Outcome.FAIL,
-                        "lora-served": Outcome.SKIP}  # fmt: skip
+    outcomes = {r.check.name: (r.outcome, r.message) for r in results}
+    assert outcomes["completions"] == (Outcome.FAIL, "model is 'other', not 'm'")
+    assert outcomes["completions-streaming"][0] is Outcome.FAIL
+    assert "not one JSON object" in outcomes["completions-streaming"][1]
+    assert outcomes["unknown-model"] == (Outcome.FAIL, "unknown model answered 500")
+    assert outcomes["metrics-gauges"] == (Outcome.FAIL, "KV usage [55.0] is not a fraction in [0, 1]")
+    assert outcomes["lora-served"] == (Outcome.SKIP, "needs a --lora-adapter name")
