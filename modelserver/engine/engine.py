@@ -131,6 +131,13 @@ class AsyncEngine:
             raise KeyError(lora_name)
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
+        if len(prompt_token_ids) >= self.config.max_model_len:
+            raise ValueError(
+                f"the prompt ({len(prompt_token_ids)} tokens) leaves no room for output within max_model_len "
+                f"({self.config.max_model_len})"
+            )
+        if params.max_tokens < 1 or params.min_tokens < 0:
+            raise ValueError("max_tokens must be >= 1 and min_tokens >= 0")
         if self.kv.blocks_needed(len(prompt_token_ids) + 1) > self.kv.num_blocks:
             raise ValueError(
                 f"the prompt ({len(prompt_token_ids)} tokens) does not fit in the KV cache "

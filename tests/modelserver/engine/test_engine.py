@@ -101,3 +101,27 @@ async def test_lora_load_latency_only_when_the_adapter_enters_a_slot():
         assert warm == pytest.approx(0.03, abs=0.02)
     finally:
         await engine.stop()
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "lora", "error"),
+    [
+        ([], SamplingParams(), None, ValueError),
+        (list(range(100)), SamplingParams(), None, ValueError),  # no room for output within max_model_len = 100
+        ([1] * 70, SamplingParams(), None, ValueError),  # more than the whole KV cache (4 blocks of 16)
+        ([1, 2], SamplingParams(max_tokens=0), None, ValueError),
+        ([1, 2], SamplingParams(min_tokens=-1), None, ValueError),
+        ([1, 2], SamplingParams(), "unknown", KeyError),
+    ],
+)
+async def test_bad_requests_are_rejected_and_the_engine_keeps_serving(prompt, params, lora, error):
+    engine = make_engine(SimTiming.zero(), num_gpu_blocks=4, max_model_len=100)
+    await engine.start()
+    try:
+        with pytest.raises(error):
+            async for _ in engine.generate("bad", prompt, params, lora):
+                pass
+        assert await ttft(engine, "good", [1, 2, 3]) >= 0
+        assert engine.num_unfinished == 0 and not engine.is_dead
+    finally:
+        await engine.stop()
