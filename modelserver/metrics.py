@@ -271,6 +271,7 @@ class LoggingStatLogger:
         self.interval = interval
         self._last = time.monotonic()
         self._prompt = self._generation = 0
+        self._was_busy = False
         self._queries: deque[tuple[int, int]] = deque(maxlen=recent_queries)  # (queried, hit) tokens per request
 
     def record(self, prompt_tokens: int, generation_tokens: int) -> None:
@@ -290,7 +291,10 @@ class LoggingStatLogger:
         elapsed = now - self._last
         if elapsed < self.interval:
             return
-        log.info(
+        busy = bool(self._prompt or self._generation)
+        log_fn = log.info if busy or self._was_busy else log.debug  # like vLLM: quiet on an idle system
+        self._was_busy = busy
+        log_fn(
             "%s: Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, Running: %d reqs, "
             "Waiting: %d reqs, GPU KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%",
             self.name, self._prompt / elapsed, self._generation / elapsed, running, waiting, kv_usage * 100,

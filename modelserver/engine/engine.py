@@ -5,6 +5,7 @@ event and costs nothing."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import deque
@@ -181,7 +182,12 @@ class AsyncEngine:
             while True:
                 if not self.scheduler.num_unfinished:
                     self._wake.clear()
-                    await self._wake.wait()
+                    if self.stat_logger is None:
+                        await self._wake.wait()
+                    else:  # wake every log interval so the last busy interval (then idle ones) still get a line
+                        with contextlib.suppress(TimeoutError):
+                            await asyncio.wait_for(self._wake.wait(), self.stat_logger.interval)
+                        self._update_gauges()
                     continue
                 output = self.scheduler.schedule()
                 if not output.requests:

@@ -261,7 +261,7 @@ async def test_fast_page_equals_prometheus_client_exposition():
 async def test_logging_stat_logger_prints_the_summary_line(caplog):
     eng = AsyncEngine(EngineConfig(num_gpu_blocks=64), SimExecutor(SimTiming.zero(), 16, 64, FILLER), model_name="m",
                       engine_index=3)  # fmt: skip
-    eng.stat_logger.interval = 0.0  # log on every update
+    eng.stat_logger.interval = 0.001  # log on (almost) every update
     await eng.start()
     try:
         with caplog.at_level("INFO", logger="modelserver.stats"):
@@ -273,5 +273,19 @@ async def test_logging_stat_logger_prints_the_summary_line(caplog):
             assert part in line
         assert eng.stat_logger.hit_rate == 16 / 64
         assert line.endswith("Prefix cache hit rate: 25.0%")
+    finally:
+        await eng.stop()
+
+
+async def test_stat_logger_logs_the_last_busy_interval_then_goes_quiet(caplog):
+    eng = AsyncEngine(EngineConfig(num_gpu_blocks=64), SimExecutor(SimTiming.zero(), 16, 64, FILLER), model_name="m")
+    eng.stat_logger.interval = 0.05
+    await eng.start()
+    try:
+        with caplog.at_level("DEBUG", logger="modelserver.stats"):
+            await run(eng, "a", list(range(1, 33)), max_tokens=2)
+            await asyncio.sleep(0.3)  # idle: the engine still wakes once per interval
+        levels = [r.levelname for r in caplog.records]
+        assert "INFO" in levels and levels[-1] == "DEBUG"
     finally:
         await eng.stop()
