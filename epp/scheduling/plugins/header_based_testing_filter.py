@@ -15,7 +15,7 @@ from epp.scheduling.types import SchedulingRequest
 
 @register("header-based-testing-filter")
 class HeaderBasedTestingFilter:
-    def __init__(self, parameters: dict):
+    def __init__(self, parameters: dict | None):
         p = Parameters("header-based-testing-filter", parameters)
         self.header = p.get("headerName", "test-epp-endpoint-selection", str).lower()
         p.done()

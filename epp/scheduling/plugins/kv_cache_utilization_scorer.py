@@ -17,7 +17,7 @@ from epp.scheduling.types import SchedulingRequest
 
 @register("kv-cache-utilization-scorer")
 class KVCacheUtilizationScorer:
-    def __init__(self, parameters: dict):
+    def __init__(self, parameters: dict | None):
         Parameters("kv-cache-utilization-scorer", parameters).done()
 
     def score(self, request: SchedulingRequest, endpoints: list[Endpoint]) -> list[float]:

@@ -1,9 +1,11 @@
-"""max-score-picker: the highest total score wins; ties are broken at random so equal endpoints share load.
+"""max-score-picker: the highest total score wins; ties are broken at random so that equal endpoints share load.
 
+Reads: the weighted total score of each candidate.
 Parameters: maxNumOfEndpoints (default 1): how many endpoints to return, best first; the rest are fallbacks the
-proxy tries when the first fails.
-Trade-offs: deterministic apart from ties; with stale scores between scrapes it can herd a burst onto one endpoint,
-which the scorers' in-flight correction counters.
+proxy may try when the first fails (ties among them are ordered at random too).
+Trade-offs: deterministic apart from ties, so between two scrapes every request sees the same scores; the scorers'
+in-flight correction (requests routed since the last scrape count as queued) is what keeps a burst from herding
+onto the single best endpoint.
 """
 
 from __future__ import annotations
@@ -17,20 +19,16 @@ from epp.scheduling.types import SchedulingRequest
 
 @register("max-score-picker")
 class MaxScorePicker:
-    def __init__(self, parameters: dict):
+    def __init__(self, parameters: dict | None):
         p = Parameters("max-score-picker", parameters)
         self.count = p.get("maxNumOfEndpoints", 1, int, minimum=1)
         p.done()
-        self._random = random.random
 
     def pick(self, request: SchedulingRequest, endpoints: list[Endpoint], scores: list[float]) -> list[Endpoint]:
         if self.count == 1:
-            best, best_key = None, None
-            rand = self._random
-            for endpoint, score in zip(endpoints, scores, strict=True):
-                key = (score, rand())
-                if best_key is None or key > best_key:
-                    best, best_key = endpoint, key
-            return [best] if best is not None else []
-        order = sorted(range(len(endpoints)), key=lambda i: (scores[i], self._random()), reverse=True)
-        return [endpoints[i] for i in order[: self.count]]
+            best = max(scores)
+            tied = [e for e, s in zip(endpoints, scores, strict=True) if s == best]
+            return [tied[0] if len(tied) == 1 else random.choice(tied)]
+        tie_breaks = [random.random() for _ in endpoints]
+        keyed = sorted(zip(scores, tie_breaks, range(len(endpoints)), strict=True), reverse=True)
+        return [endpoints[i] for _, _, i in keyed[: self.count]]

@@ -18,7 +18,7 @@ from epp.scheduling.types import SchedulingRequest
 
 @register("queue-scorer")
 class QueueScorer:
-    def __init__(self, parameters: dict):
+    def __init__(self, parameters: dict | None):
         Parameters("queue-scorer", parameters).done()
 
     def score(self, request: SchedulingRequest, endpoints: list[Endpoint]) -> list[float]:

@@ -14,7 +14,7 @@ from epp.scheduling.types import SchedulingRequest
 
 @register("random-picker")
 class RandomPicker:
-    def __init__(self, parameters: dict):
+    def __init__(self, parameters: dict | None):
         p = Parameters("random-picker", parameters)
         self.count = p.get("maxNumOfEndpoints", 1, int, minimum=1)
         p.done()

@@ -16,7 +16,7 @@ from epp.scheduling.types import SchedulingRequest
 
 @register("running-requests-size-scorer")
 class RunningRequestsSizeScorer:
-    def __init__(self, parameters: dict):
+    def __init__(self, parameters: dict | None):
         Parameters("running-requests-size-scorer", parameters).done()
 
     def score(self, request: SchedulingRequest, endpoints: list[Endpoint]) -> list[float]:

@@ -16,7 +16,7 @@ from epp.scheduling.types import SchedulingRequest
 
 @register("weighted-random-picker")
 class WeightedRandomPicker:
-    def __init__(self, parameters: dict):
+    def __init__(self, parameters: dict | None):
         p = Parameters("weighted-random-picker", parameters)
         self.count = p.get("maxNumOfEndpoints", 1, int, minimum=1)
         p.done()
