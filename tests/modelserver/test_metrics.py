@@ -261,12 +261,14 @@ async def test_fast_page_equals_prometheus_client_exposition():
 async def test_logging_stat_logger_prints_the_summary_line(caplog):
     eng = AsyncEngine(EngineConfig(num_gpu_blocks=64), SimExecutor(SimTiming.zero(), 16, 64, FILLER), model_name="m",
                       engine_index=3)  # fmt: skip
-    eng.stat_logger.interval = 0.001  # log on (almost) every update
     await eng.start()
     try:
         with caplog.at_level("INFO", logger="modelserver.stats"):
             await run(eng, "a", list(range(1, 33)), max_tokens=2)
             await run(eng, "b", list(range(1, 33)), max_tokens=2)  # 16 of 32 tokens hit the cache
+            eng.stat_logger.interval = 0.0  # the next update logs
+            eng._update_gauges()
+            eng.stat_logger.interval = 5.0
         line = caplog.records[-1].getMessage()
         assert line.startswith("Engine 003: Avg prompt throughput: ")
         for part in ("Avg generation throughput: ", "Running: ", "Waiting: ", "GPU KV cache usage: "):
