@@ -3,7 +3,8 @@
     .venv/bin/python -m tests.modelserver.engine.bench_step [--seqs 256] [--seconds 3]
 
 Reports two figures per step, averaged over every step in the window:
-* core: the engine's own work, schedule() plus the post-step update (tokens, stop checks, KV bookkeeping, metrics);
+* core: the engine's own work, schedule() plus the post-step update (tokens, stop checks, KV bookkeeping, metrics),
+  as wall time and as this thread's CPU time (the latter holds up on a machine shared with other work);
 * whole: wall time per step of the running event loop, which adds waking each sequence's consumer coroutine
   (what a server's streaming handlers would do) and asyncio's own scheduling.
 """
@@ -26,6 +27,7 @@ class StepOverhead:
     seqs: int
     steps: int
     core_ms: float
+    core_cpu_ms: float
     whole_ms: float
 
 
@@ -44,30 +46,31 @@ async def measure(seqs: int = 256, seconds: float = 2.0, prompt_len: int = 32) -
         running = engine.scheduler.running
         while len(running) < seqs or min(r.num_output_tokens for r in running) < 2:  # all prefilled, decoding
             await asyncio.sleep(0.01)
-        core = 0.0
+        core = core_cpu = 0.0
         schedule, process = engine.scheduler.schedule, engine._process
 
-        def timed_schedule():
-            nonlocal core
-            t0 = time.perf_counter()
-            out = schedule()
-            core += time.perf_counter() - t0
-            return out
+        def timed(fn):
+            def wrapper(*args):
+                nonlocal core, core_cpu
+                t0, c0 = time.perf_counter(), time.thread_time()
+                try:
+                    return fn(*args)
+                finally:
+                    core += time.perf_counter() - t0
+                    core_cpu += time.thread_time() - c0
 
-        def timed_process(*args):
-            nonlocal core
-            t0 = time.perf_counter()
-            process(*args)
-            core += time.perf_counter() - t0
+            return wrapper
 
-        engine.scheduler.schedule, engine._process = timed_schedule, timed_process
+        engine.scheduler.schedule, engine._process = timed(schedule), timed(process)
         steps = engine.metrics.iteration_tokens
         steps_before, started = sum(steps.counts), time.perf_counter()
         await asyncio.sleep(seconds)
         elapsed, num_steps = time.perf_counter() - started, sum(steps.counts) - steps_before
         if len(running) != seqs:
             raise RuntimeError(f"expected {seqs} running sequences, found {len(running)}")
-        return StepOverhead(seqs, num_steps, core / num_steps * 1e3, elapsed / num_steps * 1e3)
+        return StepOverhead(
+            seqs, num_steps, core / num_steps * 1e3, core_cpu / num_steps * 1e3, elapsed / num_steps * 1e3
+        )
     finally:
         for task in tasks:
             task.cancel()
@@ -82,8 +85,8 @@ def main() -> None:
     args = parser.parse_args()
     result = asyncio.run(measure(args.seqs, args.seconds))
     print(
-        f"{result.seqs} running sequences, {result.steps} steps: engine core {result.core_ms:.3f} ms/step, "
-        f"whole step incl. {result.seqs} consumer wake-ups {result.whole_ms:.3f} ms/step"
+        f"{result.seqs} running sequences, {result.steps} steps: engine core {result.core_ms:.3f} ms/step "
+        f"({result.core_cpu_ms:.3f} ms CPU), whole step incl. {result.seqs} consumer wake-ups {result.whole_ms:.3f} ms/step"
     )
 
 
