@@ -1,0 +1,192 @@
+"""schedule() end to end: candidates (subset, stale), filters, weighted scores, hooks, bursts between scrapes and
+the prefix load guard over many requests."""
+
+from collections import Counter
+
+import pytest
+
+from epp.scheduling.errors import NoEndpointError
+from epp.scheduling.scheduler import Scheduler
+from epp.scheduling.types import SchedulingRequest
+from tests.epp.helpers import endpoint
+
+SYSTEM = "You are a terse assistant. Answer in one sentence. " * 40  # ~2 KB shared prefix
+QUEUE_ONLY = "plugins: [{type: queue-scorer}]\nschedulingProfiles: [{name: q, plugins: [{pluginRef: queue-scorer}]}]"
+
+
+def req(prompt="", model="m", **kw):
+    return SchedulingRequest(request_id="r", model=model, prompt=prompt, **kw)
+
+
+def names(result):
+    return [e.name for e in result.endpoints]
+
+
+def route(scheduler, request, pool):
+    """What the server does around schedule(): count the request in flight, then record the pick."""
+    result = scheduler.schedule(request, pool)
+    result.primary.in_flight_requests += 1
+    result.primary.routed_total += 1
+    scheduler.on_routed(request, result)
+    return result
+
+
+@pytest.mark.parametrize(
+    ("subset", "stale", "expected"),
+    [
+        (None, [], {"e0", "e1", "e2"}),
+        (frozenset({"127.0.0.1:8001"}), [], {"e1"}),
+        (frozenset({"127.0.0.1:8001", "127.0.0.1:8002"}), [1], {"e2"}),  # stale ones skipped
+        (None, [0, 1], {"e2"}),
+        (None, [0, 1, 2], {"e0", "e1", "e2"}),  # all stale: better a try than a 503
+        (frozenset({"127.0.0.1:8001"}), [1], {"e1"}),
+    ],
+)
+def test_candidates_respect_the_subset_hint_and_skip_stale_endpoints(subset, stale, expected):
+    pool = [endpoint(i, stale=i in stale) for i in range(3)]
+    scheduler = Scheduler.from_config(QUEUE_ONLY)
+    seen = {scheduler.schedule(req(subset=subset), pool).primary.name for _ in range(60)}
+    assert seen == expected
+
+
+@pytest.mark.parametrize(
+    ("pool", "subset", "message"),
+    [
+        ([], None, "no ready endpoint"),
+        ([endpoint(0)], frozenset(), "subset"),
+        ([endpoint(0)], frozenset({"10.0.0.9:8000"}), "subset"),
+    ],
+)
+def test_nothing_to_serve_is_no_endpoint_error(pool, subset, message):
+    with pytest.raises(NoEndpointError, match=message) as error:
+        Scheduler.from_config(None).schedule(req(subset=subset), pool)
+    assert error.value.status == 503
+
+
+def test_a_filter_that_leaves_nothing_is_no_endpoint_error():
+    config = (
+        "plugins: [{type: header-based-testing-filter}]\nschedulingProfiles: [{name: t, plugins: "
+        "[{pluginRef: header-based-testing-filter}]}]"
+    )
+    scheduler = Scheduler.from_config(config)
+    picked = scheduler.schedule(
+        req(headers={"test-epp-endpoint-selection": "127.0.0.1:8001"}), [endpoint(0), endpoint(1)]
+    )
+    assert names(picked) == ["e1"]
+    with pytest.raises(NoEndpointError, match="header-based-testing-filter"):
+        scheduler.schedule(req(headers={"test-epp-endpoint-selection": "10.1.1.1:1"}), [endpoint(0)])
+
+
+@pytest.mark.parametrize(
+    ("pool", "expected"),
+    [
+        # default weights: queue 2, kv 2 (prefix and lora neutral without a prompt or adapters)
+        ([endpoint(0, waiting=4, kv=0.1), endpoint(1, waiting=0, kv=0.5), endpoint(2, waiting=2, kv=0.9)], "e1"),
+        # a nearly full KV cache outweighs one more queued request once the queues span more than that
+        ([endpoint(0, waiting=1, kv=0.05), endpoint(1, waiting=0, kv=0.95), endpoint(2, waiting=10)], "e0"),
+        ([endpoint(0, waiting=0, running=9, in_flight=12), endpoint(1, waiting=2)], "e1"),  # 3 not yet scraped
+    ],
+)
+def test_default_profile_prefers_the_least_loaded(pool, expected):
+    assert Scheduler.from_config(None).schedule(req(), pool).primary.name == expected
+
+
+def test_lora_requests_go_where_the_adapter_runs_base_model_requests_by_load():
+    pool = [endpoint(0, running_adapters={"sql"}, max_lora=1), endpoint(1, running_adapters={"chat"}, max_lora=1)]
+    scheduler = Scheduler.from_config(None)
+    assert {scheduler.schedule(req(model="sql"), pool).primary.name for _ in range(20)} == {"e0"}
+    assert {scheduler.schedule(req(model="chat"), pool).primary.name for _ in range(20)} == {"e1"}
+    assert {scheduler.schedule(req(model="base"), pool).primary.name for _ in range(40)} == {"e0", "e1"}
+    pool[0].metrics.waiting = 1
+    assert {scheduler.schedule(req(model="base"), pool).primary.name for _ in range(20)} == {"e1"}
+
+
+def test_result_scores_ordering_and_plugin_durations():
+    config = """
+plugins:
+- {type: queue-scorer}
+- {type: kv-cache-utilization-scorer}
+- {type: max-score-picker, parameters: {maxNumOfEndpoints: 3}}
+schedulingProfiles:
+- name: p
+  plugins: [{pluginRef: queue-scorer, weight: 2}, {pluginRef: kv-cache-utilization-scorer}, {pluginRef: max-score-picker}]
+"""
+    scheduler = Scheduler.from_config(config)
+    pool = [endpoint(0, waiting=4, kv=0.0), endpoint(1, waiting=0, kv=0.5), endpoint(2, waiting=2, kv=0.0)]
+    result = scheduler.schedule(req(), pool)
+    assert names(result) == ["e1", "e2", "e0"]  # totals 2.5, 2.0, 1.0
+    assert result.profile == "p"
+    assert [(t, n) for t, n, _ in scheduler.last_plugin_durations] == [
+        ("queue-scorer", "queue-scorer"),
+        ("kv-cache-utilization-scorer", "kv-cache-utilization-scorer"),
+        ("max-score-picker", "max-score-picker"),
+    ]
+    assert all(0 <= s < 0.1 for _, _, s in scheduler.last_plugin_durations)
+
+
+def test_a_burst_between_scrapes_spreads_over_the_pool():
+    """Scrapes arrive every 50 ms; a burst routed in between must not all land on the endpoint that looked best."""
+    pool = [endpoint(i) for i in range(4)]
+    scheduler = Scheduler.from_config(None)
+    counts = Counter(route(scheduler, req(f"distinct prompt {i}" * 10), pool).primary.name for i in range(40))
+    assert counts == {"e0": 10, "e1": 10, "e2": 10, "e3": 10}
+
+
+def test_repeated_prefixes_stick_to_the_endpoint_that_cached_them():
+    pool = [endpoint(i) for i in range(4)]
+    scheduler = Scheduler.from_config(None)
+    first = route(scheduler, req(SYSTEM + "question 0"), pool).primary
+    first.in_flight_requests = 0  # finished
+    for i in range(1, 10):
+        picked = scheduler.schedule(req(SYSTEM + f"question {i}"), pool).primary
+        assert picked is first
+    assert scheduler.prefix_scorer.index_size > 0
+
+
+@pytest.mark.parametrize("config", [None, "prefix-only"])
+def test_load_guard_keeps_a_hot_prefix_from_piling_onto_one_endpoint(config):
+    """Every request shares one system prompt and nothing finishes: prefix affinity alone would send all of them
+    to the first endpoint. The guard spreads them once its queue is `loadGuardQueueGap` (8) deeper than its peers'."""
+    if config == "prefix-only":
+        config = (
+            "plugins: [{type: prefix-cache-scorer}]\nschedulingProfiles: [{name: p, plugins: "
+            "[{pluginRef: prefix-cache-scorer}]}]"
+        )
+    pool = [endpoint(i) for i in range(4)]
+    scheduler = Scheduler.from_config(config)
+    for i in range(200):
+        route(scheduler, req(SYSTEM + f"question {i}"), pool)
+    queues = [e.in_flight_requests for e in pool]
+    assert sum(queues) == 200
+    assert max(queues) - min(queues) <= 9, queues
+    assert scheduler.prefix_scorer.hit_ratio > 0.5  # affinity still wins whenever the queues allow it
+
+
+def test_without_the_guard_prefix_only_routing_piles_up():
+    """The failure the guard prevents (loadGuardQueueGap 0): every request lands on the first endpoint."""
+    config = (
+        "plugins: [{type: prefix-cache-scorer, parameters: {loadGuardQueueGap: 0}}]\nschedulingProfiles: "
+        "[{name: p, plugins: [{pluginRef: prefix-cache-scorer}]}]"
+    )
+    pool = [endpoint(i) for i in range(4)]
+    scheduler = Scheduler.from_config(config)
+    for i in range(50):
+        route(scheduler, req(SYSTEM + f"question {i}"), pool)
+    assert sorted(e.in_flight_requests for e in pool) == [0, 0, 0, 50]
+
+
+def test_hooks_reach_profile_plugins_only():
+    scheduler = Scheduler.from_config(None)
+    prefix = scheduler.prefix_scorer
+    pool = [endpoint(0), endpoint(1)]
+    route(scheduler, req(SYSTEM), pool)
+    assert prefix.index_size > 0
+    scheduler.on_pool_changed([])
+    assert prefix.index_size == 0
+    scheduler.on_finished(req(SYSTEM), pool[0])  # no plugin needs it: a no-op, never an error
+    unused = Scheduler.from_config(
+        "plugins: [{type: prefix-cache-scorer}, {type: queue-scorer}]\nschedulingProfiles:"
+        " [{name: q, plugins: [{pluginRef: queue-scorer}]}]"
+    )
+    assert unused.prefix_scorer is None
+    assert all(not hooks for hooks in unused._hooks.values())
