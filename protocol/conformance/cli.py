@@ -45,6 +45,9 @@ async def run_gateway(args: argparse.Namespace) -> list[Result]:
     from protocol.conformance import gateway
 
     target = gateway.Gateway(envoy_template=args.envoy_template)
+    if args.workdir:
+        args.workdir.mkdir(parents=True, exist_ok=True)
+        target.workdir = args.workdir
     print(f"Gateway data-path conformance: Envoy bootstrap {args.envoy_template} (logs in {target.workdir})")
     try:
         await target.start()
@@ -82,6 +85,9 @@ def gateway_main(argv: list[str]) -> None:
     p = argparse.ArgumentParser(prog="msp-conformance gateway", description=__doc__,
                                 formatter_class=argparse.RawTextHelpFormatter)  # fmt: skip
     p.add_argument("--envoy-template", type=Path, default=TEMPLATE, help="Envoy bootstrap template to test")
+    p.add_argument(
+        "--workdir", type=Path, help="where the Envoy, EPP and pool files and logs go (default: a new temp dir)"
+    )
     _report_options(p)
     args = p.parse_args(argv)
     results = asyncio.run(run_gateway(args))

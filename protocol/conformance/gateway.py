@@ -25,7 +25,7 @@ from aiohttp import web
 
 from epp.bench.ports import free_ports
 from epp.envoy import TEMPLATE, EnvoyProcess, render_bootstrap
-from protocol.conformance.framework import Level, Skip, Suite, expect
+from protocol.conformance.framework import CheckFailed, Level, Suite, expect
 from protocol.extproc import DESTINATION_ENDPOINT_HEADER
 
 suite = Suite("GatewayDataPath")
@@ -36,6 +36,8 @@ TEST_CONFIG = """\
 plugins:
 - type: header-based-testing-filter
 - type: max-score-picker
+  parameters:
+    maxNumOfEndpoints: 3
 schedulingProfiles:
 - name: conformance
   plugins:
@@ -50,12 +52,14 @@ function envoy_on_request(handle)
   end
 end
 """
+HITS = web.AppKey("hits", list)  # every address an echo backend served from, in order
 METRICS_PAGE = "vllm:num_requests_waiting 0\nvllm:num_requests_running 0\nvllm:kv_cache_usage_perc 0\n"
 
 
 async def _echo(request: web.Request) -> web.StreamResponse:
     body = await request.read()
     served = f"127.0.0.1:{request.transport.get_extra_info('sockname')[1]}"
+    request.app[HITS].append(served)
     info = {"served_by": served, "headers": dict(request.headers), "body_bytes": len(body),
             "sha256": hashlib.sha256(body).hexdigest()}  # fmt: skip
     if request.query.get("stream"):
@@ -72,6 +76,14 @@ async def _metrics(request: web.Request) -> web.Response:
     return web.Response(text=METRICS_PAGE)
 
 
+async def _reset(request: web.Request) -> web.Response:
+    """A model server that is down for inference but still scraped as healthy: the EPP keeps picking it, so only
+    the gateway's fallback can save the request."""
+    request.app[HITS].append(f"127.0.0.1:{request.transport.get_extra_info('sockname')[1]}")
+    request.transport.abort()
+    raise web.HTTPServiceUnavailable()
+
+
 @dataclass
 class Gateway:
     """Echo backends, our EPP in test mode, and two Envoys in front of them (FailClose and FailOpen)."""
@@ -79,6 +91,8 @@ class Gateway:
     envoy_template: Path = TEMPLATE
     workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="gateway-conformance-")))
     endpoints: list[str] = field(default_factory=list)  # "127.0.0.1:port"; the first two are ranks of one "pod"
+    broken_endpoint: str = ""  # in the pool, scraped fine, resets every inference connection
+    hits: list[str] = field(default_factory=list)
     gateway_url: str = ""
     fail_open_url: str = ""
     epp_metrics_url: str = ""
@@ -91,18 +105,26 @@ class Gateway:
         app = web.Application(client_max_size=64 * 1024 * 1024)
         app.router.add_get("/metrics", _metrics)
         app.router.add_route("*", "/{tail:.*}", _echo)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        self._runners.append(runner)
-        ports = free_ports(backends + 8)
-        for port in ports[:backends]:
-            await web.TCPSite(runner, "127.0.0.1", port).start()
+        app[HITS] = self.hits
+        broken = web.Application()
+        broken.router.add_get("/metrics", _metrics)
+        broken.router.add_route("*", "/{tail:.*}", _reset)
+        broken[HITS] = self.hits
+        ports = free_ports(backends + 9)
+        for application, listen in ((app, ports[:backends]), (broken, ports[backends : backends + 1])):
+            runner = web.AppRunner(application, access_log=None)
+            await runner.setup()
+            self._runners.append(runner)
+            for port in listen:
+                await web.TCPSite(runner, "127.0.0.1", port).start()
         self.endpoints = [f"127.0.0.1:{p}" for p in ports[:backends]]
-        grpc_port, health_port, metrics_port, close_port, close_admin, open_port, open_admin, _ = ports[backends:]
+        self.broken_endpoint = f"127.0.0.1:{ports[backends]}"
+        grpc_port, health_port, metrics_port, close_port, close_admin, open_port, open_admin, _ = ports[backends + 1 :]
         pool = self.workdir / "pool.yaml"
-        pool.write_text(yaml.safe_dump({"endpoints": [
-            {"name": f"pod-{0 if i < 2 else i - 1}-rank-{i if i < 2 else 0}", "address": "127.0.0.1", "port": p}
-            for i, p in enumerate(ports[:backends])]}))  # fmt: skip
+        members = [{"name": f"pod-{0 if i < 2 else i - 1}-rank-{i if i < 2 else 0}", "address": "127.0.0.1", "port": p}
+                   for i, p in enumerate(ports[: backends + 1])]  # fmt: skip
+        members[-1]["name"] = "pod-broken"
+        pool.write_text(yaml.safe_dump({"endpoints": members}))
         log = (self.workdir / "epp.log").open("ab")
         self._epp = subprocess.Popen(
             [sys.executable, "-m", "epp", "--pool-file", str(pool), "--bind-address", "127.0.0.1",
@@ -172,20 +194,22 @@ def _with_subset_lua(bootstrap: dict) -> dict:
     return bootstrap
 
 
-async def _served(g: Gateway, designated: list[str], count: int = 6) -> set[str]:
+async def _served(g: Gateway, designated: list[str], count: int = 6, url: str | None = None) -> set[str]:
     seen = set()
     for _ in range(count):
-        status, echo = await g.send(headers={SELECT: ",".join(designated)})
+        status, echo = await g.send(headers={SELECT: ",".join(designated)}, url=url)
         expect(status == 200, f"request designating {designated} answered {status}")
         seen.add(echo["served_by"])
     return seen
 
 
-@suite.check("follows-pick-one", MUST, "a request goes to the one endpoint the EPP picked")
+@suite.check("follows-pick-one", MUST, "a request goes to the one endpoint the EPP picked (FailClose and FailOpen "
+             "gateways alike, so both are wired to the pool's EPP that the fail-* checks stop)")  # fmt: skip
 async def follows_one(g: Gateway) -> None:
-    for endpoint in g.endpoints:
-        served = await _served(g, [endpoint], 3)
-        expect(served == {endpoint}, f"designated {endpoint}, served by {served}")
+    for url in (g.gateway_url, g.fail_open_url):
+        for endpoint in g.endpoints:
+            served = await _served(g, [endpoint], 3, url)
+            expect(served == {endpoint}, f"{url}: designated {endpoint}, served by {served}")
 
 
 @suite.check("follows-pick-two-and-three", MUST, "with 2 or 3 designated endpoints, requests stay among them")
@@ -230,8 +254,20 @@ async def subset_hint(g: Gateway) -> None:
 
 @suite.check("fallback-endpoints", SHOULD, "the gateway tries the EPP's fallback endpoints when the first fails")
 async def fallback(g: Gateway) -> None:
-    raise Skip("Envoy's ORIGINAL_DST cluster connects to one address; the EPP sends the fallback list in "
-               "envoy.lb metadata for gateways that implement it (checked in the EPP's unit tests)")  # fmt: skip
+    # The EPP returns both designated endpoints in random order (equal scores), the primary in the destination
+    # header and all of them in the envoy.lb metadata; whenever the broken one comes first, only a gateway that
+    # moves on to the fallback serves the request.
+    live = g.endpoints[3]
+    tried_broken = 0
+    for _ in range(32):  # until the broken endpoint came first twice (each time with probability 1/2)
+        before = len(g.hits)
+        status, echo = await g.send(headers={SELECT: f"{g.broken_endpoint},{live}"})
+        expect(status == 200, f"with the primary resetting connections the gateway answered {status}")
+        expect(echo["served_by"] == live, f"served by {echo.get('served_by')}, not the fallback {live}")
+        tried_broken += g.hits[before:].count(g.broken_endpoint)
+        if tried_broken >= 2:
+            return
+    raise CheckFailed(f"the broken endpoint was tried {tried_broken} times in 32 requests: the EPP never put it first")
 
 
 @suite.check("spoofed-header-epp-up", MUST, "a client-supplied destination header never steers routing")
@@ -266,8 +302,10 @@ async def streamed(g: Gateway) -> None:
 @suite.check("fail-close", MUST, "FailClose: with the pool's EPP down, requests get a clean 5xx")
 async def fail_close(g: Gateway) -> None:
     g.stop_epp()
+    hits = len(g.hits)
     status, _ = await g.send(headers={DESTINATION_ENDPOINT_HEADER: g.endpoints[0]})
     expect(500 <= status < 600, f"FailClose answered {status}")
+    expect(len(g.hits) == hits, f"FailClose still sent the request to {g.hits[hits:]}")
 
 
 @suite.check("fail-open", MUST, "FailOpen: with the pool's EPP down, requests still succeed")
