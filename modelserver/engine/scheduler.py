@@ -115,10 +115,10 @@ class Scheduler:
             budget -= num_new
             i += 1
 
-        if not num_preemptions:
+        waiting = self.waiting
+        if waiting and not num_preemptions:
             busy_loras = {r.lora_name for r in running if r.lora_name}
             skipped: list[Request] = []
-            waiting = self.waiting
             while waiting and budget > 0 and len(running) < self.config.max_num_seqs:
                 request = waiting[0]
                 if request.lora_name is not None and request.lora_name not in busy_loras:
