@@ -37,7 +37,8 @@ class FakeAPIServer:
         self.list_requests = 0
         self.fail_requests = 0  # the next n list/watch requests get 500
         self.gone_as_status = False
-        self.app = web.Application()
+        self.lease_stall = 0.0  # seconds every lease request hangs before it is answered (an unreachable API)
+        self.app = web.Application(middlewares=[self._stall_leases])
         for kind, path in PATHS.items():
             self.app.router.add_get(path, self._handler(kind))
         self.app.router.add_get(LEASES + "/{name}", self.get_lease)
@@ -138,6 +139,12 @@ class FakeAPIServer:
         return response
 
     # -- leases ------------------------------------------------------------------------------------------------
+    @web.middleware
+    async def _stall_leases(self, request: web.Request, handler):
+        if self.lease_stall and "/leases" in request.path:
+            await asyncio.sleep(self.lease_stall)
+        return await handler(request)
+
     async def get_lease(self, request: web.Request) -> web.Response:
         lease = self.objects["leases"].get(request.match_info["name"])
         if lease is None:

@@ -69,10 +69,12 @@ async def test_epp_replicas_discover_and_elect(apiserver, tmp_path):
     finally:
         for process, _, _ in replicas:
             process.terminate()
+        for process, _, _ in replicas:  # waited for off the loop: the leader releases its Lease through our server
             try:
-                process.wait(10)
+                await asyncio.to_thread(process.wait, 10)
             except subprocess.TimeoutExpired:
                 process.kill()
                 raise
+        assert not server.objects["leases"]["pool-epp"]["spec"].get("holderIdentity"), "the leader kept the Lease"
         model.terminate()
         model.wait(10)

@@ -1,37 +1,132 @@
-"""Two EPP replicas elect one leader on a Lease through the real client; when the leader stops, the other takes
-over within the lease duration."""
+"""EPP replicas elect one leader on a Lease through the real client: never two leaders, fail-over within the lease
+duration when the leader dies, at once when it stops cleanly, and a leader that cannot reach the API steps down
+before its Lease can expire for the others."""
 
 import asyncio
 import time
 
+import pytest
+
 from epp.leader import LeaseElector
 from tests.kubernetes.test_discovery import NS
 
+TIMING = {"lease_duration": 1.0, "renew_deadline": 0.6, "retry_period": 0.1}
 
-async def test_two_replicas_one_leader_and_fail_over(apiserver):
-    server, api = apiserver
-    changes = []
-    a = LeaseElector(api, "epp-lease", NS, "epp-a", lease_duration=1, retry_period=0.1,
-                     on_change=lambda leader: changes.append(("a", leader)))  # fmt: skip
-    b = LeaseElector(api, "epp-lease", NS, "epp-b", lease_duration=1, retry_period=0.1,
-                     on_change=lambda leader: changes.append(("b", leader)))  # fmt: skip
-    task_a = asyncio.create_task(a.run())
-    await asyncio.sleep(0.3)
-    task_b = asyncio.create_task(b.run())
-    try:
-        for _ in range(10):  # over many renewals there is always exactly one leader
-            await asyncio.sleep(0.1)
-            assert (a.is_leader, b.is_leader) == (True, False)
-        assert server.objects["leases"]["epp-lease"]["spec"]["holderIdentity"] == "epp-a"
-        task_a.cancel()  # the leader dies without releasing the lease
-        stopped = time.monotonic()
-        while not b.is_leader:
-            await asyncio.sleep(0.05)
-            assert time.monotonic() - stopped < 2.5, "no fail-over within the lease duration"
-        lease = server.objects["leases"]["epp-lease"]["spec"]
-        assert lease["holderIdentity"] == "epp-b" and lease["leaseTransitions"] == 1
-        assert ("a", True) in changes and ("b", True) in changes
-    finally:
-        for task in (task_a, task_b):
+
+class Replicas:
+    """Electors on one Lease, and a monitor that records any moment with two leaders."""
+
+    def __init__(self, api):
+        self.api = api
+        self.electors: dict[str, LeaseElector] = {}
+        self.tasks: dict[str, asyncio.Task] = {}
+        self.changes: list[tuple[str, bool]] = []
+        self.overlaps = 0
+        self.monitor = asyncio.create_task(self._monitor())
+
+    def start(self, name, **options):
+        elector = LeaseElector(self.api, "epp-lease", NS, name, **{**TIMING, **options},
+                               on_change=lambda leader: self.changes.append((name, leader)))  # fmt: skip
+        self.electors[name] = elector
+        self.tasks[name] = asyncio.create_task(elector.run())
+        return elector
+
+    async def stop(self, name):
+        self.tasks[name].cancel()
+        await asyncio.gather(self.tasks[name], return_exceptions=True)
+
+    def leaders(self):
+        return [name for name, e in self.electors.items() if e.is_leader]
+
+    async def until_leader(self, name, within):
+        started = time.monotonic()
+        while self.leaders() != [name]:
+            assert time.monotonic() - started < within, f"{name} not the only leader after {within}s: {self.leaders()}"
+            await asyncio.sleep(0.02)
+        return time.monotonic() - started
+
+    async def _monitor(self):
+        while True:
+            self.overlaps += len(self.leaders()) > 1
+            await asyncio.sleep(0.01)
+
+    async def close(self):
+        for task in [*self.tasks.values(), self.monitor]:
             task.cancel()
-        await asyncio.gather(task_a, task_b, return_exceptions=True)
+        await asyncio.gather(*self.tasks.values(), self.monitor, return_exceptions=True)
+
+
+@pytest.fixture
+async def replicas(apiserver):
+    server, api = apiserver
+    group = Replicas(api)
+    try:
+        yield server, group
+    finally:
+        await group.close()
+
+
+def holder(server):
+    return server.objects["leases"]["epp-lease"]["spec"].get("holderIdentity")
+
+
+async def test_two_replicas_one_leader_and_fail_over_when_the_leader_dies(replicas):
+    server, group = replicas
+    group.start("epp-a", release_on_stop=False)
+    await group.until_leader("epp-a", within=1)
+    group.start("epp-b")
+    for _ in range(10):  # over many renewals the first replica stays the only leader
+        await asyncio.sleep(0.1)
+        assert group.leaders() == ["epp-a"]
+    assert holder(server) == "epp-a"
+    await group.stop("epp-a")  # dies without releasing the Lease
+    took = await group.until_leader("epp-b", within=TIMING["lease_duration"] + 2 * TIMING["retry_period"] + 0.3)
+    assert took > TIMING["renew_deadline"]  # b waited for the Lease to expire
+    lease = server.objects["leases"]["epp-lease"]["spec"]
+    assert lease["holderIdentity"] == "epp-b" and lease["leaseTransitions"] == 1
+    assert ("epp-a", True) in group.changes and ("epp-a", False) in group.changes and ("epp-b", True) in group.changes
+    assert group.overlaps == 0
+
+
+async def test_a_clean_stop_releases_the_lease(replicas):
+    server, group = replicas
+    group.start("epp-a")
+    await group.until_leader("epp-a", within=1)
+    group.start("epp-b")
+    await asyncio.sleep(0.3)
+    await group.stop("epp-a")
+    assert not holder(server)  # released
+    took = await group.until_leader("epp-b", within=0.5)  # at b's next retry, not after the lease duration
+    assert took < TIMING["renew_deadline"]
+    assert group.overlaps == 0
+
+
+async def test_a_leader_that_cannot_reach_the_api_steps_down_before_its_lease_expires(replicas):
+    server, group = replicas
+    a = group.start("epp-a")
+    await group.until_leader("epp-a", within=1)
+    group.start("epp-b")
+    await asyncio.sleep(0.3)
+
+    server.lease_stall = 0.2  # a short blip (requests slower than the retry period): no change of leader
+    await asyncio.sleep(0.3)
+    server.lease_stall = 0.0
+    await asyncio.sleep(0.3)
+    assert group.changes == [("epp-a", True)]
+
+    server.lease_stall = 1.5  # the API hangs: a steps down at its renew deadline even with a request in flight
+    lost = time.monotonic()
+    while a.is_leader or ("epp-a", False) not in group.changes:
+        await asyncio.sleep(0.02)
+    assert time.monotonic() - lost < TIMING["lease_duration"]
+    server.lease_stall = 0.0
+    started = time.monotonic()
+    while len(group.leaders()) != 1:  # the API is back: one of them leads again
+        assert time.monotonic() - started < 3, "no leader after the API came back"
+        await asyncio.sleep(0.02)
+    assert group.overlaps == 0
+
+
+def test_timings_must_nest():
+    with pytest.raises(ValueError, match="retry_period < renew_deadline < lease_duration"):
+        LeaseElector(None, "l", NS, "x", lease_duration=10, renew_deadline=10)
