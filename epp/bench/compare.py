@@ -312,6 +312,7 @@ def plots(results: list[TargetResult], out: Path) -> list[Path]:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        print("epp-bench: matplotlib is not installed (pip install '.[bench]'); no plots written")
         return []
     paths = []
     for closed, xlabel, name in ((False, "requests/s", "rate"), (True, "concurrent clients", "concurrency")):
