@@ -26,12 +26,13 @@ from epp.datalayer.endpoint import PoolState
 from epp.datalayer.kubernetes import KubernetesSource
 from epp.datalayer.pool_file import PoolFileError, PoolFileSource
 from epp.datalayer.scraper import Scraper
+from epp.grpc_h2 import ExtProcServer
 from epp.health import HealthState
 from epp.leader import LeaseElector
 from epp.metrics import EPPMetrics
 from epp.scheduling.errors import ConfigError
 from epp.scheduling.scheduler import Scheduler
-from epp.server import EndpointPicker, ExternalProcessor
+from epp.server import EndpointPicker, ExternalProcessor, RequestStream
 from protocol import extproc
 
 log = logging.getLogger("epp")
@@ -80,6 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scrape-timeout", type=duration, default=1.0)
     p.add_argument("--config-file", help="EndpointPickerConfig YAML")
     p.add_argument("--config-text", help="EndpointPickerConfig YAML, inline")
+    p.add_argument(
+        "--ext-proc-transport",
+        choices=["h2", "grpcio"],
+        default="h2",
+        help="h2: the EPP's lean gRPC server on the event loop (cleartext; fastest); grpcio: grpcio aio",
+    )
     p.add_argument("-v", "--verbosity", type=int, default=0, help="0 info, 1+ debug")
     return p
 
@@ -105,9 +112,12 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     metrics = EPPMetrics(pool_name, lambda: datastore.endpoints, lambda: scheduler.prefix_scorer)
     picker = EndpointPicker(datastore, scheduler, metrics)
 
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 * 1024 * 1024)])
-    pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(picker), server)
-    server.add_insecure_port(f"{args.bind_address}:{args.grpc_port}")
+    if args.ext_proc_transport == "h2":
+        server = ExtProcServer(lambda: RequestStream(picker))
+    else:
+        server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 * 1024 * 1024)])
+        pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(picker), server)
+        server.add_insecure_port(f"{args.bind_address}:{args.grpc_port}")
     health = HealthState()
     health_server = grpc.aio.server()
     health_pb2_grpc.add_HealthServicer_to_server(health.servicer, health_server)
@@ -122,7 +132,10 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     watcher = asyncio.create_task(source.run(datastore.apply))
     tasks = [watcher]
     try:
-        await server.start()
+        if args.ext_proc_transport == "h2":
+            await server.start(args.bind_address, args.grpc_port)
+        else:
+            await server.start()
         await health_server.start()
         await runner.setup()
         await web.TCPSite(runner, args.bind_address, args.metrics_port).start()

@@ -1,6 +1,7 @@
 """`epp-bench`: benchmarks of the EPP on a local sim pool.
 
-epp-bench overhead [--servers 4] [--sequential 400] [--concurrency 32] [--requests 2000] [--out DIR]
+epp-bench overhead [--servers 4] [--sequential 400] [--concurrency 32] [--requests 2000] [--ext-proc-transport h2|grpcio]
+                   [--out DIR]
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ def main(argv: list[str] | None = None) -> None:
     over.add_argument("--sequential", type=int, default=400, help="requests one at a time, per target")
     over.add_argument("--concurrency", type=int, default=32)
     over.add_argument("--requests", type=int, default=2000, help="requests per throughput run")
+    over.add_argument("--ext-proc-transport", choices=["h2", "grpcio"], default="h2", help="the EPP's gRPC server")
     over.add_argument("--out", type=Path, default=None, help="directory for overhead.json and overhead.md")
     capacity = sub.add_parser("sim-capacity", help="how many sim servers one core carries at a request rate")
     capacity.add_argument("--replicas", type=int, default=16)
@@ -72,7 +74,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "sim-capacity":
         sim_capacity.main(args.replicas, args.rates, args.duration)
     if args.command == "overhead":
-        result = asyncio.run(overhead.measure(args.servers, args.sequential, args.concurrency, args.requests))
+        result = asyncio.run(
+            overhead.measure(
+                args.servers, args.sequential, args.concurrency, args.requests, transport=args.ext_proc_transport
+            )
+        )
         report = result.markdown()
         print(report)
         if args.out:

@@ -38,6 +38,7 @@ def percentile(values: list[float], q: float) -> float:
 
 @dataclass
 class OverheadResult:
+    transport: str
     servers: int
     sequential_requests: int
     concurrency: int
@@ -56,7 +57,7 @@ class OverheadResult:
             lines.append(f"| {target} | {lat['p50']:.2f} | {lat['p99']:.2f} | {lat['mean']:.2f} | "
                          f"{self.throughput_rps.get(target, 0):.0f} |")  # fmt: skip
         lines.append("")
-        lines.append(f"added latency of the EPP: p50 {self.added_latency_ms['p50']:+.2f} ms, "
+        lines.append(f"added latency of the EPP (ext_proc transport {self.transport}): p50 {self.added_latency_ms['p50']:+.2f} ms, "
                      f"p99 {self.added_latency_ms['p99']:+.2f} ms; throughput ratio EPP/plain "
                      f"{self.throughput_ratio:.2f}")  # fmt: skip
         lines.append("CPU seconds: " + ", ".join(f"{k} {v:.1f}" for k, v in self.cpu_seconds.items()))
@@ -88,16 +89,16 @@ async def _throughput(session: aiohttp.ClientSession, url: str, total: int, conc
 
 async def measure(
     servers: int = 4, sequential: int = 400, concurrency: int = 32, concurrent_requests: int = 2000,
-    workdir: Path | None = None, with_peers: bool = True,
+    workdir: Path | None = None, with_peers: bool = True, transport: str = "h2",
 ) -> OverheadResult:  # fmt: skip
     base = free_port_block(servers)
     grpc, health, metrics, listener, admin, plain_listener, plain_admin = free_ports(7)
     stack = LocalStack(StackConfig(
         model_servers=servers, base_port=base, grpc_port=grpc, grpc_health_port=health, metrics_port=metrics,
         listener_port=listener, admin_port=admin, workdir=workdir,
-        modelserver_args=["--sim-zero-delay", "--disable-log-stats"],
+        modelserver_args=["--sim-zero-delay", "--disable-log-stats"], epp_args=["--ext-proc-transport", transport],
     ))  # fmt: skip
-    result = OverheadResult(servers, sequential, concurrency, concurrent_requests)
+    result = OverheadResult(transport, servers, sequential, concurrency, concurrent_requests)
     started_at = time.monotonic()
     await stack.start()
     plain = None

@@ -25,9 +25,11 @@ class Filter(Protocol):
 
 @runtime_checkable
 class Scorer(Protocol):
-    """Returns one score in [0, 1] per candidate, in the candidates' order; higher is better."""
+    """Returns one score in [0, 1] per candidate, in the candidates' order; higher is better. None means the
+    scorer has no preference for this request (it adds nothing to any candidate), which spares building a list
+    of equal scores on the common path (no prompt blocks known anywhere, a base-model request)."""
 
-    def score(self, request: SchedulingRequest, endpoints: list[Endpoint]) -> list[float]: ...
+    def score(self, request: SchedulingRequest, endpoints: list[Endpoint]) -> list[float] | None: ...
 
 
 @runtime_checkable

@@ -16,6 +16,20 @@ def queue_depth(endpoint: Endpoint) -> int:
     return max(m.waiting, endpoint.in_flight_requests - m.running)
 
 
+def queue_depths(endpoints: list[Endpoint]) -> list[int]:
+    """`queue_depth` of each endpoint; one loop without a call per endpoint (it runs on every request)."""
+    depths = []
+    append = depths.append
+    for e in endpoints:
+        m = e.metrics
+        if m is None:
+            append(e.in_flight_requests)
+        else:
+            unseen = e.in_flight_requests - m.running
+            append(unseen if unseen > m.waiting else m.waiting)
+    return depths
+
+
 def running_requests(endpoint: Endpoint) -> int:
     m = endpoint.metrics
     return endpoint.in_flight_requests if m is None else max(m.running, endpoint.in_flight_requests - m.waiting)

@@ -136,7 +136,9 @@ class Scheduler:
         totals = [0.0] * len(candidates)
         for name, scorer, weight in self.profile.scorers:
             start = clock()
-            totals = [t + weight * s for t, s in zip(totals, scorer.score(request, candidates), strict=True)]
+            scores = scorer.score(request, candidates)
+            if scores is not None:
+                totals = [t + weight * s for t, s in zip(totals, scores, strict=True)]
             durations.append((scorer.type_name, name, clock() - start))
         name, picker = self.profile.picker
         start = clock()

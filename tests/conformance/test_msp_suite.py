@@ -1,6 +1,7 @@
-"""The Model Server Protocol suite: all checks pass against our sim server (console script, report YAML, pytest
-plugin), and a server that breaks the protocol fails the right MUST checks."""
+"""The Model Server Protocol suite: all checks pass against our server, sim and torch backends (console script,
+report YAML, pytest plugin), and a server that breaks the protocol fails the right MUST checks."""
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -12,29 +13,51 @@ from aiohttp import web
 from tests.conftest import free_ports
 
 FAST = ["--sim-decode-base", "0.002", "--sim-prefill-time-per-token", "0.00001", "--sim-prefill-overhead", "0.001"]
+SERVER = ["--disable-log-stats", "--enable-lora", "--max-loras", "1", "--max-num-seqs", "8"]
 
 
-@pytest.fixture
-def sim_server():
+@contextlib.contextmanager
+def model_server(*args: str):
     (port,) = free_ports(1)
-    process = subprocess.Popen(
-        [sys.executable, "-m", "modelserver", "--port", str(port), "--disable-log-stats", "--enable-lora",
-         "--max-loras", "1", "--lora-modules", "sql=/adapters/sql", "chat=/adapters/chat", "--max-num-seqs", "8",
-         *FAST],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-    )  # fmt: skip
+    process = subprocess.Popen([sys.executable, "-m", "modelserver", "--port", str(port), *SERVER, *args],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
     try:
-        assert process.stdout.readline().decode().startswith("ready on")
+        lines = []
+        while not (line := process.stdout.readline().decode()).startswith("ready on"):
+            assert line, "the server exited: " + "".join(lines)
+            lines.append(line)
         yield f"http://127.0.0.1:{port}"
     finally:
         process.terminate()
         process.wait(10)
 
 
-def test_our_server_conforms(sim_server, tmp_path):
+@pytest.fixture
+def sim_server():
+    with model_server("--lora-modules", "sql=/adapters/sql", "chat=/adapters/chat", *FAST) as url:
+        yield url
+
+
+@pytest.fixture(params=["sim", "torch"])
+def our_server(request, tmp_path):
+    if request.param == "sim":
+        with model_server("--lora-modules", "sql=/adapters/sql", "chat=/adapters/chat", *FAST) as url:
+            yield url
+        return
+    pytest.importorskip("torch")
+    from modelserver.torch.tiny import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "tiny", lora_names=["sql", "chat"])
+    with model_server("--backend", "torch", "--model", str(model), "--served-model-name", "tiny", "--device", "cpu",
+                      "--num-gpu-blocks", "512", "--lora-modules", f"sql={model}/loras/sql",
+                      f"chat={model}/loras/chat") as url:  # fmt: skip
+        yield url
+
+
+def test_our_server_conforms(our_server, tmp_path):
     report = tmp_path / "report.yaml"
     result = subprocess.run(
-        [sys.executable, "-m", "protocol.conformance", "--url", sim_server, "--lora-adapter", "sql",
+        [sys.executable, "-m", "protocol.conformance", "--url", our_server, "--lora-adapter", "sql",
          "--lora-adapter", "chat", "--load-requests", "8", "--report", str(report), "--project", "llm-routing-reference"],
         capture_output=True, text=True, timeout=240,
     )  # fmt: skip

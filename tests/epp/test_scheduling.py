@@ -43,7 +43,7 @@ def test_load_scorers(plugin, endpoints, expected):
             [1.0, 0.8, 0.6, 0.0],
         ),
         # a model no endpoint lists (the base model) is neutral everywhere
-        ("base", [endpoint(0, running_adapters={"x"}, max_lora=1), endpoint(1, max_lora=1)], [1.0, 1.0]),
+        ("base", [endpoint(0, running_adapters={"x"}, max_lora=1), endpoint(1, max_lora=1)], None),
     ],
 )
 def test_lora_affinity(model, endpoints, expected):
@@ -55,7 +55,7 @@ def test_prefix_scorer_scores_longest_recorded_prefix_and_forgets_removed_endpoi
     eps = [endpoint(0), endpoint(1), endpoint(2)]
     system = "You are a helpful assistant that answers briefly. " * 20  # 1000 chars = 15 blocks of 64
     first = req(prompt=system + "question one")
-    assert scorer.score(first, eps) == [0.0, 0.0, 0.0]
+    assert scorer.score(first, eps) is None
     scorer.on_routed(first, SchedulingResult([eps[1]]))
     second = req(prompt=system + "another question entirely")
     scores = scorer.score(second, eps)
@@ -64,9 +64,9 @@ def test_prefix_scorer_scores_longest_recorded_prefix_and_forgets_removed_endpoi
     assert scores[1] == pytest.approx(15 / blocks)
     assert scorer.index_size == len(first.prefix_hashes)
     other_model = req(model="other", prompt=system + "question one")
-    assert scorer.score(other_model, eps) == [0.0, 0.0, 0.0]  # hashes are seeded by the model
+    assert scorer.score(other_model, eps) is None  # hashes are seeded by the model
     scorer.on_pool_changed([eps[0], eps[2]])
-    assert scorer.score(req(prompt=system + "question one"), eps) == [0.0, 0.0, 0.0]
+    assert scorer.score(req(prompt=system + "question one"), eps) is None
     assert scorer.index_size == 0
 
 

@@ -6,8 +6,8 @@ Score for the request's `model` (the adapter name after any rewrite), in this or
   the endpoint has a free slot: len(running) + len(waiting) < max_lora  0.8
   the adapter is waiting to be loaded there                          0.6
   otherwise (no slot, not there; or no LoRA metrics)                 0.0
-Base-model requests are neutral: a model that no candidate lists as running or waiting scores 1.0 everywhere, so
-the other scorers decide. The endpoints do not say which name is their base model, and scoring the base model like
+Base-model requests are neutral: for a model that no candidate lists as running or waiting the scorer abstains
+(returns None: it adds nothing to any candidate), so the other scorers decide. The endpoints do not say which name is their base model, and scoring the base model like
 an adapter would push base-model traffic off servers whose adapter slots happen to be full, which costs it nothing.
 The same rule applies to an adapter that no endpoint has loaded yet: its first request goes where load says, and
 affinity holds from then on.
@@ -30,22 +30,23 @@ class LoRAAffinityScorer:
     def __init__(self, parameters: dict | None):
         Parameters("lora-affinity-scorer", parameters).done()
 
-    def score(self, request: SchedulingRequest, endpoints: list[Endpoint]) -> list[float]:
+    def score(self, request: SchedulingRequest, endpoints: list[Endpoint]) -> list[float] | None:
         model = request.model
-        known = False
+        for e in endpoints:
+            m = e.metrics
+            if m is not None and (model in m.running_adapters or model in m.waiting_adapters):
+                break
+        else:
+            return None  # no candidate lists it: neutral
         scores = []
         for e in endpoints:
             m = e.metrics
             if m is None:
                 scores.append(NONE)
             elif model in m.running_adapters:
-                known = True
                 scores.append(RUNNING)
+            elif m.max_lora is not None and len(m.running_adapters) + len(m.waiting_adapters) < m.max_lora:
+                scores.append(ROOM)
             else:
-                waiting = model in m.waiting_adapters
-                known = known or waiting
-                if m.max_lora is not None and len(m.running_adapters) + len(m.waiting_adapters) < m.max_lora:
-                    scores.append(ROOM)
-                else:
-                    scores.append(WAITING if waiting else NONE)
-        return scores if known else [1.0] * len(endpoints)
+                scores.append(WAITING if model in m.waiting_adapters else NONE)
+        return scores

@@ -13,7 +13,8 @@ endpoints publish them (`autoTune`), else the parameters; the candidates' queue 
 
 Matching: a prompt's blocks are recorded last block first, so within one prompt the LRU evicts the tail before the
 head (what vLLM's free-block queue does too) and what an endpoint holds of a prompt stays a prefix. The longest
-match is then found by binary search: about 8 look-ups per endpoint that holds the first block, none for the rest.
+match is then found by binary search: about 8 look-ups per endpoint that holds the first block (a small index of
+first blocks names them), none for the rest; a prompt whose first block was never routed costs one look-up.
 
 Load guard: prefix affinity alone piles a popular prefix onto one endpoint until it melts (the peers' known
 failure: prefix-only routing dropped llm-d's success rate to ~55%). The prefix score of an endpoint whose queue
@@ -41,7 +42,7 @@ import xxhash
 
 from epp.datalayer.endpoint import Endpoint
 from epp.scheduling.framework import Parameters, register
-from epp.scheduling.load import queue_depth
+from epp.scheduling.load import queue_depths
 from epp.scheduling.types import SchedulingRequest, SchedulingResult
 
 CHARS_PER_TOKEN = 4
@@ -72,6 +73,7 @@ class PrefixCacheScorer:
         self.load_guard_gap = float(p.get("loadGuardQueueGap", 8, (int, float), minimum=0))
         p.done()
         self._held: dict[str, OrderedDict[int, None]] = {}  # endpoint name -> hashes sent there, oldest first
+        self._heads: dict[int, set[str]] = {}  # first-block hash -> endpoints that hold it
         self.lookups = 0
         self.matched_blocks = 0
         self.total_blocks = 0
@@ -100,15 +102,17 @@ class PrefixCacheScorer:
                 append(h)
         return hashes
 
-    def score(self, request: SchedulingRequest, endpoints: list[Endpoint]) -> list[float]:
+    def score(self, request: SchedulingRequest, endpoints: list[Endpoint]) -> list[float] | None:
         hashes = self.hashes(request, endpoints)
-        if not hashes or not self._held:
-            return [0.0] * len(endpoints)
+        holders = self._heads.get(hashes[0]) if hashes else None
+        if not holders:
+            return None  # nobody was sent this prompt's first block: no preference
         held, blocks = self._held, len(hashes)
-        scores = [longest_prefix(hashes, held.get(e.name)) / blocks for e in endpoints]
+        matched = {name: longest_prefix(hashes, held[name]) / blocks for name in holders}
+        scores = [matched.get(e.spec.name, 0.0) for e in endpoints]
         gap = self.load_guard_gap
-        if gap and any(scores):
-            queues = [queue_depth(e) for e in endpoints]
+        if gap:
+            queues = queue_depths(endpoints)
             shallowest = min(queues)
             scores = [
                 s * max(0.0, 1.0 - (q - shallowest) / gap) if s else 0.0 for s, q in zip(scores, queues, strict=True)
@@ -120,9 +124,10 @@ class PrefixCacheScorer:
         if not hashes or not result.endpoints:
             return
         endpoint = result.endpoints[0]
-        held = self._held.get(endpoint.name)
+        name = endpoint.spec.name
+        held = self._held.get(name)
         if held is None:
-            held = self._held[endpoint.name] = OrderedDict()
+            held = self._held[name] = OrderedDict()
         self.lookups += 1
         self.matched_blocks += longest_prefix(hashes, held)
         self.total_blocks += len(hashes)
@@ -132,16 +137,24 @@ class PrefixCacheScorer:
                 touch(h)
             else:
                 held[h] = None
+        self._heads.setdefault(hashes[0], set()).add(name)
         m = endpoint.metrics
         capacity = m.num_gpu_blocks if m is not None and m.num_gpu_blocks else self.default_capacity
-        evict = held.popitem
         for _ in range(len(held) - capacity):
-            evict(last=False)
+            self._forget(name, held.popitem(last=False)[0])
+
+    def _forget(self, name: str, block_hash: int) -> None:
+        holders = self._heads.get(block_hash)
+        if holders is not None:
+            holders.discard(name)
+            if not holders:
+                del self._heads[block_hash]
 
     def on_pool_changed(self, endpoints: Sequence[Endpoint]) -> None:
-        present = {e.name for e in endpoints}
+        present = {e.spec.name for e in endpoints}
         for name in [n for n in self._held if n not in present]:
-            del self._held[name]
+            for block_hash in self._held.pop(name):
+                self._forget(name, block_hash)
 
     @property
     def index_size(self) -> int:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from epp.datalayer.endpoint import Endpoint
 from epp.scheduling.framework import Parameters, register
-from epp.scheduling.load import inverted_min_max, queue_depth
+from epp.scheduling.load import inverted_min_max, queue_depths
 from epp.scheduling.types import SchedulingRequest
 
 
@@ -22,4 +22,4 @@ class QueueScorer:
         Parameters("queue-scorer", parameters).done()
 
     def score(self, request: SchedulingRequest, endpoints: list[Endpoint]) -> list[float]:
-        return inverted_min_max([queue_depth(e) for e in endpoints])
+        return inverted_min_max(queue_depths(endpoints))

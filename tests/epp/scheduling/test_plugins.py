@@ -85,9 +85,9 @@ def test_load_scorers(plugin, endpoints, expected):
             [1.0, 0.0],
         ),
         ("sql", [endpoint(0, running_adapters={"sql"}), never_scraped(1)], [1.0, 0.0]),
-        # a model no candidate lists (the base model, or an adapter not loaded anywhere yet) is neutral
-        ("base", [endpoint(0, running_adapters={"x"}, max_lora=1), endpoint(1, max_lora=1)], [1.0, 1.0]),
-        ("base", [endpoint(0)], [1.0]),
+        # a model no candidate lists (the base model, or an adapter not loaded anywhere yet): the scorer abstains
+        ("base", [endpoint(0, running_adapters={"x"}, max_lora=1), endpoint(1, max_lora=1)], None),
+        ("base", [endpoint(0)], None),
     ],
 )
 def test_lora_affinity(model, endpoints, expected):

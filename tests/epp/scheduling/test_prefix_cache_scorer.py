@@ -57,13 +57,13 @@ def test_at_most_max_prefix_blocks_are_hashed():
 
 def test_score_is_the_longest_recorded_prefix_over_the_prompts_blocks():
     s, pool = scorer(), [endpoint(0), endpoint(1), endpoint(2)]
-    assert s.score(req(SYSTEM + "question one"), pool) == [0.0, 0.0, 0.0]  # empty index
+    assert s.score(req(SYSTEM + "question one"), pool) is None  # empty index
     route(s, SYSTEM + "q" * 64, pool[1], pool)  # 17 blocks on e1
     route(s, SYSTEM[:512] + "z" * 512, pool[2], pool)  # 16 blocks on e2, the first 8 shared with SYSTEM
     second = req(SYSTEM + "w" * 64 * 4)  # 20 blocks: the first 16 are SYSTEM's
     assert s.score(second, pool) == pytest.approx([0.0, 16 / 20, 8 / 20])
     assert s.score(req(SYSTEM + "q" * 64), pool)[1] == 1.0
-    assert s.score(req(SYSTEM, model="other"), pool) == [0.0, 0.0, 0.0]  # another model shares nothing
+    assert s.score(req(SYSTEM, model="other"), pool) is None  # another model shares nothing
 
 
 def test_index_is_bounded_per_endpoint_by_num_gpu_blocks_and_evicts_the_tail_first():
