@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench lint format system-deps clean
+.PHONY: demo test bench bench-inference-perf lint format system-deps clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -18,10 +18,19 @@ system-deps:
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null) \
 	  || echo "warning: could not install prometheus; tests that need it will be skipped"; }
 
+# inference-perf (a load generator epp-bench can use) needs Python >= 3.12: its own venv, from pyenv's 3.12 or
+# python3.12 on PATH. Optional: without it the test that uses it is skipped with this reason.
+PYTHON312 ?= $(shell command -v python3.12 2>/dev/null || ls -d $$HOME/.pyenv/versions/3.12*/bin/python 2>/dev/null | tail -1)
+bench-inference-perf:
+	@test -x .venv-ip/bin/inference-perf || { \
+	  if [ -z "$(PYTHON312)" ]; then echo "warning: no Python 3.12 here; inference-perf not installed"; \
+	  else $(PYTHON312) -m venv .venv-ip && .venv-ip/bin/pip install -q 'inference-perf>=0.7' \
+	    || echo "warning: could not install inference-perf"; fi; }
+
 demo: $(STAMP)
 	$(BIN)/epp-local --model-servers 4 --demo
 
-test: $(STAMP) system-deps
+test: $(STAMP) system-deps bench-inference-perf
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
@@ -31,6 +40,10 @@ bench: $(STAMP)
 	$(BIN)/epp-bench decision
 	$(BIN)/epp-bench compare --workload shared-prefix --out bench-results
 	$(BIN)/epp-bench compare --workload multi-lora --targets epp lora-only queue-only round-robin --out bench-results
+	$(MAKE) bench-inference-perf
+	test ! -x .venv-ip/bin/inference-perf || $(BIN)/epp-bench compare --workload shared-prefix --load-generator \
+	  inference-perf --targets epp round-robin sglang-cache-aware vllm-cache-aware --rates 16 \
+	  --out bench-results/inference-perf
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
@@ -41,4 +54,4 @@ format: $(STAMP)
 	$(BIN)/ruff format .
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache bench-results
+	rm -rf $(VENV) .venv-ip build *.egg-info .pytest_cache .ruff_cache bench-results

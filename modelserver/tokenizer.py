@@ -61,6 +61,17 @@ def build_default_tokenizer(vocab_size: int = 2048) -> HFTokenizer:
     return tokenizer
 
 
+def save_tokenizer(directory: Path) -> None:
+    """The built-in tokenizer as Hugging Face files (tokenizer.json, tokenizer_config.json with the chat template),
+    loadable by `transformers.AutoTokenizer` from a local directory: clients such as inference-perf count tokens
+    with it."""
+    directory.mkdir(parents=True, exist_ok=True)
+    build_default_tokenizer().save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS_TOKEN, "chat_template": DEFAULT_CHAT_TEMPLATE,
+        "model_max_length": 4096}, indent=2))  # fmt: skip
+
+
 class Tokenizer:
     """encode / decode / chat template over a `tokenizers.Tokenizer`."""
 

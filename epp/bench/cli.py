@@ -41,6 +41,13 @@ def main(argv: list[str] | None = None) -> None:
     cmp.add_argument("--duration", type=float, default=60.0)
     cmp.add_argument("--servers", type=int, default=8)
     cmp.add_argument("--scale", type=float, default=1.0, help="shrink prompt lengths (smoke runs)")
+    cmp.add_argument(
+        "--load-generator",
+        choices=["builtin", "inference-perf"],
+        default="builtin",
+        help="inference-perf: the standard client drives the load (shared-prefix workloads; "
+        "`make bench-inference-perf` installs it)",
+    )
     cmp.add_argument("--out", type=Path, default=Path("bench-results"))
     sub.add_parser("decision", help="scheduler decision time vs pool size (8, 32, 128) and prompt length")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
@@ -67,7 +74,8 @@ def main(argv: list[str] | None = None) -> None:
 
             results = asyncio.run(compare.compare(args.workload, args.targets, args.rates, args.duration, args.servers,
                                                   args.out, args.scale, progress=progress,
-                                                  concurrencies=args.concurrency))  # fmt: skip
+                                                  concurrencies=args.concurrency,
+                                                  load_generator=args.load_generator))  # fmt: skip
             bar.update(task, completed=runs, description="done")
         print(compare.markdown(results))
         print(f"results in {args.out}/{args.workload}.md, .json and *.png")

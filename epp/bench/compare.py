@@ -21,6 +21,7 @@ from typing import NamedTuple
 
 import aiohttp
 
+from epp.bench import inference_perf
 from epp.bench.overhead import cpu_seconds, percentile
 from epp.bench.peers import peer_command, start_router
 from epp.bench.ports import free_port_block, free_ports
@@ -67,6 +68,7 @@ class TargetResult:
     host_busy: float = 0.0  # the whole machine's busy fraction (/proc/stat), other users' processes included
     valid: bool = True
     load_over_time: list[list[int]] = field(default_factory=list)  # per sample: running + waiting per server
+    load_generator: str = "builtin"  # or "inference-perf"
 
 
 def _host_ticks() -> tuple[int, int]:
@@ -205,7 +207,8 @@ class Pool:
 
 
 async def run_target(target: str, spec: dict, rate: float, duration: float, servers: int, workdir: Path,
-                     scale: float = 1.0, seed: int = 0, concurrency: int = 0) -> TargetResult:  # fmt: skip
+                     scale: float = 1.0, seed: int = 0, concurrency: int = 0,
+                     load_generator: str = "builtin") -> TargetResult:  # fmt: skip
     lora_args = []
     if spec["name"] == "multi-lora":
         names = lora_names(spec)
@@ -213,7 +216,8 @@ async def run_target(target: str, spec: dict, rate: float, duration: float, serv
                      *(f"{n}={workdir}/{n}" for n in names)]  # fmt: skip
     # A closed loop draws from a stream generated fast enough never to run dry.
     stream = requests(spec, MODEL, rate or concurrency * 50, duration, seed, scale)
-    result = TargetResult(target, 0.0 if concurrency else rate, concurrency, requests=len(stream))
+    result = TargetResult(target, 0.0 if concurrency else rate, concurrency, requests=len(stream),
+                          load_generator=load_generator)  # fmt: skip
     async with Pool(target, servers, workdir, ["--disable-log-stats", *lora_args]) as pool:
         urls = pool.stack.model_server_urls
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
@@ -222,6 +226,7 @@ async def run_target(target: str, spec: dict, rate: float, duration: float, serv
             pids = pool.pids()
             cpu_before = {k: cpu_seconds(p) for k, p in pids.items()}
             client_before = resource.getrusage(resource.RUSAGE_SELF)
+            children_before = resource.getrusage(resource.RUSAGE_CHILDREN)
             host_before = _host_ticks()
             started = time.monotonic()
 
@@ -232,8 +237,12 @@ async def run_target(target: str, spec: dict, rate: float, duration: float, serv
 
             sampler = asyncio.create_task(sample_load())
             url = f"{pool.url}/v1/completions"
-            if concurrency:
-                pending, outcomes = iter(stream), []
+            outcomes = []
+            if load_generator == "inference-perf":
+                summary = await inference_perf.run(spec, pool.url, MODEL, rate, concurrency, duration, scale, workdir,
+                                                   seed)  # fmt: skip
+            elif concurrency:
+                pending = iter(stream)
 
                 async def client() -> None:
                     for _, body in pending:
@@ -242,7 +251,6 @@ async def run_target(target: str, spec: dict, rate: float, duration: float, serv
                         outcomes.append(await _one(session, url, body))
 
                 await asyncio.gather(*(client() for _ in range(concurrency)))
-                result.requests = len(outcomes)
             else:
                 tasks = []
                 for offset, body in stream:
@@ -253,10 +261,42 @@ async def run_target(target: str, spec: dict, rate: float, duration: float, serv
             sampler.cancel()
             after = await _counters(session, urls)
             client_after = resource.getrusage(resource.RUSAGE_SELF)
+            children_after = resource.getrusage(resource.RUSAGE_CHILDREN)
             host_after = _host_ticks()
         result.cpu_seconds = {k: cpu_seconds(p) - cpu_before[k] for k, p in pids.items()}
-        result.cpu_seconds["load generator"] = (client_after.ru_utime + client_after.ru_stime
-                                                - client_before.ru_utime - client_before.ru_stime)  # fmt: skip
+        result.cpu_seconds["load generator"] = sum(
+            after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+            for before, after in ((client_before, client_after), (children_before, children_after))
+        )
+    if load_generator == "inference-perf":
+        _from_inference_perf(result, summary)
+    else:
+        _from_outcomes(result, outcomes, elapsed)
+    hits = sum(
+        a.get("vllm:prefix_cache_hits_total", 0) - b.get("vllm:prefix_cache_hits_total", 0)
+        for a, b in zip(after, before, strict=True)
+    )
+    queries = sum(
+        a.get("vllm:prefix_cache_queries_total", 0) - b.get("vllm:prefix_cache_queries_total", 0)
+        for a, b in zip(after, before, strict=True)
+    )
+    result.prefix_hit_rate = hits / queries if queries else 0.0
+    result.per_server = [
+        int(a.get("vllm:request_success_total", 0) - b.get("vllm:request_success_total", 0))
+        for a, b in zip(after, before, strict=True)
+    ]
+    if not result.requests:
+        raise SystemExit(f"{target}: the workload produced no request in {duration:g} s; raise --duration or the rate")
+    result.machine_busy = sum(result.cpu_seconds.values()) / (elapsed * (os.cpu_count() or 1))
+    result.host_busy = (host_after[0] - host_before[0]) / max(1, host_after[1] - host_before[1])
+    # Invalid when the machine (whoever used it), or one process (the sim pool shares one event loop), had no CPU to
+    # spare: then the modelled GPU steps stretch and the comparison measures the host, not the routing.
+    result.valid = max(result.machine_busy, result.host_busy) < 0.9 and max(result.cpu_seconds.values()) / elapsed < 0.9
+    return result
+
+
+def _from_outcomes(result: TargetResult, outcomes: list[Outcome], elapsed: float) -> None:
+    result.requests = len(outcomes)
     ok = [o for o in outcomes if o.status == 200]
     result.succeeded = len(ok)
     for o in outcomes:
@@ -273,27 +313,20 @@ async def run_target(target: str, spec: dict, rate: float, duration: float, serv
     result.ttft_hit_ms, result.ttft_miss_ms = _summary(hit), _summary(miss)
     result.requests_per_s = len(ok) / elapsed
     result.output_tokens_per_s = sum(o.output_tokens for o in ok) / elapsed
-    hits = sum(
-        a.get("vllm:prefix_cache_hits_total", 0) - b.get("vllm:prefix_cache_hits_total", 0)
-        for a, b in zip(after, before, strict=True)
-    )
-    queries = sum(
-        a.get("vllm:prefix_cache_queries_total", 0) - b.get("vllm:prefix_cache_queries_total", 0)
-        for a, b in zip(after, before, strict=True)
-    )
-    result.prefix_hit_rate = hits / queries if queries else 0.0
-    result.per_server = [
-        int(a.get("vllm:request_success_total", 0) - b.get("vllm:request_success_total", 0))
-        for a, b in zip(after, before, strict=True)
-    ]
-    if not outcomes:
-        raise SystemExit(f"{target}: the workload produced no request in {duration:g} s; raise --duration or the rate")
-    result.machine_busy = sum(result.cpu_seconds.values()) / (elapsed * (os.cpu_count() or 1))
-    result.host_busy = (host_after[0] - host_before[0]) / max(1, host_after[1] - host_before[1])
-    # Invalid when the machine (whoever used it), or one process (the sim pool shares one event loop), had no CPU to
-    # spare: then the modelled GPU steps stretch and the comparison measures the host, not the routing.
-    result.valid = max(result.machine_busy, result.host_busy) < 0.9 and max(result.cpu_seconds.values()) / elapsed < 0.9
-    return result
+
+
+def _from_inference_perf(result: TargetResult, summary: dict) -> None:
+    successes, failures = summary["successes"], summary["failures"]
+    result.succeeded, result.requests = successes["count"], successes["count"] + failures["count"]
+    if failures["count"]:
+        result.errors["failed (inference-perf)"] = failures["count"]
+    latency = successes.get("latency") or {}
+    result.ttft_ms = inference_perf.ms(latency.get("time_to_first_token"))
+    result.itl_ms = inference_perf.ms(latency.get("inter_token_latency"))
+    result.e2e_ms = inference_perf.ms(latency.get("request_latency"))
+    throughput = successes.get("throughput") or {}
+    result.requests_per_s = throughput.get("requests_per_sec", 0.0)
+    result.output_tokens_per_s = throughput.get("output_tokens_per_sec", 0.0)
 
 
 def markdown(results: list[TargetResult]) -> str:
@@ -306,6 +339,8 @@ def markdown(results: list[TargetResult]) -> str:
         peers = [r for r in peers if PEER_TARGETS[r.target][1] == "cache_aware"] or peers
         best_peer = min(peers, key=lambda r: r.ttft_ms["mean"]) if peers else None
         title = f"closed loop, {concurrency} concurrent clients" if concurrency else f"{rate:g} requests/s"
+        if rows and rows[0].load_generator != "builtin":
+            title += f" (load generator: {rows[0].load_generator})"
         lines += [f"### {title}", "",
                   "| target | TTFT mean | TTFT p90 | ITL mean | e2e p90 | req/s | out tok/s | success | prefix hits | "
                   "cached requests (TTFT cached / not) | per server | TTFT vs RR (mean / p90) | TTFT vs best peer (mean / p90) | "
@@ -378,7 +413,8 @@ def plots(results: list[TargetResult], out: Path) -> list[Path]:
 
 
 async def compare(workload: str, targets: list[str], rates: list[float], duration: float, servers: int, out: Path,
-                  scale: float = 1.0, progress=print, concurrencies: list[int] = ()) -> list[TargetResult]:  # fmt: skip
+                  scale: float = 1.0, progress=print, concurrencies: list[int] = (),
+                  load_generator: str = "builtin") -> list[TargetResult]:  # fmt: skip
     spec = load_workload(workload)
     out.mkdir(parents=True, exist_ok=True)
     results = []
@@ -393,7 +429,17 @@ async def compare(workload: str, targets: list[str], rates: list[float], duratio
             workdir = out / "runs" / f"{target}-{f'c{concurrency}' if concurrency else f'{rate:g}'}"
             workdir.mkdir(parents=True, exist_ok=True)
             results.append(
-                await run_target(target, spec, rate, duration, servers, workdir, scale, concurrency=concurrency)
+                await run_target(
+                    target,
+                    spec,
+                    rate,
+                    duration,
+                    servers,
+                    workdir,
+                    scale,
+                    concurrency=concurrency,
+                    load_generator=load_generator,
+                )
             )
     (out / f"{workload}.json").write_text(json.dumps([asdict(r) for r in results], indent=2))
     (out / f"{workload}.md").write_text(markdown(results))

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from modelserver.tokenizer import DEFAULT_CHAT_TEMPLATE, EOS_TOKEN, build_default_tokenizer
+from modelserver.tokenizer import EOS_TOKEN, build_default_tokenizer, save_tokenizer
 
 PROJECTIONS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
                "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}  # fmt: skip
@@ -50,10 +50,7 @@ def make_tiny_model(directory: str | Path, *, layers: int = 2, hidden: int = 64,
         weights[f"model.layers.{i}.post_attention_layernorm.weight"] = 1 + rand(hidden, std=0.1)
     save_file({k: v.contiguous() for k, v in weights.items()}, str(directory / "model.safetensors"))
     (directory / "config.json").write_text(json.dumps(config, indent=2))
-    tokenizer.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS_TOKEN, "chat_template": DEFAULT_CHAT_TEMPLATE,
-        "model_max_length": 4096}, indent=2))  # fmt: skip
+    save_tokenizer(directory)
     (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": config["eos_token_id"]}))
     for name in lora_names:
         adapter = directory / "loras" / name

@@ -5,7 +5,9 @@ import asyncio
 import itertools
 import json
 
-from epp.bench import compare, overhead
+import pytest
+
+from epp.bench import compare, inference_perf, overhead
 
 
 def test_compare_smoke(tmp_path):
@@ -73,3 +75,14 @@ def test_decision_time_smoke():
     from epp.bench import decision
 
     assert 0 < decision.measure(8, 1000, repeats=20) < 50_000
+
+
+@pytest.mark.skipif(inference_perf.command() is None, reason="inference-perf is not installed (needs Python 3.12: "
+                    "make bench-inference-perf)")  # fmt: skip
+def test_inference_perf_as_the_load_generator(tmp_path):
+    (result,) = asyncio.run(compare.compare("shared-prefix", ["epp"], [4.0], 3.0, 2, tmp_path, scale=0.1,
+                                            progress=lambda m: None, load_generator="inference-perf"))  # fmt: skip
+    assert result.load_generator == "inference-perf" and result.succeeded == result.requests > 0, result.errors
+    assert 0 < result.ttft_ms["p50"] <= result.ttft_ms["p99"] and result.output_tokens_per_s > 0
+    assert sum(result.per_server) == result.requests  # the servers' own counters agree with the client's
+    assert "(load generator: inference-perf)" in (tmp_path / "shared-prefix.md").read_text()
