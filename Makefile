@@ -20,7 +20,8 @@ system-deps:
 
 # inference-perf (a load generator epp-bench can use) needs Python >= 3.12: its own venv, from pyenv's 3.12 or
 # python3.12 on PATH. Optional: without it the test that uses it is skipped with this reason.
-PYTHON312 ?= $(shell command -v python3.12 2>/dev/null || ls -d $$HOME/.pyenv/versions/3.12*/bin/python 2>/dev/null | tail -1)
+PYTHON312 ?= $(shell for p in $$HOME/.pyenv/versions/3.12*/bin/python python3.12; do \
+  $$p -c 'import sys; assert sys.version_info >= (3, 12)' 2>/dev/null && { echo $$p; break; }; done)
 bench-inference-perf:
 	@test -x .venv-ip/bin/inference-perf || { \
 	  if [ -z "$(PYTHON312)" ]; then echo "warning: no Python 3.12 here; inference-perf not installed"; \
