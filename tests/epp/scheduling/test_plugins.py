@@ -7,7 +7,7 @@ import pytest
 from epp.scheduling.errors import ConfigError
 from epp.scheduling.framework import PLUGIN_TYPES, build_plugin
 from epp.scheduling.load import queue_depth, running_requests
-from epp.scheduling.types import SchedulingRequest
+from epp.scheduling.types import SchedulingRequest, SchedulingResult
 from tests.epp.helpers import endpoint
 
 
@@ -92,6 +92,26 @@ def test_load_scorers(plugin, endpoints, expected):
 )
 def test_lora_affinity(model, endpoints, expected):
     assert build_plugin("lora-affinity-scorer").score(req(model), endpoints) == expected
+
+
+def test_lora_affinity_remembers_adapters_it_sent_while_they_idle_in_their_slots():
+    scorer = build_plugin("lora-affinity-scorer")
+    busy = [endpoint(0, running_adapters={"sql"}, max_lora=2), endpoint(1, max_lora=2), endpoint(2, max_lora=2)]
+    assert scorer.score(req("sql"), busy) == [1.0, 0.8, 0.8]  # learns that "sql" is an adapter
+    scorer.on_routed(req("sql"), SchedulingResult([busy[1]]))
+    # the scrape no longer lists "sql" anywhere (its requests finished), but endpoint 1 still holds it in a slot
+    idle = [endpoint(0, max_lora=2), endpoint(1, max_lora=2), endpoint(2, max_lora=2)]
+    assert scorer.score(req("sql"), idle) == [0.8, 0.9, 0.8]
+    # two other adapters sent there since: with two slots, "sql" was evicted (LRU)
+    for name in ("x", "y"):
+        scorer.score(req(name), [endpoint(0, running_adapters={name}, max_lora=2)])
+        scorer.on_routed(req(name), SchedulingResult([idle[1]]))
+    assert scorer.score(req("sql"), idle) == [0.8, 0.8, 0.8]
+    # the base model is never recorded, and an endpoint that left the pool is forgotten
+    scorer.on_routed(req("base"), SchedulingResult([idle[2]]))
+    assert scorer.score(req("base"), idle) is None
+    scorer.on_pool_changed(idle[:1])
+    assert scorer._sent == {}
 
 
 @pytest.mark.parametrize(
