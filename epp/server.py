@@ -250,11 +250,15 @@ class RequestStream:
             metrics.child(metrics.input_tokens, self.model, self.target_model).observe(request.prompt_tokens_estimate)
         destinations = ",".join(e.hostport for e in result.endpoints)
         set_headers = [
-            # The header carries the primary only: Envoy's ORIGINAL_DST cluster reads one ip:port. Fallbacks travel
-            # in the metadata's comma list for proxies that implement them.
+            # The header carries the primary only: Envoy's ORIGINAL_DST cluster reads one ip:port. The fallbacks are
+            # in the metadata's comma list (the protocol) and, for our Envoy bootstrap's retries, one per header.
             _header(extproc.DESTINATION_ENDPOINT_HEADER, endpoint.hostport),
             _header(extproc.REQUEST_ID_HEADER, request_id),
         ]
+        fallbacks = result.endpoints[1:]
+        if fallbacks:
+            for i, name in enumerate(extproc.FALLBACK_ENDPOINT_HEADERS):
+                set_headers.append(_header(name, fallbacks[min(i, len(fallbacks) - 1)].hostport))
         if payload is not None:
             set_headers.append(_header("content-length", str(len(raw))))
         common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=set_headers), clear_route_cache=True)

@@ -5,6 +5,10 @@ DESTINATION_ENDPOINT_HEADER = "x-gateway-destination-endpoint"
 DESTINATION_ENDPOINT_NAMESPACE = "envoy.lb"
 DESTINATION_ENDPOINT_KEY = DESTINATION_ENDPOINT_HEADER
 
+# Gateway-private headers (not part of the protocol) in which our EPP repeats the 2nd and 3rd endpoint of its pick
+# for our Envoy bootstrap: retry n goes to the ORIGINAL_DST cluster that reads header n.
+FALLBACK_ENDPOINT_HEADERS = ("x-gateway-destination-endpoint-fallback-1", "x-gateway-destination-endpoint-fallback-2")
+
 # Candidate subset the proxy allows, in the request's metadata_context (list or comma string).
 SUBSET_HINT_NAMESPACE = "envoy.lb.subset_hint"
 SUBSET_HINT_KEY = "x-gateway-destination-endpoint-subset"

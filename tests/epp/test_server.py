@@ -186,7 +186,7 @@ def test_model_rewrite_header_and_pool_rewrites_change_the_body():
     assert json.loads(response.request_body.response.body_mutation.body)["model"] == "m-v3"
 
 
-def test_fallback_endpoints_travel_in_metadata():
+def test_fallback_endpoints_travel_in_metadata_and_headers():
     config = "plugins:\n- type: max-score-picker\n  parameters: {maxNumOfEndpoints: 2}\nschedulingProfiles:\n- name: d\n  plugins:\n  - pluginRef: max-score-picker\n"
     stream = RequestStream(make_picker(config=config))
     stream.handle(headers_message(BASE_HEADERS))
@@ -194,6 +194,16 @@ def test_fallback_endpoints_travel_in_metadata():
     listed = head.dynamic_metadata.fields["envoy.lb"].struct_value.fields["x-gateway-destination-endpoint"].string_value
     assert sorted(listed.split(",")) == ["10.0.0.1:8000", "10.0.0.2:8000"]
     assert set_headers(head)["x-gateway-destination-endpoint"] == listed.split(",")[0]
+    # and for our Envoy bootstrap's retries, one fallback per header (the last one repeated when there are fewer)
+    assert set_headers(head)["x-gateway-destination-endpoint-fallback-1"] == listed.split(",")[1]
+    assert set_headers(head)["x-gateway-destination-endpoint-fallback-2"] == listed.split(",")[1]
+
+
+def test_a_single_pick_sends_no_fallback_headers():
+    stream = RequestStream(make_picker())
+    stream.handle(headers_message(BASE_HEADERS))
+    (head, *_) = stream.handle(body_message(b'{"model": "m", "prompt": "x"}'))
+    assert not any("fallback" in name for name in set_headers(head))
 
 
 def test_response_path_reads_served_endpoint_and_usage():
