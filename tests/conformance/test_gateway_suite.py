@@ -8,6 +8,7 @@ import yaml
 
 from epp.envoy import TEMPLATE
 
+
 def run_suite(tmp_path, *args):
     report = tmp_path / "report.yaml"
     result = subprocess.run([sys.executable, "-m", "protocol.conformance", "gateway", "--report", str(report),
