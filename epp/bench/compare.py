@@ -359,11 +359,15 @@ def markdown(results: list[TargetResult]) -> str:
                 if best_peer
                 else "-"
             )
+            cached = (  # inference-perf does not report the usage's cached_tokens per request
+                f"{r.cache_hit_requests} ({r.ttft_hit_ms.get('mean', 0):.0f} / {r.ttft_miss_ms.get('mean', 0):.0f})"
+                if r.load_generator == "builtin"
+                else "-"
+            )
             lines.append(
                 f"| {r.target} | {t['mean']:.0f} | {t['p90']:.0f} | {r.itl_ms.get('mean', 0):.1f} | {r.e2e_ms.get('p90', 0):.0f} | "
                 f"{r.requests_per_s:.1f} | {r.output_tokens_per_s:.0f} | {r.succeeded}/{r.requests} | "
-                f"{r.prefix_hit_rate:.0%} | {r.cache_hit_requests} ({r.ttft_hit_ms.get('mean', 0):.0f} / "
-                f"{r.ttft_miss_ms.get('mean', 0):.0f}) | {'/'.join(map(str, r.per_server))} | {vs_rr} | {vs_peer} | "
+                f"{r.prefix_hit_rate:.0%} | {cached} | {'/'.join(map(str, r.per_server))} | {vs_rr} | {vs_peer} | "
                 f"{'yes' if r.valid else f'no (CPU: ours {r.machine_busy:.0%}, host {r.host_busy:.0%})'} |"
             )  # fmt: skip
         lines.append("")
