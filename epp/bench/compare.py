@@ -218,7 +218,8 @@ async def run_target(target: str, spec: dict, rate: float, duration: float, serv
     stream = requests(spec, MODEL, rate or concurrency * 50, duration, seed, scale)
     result = TargetResult(target, 0.0 if concurrency else rate, concurrency, requests=len(stream),
                           load_generator=load_generator)  # fmt: skip
-    async with Pool(target, servers, workdir, ["--disable-log-stats", *lora_args]) as pool:
+    server_args = ["--disable-log-stats", *lora_args, *map(str, spec.get("modelserver_args", []))]
+    async with Pool(target, servers, workdir, server_args) as pool:
         urls = pool.stack.model_server_urls
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
                                          timeout=aiohttp.ClientTimeout(total=300)) as session:  # fmt: skip

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import random
 from pathlib import Path
 
@@ -12,14 +13,33 @@ WORDS = ["the", "model", "server", "cache", "request", "token", "route", "queue"
 
 
 def load_workload(name: str) -> dict:
+    """A workload's YAML; `modelserver_args` (optional) are extra flags for its sim servers (e.g. a longer context)."""
     path = WORKLOADS / f"{name}.yaml"
     if not path.is_file():
         raise SystemExit(f"unknown workload {name!r}; known: {', '.join(p.stem for p in WORKLOADS.glob('*.yaml'))}")
     return yaml.safe_load(path.read_text())
 
 
-def _text(rng: random.Random, tokens: int) -> str:
-    return " ".join(rng.choice(WORDS) for _ in range(max(1, int(tokens * 0.8))))  # ~1.25 tokens per word
+@functools.cache
+def _tokens_per_word() -> float:
+    """Mean tokens per word of WORDS under the sim servers' built-in tokenizer, so that a workload's token counts
+    are what the servers count (the jargon splits into ~2.3 tokens a word)."""
+    from modelserver.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(None)
+    return sum(len(tokenizer.encode(" " + w)) for w in WORDS) / len(WORDS)
+
+
+def _words(rng: random.Random, count: float) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(max(1, int(count))))
+
+
+def _text(rng: random.Random, tokens: float) -> str:
+    return _words(rng, tokens / _tokens_per_word())
+
+
+def _text_of_bytes(rng: random.Random, size: float) -> str:
+    return _words(rng, size / (sum(len(w) + 1 for w in WORDS) / len(WORDS)))
 
 
 def _arrivals(rng: random.Random, arrival: dict, rate: float, duration: float) -> list[float]:
@@ -70,7 +90,7 @@ def requests(spec: dict, model: str, rate: float | None = None, duration: float 
                             "max_tokens": kind["output_tokens"]}))  # fmt: skip
     elif name == "long-prompt":
         for t in times:
-            out.append((t, {"model": model, "prompt": _text(rng, spec["prompt_bytes"] * scale / 4),
+            out.append((t, {"model": model, "prompt": _text_of_bytes(rng, spec["prompt_bytes"] * scale),
                             "max_tokens": spec["output_tokens"]}))  # fmt: skip
     else:
         raise SystemExit(f"workload {name!r} has no generator")
