@@ -1,6 +1,7 @@
 """One task per endpoint scrapes its Prometheus page (default every 50 ms, 1 s timeout, keep-alive) and parses it
 with the endpoint's engine spec. A failed scrape never raises: the endpoint keeps its last metrics and becomes
-stale once no scrape succeeded within the staleness threshold (at once when the connection is refused)."""
+stale once no scrape succeeded within the staleness threshold (at once when the connection is refused). Each endpoint
+keeps one HTTP/1.1 connection (`metrics_client.MetricsClient`)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,8 @@ import contextlib
 import logging
 import time
 
-import aiohttp
-
 from epp.datalayer.endpoint import Endpoint
+from epp.datalayer.metrics_client import MetricsClient, ScrapeError
 from protocol.metrics import MetricsParseError, engine_spec, parse_metrics
 
 log = logging.getLogger("epp.scraper")
@@ -20,20 +20,20 @@ log = logging.getLogger("epp.scraper")
 class Scraper:
     def __init__(self, interval: float = 0.05, timeout: float = 1.0, staleness: float = 2.0, path: str = "/metrics"):
         self.interval = interval
-        self.timeout = aiohttp.ClientTimeout(total=timeout)
+        self.timeout = timeout
         self.staleness = staleness
         self.path = path
-        self._session: aiohttp.ClientSession | None = None
+        self._clients: dict[int, MetricsClient] = {}
         self._tasks: dict[int, asyncio.Task] = {}
         self.scrapes = 0
         self.failures = 0
 
-    def _client(self) -> aiohttp.ClientSession:
-        if self._session is None:
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30), timeout=self.timeout
-            )
-        return self._session
+    def _client(self, endpoint: Endpoint) -> MetricsClient:
+        client = self._clients.get(id(endpoint))
+        if client is None:
+            spec = endpoint.spec
+            client = self._clients[id(endpoint)] = MetricsClient(spec.address, spec.port, self.path, self.timeout)
+        return client
 
     def start(self, endpoint: Endpoint) -> None:
         self._tasks[id(endpoint)] = asyncio.get_running_loop().create_task(self._loop(endpoint))
@@ -42,6 +42,9 @@ class Scraper:
         task = self._tasks.pop(id(endpoint), None)
         if task is not None:
             task.cancel()
+        client = self._clients.pop(id(endpoint), None)
+        if client is not None:
+            client.close()
         endpoint.stale = True
 
     async def close(self) -> None:
@@ -50,27 +53,24 @@ class Scraper:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self._tasks.clear()
-        if self._session is not None:
-            await self._session.close()
+        for client in self._clients.values():
+            client.close()
+        self._clients.clear()
 
     async def scrape_once(self, endpoint: Endpoint) -> bool:
         """One scrape; True when it succeeded. Updates the endpoint in place."""
-        url = f"http://{endpoint.hostport}{self.path}"
         spec = engine_spec(endpoint.spec.engine)
         self.scrapes += 1
         try:
-            async with self._client().get(url) as response:
-                if response.status != 200:
-                    raise MetricsParseError(f"HTTP {response.status}")
-                text = await response.text()
+            text = await self._client(endpoint).get()
             endpoint.metrics = parse_metrics(text, spec)
             endpoint.stale = False
             return True
-        except (aiohttp.ClientConnectorError, ConnectionRefusedError) as exc:
+        except ConnectionRefusedError as exc:
             endpoint.stale = True  # nothing listens there: do not wait out the threshold
             self._failed(endpoint, exc)
-        except (TimeoutError, aiohttp.ClientError, MetricsParseError, UnicodeDecodeError) as exc:
-            self._failed(endpoint, exc)
+        except (OSError, TimeoutError, asyncio.IncompleteReadError, ScrapeError, ValueError, MetricsParseError) as exc:
+            self._failed(endpoint, exc)  # (ValueError covers UnicodeDecodeError and malformed lengths)
             if endpoint.metrics is None or time.monotonic() - endpoint.metrics.scraped_at > self.staleness:
                 endpoint.stale = True
         return False
