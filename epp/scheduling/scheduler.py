@@ -16,7 +16,8 @@ The config has GIE's shape:
 
 A profile without a picker gets `max-score-picker`. With no config at all, DEFAULT_CONFIG applies: queue-scorer 2,
 kv-cache-utilization-scorer 2, prefix-cache-scorer 3, lora-affinity-scorer 1 (neutral for base-model requests, so
-it only matters for adapters) and max-score-picker. Every error in a config is a ConfigError at startup.
+it only matters for adapters), in-flight-tokens-scorer 1 (a long prompt's prefill, which request counts miss) and
+max-score-picker. Every error in a config is a ConfigError at startup.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ plugins:
 - type: kv-cache-utilization-scorer
 - type: prefix-cache-scorer
 - type: lora-affinity-scorer
+- type: in-flight-tokens-scorer
 - type: max-score-picker
 schedulingProfiles:
 - name: default
@@ -53,6 +55,8 @@ schedulingProfiles:
   - pluginRef: prefix-cache-scorer
     weight: 3
   - pluginRef: lora-affinity-scorer
+    weight: 1
+  - pluginRef: in-flight-tokens-scorer
     weight: 1
   - pluginRef: max-score-picker
 """

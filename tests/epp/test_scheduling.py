@@ -149,7 +149,7 @@ def test_default_scheduler_prefers_short_queue_free_kv_and_cached_prefix():
     assert scheduler.schedule(req(), eps).primary.name == "e1"
     assert [t for t, _, _ in scheduler.last_plugin_durations] == [
         "queue-scorer", "kv-cache-utilization-scorer", "prefix-cache-scorer", "lora-affinity-scorer",
-        "max-score-picker"]  # fmt: skip
+        "in-flight-tokens-scorer", "max-score-picker"]  # fmt: skip
 
 
 def test_subset_hint_and_staleness():

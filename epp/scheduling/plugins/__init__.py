@@ -2,6 +2,7 @@
 
 from epp.scheduling.plugins import (  # noqa: F401
     header_based_testing_filter,
+    in_flight_tokens_scorer,
     kv_cache_utilization_scorer,
     lora_affinity_scorer,
     max_score_picker,

@@ -47,6 +47,16 @@ def test_load_estimates_include_requests_routed_since_the_scrape(e, queue, runni
         ("kv-cache-utilization-scorer", [endpoint(0, kv=0.25), endpoint(1, kv=1.0), never_scraped(2)], [0.75, 0, 1]),
         ("running-requests-size-scorer", [endpoint(0, running=2), endpoint(1, running=6)], [1.0, 0.0]),
         ("running-requests-size-scorer", [endpoint(0, running=2), endpoint(1, running=0, in_flight=4)], [1.0, 0.0]),
+        # one long prompt in flight outweighs two short ones (request counts would say the opposite)
+        (
+            "in-flight-tokens-scorer",
+            [
+                endpoint(0, in_flight=2, in_flight_tokens=400),
+                endpoint(1, in_flight=1, in_flight_tokens=6000),
+                endpoint(2),
+            ],
+            [1 - 400 / 6000, 0.0, 1.0],
+        ),
     ],
 )
 def test_load_scorers(plugin, endpoints, expected):
