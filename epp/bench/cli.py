@@ -12,7 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-from epp.bench import compare, decision, overhead, sim_capacity
+from epp.bench import compare, decision, idle, overhead, sim_capacity
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -50,6 +50,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     cmp.add_argument("--out", type=Path, default=Path("bench-results"))
     sub.add_parser("decision", help="scheduler decision time vs pool size (8, 32, 128) and prompt length")
+    idle_cmd = sub.add_parser("idle", help="CPU of an idle EPP that only scrapes N endpoints")
+    idle_cmd.add_argument("--endpoints", type=int, nargs="+", default=[8, 64, 256])
+    idle_cmd.add_argument("--seconds", type=float, default=10.0, help="measuring window per pool size")
+    idle_cmd.add_argument("--epp-arg", action="append", default=[], help="extra flag for the EPP (repeatable)")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if args.command == "decision":
         decision.main()
@@ -79,6 +83,8 @@ def main(argv: list[str] | None = None) -> None:
             bar.update(task, completed=runs, description="done")
         print(compare.markdown(results))
         print(f"results in {args.out}/{args.workload}.md, .json and *.png")
+    if args.command == "idle":
+        print(idle.markdown(idle.measure(args.endpoints, args.seconds, epp_args=args.epp_arg)))
     if args.command == "sim-capacity":
         sim_capacity.main(args.replicas, args.rates, args.duration)
     if args.command == "overhead":

@@ -1,0 +1,199 @@
+"""What an idle EPP costs as the pool grows: CPU of the EPP process while it only scrapes N endpoints.
+
+Every endpoint serves the same page, captured once from a real sim model server, from one static HTTP/1.1 server
+process (it answers from memory, so the pool's side stays cheap even at 256 endpoints and the 2-core machine is not
+the limit). The EPP is started with a pool file over those endpoints and its default scrape interval; after a
+warm-up its CPU seconds are read from /proc over a window, beside the scrapes the pages' server actually answered
+(so a slower EPP that falls behind its interval shows up as fewer scrapes per endpoint, not as a saving).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from epp.bench.overhead import cpu_seconds
+from epp.bench.ports import free_port_block, free_ports
+
+
+@dataclass
+class IdleResult:
+    endpoints: int
+    seconds: float
+    epp_cpu_seconds: float
+    scrapes: int
+    interval_ms: float
+
+    @property
+    def core_percent(self) -> float:
+        return 100 * self.epp_cpu_seconds / self.seconds
+
+    @property
+    def scrapes_per_endpoint_per_second(self) -> float:
+        return self.scrapes / self.endpoints / self.seconds
+
+    @property
+    def cpu_us_per_scrape(self) -> float:
+        return 1e6 * self.epp_cpu_seconds / max(1, self.scrapes)
+
+
+class _PageProtocol(asyncio.Protocol):
+    """Answers every GET on a keep-alive connection with the same page; counts them."""
+
+    def __init__(self, response: bytes, counter: list[int]):
+        self.response = response
+        self.counter = counter
+        self.buffer = b""
+
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        while (end := self.buffer.find(b"\r\n\r\n")) >= 0:
+            self.buffer = self.buffer[end + 4 :]
+            self.counter[0] += 1
+            self.transport.write(self.response)
+
+
+async def _serve(page: bytes, host: str, base_port: int, count: int) -> None:
+    response = (
+        b"HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: %d\r\n\r\n" % len(page) + page
+    )
+    counter = [0]
+    loop = asyncio.get_running_loop()
+    servers = [
+        await loop.create_server(lambda: _PageProtocol(response, counter), host, base_port + i) for i in range(count)
+    ]
+    stop = asyncio.Event()
+    loop.add_signal_handler(signal.SIGUSR1, lambda: print(counter[0], flush=True))
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    print("ready", flush=True)
+    await stop.wait()
+    for server in servers:
+        server.close()
+
+
+def capture_sim_page(workdir: Path) -> bytes:
+    """The /metrics page of a freshly started sim model server (one request served, so every family has samples)."""
+    (port,) = free_ports(1)
+    log = (workdir / "modelserver.log").open("wb")
+    process = subprocess.Popen([sys.executable, "-m", "modelserver", "--port", str(port), "--disable-log-stats"],
+                               stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(f"{url}/health", timeout=1).read()
+                break
+            except OSError:
+                if time.monotonic() > deadline or process.poll() is not None:
+                    raise RuntimeError(f"sim model server did not start; see {workdir / 'modelserver.log'}") from None
+                time.sleep(0.2)
+        body = b'{"model": "sim-llama-8b", "prompt": "hello", "max_tokens": 2}'
+        request = urllib.request.Request(f"{url}/v1/completions", body, {"Content-Type": "application/json"})
+        urllib.request.urlopen(request, timeout=30).read()
+        return urllib.request.urlopen(f"{url}/metrics", timeout=5).read()
+    finally:
+        process.terminate()
+        process.wait(10)
+        log.close()
+
+
+def _read_line(process: subprocess.Popen, timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    line = process.stdout.readline()
+    if not line and time.monotonic() > deadline:
+        raise RuntimeError("no answer from the page server")
+    return line.strip()
+
+
+def measure(counts: list[int], seconds: float = 10.0, warmup: float = 3.0, epp_args: list[str] | None = None,
+            progress=print) -> list[IdleResult]:  # fmt: skip
+    results = []
+    with tempfile.TemporaryDirectory(prefix="epp-idle-") as tmp:
+        workdir = Path(tmp)
+        page = capture_sim_page(workdir)
+        (workdir / "page.txt").write_bytes(page)
+        progress(f"sim /metrics page: {len(page)} bytes")
+        for count in counts:
+            base = free_port_block(count)
+            grpc, health, metrics = free_ports(3)
+            pages = subprocess.Popen([sys.executable, "-m", "epp.bench.idle", "serve", str(workdir / "page.txt"),
+                                      str(base), str(count)], stdout=subprocess.PIPE, text=True)  # fmt: skip
+            epp = None
+            try:
+                if _read_line(pages, 30) != "ready":
+                    raise RuntimeError("page server failed")
+                pool = workdir / f"pool-{count}.yaml"
+                endpoints = [{"name": f"ep-{i}", "address": "127.0.0.1", "port": base + i} for i in range(count)]
+                pool.write_text(yaml.safe_dump({"endpoints": endpoints}))
+                log = (workdir / f"epp-{count}.log").open("wb")
+                epp = subprocess.Popen([sys.executable, "-m", "epp", "--pool-file", str(pool), "--bind-address",
+                                        "127.0.0.1", "--grpc-port", str(grpc), "--grpc-health-port", str(health),
+                                        "--metrics-port", str(metrics), *(epp_args or [])],
+                                       stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+                log.close()
+                time.sleep(warmup)
+                if epp.poll() is not None:
+                    raise RuntimeError(f"epp exited; see {workdir / f'epp-{count}.log'}")
+                pages.send_signal(signal.SIGUSR1)
+                scrapes_before = int(_read_line(pages, 5))
+                cpu_before, started = cpu_seconds(epp.pid), time.monotonic()
+                time.sleep(seconds)
+                pages.send_signal(signal.SIGUSR1)
+                scrapes = int(_read_line(pages, 5)) - scrapes_before
+                elapsed = time.monotonic() - started
+                cpu = cpu_seconds(epp.pid) - cpu_before
+                result = IdleResult(count, elapsed, cpu, scrapes, 0.0)
+                result.interval_ms = 1e3 / max(1e-9, result.scrapes_per_endpoint_per_second)
+                results.append(result)
+                progress(f"{count} endpoints: EPP {result.core_percent:.1f} % of a core, "
+                         f"{result.cpu_us_per_scrape:.0f} µs CPU per scrape, one scrape per endpoint every "
+                         f"{result.interval_ms:.0f} ms")  # fmt: skip
+            finally:
+                for process in (epp, pages):
+                    if process is not None and process.poll() is None:
+                        process.terminate()
+                        with contextlib.suppress(subprocess.TimeoutExpired):
+                            process.wait(10)
+                        if process.poll() is None:
+                            process.kill()
+    return results
+
+
+def markdown(results: list[IdleResult]) -> str:
+    lines = [f"host load (1/5/15 min): {' '.join(f'{v:.2f}' for v in os.getloadavg())}", "",
+             "| endpoints | EPP % of a core | CPU µs per scrape | scrape interval achieved ms |",
+             "| --- | --- | --- | --- |"]  # fmt: skip
+    for r in results:
+        lines.append(f"| {r.endpoints} | {r.core_percent:.1f} | {r.cpu_us_per_scrape:.0f} | {r.interval_ms:.0f} |")
+    return "\n".join(lines)
+
+
+def _main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m epp.bench.idle")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="(internal) serve one page on COUNT consecutive ports")
+    serve.add_argument("page", type=Path)
+    serve.add_argument("base_port", type=int)
+    serve.add_argument("count", type=int)
+    args = parser.parse_args()
+    asyncio.run(_serve(args.page.read_bytes(), "127.0.0.1", args.base_port, args.count))
+
+
+if __name__ == "__main__":
+    _main()
