@@ -90,8 +90,11 @@ def capture_sim_page(workdir: Path) -> bytes:
     """The /metrics page of a freshly started sim model server (one request served, so every family has samples)."""
     (port,) = free_ports(1)
     log = (workdir / "modelserver.log").open("wb")
-    process = subprocess.Popen([sys.executable, "-m", "modelserver", "--port", str(port), "--disable-log-stats"],
-                               stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+    process = subprocess.Popen(
+        [sys.executable, "-m", "modelserver", "--port", str(port), "--disable-log-stats"],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 60
@@ -121,8 +124,9 @@ def _read_line(process: subprocess.Popen, timeout: float) -> str:
     return line.strip()
 
 
-def measure(counts: list[int], seconds: float = 10.0, warmup: float = 3.0, epp_args: list[str] | None = None,
-            progress=print) -> list[IdleResult]:  # fmt: skip
+def measure(
+    counts: list[int], seconds: float = 10.0, warmup: float = 3.0, epp_args: list[str] | None = None, progress=print
+) -> list[IdleResult]:
     results = []
     with tempfile.TemporaryDirectory(prefix="epp-idle-") as tmp:
         workdir = Path(tmp)
@@ -132,8 +136,11 @@ def measure(counts: list[int], seconds: float = 10.0, warmup: float = 3.0, epp_a
         for count in counts:
             base = free_port_block(count)
             grpc, health, metrics = free_ports(3)
-            pages = subprocess.Popen([sys.executable, "-m", "epp.bench.idle", "serve", str(workdir / "page.txt"),
-                                      str(base), str(count)], stdout=subprocess.PIPE, text=True)  # fmt: skip
+            pages = subprocess.Popen(
+                [sys.executable, "-m", "epp.bench.idle", "serve", str(workdir / "page.txt"), str(base), str(count)],
+                stdout=subprocess.PIPE,
+                text=True,
+            )
             epp = None
             try:
                 if _read_line(pages, 30) != "ready":
@@ -142,10 +149,26 @@ def measure(counts: list[int], seconds: float = 10.0, warmup: float = 3.0, epp_a
                 endpoints = [{"name": f"ep-{i}", "address": "127.0.0.1", "port": base + i} for i in range(count)]
                 pool.write_text(yaml.safe_dump({"endpoints": endpoints}))
                 log = (workdir / f"epp-{count}.log").open("wb")
-                epp = subprocess.Popen([sys.executable, "-m", "epp", "--pool-file", str(pool), "--bind-address",
-                                        "127.0.0.1", "--grpc-port", str(grpc), "--grpc-health-port", str(health),
-                                        "--metrics-port", str(metrics), *(epp_args or [])],
-                                       stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+                epp = subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "epp",
+                        "--pool-file",
+                        str(pool),
+                        "--bind-address",
+                        "127.0.0.1",
+                        "--grpc-port",
+                        str(grpc),
+                        "--grpc-health-port",
+                        str(health),
+                        "--metrics-port",
+                        str(metrics),
+                        *(epp_args or []),
+                    ],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
                 log.close()
                 time.sleep(warmup)
                 if epp.poll() is not None:
@@ -161,9 +184,11 @@ def measure(counts: list[int], seconds: float = 10.0, warmup: float = 3.0, epp_a
                 result = IdleResult(count, elapsed, cpu, scrapes, 0.0)
                 result.interval_ms = 1e3 / max(1e-9, result.scrapes_per_endpoint_per_second)
                 results.append(result)
-                progress(f"{count} endpoints: EPP {result.core_percent:.1f} % of a core, "
-                         f"{result.cpu_us_per_scrape:.0f} µs CPU per scrape, one scrape per endpoint every "
-                         f"{result.interval_ms:.0f} ms")  # fmt: skip
+                progress(
+                    f"{count} endpoints: EPP {result.core_percent:.1f} % of a core, "
+                    f"{result.cpu_us_per_scrape:.0f} µs CPU per scrape, one scrape per endpoint every "
+                    f"{result.interval_ms:.0f} ms"
+                )
             finally:
                 for process in (epp, pages):
                     if process is not None and process.poll() is None:
@@ -176,9 +201,12 @@ def measure(counts: list[int], seconds: float = 10.0, warmup: float = 3.0, epp_a
 
 
 def markdown(results: list[IdleResult]) -> str:
-    lines = [f"host load (1/5/15 min): {' '.join(f'{v:.2f}' for v in os.getloadavg())}", "",
-             "| endpoints | EPP % of a core | CPU µs per scrape | scrape interval achieved ms |",
-             "| --- | --- | --- | --- |"]  # fmt: skip
+    lines = [
+        f"host load (1/5/15 min): {' '.join(f'{v:.2f}' for v in os.getloadavg())}",
+        "",
+        "| endpoints | EPP % of a core | CPU µs per scrape | scrape interval achieved ms |",
+        "| --- | --- | --- | --- |",
+    ]
     for r in results:
         lines.append(f"| {r.endpoints} | {r.core_percent:.1f} | {r.cpu_us_per_scrape:.0f} | {r.interval_ms:.0f} |")
     return "\n".join(lines)
