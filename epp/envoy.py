@@ -38,6 +38,7 @@ def render_bootstrap(
     bind_address: str = "127.0.0.1",
     request_body_mode: str | None = None,
     response_body_mode: str = "NONE",
+    response_header_mode: str = "SEND",
     template: Path = TEMPLATE,
     admin_address: str | None = None,
 ) -> str:
@@ -50,10 +51,12 @@ def render_bootstrap(
     request_body_mode = request_body_mode or ("BUFFERED" if fail_open else "FULL_DUPLEX_STREAMED")
     if fail_open and request_body_mode == "FULL_DUPLEX_STREAMED":
         raise ValueError("FailOpen needs the BUFFERED request body mode (Envoy cannot fail open mid-stream)")
-    if request_body_mode not in ("FULL_DUPLEX_STREAMED", "BUFFERED"):
-        raise ValueError("request_body_mode must be FULL_DUPLEX_STREAMED or BUFFERED")
+    if request_body_mode not in ("FULL_DUPLEX_STREAMED", "BUFFERED", "NONE"):
+        raise ValueError("request_body_mode must be FULL_DUPLEX_STREAMED, BUFFERED or NONE (headers only)")
     if response_body_mode not in ("NONE", "FULL_DUPLEX_STREAMED"):
         raise ValueError("response_body_mode must be NONE or FULL_DUPLEX_STREAMED")
+    if response_header_mode not in ("SEND", "SKIP"):
+        raise ValueError("response_header_mode must be SEND or SKIP")
     return string.Template(template.read_text()).substitute(
         BIND_ADDRESS=bind_address,
         LISTENER_PORT=listener_port,
@@ -64,6 +67,7 @@ def render_bootstrap(
         FAILURE_MODE_ALLOW="true" if fail_open else "false",
         REQUEST_BODY_MODE=request_body_mode,
         REQUEST_TRAILER_MODE="SEND" if request_body_mode == "FULL_DUPLEX_STREAMED" else "SKIP",
+        RESPONSE_HEADER_MODE=response_header_mode,
         RESPONSE_BODY_MODE=response_body_mode,
         RESPONSE_TRAILER_MODE="SEND" if response_body_mode == "FULL_DUPLEX_STREAMED" else "SKIP",
         FALLBACK_ENDPOINTS=_endpoints_yaml(fallback_endpoints),

@@ -8,7 +8,10 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import statistics
+import subprocess
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -17,17 +20,20 @@ import aiohttp
 
 from epp.bench.peers import peer_command, start_router
 from epp.bench.ports import free_port_block, free_ports
-from epp.envoy import EnvoyProcess, render_baseline, terminate
+from epp.envoy import EnvoyProcess, render_baseline, render_bootstrap, terminate
 from epp.local import LocalStack, StackConfig
 
 BODY = {"model": "sim-llama-8b", "prompt": "Say hello to the benchmark.", "max_tokens": 1}
+PLAIN = "plain envoy"
+EPP = "envoy+epp"
+FLOOR_ONE_TRIP = "envoy+floor (request headers only)"
+FLOOR_HEADERS = "envoy+floor (headers only)"
+FLOOR_BODY = "envoy+floor (body streamed)"
 
 
 def cpu_seconds(pid: int) -> float:
     """User + system CPU time of a process, from /proc (Linux)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    import os
-
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
@@ -47,20 +53,33 @@ class OverheadResult:
     added_latency_ms: dict[str, float] = field(default_factory=dict)
     throughput_rps: dict[str, float] = field(default_factory=dict)
     throughput_ratio: float = 0.0
-    cpu_seconds: dict[str, float] = field(default_factory=dict)
+    cpu_seconds: dict[str, float] = field(default_factory=dict)  # process -> CPU seconds over the whole run
+    cpu_ms_per_request: dict[str, dict[str, float]] = field(default_factory=dict)  # target -> its process -> ms
+    host_load: tuple[float, float, float] = (0.0, 0.0, 0.0)
     wall_seconds: float = 0.0
 
     def markdown(self) -> str:
-        lines = [f"| target | p50 ms | p99 ms | mean ms | req/s at concurrency {self.concurrency} |",
-                 "| --- | --- | --- | --- | --- |"]  # fmt: skip
+        plain = self.latency_ms.get(PLAIN)
+        lines = [
+            f"| target | p50 ms | p99 ms | mean ms | p50 / plain | p99 / plain | req/s at concurrency {self.concurrency} "
+            "| req/s / plain | CPU ms per request (its own processes) |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
         for target, lat in self.latency_ms.items():
-            lines.append(f"| {target} | {lat['p50']:.2f} | {lat['p99']:.2f} | {lat['mean']:.2f} | "
-                         f"{self.throughput_rps.get(target, 0):.0f} |")  # fmt: skip
+            rps = self.throughput_rps.get(target, 0.0)
+            cpu = ", ".join(f"{k} {v:.3f}" for k, v in self.cpu_ms_per_request.get(target, {}).items())
+            lines.append(
+                f"| {target} | {lat['p50']:.2f} | {lat['p99']:.2f} | {lat['mean']:.2f} | "
+                f"{lat['p50'] / plain['p50']:.2f} | {lat['p99'] / plain['p99']:.2f} | {rps:.0f} | "
+                f"{rps / self.throughput_rps[PLAIN]:.2f} | {cpu} |"
+            )
         lines.append("")
-        lines.append(f"added latency of the EPP (ext_proc transport {self.transport}): p50 {self.added_latency_ms['p50']:+.2f} ms, "
-                     f"p99 {self.added_latency_ms['p99']:+.2f} ms; throughput ratio EPP/plain "
-                     f"{self.throughput_ratio:.2f}")  # fmt: skip
-        lines.append("CPU seconds: " + ", ".join(f"{k} {v:.1f}" for k, v in self.cpu_seconds.items()))
+        lines.append(
+            f"added latency of the EPP (ext_proc transport {self.transport}): p50 {self.added_latency_ms['p50']:+.2f} ms, "
+            f"p99 {self.added_latency_ms['p99']:+.2f} ms; throughput ratio EPP/plain {self.throughput_ratio:.2f}"
+        )
+        lines.append("CPU seconds over the run: " + ", ".join(f"{k} {v:.1f}" for k, v in self.cpu_seconds.items()))
+        lines.append("host load (1/5/15 min) at the end: " + " ".join(f"{v:.2f}" for v in self.host_load))
         return "\n".join(lines)
 
 
@@ -87,41 +106,112 @@ async def _throughput(session: aiohttp.ClientSession, url: str, total: int, conc
     return total / (time.perf_counter() - started)
 
 
+async def _start_floor(
+    stack: LocalStack, body_mode: str, response_header_mode: str, name: str, opened: list
+) -> tuple[str, dict[str, int]]:
+    """An Envoy with our gateway bootstrap in front of the floor processor (epp/bench/floor.py); its URL and pids."""
+    floor_port, listener, admin = free_ports(3)
+    endpoints = ",".join(u.removeprefix("http://") for u in stack.model_server_urls)
+    log = (stack.workdir / f"{name}.log").open("wb")
+    floor = subprocess.Popen(
+        [sys.executable, "-m", "epp.bench.floor", "--port", str(floor_port), "--endpoints", endpoints],
+        stdout=subprocess.PIPE,
+        stderr=log,
+    )
+    log.close()
+    opened.append(floor)
+    if floor.stdout.readline().strip() != b"ready":
+        raise RuntimeError(f"the floor processor did not start; see {stack.workdir / f'{name}.log'}")
+    config = stack.workdir / f"{name}-envoy.yaml"
+    config.write_text(
+        render_bootstrap(
+            epp_host="127.0.0.1",
+            epp_port=floor_port,
+            listener_port=listener,
+            admin_port=admin,
+            request_body_mode=body_mode,
+            response_header_mode=response_header_mode,
+            fallback_endpoints=[u.removeprefix("http://") for u in stack.model_server_urls],
+        )
+    )
+    envoy = EnvoyProcess(config, admin, stack.workdir / f"{name}-envoy.log")
+    envoy.start()
+    opened.append(envoy)
+    await envoy.wait_ready()
+    return f"http://127.0.0.1:{listener}/v1/completions", {"envoy": envoy.process.pid, "processor": floor.pid}
+
+
 async def measure(
-    servers: int = 4, sequential: int = 400, concurrency: int = 32, concurrent_requests: int = 2000,
-    workdir: Path | None = None, with_peers: bool = True, transport: str = "h2",
-) -> OverheadResult:  # fmt: skip
+    servers: int = 4,
+    sequential: int = 400,
+    concurrency: int = 32,
+    concurrent_requests: int = 2000,
+    workdir: Path | None = None,
+    with_peers: bool = True,
+    transport: str = "h2",
+    with_floor: bool = True,
+) -> OverheadResult:
+    """Every target in one run over one pool: sequential latency interleaved request by request, then throughput
+    in alternating order. Each target has processes of its own (its Envoy, its processor or router), so their CPU
+    divided by the target's requests is its cost per request; the model servers are shared."""
     base = free_port_block(servers)
     grpc, health, metrics, listener, admin, plain_listener, plain_admin = free_ports(7)
-    stack = LocalStack(StackConfig(
-        model_servers=servers, base_port=base, grpc_port=grpc, grpc_health_port=health, metrics_port=metrics,
-        listener_port=listener, admin_port=admin, workdir=workdir,
-        modelserver_args=["--sim-zero-delay", "--disable-log-stats"], epp_args=["--ext-proc-transport", transport],
-    ))  # fmt: skip
+    stack = LocalStack(
+        StackConfig(
+            model_servers=servers,
+            base_port=base,
+            grpc_port=grpc,
+            grpc_health_port=health,
+            metrics_port=metrics,
+            listener_port=listener,
+            admin_port=admin,
+            workdir=workdir,
+            modelserver_args=["--sim-zero-delay", "--disable-log-stats"],
+            epp_args=["--ext-proc-transport", transport],
+        )
+    )
     result = OverheadResult(transport, servers, sequential, concurrency, concurrent_requests)
     started_at = time.monotonic()
     await stack.start()
-    plain = None
-    routers = []
+    opened: list = []
     try:
         config = stack.workdir / "plain-envoy.yaml"
-        config.write_text(render_baseline(endpoints=[u.removeprefix("http://") for u in stack.model_server_urls],
-                                          listener_port=plain_listener, admin_port=plain_admin))  # fmt: skip
+        config.write_text(
+            render_baseline(
+                endpoints=[u.removeprefix("http://") for u in stack.model_server_urls],
+                listener_port=plain_listener,
+                admin_port=plain_admin,
+            )
+        )
         plain = EnvoyProcess(config, plain_admin, stack.workdir / "plain-envoy.log")
         plain.start()
+        opened.append(plain)
         await plain.wait_ready()
-        targets = {"envoy+epp": f"{stack.gateway_url}/v1/completions",
-                   "plain envoy": f"http://127.0.0.1:{plain_listener}/v1/completions"}  # fmt: skip
-        pids = {"epp": stack.processes["epp"].pid, "envoy (epp)": stack.envoy.process.pid,
-                "envoy (plain)": plain.process.pid, "model servers": stack.processes["modelserver"].pid}  # fmt: skip
+        targets = {PLAIN: f"http://127.0.0.1:{plain_listener}/v1/completions"}
+        pids: dict[str, dict[str, int]] = {PLAIN: {"envoy": plain.process.pid}}
+        if with_floor:
+            floors = (
+                (FLOOR_ONE_TRIP, "NONE", "SKIP"),
+                (FLOOR_HEADERS, "NONE", "SEND"),
+                (FLOOR_BODY, "FULL_DUPLEX_STREAMED", "SEND"),
+            )
+            for index, (name, body_mode, response_mode) in enumerate(floors):
+                targets[name], pids[name] = await _start_floor(
+                    stack, body_mode, response_mode, f"floor-{index}", opened
+                )
+        targets[EPP] = f"{stack.gateway_url}/v1/completions"
+        pids[EPP] = {"envoy": stack.envoy.process.pid, "epp": stack.processes["epp"].pid}
         for kind in ("sglang", "vllm") if with_peers else ():  # the Rust routers, when the [bench] extra installed them
             if peer_command(kind) is not None:
-                process, url = await start_router(kind, "round_robin", stack.model_server_urls, stack.workdir,
-                                                  BODY["model"])  # fmt: skip
-                routers.append(process)
+                process, url = await start_router(
+                    kind, "round_robin", stack.model_server_urls, stack.workdir, BODY["model"]
+                )
+                opened.append(process)
                 targets[f"{kind}-router"] = f"{url}/v1/completions"
-                pids[f"{kind}-router"] = process.pid
-        cpu_before = {k: cpu_seconds(p) for k, p in pids.items()}
+                pids[f"{kind}-router"] = {"router": process.pid}
+        pids["(shared)"] = {"model servers": stack.processes["modelserver"].pid}
+        cpu_before = {(t, k): cpu_seconds(p) for t, procs in pids.items() for k, p in procs.items()}
+        requests = dict.fromkeys(targets, 0)
         connector = aiohttp.TCPConnector(limit=concurrency)
         async with aiohttp.ClientSession(connector=connector) as session:
             for url in targets.values():  # warm up connections and caches
@@ -132,23 +222,34 @@ async def measure(
                 for name, url in targets.items():
                     latencies[name].append(await _one(session, url))
             for name, values in latencies.items():
-                result.latency_ms[name] = {"p50": percentile(values, 0.5) * 1e3, "p99": percentile(values, 0.99) * 1e3,
-                                           "mean": statistics.fmean(values) * 1e3}  # fmt: skip
+                result.latency_ms[name] = {
+                    "p50": percentile(values, 0.5) * 1e3,
+                    "p99": percentile(values, 0.99) * 1e3,
+                    "mean": statistics.fmean(values) * 1e3,
+                }
+                requests[name] += len(values)
             rates: dict[str, list[float]] = {name: [] for name in targets}
             for order in (list(targets), list(reversed(targets))):
                 for name in order:
                     rates[name].append(await _throughput(session, targets[name], concurrent_requests, concurrency))
+                    requests[name] += concurrent_requests
             result.throughput_rps = {name: statistics.fmean(v) for name, v in rates.items()}
-        result.cpu_seconds = {k: cpu_seconds(p) - cpu_before[k] for k, p in pids.items()}
-        epp, base_lat = result.latency_ms["envoy+epp"], result.latency_ms["plain envoy"]
+        used = {key: cpu_seconds(pids[key[0]][key[1]]) - before for key, before in cpu_before.items()}
+        result.cpu_seconds = {f"{k} ({t})" if t != "(shared)" else k: v for (t, k), v in used.items()}
+        for (target, process), seconds in used.items():
+            if target in requests:
+                result.cpu_ms_per_request.setdefault(target, {})[process] = 1e3 * seconds / requests[target]
+        epp, base_lat = result.latency_ms[EPP], result.latency_ms[PLAIN]
         result.added_latency_ms = {"p50": epp["p50"] - base_lat["p50"], "p99": epp["p99"] - base_lat["p99"]}
-        result.throughput_ratio = result.throughput_rps["envoy+epp"] / result.throughput_rps["plain envoy"]
+        result.throughput_ratio = result.throughput_rps[EPP] / result.throughput_rps[PLAIN]
     finally:
-        for process in routers:
-            terminate(process)
-        if plain is not None:
-            plain.stop()
+        for item in reversed(opened):
+            if isinstance(item, EnvoyProcess):
+                item.stop()
+            else:
+                terminate(item)
         stack.stop()
+    result.host_load = os.getloadavg()
     result.wall_seconds = time.monotonic() - started_at
     return result
 

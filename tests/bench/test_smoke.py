@@ -67,8 +67,18 @@ def test_overhead_smoke():
     result = asyncio.run(
         overhead.measure(servers=2, sequential=20, concurrency=4, concurrent_requests=40, with_peers=False)
     )
-    assert set(result.latency_ms) == {"envoy+epp", "plain envoy"}
+    assert set(result.latency_ms) == {
+        overhead.EPP,
+        overhead.PLAIN,
+        overhead.FLOOR_ONE_TRIP,
+        overhead.FLOOR_HEADERS,
+        overhead.FLOOR_BODY,
+    }
     assert result.throughput_ratio > 0 and result.latency_ms["envoy+epp"]["p50"] > 0
+    # every target but plain Envoy has a processor of its own, whose CPU per request is measured
+    assert result.cpu_ms_per_request[overhead.EPP]["epp"] > 0
+    assert result.cpu_ms_per_request[overhead.FLOOR_BODY]["processor"] > 0
+    assert "p50 / plain" in result.markdown()
 
 
 def test_decision_time_smoke():
