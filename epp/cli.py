@@ -77,6 +77,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="several replicas: only the Lease holder serves (reports ready)",
     )
     p.add_argument("--refresh-metrics-interval", type=duration, default=0.05)
+    p.add_argument(
+        "--refresh-metrics-idle-interval",
+        type=duration,
+        default=0.5,
+        help="scrape interval of an endpoint with no running, waiting or in-flight request, until traffic arrives "
+        "(capped at half the staleness threshold; equal to --refresh-metrics-interval turns it off)",
+    )
     p.add_argument("--metrics-staleness-threshold", type=duration, default=2.0)
     p.add_argument("--scrape-timeout", type=duration, default=1.0)
     p.add_argument("--config-file", help="EndpointPickerConfig YAML")
@@ -105,7 +112,12 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
         if args.ha_enable_leader_election:
             identity = os.environ.get("POD_NAME") or f"{socket.gethostname()}-{os.getpid()}"
             elector = LeaseElector(api, f"{args.pool_name}-epp", args.pool_namespace, identity)
-    scraper = Scraper(args.refresh_metrics_interval, args.scrape_timeout, args.metrics_staleness_threshold)
+    scraper = Scraper(
+        args.refresh_metrics_interval,
+        args.scrape_timeout,
+        args.metrics_staleness_threshold,
+        idle_interval=args.refresh_metrics_idle_interval,
+    )
     datastore = Datastore(scraper, scheduler.on_pool_changed)
     datastore.apply(initial)
     pool_name = args.pool_name or Path(args.pool_file).stem

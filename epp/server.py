@@ -147,6 +147,7 @@ class RequestStream:
 
     # -- request path ------------------------------------------------------------------------------------------
     def _on_request_headers(self, message: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+        self.picker.datastore.note_request()
         headers = self.headers
         for h in message.request_headers.headers.headers:
             headers[h.key.lower()] = h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value

@@ -54,6 +54,7 @@ def main(argv: list[str] | None = None) -> None:
     idle_cmd.add_argument("--endpoints", type=int, nargs="+", default=[8, 64, 256])
     idle_cmd.add_argument("--seconds", type=float, default=10.0, help="measuring window per pool size")
     idle_cmd.add_argument("--epp-arg", action="append", default=[], help="extra flag for the EPP (repeatable)")
+    idle_cmd.add_argument("--busy", action="store_true", help="pages show a running request: no endpoint is quiet")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if args.command == "decision":
         decision.main()
@@ -84,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
         print(compare.markdown(results))
         print(f"results in {args.out}/{args.workload}.md, .json and *.png")
     if args.command == "idle":
-        print(idle.markdown(idle.measure(args.endpoints, args.seconds, epp_args=args.epp_arg)))
+        print(idle.markdown(idle.measure(args.endpoints, args.seconds, epp_args=args.epp_arg, busy=args.busy)))
     if args.command == "sim-capacity":
         sim_capacity.main(args.replicas, args.rates, args.duration)
     if args.command == "overhead":

@@ -5,6 +5,9 @@ process (it answers from memory, so the pool's side stays cheap even at 256 endp
 the limit). The EPP is started with a pool file over those endpoints and its default scrape interval; after a
 warm-up its CPU seconds are read from /proc over a window, beside the scrapes the pages' server actually answered
 (so a slower EPP that falls behind its interval shows up as fewer scrapes per endpoint, not as a saving).
+
+With `busy`, the page says one request is running on every endpoint: the cost of scraping a pool under load,
+where no endpoint is quiet and every one is scraped at the fast interval (epp/datalayer/scraper.py).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import argparse
 import asyncio
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -125,12 +129,19 @@ def _read_line(process: subprocess.Popen, timeout: float) -> str:
 
 
 def measure(
-    counts: list[int], seconds: float = 10.0, warmup: float = 3.0, epp_args: list[str] | None = None, progress=print
+    counts: list[int],
+    seconds: float = 10.0,
+    warmup: float = 3.0,
+    epp_args: list[str] | None = None,
+    progress=print,
+    busy: bool = False,
 ) -> list[IdleResult]:
     results = []
     with tempfile.TemporaryDirectory(prefix="epp-idle-") as tmp:
         workdir = Path(tmp)
         page = capture_sim_page(workdir)
+        if busy:
+            page = re.sub(rb"^(vllm:num_requests_running\S*) 0\.0$", rb"\1 1.0", page, flags=re.M)
         (workdir / "page.txt").write_bytes(page)
         progress(f"sim /metrics page: {len(page)} bytes")
         for count in counts:

@@ -42,6 +42,10 @@ class Datastore:
         if self.on_pool_changed is not None:
             self.on_pool_changed(self.endpoints)
 
+    def note_request(self) -> None:
+        """A request arrived: quiet endpoints go back to the fast scrape interval while its body arrives."""
+        self.scraper.wake()
+
     def by_hostport(self, hostport: str) -> Endpoint | None:
         return self._by_hostport.get(hostport)
 

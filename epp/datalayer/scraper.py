@@ -1,5 +1,11 @@
 """One task per endpoint scrapes its Prometheus page (default every 50 ms, 1 s timeout, keep-alive) and parses it
-with the endpoint's engine spec. A failed scrape never raises: the endpoint keeps its last metrics and becomes
+with the endpoint's engine spec.
+
+Quiet endpoints are scraped less often: one whose last page showed no running and no waiting request, and to which
+this EPP has nothing in flight, waits `idle_interval` (default 0.5 s) instead of `interval` — until `wake()`, which
+the request path calls for every request it receives, so the first request after a quiet spell sets every endpoint
+back to the fast interval and load never sees staler metrics than before (measured: `epp-bench idle`). A quiet
+endpoint's last page is at most `idle_interval` old, well inside the staleness threshold. A failed scrape never raises: the endpoint keeps its last metrics and becomes
 stale once no scrape succeeded within the staleness threshold (at once when the connection is refused). Each endpoint
 keeps one HTTP/1.1 connection (`metrics_client.MetricsClient`)."""
 
@@ -18,13 +24,22 @@ log = logging.getLogger("epp.scraper")
 
 
 class Scraper:
-    def __init__(self, interval: float = 0.05, timeout: float = 1.0, staleness: float = 2.0, path: str = "/metrics"):
+    def __init__(
+        self,
+        interval: float = 0.05,
+        timeout: float = 1.0,
+        staleness: float = 2.0,
+        path: str = "/metrics",
+        idle_interval: float = 0.5,
+    ):
         self.interval = interval
+        self.idle_interval = max(interval, min(idle_interval, staleness / 2))
         self.timeout = timeout
         self.staleness = staleness
         self.path = path
         self._clients: dict[int, MetricsClient] = {}
         self._tasks: dict[int, asyncio.Task] = {}
+        self._idle_waits: set[asyncio.Future] = set()
         self.scrapes = 0
         self.failures = 0
 
@@ -79,9 +94,48 @@ class Scraper:
         self.failures += 1
         log.debug("scrape of %s failed: %s", endpoint.name, exc)
 
+    def wake(self) -> None:
+        """Traffic arrived: endpoints waiting out the idle interval are scraped now."""
+        if self._idle_waits:
+            waits, self._idle_waits = self._idle_waits, set()
+            for wait in waits:
+                if not wait.done():
+                    wait.set_result(None)
+
+    @staticmethod
+    def quiet(endpoint: Endpoint) -> bool:
+        m = endpoint.metrics
+        return (
+            m is not None
+            and not endpoint.stale
+            and endpoint.in_flight_requests == 0
+            and m.running == 0
+            and m.waiting == 0
+        )
+
+    async def _idle_wait(self, delay: float) -> None:
+        loop = asyncio.get_running_loop()
+        wait = loop.create_future()
+        self._idle_waits.add(wait)
+        timer = loop.call_later(delay, _resolve, wait)
+        try:
+            await wait
+        finally:
+            timer.cancel()
+            self._idle_waits.discard(wait)
+
     async def _loop(self, endpoint: Endpoint) -> None:
         with contextlib.suppress(asyncio.CancelledError):
             while True:
                 started = time.monotonic()
                 await self.scrape_once(endpoint)
-                await asyncio.sleep(max(0.0, self.interval - (time.monotonic() - started)))
+                elapsed = time.monotonic() - started
+                if self.quiet(endpoint):
+                    await self._idle_wait(max(0.0, self.idle_interval - elapsed))
+                else:
+                    await asyncio.sleep(max(0.0, self.interval - elapsed))
+
+
+def _resolve(wait: asyncio.Future) -> None:
+    if not wait.done():
+        wait.set_result(None)

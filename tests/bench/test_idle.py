@@ -3,10 +3,12 @@
 from epp.bench import idle
 
 
-def test_idle_measures_cpu_and_achieved_interval():
-    (result,) = idle.measure([3], seconds=1.5, warmup=1.5, progress=lambda _: None)
+def test_idle_and_busy_pools_are_scraped_at_their_intervals():
+    (result,) = idle.measure([3], seconds=1.5, warmup=1.5, progress=lambda _: None, busy=True)
     assert result.endpoints == 3
-    # the default interval is 50 ms: ~20 scrapes per endpoint per second when the EPP keeps up
+    # busy endpoints: the default 50 ms interval, ~20 scrapes per endpoint per second when the EPP keeps up
     assert 12 <= result.scrapes_per_endpoint_per_second <= 24, result
+    (quiet,) = idle.measure([3], seconds=2.0, warmup=1.5, progress=lambda _: None)
+    assert quiet.scrapes_per_endpoint_per_second <= 3, quiet  # quiet endpoints: every 0.5 s
     assert 0 < result.epp_cpu_seconds < result.seconds
     assert "| 3 |" in idle.markdown([result])

@@ -128,3 +128,43 @@ async def test_scraper_updates_marks_stale_and_recovers():
     finally:
         await store.close()
         await runner.cleanup()
+
+
+async def test_quiet_endpoints_are_scraped_slowly_until_a_request_arrives():
+    port = free_ports(1)[0]
+    IDLE = "vllm:num_requests_waiting 0\nvllm:num_requests_running 0\nvllm:kv_cache_usage_perc 0.0\n"
+    state = {"page": IDLE, "scrapes": 0}
+
+    async def metrics(request):
+        state["scrapes"] += 1
+        return web.Response(text=state["page"])
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    scraper = Scraper(interval=0.01, timeout=0.5, staleness=2.0, idle_interval=0.4)
+    store = Datastore(scraper)
+    try:
+        store.apply(PoolState(endpoints=(EndpointSpec("e", "127.0.0.1", port),)))
+        endpoint = store.endpoints[0]
+        await asyncio.sleep(0.1)
+        assert Scraper.quiet(endpoint), endpoint.metrics
+        state["scrapes"] = 0
+        await asyncio.sleep(0.5)
+        assert state["scrapes"] <= 2  # one every 0.4 s, not one every 10 ms
+        state["page"] = PAGE  # the server got busy meanwhile (another client); a request reaches this EPP:
+        store.note_request()
+        await asyncio.sleep(0.05)
+        assert endpoint.metrics.waiting == 3 and not Scraper.quiet(endpoint)
+        state["scrapes"] = 0
+        await asyncio.sleep(0.2)
+        assert state["scrapes"] >= 8  # busy: back to the fast interval
+        endpoint.in_flight_requests = 1  # in flight from this EPP: not quiet even if the page says idle
+        state["page"] = IDLE
+        await asyncio.sleep(0.05)
+        assert not Scraper.quiet(endpoint)
+    finally:
+        await store.close()
+        await runner.cleanup()

@@ -27,6 +27,9 @@ class NoScraper:
     def stop(self, endpoint):
         endpoint.stale = True
 
+    def wake(self):
+        pass
+
     async def close(self):
         return None
 
