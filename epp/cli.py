@@ -80,9 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--refresh-metrics-idle-interval",
         type=duration,
-        default=0.5,
-        help="scrape interval of an endpoint with no running, waiting or in-flight request, until traffic arrives "
-        "(capped at half the staleness threshold; equal to --refresh-metrics-interval turns it off)",
+        default=None,
+        help="scrape interval of an endpoint with no running, waiting or in-flight request, until a request arrives "
+        "(capped at half the staleness threshold; default: --refresh-metrics-interval, i.e. off)",
     )
     p.add_argument("--metrics-staleness-threshold", type=duration, default=2.0)
     p.add_argument("--scrape-timeout", type=duration, default=1.0)
@@ -116,7 +116,7 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
         args.refresh_metrics_interval,
         args.scrape_timeout,
         args.metrics_staleness_threshold,
-        idle_interval=args.refresh_metrics_idle_interval,
+        idle_interval=args.refresh_metrics_idle_interval or args.refresh_metrics_interval,
     )
     datastore = Datastore(scraper, scheduler.on_pool_changed)
     datastore.apply(initial)

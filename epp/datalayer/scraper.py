@@ -1,11 +1,11 @@
 """One task per endpoint scrapes its Prometheus page (default every 50 ms, 1 s timeout, keep-alive) and parses it
 with the endpoint's engine spec.
 
-Quiet endpoints are scraped less often: one whose last page showed no running and no waiting request, and to which
-this EPP has nothing in flight, waits `idle_interval` (default 0.5 s) instead of `interval` — until `wake()`, which
-the request path calls for every request it receives, so the first request after a quiet spell sets every endpoint
-back to the fast interval and load never sees staler metrics than before (measured: `epp-bench idle`). A quiet
-endpoint's last page is at most `idle_interval` old, well inside the staleness threshold. A failed scrape never raises: the endpoint keeps its last metrics and becomes
+Quiet endpoints may be scraped less often (`idle_interval`, off unless set): one whose last page showed no running
+and no waiting request, and to which this EPP has nothing in flight, waits `idle_interval` instead of `interval` —
+until `wake()`, which the request path calls for every request it receives, so the first request after a quiet
+spell sets every endpoint back to the fast interval (measured: `epp-bench idle`). The trade-off: load that another
+client put on a quiet endpoint is seen up to `idle_interval` late by the first requests after the spell. A failed scrape never raises: the endpoint keeps its last metrics and becomes
 stale once no scrape succeeded within the staleness threshold (at once when the connection is refused). Each endpoint
 keeps one HTTP/1.1 connection (`metrics_client.MetricsClient`)."""
 
@@ -30,7 +30,7 @@ class Scraper:
         timeout: float = 1.0,
         staleness: float = 2.0,
         path: str = "/metrics",
-        idle_interval: float = 0.5,
+        idle_interval: float = 0.05,
     ):
         self.interval = interval
         self.idle_interval = max(interval, min(idle_interval, staleness / 2))
