@@ -124,7 +124,7 @@ def _float_in(payload: Mapping[str, Any], name: str, low: float, high: float, lo
     return None if value is None else float(value)
 
 
-def _text(value: str, param: str) -> str:
+def valid_text(value: str, param: str) -> str:
     """A string that is valid Unicode text (JSON can carry lone surrogates, which no tokenizer accepts)."""
     try:
         value.encode("utf-8")
@@ -140,11 +140,11 @@ def _is_token_ids(value: Any) -> bool:
 def _prompts(payload: Mapping[str, Any]) -> list[str | list[int]]:
     prompt = payload.get("prompt")
     if isinstance(prompt, str):
-        return [_text(prompt, "prompt")]
+        return [valid_text(prompt, "prompt")]
     if _is_token_ids(prompt):
         return [prompt]
     if isinstance(prompt, list) and prompt and all(isinstance(p, str) or _is_token_ids(p) for p in prompt):
-        return [_text(p, "prompt") if isinstance(p, str) else p for p in prompt]
+        return [valid_text(p, "prompt") if isinstance(p, str) else p for p in prompt]
     if prompt is None:
         raise OpenAIError("`prompt` is required", param="prompt")
     raise OpenAIError("`prompt` must be a string, a list of strings, or a list of token ids", param="prompt")
@@ -152,7 +152,7 @@ def _prompts(payload: Mapping[str, Any]) -> list[str | list[int]]:
 
 def _message_text(content: Any, index: int) -> str:
     if isinstance(content, str):
-        return _text(content, "messages")
+        return valid_text(content, "messages")
     if content is None:
         return ""
     if isinstance(content, list):
@@ -162,7 +162,7 @@ def _message_text(content: Any, index: int) -> str:
                 raise OpenAIError(
                     f"`messages[{index}].content` parts must be {{'type': 'text', 'text': str}}", param="messages"
                 )
-            parts.append(_text(part["text"], "messages"))
+            parts.append(valid_text(part["text"], "messages"))
         return "".join(parts)
     raise OpenAIError(f"`messages[{index}].content` must be a string or a list of parts", param="messages")
 
@@ -187,9 +187,9 @@ def _stop(payload: Mapping[str, Any]) -> list[str]:
     if stop is None:
         return []
     if isinstance(stop, str):
-        return [_text(stop, "stop")] if stop else []
+        return [valid_text(stop, "stop")] if stop else []
     if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        return [_text(s, "stop") for s in stop if s]
+        return [valid_text(s, "stop") for s in stop if s]
     raise OpenAIError("`stop` must be a string or a list of strings", param="stop")
 
 
@@ -199,6 +199,8 @@ def load_json_body(body: bytes | str) -> dict[str, Any]:
         payload = json.loads(body)
     except (UnicodeDecodeError, ValueError) as exc:
         raise OpenAIError(f"request body is not valid JSON: {exc}") from None
+    except RecursionError:  # the decoder's depth limit (the interpreter's recursion limit, ~1000 levels)
+        raise OpenAIError("request body is nested too deeply") from None
     if not isinstance(payload, dict):
         raise OpenAIError("request body must be a JSON object")
     return payload

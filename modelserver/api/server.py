@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from modelserver.api.detokenizer import IncrementalDetokenizer
 from modelserver.engine.engine import AsyncEngine, EngineDeadError
 from modelserver.engine.lora import LoRAError
 from modelserver.engine.request import FinishReason, SamplingParams
@@ -30,6 +31,7 @@ from protocol.openai import (
     load_json_body,
     model_not_found,
     parse_request,
+    valid_text,
 )
 
 log = logging.getLogger("modelserver.api")
@@ -90,6 +92,7 @@ class _Choice:
         "num_prompt",
         "request_id",
         "sent",
+        "stop_reason",
         "text",
         "token_ids",
     )
@@ -103,6 +106,7 @@ class _Choice:
         self.text = ""
         self.sent = 0  # characters already streamed
         self.finish_reason: str | None = None
+        self.stop_reason: str | None = None  # the stop string that ended it
         self.closed = False  # the final chunk (with finish_reason) was streamed
         self.num_prompt = 0
         self.num_cached = 0
@@ -185,7 +189,7 @@ class ModelServer:
             chat = parse_request({"model": self.settings.served_model_name, **payload}, RequestKind.CHAT)
             text = self.tokenizer.apply_chat_template(chat.messages, payload.get("add_generation_prompt", True) is True)
         elif isinstance(payload.get("prompt"), str):
-            text = payload["prompt"]
+            text = valid_text(payload["prompt"], "prompt")
         else:
             raise OpenAIError("`prompt` (a string) or `messages` is required", param="prompt")
         tokens = self.tokenizer.encode(text)
@@ -325,22 +329,20 @@ class ModelServer:
         self, choice: _Choice, prompt_ids: list[int], params: SamplingParams, lora: str | None, stop: list[str]
     ) -> AsyncIterator[None]:
         """Drive one engine request, keeping `choice.text` current; yields after each step's new text."""
-        engine, tokenizer = self.engine, self.tokenizer
+        detokenizer = IncrementalDetokenizer(self.tokenizer.decode, stop, choice.token_ids)
+        engine = self.engine
         async for output in engine.generate(choice.request_id, prompt_ids, params, lora):
             choice.num_prompt, choice.num_cached = output.num_prompt_tokens, output.num_cached_tokens
-            choice.token_ids += output.new_token_ids
             if output.new_logprobs:
                 choice.logprobs += output.new_logprobs
-            text = tokenizer.decode(choice.token_ids)
-            if stop:
-                hits = [i for i in (text.find(s) for s in stop) if i >= 0]
-                if hits:
-                    choice.text = text[: min(hits)]
-                    choice.finish_reason = FinishReason.STOP
-                    engine.abort(choice.request_id, FinishReason.STOP)
-                    yield None
-                    return
-            choice.text = text
+            stopped = detokenizer.append(output.new_token_ids, final=output.finished)
+            choice.text = detokenizer.text
+            if stopped:
+                choice.finish_reason = FinishReason.STOP
+                choice.stop_reason = detokenizer.stop_reason
+                engine.abort(choice.request_id, FinishReason.STOP)
+                yield None
+                return
             if output.finished:
                 choice.finish_reason = output.finish_reason
             yield None
@@ -384,7 +386,7 @@ class ModelServer:
                     "message": {"role": "assistant", "content": c.text},
                     "logprobs": self._logprobs(True, c.token_ids, c.logprobs),
                     "finish_reason": c.finish_reason,
-                    "stop_reason": None,
+                    "stop_reason": c.stop_reason,
                 }
                 for c in choices
             ]
@@ -396,7 +398,7 @@ class ModelServer:
                     "text": c.text,
                     "logprobs": self._logprobs(False, c.token_ids, c.logprobs),
                     "finish_reason": c.finish_reason,
-                    "stop_reason": None,
+                    "stop_reason": c.stop_reason,
                 }
                 for c in choices
             ]
@@ -463,6 +465,8 @@ class ModelServer:
                         choice.logprobs_sent = new.stop
                         logprobs = self._logprobs(chat, choice.token_ids[new], choice.logprobs[new])
                         item = {"index": choice.index, "logprobs": logprobs, "finish_reason": finish}
+                        if finish is not None:
+                            item["stop_reason"] = choice.stop_reason
                         if chat:
                             item["delta"] = {"content": text} if text else {}
                         else:

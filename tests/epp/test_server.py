@@ -126,7 +126,14 @@ def test_header_only_request_is_routed_at_once():
 
 @pytest.mark.parametrize(
     ("body", "status"),
-    [(b"{not json", 400), (b'{"prompt": "x"}', 400), (b'{"model": 5}', 400), (b"[1]", 400)],
+    [
+        (b"{not json", 400),
+        (b'{"prompt": "x"}', 400),
+        (b'{"model": 5}', 400),
+        (b"[1]", 400),
+        (b'{"model": "m", "prompt": ' + b"[" * 10_000 + b"]" * 10_000 + b"}", 400),
+        (b"[" * 100_000, 400),
+    ],
 )
 def test_bad_bodies_get_openai_errors(body, status):
     stream = RequestStream(make_picker())

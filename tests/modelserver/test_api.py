@@ -63,7 +63,22 @@ async def test_n_choices_and_stop_string(model_server):
     stop = full.split()[2]
     stopped = await c.completions.create(model=MODEL, prompt="abc", max_tokens=12, stop=[stop])
     assert stopped.choices[0].finish_reason == "stop"
-    assert stop not in stopped.choices[0].text
+    assert stopped.choices[0].text == full[: full.find(stop)]  # cut before the earliest match
+    assert stopped.choices[0].model_extra["stop_reason"] == stop  # vLLM reports the matched stop string
+    unstopped = await c.completions.create(model=MODEL, prompt="abc", max_tokens=3)
+    assert unstopped.choices[0].model_extra["stop_reason"] is None
+    chunks = [
+        chunk.choices[0]
+        async for chunk in await c.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "abc"}], max_tokens=12, stop=[stop], stream=True
+        )
+        if chunk.choices
+    ]
+    chat = await c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "abc"}], max_tokens=12)
+    chat_text = chat.choices[0].message.content
+    if stop in chat_text:
+        assert chunks[-1].finish_reason == "stop" and chunks[-1].model_extra["stop_reason"] == stop
+        assert "".join(ch.delta.content or "" for ch in chunks) == chat_text[: chat_text.find(stop)]
     assert await metric(model_server, "vllm:request_success_total", finished_reason="stop") >= 1
 
 

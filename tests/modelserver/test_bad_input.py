@@ -64,11 +64,16 @@ async def test_raw_garbage_bodies(model_server):
     url = model_server.url
     cases = [b"", b"{", b"\xff\xfe\xfd", b'{"model": "\xff"}', b"[]", b"null", b'{"model": "sim-model", "prompt": "\\ud800"}',
              b'{"model": "sim-model", "prompt": "x", "max_tokens": 1e400}',
-             b'{"model": "sim-model", "prompt": "x", "max_tokens": 99999999999999999999999999}']  # fmt: skip
+             b'{"model": "sim-model", "prompt": "x", "max_tokens": 99999999999999999999999999}',
+             b'{"model": "sim-model", "prompt": ' + b"[" * 10_000 + b"]" * 10_000 + b"}",
+             b'{"messages": [{"role": "user", "content": ' + b"{\"a\": " * 10_000 + b"1" + b"}" * 10_000 + b"}]}"]  # fmt: skip
     async with aiohttp.ClientSession() as session:
         for body in cases:
-            async with session.post(f"{url}/v1/completions", data=body) as r:
-                assert r.status in (200, 400), (body, r.status, await r.text())
+            for path in ("/v1/completions", "/v1/chat/completions", "/tokenize"):
+                async with session.post(f"{url}{path}", data=body) as r:
+                    assert r.status in (200, 400, 404), (body[:80], path, r.status, (await r.text())[:300])
+                    if r.status != 200:
+                        assert (await r.json())["error"]["message"]
         async with session.post(f"{url}/v1/completions", data=b"x" * (3 * 1024 * 1024)) as r:
             assert r.status == 413
             assert (await r.json())["error"]["message"]
