@@ -209,7 +209,18 @@ async def run(args: argparse.Namespace, stop: asyncio.Event) -> int:
 
         model = str(workdir / "tiny-model")
         make_tiny_model(model, lora_names=DEMO_ADAPTERS)
-        modelserver_args[-len(DEMO_ADAPTERS) :] = [f"{a}={Path(model) / 'loras' / a}" for a in DEMO_ADAPTERS]
+    if args.backend == "torch":  # real adapter files: the tiny model's, or DIR/loras/<name> of the user's model
+        adapters = [a for a in DEMO_ADAPTERS if (Path(model) / "loras" / a / "adapter_config.json").is_file()]
+        if args.demo and len(adapters) < len(DEMO_ADAPTERS):
+            print(f"epp-local: the demo sends LoRA requests and needs PEFT adapters {', '.join(DEMO_ADAPTERS)} in "
+                  f"{Path(model) / 'loras'} (`modelserver make-tiny-model DIR --lora sql-lora --lora chat-lora` makes "
+                  "a tiny model with them); without --demo the stack runs without adapters", file=sys.stderr)  # fmt: skip
+            return 2
+        modelserver_args = modelserver_args[: -len(DEMO_ADAPTERS)] + [
+            f"{a}={Path(model) / 'loras' / a}" for a in adapters
+        ]
+        if not adapters:
+            modelserver_args.remove("--lora-modules")
     config = StackConfig(
         model_servers=args.model_servers, backend=args.backend, base_port=args.base_port, grpc_port=args.grpc_port,
         grpc_health_port=args.grpc_health_port, metrics_port=args.metrics_port, listener_port=args.listener_port,

@@ -12,6 +12,7 @@ import logging
 import signal
 import sys
 from dataclasses import fields
+from pathlib import Path
 
 import uvloop
 from aiohttp import web
@@ -157,6 +158,13 @@ def main(argv: list[str] | None = None) -> None:
     args.served_model_name = args.served_model_name or args.model
     if args.replicas < 1:
         raise SystemExit("--replicas must be >= 1")
+    if args.backend == "torch":  # the sim reads no adapter files; the torch executor needs them at the first use
+        for name, path in args.lora_modules:
+            missing = [
+                f for f in ("adapter_config.json", "adapter_model.safetensors") if not (Path(path) / f).is_file()
+            ]
+            if missing:
+                raise SystemExit(f"--lora-modules {name}={path}: no {' or '.join(missing)} there (a PEFT adapter dir)")
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(name)s %(message)s"
     )

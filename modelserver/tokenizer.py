@@ -82,9 +82,16 @@ class Tokenizer:
         env = jinja2.Environment(autoescape=False, trim_blocks=False, keep_trailing_newline=True)
         self._template = env.from_string(chat_template or DEFAULT_CHAT_TEMPLATE)
         self._eos_token = eos_token
+        # No token decodes to more characters than its vocabulary entry has (byte-level BPE: one symbol per byte),
+        # so a text longer than max_model_len * this is over the limit without tokenizing it.
+        self.max_chars_per_token = max((len(t) for t in tokenizer.get_vocab(with_added_tokens=True)), default=1)
 
     def encode(self, text: str) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def encode_releasing_gil(self, text: str) -> list[int]:
+        """`encode` through the batch API, which lets other threads run meanwhile (for a worker thread)."""
+        return self._tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
 
     def decode(self, token_ids: list[int]) -> str:
         return self._tokenizer.decode(token_ids, skip_special_tokens=True)

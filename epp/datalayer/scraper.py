@@ -5,7 +5,9 @@ Quiet endpoints may be scraped less often (`idle_interval`, off unless set): one
 and no waiting request, and to which this EPP has nothing in flight, waits `idle_interval` instead of `interval` —
 until `wake()`, which the request path calls for every request it receives, so the first request after a quiet
 spell sets every endpoint back to the fast interval (measured: `epp-bench idle`). The trade-off: load that another
-client put on a quiet endpoint is seen up to `idle_interval` late by the first requests after the spell. A failed scrape never raises: the endpoint keeps its last metrics and becomes
+client put on a quiet endpoint is seen up to `idle_interval` late by the first requests after the spell.
+
+A failed scrape never raises: the endpoint keeps its last metrics and becomes
 stale once no scrape succeeded within the staleness threshold (at once when the connection is refused). Each endpoint
 keeps one HTTP/1.1 connection (`metrics_client.MetricsClient`)."""
 
@@ -96,7 +98,7 @@ class Scraper:
 
     def wake(self) -> None:
         """Traffic arrived: endpoints waiting out the idle interval are scraped now."""
-        if self._idle_waits:
+        if self._idle_waits:  # (empty unless the quiet interval is on)
             waits, self._idle_waits = self._idle_waits, set()
             for wait in waits:
                 if not wait.done():
@@ -130,7 +132,7 @@ class Scraper:
                 started = time.monotonic()
                 await self.scrape_once(endpoint)
                 elapsed = time.monotonic() - started
-                if self.quiet(endpoint):
+                if self.idle_interval > self.interval and self.quiet(endpoint):
                     await self._idle_wait(max(0.0, self.idle_interval - elapsed))
                 else:
                     await asyncio.sleep(max(0.0, self.interval - elapsed))

@@ -36,6 +36,7 @@ from protocol.openai import (
 
 log = logging.getLogger("modelserver.api")
 VERSION = "0.1.0"
+TOKENIZE_IN_THREAD_CHARS = 4096  # ~1 µs of tokenizing per character: longer texts go to a worker thread
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
 
@@ -192,7 +193,7 @@ class ModelServer:
             text = valid_text(payload["prompt"], "prompt")
         else:
             raise OpenAIError("`prompt` (a string) or `messages` is required", param="prompt")
-        tokens = self.tokenizer.encode(text)
+        tokens = await self._encode(text)
         return web.json_response({"tokens": tokens, "count": len(tokens), "max_model_len": self.settings.max_model_len})
 
     async def detokenize(self, request: web.Request) -> web.Response:
@@ -256,14 +257,28 @@ class ModelServer:
             return model
         raise model_not_found(model)
 
-    def _prompt_ids(self, parsed: CompletionRequest) -> list[list[int]]:
+    async def _encode(self, text: str, param: str = "prompt") -> list[int]:
+        """Token ids of a prompt: over max_model_len by its length alone -> 400 without tokenizing; long texts are
+        tokenized in a worker thread so /metrics and other requests never wait behind them."""
+        limit = self.settings.max_model_len
+        at_least = -(-len(text) // self.tokenizer.max_chars_per_token)
+        if at_least >= limit:
+            raise OpenAIError(
+                f"This model's maximum context length is {limit} tokens. However, your prompt has at least "
+                f"{at_least} tokens ({len(text)} characters). Please reduce the length of the prompt.", param=param,
+            )  # fmt: skip
+        if len(text) < TOKENIZE_IN_THREAD_CHARS:
+            return self.tokenizer.encode(text)
+        return await asyncio.to_thread(self.tokenizer.encode_releasing_gil, text)
+
+    async def _prompt_ids(self, parsed: CompletionRequest) -> list[list[int]]:
         if parsed.kind is RequestKind.CHAT:
-            return [self.tokenizer.encode(self.tokenizer.apply_chat_template(parsed.messages))]
+            return [await self._encode(self.tokenizer.apply_chat_template(parsed.messages), "messages")]
         vocab = self.tokenizer.vocab_size
         prompts = []
         for prompt in parsed.prompts:
             if isinstance(prompt, str):
-                prompts.append(self.tokenizer.encode(prompt))
+                prompts.append(await self._encode(prompt))
             elif any(t >= vocab for t in prompt):
                 raise OpenAIError(f"token ids must be below the vocabulary size {vocab}", param="prompt")
             else:
@@ -303,7 +318,13 @@ class ModelServer:
             raise OpenAIError("engine is dead", 503)
         parsed = parse_request(await request.read(), kind)
         lora = self._resolve_model(parsed.model)
-        prompt_ids = self._prompt_ids(parsed)
+        sequences = (1 if kind is RequestKind.CHAT else len(parsed.prompts)) * parsed.n
+        if sequences > self.engine.config.max_num_seqs:
+            raise OpenAIError(
+                f"the request asks for {sequences} sequences (prompts x n); this server runs at most "
+                f"{self.engine.config.max_num_seqs} at once (--max-num-seqs)", param="n",
+            )  # fmt: skip
+        prompt_ids = await self._prompt_ids(parsed)
         params = [self._sampling_params(parsed, len(ids)) for ids in prompt_ids]
         base_id = ("chatcmpl-" if kind is RequestKind.CHAT else "cmpl-") + uuid.uuid4().hex
         choices, streams = [], []

@@ -205,7 +205,22 @@ class AsyncEngine:
                 if request.status is not RequestStatus.FINISHED:
                     queue.put(EngineDeadError(f"engine is dead: {exc!r}"))
 
+    def _fail_lora_loads(self, output: SchedulerOutput, failed: dict[str, str], now: float) -> None:
+        """An adapter could not be loaded (files missing or unreadable): its requests in this step fail with the
+        reason, every other request goes on, and the adapter stays registered (a later request tries again)."""
+        for name, reason in failed.items():
+            log.error("loading LoRA adapter %s failed (%s): its requests fail, the engine goes on", name, reason)
+            self.loras.evict(name)
+        for request in output.requests:
+            if request.lora_name in failed and request.status is not RequestStatus.FINISHED:
+                self.scheduler.finish(request, FinishReason.ABORT)
+                self._record_finished(request, now)
+                message = f"loading LoRA adapter '{request.lora_name}' failed: {failed[request.lora_name]}"
+                self._requests[request.request_id][1].put(LoRAError(message))
+
     def _process(self, output: SchedulerOutput, step: StepOutput, now: float) -> None:
+        if step.failed_lora_loads:
+            self._fail_lora_loads(output, step.failed_lora_loads, now)
         metrics, kv, scheduler = self.metrics, self.kv, self.scheduler
         block_size = kv.block_size
         prompt_done = generated = 0

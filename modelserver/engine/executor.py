@@ -35,6 +35,21 @@ class ScheduledBatch:
 class StepOutput:
     tokens: list[int | None]  # the next token of each sequence that samples (None for the others), in order
     logprobs: list[dict[int, float] | None] | None = None  # per sequence, when one asked: token id -> logprob
+    # adapters whose load failed this step (name -> reason): their sequences' tokens are meaningless, the engine
+    # fails those requests alone and forgets the slot, so the next request for the adapter tries the load again
+    failed_lora_loads: dict[str, str] = field(default_factory=dict)
+
+
+def load_loras(executor: Executor, loads: dict[int, tuple[str, str]]) -> dict[str, str]:
+    """Load the step's adapters into their slots; a failure (missing or unreadable files) is returned, not raised,
+    so one bad adapter never stops the step of every other request."""
+    failed = {}
+    for slot, (name, path) in loads.items():
+        try:
+            executor.load_lora(slot, name, path)
+        except Exception as exc:
+            failed[name] = f"{type(exc).__name__}: {exc}"
+    return failed
 
 
 class Executor(Protocol):

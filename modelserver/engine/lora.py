@@ -36,6 +36,10 @@ class LoRASlots:
         if name not in self.adapters:
             raise KeyError(name)
         del self.adapters[name]
+        self.evict(name)
+
+    def evict(self, name: str) -> None:
+        """Forget that `name` is in a GPU slot or host memory (its load failed): the next use loads it again."""
         self._cpu.pop(name, None)
         slot = self._slot_of.pop(name, None)
         if slot is not None:

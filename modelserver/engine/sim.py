@@ -16,7 +16,7 @@ import asyncio
 import random
 from dataclasses import dataclass, fields
 
-from modelserver.engine.executor import ScheduledBatch, ScheduledSequence, StepOutput
+from modelserver.engine.executor import ScheduledBatch, ScheduledSequence, StepOutput, load_loras
 
 
 @dataclass
@@ -62,15 +62,17 @@ class SimExecutor:
         self.loaded_loras: dict[int, str] = {}
 
     async def execute(self, batch: ScheduledBatch) -> StepOutput:
-        for slot, (name, path) in batch.new_lora_loads.items():
-            self.load_lora(slot, name, path)
+        failed = load_loras(self, batch.new_lora_loads) if batch.new_lora_loads else {}
         await asyncio.sleep(self.timing.step_time(batch, self._rng))
         tokens = [self._filler_token(s) if s.samples else None for s in batch.sequences]
         if not any(s.params.logprobs is not None for s in batch.sequences):
-            return StepOutput(tokens)
+            return StepOutput(tokens, failed_lora_loads=failed)
         # The filler is deterministic: the sampled token has probability 1.
-        return StepOutput(tokens, [{t: 0.0} if t is not None and s.params.logprobs is not None else None
-                                   for s, t in zip(batch.sequences, tokens, strict=True)])  # fmt: skip
+        logprobs = [
+            {t: 0.0} if t is not None and s.params.logprobs is not None else None
+            for s, t in zip(batch.sequences, tokens, strict=True)
+        ]
+        return StepOutput(tokens, logprobs, failed)
 
     def _filler_token(self, s: ScheduledSequence) -> int:
         """Deterministic like greedy decoding: the same prompt length (or seed) gives the same text."""

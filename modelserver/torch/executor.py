@@ -9,7 +9,7 @@ import logging
 import torch
 
 from modelserver.engine.config import EngineConfig
-from modelserver.engine.executor import ScheduledBatch, StepOutput
+from modelserver.engine.executor import ScheduledBatch, StepOutput, load_loras
 from modelserver.torch.loader import load_lora_into_slot, load_model
 from modelserver.torch.model import StepInput, Transformer
 from modelserver.torch.sampler import sample
@@ -76,8 +76,7 @@ class TorchExecutor:
         return await asyncio.to_thread(self.step, batch)
 
     def step(self, batch: ScheduledBatch) -> StepOutput:
-        for slot, (name, path) in batch.new_lora_loads.items():
-            self.load_lora(slot, name, path)
+        failed = load_loras(self, batch.new_lora_loads) if batch.new_lora_loads else {}
         ids, positions, slots, loras = [], [], [], []
         slices, contexts, starts, sample_rows, samplers = [], [], [], [], []
         bs = self.block_size
@@ -111,7 +110,7 @@ class TorchExecutor:
         tokens, logprobs = sample(logits, samplers) if samplers else ([], [])
         picked, lps = iter(tokens), iter(logprobs)
         out = [(next(picked), next(lps)) if seq.samples else (None, None) for seq in batch.sequences]
-        return StepOutput([t for t, _ in out], [lp for _, lp in out] if any(logprobs) else None)
+        return StepOutput([t for t, _ in out], [lp for _, lp in out] if any(logprobs) else None, failed)
 
     async def close(self) -> None:
         self.kv_caches = []

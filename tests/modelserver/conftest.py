@@ -22,7 +22,9 @@ class RunningServer:
     server: ModelServer
 
 
-async def start_server(tmp_path, timing: SimTiming | None = None, **config) -> tuple[RunningServer, web.AppRunner]:
+async def start_server(
+    tmp_path, timing: SimTiming | None = None, max_request_body_bytes: int = 2 * 1024 * 1024, **config
+) -> tuple[RunningServer, web.AppRunner]:
     tokenizer = load_tokenizer(None)
     cfg = EngineConfig(**{"num_gpu_blocks": 2048, "max_model_len": 4096, "enable_lora": True, "max_loras": 1, **config})
     timing = timing or SimTiming(prefill_overhead=0.001, prefill_time_per_token=0.00002, decode_base=0.002)
@@ -33,7 +35,7 @@ async def start_server(tmp_path, timing: SimTiming | None = None, **config) -> t
     await engine.start()
     settings = ServerSettings(
         served_model_name=MODEL, model_path=MODEL, max_model_len=cfg.max_model_len, lora_roots=[str(tmp_path / "loras")],
-        allow_runtime_lora_updating=True, max_request_body_bytes=2 * 1024 * 1024,
+        allow_runtime_lora_updating=True, max_request_body_bytes=max_request_body_bytes,
     )  # fmt: skip
     server = ModelServer(engine, tokenizer, settings)
     runner = web.AppRunner(server.app, access_log=None, handler_cancellation=True)

@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import time
 
 import aiohttp
 from hypothesis import HealthCheck, given, settings
@@ -94,3 +95,86 @@ async def test_dead_engine_answers_503(tmp_path):
     finally:
         await runner.cleanup()
         await running.engine.stop()
+
+
+async def test_an_adapter_whose_files_are_gone_fails_its_request_alone(tmp_path):
+    running, runner = await start_server(tmp_path)
+    executor = running.engine.executor
+
+    def load_lora(slot, name, path):
+        raise FileNotFoundError(f"{path}/adapter_model.safetensors")
+
+    executor.load_lora = load_lora
+    try:
+        async with aiohttp.ClientSession() as session:
+            body = {"model": "sql", "prompt": "x", "max_tokens": 2}
+            for stream in (False, True):
+                async with session.post(f"{running.url}/v1/completions", json={**body, "stream": stream}) as r:
+                    assert r.status == 400, await r.text()
+                    assert "loading LoRA adapter 'sql' failed" in (await r.json())["error"]["message"]
+            async with session.get(f"{running.url}/health") as r:
+                assert r.status == 200
+            async with session.post(f"{running.url}/v1/completions", json={**body, "model": MODEL}) as r:
+                assert r.status == 200
+    finally:
+        await runner.cleanup()
+        await running.engine.stop()
+
+
+async def test_bad_lora_paths_are_400(model_server, tmp_path):
+    async with aiohttp.ClientSession() as session:
+        root = tmp_path / "loras"
+        for path, status in [(f"{root}/a\x00b", 400), (f"{root}/" + "x" * 5000, 400), (f"{root}/missing", 404)]:
+            body = {"lora_name": "new", "lora_path": path}
+            async with session.post(f"{model_server.url}/v1/load_lora_adapter", json=body) as r:
+                assert r.status == status, (path[:40], await r.text())
+                assert len((await r.json())["error"]["message"]) < 400
+
+
+async def test_oversized_prompts_are_rejected_before_tokenizing_and_metrics_never_wait(tmp_path):
+    running, runner = await start_server(tmp_path, max_request_body_bytes=64 * 1024 * 1024)
+    url = running.url
+    try:
+        async with aiohttp.ClientSession() as session:
+
+            async def metrics_latency() -> float:
+                started = time.monotonic()
+                async with session.get(f"{url}/metrics") as r:
+                    assert r.status == 200
+                    await r.read()
+                return time.monotonic() - started
+
+            huge = {"model": MODEL, "prompt": "word " * 1_000_000, "max_tokens": 2}  # 5 MB
+            started = time.monotonic()
+            async with session.post(f"{url}/v1/completions", json=huge) as r:
+                assert r.status == 400
+                assert "maximum context length" in (await r.json())["error"]["message"]
+            assert time.monotonic() - started < 1.0  # tokenizing it took seconds
+
+            # within the bound but long: tokenized in a worker thread while /metrics keeps answering
+            long_prompt = {
+                "model": MODEL,
+                "prompt": "The quick brown fox jumps over the lazy dog. " * 1100,
+                "max_tokens": 2,
+            }
+            posts = [asyncio.create_task(session.post(f"{url}/tokenize", json=long_prompt)) for _ in range(16)]
+            worst = max([await metrics_latency() for _ in range(10)])
+            for post in posts:
+                async with await post as r:
+                    assert r.status in (200, 400)
+            assert worst < 0.1, worst
+    finally:
+        await runner.cleanup()
+        await running.engine.stop()
+
+
+async def test_sequences_per_request_are_bounded(model_server):
+    async with aiohttp.ClientSession() as session:
+        body = {"model": MODEL, "prompt": ["a"] * 500, "n": 128, "max_tokens": 2}
+        async with session.post(f"{model_server.url}/v1/completions", json=body) as r:
+            assert r.status == 400
+            error = (await r.json())["error"]
+            assert "64000 sequences" in error["message"] and error["param"] == "n"
+        body = {"model": MODEL, "prompt": ["a"] * 2, "n": 4, "max_tokens": 2}
+        async with session.post(f"{model_server.url}/v1/completions", json=body) as r:
+            assert r.status == 200 and len((await r.json())["choices"]) == 8

@@ -125,3 +125,38 @@ async def test_bad_requests_are_rejected_and_the_engine_keeps_serving(prompt, pa
         assert engine.num_unfinished == 0 and not engine.is_dead
     finally:
         await engine.stop()
+
+
+async def test_an_adapter_that_fails_to_load_fails_its_requests_alone():
+    engine = make_engine(SimTiming.zero(), enable_lora=True, max_loras=2)
+    real_load = engine.executor.load_lora
+    broken = {"b"}
+
+    def load_lora(slot, name, path):
+        if name in broken:
+            raise FileNotFoundError(f"{path}/adapter_config.json")
+        real_load(slot, name, path)
+
+    engine.executor.load_lora = load_lora
+    await engine.start()
+
+    async def run(rid, lora):
+        tokens = []
+        async for output in engine.generate(rid, [1, 2, 3, 4], SamplingParams(max_tokens=5), lora):
+            tokens += output.new_token_ids
+        return tokens
+
+    try:
+        results = await asyncio.gather(run("base", None), run("a", "a"), run("b1", "b"), run("b2", "b"),
+                                       return_exceptions=True)  # fmt: skip
+        assert len(results[0]) == 5 and len(results[1]) == 5
+        for failed in results[2:]:
+            assert isinstance(failed, ValueError) and "loading LoRA adapter 'b' failed" in str(failed)
+            assert "adapter_config.json" in str(failed)
+        assert not engine.is_dead and engine.num_unfinished == 0
+        assert "b" in engine.lora_adapters  # still registered: fixing the files makes it work without a restart
+        broken.clear()
+        assert len(await run("b3", "b")) == 5
+        assert engine.kv.usage == 0.0
+    finally:
+        await engine.stop()
