@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import re
@@ -32,7 +33,7 @@ from epp.leader import LeaseElector
 from epp.metrics import EPPMetrics
 from epp.scheduling.errors import ConfigError
 from epp.scheduling.scheduler import Scheduler
-from epp.server import EndpointPicker, ExternalProcessor, RequestStream
+from epp.server import DEFAULT_MAX_BODY_BYTES, BodyBudget, EndpointPicker, ExternalProcessor, RequestStream
 from protocol import extproc
 
 log = logging.getLogger("epp")
@@ -94,6 +95,18 @@ def build_parser() -> argparse.ArgumentParser:
         default="h2",
         help="h2: the EPP's lean gRPC server on the event loop (cleartext; fastest); grpcio: grpcio aio",
     )
+    p.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        help="larger request bodies are answered 413 (the model servers' default limit)",
+    )
+    p.add_argument(
+        "--max-connection-body-bytes",
+        type=int,
+        default=8 * DEFAULT_MAX_BODY_BYTES,
+        help="request body bytes all streams of one ext_proc connection may buffer at once; over it, 413",
+    )
     p.add_argument("-v", "--verbosity", type=int, default=0, help="0 info, 1+ debug")
     return p
 
@@ -122,10 +135,12 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     datastore.apply(initial)
     pool_name = args.pool_name or Path(args.pool_file).stem
     metrics = EPPMetrics(pool_name, lambda: datastore.endpoints, lambda: scheduler.prefix_scorer)
-    picker = EndpointPicker(datastore, scheduler, metrics)
+    picker = EndpointPicker(datastore, scheduler, metrics, args.max_request_body_bytes)
 
     if args.ext_proc_transport == "h2":
-        server = ExtProcServer(lambda: RequestStream(picker))
+        server = ExtProcServer(
+            lambda: functools.partial(RequestStream, picker, BodyBudget(args.max_connection_body_bytes))
+        )
     else:
         server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 * 1024 * 1024)])
         pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(picker), server)
@@ -136,7 +151,9 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     health_server.add_insecure_port(f"{args.bind_address}:{args.grpc_health_port}")
 
     async def metrics_handler(request: web.Request) -> web.Response:
-        return web.Response(body=generate_latest(metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+        # rendered in a worker thread: the event loop that answers Envoy keeps its turns meanwhile
+        page = await asyncio.to_thread(generate_latest, metrics.registry)
+        return web.Response(body=page, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     app = web.Application()
     app.router.add_get("/metrics", metrics_handler)

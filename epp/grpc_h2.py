@@ -31,8 +31,8 @@ PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 
 DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY, WINDOW_UPDATE, CONTINUATION = range(10)
 END_STREAM, ACK, END_HEADERS, PADDED, PRIORITY_FLAG = 0x1, 0x1, 0x4, 0x8, 0x20
-SETTINGS_INITIAL_WINDOW_SIZE, SETTINGS_MAX_FRAME_SIZE = 0x4, 0x5
-PROTOCOL_ERROR, FRAME_SIZE_ERROR = 0x1, 0x6
+SETTINGS_MAX_CONCURRENT_STREAMS, SETTINGS_INITIAL_WINDOW_SIZE, SETTINGS_MAX_FRAME_SIZE = 0x3, 0x4, 0x5
+PROTOCOL_ERROR, FLOW_CONTROL_ERROR, FRAME_SIZE_ERROR, REFUSED_STREAM, ENHANCE_YOUR_CALM = 0x1, 0x3, 0x6, 0x7, 0xB
 INVALID_ARGUMENT, UNIMPLEMENTED, INTERNAL, RESOURCE_EXHAUSTED = 3, 12, 13, 8  # gRPC status codes
 
 FRAME_HEADER = struct.Struct(">BHBBL")  # 24-bit length as (high byte, low 16 bits), type, flags, stream id
@@ -45,6 +45,30 @@ CONNECTION_RECEIVE_WINDOW = 1 << 28
 MAX_RECEIVE_FRAME = 1 << 20
 MAX_MESSAGE = 64 << 20  # what the grpcio transport allows (grpc.max_receive_message_length)
 DEFAULT_WINDOW = 65_535
+MAX_WINDOW = (1 << 31) - 1
+# Limits of a real server (nghttp2 advertises 100 streams by default, Envoy 2^31-1 with per-stream buffer limits;
+# Envoy as a client opens another connection when it reaches ours): a peer that breaks one gets GOAWAY and loses
+# only its own connection.
+MAX_CONCURRENT_STREAMS = 1024  # advertised; a stream beyond it is refused (RST_STREAM REFUSED_STREAM)
+MAX_HEADER_BLOCK = 64 << 10  # HEADERS + CONTINUATION of one block (Envoy's default max_request_headers_kb is 60)
+MAX_PARTIAL_BYTES = 4 * MAX_MESSAGE  # incomplete messages all streams of one connection may hold together
+MAX_OUTBOUND_BYTES = 16 << 20  # unread answers (e.g. PING ACKs of a peer that never reads): it is not a proxy
+PREMATURE_RESETS = 100  # streams reset before their first message, once also over half of those opened (CVE-2023-44487)
+FIXED_PAYLOAD = {PRIORITY: 5, RST_STREAM: 4, PING: 8, WINDOW_UPDATE: 4}
+
+
+class H2ConnectionError(Exception):
+    """A violation that ends the connection with GOAWAY `code`."""
+
+    def __init__(self, code: int, reason: str):
+        super().__init__(reason)
+        self.code = code
+
+
+def _unpad(payload: bytes) -> bytes:
+    if not payload or payload[0] >= len(payload):
+        raise H2ConnectionError(PROTOCOL_ERROR, "padding longer than the frame")
+    return payload[1 : len(payload) - payload[0]]
 
 
 def frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
@@ -68,8 +92,8 @@ def status_trailers(code: int, message: str) -> bytes:
 
 
 class _Stream:
-    __slots__ = ("closed", "handler", "header_block", "headers_sent", "id", "message", "pending", "recv_unacked",
-                 "send_window")  # fmt: skip
+    __slots__ = ("closed", "handled", "handler", "header_block", "headers_sent", "id", "message", "pending",
+                 "recv_unacked", "send_window")  # fmt: skip
 
     def __init__(self, stream_id: int, send_window: int):
         self.id = stream_id
@@ -81,6 +105,7 @@ class _Stream:
         self.message = bytearray()  # gRPC framing across DATA frames
         self.pending: deque[bytes | tuple[bytes]] = deque()  # DATA payloads waiting for window; a tuple = trailers
         self.recv_unacked = 0
+        self.handled = False  # a message reached the handler (a reset before that is "premature")
 
 
 class ExtProcConnection(asyncio.Protocol):
@@ -103,13 +128,17 @@ class ExtProcConnection(asyncio.Protocol):
         self.continuation_of = 0
         self.continuation_flags = 0
         self.last_stream_id = 0
+        self.opened = self.premature_resets = 0
+        self.partial_bytes = 0  # gRPC messages of all streams not yet complete
 
     # -- connection ----------------------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:
         self.transport = transport
         self.connections.add(self)
-        settings = SETTING.pack(SETTINGS_INITIAL_WINDOW_SIZE, RECEIVE_WINDOW) + SETTING.pack(
-            SETTINGS_MAX_FRAME_SIZE, MAX_RECEIVE_FRAME
+        settings = (
+            SETTING.pack(SETTINGS_MAX_CONCURRENT_STREAMS, MAX_CONCURRENT_STREAMS)
+            + SETTING.pack(SETTINGS_INITIAL_WINDOW_SIZE, RECEIVE_WINDOW)
+            + SETTING.pack(SETTINGS_MAX_FRAME_SIZE, MAX_RECEIVE_FRAME)
         )
         transport.write(
             frame(SETTINGS, 0, 0, settings)
@@ -128,8 +157,12 @@ class ExtProcConnection(asyncio.Protocol):
 
     def _fail(self, code: int, reason: str) -> None:
         log.warning("closing ext_proc connection: %s", reason)
-        self.transport.write(frame(GOAWAY, 0, 0, U32.pack(self.last_stream_id) + U32.pack(code)))
-        self.transport.close()
+        transport = self.transport
+        if transport.get_write_buffer_size() > MAX_OUTBOUND_BYTES:
+            transport.abort()  # it does not read: a GOAWAY behind the backlog would never arrive
+            return
+        transport.write(frame(GOAWAY, 0, 0, U32.pack(self.last_stream_id) + U32.pack(code)))
+        transport.close()
 
     def data_received(self, data: bytes) -> None:
         buffer = self.buffer
@@ -157,7 +190,10 @@ class ExtProcConnection(asyncio.Protocol):
             position = end
             try:
                 self._on_frame(kind, flags, stream_id & 0x7FFFFFFF, payload)
-            except (HPACKError, ValueError, IndexError) as exc:
+            except H2ConnectionError as exc:
+                self._fail(exc.code, str(exc))
+                return
+            except (HPACKError, ValueError, IndexError, struct.error) as exc:
                 self._fail(PROTOCOL_ERROR, f"malformed frame: {exc}")
                 return
             if self.transport.is_closing():
@@ -169,6 +205,9 @@ class ExtProcConnection(asyncio.Protocol):
         if self.out:
             self.transport.write(b"".join(self.out))
             self.out.clear()
+            if self.transport.get_write_buffer_size() > MAX_OUTBOUND_BYTES:
+                self._fail(ENHANCE_YOUR_CALM, "the peer does not read its answers")
+                return
         if self.after:
             after, self.after = self.after, []
             for handler in after:
@@ -178,6 +217,14 @@ class ExtProcConnection(asyncio.Protocol):
     def _on_frame(self, kind: int, flags: int, stream_id: int, payload: bytes) -> None:
         if self.continuation_of and kind != CONTINUATION:
             raise ValueError("expected CONTINUATION")
+        size = FIXED_PAYLOAD.get(kind)
+        if size is not None and len(payload) != size:
+            raise H2ConnectionError(FRAME_SIZE_ERROR, f"a frame of type {kind} with a {len(payload)}-byte payload")
+        if kind in (SETTINGS, PING, GOAWAY):
+            if stream_id:
+                raise H2ConnectionError(PROTOCOL_ERROR, f"a frame of type {kind} on stream {stream_id}")
+        elif kind != WINDOW_UPDATE and kind <= CONTINUATION and not stream_id:
+            raise H2ConnectionError(PROTOCOL_ERROR, f"a frame of type {kind} on stream 0")
         if kind == DATA:
             self._on_data(flags, stream_id, payload)
         elif kind == HEADERS:
@@ -187,12 +234,19 @@ class ExtProcConnection(asyncio.Protocol):
             if stream_id != self.continuation_of or stream is None:
                 raise ValueError("unexpected CONTINUATION")
             stream.header_block += payload
+            if len(stream.header_block) > MAX_HEADER_BLOCK:
+                raise H2ConnectionError(ENHANCE_YOUR_CALM, f"a header block over {MAX_HEADER_BLOCK} bytes")
             if flags & END_HEADERS:
                 self.continuation_of = 0
                 self._on_header_block(stream, self.continuation_flags)
         elif kind == WINDOW_UPDATE:
-            self._on_window_update(stream_id, U32.unpack(payload)[0] & 0x7FFFFFFF)
+            increment = U32.unpack(payload)[0] & 0x7FFFFFFF
+            if not increment:
+                raise H2ConnectionError(PROTOCOL_ERROR, "a WINDOW_UPDATE of 0")
+            self._on_window_update(stream_id, increment)
         elif kind == SETTINGS:
+            if len(payload) % 6 or (flags & ACK and payload):
+                raise H2ConnectionError(FRAME_SIZE_ERROR, f"a SETTINGS frame of {len(payload)} bytes")
             if not flags & ACK:
                 self._on_settings(payload)
         elif kind == PING:
@@ -201,6 +255,10 @@ class ExtProcConnection(asyncio.Protocol):
         elif kind == RST_STREAM:
             stream = self.streams.pop(stream_id, None)
             if stream is not None:
+                if not stream.handled:
+                    self.premature_resets += 1
+                    if self.premature_resets >= PREMATURE_RESETS and 2 * self.premature_resets > self.opened:
+                        raise H2ConnectionError(ENHANCE_YOUR_CALM, "streams reset before their first message")
                 self._finish(stream)
         elif kind == GOAWAY:
             pass  # the peer opens no new streams; the open ones finish normally
@@ -210,7 +268,7 @@ class ExtProcConnection(asyncio.Protocol):
 
     def _on_headers(self, flags: int, stream_id: int, payload: bytes) -> None:
         if flags & PADDED:
-            payload = payload[1 : len(payload) - payload[0]]
+            payload = _unpad(payload)
         if flags & PRIORITY_FLAG:
             payload = payload[5:]
         stream = self.streams.get(stream_id)
@@ -218,7 +276,10 @@ class ExtProcConnection(asyncio.Protocol):
             if stream_id % 2 == 0 or stream_id <= self.last_stream_id:
                 raise ValueError(f"bad new stream id {stream_id}")
             self.last_stream_id = stream_id
+            self.opened += 1
             stream = self.streams[stream_id] = _Stream(stream_id, self.peer_initial_window)
+        if len(payload) > MAX_HEADER_BLOCK:
+            raise H2ConnectionError(ENHANCE_YOUR_CALM, f"a header block over {MAX_HEADER_BLOCK} bytes")
         stream.header_block = payload
         if flags & END_HEADERS:
             self._on_header_block(stream, flags)
@@ -230,6 +291,10 @@ class ExtProcConnection(asyncio.Protocol):
         headers = self.decoder.decode(block, raw=True)  # always decoded: it keeps the HPACK table in step
         if stream.handler is None and not stream.headers_sent:  # the request's headers (else: trailers)
             path = next((value for name, value in headers if name == b":path"), b"")
+            if len(self.streams) > MAX_CONCURRENT_STREAMS:
+                self.streams.pop(stream.id)
+                self.out.append(frame(RST_STREAM, 0, stream.id, U32.pack(REFUSED_STREAM)))
+                return
             if path == PROCESS_PATH:
                 stream.handler = self.new_handler()
             else:
@@ -239,7 +304,9 @@ class ExtProcConnection(asyncio.Protocol):
             self._end_of_requests(stream)
 
     def _on_data(self, flags: int, stream_id: int, payload: bytes) -> None:
-        received = len(payload)
+        received = len(payload)  # padding counts against flow control too
+        if flags & PADDED:
+            payload = _unpad(payload)
         self.recv_unacked += received
         if self.recv_unacked >= CONNECTION_RECEIVE_WINDOW // 2:
             self.out.append(frame(WINDOW_UPDATE, 0, 0, U32.pack(self.recv_unacked)))
@@ -247,11 +314,13 @@ class ExtProcConnection(asyncio.Protocol):
         stream = self.streams.get(stream_id)
         if stream is None or stream.closed:
             return  # a stream we already answered or the proxy reset
-        if flags & PADDED:
-            payload = payload[1 : len(payload) - payload[0]]
         if stream.handler is not None:
             message = stream.message
             message += payload
+            self.partial_bytes += len(payload)
+            if self.partial_bytes > MAX_PARTIAL_BYTES:
+                self._close_stream(stream, status_trailers(RESOURCE_EXHAUSTED, "the connection holds too many bytes"))
+                return
             while len(message) >= 5:
                 compressed, length = GRPC_PREFIX.unpack_from(message)
                 if compressed:
@@ -268,6 +337,7 @@ class ExtProcConnection(asyncio.Protocol):
                     self._close_stream(stream, status_trailers(INVALID_ARGUMENT, "not a ProcessingRequest"))
                     return
                 del message[: 5 + length]
+                self.partial_bytes -= 5 + length
                 self._handle(stream, request)
                 if stream.closed:
                     return
@@ -280,6 +350,7 @@ class ExtProcConnection(asyncio.Protocol):
             stream.recv_unacked = 0
 
     def _handle(self, stream: _Stream, request: pb.ProcessingRequest) -> None:
+        stream.handled = True
         handler = stream.handler
         try:
             responses = handler.handle(request)
@@ -307,11 +378,15 @@ class ExtProcConnection(asyncio.Protocol):
     def _on_window_update(self, stream_id: int, increment: int) -> None:
         if stream_id == 0:
             self.send_window += increment
+            if self.send_window > MAX_WINDOW:
+                raise H2ConnectionError(FLOW_CONTROL_ERROR, "the connection's send window over 2^31-1")
             self._flush_all()
             return
         stream = self.streams.get(stream_id)
         if stream is not None:
             stream.send_window += increment
+            if stream.send_window > MAX_WINDOW:
+                raise H2ConnectionError(FLOW_CONTROL_ERROR, f"stream {stream_id}'s send window over 2^31-1")
             self._flush(stream)
 
     # -- sending -------------------------------------------------------------------------------------------------
@@ -330,7 +405,7 @@ class ExtProcConnection(asyncio.Protocol):
         if stream.closed:
             return
         stream.closed = True
-        stream.message = bytearray()
+        self._drop_message(stream)
         if not stream.headers_sent:
             trailers = RESPONSE_HEADERS + trailers  # trailers-only response
             stream.headers_sent = True
@@ -338,7 +413,12 @@ class ExtProcConnection(asyncio.Protocol):
         self._finish(stream)
         self._flush(stream)
 
+    def _drop_message(self, stream: _Stream) -> None:
+        self.partial_bytes -= len(stream.message)
+        stream.message = bytearray()
+
     def _finish(self, stream: _Stream) -> None:
+        self._drop_message(stream)
         handler, stream.handler = stream.handler, None
         if handler is not None:
             handler.finish()
@@ -371,17 +451,19 @@ class ExtProcConnection(asyncio.Protocol):
 
 
 class ExtProcServer:
-    """Listens for Envoy's ext_proc connections; `new_handler()` makes one state machine per stream."""
+    """Listens for Envoy's ext_proc connections. `new_connection()` is called once per connection and returns that
+    connection's `new_handler()`, which makes one state machine per stream (so the handlers of one connection can
+    share what is bounded per connection, e.g. the body bytes they buffer)."""
 
-    def __init__(self, new_handler: Callable[[], object]):
-        self.new_handler = new_handler
+    def __init__(self, new_connection: Callable[[], Callable[[], object]]):
+        self.new_connection = new_connection
         self.connections: set[ExtProcConnection] = set()
         self.server: asyncio.Server | None = None
 
     async def start(self, host: str, port: int) -> None:
         loop = asyncio.get_running_loop()
         self.server = await loop.create_server(
-            lambda: ExtProcConnection(self.new_handler, self.connections), host, port, reuse_address=True
+            lambda: ExtProcConnection(self.new_connection(), self.connections), host, port, reuse_address=True
         )
 
     @property

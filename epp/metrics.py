@@ -15,6 +15,8 @@ DURATION_BUCKETS = (0.005, 0.025, 0.05, 0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 1.25, 1.5,
                     45, 60, 120, 180, 240, 300, 360, 480, 600, 900, 1200, 1800, 2700, 3600)  # fmt: skip
 TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32778, 65536, 131072, 262144,
                  524288, 1048576)  # fmt: skip
+OTHER_MODEL = "other"  # the label value of model names that are neither declared by the pool nor served yet
+MAX_SERVED_MODEL_LABELS = 100
 SCHEDULER_BUCKETS = (0.00001, 0.00002, 0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1)
 
 
@@ -85,6 +87,19 @@ class EPPMetrics:
                               "it was the EPP's pick.", ["result"], registry=reg)  # fmt: skip
         reg.register(_PoolCollector(pool_name, endpoints, prefix_index))
         self._children: dict[tuple, object] = {}
+        self._served_models: set[str] = set()
+
+    def model_label(self, name: str, declared: frozenset[str] | None) -> str:
+        """Clients choose model names, so label values are bounded: a name is its own label once the pool declares
+        it or a model server answered a request for it with success (at most MAX_SERVED_MODEL_LABELS of those);
+        every other name is OTHER_MODEL."""
+        if name in self._served_models or (declared is not None and name in declared) or not name:
+            return name
+        return OTHER_MODEL
+
+    def model_served(self, name: str) -> None:
+        if name not in self._served_models and len(self._served_models) < MAX_SERVED_MODEL_LABELS:
+            self._served_models.add(name)
 
     def child(self, metric, *labels: str):
         """A label child, created once and reused (labels() costs microseconds per call)."""

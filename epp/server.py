@@ -93,27 +93,59 @@ def served_endpoint(request: pb.ProcessingRequest) -> str | None:
     return value.string_value if value is not None and value.string_value else None
 
 
-class EndpointPicker:
-    """Everything one EPP needs per request: the live pool, the scheduler and the metrics."""
+DEFAULT_MAX_BODY_BYTES = 32 << 20  # like the model servers' request size limit
 
-    def __init__(self, datastore: Datastore, scheduler: Scheduler, metrics: EPPMetrics):
+
+class BodyBudget:
+    """Body bytes the requests of one ext_proc connection may hold at once (their bodies are buffered until they
+    end): a request whose chunk would go over it is answered 413, the others go on."""
+
+    __slots__ = ("held", "limit")
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.held = 0
+
+    def reserve(self, size: int) -> bool:
+        if self.held + size > self.limit:
+            return False
+        self.held += size
+        return True
+
+    def release(self, size: int) -> None:
+        self.held -= size
+
+
+class EndpointPicker:
+    """Everything one EPP needs per request: the live pool, the scheduler, the metrics and the request limits."""
+
+    def __init__(
+        self,
+        datastore: Datastore,
+        scheduler: Scheduler,
+        metrics: EPPMetrics,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    ):
         self.datastore = datastore
         self.scheduler = scheduler
         self.metrics = metrics
+        self.max_body_bytes = max_body_bytes
 
 
 class RequestStream:
     """The state machine of one ext_proc stream (one HTTP request)."""
 
     __slots__ = (
-        "body_chunks", "body_done", "endpoint", "full_duplex", "headers", "model", "picker", "request",
+        "body_bytes", "body_chunks", "body_done", "budget", "endpoint", "full_duplex", "headers", "labels", "model", "picker", "request",
         "response_full_duplex", "response_tail", "result", "routed_at", "served", "status", "subset", "target_model",
     )  # fmt: skip
 
-    def __init__(self, picker: EndpointPicker):
+    def __init__(self, picker: EndpointPicker, budget: BodyBudget | None = None):
         self.picker = picker
+        self.budget = budget
         self.headers: dict[str, str] = {}
         self.body_chunks: list[bytes] = []
+        self.body_bytes = 0  # buffered now (reserved from the connection's budget)
         self.body_done = False
         self.full_duplex = False
         self.response_full_duplex = False
@@ -123,6 +155,7 @@ class RequestStream:
         self.endpoint: Endpoint | None = None
         self.routed_at = 0.0
         self.model = self.target_model = ""
+        self.labels = ("", "")  # the metrics' model and target model labels (bounded: EPPMetrics.model_label)
         self.served: str | None = None
         self.status = ""
         self.response_tail = b""
@@ -163,18 +196,41 @@ class RequestStream:
         return [pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=pb.CommonResponse()))]
 
     def _on_request_body(self, body: pb.HttpBody) -> list[pb.ProcessingResponse]:
-        if body.body:
-            self.body_chunks.append(body.body)
+        if self.body_done:
+            return []  # answered already (413): the rest of the body is dropped
+        chunk = body.body
+        if chunk:
+            size = len(chunk)
+            limit = self.picker.max_body_bytes
+            if self.body_bytes + size > limit:
+                return self._refuse_body(OpenAIError(f"request body is larger than {limit} bytes", 413))
+            if self.budget is not None and not self.budget.reserve(size):
+                return self._refuse_body(
+                    OpenAIError("the gateway is buffering too many request bodies; retry later", 413)
+                )
+            self.body_bytes += size
+            self.body_chunks.append(chunk)
         if not body.end_of_stream:
             return []
         self.body_done = True
         raw = self.body_chunks[0] if len(self.body_chunks) == 1 else b"".join(self.body_chunks)
-        self.body_chunks = []
+        self._release_body()
         try:
             payload = load_json_body(raw)
         except OpenAIError as error:
             return [self._reject(error)]
         return self._route_body(payload, raw)
+
+    def _release_body(self) -> None:
+        self.body_chunks = []
+        if self.budget is not None:
+            self.budget.release(self.body_bytes)
+        self.body_bytes = 0
+
+    def _refuse_body(self, error: OpenAIError) -> list[pb.ProcessingResponse]:
+        self.body_done = True
+        self._release_body()
+        return [self._reject(error)]
 
     def _route_body(self, payload: dict, raw: bytes) -> list[pb.ProcessingResponse]:
         model = payload.get("model")
@@ -185,6 +241,8 @@ class RequestStream:
             return [self._reject(model_not_found(model))]
         target = self.headers.get(extproc.MODEL_NAME_REWRITE_HEADER) or _rewrite(model, state.rewrites)
         self.model, self.target_model = model, target or model
+        label = self.picker.metrics.model_label
+        self.labels = (label(model, state.models), label(self.target_model, state.models))
         if target and target != model:
             payload["model"] = target
             raw = json.dumps(payload, separators=(",", ":")).encode()
@@ -245,10 +303,10 @@ class RequestStream:
         endpoint.in_flight_tokens += request.prompt_tokens_estimate
         endpoint.routed_total += 1
         self.routed_at = time.monotonic()
-        metrics.child(metrics.requests, self.model, self.target_model).inc()
-        metrics.child(metrics.running, self.model).inc()
+        metrics.child(metrics.requests, *self.labels).inc()
+        metrics.child(metrics.running, self.labels[0]).inc()
         if payload is not None:
-            metrics.child(metrics.input_tokens, self.model, self.target_model).observe(request.prompt_tokens_estimate)
+            metrics.child(metrics.input_tokens, *self.labels).observe(request.prompt_tokens_estimate)
         destinations = ",".join(e.hostport for e in result.endpoints)
         set_headers = [
             # The header carries the primary only: Envoy's ORIGINAL_DST cluster reads one ip:port. The fallbacks are
@@ -276,7 +334,7 @@ class RequestStream:
 
     def _reject(self, error: OpenAIError) -> pb.ProcessingResponse:
         metrics = self.picker.metrics
-        metrics.child(metrics.errors, self.model, self.target_model or self.model, str(error.status)).inc()
+        metrics.child(metrics.errors, *self.labels, str(error.status)).inc()
         return immediate_response(error)
 
     # -- response path -----------------------------------------------------------------------------------------
@@ -319,6 +377,8 @@ class RequestStream:
 
     def finish(self) -> None:
         """The ext_proc stream ended: the request is over, whether or not its response body came through here."""
+        if self.body_bytes:
+            self._release_body()  # ended mid-body (reset, disconnect)
         endpoint = self.endpoint
         if endpoint is None:
             return
@@ -328,13 +388,17 @@ class RequestStream:
         picker = self.picker
         picker.scheduler.on_finished(self.request, endpoint)
         metrics = picker.metrics
-        metrics.child(metrics.running, self.model).dec()
-        if self.status.startswith("2"):
-            metrics.child(metrics.duration, self.model, self.target_model).observe(time.monotonic() - self.routed_at)
+        metrics.child(metrics.running, self.labels[0]).dec()
+        if self.status.startswith("2"):  # a model server knows these names: from now on they are labels of their own
+            metrics.model_served(self.model)
+            metrics.model_served(self.target_model)
+            declared = picker.datastore.state.models
+            self.labels = (metrics.model_label(self.model, declared), metrics.model_label(self.target_model, declared))
+            metrics.child(metrics.duration, *self.labels).observe(time.monotonic() - self.routed_at)
         elif self.status:
-            metrics.child(metrics.errors, self.model, self.target_model, self.status).inc()
+            metrics.child(metrics.errors, *self.labels, self.status[:3]).inc()
         if self.response_tail and (match := _COMPLETION_TOKENS.search(self.response_tail)):
-            metrics.child(metrics.output_tokens, self.model, self.target_model).observe(int(match.group(1)))
+            metrics.child(metrics.output_tokens, *self.labels).observe(int(match.group(1)))
         if self.served:
             picked = self.served == endpoint.hostport
             metrics.child(metrics.served, "pick" if picked else "other").inc()

@@ -8,6 +8,7 @@ lines, with a regex sample parser that tests check against prometheus_client's.
 
 from __future__ import annotations
 
+import math
 import re
 import time
 from dataclasses import dataclass, field
@@ -34,6 +35,10 @@ DEFAULT_ENGINE = "vllm"
 
 class MetricsParseError(ValueError):
     """A page that is not valid Prometheus text, or lacks a metric the Model Server Protocol requires."""
+
+
+class InvalidMetricsError(MetricsParseError):
+    """A required gauge is NaN, infinite or negative: the server's state is unknown."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -260,6 +265,9 @@ def parse_metrics(
     ]
     if missing:
         raise MetricsParseError(f"metrics page lacks required gauge(s): {', '.join(missing)}")
+    for name, values in (("waiting", waiting), ("running", running), ("KV usage", kv)):
+        if not all(0.0 <= v < math.inf for v in values):  # NaN fails both comparisons
+            raise InvalidMetricsError(f"{name} gauge is {next(v for v in values if not 0.0 <= v < math.inf)}")
     snapshot = EndpointMetrics(
         waiting=int(sum(waiting)),
         running=int(sum(running)),

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import itertools
 import signal
 
@@ -83,7 +84,8 @@ class FloorHandler:
 
 async def serve(host: str, port: int, endpoints: list[str]) -> None:
     answers = itertools.cycle([_routing_response(e) for e in endpoints])
-    server = ExtProcServer(lambda: FloorHandler(answers))
+    new_handler = functools.partial(FloorHandler, answers)
+    server = ExtProcServer(lambda: new_handler)
     await server.start(host, port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

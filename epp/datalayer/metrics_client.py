@@ -73,14 +73,24 @@ class MetricsClient:
             if length > MAX_BODY_BYTES:
                 raise ScrapeError(f"a {length}-byte metrics page")
             body = await reader.readexactly(length)
-        else:
-            body = await reader.read(MAX_BODY_BYTES)
+        else:  # no length: the page ends when the server closes the connection
+            body = await self._read_to_close(reader)
             self.close()
         if headers.get(b"connection") == b"close":
             self.close()
         if parts[1] != b"200":
             raise ScrapeError(f"HTTP {parts[1].decode()}")
         return body.decode()
+
+    @staticmethod
+    async def _read_to_close(reader: asyncio.StreamReader) -> bytes:
+        chunks, total = [], 0
+        while chunk := await reader.read(1 << 16):
+            total += len(chunk)
+            if total > MAX_BODY_BYTES:
+                raise ScrapeError("metrics page over the size limit")
+            chunks.append(chunk)
+        return b"".join(chunks)
 
     @staticmethod
     async def _chunked(reader: asyncio.StreamReader) -> bytes:

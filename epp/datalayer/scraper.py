@@ -20,7 +20,7 @@ import time
 
 from epp.datalayer.endpoint import Endpoint
 from epp.datalayer.metrics_client import MetricsClient, ScrapeError
-from protocol.metrics import MetricsParseError, engine_spec, parse_metrics
+from protocol.metrics import InvalidMetricsError, MetricsParseError, engine_spec, parse_metrics
 
 log = logging.getLogger("epp.scraper")
 
@@ -81,20 +81,34 @@ class Scraper:
         try:
             text = await self._client(endpoint).get()
             endpoint.metrics = parse_metrics(text, spec)
-            endpoint.stale = False
+            self._set_stale(endpoint, False)
             return True
         except ConnectionRefusedError as exc:
-            endpoint.stale = True  # nothing listens there: do not wait out the threshold
-            self._failed(endpoint, exc)
+            self._failed(endpoint, exc, stale=True)  # nothing listens there: do not wait out the threshold
+        except InvalidMetricsError as exc:
+            self._failed(endpoint, exc, stale=True)  # NaN, infinite or negative load: its state is unknown
         except (OSError, TimeoutError, asyncio.IncompleteReadError, ScrapeError, ValueError, MetricsParseError) as exc:
-            self._failed(endpoint, exc)  # (ValueError covers UnicodeDecodeError and malformed lengths)
-            if endpoint.metrics is None or time.monotonic() - endpoint.metrics.scraped_at > self.staleness:
-                endpoint.stale = True
+            # (ValueError covers UnicodeDecodeError and malformed lengths)
+            metrics = endpoint.metrics
+            self._failed(endpoint, exc, stale=metrics is None or time.monotonic() - metrics.scraped_at > self.staleness)
         return False
 
-    def _failed(self, endpoint: Endpoint, exc: BaseException) -> None:
+    def _failed(self, endpoint: Endpoint, exc: BaseException, stale: bool) -> None:
         self.failures += 1
         log.debug("scrape of %s failed: %s", endpoint.name, exc)
+        if stale:
+            self._set_stale(endpoint, True, f"{type(exc).__name__}: {exc}")
+
+    @staticmethod
+    def _set_stale(endpoint: Endpoint, stale: bool, reason: str = "") -> None:
+        """Logged once per change (a never-scraped endpoint starts stale; its first good page makes it ready)."""
+        if endpoint.stale == stale:
+            return
+        endpoint.stale = stale
+        if stale:
+            log.warning("endpoint %s (%s) is stale, not routed to: %s", endpoint.name, endpoint.hostport, reason)
+        else:
+            log.info("endpoint %s (%s) is ready: its metrics are fresh", endpoint.name, endpoint.hostport)
 
     def wake(self) -> None:
         """Traffic arrived: endpoints waiting out the idle interval are scraped now."""
@@ -127,10 +141,16 @@ class Scraper:
             self._idle_waits.discard(wait)
 
     async def _loop(self, endpoint: Endpoint) -> None:
+        """Never ends but by cancellation: an unexpected error costs one scrape (the endpoint goes stale), not the
+        endpoint's scraping for good."""
         with contextlib.suppress(asyncio.CancelledError):
             while True:
                 started = time.monotonic()
-                await self.scrape_once(endpoint)
+                try:
+                    await self.scrape_once(endpoint)
+                except Exception as exc:
+                    log.exception("scraping %s failed unexpectedly", endpoint.name)
+                    self._failed(endpoint, exc, stale=True)
                 elapsed = time.monotonic() - started
                 if self.idle_interval > self.interval and self.quiet(endpoint):
                     await self._idle_wait(max(0.0, self.idle_interval - elapsed))

@@ -168,3 +168,50 @@ async def test_quiet_endpoints_are_scraped_slowly_until_a_request_arrives():
     finally:
         await store.close()
         await runner.cleanup()
+
+
+async def test_invalid_values_make_an_endpoint_stale_at_once_logged_once_and_scraping_survives(caplog, monkeypatch):
+    port = free_ports(1)[0]
+    state = {"page": PAGE}
+
+    async def metrics(request):
+        return web.Response(text=state["page"])
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    scraper = Scraper(interval=0.01, timeout=0.5, staleness=5.0)
+    store = Datastore(scraper)
+    caplog.set_level("INFO", logger="epp.scraper")
+    try:
+        store.apply(PoolState(endpoints=(EndpointSpec("e", "127.0.0.1", port),)))
+        endpoint = store.endpoints[0]
+        await asyncio.sleep(0.1)
+        assert not endpoint.stale
+        for bad in ("+Inf", "NaN", "-1"):
+            state["page"] = PAGE.replace(" 3", f" {bad}")
+            await asyncio.sleep(0.1)
+            assert endpoint.stale, bad  # at once, not after the 5 s staleness threshold
+            state["page"] = PAGE
+            await asyncio.sleep(0.1)
+            assert not endpoint.stale and endpoint.metrics.waiting == 3
+        stale_lines = [r for r in caplog.records if "is stale" in r.getMessage()]
+        assert len(stale_lines) == 3 and all(r.levelname == "WARNING" for r in stale_lines)  # once per change
+        assert sum("is ready" in r.getMessage() for r in caplog.records) == 4
+
+        import epp.datalayer.scraper as scraper_module
+
+        def broken(*args, **kwargs):
+            raise RuntimeError("a bug")
+
+        monkeypatch.setattr(scraper_module, "parse_metrics", broken)
+        await asyncio.sleep(0.1)
+        assert endpoint.stale
+        monkeypatch.undo()
+        await asyncio.sleep(0.1)
+        assert not endpoint.stale  # the scraping task survived the unexpected error
+    finally:
+        await store.close()
+        await runner.cleanup()

@@ -64,7 +64,7 @@ def body(data: bytes) -> pb.ProcessingRequest:
 @pytest.fixture
 async def server():
     EchoHandler.log = []
-    server = ExtProcServer(EchoHandler)
+    server = ExtProcServer(lambda: EchoHandler)
     await server.start("127.0.0.1", 0)
     try:
         yield server

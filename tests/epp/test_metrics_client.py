@@ -21,6 +21,8 @@ RESPONSES = {
     "until-close": b"HTTP/1.0 200 OK\r\nContent-Type: text/plain\r\n\r\n" + PAGE,
     "500": b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 4\r\n\r\noops",
     "garbage": b"SSH-2.0-OpenSSH_9.6\r\n\r\n",
+    # a 300 KB page without Content-Length, written in pieces: read to the close, not cut at the first read
+    "large-until-close": b"HTTP/1.0 200 OK\r\nContent-Type: text/plain\r\n\r\n" + PAGE + b"# padding\n" * 30_000,
 }
 
 
@@ -29,7 +31,7 @@ class RawServer:
 
     def __init__(self, mode: str):
         self.mode, self.connections, self.requests = mode, 0, 0
-        self.close_after_each = mode == "until-close"
+        self.close_after_each = mode.endswith("until-close")
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
@@ -40,8 +42,11 @@ class RawServer:
                 self.requests += 1
                 if self.mode == "stall":
                     await asyncio.sleep(5)
-                writer.write(RESPONSES[self.mode])
-                await writer.drain()
+                response = RESPONSES[self.mode]
+                for start in range(0, len(response), 50_000):
+                    writer.write(response[start : start + 50_000])
+                    await writer.drain()
+                    await asyncio.sleep(0.001)
                 if self.close_after_each:
                     break
         except (asyncio.IncompleteReadError, ConnectionResetError):
@@ -64,13 +69,14 @@ async def serve():
         server.close()
 
 
-@pytest.mark.parametrize("mode", ["length", "chunked", "until-close"])
+@pytest.mark.parametrize("mode", ["length", "chunked", "until-close", "large-until-close"])
 async def test_every_framing_and_connection_reuse(serve, mode):
     raw, client = await serve(mode)
+    page = RESPONSES[mode].partition(b"\r\n\r\n")[2] if mode == "large-until-close" else PAGE
     for _ in range(5):
-        assert await client.get() == PAGE.decode()
+        assert await client.get() == page.decode()
     assert raw.requests == 5
-    assert raw.connections == (5 if mode == "until-close" else 1)  # kept alive unless the server closes
+    assert raw.connections == (5 if mode.endswith("until-close") else 1)  # kept alive unless the server closes
     client.close()
 
 

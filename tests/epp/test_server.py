@@ -12,7 +12,7 @@ from epp.datalayer.datastore import Datastore
 from epp.datalayer.endpoint import EndpointSpec, ModelRewrite, PoolState
 from epp.metrics import EPPMetrics
 from epp.scheduling.scheduler import Scheduler
-from epp.server import EndpointPicker, RequestStream
+from epp.server import BodyBudget, EndpointPicker, RequestStream
 from protocol.metrics import EndpointMetrics
 
 FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
@@ -265,3 +265,72 @@ def test_rewritten_model_is_rewritten_back_in_streamed_responses():
         echo.response_body.response.body_mutation.streamed_response.body
         == b'{"model": "food", "text": "the model food-v2 said"}'
     )
+
+
+def test_bodies_over_the_limit_are_413_and_their_buffer_is_released():
+    picker = make_picker()
+    picker.max_body_bytes = 1000
+    stream = RequestStream(picker)
+    stream.handle(headers_message(BASE_HEADERS))
+    assert stream.handle(body_message(b"x" * 600, end=False)) == []
+    (response,) = stream.handle(body_message(b"x" * 600, end=False))
+    assert response.immediate_response.status.code == 413
+    assert "larger than 1000 bytes" in json.loads(response.immediate_response.body)["error"]["message"]
+    assert stream.body_chunks == [] and stream.body_bytes == 0
+    assert stream.handle(body_message(b"x" * 600, end=True)) == []  # the rest is dropped, not buffered
+
+
+def test_the_bodies_of_one_connection_share_a_budget():
+    picker = make_picker()
+    budget = BodyBudget(1500)
+    first, second = RequestStream(picker, budget), RequestStream(picker, budget)
+    for stream in (first, second):
+        stream.handle(headers_message(BASE_HEADERS))
+    assert first.handle(body_message(b"x" * 1000, end=False)) == []
+    (refused,) = second.handle(body_message(b"x" * 1000, end=False))
+    assert refused.immediate_response.status.code == 413 and budget.held == 1000
+    first.finish()  # the stream ended mid-body (reset): its bytes go back
+    assert budget.held == 0
+    third = RequestStream(picker, budget)
+    third.handle(headers_message(BASE_HEADERS))
+    body = json.dumps({"model": "m", "prompt": "hello"}).encode()
+    responses = third.handle(body_message(body))
+    assert not responses[0].HasField("immediate_response") and budget.held == 0
+
+
+def finish_with_status(stream: RequestStream, status: bytes) -> None:
+    headers = base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=":status", raw_value=status)])
+    stream.handle(pb.ProcessingRequest(response_headers=pb.HttpHeaders(headers=headers)))
+    stream.finish()
+
+
+def test_client_chosen_model_names_cannot_grow_the_metrics():
+    picker = make_picker()  # the pool declares no models: any name is routed, and model servers answer 404
+    registry = picker.metrics.registry
+    for i in range(500):
+        stream = RequestStream(picker)
+        stream.handle(headers_message(BASE_HEADERS))
+        stream.handle(body_message(json.dumps({"model": f"random-{i}", "prompt": "x"}).encode()))
+        finish_with_status(stream, b"404")
+    labels = {s.labels.get("model_name") for m in registry.collect() for s in m.samples if "model_name" in s.labels}
+    assert labels == {"other"}
+    assert (
+        registry.get_sample_value(
+            "inference_objective_request_error_total",
+            {"model_name": "other", "target_model_name": "other", "error_code": "404"},
+        )
+        == 500
+    )
+    # a name a model server served gets its own label
+    for _ in range(2):
+        stream = RequestStream(picker)
+        stream.handle(headers_message(BASE_HEADERS))
+        stream.handle(body_message(b'{"model": "real", "prompt": "x"}'))
+        finish_with_status(stream, b"200")
+    assert (
+        registry.get_sample_value(
+            "inference_objective_request_total", {"model_name": "real", "target_model_name": "real"}
+        )
+        == 1
+    )  # the first request, before any was served, counted under "other"
+    assert len(picker.metrics._children) < 20
