@@ -44,6 +44,7 @@ class StackConfig:
     model: str = "sim-llama-8b"
     config_file: str | None = None
     config_text: str | None = None
+    pool_extra: dict = field(default_factory=dict)  # more pool-file keys: objectives, models, rewrites
     modelserver_args: list[str] = field(default_factory=list)
     epp_args: list[str] = field(default_factory=list)
     workdir: Path | None = None
@@ -101,7 +102,7 @@ class LocalStack:
         c = self.config
         path = self.workdir / "pool.yaml"
         endpoints = [{"name": f"ms-{i}", "address": c.host, "port": c.base_port + i} for i in range(c.model_servers)]
-        path.write_text(yaml.safe_dump({"endpoints": endpoints}))
+        path.write_text(yaml.safe_dump({"endpoints": endpoints, **c.pool_extra}))
         return path
 
     def start_epp(self) -> None:

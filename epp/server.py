@@ -29,7 +29,7 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
 from epp.datalayer.datastore import Datastore
-from epp.datalayer.endpoint import Endpoint, ModelRewrite
+from epp.datalayer.endpoint import Endpoint, ModelRewrite, PoolState
 from epp.metrics import EPPMetrics
 from epp.scheduling.errors import SchedulingError
 from epp.scheduling.scheduler import Scheduler
@@ -239,7 +239,11 @@ class RequestStream:
         state = self.picker.datastore.state
         if state.models is not None and model not in state.models:
             return [self._reject(model_not_found(model))]
-        target = self.headers.get(extproc.MODEL_NAME_REWRITE_HEADER) or _rewrite(model, state.rewrites)
+        target = self.headers.get(extproc.MODEL_NAME_REWRITE_HEADER)
+        if target and state.models is not None and target not in state.models and not _rewrite_target(target, state):
+            # the gateway strips clients' copies of this header; whoever set it may not widen the pool's allowlist
+            return [self._reject(model_not_found(target))]
+        target = target or _rewrite(model, state.rewrites)
         self.model, self.target_model = model, target or model
         label = self.picker.metrics.model_label
         self.labels = (label(model, state.models), label(self.target_model, state.models))
@@ -405,6 +409,10 @@ class RequestStream:
             if not picked:
                 log.debug("request %s was served by %s, not the pick %s", self.request.request_id, self.served,
                           endpoint.hostport)  # fmt: skip
+
+
+def _rewrite_target(name: str, state: PoolState) -> bool:
+    return any(name == target for rule in state.rewrites for target, _ in rule.targets)
 
 
 def _rewrite(model: str, rewrites: tuple[ModelRewrite, ...]) -> str | None:

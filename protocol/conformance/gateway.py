@@ -26,7 +26,7 @@ from aiohttp import web
 from epp.bench.ports import free_ports
 from epp.envoy import TEMPLATE, EnvoyProcess, render_bootstrap
 from protocol.conformance.framework import CheckFailed, Level, Suite, expect
-from protocol.extproc import DESTINATION_ENDPOINT_HEADER
+from protocol.extproc import DESTINATION_ENDPOINT_HEADER, FALLBACK_ENDPOINT_HEADERS, MODEL_NAME_REWRITE_HEADER
 
 suite = Suite("GatewayDataPath")
 MUST, SHOULD = Level.MUST, Level.SHOULD
@@ -277,6 +277,19 @@ async def spoofed_up(g: Gateway) -> None:
         status, echo = await g.send(headers={SELECT: target, DESTINATION_ENDPOINT_HEADER: spoof})
         expect(status == 200 and echo["served_by"] == target, f"spoofed header won: served by {echo.get('served_by')}")
         expect(echo["headers"].get(DESTINATION_ENDPOINT_HEADER) == target, "the backend saw the spoofed header")
+
+
+@suite.check(
+    "private-headers-stripped", MUST, "clients cannot set the gateway's private headers (model rewrite, fallbacks)"
+)
+async def private_headers(g: Gateway) -> None:
+    body = json.dumps({"model": "m", "prompt": "hello"}).encode()
+    spoofed = {MODEL_NAME_REWRITE_HEADER: "not-served-here", **dict.fromkeys(FALLBACK_ENDPOINT_HEADERS, "127.0.0.1:1")}
+    status, echo = await g.send(body, headers={SELECT: g.endpoints[1], **spoofed})
+    expect(status == 200, f"answered {status}")
+    expect(echo["sha256"] == hashlib.sha256(body).hexdigest(), "the client's model-name rewrite changed the body")
+    leaked = sorted(h for h in spoofed if echo["headers"].get(h) == spoofed[h])
+    expect(not leaked, f"the client's copies of {leaked} reached the backend")
 
 
 @suite.check("large-body", MUST, "a 1 MB request body arrives intact at the picked endpoint")

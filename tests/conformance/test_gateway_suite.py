@@ -33,7 +33,7 @@ def test_our_gateway_passes(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     profile = report["profiles"][0]
     assert profile["name"] == "GatewayDataPath"
-    assert profile["core"] == {"result": "success", "statistics": {"Failed": 0, "Passed": 10, "Skipped": 0}}
+    assert profile["core"] == {"result": "success", "statistics": {"Failed": 0, "Passed": 11, "Skipped": 0}}
     expected_failures = []
     if "response_header_mode: SKIP" in TEMPLATE.read_text():  # then the served endpoint cannot reach the EPP
         expected_failures.append("served-endpoint-reported")
@@ -62,3 +62,11 @@ def test_a_gateway_that_keeps_the_client_header_fails(tmp_path):
     result, report = run_suite(tmp_path, "--envoy-template", template, "--only", "spoofed-header-epp-down")
     assert result.returncode == 1
     assert report["profiles"][0]["core"]["failedTests"] == ["spoofed-header-epp-down"]
+
+
+def test_a_gateway_that_passes_the_clients_rewrite_header_fails(tmp_path):
+    template = edited_template(tmp_path, ("                - remove: x-gateway-model-name-rewrite\n", ""))
+    result, report = run_suite(tmp_path, "--envoy-template", template, "--only", "private-headers-stripped")
+    assert result.returncode == 1
+    assert report["profiles"][0]["core"]["failedTests"] == ["private-headers-stripped"]
+    assert "model-name rewrite changed the body" in result.stdout

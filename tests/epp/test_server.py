@@ -334,3 +334,20 @@ def test_client_chosen_model_names_cannot_grow_the_metrics():
         == 1
     )  # the first request, before any was served, counted under "other"
     assert len(picker.metrics._children) < 20
+
+
+def test_a_rewrite_header_cannot_widen_the_pools_model_allowlist():
+    state = PoolState(
+        endpoints=(EndpointSpec("a", "10.0.0.1", 8000),),
+        models=frozenset({"m", "m-v2"}),
+        rewrites=(ModelRewrite("alias", (("backend-name", 1),)),),
+    )
+    for target, allowed in (("secret-model", False), ("m-v2", True), ("backend-name", True)):
+        stream = RequestStream(make_picker(state))
+        stream.handle(headers_message({**BASE_HEADERS, "x-gateway-model-name-rewrite": target}))
+        responses = stream.handle(body_message(b'{"model": "m", "prompt": "x"}'))
+        if allowed:
+            body = b"".join(r.request_body.response.body_mutation.streamed_response.body for r in responses[1:])
+            assert json.loads(body)["model"] == target
+        else:
+            assert responses[0].immediate_response.status.code == 404

@@ -153,8 +153,10 @@ async def test_killed_model_server_is_dropped_and_others_keep_serving(make_stack
 
 
 async def test_rewritten_model_goes_back_to_the_client_name_with_response_bodies(make_stack):
-    stack = await make_stack(servers=2, response_body_mode="FULL_DUPLEX_STREAMED")
-    rewrite = {"x-gateway-model-name-rewrite": MODEL}
+    # the pool's rewrite (a client's x-gateway-model-name-rewrite header is stripped by the gateway)
+    pool = {"rewrites": [{"model": "my-alias", "targets": [{"model": MODEL, "weight": 1}]}]}
+    stack = await make_stack(servers=2, response_body_mode="FULL_DUPLEX_STREAMED", pool_extra=pool)
+    rewrite = {}
     async with aiohttp.ClientSession() as session:
         status, payload = await complete(
             session, stack, {"model": "my-alias", "prompt": "hi", "max_tokens": 3}, rewrite
