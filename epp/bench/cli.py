@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from epp.bench import compare, decision, idle, overhead, sim_capacity
+from epp.bench.workloads import WORKLOADS
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -32,10 +33,18 @@ def main(argv: list[str] | None = None) -> None:
     capacity.add_argument("--rates", type=float, nargs="+", default=[16.0, 32.0, 64.0])
     capacity.add_argument("--duration", type=float, default=20.0)
     cmp = sub.add_parser("compare", help="routing quality of our EPP, plain Envoy and the Rust routers")
-    cmp.add_argument("--workload", default="shared-prefix")
-    cmp.add_argument("--targets", nargs="+", default=["epp", "prefix-only", "queue-only", "round-robin", "least-request",
-                                                      "random", "sglang-cache-aware", "sglang-round-robin",
-                                                      "vllm-cache-aware"])  # fmt: skip
+    workloads = sorted(p.stem for p in WORKLOADS.glob("*.yaml"))
+    cmp.add_argument("--workload", default="shared-prefix", choices=workloads, help="one of: " + ", ".join(workloads))
+    targets = [*compare.EPP_TARGETS, *compare.ENVOY_TARGETS, *compare.PEER_TARGETS]
+    cmp.add_argument(
+        "--targets",
+        nargs="+",
+        choices=targets,
+        metavar="TARGET",
+        default=["epp", "prefix-only", "queue-only", "round-robin", "least-request", "random", "sglang-cache-aware",
+                 "sglang-round-robin", "vllm-cache-aware"],
+        help="any of: " + ", ".join(targets) + " (the Rust routers need the [bench] extra)",
+    )  # fmt: skip
     cmp.add_argument("--rates", type=float, nargs="+", default=[8.0, 16.0, 24.0])
     cmp.add_argument("--concurrency", type=int, nargs="+", default=[], help="closed-loop clients (instead of --rates)")
     cmp.add_argument("--duration", type=float, default=60.0)
@@ -100,3 +109,7 @@ def main(argv: list[str] | None = None) -> None:
             args.out.mkdir(parents=True, exist_ok=True)
             (args.out / "overhead.json").write_text(json.dumps(overhead.as_dict(result), indent=2))
             (args.out / "overhead.md").write_text(report + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -420,6 +420,10 @@ def plots(results: list[TargetResult], out: Path) -> list[Path]:
 async def compare(workload: str, targets: list[str], rates: list[float], duration: float, servers: int, out: Path,
                   scale: float = 1.0, progress=print, concurrencies: list[int] = (),
                   load_generator: str = "builtin") -> list[TargetResult]:  # fmt: skip
+    known = {**EPP_TARGETS, **ENVOY_TARGETS, **PEER_TARGETS}
+    unknown = [t for t in targets if t not in known]
+    if unknown:  # before anything starts
+        raise ValueError(f"unknown target(s) {', '.join(unknown)}; known: {', '.join(known)}")
     spec = load_workload(workload)
     out.mkdir(parents=True, exist_ok=True)
     results = []

@@ -17,20 +17,19 @@ import asyncio
 import sys
 from pathlib import Path
 
-import aiohttp
 import yaml
 
 from protocol.conformance.framework import Level, Outcome, Result
-from protocol.conformance.msp import Target, default_model, suite
+from protocol.conformance.msp import Target, default_model, open_session, served_adapters, suite
 from protocol.conformance.report import Implementation, conformance_report
 from protocol.metrics import ENGINES
 
 
 async def run(args: argparse.Namespace) -> list[Result]:
-    timeout = aiohttp.ClientTimeout(total=300)
-    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+    async with open_session() as session:
         model = args.model or await default_model(session, args.url)
-        target = Target(args.url.rstrip("/"), model, args.engine, args.lora_adapter, args.load_requests, session)
+        adapters = args.lora_adapter or await served_adapters(session, args.url, model)
+        target = Target(args.url.rstrip("/"), model, args.engine, adapters, args.load_requests, session)
 
         print(f"Model Server Protocol conformance: {args.url} (model {model!r}, engine {args.engine})")
         return await suite.run(target, set(args.only) if args.only else None, _show)

@@ -93,6 +93,11 @@ class Target:
                 "min_tokens": LOAD_TOKENS}  # fmt: skip
 
 
+def open_session() -> aiohttp.ClientSession:
+    """The suite's HTTP session: no connection limit, since the load checks need hundreds of requests at once."""
+    return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300), connector=aiohttp.TCPConnector(limit=0))
+
+
 async def default_model(session: aiohttp.ClientSession, url: str) -> str:
     """The first base model (not a LoRA adapter) of GET /v1/models."""
     async with session.get(f"{url}/v1/models") as r:
@@ -100,6 +105,14 @@ async def default_model(session: aiohttp.ClientSession, url: str) -> str:
         data = (await r.json())["data"]
     base = [m["id"] for m in data if not m.get("parent")]
     return (base or [data[0]["id"]])[0]
+
+
+async def served_adapters(session: aiohttp.ClientSession, url: str, model: str) -> list[str]:
+    """The LoRA adapters GET /v1/models lists on top of `model` (vLLM: entries whose `parent` is the base model),
+    so the LoRA checks run without naming adapters by hand."""
+    async with session.get(f"{url}/v1/models") as r:
+        data = (await r.json())["data"] if r.status == 200 else []
+    return [m["id"] for m in data if m.get("parent") == model]
 
 
 def _usage_adds_up(usage: dict) -> None:
@@ -350,7 +363,7 @@ async def cache_config(t: Target) -> None:
 
 def _need_lora(t: Target) -> MetricSpec:
     if not t.lora_adapters:
-        raise Skip("needs a --lora-adapter name")
+        raise Skip("the server lists no LoRA adapter in /v1/models and none was given (--lora-adapter)")
     spec = engine_spec(t.engine).lora_info
     if spec is None:
         raise Skip(f"engine {t.engine} defines no LoRA info metric")

@@ -1,7 +1,9 @@
 """Run the Model Server Protocol suite as pytest tests: one test per check.
 
     pytest -p protocol.conformance.pytest_plugin --msp-url http://host:8000 [--msp-model M] [--msp-lora-adapter A]
-           [--msp-engine vllm] --pyargs protocol.conformance.test_msp
+           [--msp-engine vllm] [--msp-load-requests 32] --pyargs protocol.conformance.test_msp
+
+Without --msp-lora-adapter the adapters the server lists in /v1/models are used (a skipped LoRA check says so).
 
 A SHOULD check that fails is reported as xfail, a skipped check as skipped.
 """
@@ -15,3 +17,4 @@ def pytest_addoption(parser):
     group.addoption("--msp-model", default=None)
     group.addoption("--msp-lora-adapter", action="append", default=[])
     group.addoption("--msp-engine", default="vllm")
+    group.addoption("--msp-load-requests", type=int, default=32, help="concurrent long requests of the load checks")

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import asyncio
 
-import aiohttp
 import pytest
 
 from protocol.conformance.framework import Level, Outcome
-from protocol.conformance.msp import Target, default_model, suite
+from protocol.conformance.msp import Target, default_model, open_session, served_adapters, suite
 
 
 @pytest.mark.parametrize("check", suite.checks, ids=[c.name for c in suite.checks])
@@ -18,10 +17,12 @@ def test_model_server_protocol(request, check):
         pytest.skip("no --msp-url given")
 
     async def run():
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
-            model = request.config.getoption("--msp-model") or await default_model(session, url.rstrip("/"))
-            target = Target(url.rstrip("/"), model, request.config.getoption("--msp-engine"),
-                            request.config.getoption("--msp-lora-adapter"), session=session)  # fmt: skip
+        async with open_session() as session:
+            base = url.rstrip("/")
+            model = request.config.getoption("--msp-model") or await default_model(session, base)
+            adapters = request.config.getoption("--msp-lora-adapter") or await served_adapters(session, base, model)
+            target = Target(base, model, request.config.getoption("--msp-engine"), adapters,
+                            request.config.getoption("--msp-load-requests"), session=session)  # fmt: skip
             return await suite.run_one(check, target)
 
     result = asyncio.run(run())

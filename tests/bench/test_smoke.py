@@ -4,6 +4,8 @@ harness cannot rot between `make bench` runs."""
 import asyncio
 import itertools
 import json
+import time
+from pathlib import Path
 
 import pytest
 
@@ -96,3 +98,20 @@ def test_inference_perf_as_the_load_generator(tmp_path):
     assert 0 < result.ttft_ms["p50"] <= result.ttft_ms["p99"] and result.output_tokens_per_s > 0
     assert sum(result.per_server) == result.requests  # the servers' own counters agree with the client's
     assert "(load generator: inference-perf)" in (tmp_path / "shared-prefix.md").read_text()
+
+
+def test_cli_lists_workloads_and_targets_and_rejects_unknown_ones_before_starting_anything():
+    import subprocess
+    import sys
+
+    help_text = subprocess.run([sys.executable, "-m", "epp.bench.cli", "compare", "--help"], capture_output=True,
+                               text=True, timeout=60).stdout  # fmt: skip
+    flat = "".join(help_text.split())  # argparse wraps lines, at hyphens too
+    for name in ("multi-lora", "heterogeneous", "round-robin", "sglang-cache-aware", "prefix-only"):
+        assert name in flat
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-m", "epp.bench.cli", "compare", "--targets", "bogus"],
+                            capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert result.returncode == 2 and "bogus" in result.stderr and time.monotonic() - started < 20
+    with pytest.raises(ValueError, match="unknown target"):
+        asyncio.run(compare.compare("shared-prefix", ["epp", "bogus"], [1.0], 1.0, 2, Path("/tmp/never-made")))

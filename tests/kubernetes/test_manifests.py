@@ -106,7 +106,7 @@ def test_rbac_is_least_privilege():
 
 
 def test_shipped_envoy_bootstrap_is_the_rendered_template():
-    assert KUBERNETES_BOOTSTRAP.read_text() == render_kubernetes_bootstrap(), "run `python -m epp.envoy`"
+    assert KUBERNETES_BOOTSTRAP.read_text() == render_kubernetes_bootstrap(), "run `python -m epp.envoy --write`"
 
 
 def test_dashboard_is_valid_grafana_json():
