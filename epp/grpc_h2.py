@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import struct
+import time
 from collections import deque
 from collections.abc import Callable
 
@@ -40,8 +41,10 @@ GRPC_PREFIX = struct.Struct(">BL")  # compressed flag, message length
 SETTING = struct.Struct(">HL")
 U32 = struct.Struct(">L")
 
-RECEIVE_WINDOW = 1 << 24  # per stream: a 16 MiB body needs no window update
-CONNECTION_RECEIVE_WINDOW = 1 << 28
+# Receive windows bound what a peer can push ahead of our parsing: per stream 4 MiB (a 1 MB body needs no window
+# update), per connection 64 MiB.
+RECEIVE_WINDOW = 1 << 22
+CONNECTION_RECEIVE_WINDOW = 1 << 26
 MAX_RECEIVE_FRAME = 1 << 20
 MAX_MESSAGE = 64 << 20  # what the grpcio transport allows (grpc.max_receive_message_length)
 DEFAULT_WINDOW = 65_535
@@ -50,9 +53,11 @@ MAX_WINDOW = (1 << 31) - 1
 # Envoy as a client opens another connection when it reaches ours): a peer that breaks one gets GOAWAY and loses
 # only its own connection.
 MAX_CONCURRENT_STREAMS = 1024  # advertised; a stream beyond it is refused (RST_STREAM REFUSED_STREAM)
+REFUSED_STREAMS_TOLERATED = 100  # a proxy may race its SETTINGS; one that keeps opening streams beyond gets GOAWAY
 MAX_HEADER_BLOCK = 64 << 10  # HEADERS + CONTINUATION of one block (Envoy's default max_request_headers_kb is 60)
 MAX_PARTIAL_BYTES = 4 * MAX_MESSAGE  # incomplete messages all streams of one connection may hold together
 MAX_OUTBOUND_BYTES = 16 << 20  # unread answers (e.g. PING ACKs of a peer that never reads): it is not a proxy
+MAX_CONTROL_FRAMES_PER_SECOND = 1000  # PINGs and SETTINGS we must acknowledge (Envoy sends a few per minute)
 PREMATURE_RESETS = 100  # streams reset before their first message, once also over half of those opened (CVE-2023-44487)
 FIXED_PAYLOAD = {PRIORITY: 5, RST_STREAM: 4, PING: 8, WINDOW_UPDATE: 4}
 
@@ -128,8 +133,9 @@ class ExtProcConnection(asyncio.Protocol):
         self.continuation_of = 0
         self.continuation_flags = 0
         self.last_stream_id = 0
-        self.opened = self.premature_resets = 0
+        self.opened = self.premature_resets = self.refused_streams = 0
         self.partial_bytes = 0  # gRPC messages of all streams not yet complete
+        self.control_frames, self.control_window_start = 0, time.monotonic()
 
     # -- connection ----------------------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:
@@ -161,7 +167,9 @@ class ExtProcConnection(asyncio.Protocol):
         if transport.get_write_buffer_size() > MAX_OUTBOUND_BYTES:
             transport.abort()  # it does not read: a GOAWAY behind the backlog would never arrive
             return
-        transport.write(frame(GOAWAY, 0, 0, U32.pack(self.last_stream_id) + U32.pack(code)))
+        self.out.append(frame(GOAWAY, 0, 0, U32.pack(self.last_stream_id) + U32.pack(code)))
+        transport.write(b"".join(self.out))  # what was already answered, then the GOAWAY
+        self.out.clear()
         transport.close()
 
     def data_received(self, data: bytes) -> None:
@@ -248,9 +256,11 @@ class ExtProcConnection(asyncio.Protocol):
             if len(payload) % 6 or (flags & ACK and payload):
                 raise H2ConnectionError(FRAME_SIZE_ERROR, f"a SETTINGS frame of {len(payload)} bytes")
             if not flags & ACK:
+                self._count_control_frame()
                 self._on_settings(payload)
         elif kind == PING:
             if not flags & ACK:
+                self._count_control_frame()
                 self.out.append(frame(PING, ACK, 0, payload))
         elif kind == RST_STREAM:
             stream = self.streams.pop(stream_id, None)
@@ -265,6 +275,14 @@ class ExtProcConnection(asyncio.Protocol):
         elif kind == PUSH_PROMISE:
             raise ValueError("a client cannot push")
         # PRIORITY and unknown frame types are ignored (RFC 9113 5.5)
+
+    def _count_control_frame(self) -> None:
+        self.control_frames += 1
+        if self.control_frames > MAX_CONTROL_FRAMES_PER_SECOND:
+            now = time.monotonic()
+            if now - self.control_window_start < 1.0:
+                raise H2ConnectionError(ENHANCE_YOUR_CALM, "a flood of PING or SETTINGS frames")
+            self.control_frames, self.control_window_start = 0, now
 
     def _on_headers(self, flags: int, stream_id: int, payload: bytes) -> None:
         if flags & PADDED:
@@ -293,6 +311,9 @@ class ExtProcConnection(asyncio.Protocol):
             path = next((value for name, value in headers if name == b":path"), b"")
             if len(self.streams) > MAX_CONCURRENT_STREAMS:
                 self.streams.pop(stream.id)
+                self.refused_streams += 1
+                if self.refused_streams > REFUSED_STREAMS_TOLERATED:  # it ignores our SETTINGS: not a proxy
+                    raise H2ConnectionError(ENHANCE_YOUR_CALM, "streams over the advertised concurrency limit")
                 self.out.append(frame(RST_STREAM, 0, stream.id, U32.pack(REFUSED_STREAM)))
                 return
             if path == PROCESS_PATH:
@@ -332,7 +353,8 @@ class ExtProcConnection(asyncio.Protocol):
                 if len(message) < 5 + length:
                     break
                 try:
-                    request = pb.ProcessingRequest.FromString(bytes(message[5 : 5 + length]))
+                    with memoryview(message) as view:  # parsed in place: one copy less of a large body
+                        request = pb.ProcessingRequest.FromString(view[5 : 5 + length])
                 except DecodeError:
                     self._close_stream(stream, status_trailers(INVALID_ARGUMENT, "not a ProcessingRequest"))
                     return

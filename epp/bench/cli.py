@@ -12,7 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-from epp.bench import compare, decision, idle, overhead, sim_capacity
+from epp.bench import chaos, compare, decision, idle, overhead, sim_capacity
 from epp.bench.workloads import WORKLOADS
 
 
@@ -59,6 +59,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     cmp.add_argument("--out", type=Path, default=Path("bench-results"))
     sub.add_parser("decision", help="scheduler decision time vs pool size (8, 32, 128) and prompt length")
+    chaos_cmd = sub.add_parser("chaos", help="attacks and faults on a local stack while a well-behaved client runs")
+    chaos_cmd.add_argument("--seconds", type=float, default=4.0, help="per attack")
     idle_cmd = sub.add_parser("idle", help="CPU of an idle EPP that only scrapes N endpoints")
     idle_cmd.add_argument("--endpoints", type=int, nargs="+", default=[8, 64, 256])
     idle_cmd.add_argument("--seconds", type=float, default=10.0, help="measuring window per pool size")
@@ -93,6 +95,8 @@ def main(argv: list[str] | None = None) -> None:
             bar.update(task, completed=runs, description="done")
         print(compare.markdown(results))
         print(f"results in {args.out}/{args.workload}.md, .json and *.png")
+    if args.command == "chaos":
+        print(chaos.markdown(asyncio.run(chaos.run(seconds=args.seconds))))
     if args.command == "idle":
         print(idle.markdown(idle.measure(args.endpoints, args.seconds, epp_args=args.epp_arg, busy=args.busy)))
     if args.command == "sim-capacity":

@@ -115,3 +115,15 @@ def test_cli_lists_workloads_and_targets_and_rejects_unknown_ones_before_startin
     assert result.returncode == 2 and "bogus" in result.stderr and time.monotonic() - started < 20
     with pytest.raises(ValueError, match="unknown target"):
         asyncio.run(compare.compare("shared-prefix", ["epp", "bogus"], [1.0], 1.0, 2, Path("/tmp/never-made")))
+
+
+def test_chaos_smoke():
+    from epp.bench import chaos
+
+    report = asyncio.run(
+        chaos.run(servers=2, seconds=1.0, progress=lambda _: None, only=("HTTP/2: 1-byte", "body flood via gateway"))
+    )
+    assert [r.attack for r in report.results] == ["body flood via gateway (40 MB)", "HTTP/2: 1-byte WINDOW_UPDATE"]
+    for result in report.results:
+        assert result.answered_correctly == result.sent == 1 and result.lost == 0 and result.probes > 0, result
+    assert "| HTTP/2: 1-byte WINDOW_UPDATE | 1 | 1 | 0 /" in chaos.markdown(report)

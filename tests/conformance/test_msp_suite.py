@@ -148,4 +148,7 @@ async def test_a_broken_server_fails_must_checks():
     assert "not one JSON object" in outcomes["completions-streaming"][1]
     assert outcomes["unknown-model"] == (Outcome.FAIL, "unknown model answered 500")
     assert outcomes["metrics-gauges"] == (Outcome.FAIL, "KV usage [55.0] is not a fraction in [0, 1]")
-    assert outcomes["lora-served"] == (Outcome.SKIP, "needs a --lora-adapter name")
+    assert outcomes["lora-served"] == (
+        Outcome.SKIP,
+        "the server lists no LoRA adapter in /v1/models and none was given (--lora-adapter)",
+    )
