@@ -12,7 +12,8 @@ import pytest
 import yaml
 
 from epp.envoy import KUBERNETES_BOOTSTRAP, render_kubernetes_bootstrap
-from tests.kubernetes.crd_validation import crd_schemas, validate_custom_resource
+from tests.kubernetes.crd_validation import CRDS as CRD_DIR
+from tests.kubernetes.crd_validation import crd_schemas, validate_crd, validate_custom_resource
 
 MANIFESTS = Path(__file__).resolve().parents[2] / "manifests"
 KUSTOMIZATIONS = [
@@ -179,3 +180,31 @@ def test_a_service_picker_needs_a_port_but_another_kind_does_not():
         POOL, ["spec", "endpointPickerRef"], {"group": "example.com", "kind": "Picker", "name": "x"}
     )
     assert validate_custom_resource(other_kind) == []
+
+
+@pytest.mark.parametrize("path", sorted(CRD_DIR.glob("*_*.yaml")), ids=lambda p: p.name)
+def test_crds_are_accepted_as_the_api_server_would(path):
+    assert validate_crd(yaml.safe_load(path.read_text())) == []
+
+
+def test_the_crd_validator_catches_what_the_api_server_rejects():
+    pool = yaml.safe_load((CRD_DIR / "inference.networking.k8s.io_inferencepools.yaml").read_text())
+    assert validate_crd(pool) == []
+    unapproved = with_change(pool, ["metadata", "annotations"], {})
+    assert any("protected groups must have approval annotation" in e for e in validate_crd(unapproved))
+    schema = ["spec", "versions", 0, "schema", "openAPIV3Schema", "properties", "spec"]
+    untyped = with_change(pool, [*schema, "type"], ...)
+    assert any("type: Required value" in e for e in validate_crd(untyped))
+    bad_rule = with_change(pool, [*schema, "x-kubernetes-validations"], [{"rule": "self.targetPorts.all(p,"}])
+    assert any("compilation failed" in e for e in validate_crd(bad_rule))
+    picker = [*schema, "properties", "endpointPickerRef", "properties", "failureMode", "default"]
+    assert any("default" in e for e in validate_crd(with_change(pool, picker, "FailSometimes")))
+
+
+def test_unknown_fields_are_rejected_like_strict_decoding():
+    errors = validate_custom_resource(with_change(POOL, ["spec", "extensionRef"], {"name": "epp"}))
+    assert errors == ['.spec: unknown field "extensionRef"']
+    nested = with_change(POOL, ["spec", "endpointPickerRef", "port", "nmber"], 9002)
+    assert any('unknown field "nmber"' in e for e in validate_custom_resource(nested))
+    labelled = with_change(POOL, ["metadata", "labels"], {"app": "x"})  # ObjectMeta is not the CRD's to check
+    assert validate_custom_resource(labelled) == []
