@@ -60,9 +60,13 @@ def test_overlays_bring_up_pool_epp_and_gateway():
     for overlay in ("overlays/sim", "overlays/gpu"):
         kinds = {(o["kind"], o["metadata"]["name"]) for o in build(overlay)}
         for needed in [("Deployment", "epp"), ("Deployment", "model-server"), ("Deployment", "inference-gateway"),
-                       ("InferencePool", "model-server-pool"), ("Service", "epp"), ("ConfigMap", "envoy-bootstrap"),
-                       ("CustomResourceDefinition", "inferencepools.inference.networking.k8s.io")]:  # fmt: skip
+                       ("InferencePool", "model-server-pool"), ("Service", "epp"), ("ConfigMap", "envoy-bootstrap")]:  # fmt: skip
             assert needed in kinds, (overlay, needed)
+        # CRDs are applied and established first (README): with them in the same apply, a new cluster rejects the pool
+        assert not any(kind == "CustomResourceDefinition" for kind, _ in kinds), overlay
+    crds = {o["metadata"]["name"] for o in build("crds")}
+    assert crds == {"inferencepools.inference.networking.k8s.io", "inferenceobjectives.inference.networking.x-k8s.io",
+                    "inferencemodelrewrites.inference.networking.x-k8s.io"}  # fmt: skip
     gpu = next(
         o for o in build("overlays/gpu") if o["kind"] == "Deployment" and o["metadata"]["name"] == "model-server"
     )
