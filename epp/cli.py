@@ -58,7 +58,10 @@ def _kubernetes_api(kubeconfig: str | None):
             config.load_incluster_config()
         except config.ConfigException:
             config.load_kube_config()
-    return client.ApiClient()
+    configuration = client.Configuration.get_default_copy()
+    configuration.retries = False  # our watchers back off and log an outage once; urllib3 would retry and warn
+    logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)
+    return client.ApiClient(configuration)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -158,7 +161,25 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     app = web.Application()
     app.router.add_get("/metrics", metrics_handler)
     runner = web.AppRunner(app, access_log=None)
-    watcher = asyncio.create_task(source.run(datastore.apply))
+    # Readiness: the pool is known (the pool file is read at start; Kubernetes: every resource listed once) and,
+    # with leader election, this replica serves. Recomputed whenever either changes.
+    readiness = {"pool synced": bool(args.pool_file), "serving": elector is None}
+
+    async def report_health() -> None:
+        await health.set(live=True, ready=all(readiness.values()))
+
+    def on_pool(state: PoolState) -> None:
+        datastore.apply(state)
+        if not readiness["pool synced"]:
+            readiness["pool synced"] = True
+            log.info("pool %s synced: %d endpoints", pool_name, len(state.endpoints))
+            asyncio.get_running_loop().create_task(report_health())
+
+    def on_serving(serving: bool):
+        readiness["serving"] = serving
+        return report_health()
+
+    watcher = asyncio.create_task(source.run(on_pool))
     tasks = [watcher]
     try:
         if args.ext_proc_transport == "h2":
@@ -168,9 +189,9 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
         await health_server.start()
         await runner.setup()
         await web.TCPSite(runner, args.bind_address, args.metrics_port).start()
-        await health.set(live=True, ready=elector is None)
+        await report_health()
         if elector is not None:
-            elector.on_change = lambda leader: health.set(live=True, ready=leader)
+            elector.on_change = on_serving
             tasks.append(asyncio.create_task(elector.run()))
         log.info(
             "epp ready: ext_proc %s:%d, health %d, metrics %d, %d endpoints",

@@ -1,6 +1,8 @@
 """gRPC health (grpc.health.v1) for the proxy and Kubernetes probes: services "liveness", "readiness" and the
-ext_proc service name. Ready once the pool is known; with leader election, only the leader reports SERVING on
-readiness and ext_proc, so the gateway sends traffic to the leader alone."""
+ext_proc service name. Ready once the pool is known (the pool file read, or every Kubernetes resource listed) and,
+with leader election, while this replica serves (epp/leader.py: the leader, or a leader cut off from the API
+that has seen no other holder), so the gateway sends traffic to that replica alone. `epp/cli.py` sets the status
+on every change of either."""
 
 from __future__ import annotations
 

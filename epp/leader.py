@@ -1,5 +1,14 @@
 """Leader election on a coordination.k8s.io/v1 Lease (`--ha-enable-leader-election`): with several EPP replicas,
-only the leader reports SERVING on readiness and the ext_proc health service, so the gateway sends it all traffic.
+only the serving replica reports SERVING on readiness and the ext_proc health service, so the gateway sends it all
+traffic.
+
+Routing must not depend on the API server being up. So `serving` is not `is_leader`: a leader that cannot renew
+because the API is unreachable (errors, hung requests) loses the lease on client-go's schedule (`is_leader` turns
+False at the renew deadline) but keeps serving from its last known pool until it sees another holder — an attempt
+that completes and finds the Lease held by someone else. The trade-off: during a partition that lets another
+replica reach the API and take the Lease, both serve until the old leader hears of it (routing from two replicas
+is harmless: each picks from the same pool); with "step down at the deadline", an API outage would leave no
+replica ready, and the gateway would stop routing for the whole pool although every model server is fine.
 
 The rules are client-go's leaderelection:
 * Expiry is judged on this replica's own monotonic clock: a Lease held by another replica expires `leaseDuration`
@@ -46,10 +55,17 @@ class LeaseElector:
         self._leading = False
         self._renewed_at = -math.inf
         self._reported = False
+        self._outage_logged = False
 
     @property
     def is_leader(self) -> bool:
+        """client-go's view: the Lease was renewed within the renew deadline."""
         return self._leading and time.monotonic() - self._renewed_at < self.renew_deadline
+
+    @property
+    def serving(self) -> bool:
+        """Leader, or a leader cut off from the API that has not yet seen another holder."""
+        return self._leading
 
     def _now(self) -> datetime.datetime:
         return datetime.datetime.now(datetime.UTC)
@@ -122,13 +138,20 @@ class LeaseElector:
         return max(0.0, self._renewed_at + self.renew_deadline - time.monotonic()) + 0.001 if self.is_leader else None
 
     async def _report(self) -> None:
-        leader = self.is_leader
-        if leader == self._reported:
+        serving = self.serving
+        if serving and not self.is_leader and not self._outage_logged:
+            self._outage_logged = True
+            log.warning("%s: the Lease was not renewed within %.0fs (API unreachable); still serving from the last "
+                        "known pool until another holder appears", self.identity, self.renew_deadline)  # fmt: skip
+        elif self.is_leader and self._outage_logged:
+            self._outage_logged = False
+            log.info("%s: the Lease is renewed again", self.identity)
+        if serving == self._reported:
             return
-        self._reported = leader
-        log.info("%s is %s the leader", self.identity, "now" if leader else "no longer")
+        self._reported = serving
+        log.info("%s is %s the leader", self.identity, "now" if serving else "no longer")
         if self.on_change is not None:
-            result = self.on_change(leader)
+            result = self.on_change(serving)
             if asyncio.iscoroutine(result):
                 await result
 
@@ -138,7 +161,7 @@ class LeaseElector:
             while True:
                 started = time.monotonic()
                 attempt = asyncio.ensure_future(asyncio.to_thread(self.try_acquire_or_renew))
-                while not attempt.done():  # a hung request must not keep a stale leader reporting SERVING
+                while not attempt.done():  # a hung request: the lease lapses (logged), serving goes on
                     await asyncio.wait({attempt}, timeout=self._until_deadline())
                     await self._report()
                 try:

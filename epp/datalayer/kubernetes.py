@@ -25,7 +25,9 @@ import asyncio
 import contextlib
 import json
 import logging
+import random
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -40,7 +42,15 @@ ENGINE_LABEL = "inference.networking.k8s.io/engine-type"
 POOL_GROUP = "inference.networking.k8s.io"
 POOL_VERSIONS = {POOL_GROUP: "v1", "inference.networking.x-k8s.io": "v1alpha2"}
 X_GROUP, X_VERSION = "inference.networking.x-k8s.io", "v1alpha2"  # InferenceObjective, InferenceModelRewrite
-BACKOFF_INITIAL, BACKOFF_MAX = 0.5, 10.0
+# Retries after an error: doubling from 0.25 s, capped at 2 s (so watching resumes within ~2 s of the API server
+# answering again), each wait jittered to 50-100 % so that replicas do not retry in step after a restart.
+BACKOFF_INITIAL, BACKOFF_MAX = 0.25, 2.0
+
+
+def _short(exc: Exception) -> str:
+    if isinstance(exc, ApiException):
+        return f"HTTP {exc.status} {exc.reason}"
+    return f"{type(exc).__name__}: {str(exc)[:160]}"
 
 
 class Gone(Exception):
@@ -258,11 +268,17 @@ class KubernetesSource:
     def _watch_forever(self, resource: _Resource, changed: Callable[[], None]) -> None:
         backoff = BACKOFF_INITIAL
         listed = False
+        outage_since = None  # monotonic time of the first failure of the current outage
         while not self._stop.is_set():
             try:
                 if not listed:
                     self._list(resource, changed)
                     listed = True
+                if outage_since is not None:
+                    log.info(
+                        "%s: the API server answers again after %.1fs", resource.name, time.monotonic() - outage_since
+                    )
+                    outage_since = None
                 self._watch(resource, changed)  # returns when the server ends the watch: resume from the last rv
                 backoff = BACKOFF_INITIAL
             except Gone:
@@ -275,6 +291,11 @@ class KubernetesSource:
                     log.info("%s: resourceVersion expired (410); relisting", resource.name)
                     listed = False
                     continue
-                log.warning("%s: watch failed (%s); retrying in %.1fs", resource.name, exc, backoff)
-                self._stop.wait(backoff)
+                if outage_since is None:  # logged once per outage, and once when it ends (above)
+                    outage_since = time.monotonic()
+                    log.warning("%s: list/watch failed (%s); retrying every <= %.0fs, routing from the last known pool",
+                                resource.name, _short(exc), BACKOFF_MAX)  # fmt: skip
+                else:
+                    log.debug("%s: still failing (%s)", resource.name, _short(exc))
+                self._stop.wait(backoff * random.uniform(0.5, 1.0))
                 backoff = min(backoff * 2, BACKOFF_MAX)

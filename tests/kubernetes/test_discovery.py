@@ -2,6 +2,7 @@
 
 import asyncio
 import contextlib
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -249,3 +250,22 @@ async def test_watchers_leave_the_default_executor_free(apiserver):
             assert await asyncio.wait_for(asyncio.to_thread(lambda: "free"), 2) == "free"
     finally:
         executor.shutdown(wait=False)
+
+
+async def test_an_outage_is_logged_once_and_watching_resumes_within_two_seconds(apiserver, caplog):
+    server, api = apiserver
+    server.apply("inferencepools", pool())
+    server.apply("pods", pod("a", "10.0.0.1"))
+    server.fail_requests = 10**9  # the API server answers 500 to every list and watch
+    caplog.set_level("DEBUG", logger="epp.kubernetes")
+    async with discovery(api) as seen:
+        await asyncio.sleep(4)  # long enough to reach the backoff cap
+        assert not seen.states
+        server.fail_requests = 0
+        back = time.monotonic()
+        await seen.until(lambda s: len(s.endpoints) == 1, timeout=5)
+        assert time.monotonic() - back < 2.5
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    resources = {w.split(":")[0] for w in warnings}
+    assert len(warnings) == len(resources) == 4, warnings  # once per resource, not once per retry
+    assert sum("answers again" in r.getMessage() for r in caplog.records) == 4

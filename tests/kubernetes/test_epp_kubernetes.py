@@ -2,6 +2,7 @@
 scrape it, and only the Lease holder reports ready."""
 
 import asyncio
+import contextlib
 import subprocess
 import sys
 
@@ -78,3 +79,38 @@ async def test_epp_replicas_discover_and_elect(apiserver, tmp_path):
         assert not server.objects["leases"]["pool-epp"]["spec"].get("holderIdentity"), "the leader kept the Lease"
         model.terminate()
         model.wait(10)
+
+
+async def test_readiness_waits_for_the_pool_to_be_listed(apiserver, tmp_path):
+    server, api = apiserver
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "local",
+        "clusters": [{"name": "local", "cluster": {"server": api.configuration.host}}],
+        "contexts": [{"name": "local", "context": {"cluster": "local", "user": "u", "namespace": NS}}],
+        "users": [{"name": "u", "user": {"token": "test"}}]}))  # fmt: skip
+    server.apply("inferencepools", pool())
+    server.fail_requests = 10**9  # nothing can be listed yet
+    grpc_port, health_port, metrics_port = free_ports(3)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "epp", "--pool-name", "pool", "--pool-namespace", NS, "--kubeconfig", str(kubeconfig),
+         "--bind-address", "127.0.0.1", "--grpc-port", str(grpc_port), "--grpc-health-port", str(health_port),
+         "--metrics-port", str(metrics_port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        statuses = []
+        for _ in range(40):  # up, answering probes, but not ready: its pool is unknown
+            with contextlib.suppress(grpc.aio.AioRpcError):  # (not listening yet)
+                statuses.append(await readiness(health_port))
+            await asyncio.sleep(0.1)
+        assert statuses and set(statuses) == {health_pb2.HealthCheckResponse.NOT_SERVING}
+        server.fail_requests = 0
+        for _ in range(50):
+            if await readiness(health_port) == health_pb2.HealthCheckResponse.SERVING:
+                break
+            await asyncio.sleep(0.1)
+        else:
+            raise AssertionError("not ready after the pool was listed")
+    finally:
+        process.terminate()
+        await asyncio.to_thread(process.wait, 10)
