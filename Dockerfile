@@ -1,14 +1,34 @@
-# The project image: `modelserver` (sim and torch backends), `epp` and the conformance tools.
-# Runs as a non-root user and needs no writable root filesystem (mount /tmp as an emptyDir).
-FROM python:3.11-slim
+# Three images from one build, each with only its part installed (non-root uid 65532, no writable root filesystem
+# needed: mount /tmp as an emptyDir):
+#   docker build --target epp               -t ghcr.io/llm-routing-reference/epp:0.1.0 .
+#   docker build --target modelserver-sim   -t ghcr.io/llm-routing-reference/modelserver-sim:0.1.0 .
+#   docker build --target modelserver-torch -t ghcr.io/llm-routing-reference/modelserver-torch:0.1.0 .
+FROM python:3.11-slim AS source
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 HOME=/tmp
-WORKDIR /app
+WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY protocol ./protocol
 COPY modelserver ./modelserver
 COPY epp ./epp
-COPY manifests/envoy ./manifests/envoy
-RUN pip install --no-cache-dir '.[torch]' && useradd --uid 65532 --no-create-home --shell /usr/sbin/nologin app
+RUN pip wheel --no-deps --wheel-dir /wheels . && useradd --uid 65532 --no-create-home --shell /usr/sbin/nologin app
+
+# The Endpoint Picker: the core and [epp] (gRPC, Kubernetes client, HTTP/2); no tokenizer, no torch, no Envoy.
+FROM source AS epp
+RUN pip install "$(ls /wheels/*.whl)[epp]" && rm -rf /src /wheels
 USER 65532
-EXPOSE 8000 9002 9003 9090
-CMD ["epp", "--help"]
+EXPOSE 9002 9003 9090
+ENTRYPOINT ["epp"]
+
+# The sim model server: the core and [modelserver] (tokenizer, chat templates); no gRPC, no torch.
+FROM source AS modelserver-sim
+RUN pip install "$(ls /wheels/*.whl)[modelserver]" && rm -rf /src /wheels
+USER 65532
+EXPOSE 8000
+ENTRYPOINT ["modelserver"]
+
+# The torch model server: [torch] (torch, safetensors and the model server's part).
+FROM source AS modelserver-torch
+RUN pip install "$(ls /wheels/*.whl)[torch]" && rm -rf /src /wheels
+USER 65532
+EXPOSE 8000
+ENTRYPOINT ["modelserver"]

