@@ -47,7 +47,7 @@ async def _snapshot(session: aiohttp.ClientSession, url: str) -> dict:
 def _table(urls: list[str], rows: list[dict], done: int, total: int, failures: int) -> Table:
     table = Table(title=f"EPP demo: {done}/{total} requests done, {failures} failed")
     # vLLM's lora_requests_info names the adapters of running and waiting requests (not every adapter loaded)
-    for column in ("endpoint", "queue", "running", "KV", "LoRA with requests", "served", "hit rate"):
+    for column in ("endpoint", "queue", "running", "KV", "LoRA in use", "served", "hit rate"):
         table.add_column(column, justify="right" if column in ("queue", "running", "KV", "served", "hit rate") else "left",
                          no_wrap=True)  # fmt: skip
     for url, row in zip(urls, rows, strict=True):
