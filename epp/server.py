@@ -298,7 +298,7 @@ class RequestStream:
         except OpenAIError as error:
             return self._reject(error)
         metrics = picker.metrics
-        metrics.scheduler_e2e.observe(time.perf_counter() - started)
+        metrics.child(metrics.scheduler_e2e).observe(time.perf_counter() - started)
         for plugin_type, name, seconds in picker.scheduler.last_plugin_durations:
             metrics.child(metrics.plugin_duration, "scheduler", plugin_type, name).observe(seconds)
         self.request, self.result = request, result
