@@ -1,4 +1,4 @@
-"""vLLM V1's metrics (seed 001) for one engine, in its own prometheus_client registry.
+"""vLLM V1's metrics (vLLM's V1 metrics design) for one engine, in its own prometheus_client registry.
 
 Histograms are observed on the engine step (inter-token latency once per running sequence per step), so they use a
 small list-based histogram (~0.3 us per observation) instead of prometheus_client's locked Histogram. Gauges and

@@ -26,7 +26,7 @@ MODEL_NAME_REWRITE_HEADER = "x-gateway-model-name-rewrite"
 # Largest body chunk the EPP sends back to the proxy in FULL_DUPLEX_STREAMED mode.
 MAX_BODY_CHUNK_BYTES = 62_000
 
-# Default ports (DESIGN.md).
+# Default ports (the project's fixed names).
 MODEL_SERVER_PORT = 8000
 EPP_GRPC_PORT = 9002
 EPP_GRPC_HEALTH_PORT = 9003

@@ -13,7 +13,7 @@ import re
 import time
 from dataclasses import dataclass, field
 
-# vLLM V1 names (seed 001), also served by our reference model server.
+# vLLM V1 names (vLLM's V1 metrics design), also served by our reference model server.
 VLLM_NUM_REQUESTS_WAITING = "vllm:num_requests_waiting"
 VLLM_NUM_REQUESTS_RUNNING = "vllm:num_requests_running"
 VLLM_KV_CACHE_USAGE = "vllm:kv_cache_usage_perc"

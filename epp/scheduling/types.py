@@ -29,7 +29,6 @@ class SchedulingResult:
 
     endpoints: list[Endpoint]
     profile: str = "default"
-    scores: dict[str, float] = field(default_factory=dict)  # endpoint name -> total weighted score (for debugging)
 
     @property
     def primary(self) -> Endpoint:

@@ -18,7 +18,7 @@ from modelserver.engine.request import Request
 
 @dataclass
 class BlockResidencyEvents:
-    """Sampled blocks' residency intervals since the last drain (seed 001 "KV Cache Residency Metrics")."""
+    """Sampled blocks' residency intervals since the last drain (vLLM's V1 metrics design, "KV Cache Residency Metrics")."""
 
     lifetimes: list[float] = field(default_factory=list)
     idle_before_evict: list[float] = field(default_factory=list)
@@ -149,9 +149,3 @@ class KVCacheManager:
                 self._free[block_id] = None
         request.block_ids = []
         request.num_registered_blocks = 0
-
-    def reset_prefix_cache(self) -> None:
-        for block_hash, block_id in list(self._cached.items()):
-            if self._ref_counts[block_id] == 0:
-                del self._cached[block_hash]
-                self._block_hash[block_id] = None

@@ -310,7 +310,7 @@ class AsyncEngine:
         metrics = self.metrics
         num_output = request.num_output_tokens
         metrics.e2e.observe(now - request.arrival_time)
-        if request.first_token_ts:  # intervals per seed 001, from the first SCHEDULED and first/last NEW_TOKENS
+        if request.first_token_ts:  # vLLM V1's intervals, from the first SCHEDULED and first/last NEW_TOKENS
             decode = request.last_token_ts - request.first_token_ts
             metrics.decode.observe(decode)
             metrics.inference.observe(request.last_token_ts - request.scheduled_ts)

@@ -92,7 +92,7 @@ class Request:
         self.lora_slot = 0
         self.arrival_time = now if arrival_time is None else arrival_time
         self.queued_ts = now
-        self.scheduled_ts = 0.0  # first SCHEDULED (seed 001: preemption in prefill counts into prefill/TTFT)
+        self.scheduled_ts = 0.0  # first SCHEDULED (vLLM V1: preemption in prefill counts into prefill/TTFT)
         self.first_token_ts = 0.0
         self.last_token_ts = 0.0
         self.status = RequestStatus.WAITING
@@ -116,7 +116,3 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]

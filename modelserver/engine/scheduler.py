@@ -59,7 +59,7 @@ class Scheduler:
         self.kv.free(request)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
-        request.num_preemptions += 1  # QUEUED and first SCHEDULED stay: seed 001 counts the wait into the intervals
+        request.num_preemptions += 1  # QUEUED and first SCHEDULED stay: vLLM V1 counts the wait into the intervals
         self.waiting.appendleft(request)
 
     def schedule(self) -> SchedulerOutput:
