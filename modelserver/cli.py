@@ -11,7 +11,7 @@ import contextlib
 import logging
 import signal
 import sys
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 
 import uvloop
@@ -20,8 +20,10 @@ from aiohttp import web
 from modelserver.api.server import ModelServer, ServerSettings, runtime_lora_updating_from_env
 from modelserver.engine.config import EngineConfig
 from modelserver.engine.engine import AsyncEngine
+from modelserver.engine.kv_events import ZmqEventPublisher, should_bind
 from modelserver.engine.sim import SimExecutor, SimTiming
 from modelserver.tokenizer import load_tokenizer
+from protocol.kv_events import KVEventsConfig, default_topic
 
 log = logging.getLogger("modelserver")
 
@@ -56,6 +58,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-runtime-lora-updating", action="store_true")
     p.add_argument("--disable-log-stats", action="store_true")
     p.add_argument("--show-hidden-metrics-for-version", default=None)
+    p.add_argument(
+        "--kv-events-config",
+        type=KVEventsConfig.from_json,
+        default=None,
+        help="vLLM's KV events JSON, e.g. "
+        '\'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}\'; with several --replicas a bound port '
+        "is offset by the replica index; no topic: kv@<host:port>@<model> per replica",
+    )
     p.add_argument("--kv-cache-metrics-sample", type=float, default=0.0, help="fraction of KV blocks sampled")
     p.add_argument("--max-request-body-bytes", type=int, default=32 * 1024 * 1024)
     p.add_argument("--seed", type=int, default=0)
@@ -76,6 +86,27 @@ def _sim_timing(args: argparse.Namespace) -> SimTiming:
         return SimTiming.zero()
     values = {f.name: getattr(args, f"sim_{f.name}") for f in fields(SimTiming) if f.name != "seed"}
     return SimTiming(**values, seed=args.seed)
+
+
+def _offset_port(endpoint: str | None, index: int) -> str | None:
+    """Replica `index` binds port + index (as vLLM offsets by data-parallel rank); connect endpoints are shared."""
+    if not endpoint or index == 0 or not should_bind(endpoint) or not endpoint.startswith("tcp://"):
+        return endpoint
+    base, _, port = endpoint.rpartition(":")
+    return endpoint if port == "*" else f"{base}:{int(port) + index}"
+
+
+def build_kv_events(args: argparse.Namespace, index: int) -> ZmqEventPublisher | None:
+    config: KVEventsConfig | None = args.kv_events_config
+    if config is None or not config.enabled:
+        return None
+    config = replace(
+        config,
+        endpoint=_offset_port(config.endpoint, index),
+        replay_endpoint=_offset_port(config.replay_endpoint, index),
+    )
+    topic = config.topic or default_topic(f"{args.host}:{args.port + index}", args.served_model_name)
+    return ZmqEventPublisher(config, topic)
 
 
 def build_engine(args: argparse.Namespace, index: int, tokenizer) -> AsyncEngine:
@@ -112,6 +143,7 @@ def build_engine(args: argparse.Namespace, index: int, tokenizer) -> AsyncEngine
         log_stats=not args.disable_log_stats,
         show_hidden_metrics_for_version=args.show_hidden_metrics_for_version,
         lora_modules=dict(args.lora_modules),
+        kv_events=build_kv_events(args, index),
     )
 
 

@@ -4,6 +4,10 @@ A full block is keyed by a hash chain: hash(parent block's hash, the block's tok
 LoRA adapter name, so the same text under different adapters never shares KV. A block whose last user finishes
 keeps its hash and stays reusable until it is re-allocated; free blocks are reused least-recently-freed first, and
 a finished request's blocks are freed tail-first so its deepest (least shareable) blocks go first.
+
+With `record_events`, every block entered in the prefix cache and every cached block re-allocated (evicted) is
+recorded as a vLLM KV event (protocol/kv_events.py) until the engine drains them once per step; a preempted
+request's blocks stay cached, so they are announced as removed only when they are actually reused.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from modelserver.engine.request import Request
+from protocol.kv_events import MEDIUM_GPU, BlockRemoved, BlockStored
 
 
 @dataclass
@@ -26,7 +31,14 @@ class BlockResidencyEvents:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, sample_rate: float = 0.0):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        sample_rate: float = 0.0,
+        record_events: bool = False,
+    ):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_caching = enable_caching
@@ -40,6 +52,24 @@ class KVCacheManager:
         # Prefix-cache counters in tokens since the last drain (the engine turns them into Prometheus counters).
         self.queries = 0
         self.hits = 0
+        self.events: list[BlockStored | BlockRemoved] | None = [] if record_events else None
+        self._lora_ids: dict[str, int] = {}  # adapter name -> the lora_id its events carry (1.. in order first seen)
+
+    def drain_events(self) -> list[BlockStored | BlockRemoved]:
+        events, self.events = self.events, []
+        return events
+
+    def _lora_id(self, lora_name: str | None) -> int | None:
+        if lora_name is None:
+            return None
+        return self._lora_ids.setdefault(lora_name, len(self._lora_ids) + 1)
+
+    def _record_removed(self, block_hash: int) -> None:
+        events = self.events
+        if events and type(events[-1]) is BlockRemoved:
+            events[-1].block_hashes.append(block_hash)
+        else:
+            events.append(BlockRemoved([block_hash], MEDIUM_GPU))
 
     @property
     def num_free_blocks(self) -> int:
@@ -115,6 +145,8 @@ class KVCacheManager:
         if block_hash is not None:
             if self._cached.get(block_hash) == block_id:
                 del self._cached[block_hash]
+                if self.events is not None:
+                    self._record_removed(block_hash)
             self._block_hash[block_id] = None
         if self._sampled:
             times = self._sampled.pop(block_id, None)
@@ -134,11 +166,23 @@ class KVCacheManager:
         if num_full <= request.num_registered_blocks or not self.enable_caching:
             return
         hashes = self._extend_hashes(request, num_full)
+        events = self.events
+        stored: BlockStored | None = None
         for i in range(request.num_registered_blocks, num_full):
             block_id, block_hash = request.block_ids[i], hashes[i]
             if block_hash not in self._cached:
                 self._cached[block_hash] = block_id
                 self._block_hash[block_id] = block_hash
+                if events is None:
+                    continue
+                if stored is None:  # one event per contiguous run of newly cached blocks
+                    parent = hashes[i - 1] if i else None
+                    stored = BlockStored([], parent, [], self.block_size, self._lora_id(request.lora_name), MEDIUM_GPU)
+                    events.append(stored)
+                stored.block_hashes.append(block_hash)
+                stored.token_ids.extend(request.token_ids[i * self.block_size : (i + 1) * self.block_size])
+            else:
+                stored = None
         request.num_registered_blocks = num_full
 
     def free(self, request: Request) -> None:

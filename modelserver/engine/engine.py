@@ -16,10 +16,12 @@ from prometheus_client import CollectorRegistry
 from modelserver.engine.block_manager import KVCacheManager
 from modelserver.engine.config import EngineConfig
 from modelserver.engine.executor import Executor, StepOutput
+from modelserver.engine.kv_events import ZmqEventPublisher
 from modelserver.engine.lora import LoRAError, LoRASlots
 from modelserver.engine.request import FinishReason, Request, RequestOutput, RequestStatus, SamplingParams
 from modelserver.engine.scheduler import Scheduler, SchedulerOutput
 from modelserver.metrics import EngineMetrics, LoggingStatLogger
+from protocol.kv_events import KVEventBatch
 
 log = logging.getLogger("modelserver.engine")
 
@@ -66,13 +68,19 @@ class AsyncEngine:
         log_stats: bool = True,
         show_hidden_metrics_for_version: str | None = None,
         lora_modules: dict[str, str] | None = None,
+        kv_events: ZmqEventPublisher | None = None,
     ):
         self.config = config
         self.executor = executor
         self.model_name = model_name
         self.kv = KVCacheManager(
-            config.num_gpu_blocks, config.block_size, config.enable_prefix_caching, config.kv_cache_metrics_sample
+            config.num_gpu_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            config.kv_cache_metrics_sample,
+            record_events=kv_events is not None,
         )
+        self.kv_events = kv_events
         self.loras = LoRASlots(config.max_loras, config.max_cpu_loras)
         for name, path in (lora_modules or {}).items():
             self.loras.add(name, path)
@@ -99,6 +107,8 @@ class AsyncEngine:
         for request_id in list(self._requests):
             self.abort(request_id)
         await self.executor.close()
+        if self.kv_events is not None:
+            self.kv_events.close()
 
     @property
     def num_unfinished(self) -> int:
@@ -196,6 +206,8 @@ class AsyncEngine:
                 self._update_gauges()  # like vLLM's scheduler stats: the state with this step's batch in flight
                 step = await self.executor.execute(output.batch)
                 self._process(output, step, time.monotonic())
+                if self.kv_events is not None and self.kv.events:
+                    self.kv_events.publish(KVEventBatch(time.time(), self.kv.drain_events()))
         except asyncio.CancelledError:
             raise
         except BaseException as exc:
