@@ -1,0 +1,348 @@
+"""Flow control: at saturation requests wait in the EPP, by priority band and fairly between flows (tenants).
+
+A request's band is its objective's priority; its flow is its `x-gateway-inference-fairness-id` (none = one
+default flow). Each flow has one queue in its band. `try_dispatch` is the fast path: with nothing queued and room
+in the pool it answers True synchronously (no queue, no future, no await). Otherwise `wait` queues the request and
+resolves when `pump` (called when a request completes or a scrape shows room) takes it: highest non-empty band
+first; within a band the flows in fair order (`round-robin`: deficit round robin costed by requests or by tokens;
+`global-strict`: the oldest request of any flow); within a flow arrival order (`fcfs`) or earliest deadline
+(`edf`). Every request ends in exactly one outcome (GIE's names): Dispatched, RejectedCapacity, EvictedTTL,
+EvictedContextCancelled, counted per band and flow.
+
+Limits: global and per-band `maxRequests` / `maxBytes`. A request that does not fit displaces the newest request
+of the band's largest flow when that flow holds more than the newcomer's (so a noisy tenant cannot fill the band
+against a quiet one); otherwise it is rejected. Config keys follow GIE's EndpointPickerConfig `flowControl`.
+Trade-offs: `has_room` is polled on each pump, so the caller's saturation signal must be cheap; deficit by tokens
+needs a token estimate at enqueue time (the prompt's, not the output's).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from epp.scheduling.errors import ConfigError
+from epp.scheduling.framework import Parameters
+
+DISPATCHED = "Dispatched"
+REJECTED_CAPACITY = "RejectedCapacity"
+EVICTED_TTL = "EvictedTTL"
+EVICTED_CANCELLED = "EvictedContextCancelled"
+OUTCOMES = (DISPATCHED, REJECTED_CAPACITY, EVICTED_TTL, EVICTED_CANCELLED)
+
+FAIRNESS_POLICIES = ("round-robin", "global-strict")
+ORDERING_POLICIES = ("fcfs", "edf")
+
+
+class FlowControlRejected(Exception):
+    """The request was not dispatched: `outcome` says why (429 with retry-after for every reason here)."""
+
+    def __init__(self, outcome: str, message: str):
+        super().__init__(message)
+        self.outcome = outcome
+
+
+@dataclass
+class BandConfig:
+    priority: int
+    max_requests: int = 0  # 0 = only the global limit applies
+    max_bytes: int = 0
+    fairness_policy: str = "round-robin"
+    fairness_cost: str = "requests"  # or "tokens": deficit round robin by prompt tokens
+    quantum: int = 1
+    ordering_policy: str = "fcfs"
+
+
+@dataclass
+class FlowControlConfig:
+    enabled: bool = True
+    max_requests: int = 10_000
+    max_bytes: int = 1 << 30
+    default_request_ttl: float = 30.0
+    bands: dict[int, BandConfig] = field(default_factory=dict)
+    default_band: BandConfig = field(default_factory=lambda: BandConfig(priority=0))
+
+    def band(self, priority: int) -> BandConfig:
+        cfg = self.bands.get(priority)
+        if cfg is None:
+            cfg = BandConfig(**{**self.default_band.__dict__, "priority": priority})
+        return cfg
+
+    @classmethod
+    def from_config(cls, raw: dict[str, Any] | None) -> FlowControlConfig:
+        """From the EndpointPickerConfig's `flowControl` mapping; ConfigError when it is invalid."""
+        p = Parameters("flowControl", raw)
+        cfg = cls(
+            enabled=p.get("enabled", True, bool),
+            max_requests=p.get("maxRequests", 10_000, int, minimum=1),
+            max_bytes=p.get("maxBytes", 1 << 30, int, minimum=1),
+            default_request_ttl=float(p.get("defaultRequestTTL", 30.0, (int, float), minimum=0.001)),
+        )
+        cfg.default_band = _band_from(p.get("defaultPriorityBand", None, (dict, type(None))), 0)
+        for raw_band in p.get("priorityBands", [], list):
+            if not isinstance(raw_band, dict) or not isinstance(raw_band.get("priority"), int):
+                raise ConfigError(f"flowControl: each of priorityBands needs an integer priority, got {raw_band!r}")
+            band = _band_from(raw_band, raw_band["priority"])
+            if band.priority in cfg.bands:
+                raise ConfigError(f"flowControl: priority band {band.priority} is listed twice")
+            cfg.bands[band.priority] = band
+        p.done()
+        return cfg
+
+
+def _band_from(raw: dict[str, Any] | None, priority: int) -> BandConfig:
+    p = Parameters(f"flowControl band {priority}", raw)
+    p.get("priority", priority, int)
+    band = BandConfig(
+        priority=priority,
+        max_requests=p.get("maxRequests", 0, int, minimum=0),
+        max_bytes=p.get("maxBytes", 0, int, minimum=0),
+        fairness_policy=p.get("fairnessPolicy", "round-robin", str),
+        fairness_cost=p.get("fairnessCost", "requests", str),
+        quantum=p.get("quantum", 1, int, minimum=1),
+        ordering_policy=p.get("orderingPolicy", "fcfs", str),
+    )
+    p.done()
+    if band.fairness_policy not in FAIRNESS_POLICIES:
+        raise ConfigError(f"flowControl band {priority}: fairnessPolicy must be one of {FAIRNESS_POLICIES}")
+    if band.ordering_policy not in ORDERING_POLICIES:
+        raise ConfigError(f"flowControl band {priority}: orderingPolicy must be one of {ORDERING_POLICIES}")
+    if band.fairness_cost not in ("requests", "tokens"):
+        raise ConfigError(f"flowControl band {priority}: fairnessCost must be requests or tokens")
+    return band
+
+
+class QueuedRequest:
+    __slots__ = ("deadline", "done", "enqueued", "flow", "future", "seq", "size_bytes", "timer", "tokens")
+
+    def __init__(self, flow: Flow, size_bytes: int, tokens: int, enqueued: float, deadline: float, seq: int):
+        self.flow = flow
+        self.size_bytes = size_bytes
+        self.tokens = tokens
+        self.enqueued = enqueued
+        self.deadline = deadline
+        self.seq = seq
+        self.future: asyncio.Future[None] | None = None
+        self.timer: asyncio.TimerHandle | None = None
+        self.done = False
+
+    def __lt__(self, other: QueuedRequest) -> bool:  # EDF heap order; seq breaks ties in arrival order
+        return (self.deadline, self.seq) < (other.deadline, other.seq)
+
+
+class Flow:
+    """One tenant's queue in one band; removed entries stay in the container until they reach its head."""
+
+    def __init__(self, band: Band, flow_id: str):
+        self.band = band
+        self.id = flow_id
+        self.items: deque[QueuedRequest] | list[QueuedRequest] = [] if band.config.ordering_policy == "edf" else deque()
+        self.count = 0
+        self.bytes = 0
+        self.deficit = 0
+
+    def push(self, item: QueuedRequest) -> None:
+        if isinstance(self.items, list):
+            heapq.heappush(self.items, item)
+        else:
+            self.items.append(item)
+
+    def head(self) -> QueuedRequest | None:
+        items = self.items
+        while items and items[0].done:
+            heapq.heappop(items) if isinstance(items, list) else items.popleft()
+        return items[0] if items else None
+
+    def newest(self) -> QueuedRequest | None:
+        live = [i for i in self.items if not i.done]
+        return max(live, key=lambda i: i.seq) if live else None
+
+
+class Band:
+    def __init__(self, config: BandConfig):
+        self.config = config
+        self.flows: dict[str, Flow] = {}
+        self.active: deque[Flow] = deque()  # flows with queued requests, in round-robin order
+        self.count = 0
+        self.bytes = 0
+
+
+class FlowController:
+    """`has_room(in_flight)` is the saturation signal: True while the pool can take one more request now, given
+    the requests this controller has dispatched that have not completed (the caller calls `complete()` for each,
+    however it ended), so a burst of dispatches cannot overfill the pool before the next scrape shows them."""
+
+    def __init__(self, config: FlowControlConfig, has_room: Callable[[int], bool], clock=time.monotonic):
+        self.config = config
+        self.has_room = has_room
+        self.clock = clock
+        self.bands: dict[int, Band] = {}
+        self.order: list[Band] = []  # highest priority first
+        self.count = 0
+        self.bytes = 0
+        self.in_flight = 0
+        self.outcomes: dict[tuple[int, str, str], int] = {}
+        self.wait_seconds: list[float] = []  # drained by the metrics exporter
+        self._seq = itertools.count()
+
+    # The fast path: synchronous, allocates nothing when the pool has room and nothing waits.
+    def try_dispatch(self, priority: int, flow_id: str) -> bool:
+        if self.count == 0 and self.has_room(self.in_flight):
+            self.in_flight += 1
+            self._count(priority, flow_id, DISPATCHED)
+            return True
+        return False
+
+    def complete(self) -> None:
+        """A dispatched request finished (served, failed or abandoned): its room goes to the next in line."""
+        self.in_flight -= 1
+        if self.count:
+            self.pump()
+
+    async def wait(self, priority: int, flow_id: str, size_bytes: int, tokens: int, ttl: float | None = None) -> None:
+        """Queue the request until it is dispatched (returns) or not (raises FlowControlRejected). Cancelling the
+        awaiting task (the client went away) removes it from its queue at once."""
+        item = self._enqueue(priority, flow_id, size_bytes, tokens, ttl)
+        if item.done:  # dispatched at once by the pump inside _enqueue
+            return
+        loop = asyncio.get_running_loop()
+        item.future = loop.create_future()
+        item.timer = loop.call_at(loop.time() + (item.deadline - self.clock()), self._expire, item)
+        try:
+            await item.future
+        except asyncio.CancelledError:
+            if not item.done:
+                self._finish(item, EVICTED_CANCELLED)
+            raise
+
+    def _enqueue(self, priority: int, flow_id: str, size_bytes: int, tokens: int, ttl: float | None):
+        band = self._band(priority)
+        flow = band.flows.get(flow_id)
+        if flow is None:
+            flow = band.flows[flow_id] = Flow(band, flow_id)
+        now = self.clock()
+        item = QueuedRequest(
+            flow, size_bytes, tokens, now, now + (ttl or self.config.default_request_ttl), next(self._seq)
+        )
+        while not self._fits(band, size_bytes):
+            victim = self._displaceable(band, flow)
+            if victim is None:
+                self._count(priority, flow_id, REJECTED_CAPACITY)
+                raise FlowControlRejected(REJECTED_CAPACITY, f"flow control: band {priority} is full")
+            self._finish(victim, REJECTED_CAPACITY)
+        if flow.count == 0:
+            band.active.append(flow)
+        flow.push(item)
+        flow.count += 1
+        flow.bytes += size_bytes
+        band.count += 1
+        band.bytes += size_bytes
+        self.count += 1
+        self.bytes += size_bytes
+        self.pump()
+        return item
+
+    def _fits(self, band: Band, size: int) -> bool:
+        c, b = band.config, self.config
+        return (
+            self.count < b.max_requests
+            and self.bytes + size <= b.max_bytes
+            and (not c.max_requests or band.count < c.max_requests)
+            and (not c.max_bytes or band.bytes + size <= c.max_bytes)
+        )
+
+    def _displaceable(self, band: Band, newcomer: Flow) -> QueuedRequest | None:
+        """The newest request of the band's largest flow, if that flow holds more than the newcomer's plus one."""
+        largest = max(band.active, key=lambda f: f.count, default=None)
+        if largest is None or largest is newcomer or largest.count <= newcomer.count + 1:
+            return None
+        return largest.newest()
+
+    def pump(self) -> int:
+        """Dispatch queued requests while the pool has room; returns how many were dispatched."""
+        dispatched = 0
+        while self.count and self.has_room(self.in_flight):
+            item = self._next()
+            if item is None:
+                break
+            self._finish(item, DISPATCHED)
+            dispatched += 1
+        return dispatched
+
+    def _next(self) -> QueuedRequest | None:
+        for band in self.order:
+            if band.count:
+                return self._pick(band)
+        return None
+
+    def _pick(self, band: Band) -> QueuedRequest | None:
+        if band.config.fairness_policy == "global-strict":
+            heads = [h for f in band.active if (h := f.head()) is not None]
+            return min(heads, key=lambda i: i.seq, default=None)
+        by_tokens = band.config.fairness_cost == "tokens"
+        while band.active:  # deficit round robin; cost 1 and quantum 1 is plain round robin
+            flow = band.active[0]
+            head = flow.head()
+            cost = max(1, head.tokens) if by_tokens else 1
+            if flow.deficit >= cost:
+                flow.deficit -= cost
+                return head
+            flow.deficit += band.config.quantum
+            if flow.deficit < cost:
+                band.active.rotate(-1)
+        return None
+
+    def _expire(self, item: QueuedRequest) -> None:
+        if not item.done:
+            self._finish(item, EVICTED_TTL)
+
+    def _finish(self, item: QueuedRequest, outcome: str) -> None:
+        item.done = True
+        flow = item.flow
+        band = flow.band
+        flow.count -= 1
+        flow.bytes -= item.size_bytes
+        band.count -= 1
+        band.bytes -= item.size_bytes
+        self.count -= 1
+        self.bytes -= item.size_bytes
+        if flow.count == 0:
+            flow.deficit = 0
+            band.active.remove(flow)
+            del band.flows[flow.id]  # flows hold no memory once drained, however many fairness ids clients send
+        elif (
+            outcome == DISPATCHED
+            and band.config.fairness_policy == "round-robin"
+            and band.active[0] is flow
+            and (band.config.fairness_cost == "requests" or flow.deficit < max(1, flow.head().tokens))
+        ):
+            band.active.rotate(-1)  # its turn is over: the next flow in the band goes next
+        self._count(band.config.priority, flow.id, outcome)
+        if outcome == DISPATCHED:
+            self.in_flight += 1
+            self.wait_seconds.append(self.clock() - item.enqueued)
+        if item.timer is not None:
+            item.timer.cancel()
+        future = item.future
+        if future is not None and not future.done():
+            if outcome == DISPATCHED:
+                future.set_result(None)
+            else:
+                future.set_exception(FlowControlRejected(outcome, f"flow control: {outcome}"))
+
+    def _count(self, priority: int, flow_id: str, outcome: str) -> None:
+        key = (priority, flow_id, outcome)
+        self.outcomes[key] = self.outcomes.get(key, 0) + 1
+
+    def _band(self, priority: int) -> Band:
+        band = self.bands.get(priority)
+        if band is None:
+            band = self.bands[priority] = Band(self.config.band(priority))
+            self.order = sorted(self.bands.values(), key=lambda b: -b.config.priority)
+        return band
