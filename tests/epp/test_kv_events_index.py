@@ -1,0 +1,110 @@
+"""The EPP's KV event subscriber and index against the model server's real publisher and block manager."""
+
+import asyncio
+import time
+
+import msgspec
+import zmq
+
+from epp.datalayer.kv_events import KVBlockIndex, KVEventSubscriber
+from modelserver.engine.config import EngineConfig
+from modelserver.engine.engine import AsyncEngine
+from modelserver.engine.kv_events import ZmqEventPublisher
+from modelserver.engine.request import SamplingParams
+from modelserver.engine.sim import SimExecutor, SimTiming
+from protocol.kv_events import BlockRemoved, BlockStored, KVEventBatch, KVEventsConfig
+
+
+async def wait_for(condition, timeout: float = 3.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)
+
+
+async def test_the_index_follows_each_server_s_cache_through_evictions():
+    index = KVBlockIndex()
+    subscriber = KVEventSubscriber(index, "tcp://127.0.0.1:*")
+    # servers connect to the EPP's bound socket (no '*' in their endpoint), as llm-d points vLLM at its EPP
+    config = KVEventsConfig.from_json(f'{{"enable_kv_cache_events": true, "endpoint": "{subscriber.endpoint}"}}')
+    engines = []
+    for port in (8000, 8001):
+        publisher = ZmqEventPublisher(config, f"kv@127.0.0.1:{port}@m")
+        cfg = EngineConfig(num_gpu_blocks=12, block_size=16)
+        engine = AsyncEngine(cfg, SimExecutor(SimTiming.zero(), 16, 12, list(range(100, 164))), model_name="m",
+                             log_stats=False, kv_events=publisher)  # fmt: skip
+        await engine.start()
+        engines.append(engine)
+    await asyncio.sleep(0.3)
+    try:
+        prompt = list(range(1, 50))  # 3 full blocks
+        async for _ in engines[0].generate("a", prompt, SamplingParams(max_tokens=1)):
+            pass
+        hashes, parent = [], hash(None)  # the server's chain (modelserver/engine/block_manager.py)
+        for i in range(3):
+            parent = hash((parent, *prompt[i * 16 : (i + 1) * 16]))
+            hashes.append(parent)
+        endpoints = ["127.0.0.1:8000", "127.0.0.1:8001"]
+        await wait_for(lambda: index.prefix_blocks(hashes, endpoints)["127.0.0.1:8000"] == 3)
+        assert index.prefix_blocks(hashes, endpoints)["127.0.0.1:8001"] == 0
+
+        for i in range(8):  # push that prompt's blocks out of server 0's 12-block cache
+            async for _ in engines[0].generate(f"f{i}", [5000 + 100 * i + t for t in range(49)],
+                                               SamplingParams(max_tokens=1)):  # fmt: skip
+                pass
+        kv = engines[0].kv
+        await wait_for(lambda: index._by_endpoint.get("127.0.0.1:8000", {}).keys() == kv._cached.keys())
+        assert index.prefix_blocks(hashes, endpoints)["127.0.0.1:8000"] == 0
+        assert subscriber.gaps == 0 and subscriber.bad_messages == 0
+    finally:
+        for engine in engines:
+            await engine.stop()
+        subscriber.close()
+
+
+def test_a_gap_or_a_restart_drops_that_endpoint_only_and_resyncs():
+    index = KVBlockIndex()
+    subscriber = KVEventSubscriber(index, "tcp://127.0.0.1:*")
+    try:
+        batch = KVEventBatch(0.0, [BlockStored([1, 2], None, list(range(32)), 16, None, "GPU")])
+        subscriber._apply("a:1", 0, batch)
+        subscriber._apply("b:1", 0, batch)
+        subscriber._apply("a:1", 2, KVEventBatch(0.0, [BlockStored([7], None, list(range(16)), 16, None, "GPU")]))
+        assert subscriber.gaps == 1
+        assert index.prefix_blocks([1, 2], ["a:1", "b:1"]) == {"a:1": 0, "b:1": 2}
+        assert index.prefix_blocks([7], ["a:1"]) == {"a:1": 1}
+        subscriber._apply("b:1", 1, KVEventBatch(0.0, [BlockRemoved([2], "GPU")]))
+        assert index.prefix_blocks([1, 2], ["b:1"]) == {"b:1": 1}
+    finally:
+        subscriber.close()
+
+
+def test_malformed_messages_are_counted_and_do_not_stop_the_subscriber():
+    index = KVBlockIndex()
+    subscriber = KVEventSubscriber(index, "tcp://127.0.0.1:*")
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.connect(subscriber.endpoint)
+    time.sleep(0.3)
+    try:
+        pub.send_multipart([b"kv@x:1@m", (0).to_bytes(8, "big"), b"\xc1garbage"])
+        pub.send_multipart([b"kv@nope", (0).to_bytes(8, "big"), b""])
+        good = KVEventBatch(0.0, [BlockStored([9], None, list(range(16)), 16, None, "GPU")])
+        pub.send_multipart([b"kv@x:1@m", (0).to_bytes(8, "big"), msgspec.msgpack.encode(good)])
+        deadline = time.monotonic() + 3
+        while index.size == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert subscriber.bad_messages == 2 and index.prefix_blocks([9], ["x:1"]) == {"x:1": 1}
+    finally:
+        pub.close(linger=0)
+        ctx.term()
+        subscriber.close()
+
+
+def test_the_memory_cap_drops_the_largest_endpoint_s_oldest_entries_and_counts_them():
+    index = KVBlockIndex(max_entries=4)
+    index.store("a", [1, 2, 3])
+    index.store("b", [10, 11])
+    assert index.size == 4 and index.dropped_entries == 1
+    assert index.prefix_blocks([1], ["a"]) == {"a": 0}  # a's oldest went first
+    assert index.prefix_blocks([2, 3], ["a"]) == {"a": 2}
