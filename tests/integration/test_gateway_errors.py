@@ -1,5 +1,6 @@
 """Every error a client can get from the gateway is an OpenAI error JSON with a clear message: the EPP's own, and
-Envoy's (no healthy upstream, the EPP unreachable under FailClose); HTTP/1.0 clients are answered."""
+Envoy's (no healthy upstream, the EPP unreachable under FailClose, a buffered body over its limit); HTTP/1.0 clients
+are answered."""
 
 import json
 import signal
@@ -55,3 +56,13 @@ async def test_http_1_0_clients_are_answered(make_stack):
     head, _, payload = response.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.0 200") or head.startswith(b"HTTP/1.1 200"), head
     assert json.loads(payload)["choices"]
+
+
+async def test_envoy_413_is_openai_shaped(make_stack):
+    """FailOpen buffers bodies in Envoy: one over its 64 MiB buffer is Envoy's own 413, shaped like the EPP's."""
+    stack = await make_stack(servers=1, fail_open=True)
+    async with aiohttp.ClientSession() as session:
+        status, ctype, body = await post(session, stack, {"model": MODEL, "max_tokens": 1, "prompt": "a" * (65 << 20)})
+    assert ctype.startswith("application/json"), (status, ctype, body[:200])
+    error = assert_openai_error(status, body, 413)
+    assert "Payload Too Large" in error["message"], error
