@@ -20,6 +20,17 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.core import HistogramMetricFamily
 
 from modelserver.engine.config import EngineConfig
+from protocol.metrics import (
+    LABEL_MAX_LORA,
+    LABEL_RUNNING_LORA_ADAPTERS,
+    LABEL_WAITING_LORA_ADAPTERS,
+    VLLM_CACHE_CONFIG_INFO,
+    VLLM_KV_CACHE_USAGE,
+    VLLM_KV_CACHE_USAGE_V0,
+    VLLM_LORA_REQUESTS_INFO,
+    VLLM_NUM_REQUESTS_RUNNING,
+    VLLM_NUM_REQUESTS_WAITING,
+)
 
 log = logging.getLogger("modelserver.stats")
 
@@ -135,15 +146,15 @@ class EngineMetrics:
         def counter(name: str, doc: str):
             return Counter(name, doc, names, registry=reg).labels(**labels)
 
-        self.running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
-        self.waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
-        self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        self.running = gauge(VLLM_NUM_REQUESTS_RUNNING, "Number of requests in model execution batches.")
+        self.waiting = gauge(VLLM_NUM_REQUESTS_WAITING, "Number of requests waiting to be processed.")
+        self.kv_usage = gauge(VLLM_KV_CACHE_USAGE, "KV-cache usage. 1 means 100 percent usage.")
         # Deprecated names (vLLM v0 / before 0.11), only behind --show-hidden-metrics-for-version.
         self.gpu_cache_usage = self.gpu_prefix_queries = self.gpu_prefix_hits = self.tpot_deprecated = None
         hidden = f"shown because --show-hidden-metrics-for-version={show_hidden_metrics_for_version}."
         if show_hidden_metrics_for_version:
             self.gpu_cache_usage = gauge(
-                "vllm:gpu_cache_usage_perc",
+                VLLM_KV_CACHE_USAGE_V0,
                 f"GPU KV-cache usage. 1 means 100 percent usage. DEPRECATED: use vllm:kv_cache_usage_perc; {hidden}",
             )
             self.gpu_prefix_queries = counter(
@@ -169,14 +180,14 @@ class EngineMetrics:
         )  # fmt: skip
         self.success = {r: success.labels(**labels, finished_reason=r) for r in ("stop", "length", "abort")}
         cache_labels = config.cache_config_labels()
-        Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", list(cache_labels),
+        Gauge(VLLM_CACHE_CONFIG_INFO, "Information of the LLMEngine CacheConfig", list(cache_labels),
               registry=reg).labels(**cache_labels).set(1)  # fmt: skip
         self.lora_info = None
         self._lora_labels: tuple[str, str] | None = None
         if config.enable_lora:
             self.lora_info = Gauge(
-                "vllm:lora_requests_info", "Running stats on lora requests.",
-                ["max_lora", "running_lora_adapters", "waiting_lora_adapters"], registry=reg,
+                VLLM_LORA_REQUESTS_INFO, "Running stats on lora requests.",
+                [LABEL_MAX_LORA, LABEL_RUNNING_LORA_ADAPTERS, LABEL_WAITING_LORA_ADAPTERS], registry=reg,
             )  # fmt: skip
 
         token_buckets = buckets_1_2_5(config.max_model_len)
