@@ -84,11 +84,13 @@ async def test_load_prefix_and_lora_aware_routing(make_stack):
         hold = asyncio.create_task(direct(session, urls[2], {"model": adapter, "prompt": "x", "max_tokens": 4000}))
         await asyncio.sleep(0.3)
         before = await served_counts(stack)
-        for _ in range(3):
+        for _ in range(6):
             assert (await complete(session, stack, {"model": adapter, "prompt": "lora question", "max_tokens": 2}))[
                 0
             ] == 200
-        assert delta(before, await served_counts(stack))[2] == 3
+        # affinity is one weighted score among load scores, so one of six may go elsewhere when the adapter's server
+        # is busier (measured: 1 in ~10 runs on a loaded machine); routing at random would put >= 5 there 1.8 % of the time
+        assert delta(before, await served_counts(stack))[2] >= 5
         hold.cancel()
         await asyncio.gather(hold, return_exceptions=True)
 
