@@ -1,6 +1,7 @@
 """Pool file parsing and reload, the datastore's reconciliation, and the scraper against a real HTTP server."""
 
 import asyncio
+import contextlib
 
 import pytest
 from aiohttp import web
@@ -130,13 +131,13 @@ async def test_scraper_updates_marks_stale_and_recovers():
         await runner.cleanup()
 
 
-async def test_quiet_endpoints_are_scraped_slowly_until_a_request_arrives():
+@contextlib.asynccontextmanager
+async def page_server(state: dict):
+    """A /metrics server answering `state["page"]` and counting scrapes in `state["scrapes"]`; its port."""
     port = free_ports(1)[0]
-    IDLE = "vllm:num_requests_waiting 0\nvllm:num_requests_running 0\nvllm:kv_cache_usage_perc 0.0\n"
-    state = {"page": IDLE, "scrapes": 0}
 
     async def metrics(request):
-        state["scrapes"] += 1
+        state["scrapes"] = state.get("scrapes", 0) + 1
         return web.Response(text=state["page"])
 
     app = web.Application()
@@ -144,74 +145,73 @@ async def test_quiet_endpoints_are_scraped_slowly_until_a_request_arrives():
     runner = web.AppRunner(app)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        yield port
+    finally:
+        await runner.cleanup()
+
+
+async def test_quiet_endpoints_are_scraped_slowly_until_a_request_arrives():
+    IDLE = "vllm:num_requests_waiting 0\nvllm:num_requests_running 0\nvllm:kv_cache_usage_perc 0.0\n"
+    state = {"page": IDLE, "scrapes": 0}
     scraper = Scraper(interval=0.01, timeout=0.5, staleness=2.0, idle_interval=0.4)
     store = Datastore(scraper)
-    try:
-        store.apply(PoolState(endpoints=(EndpointSpec("e", "127.0.0.1", port),)))
-        endpoint = store.endpoints[0]
-        await asyncio.sleep(0.1)
-        assert Scraper.quiet(endpoint), endpoint.metrics
-        state["scrapes"] = 0
-        await asyncio.sleep(0.5)
-        assert state["scrapes"] <= 2  # one every 0.4 s, not one every 10 ms
-        state["page"] = PAGE  # the server got busy meanwhile (another client); a request reaches this EPP:
-        store.note_request()
-        await asyncio.sleep(0.05)
-        assert endpoint.metrics.waiting == 3 and not Scraper.quiet(endpoint)
-        state["scrapes"] = 0
-        await asyncio.sleep(0.2)
-        assert state["scrapes"] >= 8  # busy: back to the fast interval
-        endpoint.in_flight_requests = 1  # in flight from this EPP: not quiet even if the page says idle
-        state["page"] = IDLE
-        await asyncio.sleep(0.05)
-        assert not Scraper.quiet(endpoint)
-    finally:
-        await store.close()
-        await runner.cleanup()
+    async with page_server(state) as port:
+        try:
+            store.apply(PoolState(endpoints=(EndpointSpec("e", "127.0.0.1", port),)))
+            endpoint = store.endpoints[0]
+            await asyncio.sleep(0.1)
+            assert Scraper.quiet(endpoint), endpoint.metrics
+            state["scrapes"] = 0
+            await asyncio.sleep(0.5)
+            assert state["scrapes"] <= 2  # one every 0.4 s, not one every 10 ms
+            state["page"] = PAGE  # the server got busy meanwhile (another client); a request reaches this EPP:
+            store.note_request()
+            await asyncio.sleep(0.05)
+            assert endpoint.metrics.waiting == 3 and not Scraper.quiet(endpoint)
+            state["scrapes"] = 0
+            await asyncio.sleep(0.2)
+            assert state["scrapes"] >= 8  # busy: back to the fast interval
+            endpoint.in_flight_requests = 1  # in flight from this EPP: not quiet even if the page says idle
+            state["page"] = IDLE
+            await asyncio.sleep(0.05)
+            assert not Scraper.quiet(endpoint)
+        finally:
+            await store.close()
 
 
 async def test_invalid_values_make_an_endpoint_stale_at_once_logged_once_and_scraping_survives(caplog, monkeypatch):
-    port = free_ports(1)[0]
     state = {"page": PAGE}
-
-    async def metrics(request):
-        return web.Response(text=state["page"])
-
-    app = web.Application()
-    app.router.add_get("/metrics", metrics)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
     scraper = Scraper(interval=0.01, timeout=0.5, staleness=5.0)
     store = Datastore(scraper)
     caplog.set_level("INFO", logger="epp.scraper")
-    try:
-        store.apply(PoolState(endpoints=(EndpointSpec("e", "127.0.0.1", port),)))
-        endpoint = store.endpoints[0]
-        await asyncio.sleep(0.1)
-        assert not endpoint.stale
-        for bad in ("+Inf", "NaN", "-1"):
-            state["page"] = PAGE.replace(" 3", f" {bad}")
+    async with page_server(state) as port:
+        try:
+            store.apply(PoolState(endpoints=(EndpointSpec("e", "127.0.0.1", port),)))
+            endpoint = store.endpoints[0]
             await asyncio.sleep(0.1)
-            assert endpoint.stale, bad  # at once, not after the 5 s staleness threshold
-            state["page"] = PAGE
+            assert not endpoint.stale
+            for bad in ("+Inf", "NaN", "-1"):
+                state["page"] = PAGE.replace(" 3", f" {bad}")
+                await asyncio.sleep(0.1)
+                assert endpoint.stale, bad  # at once, not after the 5 s staleness threshold
+                state["page"] = PAGE
+                await asyncio.sleep(0.1)
+                assert not endpoint.stale and endpoint.metrics.waiting == 3
+            stale_lines = [r for r in caplog.records if "is stale" in r.getMessage()]
+            assert len(stale_lines) == 3 and all(r.levelname == "WARNING" for r in stale_lines)  # once per change
+            assert sum("is ready" in r.getMessage() for r in caplog.records) == 4
+
+            import epp.datalayer.scraper as scraper_module
+
+            def broken(*args, **kwargs):
+                raise RuntimeError("a bug")
+
+            monkeypatch.setattr(scraper_module, "parse_metrics", broken)
             await asyncio.sleep(0.1)
-            assert not endpoint.stale and endpoint.metrics.waiting == 3
-        stale_lines = [r for r in caplog.records if "is stale" in r.getMessage()]
-        assert len(stale_lines) == 3 and all(r.levelname == "WARNING" for r in stale_lines)  # once per change
-        assert sum("is ready" in r.getMessage() for r in caplog.records) == 4
-
-        import epp.datalayer.scraper as scraper_module
-
-        def broken(*args, **kwargs):
-            raise RuntimeError("a bug")
-
-        monkeypatch.setattr(scraper_module, "parse_metrics", broken)
-        await asyncio.sleep(0.1)
-        assert endpoint.stale
-        monkeypatch.undo()
-        await asyncio.sleep(0.1)
-        assert not endpoint.stale  # the scraping task survived the unexpected error
-    finally:
-        await store.close()
-        await runner.cleanup()
+            assert endpoint.stale
+            monkeypatch.undo()
+            await asyncio.sleep(0.1)
+            assert not endpoint.stale  # the scraping task survived the unexpected error
+        finally:
+            await store.close()

@@ -29,24 +29,15 @@ from epp.grpc_h2 import (
     RST_STREAM,
     SETTINGS,
     WINDOW_UPDATE,
-    ExtProcServer,
     frame,
 )
-from tests.epp.test_grpc_h2 import PROCESS, EchoHandler, headers
+from tests.epp import test_grpc_h2
+from tests.epp.test_grpc_h2 import PROCESS, headers
 
 END_STREAM, END_HEADERS = 0x1, 0x4
+server = test_grpc_h2.server  # the fixture: an ExtProcServer of EchoHandlers on a free port
 REQUEST_HEADERS = [(":method", "POST"), (":scheme", "http"), (":path", PROCESS), (":authority", "epp"),
                    ("content-type", "application/grpc"), ("te", "trailers")]  # fmt: skip
-
-
-@pytest.fixture
-async def server():
-    server = ExtProcServer(lambda: EchoHandler)
-    await server.start("127.0.0.1", 0)
-    try:
-        yield server
-    finally:
-        await server.stop(grace=0.2)
 
 
 def connect(port: int) -> socket.socket:

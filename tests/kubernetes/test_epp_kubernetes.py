@@ -21,14 +21,20 @@ async def readiness(port: int) -> int:
         return response.status
 
 
-async def test_epp_replicas_discover_and_elect(apiserver, tmp_path):
-    server, api = apiserver
+def write_kubeconfig(tmp_path, api):
+    """A kubeconfig for the `epp` process that points at the local API server."""
     kubeconfig = tmp_path / "kubeconfig"
     kubeconfig.write_text(yaml.safe_dump({
         "apiVersion": "v1", "kind": "Config", "current-context": "local",
         "clusters": [{"name": "local", "cluster": {"server": api.configuration.host}}],
         "contexts": [{"name": "local", "context": {"cluster": "local", "user": "u", "namespace": NS}}],
         "users": [{"name": "u", "user": {"token": "test"}}]}))  # fmt: skip
+    return kubeconfig
+
+
+async def test_epp_replicas_discover_and_elect(apiserver, tmp_path):
+    server, api = apiserver
+    kubeconfig = write_kubeconfig(tmp_path, api)
     (model_port,) = free_ports(1)
     model = subprocess.Popen([sys.executable, "-m", "modelserver", "--port", str(model_port), "--disable-log-stats"],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
@@ -83,12 +89,7 @@ async def test_epp_replicas_discover_and_elect(apiserver, tmp_path):
 
 async def test_readiness_waits_for_the_pool_to_be_listed(apiserver, tmp_path):
     server, api = apiserver
-    kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(yaml.safe_dump({
-        "apiVersion": "v1", "kind": "Config", "current-context": "local",
-        "clusters": [{"name": "local", "cluster": {"server": api.configuration.host}}],
-        "contexts": [{"name": "local", "context": {"cluster": "local", "user": "u", "namespace": NS}}],
-        "users": [{"name": "u", "user": {"token": "test"}}]}))  # fmt: skip
+    kubeconfig = write_kubeconfig(tmp_path, api)
     server.apply("inferencepools", pool())
     server.fail_requests = 10**9  # nothing can be listed yet
     grpc_port, health_port, metrics_port = free_ports(3)
