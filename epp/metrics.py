@@ -178,8 +178,3 @@ class EPPMetrics:
     def model_served(self, name: str) -> None:
         if name not in self._served_models and len(self._served_models) < MAX_SERVED_MODEL_LABELS:
             self._served_models.add(name)
-
-    @staticmethod
-    def child(metric: _Series, *labels: str) -> _Value | _Buckets:
-        """The series' child for these label values, made on first use."""
-        return metric.labels(*labels)

@@ -297,19 +297,19 @@ class RequestStream:
         except OpenAIError as error:
             return self._reject(error)
         metrics = picker.metrics
-        metrics.child(metrics.scheduler_e2e).observe(time.perf_counter() - started)
+        metrics.scheduler_e2e.labels().observe(time.perf_counter() - started)
         for plugin_type, name, seconds in picker.scheduler.last_plugin_durations:
-            metrics.child(metrics.plugin_duration, "scheduler", plugin_type, name).observe(seconds)
+            metrics.plugin_duration.labels("scheduler", plugin_type, name).observe(seconds)
         self.request, self.result = request, result
         endpoint = self.endpoint = result.primary
         endpoint.in_flight_requests += 1
         endpoint.in_flight_tokens += request.prompt_tokens_estimate
         endpoint.routed_total += 1
         self.routed_at = time.monotonic()
-        metrics.child(metrics.requests, *self.labels).inc()
-        metrics.child(metrics.running, self.labels[0]).inc()
+        metrics.requests.labels(*self.labels).inc()
+        metrics.running.labels(self.labels[0]).inc()
         if payload is not None:
-            metrics.child(metrics.input_tokens, *self.labels).observe(request.prompt_tokens_estimate)
+            metrics.input_tokens.labels(*self.labels).observe(request.prompt_tokens_estimate)
         destinations = ",".join(e.hostport for e in result.endpoints)
         set_headers = [
             # The header carries the primary only: Envoy's ORIGINAL_DST cluster reads one ip:port. The fallbacks are
@@ -337,7 +337,7 @@ class RequestStream:
 
     def _reject(self, error: OpenAIError) -> pb.ProcessingResponse:
         metrics = self.picker.metrics
-        metrics.child(metrics.errors, *self.labels, str(error.status)).inc()
+        metrics.errors.labels(*self.labels, str(error.status)).inc()
         return immediate_response(error)
 
     # -- response path -----------------------------------------------------------------------------------------
@@ -391,20 +391,20 @@ class RequestStream:
         picker = self.picker
         picker.scheduler.on_finished(self.request, endpoint)
         metrics = picker.metrics
-        metrics.child(metrics.running, self.labels[0]).dec()
+        metrics.running.labels(self.labels[0]).dec()
         if self.status.startswith("2"):  # a model server knows these names: from now on they are labels of their own
             metrics.model_served(self.model)
             metrics.model_served(self.target_model)
             declared = picker.datastore.state.models
             self.labels = (metrics.model_label(self.model, declared), metrics.model_label(self.target_model, declared))
-            metrics.child(metrics.duration, *self.labels).observe(time.monotonic() - self.routed_at)
+            metrics.duration.labels(*self.labels).observe(time.monotonic() - self.routed_at)
         elif self.status:
-            metrics.child(metrics.errors, *self.labels, self.status[:3]).inc()
+            metrics.errors.labels(*self.labels, self.status[:3]).inc()
         if self.response_tail and (match := _COMPLETION_TOKENS.search(self.response_tail)):
-            metrics.child(metrics.output_tokens, *self.labels).observe(int(match.group(1)))
+            metrics.output_tokens.labels(*self.labels).observe(int(match.group(1)))
         if self.served:
             picked = self.served == endpoint.hostport
-            metrics.child(metrics.served, "pick" if picked else "other").inc()
+            metrics.served.labels("pick" if picked else "other").inc()
             if not picked:
                 log.debug("request %s was served by %s, not the pick %s", self.request.request_id, self.served,
                           endpoint.hostport)  # fmt: skip

@@ -162,6 +162,10 @@ def stream_flood(port: int, count: int) -> tuple[int, int]:
     return count, count if code is not None else 0
 
 
+def _grpc_message(payload: bytes) -> bytes:
+    return struct.pack(">BL", 0, len(payload)) + payload
+
+
 def grpc_body_flood(port: int, megabytes: int) -> tuple[int, int]:
     """request_body messages without end of stream, straight to the ext_proc port: the EPP answers 413 once over
     its body limit (an immediate response), then drops the rest."""
@@ -171,13 +175,12 @@ def grpc_body_flood(port: int, megabytes: int) -> tuple[int, int]:
     headers = pb.ProcessingRequest()
     headers.request_headers.headers.headers.add(key=":path", raw_value=b"/v1/completions")
     chunk = pb.ProcessingRequest(request_body=pb.HttpBody(body=b"x" * (1 << 20))).SerializeToString()
-    message = lambda m: struct.pack(">BL", 0, len(m)) + m  # noqa: E731
     answered = 0
     with _raw_h2(port) as s:
         _send_all(s, frame(HEADERS, 0x4, 1, encoder.encode(REQUEST_HEADERS)))
-        _send_all(s, frame(DATA, 0, 1, message(headers.SerializeToString())))
+        _send_all(s, frame(DATA, 0, 1, _grpc_message(headers.SerializeToString())))
         for _ in range(megabytes):
-            data = message(chunk)
+            data = _grpc_message(chunk)
             for start in range(0, len(data), 1 << 16):
                 _send_all(s, frame(DATA, 0, 1, data[start : start + (1 << 16)]))
         s.settimeout(1)
