@@ -21,6 +21,7 @@ class SchedulingRequest:
     headers: dict[str, str] = field(default_factory=dict)
     subset: frozenset[str] | None = None  # allowed "ip:port" from the proxy's subset hint; None = no hint
     prefix_hashes: list[int] | None = None  # computed once by the prefix scorer, reused when the pick is recorded
+    max_tokens: int | None = None  # the body's max_tokens / max_completion_tokens, when it gives one
 
 
 @dataclass(slots=True)

@@ -6,9 +6,11 @@ from epp.scheduling.plugins import (  # noqa: F401
     kv_cache_utilization_scorer,
     lora_affinity_scorer,
     max_score_picker,
+    predicted_latency_scorer,
     prefix_cache_scorer,
     queue_scorer,
     random_picker,
     running_requests_size_scorer,
+    slo_headroom_filter,
     weighted_random_picker,
 )

@@ -119,6 +119,14 @@ class PrefixCacheScorer:
             ]
         return scores
 
+    def cached_tokens(self, request: SchedulingRequest, endpoint: Endpoint) -> int:
+        """Prompt tokens `endpoint` probably holds for `request` (the latency predictor's cache input)."""
+        hashes = self.hashes(request, (endpoint,))
+        if not hashes:
+            return 0
+        blocks = longest_prefix(hashes, self._held.get(endpoint.spec.name))
+        return blocks * self.block_chars((endpoint,)) // CHARS_PER_TOKEN
+
     def on_routed(self, request: SchedulingRequest, result: SchedulingResult) -> None:
         hashes = request.prefix_hashes
         if not hashes or not result.endpoints:

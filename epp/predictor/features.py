@@ -1,0 +1,83 @@
+"""What the predictor knows of one (request, endpoint) pair at routing time, and the model's input vector.
+
+The director records `Features` for the endpoint a request went to (`endpoint_features`, at routing time) and
+hands them back with the observed latencies when the request completes (`LatencyPredictor.observe`); the scheduling
+plugins build the same features for every candidate to predict. Both sides go through `endpoint_features` and
+`vector`, so what is trained on is exactly what is predicted from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from epp.datalayer.endpoint import Endpoint
+from epp.scheduling.load import queue_depth, running_requests
+
+
+@dataclass(frozen=True, slots=True)
+class Features:
+    """One request on one endpoint at routing time."""
+
+    waiting: int  # the endpoint's waiting requests (last scrape, plus what this EPP routed there since)
+    running: int  # its running requests (likewise)
+    kv_usage: float  # its KV-cache usage, 0-1 (last scrape)
+    in_flight_tokens: int  # prompt tokens this EPP routed there that have not finished (no scrape lag)
+    prompt_tokens: int  # the request's prompt tokens (estimate)
+    cached_tokens: int  # of those, the part expected in the endpoint's prefix cache (the prefix scorer's match)
+    adapter_loaded: bool = True  # the request's LoRA adapter runs there (always True for a base-model request)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.cached_tokens <= self.prompt_tokens:
+            raise ValueError(f"cached_tokens must be within [0, prompt_tokens], got {self.cached_tokens}")
+
+
+def endpoint_features(endpoint: Endpoint, prompt_tokens: int, cached_tokens: int, adapter: str | None) -> Features:
+    """The features of sending a request to `endpoint` now.
+
+    `cached_tokens` is clipped to `prompt_tokens` (both are estimates); `adapter` is the request's LoRA adapter name,
+    None for a base-model request. Waiting and running are the scheduler's lag-corrected counts
+    (`epp.scheduling.load`): a scrape is up to 50 ms old, and a burst routed since then is what makes a server busy.
+    """
+    m = endpoint.metrics
+    cached = min(max(cached_tokens, 0), prompt_tokens)
+    waiting, running, tokens = queue_depth(endpoint), running_requests(endpoint), endpoint.in_flight_tokens
+    if m is None:
+        return Features(waiting, running, 0.0, tokens, prompt_tokens, cached, adapter is None)
+    loaded = adapter is None or adapter in m.running_adapters
+    return Features(waiting, running, m.kv_usage, tokens, prompt_tokens, cached, loaded)
+
+
+# Scales keep every input near 1, so that the ridge penalty treats them alike and the normal equations stay
+# well conditioned.
+TOKENS = 1000.0
+REQUESTS = 10.0
+
+
+def vector(f: Features) -> tuple[float, ...]:
+    """The model's inputs for recorded features (training and the director's side)."""
+    return inputs(f.waiting, f.running, f.kv_usage, f.in_flight_tokens, f.prompt_tokens - f.cached_tokens,
+                  f.adapter_loaded)  # fmt: skip
+
+
+def inputs(waiting: int, running: int, kv_usage: float, in_flight_tokens: int, uncached_tokens: int,
+           adapter_loaded: bool) -> tuple[float, ...]:  # fmt: skip
+    """The model's inputs. Why each one (the sim's step-time model and a GPU's both have this shape):
+    * own prefill work: uncached prompt tokens (prompt_tokens x (1 - cached fraction));
+    * work ahead of it: the EPP's in-flight prompt tokens there, and the waiting requests;
+    * decode work each prefill chunk shares a step with: running requests, and their product with the own prefill
+      (a long prompt spans several steps, each paying for the running batch);
+    * busy or idle: a request that finds the server idle starts at once, one that finds it busy first waits for
+      the current step;
+    * in-flight tokens times own prefill and times running requests: a long prompt already queued delays a short
+      one that joins it in every chunked-prefill step, and the work ahead grows with the decode batch;
+    * memory pressure (KV usage; preemptions and a full cache delay admission);
+    * a LoRA adapter that must be loaded first.
+    """
+    own = uncached_tokens / TOKENS
+    ahead = in_flight_tokens / TOKENS
+    batch = running / REQUESTS
+    return (1.0, own, ahead, waiting / REQUESTS, batch, own * batch, 1.0 if running or waiting else 0.0, ahead * own,
+            ahead * batch, kv_usage, 0.0 if adapter_loaded else 1.0)  # fmt: skip
+
+
+SIZE = 11  # len(vector(...))

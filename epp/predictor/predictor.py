@@ -1,0 +1,130 @@
+"""The pool's latency predictor: TTFT and time per output token (TPOT) of a request on an endpoint, learnt online.
+
+The two calls the request path makes (the director owns both; the scheduling plugins only predict):
+  (a) at routing time, for the endpoint it picked:
+        features = endpoint_features(endpoint, prompt_tokens, cached_tokens, adapter)   # epp.predictor.features
+  (b) when the request completes:
+        predictor.observe(features, ttft_seconds, tpot_seconds)   # tpot None when fewer than two tokens came back
+Everything is synchronous and bounded: `observe` is O(n^2) for n = 8 inputs (plus an O(n^3) re-solve every
+`refit_every` observations, ~10 us), the state is two n x n systems and two error windows.
+
+Model: one weighted online ridge regression per target (`OnlineRidge`) on `features.vector`. Each observation is
+weighted by 1 / y^2, so the fit minimises squared *relative* error, which is what MAPE scores and what routing
+needs: a 40 ms error matters on a 50 ms TTFT, not on a 2 s one. Forgetting (decay 0.998, ~500 observations of
+memory) follows drift in the workload and the servers.
+
+Cold start: each target reports no prediction (None) until it has `min_observations` and its error over the last
+`window` observations, measured before learning from each one (prequential), is at most `max_mape`. The plugins
+then abstain and the other scorers decide. A target that later degrades past `max_mape` goes quiet again.
+
+Trade-offs: one model for the whole pool assumes alike endpoints (same hardware and model); a linear model in
+these inputs captures prefill and decode cost and queueing ahead, not their saturation knees; TPOT is predicted
+from the state at routing time, not from what arrives during decoding.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from operator import mul
+
+from epp.datalayer.endpoint import Endpoint
+from epp.predictor.features import SIZE, Features, inputs, vector
+from epp.predictor.ridge import OnlineRidge
+from epp.scheduling.load import queue_depth, running_requests
+
+# Latencies below these floors are weighted as if they were the floor: it bounds one tiny observation's weight.
+TTFT_FLOOR = 0.001
+TPOT_FLOOR = 0.0005
+
+
+class _Target:
+    """One predicted quantity: its regression and its sliding window of absolute percentage errors."""
+
+    def __init__(self, floor: float, window: int, decay: float, refit_every: int):
+        self.floor = floor
+        self.model = OnlineRidge(SIZE, decay=decay, refit_every=refit_every)
+        self.errors: deque[float] = deque(maxlen=window)
+
+    def learn(self, x: tuple[float, ...], y: float) -> None:
+        if self.model.coefficients is not None:  # before the first fit there is no prediction to score
+            self.errors.append(abs(max(self.model.predict(x), self.floor) - y) / y)
+        self.model.add(x, y, 1.0 / max(y, self.floor) ** 2)
+
+    @property
+    def mape(self) -> float | None:
+        return sum(self.errors) / len(self.errors) if self.errors else None
+
+
+class LatencyPredictor:
+    """Parameters: min_observations (100), max_mape (0.5: predictions are withheld while the windowed error is
+    worse), window (200 observations for the error), decay (0.998 per observation), refit_every (8)."""
+
+    def __init__(self, min_observations: int = 100, max_mape: float = 0.5, window: int = 200, decay: float = 0.998,
+                 refit_every: int = 8):  # fmt: skip
+        if min_observations < 1 or max_mape <= 0 or window < 1:
+            raise ValueError("LatencyPredictor: min_observations >= 1, max_mape > 0 and window >= 1 required")
+        self.min_observations, self.max_mape = min_observations, max_mape
+        self.ttft = _Target(TTFT_FLOOR, window, decay, refit_every)
+        self.tpot = _Target(TPOT_FLOOR, window, decay, refit_every)
+        self.ttft_ready = self.tpot_ready = False
+
+    def observe(self, features: Features, ttft: float, tpot: float | None) -> None:
+        """Learn from one completed request: seconds to its first token and mean seconds per later token."""
+        if not (math.isfinite(ttft) and ttft > 0.0) or (tpot is not None and not (math.isfinite(tpot) and tpot > 0)):
+            raise ValueError(f"observed latencies must be finite and positive, got ttft={ttft!r} tpot={tpot!r}")
+        x = vector(features)
+        self.ttft.learn(x, ttft)
+        self.ttft_ready = self._ready(self.ttft)
+        if tpot is not None:
+            self.tpot.learn(x, tpot)
+            self.tpot_ready = self._ready(self.tpot)
+
+    def _ready(self, target: _Target) -> bool:
+        mape = target.mape
+        return target.model.count >= self.min_observations and mape is not None and mape <= self.max_mape
+
+    def predict_ttft(self, features: Features) -> float | None:
+        """Seconds to the first token, or None during cold start."""
+        if not self.ttft_ready:
+            return None
+        return max(self.ttft.model.predict(vector(features)), TTFT_FLOOR)
+
+    def predict_tpot(self, features: Features) -> float | None:
+        """Mean seconds per output token after the first, or None during cold start."""
+        if not self.tpot_ready:
+            return None
+        return max(self.tpot.model.predict(vector(features)), TPOT_FLOOR)
+
+    def predict_endpoints(self, endpoints: list[Endpoint], prompt_tokens: int, cached_tokens: list[int],
+                          adapter: str | None) -> list[tuple[float, float | None]] | None:  # fmt: skip
+        """(TTFT, TPOT or None) of one request on each endpoint, the same as `predict_*(endpoint_features(...))`
+        but in one pass (the scheduling plugins' path: ~3 us an endpoint); None during TTFT's cold start."""
+        if not self.ttft_ready:
+            return None
+        ttft_c = self.ttft.model.coefficients
+        tpot_c = self.tpot.model.coefficients if self.tpot_ready else None
+        out = []
+        for e, cached in zip(endpoints, cached_tokens, strict=True):
+            m = e.metrics
+            loaded = adapter is None or (m is not None and adapter in m.running_adapters)
+            x = inputs(queue_depth(e), running_requests(e), 0.0 if m is None else m.kv_usage, e.in_flight_tokens,
+                       prompt_tokens - min(max(cached, 0), prompt_tokens), loaded)  # fmt: skip
+            ttft = sum(map(mul, ttft_c, x))
+            tpot = None if tpot_c is None else max(sum(map(mul, tpot_c, x)), TPOT_FLOOR)
+            out.append((ttft if ttft > TTFT_FLOOR else TTFT_FLOOR, tpot))
+        return out
+
+    @property
+    def ttft_mape(self) -> float | None:
+        """Mean absolute percentage error of TTFT over the last `window` observations (a fraction; None before
+        any): the EPP's metrics export it."""
+        return self.ttft.mape
+
+    @property
+    def tpot_mape(self) -> float | None:
+        return self.tpot.mape
+
+    @property
+    def observations(self) -> int:
+        return self.ttft.model.count

@@ -1,0 +1,44 @@
+"""predicted-latency-scorer: prefer the endpoint predicted to answer this request soonest (GIE/llm-d's name).
+
+Reads: the pool's latency predictor (`epp.predictor.shared(pool)`): predicted TTFT of this request on each
+candidate from its scraped load, this EPP's in-flight tokens there, the request's prompt tokens and the part the
+prefix scorer expects cached there, and whether its LoRA adapter is loaded. For a long answer (`max_tokens` at
+least `longOutputTokens`) the cost is the predicted end-to-end time, TTFT + TPOT x max_tokens, so that a decode
+batch that would slow every token counts too.
+Score: best cost / cost (1 for the fastest, 0.5 for one predicted twice as slow), so close predictions stay close
+instead of being stretched to 0..1 as min-max would.
+Abstains (None) while the predictor is cold (too few observations or its windowed error above its bound): the
+other scorers then decide alone.
+Parameters: pool ("default": which shared predictor), longOutputTokens (256).
+Trade-offs: the prediction already accounts for a cache hit and an adapter load, so composing it with the prefix
+and LoRA scorers counts those twice (weigh them lower next to it); it is only as good as the predictor's recent
+error (exported as a metric); one model per pool assumes alike endpoints.
+"""
+
+from __future__ import annotations
+
+from epp.datalayer.endpoint import Endpoint
+from epp.predictor import shared
+from epp.scheduling.framework import Parameters, register
+from epp.scheduling.types import SchedulingRequest
+
+
+@register("predicted-latency-scorer")
+class PredictedLatencyScorer:
+    def __init__(self, parameters: dict | None):
+        p = Parameters("predicted-latency-scorer", parameters)
+        self.predictions = shared(p.get("pool", "default", str))
+        self.long_output_tokens = p.get("longOutputTokens", 256, int, minimum=1)
+        p.done()
+
+    def score(self, request: SchedulingRequest, endpoints: list[Endpoint]) -> list[float] | None:
+        predicted = self.predictions.get(request, endpoints)
+        if predicted is None:
+            return None
+        output = request.max_tokens
+        if output is not None and output >= self.long_output_tokens and predicted[0][1] is not None:
+            costs = [ttft + tpot * output for ttft, tpot in predicted]
+        else:
+            costs = [ttft for ttft, _ in predicted]
+        best = min(costs)
+        return [best / c for c in costs]

@@ -1,0 +1,27 @@
+"""A pool-shaped synthetic latency model: TTFT and TPOT as the sim's step-time model would give them."""
+
+import random
+
+from epp.predictor import Features
+
+
+def true_ttft(f: Features) -> float:
+    return 0.02 + 0.0001 * (f.prompt_tokens - f.cached_tokens) + 0.00008 * f.in_flight_tokens + 0.01 * f.waiting
+
+
+def true_tpot(f: Features) -> float:
+    return 0.012 + 0.0004 * f.running + 0.000002 * f.in_flight_tokens
+
+
+def random_features(rng: random.Random) -> Features:
+    prompt = rng.choice((200, 5000))
+    return Features(waiting=rng.randrange(4), running=rng.randrange(16), kv_usage=rng.random() * 0.5,
+                    in_flight_tokens=rng.randrange(12000), prompt_tokens=prompt,
+                    cached_tokens=rng.randrange(prompt // 2))  # fmt: skip
+
+
+def train(predictor, count: int = 300, noise: float = 0.03, seed: int = 0) -> None:
+    rng = random.Random(seed)
+    for _ in range(count):
+        f = random_features(rng)
+        predictor.observe(f, true_ttft(f) * (1 + noise * rng.gauss(0, 1)), true_tpot(f) * (1 + noise * rng.gauss(0, 1)))

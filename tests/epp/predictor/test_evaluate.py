@@ -1,0 +1,17 @@
+"""The evaluation on real sim servers, unit-test sized: the predictor learns them well enough to be used."""
+
+from epp.predictor import LatencyPredictor
+from epp.predictor.evaluate import decision_time, evaluate
+
+
+async def test_predictor_learns_a_real_sim_pool():
+    predictor = LatencyPredictor(min_observations=25, max_mape=0.6, window=25)
+    report = await evaluate(servers=2, concurrency=[4, 8], phase_seconds=8, predictor=predictor)
+    assert report.observations == predictor.observations == sum(p.requests for p in report.phases) > 40
+    assert predictor.ttft_ready
+    last = report.phases[-1]
+    assert last.scored > 0
+    # loose bounds: the 2-core test machine is shared; the full run (`python -m epp.predictor.evaluate`) reports
+    # the real figures
+    assert last.ttft_mape < 0.6 and last.window_ttft_mape < 0.6
+    assert 0 < decision_time(predictor, size=8, repeats=20) < 5_000

@@ -1,0 +1,137 @@
+"""predicted-latency-scorer and slo-headroom-filter over a trained predictor (synthetic pool: conftest.true_ttft)."""
+
+import itertools
+
+import pytest
+
+from epp.predictor import shared
+from epp.scheduling.errors import ConfigError
+from epp.scheduling.framework import build_plugin
+from epp.scheduling.scheduler import Scheduler
+from epp.scheduling.types import SchedulingRequest
+from tests.epp.helpers import endpoint
+from tests.epp.predictor.conftest import train
+
+_pools = itertools.count()
+
+
+@pytest.fixture
+def pool():
+    """A fresh shared predictor per test (the registry is process-wide)."""
+    return f"test-pool-{next(_pools)}"
+
+
+def trained(pool: str) -> None:
+    predictor = shared(pool).predictor
+    predictor.min_observations = 50
+    train(predictor)
+
+
+def req(prompt_tokens=1000, headers=None, max_tokens=None, model="m"):
+    return SchedulingRequest("r", model, "", prompt_tokens, headers=headers or {}, max_tokens=max_tokens)
+
+
+def pool_of_three():
+    # idle; a long prompt queued; a short queue but a big decode batch
+    return [endpoint(0), endpoint(1, in_flight=1, in_flight_tokens=6000, waiting=1),
+            endpoint(2, running=15, in_flight=15, in_flight_tokens=3000)]  # fmt: skip
+
+
+def test_scorer_abstains_while_cold(pool):
+    scorer = build_plugin("predicted-latency-scorer", {"pool": pool})
+    assert scorer.score(req(), pool_of_three()) is None
+
+
+def test_scorer_prefers_the_fastest_predicted_endpoint(pool):
+    trained(pool)
+    scorer = build_plugin("predicted-latency-scorer", {"pool": pool})
+    endpoints = pool_of_three()
+    scores = scorer.score(req(), endpoints)
+    ttfts = [t for t, _ in shared(pool).get(req(), endpoints)]
+    assert scores[0] == 1.0 and all(0 < s < 1 for s in scores[1:])
+    assert scores == pytest.approx([min(ttfts) / t for t in ttfts])
+    assert ttfts[1] > 0.6  # ~6,000 tokens ahead at 0.1 ms each (and the waiting one) are learnt
+
+
+def test_scorer_counts_tpot_for_long_outputs(pool):
+    trained(pool)
+    scorer = build_plugin("predicted-latency-scorer", {"pool": pool, "longOutputTokens": 100})
+    # TTFT: 0 is a little better (no tokens in flight); TPOT: 0 has a 15-request decode batch, 1 none
+    endpoints = [endpoint(0, running=15, in_flight=15, in_flight_tokens=0), endpoint(1, in_flight_tokens=200)]
+    assert scorer.score(req(max_tokens=50), endpoints)[0] == 1.0  # short answer: TTFT decides
+    costs = [t + p * 5000 for t, p in shared(pool).get(req(), endpoints)]
+    long = scorer.score(req(max_tokens=5000), endpoints)
+    assert long == pytest.approx([min(costs) / c for c in costs])
+    assert long[1] == 1.0
+
+
+def test_cached_tokens_lower_the_prediction(pool):
+    trained(pool)
+    candidates = shared(pool)
+    endpoints = [endpoint(0), endpoint(1)]
+    candidates.cached_tokens = lambda request, e: 4000 if e.name == "e1" else 0
+    scores = build_plugin("predicted-latency-scorer", {"pool": pool}).score(req(prompt_tokens=5000), endpoints)
+    assert scores[1] == 1.0 and scores[0] < 0.5
+
+
+def test_filter_keeps_endpoints_meeting_the_objective_with_headroom(pool):
+    trained(pool)
+    f = build_plugin("slo-headroom-filter", {"pool": pool, "headroom": 0.2})
+    endpoints = pool_of_three()
+    ttfts = [t for t, _ in shared(pool).get(req(), endpoints)]
+    slo_ms = max(ttfts[0], ttfts[2]) / 0.8 * 1e3 * 1.01  # 0 and 2 meet it with 20 % headroom, 1 does not
+    assert f.filter(req(headers={"x-slo-ttft-ms": f"{slo_ms:.3f}"}), endpoints) == [endpoints[0], endpoints[2]]
+    tight = f"{ttfts[0] * 1e3 * 0.9:.3f}"  # nobody meets it: the best one is kept
+    assert f.filter(req(headers={"x-slo-ttft-ms": tight}), endpoints) == [endpoints[0]]
+
+
+def test_filter_checks_tpot_objectives(pool):
+    trained(pool)
+    f = build_plugin("slo-headroom-filter", {"pool": pool, "headroom": 0})
+    endpoints = pool_of_three()
+    tpots = [p for _, p in shared(pool).get(req(), endpoints)]
+    limit = f"{(tpots[0] + tpots[2]) / 2 * 1e3:.4f}"  # the 15-request decode batch of endpoint 2 misses it
+    assert endpoints[2] not in f.filter(req(headers={"x-slo-tpot-ms": limit}), endpoints)
+
+
+@pytest.mark.parametrize("headers", [{}, {"x-slo-ttft-ms": "abc"}, {"x-slo-ttft-ms": "-5"}, {"x-slo-tpot-ms": "nan"}])
+def test_filter_passes_everything_without_a_usable_objective(pool, headers):
+    trained(pool)
+    endpoints = pool_of_three()
+    assert build_plugin("slo-headroom-filter", {"pool": pool}).filter(req(headers=headers), endpoints) == endpoints
+
+
+def test_filter_passes_everything_while_cold(pool):
+    endpoints = pool_of_three()
+    f = build_plugin("slo-headroom-filter", {"pool": pool})
+    assert f.filter(req(headers={"x-slo-ttft-ms": "1"}), endpoints) == endpoints
+
+
+@pytest.mark.parametrize(("plugin", "parameters"), [("slo-headroom-filter", {"headroom": 1}),
+                                                    ("slo-headroom-filter", {"headroom": -0.1}),
+                                                    ("predicted-latency-scorer", {"longOutputTokens": 0}),
+                                                    ("predicted-latency-scorer", {"pool": 3}),
+                                                    ("predicted-latency-scorer", {"unknown": 1})])  # fmt: skip
+def test_bad_parameters_are_config_errors(plugin, parameters):
+    with pytest.raises(ConfigError):
+        build_plugin(plugin, parameters)
+
+
+def test_profile_with_both_plugins_routes_to_the_fastest(pool):
+    trained(pool)
+    config = f"""
+plugins:
+- type: slo-headroom-filter
+  parameters: {{pool: {pool}}}
+- type: predicted-latency-scorer
+  parameters: {{pool: {pool}}}
+schedulingProfiles:
+- name: default
+  plugins:
+  - pluginRef: slo-headroom-filter
+  - pluginRef: predicted-latency-scorer
+"""
+    scheduler = Scheduler.from_config(config)
+    endpoints = pool_of_three()
+    result = scheduler.schedule(req(headers={"x-slo-ttft-ms": "10000"}), endpoints)
+    assert result.primary is endpoints[0]

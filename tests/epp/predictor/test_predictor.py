@@ -1,0 +1,90 @@
+import math
+import random
+
+import pytest
+
+from epp.predictor import Features, LatencyPredictor, endpoint_features
+from tests.epp.helpers import endpoint
+from tests.epp.predictor.conftest import random_features, train, true_tpot, true_ttft
+
+
+def test_cold_until_enough_observations_then_accurate():
+    predictor = LatencyPredictor(min_observations=100)
+    f = Features(1, 4, 0.2, 3000, 5000, 1000)
+    train(predictor, count=99)
+    assert predictor.predict_ttft(f) is None and predictor.predict_tpot(f) is None
+    train(predictor, count=200, seed=1)
+    assert predictor.observations == 299
+    assert predictor.predict_ttft(f) == pytest.approx(true_ttft(f), rel=0.05)
+    assert predictor.predict_tpot(f) == pytest.approx(true_tpot(f), rel=0.05)
+    assert predictor.ttft_mape < 0.1 and predictor.tpot_mape < 0.1
+
+
+def test_stays_cold_while_its_error_is_too_large():
+    predictor = LatencyPredictor(min_observations=50, max_mape=0.2)
+    rng = random.Random(3)
+    for _ in range(300):  # latencies unrelated to the features
+        predictor.observe(random_features(rng), rng.uniform(0.01, 1.0), rng.uniform(0.005, 0.05))
+    assert predictor.ttft_mape > 0.2
+    assert predictor.predict_ttft(Features(0, 0, 0.0, 0, 100, 0)) is None
+
+
+def test_goes_cold_again_when_the_servers_change():
+    predictor = LatencyPredictor(min_observations=50, max_mape=0.2, window=50)
+    train(predictor, count=200)
+    assert predictor.ttft_ready
+    rng = random.Random(4)
+    for _ in range(30):  # the pool becomes 5x slower: predictions made before learning it are off by ~80 %
+        f = random_features(rng)
+        predictor.observe(f, 5 * true_ttft(f), true_tpot(f))
+    assert not predictor.ttft_ready and predictor.tpot_ready
+
+
+def test_tpot_is_optional_per_observation():
+    predictor = LatencyPredictor(min_observations=10)
+    rng = random.Random(5)
+    for _ in range(50):
+        f = random_features(rng)
+        predictor.observe(f, true_ttft(f), None)
+    assert predictor.ttft_ready and not predictor.tpot_ready and predictor.tpot_mape is None
+
+
+@pytest.mark.parametrize("ttft, tpot", [(0.0, 0.01), (-1.0, None), (math.nan, None), (0.1, math.inf), (0.1, 0.0)])
+def test_bad_observations_are_rejected(ttft, tpot):
+    with pytest.raises(ValueError):
+        LatencyPredictor().observe(Features(0, 0, 0.0, 0, 10, 0), ttft, tpot)
+
+
+def test_cached_tokens_cannot_exceed_the_prompt():
+    with pytest.raises(ValueError):
+        Features(0, 0, 0.0, 0, 10, 11)
+
+
+def test_memory_is_bounded_by_the_window():
+    predictor = LatencyPredictor(window=64)
+    train(predictor, count=1000)
+    assert len(predictor.ttft.errors) == 64 and len(predictor.tpot.errors) == 64
+
+
+def test_endpoint_features_read_the_lag_corrected_load_and_the_adapter():
+    e = endpoint(0, waiting=1, running=2, kv=0.4, running_adapters=("sql",), in_flight=6, in_flight_tokens=900)
+    f = endpoint_features(e, prompt_tokens=500, cached_tokens=700, adapter="chat")
+    # 6 in flight from this EPP, 3 reported: what the scrape does not show yet counts (epp.scheduling.load)
+    assert f == Features(waiting=4, running=5, kv_usage=0.4, in_flight_tokens=900, prompt_tokens=500,
+                         cached_tokens=500, adapter_loaded=False)  # fmt: skip
+    assert endpoint_features(e, 500, 0, "sql").adapter_loaded and endpoint_features(e, 500, 0, None).adapter_loaded
+    never_scraped = endpoint(1, in_flight=2, in_flight_tokens=40)
+    never_scraped.metrics = None
+    assert endpoint_features(never_scraped, 10, 0, None) == Features(2, 2, 0.0, 40, 10, 0, True)
+
+
+def test_predict_endpoints_matches_one_at_a_time_predictions():
+    predictor = LatencyPredictor(min_observations=50)
+    train(predictor)
+    endpoints = [endpoint(i, waiting=i % 3, running=i, kv=0.1 * i, in_flight=i, in_flight_tokens=700 * i,
+                          running_adapters=("a",) if i % 2 else ()) for i in range(6)]  # fmt: skip
+    cached = [0, 100, 3000, 0, 50, 10_000]
+    batch = predictor.predict_endpoints(endpoints, 2000, cached, "a")
+    for e, c, (ttft, tpot) in zip(endpoints, cached, batch, strict=True):
+        f = endpoint_features(e, 2000, c, "a")
+        assert ttft == pytest.approx(predictor.predict_ttft(f)) and tpot == pytest.approx(predictor.predict_tpot(f))

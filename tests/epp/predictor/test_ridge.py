@@ -1,0 +1,50 @@
+import random
+
+import pytest
+
+from epp.predictor.ridge import OnlineRidge
+
+
+def test_recovers_the_coefficients_of_noiseless_data():
+    rng = random.Random(1)
+    model = OnlineRidge(3, decay=1.0, ridge=1e-9)
+    for _ in range(200):
+        x = (1.0, rng.random(), rng.random() * 5)
+        model.add(x, 0.5 + 2.0 * x[1] - 0.3 * x[2])
+    assert model.coefficients == pytest.approx((0.5, 2.0, -0.3), abs=1e-4)
+    assert model.predict((1.0, 1.0, 1.0)) == pytest.approx(2.2, abs=1e-3)
+
+
+def test_forgetting_follows_a_change_in_the_data():
+    rng = random.Random(2)
+    model = OnlineRidge(2, decay=0.98, refit_every=1)
+    for slope in (1.0, 3.0):
+        for _ in range(400):
+            x = (1.0, rng.random())
+            model.add(x, slope * x[1])
+    assert model.coefficients[1] == pytest.approx(3.0, rel=0.01)
+
+
+def test_weights_pull_the_fit_towards_heavy_observations():
+    model = OnlineRidge(1, decay=1.0, refit_every=1)
+    model.add((1.0,), 1.0, weight=1.0)
+    model.add((1.0,), 2.0, weight=3.0)
+    assert model.coefficients[0] == pytest.approx(1.75, rel=1e-3)
+
+
+def test_no_fit_before_data_and_state_stays_fixed_size():
+    model = OnlineRidge(4)
+    assert model.coefficients is None and model.predict((1.0, 0.0, 0.0, 0.0)) == 0.0
+    model.refit()
+    assert model.coefficients is None
+    for i in range(1000):
+        model.add((1.0, float(i % 7), 0.0, 0.0), 1.0)  # two inputs never vary: the ridge term keeps it solvable
+    assert len(model._a) == 4 and all(len(row) == 4 for row in model._a)
+    assert model.predict((1.0, 3.0, 0.0, 0.0)) == pytest.approx(1.0, rel=1e-3)
+
+
+@pytest.mark.parametrize("kwargs", [{"size": 0}, {"size": 2, "decay": 0.0}, {"size": 2, "ridge": 0.0},
+                                    {"size": 2, "refit_every": 0}])  # fmt: skip
+def test_bad_parameters_are_rejected(kwargs):
+    with pytest.raises(ValueError):
+        OnlineRidge(**kwargs)
