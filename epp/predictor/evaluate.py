@@ -47,6 +47,7 @@ MIX = ((0.8, 200, 96), (0.2, 5000, 128))  # (share, prompt tokens, output tokens
 @dataclass
 class Sample:
     phase: int
+    endpoint: str
     sent: float  # seconds since the phase began
     features: Features
     ttft: float
@@ -108,8 +109,9 @@ async def _request(session: aiohttp.ClientSession, endpoint: Endpoint, prompt: s
 
 
 async def drive(urls: list[str], predictor: LatencyPredictor, concurrency: list[int], phase_seconds: float,
-                seed: int = 0) -> list[Sample]:  # fmt: skip
-    """Run the phases against already started servers; every completed request is observed by `predictor`."""
+                seed: int = 0, route: str = "random") -> list[Sample]:  # fmt: skip
+    """Run the phases against already started servers; every completed request is observed by `predictor`.
+    `route`: "random", or "predicted" (the lowest predicted TTFT once the predictor is ready, random before)."""
     rng = random.Random(seed)
     hostports = [u.removeprefix("http://").rpartition(":") for u in urls]
     endpoints = [Endpoint(EndpointSpec(f"ms-{i}", host, int(port))) for i, (host, _, port) in enumerate(hostports)]
@@ -129,8 +131,9 @@ async def drive(urls: list[str], predictor: LatencyPredictor, concurrency: list[
                         _, tokens, output = rng.choices(MIX, [m[0] for m in MIX])[0]
                         # a unique head per request: no prefix-cache hits, so cached_tokens = 0 is the truth
                         prompt = f"{rng.random()} " + rng.choice(prompts[tokens])
-                        endpoint = rng.choice(endpoints)
                         estimate = len(prompt) // CHARS_PER_TOKEN
+                        endpoint = _pick(rng, endpoints, predictor, estimate) if route == "predicted" else None
+                        endpoint = endpoint or rng.choice(endpoints)
                         features = endpoint_features(endpoint, estimate, 0, None)
                         predicted = predictor.predict_ttft(features), predictor.predict_tpot(features)
                         sent = time.monotonic() - began
@@ -142,13 +145,21 @@ async def drive(urls: list[str], predictor: LatencyPredictor, concurrency: list[
                             endpoint.in_flight_tokens -= estimate
                             endpoint.in_flight_requests -= 1
                         predictor.observe(features, ttft, tpot)
-                        samples.append(Sample(phase, sent, features, ttft, tpot, *predicted))
+                        samples.append(Sample(phase, endpoint.name, sent, features, ttft, tpot, *predicted))
 
                 await asyncio.gather(*(client() for _ in range(clients)))
         finally:
             stop.set()
             await scraper
     return samples
+
+
+def _pick(rng: random.Random, endpoints: list[Endpoint], predictor: LatencyPredictor, tokens: int) -> Endpoint | None:
+    predicted = predictor.predict_endpoints(endpoints, tokens, [0] * len(endpoints), None)
+    if predicted is None:
+        return None
+    best = min(ttft for ttft, _ in predicted)
+    return rng.choice([e for e, (ttft, _) in zip(endpoints, predicted, strict=True) if ttft == best])
 
 
 def _mape(pairs: list[tuple[float, float]]) -> float | None:
@@ -198,7 +209,7 @@ def decision_time(predictor: LatencyPredictor, size: int = 32, repeats: int = 30
 
 
 async def evaluate(servers: int, concurrency: list[int], phase_seconds: float, trace: Path | None = None,
-                   seed: int = 0, predictor: LatencyPredictor | None = None) -> Report:  # fmt: skip
+                   seed: int = 0, predictor: LatencyPredictor | None = None, route: str = "random") -> Report:  # fmt: skip
     predictor = predictor or LatencyPredictor()
     with tempfile.TemporaryDirectory(prefix="predictor-eval-") as workdir:
         stack = LocalStack(StackConfig(model_servers=servers, base_port=free_port_block(servers),
@@ -206,7 +217,7 @@ async def evaluate(servers: int, concurrency: list[int], phase_seconds: float, t
         stack.start_model_servers()
         try:
             await asyncio.gather(*(stack._wait_http("modelserver", f"{u}/health", 60) for u in stack.model_server_urls))
-            samples = await drive(stack.model_server_urls, predictor, concurrency, phase_seconds, seed)
+            samples = await drive(stack.model_server_urls, predictor, concurrency, phase_seconds, seed, route)
         finally:
             stack.stop()
     report = Report(servers, observations=predictor.observations)
@@ -227,10 +238,13 @@ def main(argv: list[str] | None = None) -> None:
                    help="clients per phase, comma separated (default 4,12,24)")  # fmt: skip
     p.add_argument("--phase", type=float, default=20.0, help="seconds per phase (default 20)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--route", choices=["random", "predicted"], default="random",
+                   help="how each request picks its server (predicted: the lowest predicted TTFT once ready)")  # fmt: skip
     p.add_argument("--trace", type=Path, help="write every sample (features, observed, predicted) as JSON lines")
     args = p.parse_args(argv)
     predictor = LatencyPredictor()
-    report = asyncio.run(evaluate(args.servers, args.concurrency, args.phase, args.trace, args.seed, predictor))
+    report = asyncio.run(evaluate(args.servers, args.concurrency, args.phase, args.trace, args.seed, predictor,
+                                  args.route))  # fmt: skip
     if predictor.ttft_ready:
         report.decision_us_32 = decision_time(predictor)
     print(f"{report.servers} sim servers, {report.observations} requests observed")
