@@ -4,7 +4,7 @@ Starts a sim pool (one `modelserver --backend sim --replicas N` process), scrape
 50 ms into `Endpoint` objects as the EPP's data layer does, and drives a heterogeneous closed-loop workload
 straight at the servers (no EPP, no Envoy): 20 % ~5,000-token prompts, the rest ~200 tokens, each request sent to
 a random server, the number of concurrent clients stepping through `--concurrency` (one phase each). For every
-request it records the features at send time (`endpoint_features`, with this driver's own in-flight prompt
+request it records the features at send time (`LatencyPredictor.routed`, with this driver's own in-flight prompt
 tokens per server standing in for the EPP's) and the prediction made then, then the TTFT and TPOT observed on the
 response stream, which the predictor learns from (`observe`), as the director will.
 
@@ -34,7 +34,7 @@ from epp.bench.workloads import _text
 from epp.datalayer.endpoint import Endpoint, EndpointSpec
 from epp.local import LocalStack, StackConfig
 from epp.predictor import shared
-from epp.predictor.features import Features, endpoint_features
+from epp.predictor.features import Features
 from epp.predictor.predictor import LatencyPredictor
 from protocol.metrics import MetricsParseError, parse_metrics
 
@@ -134,7 +134,7 @@ async def drive(urls: list[str], predictor: LatencyPredictor, concurrency: list[
                         estimate = len(prompt) // CHARS_PER_TOKEN
                         endpoint = _pick(rng, endpoints, predictor, estimate) if route == "predicted" else None
                         endpoint = endpoint or rng.choice(endpoints)
-                        features = endpoint_features(endpoint, estimate, 0, None)
+                        features = predictor.routed(endpoint, estimate, 0, None)
                         predicted = predictor.predict_ttft(features), predictor.predict_tpot(features)
                         sent = time.monotonic() - began
                         endpoint.in_flight_tokens += estimate
@@ -208,8 +208,15 @@ def decision_time(predictor: LatencyPredictor, size: int = 32, repeats: int = 30
     return statistics.median(samples) * 1e6
 
 
-async def evaluate(servers: int, concurrency: list[int], phase_seconds: float, trace: Path | None = None,
-                   seed: int = 0, predictor: LatencyPredictor | None = None, route: str = "random") -> Report:  # fmt: skip
+async def evaluate(
+    servers: int,
+    concurrency: list[int],
+    phase_seconds: float,
+    trace: Path | None = None,
+    seed: int = 0,
+    predictor: LatencyPredictor | None = None,
+    route: str = "random",
+) -> Report:
     predictor = predictor or LatencyPredictor()
     with tempfile.TemporaryDirectory(prefix="predictor-eval-") as workdir:
         stack = LocalStack(StackConfig(model_servers=servers, base_port=free_port_block(servers),
@@ -238,8 +245,12 @@ def main(argv: list[str] | None = None) -> None:
                    help="clients per phase, comma separated (default 4,12,24)")  # fmt: skip
     p.add_argument("--phase", type=float, default=20.0, help="seconds per phase (default 20)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--route", choices=["random", "predicted"], default="random",
-                   help="how each request picks its server (predicted: the lowest predicted TTFT once ready)")  # fmt: skip
+    p.add_argument(
+        "--route",
+        choices=["random", "predicted"],
+        default="random",
+        help="how each request picks its server (predicted: the lowest predicted TTFT once ready)",
+    )
     p.add_argument("--trace", type=Path, help="write every sample (features, observed, predicted) as JSON lines")
     args = p.parse_args(argv)
     predictor = LatencyPredictor()

@@ -1,9 +1,9 @@
 """What the predictor knows of one (request, endpoint) pair at routing time, and the model's input vector.
 
-The director records `Features` for the endpoint a request went to (`endpoint_features`, at routing time) and
-hands them back with the observed latencies when the request completes (`LatencyPredictor.observe`); the scheduling
-plugins build the same features for every candidate to predict. Both sides go through `endpoint_features` and
-`vector`, so what is trained on is exactly what is predicted from.
+The director gets `Features` for the endpoint a request went to at routing time (`LatencyPredictor.routed`, which
+builds them with `endpoint_features`) and hands them back with the observed latencies when the request completes
+(`LatencyPredictor.observe`); the scheduling plugins compute the same inputs for every candidate to predict. Both
+sides go through `inputs`, so what is trained on is exactly what is predicted from.
 """
 
 from __future__ import annotations
@@ -25,13 +25,15 @@ class Features:
     prompt_tokens: int  # the request's prompt tokens (estimate)
     cached_tokens: int  # of those, the part expected in the endpoint's prefix cache (the prefix scorer's match)
     adapter_loaded: bool = True  # the request's LoRA adapter runs there (always True for a base-model request)
+    backlog_tokens: float = 0.0  # prefill tokens queued there ahead of this request, probably not done yet (backlog.py)
 
     def __post_init__(self) -> None:
         if not 0 <= self.cached_tokens <= self.prompt_tokens:
             raise ValueError(f"cached_tokens must be within [0, prompt_tokens], got {self.cached_tokens}")
 
 
-def endpoint_features(endpoint: Endpoint, prompt_tokens: int, cached_tokens: int, adapter: str | None) -> Features:
+def endpoint_features(endpoint: Endpoint, prompt_tokens: int, cached_tokens: int, adapter: str | None,
+                      backlog_tokens: float = 0.0) -> Features:  # fmt: skip
     """The features of sending a request to `endpoint` now.
 
     `cached_tokens` is clipped to `prompt_tokens` (both are estimates); `adapter` is the request's LoRA adapter name,
@@ -42,9 +44,9 @@ def endpoint_features(endpoint: Endpoint, prompt_tokens: int, cached_tokens: int
     cached = min(max(cached_tokens, 0), prompt_tokens)
     waiting, running, tokens = queue_depth(endpoint), running_requests(endpoint), endpoint.in_flight_tokens
     if m is None:
-        return Features(waiting, running, 0.0, tokens, prompt_tokens, cached, adapter is None)
+        return Features(waiting, running, 0.0, tokens, prompt_tokens, cached, adapter is None, backlog_tokens)
     loaded = adapter is None or adapter in m.running_adapters
-    return Features(waiting, running, m.kv_usage, tokens, prompt_tokens, cached, loaded)
+    return Features(waiting, running, m.kv_usage, tokens, prompt_tokens, cached, loaded, backlog_tokens)
 
 
 # Scales keep every input near 1, so that the ridge penalty treats them alike and the normal equations stay
@@ -56,14 +58,15 @@ REQUESTS = 10.0
 def vector(f: Features) -> tuple[float, ...]:
     """The model's inputs for recorded features (training and the director's side)."""
     return inputs(f.waiting, f.running, f.kv_usage, f.in_flight_tokens, f.prompt_tokens - f.cached_tokens,
-                  f.adapter_loaded)  # fmt: skip
+                  f.adapter_loaded, f.backlog_tokens)  # fmt: skip
 
 
 def inputs(waiting: int, running: int, kv_usage: float, in_flight_tokens: int, uncached_tokens: int,
-           adapter_loaded: bool) -> tuple[float, ...]:  # fmt: skip
+           adapter_loaded: bool, backlog_tokens: float) -> tuple[float, ...]:  # fmt: skip
     """The model's inputs. Why each one (the sim's step-time model and a GPU's both have this shape):
     * own prefill work: uncached prompt tokens (prompt_tokens x (1 - cached fraction));
-    * work ahead of it: the EPP's in-flight prompt tokens there, and the waiting requests;
+    * work ahead of it: the prefill backlog there (and whether there is any: then the request waits for it, and
+      for at least one step that prefills), the EPP's in-flight prompt tokens there, and the waiting requests;
     * decode work each prefill chunk shares a step with: running requests, and their product with the own prefill
       (a long prompt spans several steps, each paying for the running batch);
     * busy or idle: a request that finds the server idle starts at once, one that finds it busy first waits for
@@ -77,7 +80,8 @@ def inputs(waiting: int, running: int, kv_usage: float, in_flight_tokens: int, u
     ahead = in_flight_tokens / TOKENS
     batch = running / REQUESTS
     return (1.0, own, ahead, waiting / REQUESTS, batch, own * batch, 1.0 if running or waiting else 0.0, ahead * own,
-            ahead * batch, kv_usage, 0.0 if adapter_loaded else 1.0)  # fmt: skip
+            ahead * batch, kv_usage, 0.0 if adapter_loaded else 1.0, backlog_tokens / TOKENS,
+            1.0 if backlog_tokens else 0.0)  # fmt: skip
 
 
-SIZE = 11  # len(vector(...))
+SIZE = 13  # len(vector(...))

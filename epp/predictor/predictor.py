@@ -1,12 +1,15 @@
 """The pool's latency predictor: TTFT and time per output token (TPOT) of a request on an endpoint, learnt online.
 
-The two calls the request path makes (the director owns both; the scheduling plugins only predict):
-  (a) at routing time, for the endpoint it picked:
-        features = endpoint_features(endpoint, prompt_tokens, cached_tokens, adapter)   # epp.predictor.features
+The two calls the request path makes (the director owns both; the scheduling plugins only predict), on the pool's
+predictor `epp.predictor.shared(pool).predictor`:
+  (a) at routing time, for the endpoint it picked (its prompt goes into that endpoint's prefill backlog):
+        features = predictor.routed(endpoint, prompt_tokens, cached_tokens, adapter)
   (b) when the request completes:
         predictor.observe(features, ttft_seconds, tpot_seconds)   # tpot None when fewer than two tokens came back
-Everything is synchronous and bounded: `observe` is O(n^2) for n = 8 inputs (plus an O(n^3) re-solve every
-`refit_every` observations, ~10 us), the state is two n x n systems and two error windows.
+`cached_tokens` is the prefix scorer's match on that endpoint (`PrefixCacheScorer.cached_tokens`), `adapter` the
+request's LoRA adapter or None. Everything is synchronous and bounded: `observe` is O(n^2) for n = 13 inputs (plus
+an O(n^3) re-solve every `refit_every` observations, ~20 us); the state is two n x n systems, two error windows
+and one backlog entry per endpoint.
 
 Model: one weighted online ridge regression per target (`OnlineRidge`) on `features.vector`. Each observation is
 weighted by 1 / y^2, so the fit minimises squared *relative* error, which is what MAPE scores and what routing
@@ -25,11 +28,13 @@ from the state at routing time, not from what arrives during decoding.
 from __future__ import annotations
 
 import math
+import time
 from collections import deque
 from operator import mul
 
 from epp.datalayer.endpoint import Endpoint
-from epp.predictor.features import SIZE, Features, inputs, vector
+from epp.predictor.backlog import PrefillBacklog
+from epp.predictor.features import SIZE, Features, endpoint_features, inputs, vector
 from epp.predictor.ridge import OnlineRidge
 from epp.scheduling.load import queue_depth, running_requests
 
@@ -68,11 +73,22 @@ class LatencyPredictor:
         self.ttft = _Target(TTFT_FLOOR, window, decay, refit_every)
         self.tpot = _Target(TPOT_FLOOR, window, decay, refit_every)
         self.ttft_ready = self.tpot_ready = False
+        self.backlog = PrefillBacklog()
+
+    def routed(self, endpoint: Endpoint, prompt_tokens: int, cached_tokens: int, adapter: str | None,
+               now: float | None = None) -> Features:  # fmt: skip
+        """A request goes to `endpoint`: its features there now (to hand back to `observe`), and its uncached
+        prompt tokens join the endpoint's prefill backlog."""
+        now = time.monotonic() if now is None else now
+        uncached = prompt_tokens - min(max(cached_tokens, 0), prompt_tokens)
+        ahead = self.backlog.add(endpoint.spec.name, uncached, now)
+        return endpoint_features(endpoint, prompt_tokens, cached_tokens, adapter, ahead)
 
     def observe(self, features: Features, ttft: float, tpot: float | None) -> None:
         """Learn from one completed request: seconds to its first token and mean seconds per later token."""
         if not (math.isfinite(ttft) and ttft > 0.0) or (tpot is not None and not (math.isfinite(tpot) and tpot > 0)):
             raise ValueError(f"observed latencies must be finite and positive, got ttft={ttft!r} tpot={tpot!r}")
+        self.backlog.learn(features.prompt_tokens - features.cached_tokens, features.backlog_tokens, ttft)
         x = vector(features)
         self.ttft.learn(x, ttft)
         self.ttft_ready = self._ready(self.ttft)
@@ -96,20 +112,36 @@ class LatencyPredictor:
             return None
         return max(self.tpot.model.predict(vector(features)), TPOT_FLOOR)
 
-    def predict_endpoints(self, endpoints: list[Endpoint], prompt_tokens: int, cached_tokens: list[int],
-                          adapter: str | None) -> list[tuple[float, float | None]] | None:  # fmt: skip
-        """(TTFT, TPOT or None) of one request on each endpoint, the same as `predict_*(endpoint_features(...))`
-        but in one pass (the scheduling plugins' path: ~3 us an endpoint); None during TTFT's cold start."""
+    def predict_endpoints(
+        self,
+        endpoints: list[Endpoint],
+        prompt_tokens: int,
+        cached_tokens: list[int],
+        adapter: str | None,
+        now: float | None = None,
+    ) -> list[tuple[float, float | None]] | None:
+        """(TTFT, TPOT or None) of one request on each endpoint: what `predict_*` would say of the features
+        `routed` would record there, in one pass (the scheduling plugins' path: ~3 us an endpoint); None during
+        TTFT's cold start."""
         if not self.ttft_ready:
             return None
+        now = time.monotonic() if now is None else now
         ttft_c = self.ttft.model.coefficients
         tpot_c = self.tpot.model.coefficients if self.tpot_ready else None
+        backlog = self.backlog.tokens
         out = []
         for e, cached in zip(endpoints, cached_tokens, strict=True):
             m = e.metrics
             loaded = adapter is None or (m is not None and adapter in m.running_adapters)
-            x = inputs(queue_depth(e), running_requests(e), 0.0 if m is None else m.kv_usage, e.in_flight_tokens,
-                       prompt_tokens - min(max(cached, 0), prompt_tokens), loaded)  # fmt: skip
+            x = inputs(
+                queue_depth(e),
+                running_requests(e),
+                0.0 if m is None else m.kv_usage,
+                e.in_flight_tokens,
+                prompt_tokens - min(max(cached, 0), prompt_tokens),
+                loaded,
+                backlog(e.spec.name, now),
+            )
             ttft = sum(map(mul, ttft_c, x))
             tpot = None if tpot_c is None else max(sum(map(mul, tpot_c, x)), TPOT_FLOOR)
             out.append((ttft if ttft > TTFT_FLOOR else TTFT_FLOOR, tpot))

@@ -6,7 +6,8 @@ from epp.predictor import Features
 
 
 def true_ttft(f: Features) -> float:
-    return 0.02 + 0.0001 * (f.prompt_tokens - f.cached_tokens) + 0.00008 * f.in_flight_tokens + 0.01 * f.waiting
+    own, ahead = f.prompt_tokens - f.cached_tokens, f.backlog_tokens
+    return 0.02 + 0.0001 * (own + ahead) + 0.00001 * f.in_flight_tokens + 0.01 * f.waiting
 
 
 def true_tpot(f: Features) -> float:
@@ -15,9 +16,15 @@ def true_tpot(f: Features) -> float:
 
 def random_features(rng: random.Random) -> Features:
     prompt = rng.choice((200, 5000))
-    return Features(waiting=rng.randrange(4), running=rng.randrange(16), kv_usage=rng.random() * 0.5,
-                    in_flight_tokens=rng.randrange(12000), prompt_tokens=prompt,
-                    cached_tokens=rng.randrange(prompt // 2))  # fmt: skip
+    return Features(
+        waiting=rng.randrange(4),
+        running=rng.randrange(16),
+        kv_usage=rng.random() * 0.5,
+        in_flight_tokens=rng.randrange(12000),
+        prompt_tokens=prompt,
+        cached_tokens=rng.randrange(prompt // 2),
+        backlog_tokens=rng.choice((0.0, rng.random() * 8000)),
+    )
 
 
 def train(predictor, count: int = 300, noise: float = 0.03, seed: int = 0) -> None:

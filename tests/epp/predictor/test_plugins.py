@@ -31,23 +31,25 @@ def req(prompt_tokens=1000, headers=None, max_tokens=None, model="m"):
     return SchedulingRequest("r", model, "", prompt_tokens, headers=headers or {}, max_tokens=max_tokens)
 
 
-def pool_of_three():
-    # idle; a long prompt queued; a short queue but a big decode batch
-    return [endpoint(0), endpoint(1, in_flight=1, in_flight_tokens=6000, waiting=1),
-            endpoint(2, running=15, in_flight=15, in_flight_tokens=3000)]  # fmt: skip
+def pool_of_three(pool):
+    """Idle; a long prompt just routed there (still in its prefill backlog); no queue but a big decode batch."""
+    endpoints = [endpoint(0), endpoint(1, in_flight=1, in_flight_tokens=6000, waiting=1),
+                 endpoint(2, running=15, in_flight=15, in_flight_tokens=3000)]  # fmt: skip
+    shared(pool).predictor.routed(endpoints[1], 6000, 0, None)
+    return endpoints
 
 
 def test_scorer_abstains_while_cold(pool):
     scorer = build_plugin("predicted-latency-scorer", {"pool": pool})
-    assert scorer.score(req(), pool_of_three()) is None
+    assert scorer.score(req(), pool_of_three(pool)) is None
 
 
 def test_scorer_prefers_the_fastest_predicted_endpoint(pool):
     trained(pool)
     scorer = build_plugin("predicted-latency-scorer", {"pool": pool})
-    endpoints = pool_of_three()
-    scores = scorer.score(req(), endpoints)
-    ttfts = [t for t, _ in shared(pool).get(req(), endpoints)]
+    endpoints, request = pool_of_three(pool), req()
+    scores = scorer.score(request, endpoints)
+    ttfts = [t for t, _ in shared(pool).get(request, endpoints)]  # the same request: what the scorer used
     assert scores[0] == 1.0 and all(0 < s < 1 for s in scores[1:])
     assert scores == pytest.approx([min(ttfts) / t for t in ttfts])
     assert ttfts[1] > 0.6  # ~6,000 tokens ahead at 0.1 ms each (and the waiting one) are learnt
@@ -77,7 +79,7 @@ def test_cached_tokens_lower_the_prediction(pool):
 def test_filter_keeps_endpoints_meeting_the_objective_with_headroom(pool):
     trained(pool)
     f = build_plugin("slo-headroom-filter", {"pool": pool, "headroom": 0.2})
-    endpoints = pool_of_three()
+    endpoints = pool_of_three(pool)
     ttfts = [t for t, _ in shared(pool).get(req(), endpoints)]
     slo_ms = max(ttfts[0], ttfts[2]) / 0.8 * 1e3 * 1.01  # 0 and 2 meet it with 20 % headroom, 1 does not
     assert f.filter(req(headers={"x-slo-ttft-ms": f"{slo_ms:.3f}"}), endpoints) == [endpoints[0], endpoints[2]]
@@ -88,7 +90,7 @@ def test_filter_keeps_endpoints_meeting_the_objective_with_headroom(pool):
 def test_filter_checks_tpot_objectives(pool):
     trained(pool)
     f = build_plugin("slo-headroom-filter", {"pool": pool, "headroom": 0})
-    endpoints = pool_of_three()
+    endpoints = pool_of_three(pool)
     tpots = [p for _, p in shared(pool).get(req(), endpoints)]
     limit = f"{(tpots[0] + tpots[2]) / 2 * 1e3:.4f}"  # the 15-request decode batch of endpoint 2 misses it
     assert endpoints[2] not in f.filter(req(headers={"x-slo-tpot-ms": limit}), endpoints)
@@ -97,12 +99,12 @@ def test_filter_checks_tpot_objectives(pool):
 @pytest.mark.parametrize("headers", [{}, {"x-slo-ttft-ms": "abc"}, {"x-slo-ttft-ms": "-5"}, {"x-slo-tpot-ms": "nan"}])
 def test_filter_passes_everything_without_a_usable_objective(pool, headers):
     trained(pool)
-    endpoints = pool_of_three()
+    endpoints = pool_of_three(pool)
     assert build_plugin("slo-headroom-filter", {"pool": pool}).filter(req(headers=headers), endpoints) == endpoints
 
 
 def test_filter_passes_everything_while_cold(pool):
-    endpoints = pool_of_three()
+    endpoints = pool_of_three(pool)
     f = build_plugin("slo-headroom-filter", {"pool": pool})
     assert f.filter(req(headers={"x-slo-ttft-ms": "1"}), endpoints) == endpoints
 
@@ -132,6 +134,6 @@ schedulingProfiles:
   - pluginRef: predicted-latency-scorer
 """
     scheduler = Scheduler.from_config(config)
-    endpoints = pool_of_three()
+    endpoints = pool_of_three(pool)
     result = scheduler.schedule(req(headers={"x-slo-ttft-ms": "10000"}), endpoints)
     assert result.primary is endpoints[0]

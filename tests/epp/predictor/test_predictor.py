@@ -66,6 +66,17 @@ def test_memory_is_bounded_by_the_window():
     assert len(predictor.ttft.errors) == 64 and len(predictor.tpot.errors) == 64
 
 
+def test_routed_records_the_backlog_ahead_and_adds_the_uncached_prompt():
+    predictor = LatencyPredictor()
+    e = endpoint(0, running=1, in_flight_tokens=300)
+    first = predictor.routed(e, 3000, 1000, None, now=5.0)
+    assert first == Features(0, 1, 0.0, 300, 3000, 1000, True, 0.0)
+    second = predictor.routed(e, 100, 0, None, now=5.0)
+    assert second.backlog_tokens == 2000
+    per_token = predictor.backlog.seconds_per_token
+    assert predictor.routed(e, 10, 0, None, now=5.0 + 1000 * per_token).backlog_tokens == pytest.approx(1100)
+
+
 def test_endpoint_features_read_the_lag_corrected_load_and_the_adapter():
     e = endpoint(0, waiting=1, running=2, kv=0.4, running_adapters=("sql",), in_flight=6, in_flight_tokens=900)
     f = endpoint_features(e, prompt_tokens=500, cached_tokens=700, adapter="chat")
@@ -84,7 +95,9 @@ def test_predict_endpoints_matches_one_at_a_time_predictions():
     endpoints = [endpoint(i, waiting=i % 3, running=i, kv=0.1 * i, in_flight=i, in_flight_tokens=700 * i,
                           running_adapters=("a",) if i % 2 else ()) for i in range(6)]  # fmt: skip
     cached = [0, 100, 3000, 0, 50, 10_000]
-    batch = predictor.predict_endpoints(endpoints, 2000, cached, "a")
+    predictor.routed(endpoints[1], 5000, 0, None, now=10.0)  # a prefill backlog on one of them
+    batch = predictor.predict_endpoints(endpoints, 2000, cached, "a", now=10.1)
+    assert batch[1][0] > batch[0][0] + 0.1
     for e, c, (ttft, tpot) in zip(endpoints, cached, batch, strict=True):
-        f = endpoint_features(e, 2000, c, "a")
+        f = endpoint_features(e, 2000, c, "a", predictor.backlog.tokens(e.name, 10.1))
         assert ttft == pytest.approx(predictor.predict_ttft(f)) and tpot == pytest.approx(predictor.predict_tpot(f))
