@@ -1,7 +1,8 @@
 """Predictions for one request on each candidate endpoint, shared by the scheduling plugins that read them.
 
 The SLO filter and the latency scorer of one profile ask for the same request: the first call computes every
-candidate's prediction, the second reuses it (the predictor keeps only the last request's, so memory stays flat).
+candidate's prediction, the second reuses it (only the last request's are kept, so memory stays flat). Reuse ends
+when any request is routed (`LatencyPredictor.routed`), so a request scheduled again sees the backlog it joined.
 """
 
 from __future__ import annotations
@@ -25,14 +26,15 @@ class CandidatePredictions:
         self.predictor = predictor
         self.cached_tokens = cached_tokens
         self._request: SchedulingRequest | None = None
+        self._routings = -1  # predictor.routings when the predictions below were made
         self._by_name: dict[str, tuple[float, float | None]] = {}
 
     def get(self, request: SchedulingRequest, endpoints: list[Endpoint]) -> list[tuple[float, float | None]] | None:
         """(TTFT, TPOT or None) seconds per endpoint, in order; None while the predictor is cold."""
         if not self.predictor.ttft_ready:
             return None
-        if request is not self._request:
-            self._request, self._by_name = request, {}
+        if request is not self._request or self._routings != self.predictor.routings:
+            self._request, self._routings, self._by_name = request, self.predictor.routings, {}
         known = self._by_name
         missing = [e for e in endpoints if e.spec.name not in known]
         if missing:

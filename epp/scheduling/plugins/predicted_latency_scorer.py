@@ -1,8 +1,9 @@
 """predicted-latency-scorer: prefer the endpoint predicted to answer this request soonest (GIE/llm-d's name).
 
 Reads: the pool's latency predictor (`epp.predictor.shared(pool)`): predicted TTFT of this request on each
-candidate from its scraped load, this EPP's in-flight tokens there, the request's prompt tokens and the part the
-prefix scorer expects cached there, and whether its LoRA adapter is loaded. For a long answer (`max_tokens` at
+candidate from its scraped load, this EPP's in-flight tokens and prefill backlog there, the request's prompt
+tokens and the part the prefix scorer expects cached there (once the director wires `cached_tokens`; until then
+none), and whether its LoRA adapter is loaded; `max_tokens` of the request. For a long answer (`max_tokens` at
 least `longOutputTokens`) the cost is the predicted end-to-end time, TTFT + TPOT x max_tokens, so that a decode
 batch that would slow every token counts too.
 Score: best cost / cost (1 for the fastest, 0.5 for one predicted twice as slow), so close predictions stay close

@@ -137,3 +137,14 @@ schedulingProfiles:
     endpoints = pool_of_three(pool)
     result = scheduler.schedule(req(headers={"x-slo-ttft-ms": "10000"}), endpoints)
     assert result.primary is endpoints[0]
+
+
+def test_predictions_are_shared_within_a_pass_and_renewed_after_a_routing(pool):
+    trained(pool)
+    candidates = shared(pool)
+    endpoints, request = [endpoint(0), endpoint(1)], req(prompt_tokens=3000)
+    first = candidates.get(request, endpoints)
+    assert candidates.get(request, endpoints[1:]) == first[1:]  # the scorer after the filter: the same numbers
+    candidates.predictor.routed(endpoints[1], 5000, 0, None)
+    again = candidates.get(request, endpoints)  # scheduled again (a retry): endpoint 1 now has a backlog
+    assert again[0][0] == pytest.approx(first[0][0], rel=1e-3) and again[1][0] > first[1][0] + 0.1
