@@ -30,20 +30,24 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from epp.datalayer.endpoint import Endpoint
-from epp.scheduling.framework import Parameters, register
-from epp.scheduling.types import SchedulingRequest, SchedulingResult
+from epp.scheduling.framework import Parameters, PoolChanged, PreRequest, Scorer, register
+from epp.scheduling.types import CycleState, SchedulingRequest, SchedulingResult
 
 RUNNING, LOADED, ROOM, WAITING, NONE = 1.0, 0.9, 0.8, 0.6, 0.0
 
 
 @register("lora-affinity-scorer")
-class LoRAAffinityScorer:
+class LoRAAffinityScorer(Scorer, PreRequest, PoolChanged):
+    consumes = ("running_adapters", "waiting_adapters", "max_lora")
+
     def __init__(self, parameters: dict | None):
         Parameters("lora-affinity-scorer", parameters).done()
         self.adapters: set[str] = set()  # names endpoints have listed as adapters (the base model never is)
         self._sent: dict[str, OrderedDict[str, None]] = {}  # endpoint name -> adapters sent there, most recent last
 
-    def score(self, request: SchedulingRequest, endpoints: list[Endpoint]) -> list[float] | None:
+    def score(
+        self, cycle_state: CycleState, request: SchedulingRequest, endpoints: list[Endpoint]
+    ) -> list[float] | None:
         model = request.model
         sent = self._sent
         for e in endpoints:
@@ -69,7 +73,7 @@ class LoRAAffinityScorer:
                 scores.append(WAITING if model in m.waiting_adapters else NONE)
         return scores
 
-    def on_routed(self, request: SchedulingRequest, result: SchedulingResult) -> None:
+    def pre_request(self, request: SchedulingRequest, result: SchedulingResult) -> None:
         if request.model not in self.adapters or not result.endpoints:
             return
         endpoint = result.endpoints[0]
@@ -82,7 +86,7 @@ class LoRAAffinityScorer:
         while len(sent) > m.max_lora:
             sent.popitem(last=False)
 
-    def on_pool_changed(self, endpoints: Sequence[Endpoint]) -> None:
+    def pool_changed(self, endpoints: Sequence[Endpoint]) -> None:
         present = {e.spec.name for e in endpoints}
         for name in [n for n in self._sent if n not in present]:
             del self._sent[name]

@@ -13,18 +13,20 @@ from __future__ import annotations
 import random
 
 from epp.datalayer.endpoint import Endpoint
-from epp.scheduling.framework import Parameters, register
-from epp.scheduling.types import SchedulingRequest
+from epp.scheduling.framework import Parameters, Picker, register
+from epp.scheduling.types import CycleState, SchedulingRequest
 
 
 @register("max-score-picker")
-class MaxScorePicker:
+class MaxScorePicker(Picker):
     def __init__(self, parameters: dict | None):
         p = Parameters("max-score-picker", parameters)
         self.count = p.get("maxNumOfEndpoints", 1, int, minimum=1)
         p.done()
 
-    def pick(self, request: SchedulingRequest, endpoints: list[Endpoint], scores: list[float]) -> list[Endpoint]:
+    def pick(
+        self, cycle_state: CycleState, request: SchedulingRequest, endpoints: list[Endpoint], scores: list[float]
+    ) -> list[Endpoint]:
         if self.count == 1:
             best = max(scores)
             tied = [e for e, s in zip(endpoints, scores, strict=True) if s == best]
