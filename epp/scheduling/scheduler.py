@@ -159,21 +159,23 @@ class Scheduler:
             if not candidates:
                 raise NoEndpointError(f"no endpoint left after filter {f.typed_name.name!r}")
         totals = [0.0] * len(candidates)
-        all_scores: dict[TypedName, list[float]] = {}
+        raw_scores: dict[TypedName, list[float]] = {}
         for scorer, weight in self.profile.scorers:
             start = clock()
             scores = scorer.score(cycle_state, request, candidates)
             if scores is not None:
-                # in range: kept; above 1: 1; below 0 and NaN (every comparison with NaN is false): 0
-                scores = [s if 0.0 <= s <= 1.0 else (1.0 if s > 1.0 else 0.0) for s in scores]
-                all_scores[scorer.typed_name] = scores
-                totals = [t + weight * s for t, s in zip(totals, scores, strict=True)]
+                raw_scores[scorer.typed_name] = scores
+                # clamp_score inlined: a call per score would cost more than the sum itself
+                totals = [
+                    t + weight * (s if 0.0 <= s <= 1.0 else (1.0 if s > 1.0 else 0.0))
+                    for t, s in zip(totals, scores, strict=True)
+                ]
             timings.append((scorer.typed_name, clock() - start))
         picker = self.profile.picker
         start = clock()
         picked = picker.pick(cycle_state, request, candidates, totals)
         timings.append((picker.typed_name, clock() - start))
-        return SchedulingResult(picked, self.profile.name, candidates, all_scores, timings, cycle_state)
+        return SchedulingResult(picked, self.profile.name, candidates, raw_scores, timings, cycle_state)
 
     def on_routed(self, request: SchedulingRequest, result: SchedulingResult) -> None:
         """The proxy has its answer: PreRequest plugins record the pick (the prefix index)."""

@@ -72,7 +72,7 @@ class SchedulingResult:
     endpoints: best first; the first is the pick, the rest are fallbacks.
     candidates: the endpoints the scorers rated (after the filters), in the order of each scorer's scores.
     scores: per scorer that expressed a preference, its scores in [0, 1] (out-of-range values clamped, NaN as 0),
-        unweighted; a scorer that abstained has no entry.
+        unweighted, in the candidates' order; a scorer that abstained has no entry.
     timings: seconds each filter, scorer and the picker took, in the order they ran.
     cycle_state: what the plugins stored during the cycle, for the request's later hooks.
     """
@@ -80,10 +80,21 @@ class SchedulingResult:
     endpoints: list[Endpoint]
     profile: str = "default"
     candidates: list[Endpoint] = field(default_factory=list)
-    scores: dict[TypedName, list[float]] = field(default_factory=dict)
+    raw_scores: dict[TypedName, list[float]] = field(default_factory=dict)  # as the scorers returned them
     timings: list[tuple[TypedName, float]] = field(default_factory=list)
     cycle_state: CycleState = field(default_factory=CycleState)
 
     @property
     def primary(self) -> Endpoint:
         return self.endpoints[0]
+
+    @property
+    def scores(self) -> dict[TypedName, list[float]]:
+        """Per scorer, the scores the total was made of: clamped to [0, 1]. Clamped here, on demand, because
+        nothing on the request path reads them (the scheduler clamps each score inline as it adds it up)."""
+        return {name: [clamp_score(s) for s in scores] for name, scores in self.raw_scores.items()}
+
+
+def clamp_score(score: float) -> float:
+    """A score in [0, 1]: above 1 counts as 1; below 0 and NaN (every comparison with NaN is false) as 0."""
+    return score if 0.0 <= score <= 1.0 else (1.0 if score > 1.0 else 0.0)

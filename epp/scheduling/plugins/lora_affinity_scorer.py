@@ -9,8 +9,9 @@ Score for the request's `model` (the adapter name after any rewrite), in this or
   the adapter is waiting to be loaded there                          0.6
   otherwise (no slot, not there; or no LoRA metrics)                 0.0
 Base-model requests are neutral: for a model that no candidate lists as running or waiting the scorer abstains
-(returns None: it adds nothing to any candidate), so the other scorers decide. The endpoints do not say which name is their base model, and scoring the base model like
-an adapter would push base-model traffic off servers whose adapter slots happen to be full, which costs it nothing.
+(returns None: it adds nothing to any candidate), so the other scorers decide. The endpoints do not say which name
+is their base model, and scoring the base model like an adapter would push base-model traffic off servers whose
+adapter slots happen to be full, which costs it nothing.
 The same rule applies to an adapter that no endpoint has loaded yet: its first request goes where load says, and
 affinity holds from then on.
 Still loaded: `vllm:lora_requests_info` names only adapters with requests running or waiting, but an engine keeps

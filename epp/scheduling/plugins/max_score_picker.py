@@ -29,8 +29,9 @@ class MaxScorePicker(Picker):
     ) -> list[Endpoint]:
         if self.count == 1:
             best = max(scores)
-            tied = [e for e, s in zip(endpoints, scores, strict=True) if s == best]
-            return [tied[0] if len(tied) == 1 else random.choice(tied)]
+            if scores.count(best) == 1:  # the common case, without a loop in Python
+                return [endpoints[scores.index(best)]]
+            return [random.choice([e for e, s in zip(endpoints, scores, strict=True) if s == best])]
         tie_breaks = [random.random() for _ in endpoints]
         keyed = sorted(zip(scores, tie_breaks, range(len(endpoints)), strict=True), reverse=True)
         return [endpoints[i] for _, _, i in keyed[: self.count]]

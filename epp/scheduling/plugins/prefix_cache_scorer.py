@@ -4,12 +4,15 @@ overloaded.
 How: the prompt text (`protocol.openai.prompt_text`) is cut into blocks of `blockSize` tokens x ~4 characters and
 hashed as a chain (xxhash64, each block seeded by the previous block's hash, the first by a hash of the model name,
 so two models never share entries), at most `maxPrefixBlocksToMatch` blocks; the hashes are computed once per
-request and kept in the cycle state (PREFIX_HASHES), where `pre_request` finds them. The EPP remembers which hashes it sent to each endpoint: one LRU per endpoint, sized by the
-endpoint's `num_gpu_blocks` (the server cannot hold more blocks than that). Score = longest remembered prefix /
-number of blocks of the prompt. The pick is recorded in `pre_request`, which runs after the EPP answered the
-proxy, so the index update is off the request's critical path.
+request and kept in the cycle state (PREFIX_HASHES). The EPP remembers which hashes it sent to each endpoint: one
+LRU per endpoint, sized by the endpoint's `num_gpu_blocks` (the server cannot hold more blocks than that). Score =
+longest remembered prefix / number of blocks of the prompt. The pick is recorded in `pre_request` (from the cycle
+state the result carries), which runs after the EPP answered the proxy, so the index update is off the request's
+critical path.
 Reads: the request's prompt and model; `block_size` and `num_gpu_blocks` (from `vllm:cache_config_info`) when the
-endpoints publish them (`autoTune`), else the parameters; the candidates' queue depths for the load guard.
+endpoints publish them (`autoTune`), else the parameters; the candidates' queue depths for the load guard (shared
+with queue-scorer through the cycle state). Writes: PREFIX_HASHES. Reports its index size and hit ratio
+(PrefixIndexStats) for the EPP's metrics.
 
 Matching: a prompt's blocks are recorded last block first, so within one prompt the LRU evicts the tail before the
 head (what vLLM's free-block queue does too) and what an endpoint holds of a prompt stays a prefix. The longest

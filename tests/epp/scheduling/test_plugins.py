@@ -6,7 +6,7 @@ import pytest
 
 from epp.scheduling.errors import ConfigError
 from epp.scheduling.framework import PLUGIN_TYPES, build_plugin
-from epp.scheduling.load import queue_depth, running_requests
+from epp.scheduling.load import queue_depth, queue_depths, running_requests
 from epp.scheduling.types import CycleState, SchedulingRequest, SchedulingResult
 from tests.epp.helpers import endpoint
 
@@ -35,6 +35,14 @@ def never_scraped(i, in_flight=0):
 )
 def test_load_estimates_include_requests_routed_since_the_scrape(e, queue, running):
     assert (queue_depth(e), running_requests(e)) == (queue, running)
+
+
+def test_queue_depths_are_computed_once_per_cycle_for_the_candidates_they_were_computed_for():
+    state, pool = CycleState(), [endpoint(0, waiting=3), endpoint(1, in_flight=2)]
+    depths = queue_depths(state, pool)
+    assert depths == [3, 2]
+    assert queue_depths(state, pool) is depths  # the prefix scorer's load guard reuses the queue scorer's
+    assert queue_depths(state, pool[:1]) == [3]  # other candidates: computed again
 
 
 @pytest.mark.parametrize(
