@@ -4,8 +4,8 @@ chooses; lifecycle hooks see the request after it was routed, when it finished, 
 A plugin is one class in one module of `epp.scheduling.plugins`, registered with `@register("type-name")`, built
 from its GIE-style `parameters` mapping at startup (invalid ones raise ConfigError there, never on the request
 path). It derives from `Plugin` and declares each extension point it implements by inheriting its base class
-(Filter, Scorer, Picker, PreRequest, ResponseComplete, PoolChanged, PrefixIndexStats); the scheduler collects
-plugins by these types. It also declares the data it reads and writes (`consumes`, `produces`), which the scheduler
+(Filter, Scorer, Picker, PreRequest, ResponseComplete, PoolChanged; a prefix index also PrefixIndexStats, which the
+EPP's metrics read); the scheduler collects plugins by these types. It also declares the data it reads and writes (`consumes`, `produces`), which the scheduler
 checks at startup. All extension points run synchronously on the event loop: no I/O, no awaits.
 """
 
@@ -23,14 +23,13 @@ from protocol.metrics import EndpointMetrics
 
 # What the data layer fills in on every endpoint (discovery, the scrapes, the EPP's own in-flight counters): the
 # endpoint attributes a plugin may name in `consumes`.
-ENDPOINT_ATTRIBUTES = frozenset(f.name for c in (EndpointSpec, Endpoint, EndpointMetrics) for f in fields(c)) - {
-    "spec",
-    "metrics",
-}
+ENDPOINT_ATTRIBUTES = frozenset(
+    f.name for c in (EndpointSpec, Endpoint, EndpointMetrics) for f in fields(c) if f.name not in ("spec", "metrics")
+)
 
 
 class Plugin(ABC):
-    """Base of every scheduler plugin.
+    """Base of every scheduler plugin. A registered plugin class is built as `cls(parameters)`.
 
     typed_name: the plugin's type and instance name (set by `register` and `build_plugin`).
     consumes: the data it reads: endpoint attributes by name (ENDPOINT_ATTRIBUTES) and cycle-state keys.
@@ -114,11 +113,15 @@ def check_data_dependencies(profile: str, plugins: Iterable[Plugin]) -> None:
         for key in p.consumes:
             if isinstance(key, StateKey):
                 if key not in produced:
-                    raise ConfigError(f"profile {profile!r}: {p.typed_name} consumes {key.name!r}, which no plugin of "
-                                      "the profile produces")  # fmt: skip
+                    raise ConfigError(
+                        f"profile {profile!r}: {p.typed_name} consumes {key.name!r}, which no plugin of the profile "
+                        "produces"
+                    )
             elif key not in ENDPOINT_ATTRIBUTES:
-                raise ConfigError(f"profile {profile!r}: {p.typed_name} consumes endpoint attribute {key!r}, which "
-                                  "the data layer does not produce")  # fmt: skip
+                raise ConfigError(
+                    f"profile {profile!r}: {p.typed_name} consumes endpoint attribute {key!r}, which the data layer "
+                    "does not produce"
+                )
 
 
 PLUGIN_TYPES: dict[str, Callable[[dict[str, Any] | None], Plugin]] = {}

@@ -96,6 +96,10 @@ class Profile:
 
 
 class Scheduler:
+    """Runs one profile per request. The request path calls admit, schedule, then on_routed once the proxy has its
+    answer and on_finished when the request is over; discovery calls on_pool_changed. The profile's plugins are
+    checked (check_data_dependencies) and listed in the log at startup."""
+
     def __init__(self, profile: Profile, detector: SaturationDetector | None = None):
         self.profile = profile
         self.detector = detector or SaturationDetector()

@@ -71,8 +71,9 @@ class SchedulingResult:
 
     endpoints: best first; the first is the pick, the rest are fallbacks.
     candidates: the endpoints the scorers rated (after the filters), in the order of each scorer's scores.
-    scores: per scorer that expressed a preference, its scores in [0, 1] (out-of-range values clamped, NaN as 0),
-        unweighted, in the candidates' order; a scorer that abstained has no entry.
+    raw_scores: per scorer that expressed a preference, its unweighted scores as it returned them, in the
+        candidates' order (a scorer that abstained has no entry); `scores` gives them clamped to [0, 1], as the
+        totals used them.
     timings: seconds each filter, scorer and the picker took, in the order they ran.
     cycle_state: what the plugins stored during the cycle, for the request's later hooks.
     """
@@ -80,7 +81,7 @@ class SchedulingResult:
     endpoints: list[Endpoint]
     profile: str = "default"
     candidates: list[Endpoint] = field(default_factory=list)
-    raw_scores: dict[TypedName, list[float]] = field(default_factory=dict)  # as the scorers returned them
+    raw_scores: dict[TypedName, list[float]] = field(default_factory=dict)
     timings: list[tuple[TypedName, float]] = field(default_factory=list)
     cycle_state: CycleState = field(default_factory=CycleState)
 
@@ -90,8 +91,8 @@ class SchedulingResult:
 
     @property
     def scores(self) -> dict[TypedName, list[float]]:
-        """Per scorer, the scores the total was made of: clamped to [0, 1]. Clamped here, on demand, because
-        nothing on the request path reads them (the scheduler clamps each score inline as it adds it up)."""
+        """Per scorer, its scores clamped to [0, 1] (NaN as 0): what the totals were made of. Clamped here, on
+        demand, because nothing on the request path reads them (the scheduler clamps each score as it sums it)."""
         return {name: [clamp_score(s) for s in scores] for name, scores in self.raw_scores.items()}
 
 
