@@ -137,7 +137,7 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     datastore = Datastore(scraper, scheduler.on_pool_changed)
     datastore.apply(initial)
     pool_name = args.pool_name or Path(args.pool_file).stem
-    metrics = EPPMetrics(pool_name, lambda: datastore.endpoints, lambda: scheduler.prefix_scorer)
+    metrics = EPPMetrics(pool_name, lambda: datastore.endpoints, lambda: scheduler.prefix_index)
     picker = EndpointPicker(datastore, scheduler, metrics, args.max_request_body_bytes)
 
     if args.ext_proc_transport == "h2":

@@ -14,6 +14,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.utils import floatToGoString
 
 from epp.datalayer.endpoint import Endpoint
+from epp.scheduling.framework import PrefixIndexStats
 from epp.scheduling.load import queue_depth
 
 DURATION_BUCKETS = (0.005, 0.025, 0.05, 0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 1.25, 1.5, 2, 3, 4, 5, 6, 8, 10, 15, 20, 30,
@@ -90,7 +91,12 @@ class _Series:
 
 
 class _PoolCollector:
-    def __init__(self, pool_name: str, endpoints: Callable[[], list[Endpoint]], prefix_index: Callable[[], object]):
+    def __init__(
+        self,
+        pool_name: str,
+        endpoints: Callable[[], list[Endpoint]],
+        prefix_index: Callable[[], PrefixIndexStats | None],
+    ):
         self.pool_name = pool_name
         self.endpoints = endpoints
         self.prefix_index = prefix_index
@@ -132,7 +138,12 @@ class _SeriesCollector:
 
 
 class EPPMetrics:
-    def __init__(self, pool_name: str, endpoints: Callable[[], list[Endpoint]], prefix_index: Callable[[], object]):
+    def __init__(
+        self,
+        pool_name: str,
+        endpoints: Callable[[], list[Endpoint]],
+        prefix_index: Callable[[], PrefixIndexStats | None],
+    ):
         self.registry = reg = CollectorRegistry()
         model_labels = ["model_name", "target_model_name"]
         self.requests = _Series("counter", "inference_objective_request_total",

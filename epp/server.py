@@ -298,8 +298,8 @@ class RequestStream:
             return self._reject(error)
         metrics = picker.metrics
         metrics.scheduler_e2e.labels().observe(time.perf_counter() - started)
-        for plugin_type, name, seconds in picker.scheduler.last_plugin_durations:
-            metrics.plugin_duration.labels("scheduler", plugin_type, name).observe(seconds)
+        for name, seconds in result.timings:
+            metrics.plugin_duration.labels("scheduler", name.type, name.name).observe(seconds)
         self.request, self.result = request, result
         endpoint = self.endpoint = result.primary
         endpoint.in_flight_requests += 1
@@ -389,7 +389,7 @@ class RequestStream:
         endpoint.in_flight_requests -= 1
         endpoint.in_flight_tokens -= self.request.prompt_tokens_estimate
         picker = self.picker
-        picker.scheduler.on_finished(self.request, endpoint)
+        picker.scheduler.on_finished(self.request, self.result, endpoint)
         metrics = picker.metrics
         metrics.running.labels(self.labels[0]).dec()
         if self.status.startswith("2"):  # a model server knows these names: from now on they are labels of their own

@@ -1,8 +1,8 @@
 """Predictions for one request on each candidate endpoint, shared by the scheduling plugins that read them.
 
-The SLO filter and the latency scorer of one profile ask for the same request: the first call computes every
-candidate's prediction, the second reuses it (only the last request's are kept, so memory stays flat). Reuse ends
-when any request is routed (`LatencyPredictor.routed`), so a request scheduled again sees the backlog it joined.
+The SLO filter and the latency scorer of one profile ask for the same request: the first computes the candidates'
+predictions and keeps them in the cycle state (PREDICTED_LATENCY), the second reuses them; a later cycle (a retry)
+starts afresh, so it sees the backlog its own routing added.
 """
 
 from __future__ import annotations
@@ -11,12 +11,19 @@ from collections.abc import Callable
 
 from epp.datalayer.endpoint import Endpoint
 from epp.predictor.predictor import LatencyPredictor
-from epp.scheduling.types import SchedulingRequest
+from epp.scheduling.load import QUEUE_DEPTH_READS, RUNNING_REQUESTS_READS
+from epp.scheduling.types import CycleState, SchedulingRequest, StateKey
 
-# The prompt tokens a candidate probably holds in its prefix cache for a request (the prefix scorer's match). The
-# director sets it when it wires the predictor; without it every prompt counts as uncached, which still ranks the
-# candidates by load but misses what a cache hit saves.
-CachedTokens = Callable[[SchedulingRequest, Endpoint], int]
+# Endpoint name -> (TTFT, TPOT or None) seconds for this cycle's request.
+PREDICTED_LATENCY: StateKey[dict[str, tuple[float, float | None]]] = StateKey("predicted-latency")
+# What a plugin reading the predictions consumes (`Plugin.consumes`).
+PREDICTION_READS = (*dict.fromkeys((*QUEUE_DEPTH_READS, *RUNNING_REQUESTS_READS, "kv_usage", "in_flight_tokens",
+                                    "running_adapters", "waiting_adapters")), PREDICTED_LATENCY)  # fmt: skip
+
+# The prompt tokens a candidate probably holds in its prefix cache for a request: the prefix scorer's match
+# (`PrefixCacheScorer.cached_tokens`). The director sets it when it wires the predictor; without it every prompt
+# counts as uncached, which still ranks the candidates by load but misses what a cache hit saves.
+CachedTokens = Callable[[CycleState, SchedulingRequest, Endpoint], int]
 
 
 class CandidatePredictions:
@@ -25,21 +32,21 @@ class CandidatePredictions:
     def __init__(self, predictor: LatencyPredictor, cached_tokens: CachedTokens | None = None):
         self.predictor = predictor
         self.cached_tokens = cached_tokens
-        self._request: SchedulingRequest | None = None
-        self._routings = -1  # predictor.routings when the predictions below were made
-        self._by_name: dict[str, tuple[float, float | None]] = {}
 
-    def get(self, request: SchedulingRequest, endpoints: list[Endpoint]) -> list[tuple[float, float | None]] | None:
+    def get(
+        self, cycle_state: CycleState, request: SchedulingRequest, endpoints: list[Endpoint]
+    ) -> list[tuple[float, float | None]] | None:
         """(TTFT, TPOT or None) seconds per endpoint, in order; None while the predictor is cold."""
         if not self.predictor.ttft_ready:
             return None
-        if request is not self._request or self._routings != self.predictor.routings:
-            self._request, self._routings, self._by_name = request, self.predictor.routings, {}
-        known = self._by_name
+        known = cycle_state.read(PREDICTED_LATENCY)
+        if known is None:
+            known = {}
+            cycle_state.write(PREDICTED_LATENCY, known)
         missing = [e for e in endpoints if e.spec.name not in known]
         if missing:
             cached = self.cached_tokens
-            tokens = [cached(request, e) for e in missing] if cached is not None else [0] * len(missing)
+            tokens = [cached(cycle_state, request, e) for e in missing] if cached is not None else [0] * len(missing)
             model = request.model
             adapter = model if any(e.metrics is not None and (model in e.metrics.running_adapters or
                                                               model in e.metrics.waiting_adapters)

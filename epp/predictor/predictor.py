@@ -77,14 +77,12 @@ class LatencyPredictor:
         self.tpot = _Target(TPOT_FLOOR, window, decay, refit_every)
         self.ttft_ready = self.tpot_ready = False
         self.backlog = PrefillBacklog()
-        self.routings = 0  # calls of `routed`
 
     def routed(self, endpoint: Endpoint, prompt_tokens: int, cached_tokens: int, adapter: str | None,
                now: float | None = None) -> Features:  # fmt: skip
         """A request goes to `endpoint`: its features there now (to hand back to `observe`), and its uncached
         prompt tokens join the endpoint's prefill backlog."""
         now = time.monotonic() if now is None else now
-        self.routings += 1
         uncached = prompt_tokens - min(max(cached_tokens, 0), prompt_tokens)
         ahead = self.backlog.add(endpoint.spec.name, uncached, now)
         return endpoint_features(endpoint, prompt_tokens, cached_tokens, adapter, ahead)

@@ -3,9 +3,9 @@
 State: the decayed normal equations A = sum(d^age w x x^T), b = sum(d^age w y x) and the coefficients solved from
 them: O(n^2) numbers for n inputs, whatever the number of observations. `add` is O(n^2) (a rank-one update of A's
 upper triangle); every `refit_every` observations the coefficients are re-solved by Cholesky, O(n^3 / 6) (~80 us
-for n = 13 in pure Python). Unlike recursive least squares with forgetting, which updates the inverse and whose covariance winds
-up along directions the data stops exciting, the ridge term here is added at each solve, so the solve is always
-well posed.
+for n = 13 in pure Python). Unlike recursive least squares with forgetting, which updates the inverse and whose
+covariance winds up along directions the data stops exciting, the ridge term here is added at each solve, so the
+solve is always well posed.
 """
 
 from __future__ import annotations

@@ -1,74 +1,159 @@
 """The plugin framework: filters narrow the candidates, scorers rate them in [0, 1] with a weight, a picker
-chooses. Plugins register under a kebab-case type name and are built from GIE-style `parameters` mappings.
+chooses; lifecycle hooks see the request after it was routed, when it finished, and when the pool changed.
 
 A plugin is one class in one module of `epp.scheduling.plugins`, registered with `@register("type-name")`, built
-from its parameters at startup (invalid ones raise ConfigError there, never on the request path), and it implements
-one or more of the extension points below. All of them run synchronously on the request path: no I/O, no awaits.
+from its GIE-style `parameters` mapping at startup (invalid ones raise ConfigError there, never on the request
+path). It derives from `Plugin` and declares each extension point it implements by inheriting its base class
+(Filter, Scorer, Picker, PreRequest, ResponseComplete, PoolChanged; a prefix index also PrefixIndexStats, which the
+EPP's metrics read); the scheduler collects plugins by these types. It also declares the data it reads and writes (`consumes`, `produces`), which the scheduler
+checks at startup. All extension points run synchronously on the event loop: no I/O, no awaits.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, Protocol, runtime_checkable
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import fields
+from typing import Any, ClassVar
 
-from epp.datalayer.endpoint import Endpoint
+from epp.datalayer.endpoint import Endpoint, EndpointSpec
 from epp.scheduling.errors import ConfigError
-from epp.scheduling.types import SchedulingRequest
+from epp.scheduling.types import CycleState, SchedulingRequest, SchedulingResult, StateKey, TypedName
+from protocol.metrics import EndpointMetrics
+
+# What the data layer fills in on every endpoint (discovery, the scrapes, the EPP's own in-flight counters): the
+# endpoint attributes a plugin may name in `consumes`.
+ENDPOINT_ATTRIBUTES = frozenset(
+    f.name for c in (EndpointSpec, Endpoint, EndpointMetrics) for f in fields(c) if f.name not in ("spec", "metrics")
+)
 
 
-@runtime_checkable
-class Filter(Protocol):
-    """Returns the candidates that may serve the request (a sub-list, in any order; empty means none)."""
+class Plugin(ABC):
+    """Base of every scheduler plugin. A registered plugin class is built as `cls(parameters)`.
 
-    def filter(self, request: SchedulingRequest, endpoints: list[Endpoint]) -> list[Endpoint]: ...
+    typed_name: the plugin's type and instance name (set by `register` and `build_plugin`).
+    consumes: the data it reads: endpoint attributes by name (ENDPOINT_ATTRIBUTES) and cycle-state keys.
+    produces: the cycle-state keys it writes.
+    """
 
+    typed_name: TypedName
+    consumes: ClassVar[tuple[str | StateKey[Any], ...]] = ()
+    produces: ClassVar[tuple[StateKey[Any], ...]] = ()
 
-@runtime_checkable
-class Scorer(Protocol):
-    """Returns one score in [0, 1] per candidate, in the candidates' order; higher is better. None means the
-    scorer has no preference for this request (it adds nothing to any candidate), which spares building a list
-    of equal scores on the common path (no prompt blocks known anywhere, a base-model request)."""
-
-    def score(self, request: SchedulingRequest, endpoints: list[Endpoint]) -> list[float] | None: ...
-
-
-@runtime_checkable
-class Picker(Protocol):
-    """Returns at least one endpoint, best first, from the candidates and their weighted total scores."""
-
-    def pick(self, request: SchedulingRequest, endpoints: list[Endpoint], scores: list[float]) -> list[Endpoint]: ...
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.typed_name}>"
 
 
-# Optional hooks a plugin may define (the scheduler calls those present, in profile order):
-#   on_routed(request, result)      after the EPP answered the proxy (off the request's critical path)
-#   on_finished(request, endpoint)  when the request's ext_proc stream ended
-#   on_pool_changed(endpoints)      after discovery added or removed endpoints
-HOOKS = ("on_routed", "on_finished", "on_pool_changed")
+class Filter(Plugin):
+    @abstractmethod
+    def filter(self, cycle_state: CycleState, request: SchedulingRequest, endpoints: list[Endpoint]) -> list[Endpoint]:
+        """The candidates that may serve the request (a sub-list, in any order; empty means none)."""
 
-PLUGIN_TYPES: dict[str, Callable[[dict[str, Any] | None], Any]] = {}
+
+class Scorer(Plugin):
+    @abstractmethod
+    def score(
+        self, cycle_state: CycleState, request: SchedulingRequest, endpoints: list[Endpoint]
+    ) -> list[float] | None:
+        """One score in [0, 1] per candidate, in the candidates' order; higher is better (the scheduler clamps
+        values outside [0, 1] and counts NaN as 0). None means no preference for this request (it adds nothing to
+        any candidate), which spares building a list of equal scores on the common path (no prompt blocks known
+        anywhere, a base-model request)."""
+
+
+class Picker(Plugin):
+    @abstractmethod
+    def pick(
+        self, cycle_state: CycleState, request: SchedulingRequest, endpoints: list[Endpoint], scores: list[float]
+    ) -> list[Endpoint]:
+        """At least one endpoint, best first, from the candidates and their weighted total scores."""
+
+
+class PreRequest(Plugin):
+    @abstractmethod
+    def pre_request(self, request: SchedulingRequest, result: SchedulingResult) -> None:
+        """The request was routed: called after the EPP answered the proxy (off the request's critical path)."""
+
+
+class ResponseComplete(Plugin):
+    @abstractmethod
+    def response_complete(self, request: SchedulingRequest, result: SchedulingResult, endpoint: Endpoint) -> None:
+        """The request is over (its ext_proc stream ended); `endpoint` is the one it was routed to."""
+
+
+class PoolChanged(Plugin):
+    @abstractmethod
+    def pool_changed(self, endpoints: Sequence[Endpoint]) -> None:
+        """Discovery added or removed endpoints; `endpoints` is the whole pool now."""
+
+
+class PrefixIndexStats(Plugin):
+    """A prefix index whose size and hit ratio the EPP exports (inference_extension_prefix_indexer_*)."""
+
+    @property
+    @abstractmethod
+    def index_size(self) -> int:
+        """Entries in the index."""
+
+    @property
+    @abstractmethod
+    def hit_ratio(self) -> float:
+        """Share of the routed prompts' blocks found on the chosen endpoint."""
+
+
+EXTENSION_POINTS = (Filter, Scorer, Picker, PreRequest, ResponseComplete, PoolChanged)
+
+
+def check_data_dependencies(profile: str, plugins: Iterable[Plugin]) -> None:
+    """ConfigError when a plugin consumes an endpoint attribute the data layer does not produce, or a cycle-state
+    key that no plugin of the profile produces."""
+    plugins = list(plugins)
+    produced = {key for p in plugins for key in p.produces}
+    for p in plugins:
+        for key in p.consumes:
+            if isinstance(key, StateKey):
+                if key not in produced:
+                    raise ConfigError(
+                        f"profile {profile!r}: {p.typed_name} consumes {key.name!r}, which no plugin of the profile "
+                        "produces"
+                    )
+            elif key not in ENDPOINT_ATTRIBUTES:
+                raise ConfigError(
+                    f"profile {profile!r}: {p.typed_name} consumes endpoint attribute {key!r}, which the data layer "
+                    "does not produce"
+                )
+
+
+PLUGIN_TYPES: dict[str, Callable[[dict[str, Any] | None], Plugin]] = {}
 
 
 def register(type_name: str):
     """Class decorator: make a plugin buildable from configs under its kebab-case `type_name`."""
 
     def decorate(cls):
+        if not issubclass(cls, EXTENSION_POINTS):
+            raise TypeError(f"plugin type {type_name!r}: {cls.__name__} implements no extension point")
         if type_name in PLUGIN_TYPES:
             raise ValueError(f"plugin type {type_name!r} registered twice")
         PLUGIN_TYPES[type_name] = cls
-        cls.type_name = type_name
+        cls.typed_name = TypedName(type_name, type_name)
         return cls
 
     return decorate
 
 
-def build_plugin(type_name: str, parameters: dict[str, Any] | None = None) -> Any:
-    """A plugin instance from its type name and `parameters` mapping; ConfigError for anything invalid."""
+def build_plugin(type_name: str, parameters: dict[str, Any] | None = None, name: str | None = None) -> Plugin:
+    """A plugin instance from its type name, `parameters` mapping and instance name (default: the type name);
+    ConfigError for anything invalid."""
     from epp.scheduling import plugins  # noqa: F401  (registers the built-in plugins)
 
     factory = PLUGIN_TYPES.get(type_name)
     if factory is None:
         raise ConfigError(f"unknown plugin type {type_name!r}; known: {', '.join(sorted(PLUGIN_TYPES))}")
-    return factory(parameters)
+    plugin = factory(parameters)
+    if name is not None and name != type_name:
+        plugin.typed_name = TypedName(type_name, name)
+    return plugin
 
 
 class Parameters:

@@ -7,6 +7,14 @@ the gap: requests it routed that the endpoint does not yet report as running are
 from __future__ import annotations
 
 from epp.datalayer.endpoint import Endpoint
+from epp.scheduling.types import CycleState, StateKey
+
+# The endpoint attributes the estimates below read, for the `consumes` of the plugins that use them.
+QUEUE_DEPTH_READS = ("waiting", "running", "in_flight_requests")
+RUNNING_REQUESTS_READS = ("running", "waiting", "in_flight_requests")
+# The candidates' queue depths, computed by the first plugin of a cycle that needs them (the queue scorer and the
+# prefix scorer's load guard both do), with the list they were computed for.
+QUEUE_DEPTHS: StateKey[tuple[list[Endpoint], list[int]]] = StateKey("queue-depths")
 
 
 def queue_depth(endpoint: Endpoint) -> int:
@@ -16,8 +24,12 @@ def queue_depth(endpoint: Endpoint) -> int:
     return max(m.waiting, endpoint.in_flight_requests - m.running)
 
 
-def queue_depths(endpoints: list[Endpoint]) -> list[int]:
-    """`queue_depth` of each endpoint; one loop without a call per endpoint (it runs on every request)."""
+def queue_depths(cycle_state: CycleState, endpoints: list[Endpoint]) -> list[int]:
+    """`queue_depth` of each endpoint, once per cycle; one loop without a call per endpoint (it runs on every
+    request)."""
+    known = cycle_state.read(QUEUE_DEPTHS)
+    if known is not None and known[0] is endpoints:
+        return known[1]
     depths = []
     append = depths.append
     for e in endpoints:
@@ -27,17 +39,13 @@ def queue_depths(endpoints: list[Endpoint]) -> list[int]:
         else:
             unseen = e.in_flight_requests - m.running
             append(unseen if unseen > m.waiting else m.waiting)
+    cycle_state.write(QUEUE_DEPTHS, (endpoints, depths))
     return depths
 
 
 def running_requests(endpoint: Endpoint) -> int:
     m = endpoint.metrics
     return endpoint.in_flight_requests if m is None else max(m.running, endpoint.in_flight_requests - m.waiting)
-
-
-def kv_usage(endpoint: Endpoint) -> float:
-    m = endpoint.metrics
-    return 0.0 if m is None else m.kv_usage
 
 
 def inverted_min_max(values: list[float]) -> list[float]:

@@ -14,16 +14,20 @@ The config has GIE's shape:
         weight: 3
     saturationDetector: {queueDepthThreshold: 5, kvCacheUtilThreshold: 0.8}
 
-A profile without a picker gets `max-score-picker`. With no config at all, DEFAULT_CONFIG applies: queue-scorer 2,
+Every plugin the profile refers to also gets the lifecycle hooks it implements (PreRequest, ResponseComplete,
+PoolChanged); plugins listed under `plugins` but not in the profile get nothing. A profile without a picker gets
+`max-score-picker`. With no config at all, DEFAULT_CONFIG applies: queue-scorer 2,
 kv-cache-utilization-scorer 2, prefix-cache-scorer 3, lora-affinity-scorer 1 (neutral for base-model requests, so
 it only matters for adapters), in-flight-tokens-scorer 1 (a long prompt's prefill, which request counts miss) and
-max-score-picker. Every error in a config is a ConfigError at startup.
+max-score-picker. Every error in a config is a ConfigError at startup, including a plugin that consumes data
+nothing produces (framework.check_data_dependencies).
 """
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,9 +35,22 @@ import yaml
 
 from epp.datalayer.endpoint import Endpoint
 from epp.scheduling.errors import ConfigError, NoEndpointError
-from epp.scheduling.framework import HOOKS, Filter, Picker, Scorer, build_plugin
+from epp.scheduling.framework import (
+    Filter,
+    Picker,
+    Plugin,
+    PoolChanged,
+    PrefixIndexStats,
+    PreRequest,
+    ResponseComplete,
+    Scorer,
+    build_plugin,
+    check_data_dependencies,
+)
 from epp.scheduling.saturation import SaturationDetector, admit
-from epp.scheduling.types import SchedulingRequest, SchedulingResult
+from epp.scheduling.types import CycleState, SchedulingRequest, SchedulingResult, StateKey, TypedName
+
+log = logging.getLogger(__name__)
 
 DEFAULT_CONFIG = """\
 apiVersion: inference.networking.x-k8s.io/v1alpha1
@@ -72,24 +89,30 @@ class Profile:
     """A profile resolved once at startup into the lists the request path walks."""
 
     name: str
-    filters: tuple[tuple[str, Filter], ...]
-    scorers: tuple[tuple[str, Scorer, float], ...]
-    picker: tuple[str, Picker]
-
-    def plugins(self) -> list[Any]:
-        return [p for _, p in self.filters] + [s for _, s, _ in self.scorers] + [self.picker[1]]
+    plugins: tuple[Plugin, ...]  # every plugin the profile refers to, in its order, each once (hooks reach these)
+    filters: tuple[Filter, ...]  # in the profile's order
+    scorers: tuple[tuple[Scorer, float], ...]  # (scorer, weight)
+    picker: Picker
 
 
 class Scheduler:
+    """Runs one profile per request. The request path calls admit, schedule, then on_routed once the proxy has its
+    answer and on_finished when the request is over; discovery calls on_pool_changed. The profile's plugins are
+    checked (check_data_dependencies) and listed in the log at startup."""
+
     def __init__(self, profile: Profile, detector: SaturationDetector | None = None):
         self.profile = profile
         self.detector = detector or SaturationDetector()
-        unique = list(dict.fromkeys(profile.plugins()))  # one plugin may be a filter and a scorer: hook it once
-        self._hooks: dict[str, list[Callable]] = {
-            hook: [getattr(p, hook) for p in unique if hasattr(p, hook)] for hook in HOOKS
-        }
-        # per plugin of the last schedule() call: (plugin type, plugin name, seconds); the server exports them
-        self.last_plugin_durations: list[tuple[str, str, float]] = []
+        plugins = profile.plugins
+        check_data_dependencies(profile.name, plugins)
+        for p in plugins:
+            consumes = ", ".join(k.name if isinstance(k, StateKey) else k for k in p.consumes)
+            produces = ", ".join(k.name for k in p.produces)
+            log.info("profile %s: %s consumes [%s] produces [%s]", profile.name, p.typed_name, consumes, produces)
+        self._pre_request = [p for p in plugins if isinstance(p, PreRequest)]
+        self._response_complete = [p for p in plugins if isinstance(p, ResponseComplete)]
+        self._pool_changed = [p for p in plugins if isinstance(p, PoolChanged)]
+        self.prefix_index: PrefixIndexStats | None = next((p for p in plugins if isinstance(p, PrefixIndexStats)), None)
 
     @classmethod
     def from_config(cls, config_text: str | None = None) -> Scheduler:
@@ -118,7 +141,8 @@ class Scheduler:
         admit(request, endpoints, self.detector)
 
     def schedule(self, request: SchedulingRequest, endpoints: Sequence[Endpoint]) -> SchedulingResult:
-        """Endpoints for a request, best first. Raises NoEndpointError when nothing can serve it.
+        """Endpoints for a request, best first, with each scorer's scores and each plugin's time. Raises
+        NoEndpointError when nothing can serve it.
 
         Candidates are the endpoints in `request.subset` (when given) that are not stale; stale ones only when no
         fresh one is left (an endpoint that missed a few scrapes may still serve, and a 503 certainly does not).
@@ -130,50 +154,53 @@ class Scheduler:
         if not candidates:
             raise NoEndpointError("no endpoint in the subset hint" if subset is not None else "no ready endpoint")
         clock = time.perf_counter
-        durations = self.last_plugin_durations = []
-        for name, plugin in self.profile.filters:
+        cycle_state = CycleState()
+        timings: list[tuple[TypedName, float]] = []
+        for f in self.profile.filters:
             start = clock()
-            candidates = plugin.filter(request, candidates)
-            durations.append((plugin.type_name, name, clock() - start))
+            candidates = f.filter(cycle_state, request, candidates)
+            timings.append((f.typed_name, clock() - start))
             if not candidates:
-                raise NoEndpointError(f"no endpoint left after filter {name!r}")
+                raise NoEndpointError(f"no endpoint left after filter {f.typed_name.name!r}")
         totals = [0.0] * len(candidates)
-        for name, scorer, weight in self.profile.scorers:
+        raw_scores: dict[TypedName, list[float]] = {}
+        for scorer, weight in self.profile.scorers:
             start = clock()
-            scores = scorer.score(request, candidates)
+            scores = scorer.score(cycle_state, request, candidates)
             if scores is not None:
-                totals = [t + weight * s for t, s in zip(totals, scores, strict=True)]
-            durations.append((scorer.type_name, name, clock() - start))
-        name, picker = self.profile.picker
+                raw_scores[scorer.typed_name] = scores
+                # clamp_score inlined: a call per score would cost more than the sum itself
+                totals = [
+                    t + weight * (s if 0.0 <= s <= 1.0 else (1.0 if s > 1.0 else 0.0))
+                    for t, s in zip(totals, scores, strict=True)
+                ]
+            timings.append((scorer.typed_name, clock() - start))
+        picker = self.profile.picker
         start = clock()
-        picked = picker.pick(request, candidates, totals)
-        durations.append((picker.type_name, name, clock() - start))
-        return SchedulingResult(picked, self.profile.name)
+        picked = picker.pick(cycle_state, request, candidates, totals)
+        timings.append((picker.typed_name, clock() - start))
+        return SchedulingResult(picked, self.profile.name, candidates, raw_scores, timings, cycle_state)
 
     def on_routed(self, request: SchedulingRequest, result: SchedulingResult) -> None:
-        """The proxy has its answer: plugins record the pick (the prefix index)."""
-        for hook in self._hooks["on_routed"]:
-            hook(request, result)
+        """The proxy has its answer: PreRequest plugins record the pick (the prefix index)."""
+        for p in self._pre_request:
+            p.pre_request(request, result)
 
-    def on_finished(self, request: SchedulingRequest, endpoint: Endpoint) -> None:
-        for hook in self._hooks["on_finished"]:
-            hook(request, endpoint)
+    def on_finished(self, request: SchedulingRequest, result: SchedulingResult, endpoint: Endpoint) -> None:
+        """The request is over: ResponseComplete plugins see it with its scheduling result."""
+        for p in self._response_complete:
+            p.response_complete(request, result, endpoint)
 
     def on_pool_changed(self, endpoints: Sequence[Endpoint]) -> None:
         """Discovery added or removed endpoints: plugins drop what they keep for endpoints that are gone."""
-        for hook in self._hooks["on_pool_changed"]:
-            hook(endpoints)
-
-    @property
-    def prefix_scorer(self) -> Any:
-        """The profile's prefix-cache scorer (index size and hit ratio for the EPP's metrics), or None."""
-        return next((s for _, s, _ in self.profile.scorers if hasattr(s, "hit_ratio")), None)
+        for p in self._pool_changed:
+            p.pool_changed(endpoints)
 
 
-def _build_plugins(specs: Any) -> dict[str, Any]:
+def _build_plugins(specs: Any) -> dict[str, Plugin]:
     if not isinstance(specs, list):
         raise ConfigError("scheduler config: `plugins` must be a list of {type, name, parameters}")
-    plugins: dict[str, Any] = {}
+    plugins: dict[str, Plugin] = {}
     for spec in specs:
         if not isinstance(spec, dict) or not isinstance(spec.get("type"), str):
             raise ConfigError(f"each plugin needs a `type` string: {spec!r}")
@@ -185,11 +212,11 @@ def _build_plugins(specs: Any) -> dict[str, Any]:
             raise ConfigError(f"plugin name must be a string, got {name!r}")
         if name in plugins:
             raise ConfigError(f"duplicate plugin name {name!r}")
-        plugins[name] = build_plugin(spec["type"], spec.get("parameters"))
+        plugins[name] = build_plugin(spec["type"], spec.get("parameters"), name)
     return plugins
 
 
-def _build_profile(specs: Any, plugins: dict[str, Any]) -> Profile:
+def _build_profile(specs: Any, plugins: dict[str, Plugin]) -> Profile:
     if not isinstance(specs, list) or not specs:
         raise ConfigError("scheduler config: `schedulingProfiles` must list one profile")
     if len(specs) > 1:
@@ -201,26 +228,24 @@ def _build_profile(specs: Any, plugins: dict[str, Any]) -> Profile:
     refs = spec.get("plugins") or []
     if not isinstance(refs, list):
         raise ConfigError(f"profile {name!r}: `plugins` must be a list of {{pluginRef, weight}}")
-    filters: list[tuple[str, Filter]] = []
-    scorers: list[tuple[str, Scorer, float]] = []
-    pickers: list[tuple[str, Picker]] = []
+    referred: dict[str, Plugin] = {}
+    scorers: list[tuple[Scorer, float]] = []
     for ref in refs:
         plugin_name = ref.get("pluginRef") if isinstance(ref, dict) else None
         if plugin_name not in plugins:
             raise ConfigError(f"profile {name!r} refers to unknown plugin {ref!r}")
-        if any(plugin_name == n for n, *_ in (*filters, *scorers, *pickers)):
+        if plugin_name in referred:
             raise ConfigError(f"profile {name!r} refers to {plugin_name!r} twice")
-        plugin = plugins[plugin_name]
+        referred[plugin_name] = plugins[plugin_name]
         weight = ref.get("weight", 1)
         if isinstance(weight, bool) or not isinstance(weight, int | float) or weight < 0:
             raise ConfigError(f"profile {name!r}: weight of {plugin_name!r} must be a number >= 0, got {weight!r}")
-        if isinstance(plugin, Filter):
-            filters.append((plugin_name, plugin))
-        if isinstance(plugin, Scorer):
-            scorers.append((plugin_name, plugin, float(weight)))
-        if isinstance(plugin, Picker):
-            pickers.append((plugin_name, plugin))
+        if isinstance(plugins[plugin_name], Scorer):
+            scorers.append((plugins[plugin_name], float(weight)))
+    pickers = [p for p in referred.values() if isinstance(p, Picker)]
     if len(pickers) > 1:
-        raise ConfigError(f"profile {name!r} has more than one picker: {', '.join(n for n, _ in pickers)}")
-    picker = pickers[0] if pickers else ("max-score-picker", build_plugin("max-score-picker"))
-    return Profile(name, tuple(filters), tuple(scorers), picker)
+        raise ConfigError(f"profile {name!r} has more than one picker: {', '.join(p.typed_name.name for p in pickers)}")
+    picker = pickers[0] if pickers else build_plugin("max-score-picker")
+    members = tuple(referred.values()) if pickers else (*referred.values(), picker)
+    filters = tuple(p for p in members if isinstance(p, Filter))
+    return Profile(name, members, filters, tuple(scorers), picker)

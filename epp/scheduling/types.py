@@ -1,10 +1,53 @@
-"""The scheduler's inputs and outputs."""
+"""The scheduler's inputs and outputs, the names plugins go by, and the per-cycle state they share."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
 
 from epp.datalayer.endpoint import Endpoint
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class TypedName:
+    """A plugin instance's identity: its registered type and its instance name (the type unless configured)."""
+
+    type: str
+    name: str
+
+    def __str__(self) -> str:
+        return f"{self.type}/{self.name}"
+
+
+class StateKey(Generic[T]):
+    """A typed key of the CycleState. Keys compare by identity: the module that writes a value defines its key once
+    and readers import it, so two plugins cannot collide on a spelling."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"StateKey({self.name!r})"
+
+
+class CycleState:
+    """Data any plugin may write and read during one scheduling cycle; the SchedulingResult carries it on to the
+    request's later hooks (pre-request, response-complete). One request at a time: no locking."""
+
+    __slots__ = ("_data",)
+
+    def __init__(self) -> None:
+        self._data: dict[StateKey[Any], Any] = {}
+
+    def read(self, key: StateKey[T]) -> T | None:
+        return self._data.get(key)
+
+    def write(self, key: StateKey[T], value: T) -> None:
+        self._data[key] = value
 
 
 @dataclass(slots=True)
@@ -20,17 +63,40 @@ class SchedulingRequest:
     fairness_id: str | None = None
     headers: dict[str, str] = field(default_factory=dict)
     subset: frozenset[str] | None = None  # allowed "ip:port" from the proxy's subset hint; None = no hint
-    prefix_hashes: list[int] | None = None  # computed once by the prefix scorer, reused when the pick is recorded
     max_tokens: int | None = None  # the body's max_tokens / max_completion_tokens, when it gives one
 
 
 @dataclass(slots=True)
 class SchedulingResult:
-    """Endpoints in preference order: the first is the pick, the rest are fallbacks."""
+    """One scheduling cycle's outcome.
+
+    endpoints: best first; the first is the pick, the rest are fallbacks.
+    candidates: the endpoints the scorers rated (after the filters), in the order of each scorer's scores.
+    raw_scores: per scorer that expressed a preference, its unweighted scores as it returned them, in the
+        candidates' order (a scorer that abstained has no entry); `scores` gives them clamped to [0, 1], as the
+        totals used them.
+    timings: seconds each filter, scorer and the picker took, in the order they ran.
+    cycle_state: what the plugins stored during the cycle, for the request's later hooks.
+    """
 
     endpoints: list[Endpoint]
     profile: str = "default"
+    candidates: list[Endpoint] = field(default_factory=list)
+    raw_scores: dict[TypedName, list[float]] = field(default_factory=dict)
+    timings: list[tuple[TypedName, float]] = field(default_factory=list)
+    cycle_state: CycleState = field(default_factory=CycleState)
 
     @property
     def primary(self) -> Endpoint:
         return self.endpoints[0]
+
+    @property
+    def scores(self) -> dict[TypedName, list[float]]:
+        """Per scorer, its scores clamped to [0, 1] (NaN as 0): what the totals were made of. Clamped here, on
+        demand, because nothing on the request path reads them (the scheduler clamps each score as it sums it)."""
+        return {name: [clamp_score(s) for s in scores] for name, scores in self.raw_scores.items()}
+
+
+def clamp_score(score: float) -> float:
+    """A score in [0, 1]: above 1 counts as 1; below 0 and NaN (every comparison with NaN is false) as 0."""
+    return score if 0.0 <= score <= 1.0 else (1.0 if score > 1.0 else 0.0)

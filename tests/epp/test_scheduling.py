@@ -4,9 +4,10 @@ import pytest
 
 from epp.scheduling.errors import ConfigError, NoEndpointError, ShedError
 from epp.scheduling.framework import build_plugin
+from epp.scheduling.plugins.prefix_cache_scorer import PREFIX_HASHES
 from epp.scheduling.saturation import SaturationDetector
 from epp.scheduling.scheduler import Scheduler
-from epp.scheduling.types import SchedulingRequest, SchedulingResult
+from epp.scheduling.types import CycleState, SchedulingRequest, SchedulingResult
 from tests.epp.helpers import endpoint
 
 
@@ -26,7 +27,7 @@ def req(model="m", prompt="", **kw):
     ],
 )
 def test_load_scorers(plugin, endpoints, expected):
-    assert build_plugin(plugin, {}).score(req(), endpoints) == pytest.approx(expected)
+    assert build_plugin(plugin, {}).score(CycleState(), req(), endpoints) == pytest.approx(expected)
 
 
 @pytest.mark.parametrize(
@@ -47,26 +48,26 @@ def test_load_scorers(plugin, endpoints, expected):
     ],
 )
 def test_lora_affinity(model, endpoints, expected):
-    assert build_plugin("lora-affinity-scorer", {}).score(req(model), endpoints) == expected
+    assert build_plugin("lora-affinity-scorer", {}).score(CycleState(), req(model), endpoints) == expected
 
 
 def test_prefix_scorer_scores_longest_recorded_prefix_and_forgets_removed_endpoints():
     scorer = build_plugin("prefix-cache-scorer", {"loadGuardQueueGap": 0})
     eps = [endpoint(0), endpoint(1), endpoint(2)]
     system = "You are a helpful assistant that answers briefly. " * 20  # 1000 chars = 15 blocks of 64
-    first = req(prompt=system + "question one")
-    assert scorer.score(first, eps) is None
-    scorer.on_routed(first, SchedulingResult([eps[1]]))
-    second = req(prompt=system + "another question entirely")
-    scores = scorer.score(second, eps)
-    blocks = len(second.prefix_hashes)
+    first, first_state = req(prompt=system + "question one"), CycleState()
+    assert scorer.score(first_state, first, eps) is None
+    scorer.pre_request(first, SchedulingResult([eps[1]], cycle_state=first_state))
+    second, second_state = req(prompt=system + "another question entirely"), CycleState()
+    scores = scorer.score(second_state, second, eps)
+    blocks = len(second_state.read(PREFIX_HASHES))
     assert scores[0] == 0.0 and scores[2] == 0.0
     assert scores[1] == pytest.approx(15 / blocks)
-    assert scorer.index_size == len(first.prefix_hashes)
+    assert scorer.index_size == len(first_state.read(PREFIX_HASHES))
     other_model = req(model="other", prompt=system + "question one")
-    assert scorer.score(other_model, eps) is None  # hashes are seeded by the model
-    scorer.on_pool_changed([eps[0], eps[2]])
-    assert scorer.score(req(prompt=system + "question one"), eps) is None
+    assert scorer.score(CycleState(), other_model, eps) is None  # hashes are seeded by the model
+    scorer.pool_changed([eps[0], eps[2]])
+    assert scorer.score(CycleState(), req(prompt=system + "question one"), eps) is None
     assert scorer.index_size == 0
 
 
@@ -74,9 +75,9 @@ def test_prefix_index_lru_is_bounded_by_num_gpu_blocks():
     scorer = build_plugin("prefix-cache-scorer", {})
     small = endpoint(0, num_gpu_blocks=4)
     for i in range(10):
-        r = req(prompt=f"{i:04d}" * 200)
-        scorer.score(r, [small])
-        scorer.on_routed(r, SchedulingResult([small]))
+        r, state = req(prompt=f"{i:04d}" * 200), CycleState()
+        scorer.score(state, r, [small])
+        scorer.pre_request(r, SchedulingResult([small], cycle_state=state))
     assert scorer.index_size == 4
 
 
@@ -93,11 +94,11 @@ def test_prefix_load_guard(gap, queues, expected):
     scorer = build_plugin("prefix-cache-scorer", {"loadGuardQueueGap": gap})
     hot, cold = endpoint(0, waiting=queues[0]), endpoint(1, waiting=queues[1])
     prompt = "shared system prompt " * 20
-    first = req(prompt=prompt)
-    scorer.score(first, [hot, cold])
-    scorer.on_routed(first, SchedulingResult([hot]))
+    first, state = req(prompt=prompt), CycleState()
+    scorer.score(state, first, [hot, cold])
+    scorer.pre_request(first, SchedulingResult([hot], cycle_state=state))
     r = req(prompt=prompt)
-    assert scorer.score(r, [hot, cold]) == pytest.approx(expected)
+    assert scorer.score(CycleState(), r, [hot, cold]) == pytest.approx(expected)
 
 
 def test_load_guard_keeps_a_hot_prefix_from_piling_onto_one_endpoint():
@@ -131,23 +132,27 @@ schedulingProfiles:
 def test_max_score_picker_breaks_ties_at_random_and_returns_fallbacks():
     picker = build_plugin("max-score-picker", {"maxNumOfEndpoints": 2})
     eps = [endpoint(i) for i in range(3)]
-    firsts = {picker.pick(req(), eps, [1.0, 1.0, 0.0])[0].name for _ in range(50)}
+    firsts = {picker.pick(CycleState(), req(), eps, [1.0, 1.0, 0.0])[0].name for _ in range(50)}
     assert firsts == {"e0", "e1"}
-    assert [e.name for e in picker.pick(req(), eps, [0.1, 0.9, 0.5])] == ["e1", "e2"]
+    assert [e.name for e in picker.pick(CycleState(), req(), eps, [0.1, 0.9, 0.5])] == ["e1", "e2"]
 
 
 def test_random_and_weighted_random_pickers():
     eps = [endpoint(i) for i in range(3)]
     weighted = build_plugin("weighted-random-picker", {})
-    assert {weighted.pick(req(), eps, [0.0, 1.0, 0.0])[0].name for _ in range(30)} == {"e1"}
-    assert len({build_plugin("random-picker", {}).pick(req(), eps, [0, 0, 0])[0].name for _ in range(60)}) == 3
+    assert {weighted.pick(CycleState(), req(), eps, [0.0, 1.0, 0.0])[0].name for _ in range(30)} == {"e1"}
+    assert (
+        len({build_plugin("random-picker", {}).pick(CycleState(), req(), eps, [0, 0, 0])[0].name for _ in range(60)})
+        == 3
+    )
 
 
 def test_default_scheduler_prefers_short_queue_free_kv_and_cached_prefix():
     scheduler = Scheduler.from_config(None)
     eps = [endpoint(0, waiting=6, kv=0.7), endpoint(1, waiting=0, kv=0.1), endpoint(2, waiting=3, kv=0.4)]
-    assert scheduler.schedule(req(), eps).primary.name == "e1"
-    assert [t for t, _, _ in scheduler.last_plugin_durations] == [
+    result = scheduler.schedule(req(), eps)
+    assert result.primary.name == "e1"
+    assert [name.type for name, _ in result.timings] == [
         "queue-scorer", "kv-cache-utilization-scorer", "prefix-cache-scorer", "lora-affinity-scorer",
         "in-flight-tokens-scorer", "max-score-picker"]  # fmt: skip
 

@@ -9,18 +9,18 @@ Trade-offs: lets a client steer routing, so it belongs only in test configuratio
 from __future__ import annotations
 
 from epp.datalayer.endpoint import Endpoint
-from epp.scheduling.framework import Parameters, register
-from epp.scheduling.types import SchedulingRequest
+from epp.scheduling.framework import Filter, Parameters, register
+from epp.scheduling.types import CycleState, SchedulingRequest
 
 
 @register("header-based-testing-filter")
-class HeaderBasedTestingFilter:
+class HeaderBasedTestingFilter(Filter):
     def __init__(self, parameters: dict | None):
         p = Parameters("header-based-testing-filter", parameters)
         self.header = p.get("headerName", "test-epp-endpoint-selection", str).lower()
         p.done()
 
-    def filter(self, request: SchedulingRequest, endpoints: list[Endpoint]) -> list[Endpoint]:
+    def filter(self, cycle_state: CycleState, request: SchedulingRequest, endpoints: list[Endpoint]) -> list[Endpoint]:
         wanted = request.headers.get(self.header)
         if wanted is None:
             return endpoints

@@ -11,15 +11,17 @@ tokens do, but they stay counted until the request ends, long after its prefill.
 from __future__ import annotations
 
 from epp.datalayer.endpoint import Endpoint
-from epp.scheduling.framework import Parameters, register
+from epp.scheduling.framework import Parameters, Scorer, register
 from epp.scheduling.load import inverted_min_max
-from epp.scheduling.types import SchedulingRequest
+from epp.scheduling.types import CycleState, SchedulingRequest
 
 
 @register("in-flight-tokens-scorer")
-class InFlightTokensScorer:
+class InFlightTokensScorer(Scorer):
+    consumes = ("in_flight_tokens",)
+
     def __init__(self, parameters: dict | None):
         Parameters("in-flight-tokens-scorer", parameters).done()
 
-    def score(self, request: SchedulingRequest, endpoints: list[Endpoint]) -> list[float]:
+    def score(self, cycle_state: CycleState, request: SchedulingRequest, endpoints: list[Endpoint]) -> list[float]:
         return inverted_min_max([e.in_flight_tokens for e in endpoints])

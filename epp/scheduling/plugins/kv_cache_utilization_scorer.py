@@ -10,15 +10,16 @@ long prompts before the queue does, which is what keeps preemptions away.
 from __future__ import annotations
 
 from epp.datalayer.endpoint import Endpoint
-from epp.scheduling.framework import Parameters, register
-from epp.scheduling.load import kv_usage
-from epp.scheduling.types import SchedulingRequest
+from epp.scheduling.framework import Parameters, Scorer, register
+from epp.scheduling.types import CycleState, SchedulingRequest
 
 
 @register("kv-cache-utilization-scorer")
-class KVCacheUtilizationScorer:
+class KVCacheUtilizationScorer(Scorer):
+    consumes = ("kv_usage",)
+
     def __init__(self, parameters: dict | None):
         Parameters("kv-cache-utilization-scorer", parameters).done()
 
-    def score(self, request: SchedulingRequest, endpoints: list[Endpoint]) -> list[float]:
-        return [1.0 - kv_usage(e) for e in endpoints]
+    def score(self, cycle_state: CycleState, request: SchedulingRequest, endpoints: list[Endpoint]) -> list[float]:
+        return [1.0 if (m := e.metrics) is None else 1.0 - m.kv_usage for e in endpoints]

@@ -9,8 +9,9 @@ Score for the request's `model` (the adapter name after any rewrite), in this or
   the adapter is waiting to be loaded there                          0.6
   otherwise (no slot, not there; or no LoRA metrics)                 0.0
 Base-model requests are neutral: for a model that no candidate lists as running or waiting the scorer abstains
-(returns None: it adds nothing to any candidate), so the other scorers decide. The endpoints do not say which name is their base model, and scoring the base model like
-an adapter would push base-model traffic off servers whose adapter slots happen to be full, which costs it nothing.
+(returns None: it adds nothing to any candidate), so the other scorers decide. The endpoints do not say which name
+is their base model, and scoring the base model like an adapter would push base-model traffic off servers whose
+adapter slots happen to be full, which costs it nothing.
 The same rule applies to an adapter that no endpoint has loaded yet: its first request goes where load says, and
 affinity holds from then on.
 Still loaded: `vllm:lora_requests_info` names only adapters with requests running or waiting, but an engine keeps
@@ -30,20 +31,24 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from epp.datalayer.endpoint import Endpoint
-from epp.scheduling.framework import Parameters, register
-from epp.scheduling.types import SchedulingRequest, SchedulingResult
+from epp.scheduling.framework import Parameters, PoolChanged, PreRequest, Scorer, register
+from epp.scheduling.types import CycleState, SchedulingRequest, SchedulingResult
 
 RUNNING, LOADED, ROOM, WAITING, NONE = 1.0, 0.9, 0.8, 0.6, 0.0
 
 
 @register("lora-affinity-scorer")
-class LoRAAffinityScorer:
+class LoRAAffinityScorer(Scorer, PreRequest, PoolChanged):
+    consumes = ("running_adapters", "waiting_adapters", "max_lora")
+
     def __init__(self, parameters: dict | None):
         Parameters("lora-affinity-scorer", parameters).done()
         self.adapters: set[str] = set()  # names endpoints have listed as adapters (the base model never is)
         self._sent: dict[str, OrderedDict[str, None]] = {}  # endpoint name -> adapters sent there, most recent last
 
-    def score(self, request: SchedulingRequest, endpoints: list[Endpoint]) -> list[float] | None:
+    def score(
+        self, cycle_state: CycleState, request: SchedulingRequest, endpoints: list[Endpoint]
+    ) -> list[float] | None:
         model = request.model
         sent = self._sent
         for e in endpoints:
@@ -69,7 +74,7 @@ class LoRAAffinityScorer:
                 scores.append(WAITING if model in m.waiting_adapters else NONE)
         return scores
 
-    def on_routed(self, request: SchedulingRequest, result: SchedulingResult) -> None:
+    def pre_request(self, request: SchedulingRequest, result: SchedulingResult) -> None:
         if request.model not in self.adapters or not result.endpoints:
             return
         endpoint = result.endpoints[0]
@@ -82,7 +87,7 @@ class LoRAAffinityScorer:
         while len(sent) > m.max_lora:
             sent.popitem(last=False)
 
-    def on_pool_changed(self, endpoints: Sequence[Endpoint]) -> None:
+    def pool_changed(self, endpoints: Sequence[Endpoint]) -> None:
         present = {e.spec.name for e in endpoints}
         for name in [n for n in self._sent if n not in present]:
             del self._sent[name]

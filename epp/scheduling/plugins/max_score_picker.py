@@ -13,22 +13,25 @@ from __future__ import annotations
 import random
 
 from epp.datalayer.endpoint import Endpoint
-from epp.scheduling.framework import Parameters, register
-from epp.scheduling.types import SchedulingRequest
+from epp.scheduling.framework import Parameters, Picker, register
+from epp.scheduling.types import CycleState, SchedulingRequest
 
 
 @register("max-score-picker")
-class MaxScorePicker:
+class MaxScorePicker(Picker):
     def __init__(self, parameters: dict | None):
         p = Parameters("max-score-picker", parameters)
         self.count = p.get("maxNumOfEndpoints", 1, int, minimum=1)
         p.done()
 
-    def pick(self, request: SchedulingRequest, endpoints: list[Endpoint], scores: list[float]) -> list[Endpoint]:
+    def pick(
+        self, cycle_state: CycleState, request: SchedulingRequest, endpoints: list[Endpoint], scores: list[float]
+    ) -> list[Endpoint]:
         if self.count == 1:
             best = max(scores)
-            tied = [e for e, s in zip(endpoints, scores, strict=True) if s == best]
-            return [tied[0] if len(tied) == 1 else random.choice(tied)]
+            if scores.count(best) == 1:  # the common case, without a loop in Python
+                return [endpoints[scores.index(best)]]
+            return [random.choice([e for e, s in zip(endpoints, scores, strict=True) if s == best])]
         tie_breaks = [random.random() for _ in endpoints]
         keyed = sorted(zip(scores, tie_breaks, range(len(endpoints)), strict=True), reverse=True)
         return [endpoints[i] for _, _, i in keyed[: self.count]]

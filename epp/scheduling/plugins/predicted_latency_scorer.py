@@ -20,20 +20,26 @@ from __future__ import annotations
 
 from epp.datalayer.endpoint import Endpoint
 from epp.predictor import shared
-from epp.scheduling.framework import Parameters, register
-from epp.scheduling.types import SchedulingRequest
+from epp.predictor.candidates import PREDICTED_LATENCY, PREDICTION_READS
+from epp.scheduling.framework import Parameters, Scorer, register
+from epp.scheduling.types import CycleState, SchedulingRequest
 
 
 @register("predicted-latency-scorer")
-class PredictedLatencyScorer:
+class PredictedLatencyScorer(Scorer):
+    consumes = PREDICTION_READS
+    produces = (PREDICTED_LATENCY,)
+
     def __init__(self, parameters: dict | None):
         p = Parameters("predicted-latency-scorer", parameters)
         self.predictions = shared(p.get("pool", "default", str))
         self.long_output_tokens = p.get("longOutputTokens", 256, int, minimum=1)
         p.done()
 
-    def score(self, request: SchedulingRequest, endpoints: list[Endpoint]) -> list[float] | None:
-        predicted = self.predictions.get(request, endpoints)
+    def score(
+        self, cycle_state: CycleState, request: SchedulingRequest, endpoints: list[Endpoint]
+    ) -> list[float] | None:
+        predicted = self.predictions.get(cycle_state, request, endpoints)
         if predicted is None:
             return None
         output = request.max_tokens

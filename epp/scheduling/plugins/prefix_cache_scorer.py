@@ -4,12 +4,15 @@ overloaded.
 How: the prompt text (`protocol.openai.prompt_text`) is cut into blocks of `blockSize` tokens x ~4 characters and
 hashed as a chain (xxhash64, each block seeded by the previous block's hash, the first by a hash of the model name,
 so two models never share entries), at most `maxPrefixBlocksToMatch` blocks; the hashes are computed once per
-request and kept on it. The EPP remembers which hashes it sent to each endpoint: one LRU per endpoint, sized by the
-endpoint's `num_gpu_blocks` (the server cannot hold more blocks than that). Score = longest remembered prefix /
-number of blocks of the prompt. The pick is recorded in `on_routed`, which the server calls after it answered the
-proxy, so the index update is off the request's critical path.
+request and kept in the cycle state (PREFIX_HASHES). The EPP remembers which hashes it sent to each endpoint: one
+LRU per endpoint, sized by the endpoint's `num_gpu_blocks` (the server cannot hold more blocks than that). Score =
+longest remembered prefix / number of blocks of the prompt. The pick is recorded in `pre_request` (from the cycle
+state the result carries), which runs after the EPP answered the proxy, so the index update is off the request's
+critical path.
 Reads: the request's prompt and model; `block_size` and `num_gpu_blocks` (from `vllm:cache_config_info`) when the
-endpoints publish them (`autoTune`), else the parameters; the candidates' queue depths for the load guard.
+endpoints publish them (`autoTune`), else the parameters; the candidates' queue depths for the load guard (shared
+with queue-scorer through the cycle state). Writes: PREFIX_HASHES. Reports its index size and hit ratio
+(PrefixIndexStats) for the EPP's metrics.
 
 Matching: a prompt's blocks are recorded last block first, so within one prompt the LRU evicts the tail before the
 head (what vLLM's free-block queue does too) and what an endpoint holds of a prompt stays a prefix. The longest
@@ -41,11 +44,12 @@ from collections.abc import Sequence
 import xxhash
 
 from epp.datalayer.endpoint import Endpoint
-from epp.scheduling.framework import Parameters, register
-from epp.scheduling.load import queue_depths
-from epp.scheduling.types import SchedulingRequest, SchedulingResult
+from epp.scheduling.framework import Parameters, PoolChanged, PrefixIndexStats, PreRequest, Scorer, register
+from epp.scheduling.load import QUEUE_DEPTH_READS, QUEUE_DEPTHS, queue_depths
+from epp.scheduling.types import CycleState, SchedulingRequest, SchedulingResult, StateKey
 
 CHARS_PER_TOKEN = 4
+PREFIX_HASHES: StateKey[list[int]] = StateKey("prefix-hashes")  # the prompt's chained block hashes
 
 
 def longest_prefix(hashes: list[int], held: OrderedDict[int, None] | None) -> int:
@@ -63,7 +67,10 @@ def longest_prefix(hashes: list[int], held: OrderedDict[int, None] | None) -> in
 
 
 @register("prefix-cache-scorer")
-class PrefixCacheScorer:
+class PrefixCacheScorer(Scorer, PreRequest, PoolChanged, PrefixIndexStats):
+    consumes = ("block_size", "num_gpu_blocks", *QUEUE_DEPTH_READS, QUEUE_DEPTHS, PREFIX_HASHES)
+    produces = (PREFIX_HASHES, QUEUE_DEPTHS)
+
     def __init__(self, parameters: dict | None):
         p = Parameters("prefix-cache-scorer", parameters)
         self.block_size = p.get("blockSize", 16, int, minimum=1)
@@ -87,23 +94,26 @@ class PrefixCacheScorer:
                     return m.block_size * CHARS_PER_TOKEN
         return self.block_size * CHARS_PER_TOKEN
 
-    def hashes(self, request: SchedulingRequest, endpoints: Sequence[Endpoint]) -> list[int]:
-        """The prompt's chained block hashes, computed once per request."""
-        hashes = request.prefix_hashes
+    def hashes(self, cycle_state: CycleState, request: SchedulingRequest, endpoints: Sequence[Endpoint]) -> list[int]:
+        """The prompt's chained block hashes, computed once per scheduling cycle."""
+        hashes = cycle_state.read(PREFIX_HASHES)
         if hashes is None:
             size = self.block_chars(endpoints)
             text = request.prompt[: size * self.max_blocks].encode("utf-8", "surrogatepass")
             digest = xxhash.xxh64_intdigest
             h = digest(request.model.encode("utf-8", "surrogatepass"))
-            hashes = request.prefix_hashes = []
+            hashes = []
+            cycle_state.write(PREFIX_HASHES, hashes)
             append = hashes.append
             for start in range(0, min(len(text) // size, self.max_blocks) * size, size):
                 h = digest(text[start : start + size], h)
                 append(h)
         return hashes
 
-    def score(self, request: SchedulingRequest, endpoints: list[Endpoint]) -> list[float] | None:
-        hashes = self.hashes(request, endpoints)
+    def score(
+        self, cycle_state: CycleState, request: SchedulingRequest, endpoints: list[Endpoint]
+    ) -> list[float] | None:
+        hashes = self.hashes(cycle_state, request, endpoints)
         holders = self._heads.get(hashes[0]) if hashes else None
         if not holders:
             return None  # nobody was sent this prompt's first block: no preference
@@ -112,23 +122,25 @@ class PrefixCacheScorer:
         scores = [matched.get(e.spec.name, 0.0) for e in endpoints]
         gap = self.load_guard_gap
         if gap:
-            queues = queue_depths(endpoints)
+            queues = queue_depths(cycle_state, endpoints)
             shallowest = min(queues)
+            # s * max(0, 1 - excess / gap), without a call per candidate
             scores = [
-                s * max(0.0, 1.0 - (q - shallowest) / gap) if s else 0.0 for s, q in zip(scores, queues, strict=True)
+                s * (1.0 - (q - shallowest) / gap) if s and q - shallowest < gap else 0.0
+                for s, q in zip(scores, queues, strict=True)
             ]
         return scores
 
-    def cached_tokens(self, request: SchedulingRequest, endpoint: Endpoint) -> int:
+    def cached_tokens(self, cycle_state: CycleState, request: SchedulingRequest, endpoint: Endpoint) -> int:
         """Prompt tokens `endpoint` probably holds for `request` (the latency predictor's cache input)."""
-        hashes = self.hashes(request, (endpoint,))
+        hashes = self.hashes(cycle_state, request, (endpoint,))
         if not hashes:
             return 0
         blocks = longest_prefix(hashes, self._held.get(endpoint.spec.name))
         return blocks * self.block_chars((endpoint,)) // CHARS_PER_TOKEN
 
-    def on_routed(self, request: SchedulingRequest, result: SchedulingResult) -> None:
-        hashes = request.prefix_hashes
+    def pre_request(self, request: SchedulingRequest, result: SchedulingResult) -> None:
+        hashes = result.cycle_state.read(PREFIX_HASHES)
         if not hashes or not result.endpoints:
             return
         endpoint = result.endpoints[0]
@@ -158,7 +170,7 @@ class PrefixCacheScorer:
             if not holders:
                 del self._heads[block_hash]
 
-    def on_pool_changed(self, endpoints: Sequence[Endpoint]) -> None:
+    def pool_changed(self, endpoints: Sequence[Endpoint]) -> None:
         present = {e.spec.name for e in endpoints}
         for name in [n for n in self._held if n not in present]:
             for block_hash in self._held.pop(name):

@@ -8,16 +8,18 @@ from __future__ import annotations
 import random
 
 from epp.datalayer.endpoint import Endpoint
-from epp.scheduling.framework import Parameters, register
-from epp.scheduling.types import SchedulingRequest
+from epp.scheduling.framework import Parameters, Picker, register
+from epp.scheduling.types import CycleState, SchedulingRequest
 
 
 @register("random-picker")
-class RandomPicker:
+class RandomPicker(Picker):
     def __init__(self, parameters: dict | None):
         p = Parameters("random-picker", parameters)
         self.count = p.get("maxNumOfEndpoints", 1, int, minimum=1)
         p.done()
 
-    def pick(self, request: SchedulingRequest, endpoints: list[Endpoint], scores: list[float]) -> list[Endpoint]:
+    def pick(
+        self, cycle_state: CycleState, request: SchedulingRequest, endpoints: list[Endpoint], scores: list[float]
+    ) -> list[Endpoint]:
         return random.sample(endpoints, min(self.count, len(endpoints)))

@@ -9,15 +9,17 @@ Trade-offs: complements queue-scorer when queues are empty; blind to how long ea
 from __future__ import annotations
 
 from epp.datalayer.endpoint import Endpoint
-from epp.scheduling.framework import Parameters, register
-from epp.scheduling.load import inverted_min_max, running_requests
-from epp.scheduling.types import SchedulingRequest
+from epp.scheduling.framework import Parameters, Scorer, register
+from epp.scheduling.load import RUNNING_REQUESTS_READS, inverted_min_max, running_requests
+from epp.scheduling.types import CycleState, SchedulingRequest
 
 
 @register("running-requests-size-scorer")
-class RunningRequestsSizeScorer:
+class RunningRequestsSizeScorer(Scorer):
+    consumes = RUNNING_REQUESTS_READS
+
     def __init__(self, parameters: dict | None):
         Parameters("running-requests-size-scorer", parameters).done()
 
-    def score(self, request: SchedulingRequest, endpoints: list[Endpoint]) -> list[float]:
+    def score(self, cycle_state: CycleState, request: SchedulingRequest, endpoints: list[Endpoint]) -> list[float]:
         return inverted_min_max([running_requests(e) for e in endpoints])

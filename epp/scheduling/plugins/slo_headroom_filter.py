@@ -21,9 +21,10 @@ import math
 
 from epp.datalayer.endpoint import Endpoint
 from epp.predictor import shared
+from epp.predictor.candidates import PREDICTED_LATENCY, PREDICTION_READS
 from epp.scheduling.errors import ConfigError
-from epp.scheduling.framework import Parameters, register
-from epp.scheduling.types import SchedulingRequest
+from epp.scheduling.framework import Filter, Parameters, register
+from epp.scheduling.types import CycleState, SchedulingRequest
 
 TTFT_HEADER = "x-slo-ttft-ms"
 TPOT_HEADER = "x-slo-tpot-ms"
@@ -42,7 +43,10 @@ def _objective(headers: dict[str, str], name: str) -> float | None:
 
 
 @register("slo-headroom-filter")
-class SLOHeadroomFilter:
+class SLOHeadroomFilter(Filter):
+    consumes = PREDICTION_READS
+    produces = (PREDICTED_LATENCY,)
+
     def __init__(self, parameters: dict | None):
         p = Parameters("slo-headroom-filter", parameters)
         self.predictions = shared(p.get("pool", "default", str))
@@ -52,14 +56,14 @@ class SLOHeadroomFilter:
             raise ConfigError(f"slo-headroom-filter: parameter headroom must be < 1, got {headroom!r}")
         self.allowance = 1.0 - headroom
 
-    def filter(self, request: SchedulingRequest, endpoints: list[Endpoint]) -> list[Endpoint]:
+    def filter(self, cycle_state: CycleState, request: SchedulingRequest, endpoints: list[Endpoint]) -> list[Endpoint]:
         headers = request.headers
         if TTFT_HEADER not in headers and TPOT_HEADER not in headers:
             return endpoints
         ttft_slo, tpot_slo = _objective(headers, TTFT_HEADER), _objective(headers, TPOT_HEADER)
         if ttft_slo is None and tpot_slo is None:
             return endpoints
-        predicted = self.predictions.get(request, endpoints)
+        predicted = self.predictions.get(cycle_state, request, endpoints)
         if predicted is None:
             return endpoints
         # The worst ratio of prediction to objective per candidate: <= allowance means it meets both with headroom.

@@ -10,18 +10,20 @@ from __future__ import annotations
 import random
 
 from epp.datalayer.endpoint import Endpoint
-from epp.scheduling.framework import Parameters, register
-from epp.scheduling.types import SchedulingRequest
+from epp.scheduling.framework import Parameters, Picker, register
+from epp.scheduling.types import CycleState, SchedulingRequest
 
 
 @register("weighted-random-picker")
-class WeightedRandomPicker:
+class WeightedRandomPicker(Picker):
     def __init__(self, parameters: dict | None):
         p = Parameters("weighted-random-picker", parameters)
         self.count = p.get("maxNumOfEndpoints", 1, int, minimum=1)
         p.done()
 
-    def pick(self, request: SchedulingRequest, endpoints: list[Endpoint], scores: list[float]) -> list[Endpoint]:
+    def pick(
+        self, cycle_state: CycleState, request: SchedulingRequest, endpoints: list[Endpoint], scores: list[float]
+    ) -> list[Endpoint]:
         candidates, weights, chosen = list(endpoints), [max(0.0, s) for s in scores], []
         while candidates and len(chosen) < self.count:
             if sum(weights) <= 0:

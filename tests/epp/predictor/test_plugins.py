@@ -8,7 +8,7 @@ from epp.predictor import shared
 from epp.scheduling.errors import ConfigError
 from epp.scheduling.framework import build_plugin
 from epp.scheduling.scheduler import Scheduler
-from epp.scheduling.types import SchedulingRequest
+from epp.scheduling.types import CycleState, SchedulingRequest
 from tests.epp.helpers import endpoint
 from tests.epp.predictor.conftest import train
 
@@ -41,15 +41,15 @@ def pool_of_three(pool):
 
 def test_scorer_abstains_while_cold(pool):
     scorer = build_plugin("predicted-latency-scorer", {"pool": pool})
-    assert scorer.score(req(), pool_of_three(pool)) is None
+    assert scorer.score(CycleState(), req(), pool_of_three(pool)) is None
 
 
 def test_scorer_prefers_the_fastest_predicted_endpoint(pool):
     trained(pool)
     scorer = build_plugin("predicted-latency-scorer", {"pool": pool})
-    endpoints, request = pool_of_three(pool), req()
-    scores = scorer.score(request, endpoints)
-    ttfts = [t for t, _ in shared(pool).get(request, endpoints)]  # the same request: what the scorer used
+    endpoints, request, cycle = pool_of_three(pool), req(), CycleState()
+    scores = scorer.score(cycle, request, endpoints)
+    ttfts = [t for t, _ in shared(pool).get(cycle, request, endpoints)]  # the same cycle: what the scorer used
     assert scores[0] == 1.0 and all(0 < s < 1 for s in scores[1:])
     assert scores == pytest.approx([min(ttfts) / t for t in ttfts])
     assert ttfts[1] > 0.6  # ~6,000 tokens ahead at 0.1 ms each (and the waiting one) are learnt
@@ -60,9 +60,9 @@ def test_scorer_counts_tpot_for_long_outputs(pool):
     scorer = build_plugin("predicted-latency-scorer", {"pool": pool, "longOutputTokens": 100})
     # TTFT: 0 is a little better (no tokens in flight); TPOT: 0 has a 15-request decode batch, 1 none
     endpoints = [endpoint(0, running=15, in_flight=15, in_flight_tokens=0), endpoint(1, in_flight_tokens=200)]
-    assert scorer.score(req(max_tokens=50), endpoints)[0] == 1.0  # short answer: TTFT decides
-    costs = [t + p * 5000 for t, p in shared(pool).get(req(), endpoints)]
-    long = scorer.score(req(max_tokens=5000), endpoints)
+    assert scorer.score(CycleState(), req(max_tokens=50), endpoints)[0] == 1.0  # short answer: TTFT decides
+    costs = [t + p * 5000 for t, p in shared(pool).get(CycleState(), req(), endpoints)]
+    long = scorer.score(CycleState(), req(max_tokens=5000), endpoints)
     assert long == pytest.approx([min(costs) / c for c in costs])
     assert long[1] == 1.0
 
@@ -71,8 +71,10 @@ def test_cached_tokens_lower_the_prediction(pool):
     trained(pool)
     candidates = shared(pool)
     endpoints = [endpoint(0), endpoint(1)]
-    candidates.cached_tokens = lambda request, e: 4000 if e.name == "e1" else 0
-    scores = build_plugin("predicted-latency-scorer", {"pool": pool}).score(req(prompt_tokens=5000), endpoints)
+    candidates.cached_tokens = lambda cycle_state, request, e: 4000 if e.name == "e1" else 0
+    scores = build_plugin("predicted-latency-scorer", {"pool": pool}).score(
+        CycleState(), req(prompt_tokens=5000), endpoints
+    )
     assert scores[1] == 1.0 and scores[0] < 0.5
 
 
@@ -80,33 +82,39 @@ def test_filter_keeps_endpoints_meeting_the_objective_with_headroom(pool):
     trained(pool)
     f = build_plugin("slo-headroom-filter", {"pool": pool, "headroom": 0.2})
     endpoints = pool_of_three(pool)
-    ttfts = [t for t, _ in shared(pool).get(req(), endpoints)]
+    ttfts = [t for t, _ in shared(pool).get(CycleState(), req(), endpoints)]
     slo_ms = max(ttfts[0], ttfts[2]) / 0.8 * 1e3 * 1.01  # 0 and 2 meet it with 20 % headroom, 1 does not
-    assert f.filter(req(headers={"x-slo-ttft-ms": f"{slo_ms:.3f}"}), endpoints) == [endpoints[0], endpoints[2]]
+    assert f.filter(CycleState(), req(headers={"x-slo-ttft-ms": f"{slo_ms:.3f}"}), endpoints) == [
+        endpoints[0],
+        endpoints[2],
+    ]
     tight = f"{ttfts[0] * 1e3 * 0.9:.3f}"  # nobody meets it: the best one is kept
-    assert f.filter(req(headers={"x-slo-ttft-ms": tight}), endpoints) == [endpoints[0]]
+    assert f.filter(CycleState(), req(headers={"x-slo-ttft-ms": tight}), endpoints) == [endpoints[0]]
 
 
 def test_filter_checks_tpot_objectives(pool):
     trained(pool)
     f = build_plugin("slo-headroom-filter", {"pool": pool, "headroom": 0})
     endpoints = pool_of_three(pool)
-    tpots = [p for _, p in shared(pool).get(req(), endpoints)]
+    tpots = [p for _, p in shared(pool).get(CycleState(), req(), endpoints)]
     limit = f"{(tpots[0] + tpots[2]) / 2 * 1e3:.4f}"  # the 15-request decode batch of endpoint 2 misses it
-    assert endpoints[2] not in f.filter(req(headers={"x-slo-tpot-ms": limit}), endpoints)
+    assert endpoints[2] not in f.filter(CycleState(), req(headers={"x-slo-tpot-ms": limit}), endpoints)
 
 
 @pytest.mark.parametrize("headers", [{}, {"x-slo-ttft-ms": "abc"}, {"x-slo-ttft-ms": "-5"}, {"x-slo-tpot-ms": "nan"}])
 def test_filter_passes_everything_without_a_usable_objective(pool, headers):
     trained(pool)
     endpoints = pool_of_three(pool)
-    assert build_plugin("slo-headroom-filter", {"pool": pool}).filter(req(headers=headers), endpoints) == endpoints
+    assert (
+        build_plugin("slo-headroom-filter", {"pool": pool}).filter(CycleState(), req(headers=headers), endpoints)
+        == endpoints
+    )
 
 
 def test_filter_passes_everything_while_cold(pool):
     endpoints = pool_of_three(pool)
     f = build_plugin("slo-headroom-filter", {"pool": pool})
-    assert f.filter(req(headers={"x-slo-ttft-ms": "1"}), endpoints) == endpoints
+    assert f.filter(CycleState(), req(headers={"x-slo-ttft-ms": "1"}), endpoints) == endpoints
 
 
 @pytest.mark.parametrize(("plugin", "parameters"), [("slo-headroom-filter", {"headroom": 1}),
@@ -139,12 +147,12 @@ schedulingProfiles:
     assert result.primary is endpoints[0]
 
 
-def test_predictions_are_shared_within_a_pass_and_renewed_after_a_routing(pool):
+def test_predictions_are_shared_within_a_cycle_and_renewed_in_the_next(pool):
     trained(pool)
     candidates = shared(pool)
-    endpoints, request = [endpoint(0), endpoint(1)], req(prompt_tokens=3000)
-    first = candidates.get(request, endpoints)
-    assert candidates.get(request, endpoints[1:]) == first[1:]  # the scorer after the filter: the same numbers
+    endpoints, request, cycle = [endpoint(0), endpoint(1)], req(prompt_tokens=3000), CycleState()
+    first = candidates.get(cycle, request, endpoints)
     candidates.predictor.routed(endpoints[1], 5000, 0, None)
-    again = candidates.get(request, endpoints)  # scheduled again (a retry): endpoint 1 now has a backlog
+    assert candidates.get(cycle, request, endpoints[1:]) == first[1:]  # the scorer after the filter: same numbers
+    again = candidates.get(CycleState(), request, endpoints)  # scheduled again (a retry): 1 now has a backlog
     assert again[0][0] == pytest.approx(first[0][0], rel=1e-3) and again[1][0] > first[1][0] + 0.1

@@ -12,9 +12,9 @@ def shape(scheduler):
     p = scheduler.profile
     return (
         p.name,
-        [(n, type(f).type_name) for n, f in p.filters],
-        [(n, type(s).type_name, w) for n, s, w in p.scorers],
-        (p.picker[0], type(p.picker[1]).type_name),
+        [(f.typed_name.name, f.typed_name.type) for f in p.filters],
+        [(s.typed_name.name, s.typed_name.type, w) for s, w in p.scorers],
+        (p.picker.typed_name.name, p.picker.typed_name.type),
     )
 
 
@@ -34,7 +34,7 @@ def test_defaults(text):
         ("max-score-picker", "max-score-picker"),
     )
     assert (scheduler.detector.queue_depth_threshold, scheduler.detector.kv_cache_util_threshold) == (5, 0.8)
-    assert scheduler.prefix_scorer is scheduler.profile.scorers[2][1]
+    assert scheduler.prefix_index is scheduler.profile.scorers[2][0]
 
 
 def test_named_instances_parameters_weights_and_saturation_thresholds():
@@ -64,10 +64,10 @@ saturationDetector: {queueDepthThreshold: 9, kvCacheUtilThreshold: 1}
         [("short-blocks", "prefix-cache-scorer", 0.5), ("queue-scorer", "queue-scorer", 1.0)],
         ("weighted-random-picker", "weighted-random-picker"),
     )
-    prefix = scheduler.profile.scorers[0][1]
+    prefix = scheduler.profile.scorers[0][0]
     assert (prefix.block_size, prefix.load_guard_gap) == (8, 2.5)
-    assert scheduler.profile.filters[0][1].header == "x-pick"
-    assert scheduler.profile.picker[1].count == 2
+    assert scheduler.profile.filters[0].header == "x-pick"
+    assert scheduler.profile.picker.count == 2
     assert (scheduler.detector.queue_depth_threshold, scheduler.detector.kv_cache_util_threshold) == (9, 1.0)
 
 
@@ -76,7 +76,7 @@ def test_a_profile_without_a_picker_gets_max_score_and_one_without_prefix_has_no
         "plugins: [{type: queue-scorer}]\nschedulingProfiles: [{name: q, plugins: [{pluginRef: queue-scorer}]}]"
     )
     assert shape(scheduler)[3] == ("max-score-picker", "max-score-picker")
-    assert scheduler.prefix_scorer is None
+    assert scheduler.prefix_index is None
 
 
 PROFILE = "schedulingProfiles: [{name: a, plugins: [{pluginRef: queue-scorer}]}]"
@@ -151,4 +151,4 @@ def test_invalid_configs_are_config_errors_at_startup(text, message):
 
 def test_the_shipped_manifest_config_loads():
     text = (Path(__file__).parents[3] / "manifests" / "base" / "scheduler.yaml").read_text()
-    assert Scheduler.from_config(text).prefix_scorer is not None
+    assert Scheduler.from_config(text).prefix_index is not None

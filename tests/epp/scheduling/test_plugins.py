@@ -6,8 +6,8 @@ import pytest
 
 from epp.scheduling.errors import ConfigError
 from epp.scheduling.framework import PLUGIN_TYPES, build_plugin
-from epp.scheduling.load import queue_depth, running_requests
-from epp.scheduling.types import SchedulingRequest, SchedulingResult
+from epp.scheduling.load import queue_depth, queue_depths, running_requests
+from epp.scheduling.types import CycleState, SchedulingRequest, SchedulingResult
 from tests.epp.helpers import endpoint
 
 
@@ -37,6 +37,14 @@ def test_load_estimates_include_requests_routed_since_the_scrape(e, queue, runni
     assert (queue_depth(e), running_requests(e)) == (queue, running)
 
 
+def test_queue_depths_are_computed_once_per_cycle_for_the_candidates_they_were_computed_for():
+    state, pool = CycleState(), [endpoint(0, waiting=3), endpoint(1, in_flight=2)]
+    depths = queue_depths(state, pool)
+    assert depths == [3, 2]
+    assert queue_depths(state, pool) is depths  # the prefix scorer's load guard reuses the queue scorer's
+    assert queue_depths(state, pool[:1]) == [3]  # other candidates: computed again
+
+
 @pytest.mark.parametrize(
     ("plugin", "endpoints", "expected"),
     [
@@ -60,7 +68,7 @@ def test_load_estimates_include_requests_routed_since_the_scrape(e, queue, runni
     ],
 )
 def test_load_scorers(plugin, endpoints, expected):
-    scores = build_plugin(plugin).score(req(), endpoints)
+    scores = build_plugin(plugin).score(CycleState(), req(), endpoints)
     assert scores == pytest.approx(expected)
     assert all(0.0 <= s <= 1.0 for s in scores)
 
@@ -101,26 +109,26 @@ def test_load_scorers(plugin, endpoints, expected):
     ],
 )
 def test_lora_affinity(model, endpoints, expected):
-    assert build_plugin("lora-affinity-scorer").score(req(model), endpoints) == expected
+    assert build_plugin("lora-affinity-scorer").score(CycleState(), req(model), endpoints) == expected
 
 
 def test_lora_affinity_remembers_adapters_it_sent_while_they_idle_in_their_slots():
     scorer = build_plugin("lora-affinity-scorer")
     busy = [endpoint(0, running_adapters={"sql"}, max_lora=2), endpoint(1, max_lora=2), endpoint(2, max_lora=2)]
-    assert scorer.score(req("sql"), busy) == [1.0, 0.8, 0.8]  # learns that "sql" is an adapter
-    scorer.on_routed(req("sql"), SchedulingResult([busy[1]]))
+    assert scorer.score(CycleState(), req("sql"), busy) == [1.0, 0.8, 0.8]  # learns that "sql" is an adapter
+    scorer.pre_request(req("sql"), SchedulingResult([busy[1]]))
     # the scrape no longer lists "sql" anywhere (its requests finished), but endpoint 1 still holds it in a slot
     idle = [endpoint(0, max_lora=2), endpoint(1, max_lora=2), endpoint(2, max_lora=2)]
-    assert scorer.score(req("sql"), idle) == [0.8, 0.9, 0.8]
+    assert scorer.score(CycleState(), req("sql"), idle) == [0.8, 0.9, 0.8]
     # two other adapters sent there since: with two slots, "sql" was evicted (LRU)
     for name in ("x", "y"):
-        scorer.score(req(name), [endpoint(0, running_adapters={name}, max_lora=2)])
-        scorer.on_routed(req(name), SchedulingResult([idle[1]]))
-    assert scorer.score(req("sql"), idle) == [0.8, 0.8, 0.8]
+        scorer.score(CycleState(), req(name), [endpoint(0, running_adapters={name}, max_lora=2)])
+        scorer.pre_request(req(name), SchedulingResult([idle[1]]))
+    assert scorer.score(CycleState(), req("sql"), idle) == [0.8, 0.8, 0.8]
     # the base model is never recorded, and an endpoint that left the pool is forgotten
-    scorer.on_routed(req("base"), SchedulingResult([idle[2]]))
-    assert scorer.score(req("base"), idle) is None
-    scorer.on_pool_changed(idle[:1])
+    scorer.pre_request(req("base"), SchedulingResult([idle[2]]))
+    assert scorer.score(CycleState(), req("base"), idle) is None
+    scorer.pool_changed(idle[:1])
     assert scorer._sent == {}
 
 
@@ -135,13 +143,15 @@ def test_lora_affinity_remembers_adapters_it_sent_while_they_idle_in_their_slots
 )
 def test_header_based_testing_filter(header, expected):
     headers = {} if header is None else {"test-epp-endpoint-selection": header}
-    kept = build_plugin("header-based-testing-filter").filter(req(headers=headers), [endpoint(i) for i in range(3)])
+    kept = build_plugin("header-based-testing-filter").filter(
+        CycleState(), req(headers=headers), [endpoint(i) for i in range(3)]
+    )
     assert [e.name for e in kept] == expected
 
 
 def picks(picker, scores, n=2000):
     endpoints = [endpoint(i) for i in range(len(scores))]
-    return Counter(picker.pick(req(), endpoints, scores)[0].name for _ in range(n))
+    return Counter(picker.pick(CycleState(), req(), endpoints, scores)[0].name for _ in range(n))
 
 
 def test_max_score_picker_takes_the_best_and_breaks_ties_at_random():
@@ -155,17 +165,19 @@ def test_max_score_picker_takes_the_best_and_breaks_ties_at_random():
 def test_max_score_picker_returns_fallbacks_best_first():
     picker = build_plugin("max-score-picker", {"maxNumOfEndpoints": 3})
     endpoints = [endpoint(i) for i in range(4)]
-    assert [e.name for e in picker.pick(req(), endpoints, [0.1, 0.9, 0.5, 0.7])] == ["e1", "e3", "e2"]
-    firsts = Counter(picker.pick(req(), endpoints, [1.0, 1.0, 0.0, 0.0])[0].name for _ in range(400))
+    assert [e.name for e in picker.pick(CycleState(), req(), endpoints, [0.1, 0.9, 0.5, 0.7])] == ["e1", "e3", "e2"]
+    firsts = Counter(picker.pick(CycleState(), req(), endpoints, [1.0, 1.0, 0.0, 0.0])[0].name for _ in range(400))
     assert set(firsts) == {"e0", "e1"}
-    assert len(picker.pick(req(), endpoints[:2], [1.0, 1.0])) == 2  # never more than there are
+    assert len(picker.pick(CycleState(), req(), endpoints[:2], [1.0, 1.0])) == 2  # never more than there are
 
 
 def test_random_picker_ignores_scores():
     counts = picks(build_plugin("random-picker"), [100.0, 0.0, 0.0, 0.0], n=2000)
     assert set(counts) == {"e0", "e1", "e2", "e3"}
     assert all(350 < c < 650 for c in counts.values()), counts
-    two = build_plugin("random-picker", {"maxNumOfEndpoints": 2}).pick(req(), [endpoint(0), endpoint(1)], [0, 0])
+    two = build_plugin("random-picker", {"maxNumOfEndpoints": 2}).pick(
+        CycleState(), req(), [endpoint(0), endpoint(1)], [0, 0]
+    )
     assert {e.name for e in two} == {"e0", "e1"}
 
 
@@ -176,7 +188,7 @@ def test_weighted_random_picker_follows_scores():
     everyone = picks(build_plugin("weighted-random-picker"), [0.0, 0.0], n=400)
     assert set(everyone) == {"e0", "e1"}  # all zero: uniform
     picker = build_plugin("weighted-random-picker", {"maxNumOfEndpoints": 3})
-    chosen = picker.pick(req(), [endpoint(i) for i in range(3)], [1.0, 0.0, 1.0])
+    chosen = picker.pick(CycleState(), req(), [endpoint(i) for i in range(3)], [1.0, 0.0, 1.0])
     assert sorted(e.name for e in chosen) == ["e0", "e1", "e2"]  # without replacement
 
 

@@ -4,7 +4,8 @@ import pytest
 import xxhash
 
 from epp.scheduling.framework import build_plugin
-from epp.scheduling.types import SchedulingRequest, SchedulingResult
+from epp.scheduling.plugins.prefix_cache_scorer import PREFIX_HASHES
+from epp.scheduling.types import CycleState, SchedulingRequest, SchedulingResult
 from tests.epp.helpers import endpoint
 
 SYSTEM = "You are a helpful assistant that answers briefly and precisely. " * 16  # 1024 chars: 16 blocks of 64
@@ -19,20 +20,21 @@ def scorer(**parameters):
 
 
 def route(s, prompt, e, pool, model="m"):
-    request = req(prompt, model)
-    s.score(request, pool)
-    s.on_routed(request, SchedulingResult([e]))
-    return request
+    """Score, then record the pick, in one cycle (what the scheduler does); the cycle's state."""
+    cycle_state = CycleState()
+    s.score(cycle_state, req(prompt, model), pool)
+    s.pre_request(req(prompt, model), SchedulingResult([e], cycle_state=cycle_state))
+    return cycle_state
 
 
 def test_hashes_are_a_chain_over_blocks_of_block_size_times_four_characters_seeded_by_the_model():
     pool = [endpoint(0, block_size=16)]
-    request = req("a" * 64 + "b" * 64 + "c" * 63, model="llama")
-    hashes = scorer().hashes(request, pool)
+    request, cycle_state = req("a" * 64 + "b" * 64 + "c" * 63, model="llama"), CycleState()
+    hashes = scorer().hashes(cycle_state, request, pool)
     first = xxhash.xxh64_intdigest(b"a" * 64, xxhash.xxh64_intdigest(b"llama"))
     assert hashes == [first, xxhash.xxh64_intdigest(b"b" * 64, first)]  # the partial last block is not hashed
-    assert request.prefix_hashes is hashes  # computed once, kept for on_routed
-    assert scorer().hashes(req(request.prompt, model="other"), pool)[0] != first
+    assert cycle_state.read(PREFIX_HASHES) is hashes  # computed once, kept for pre_request
+    assert scorer().hashes(CycleState(), req(request.prompt, model="other"), pool)[0] != first
 
 
 @pytest.mark.parametrize(
@@ -46,37 +48,37 @@ def test_hashes_are_a_chain_over_blocks_of_block_size_times_four_characters_seed
 )
 def test_block_size_is_auto_tuned_from_cache_config_info(block_size, auto_tune, parameter, blocks):
     s = scorer(autoTune=auto_tune, blockSize=parameter)
-    assert len(s.hashes(req(SYSTEM), [endpoint(0, block_size=block_size)])) == blocks
+    assert len(s.hashes(CycleState(), req(SYSTEM), [endpoint(0, block_size=block_size)])) == blocks
 
 
 def test_at_most_max_prefix_blocks_are_hashed():
-    assert len(scorer().hashes(req("x" * 220_000), [endpoint(0)])) == 256
-    assert len(scorer(maxPrefixBlocksToMatch=4).hashes(req(SYSTEM), [endpoint(0)])) == 4
-    assert scorer().hashes(req("short"), [endpoint(0)]) == []
+    assert len(scorer().hashes(CycleState(), req("x" * 220_000), [endpoint(0)])) == 256
+    assert len(scorer(maxPrefixBlocksToMatch=4).hashes(CycleState(), req(SYSTEM), [endpoint(0)])) == 4
+    assert scorer().hashes(CycleState(), req("short"), [endpoint(0)]) == []
 
 
 def test_score_is_the_longest_recorded_prefix_over_the_prompts_blocks():
     s, pool = scorer(), [endpoint(0), endpoint(1), endpoint(2)]
-    assert s.score(req(SYSTEM + "question one"), pool) is None  # empty index
+    assert s.score(CycleState(), req(SYSTEM + "question one"), pool) is None  # empty index
     route(s, SYSTEM + "q" * 64, pool[1], pool)  # 17 blocks on e1
     route(s, SYSTEM[:512] + "z" * 512, pool[2], pool)  # 16 blocks on e2, the first 8 shared with SYSTEM
     second = req(SYSTEM + "w" * 64 * 4)  # 20 blocks: the first 16 are SYSTEM's
-    assert s.score(second, pool) == pytest.approx([0.0, 16 / 20, 8 / 20])
-    assert s.score(req(SYSTEM + "q" * 64), pool)[1] == 1.0
-    assert s.score(req(SYSTEM, model="other"), pool) is None  # another model shares nothing
+    assert s.score(CycleState(), second, pool) == pytest.approx([0.0, 16 / 20, 8 / 20])
+    assert s.score(CycleState(), req(SYSTEM + "q" * 64), pool)[1] == 1.0
+    assert s.score(CycleState(), req(SYSTEM, model="other"), pool) is None  # another model shares nothing
 
 
 def test_index_is_bounded_per_endpoint_by_num_gpu_blocks_and_evicts_the_tail_first():
     s = scorer()
     small, large = endpoint(0, num_gpu_blocks=10), endpoint(1, num_gpu_blocks=1000)
-    old = route(s, SYSTEM, small, [small])  # 16 blocks into a 10-block LRU: the head 10 stay
+    first = route(s, SYSTEM, small, [small])  # 16 blocks into a 10-block LRU: the head 10 stay
     assert s.index_size == 10
-    assert s.score(req(SYSTEM), [small]) == [10 / 16]
+    assert s.score(CycleState(), req(SYSTEM), [small]) == [10 / 16]
     route(s, "n" * 64 * 6, small, [small])  # 6 new blocks evict 6 of the old ones, tail first
-    assert s.score(req(SYSTEM), [small]) == [4 / 16]
+    assert s.score(CycleState(), req(SYSTEM), [small]) == [4 / 16]
     route(s, SYSTEM, large, [large])
     assert s.index_size == 10 + 16
-    assert len(old.prefix_hashes) == 16
+    assert len(first.read(PREFIX_HASHES)) == 16
 
 
 def test_default_capacity_applies_when_the_endpoint_publishes_no_num_gpu_blocks():
@@ -89,9 +91,9 @@ def test_removed_endpoints_are_forgotten():
     s, pool = scorer(), [endpoint(0), endpoint(1)]
     route(s, SYSTEM, pool[0], pool)
     route(s, SYSTEM, pool[1], pool)
-    s.on_pool_changed([pool[1]])
+    s.pool_changed([pool[1]])
     assert s.index_size == 16
-    assert s.score(req(SYSTEM), pool) == [0.0, 1.0]
+    assert s.score(CycleState(), req(SYSTEM), pool) == [0.0, 1.0]
 
 
 def test_hit_ratio_counts_the_chosen_endpoints_known_blocks():
@@ -129,7 +131,7 @@ def test_load_guard_caps_the_prefix_score_of_an_endpoint_queued_deeper_than_its_
     route(s, SYSTEM[:512], pool[1], pool)
     for e, q in zip(pool, queues, strict=True):
         e.metrics.waiting = q
-    assert s.score(req(SYSTEM), pool) == pytest.approx(expected)
+    assert s.score(CycleState(), req(SYSTEM), pool) == pytest.approx(expected)
 
 
 def test_load_guard_sees_requests_routed_since_the_last_scrape():
@@ -137,4 +139,4 @@ def test_load_guard_sees_requests_routed_since_the_last_scrape():
     pool = [endpoint(0), endpoint(1)]
     route(s, SYSTEM, pool[0], pool)
     pool[0].in_flight_requests = 4  # a burst the scrape does not show yet
-    assert s.score(req(SYSTEM), pool) == [0.0, 0.0]
+    assert s.score(CycleState(), req(SYSTEM), pool) == [0.0, 0.0]

@@ -7,7 +7,7 @@ import pytest
 
 from epp.scheduling.errors import NoEndpointError
 from epp.scheduling.scheduler import Scheduler
-from epp.scheduling.types import SchedulingRequest
+from epp.scheduling.types import SchedulingRequest, TypedName
 from tests.epp.helpers import endpoint
 
 SYSTEM = "You are a terse assistant. Answer in one sentence. " * 40  # ~2 KB shared prefix
@@ -116,12 +116,17 @@ schedulingProfiles:
     result = scheduler.schedule(req(), pool)
     assert names(result) == ["e1", "e2", "e0"]  # totals 2.5, 2.0, 1.0
     assert result.profile == "p"
-    assert [(t, n) for t, n, _ in scheduler.last_plugin_durations] == [
-        ("queue-scorer", "queue-scorer"),
-        ("kv-cache-utilization-scorer", "kv-cache-utilization-scorer"),
-        ("max-score-picker", "max-score-picker"),
+    assert [e.name for e in result.candidates] == ["e0", "e1", "e2"]
+    assert result.scores == {
+        TypedName("queue-scorer", "queue-scorer"): [0.0, 1.0, 0.5],
+        TypedName("kv-cache-utilization-scorer", "kv-cache-utilization-scorer"): [1.0, 0.5, 1.0],
+    }
+    assert [name for name, _ in result.timings] == [
+        TypedName("queue-scorer", "queue-scorer"),
+        TypedName("kv-cache-utilization-scorer", "kv-cache-utilization-scorer"),
+        TypedName("max-score-picker", "max-score-picker"),
     ]
-    assert all(0 <= s < 0.1 for _, _, s in scheduler.last_plugin_durations)
+    assert all(0 <= s < 0.1 for _, s in result.timings)
 
 
 def test_a_burst_between_scrapes_spreads_over_the_pool():
@@ -140,7 +145,7 @@ def test_repeated_prefixes_stick_to_the_endpoint_that_cached_them():
     for i in range(1, 10):
         picked = scheduler.schedule(req(SYSTEM + f"question {i}"), pool).primary
         assert picked is first
-    assert scheduler.prefix_scorer.index_size > 0
+    assert scheduler.prefix_index.index_size > 0
 
 
 @pytest.mark.parametrize("config", [None, "prefix-only"])
@@ -159,7 +164,7 @@ def test_load_guard_keeps_a_hot_prefix_from_piling_onto_one_endpoint(config):
     queues = [e.in_flight_requests for e in pool]
     assert sum(queues) == 200
     assert max(queues) - min(queues) <= 9, queues
-    assert scheduler.prefix_scorer.hit_ratio > 0.5  # affinity still wins whenever the queues allow it
+    assert scheduler.prefix_index.hit_ratio > 0.5  # affinity still wins whenever the queues allow it
 
 
 def test_without_the_guard_prefix_only_routing_piles_up():
@@ -177,16 +182,16 @@ def test_without_the_guard_prefix_only_routing_piles_up():
 
 def test_hooks_reach_profile_plugins_only():
     scheduler = Scheduler.from_config(None)
-    prefix = scheduler.prefix_scorer
+    prefix = scheduler.prefix_index
     pool = [endpoint(0), endpoint(1)]
-    route(scheduler, req(SYSTEM), pool)
+    result = route(scheduler, req(SYSTEM), pool)
     assert prefix.index_size > 0
     scheduler.on_pool_changed([])
     assert prefix.index_size == 0
-    scheduler.on_finished(req(SYSTEM), pool[0])  # no plugin needs it: a no-op, never an error
+    scheduler.on_finished(req(SYSTEM), result, pool[0])  # no plugin needs it: a no-op, never an error
     unused = Scheduler.from_config(
         "plugins: [{type: prefix-cache-scorer}, {type: queue-scorer}]\nschedulingProfiles:"
         " [{name: q, plugins: [{pluginRef: queue-scorer}]}]"
     )
-    assert unused.prefix_scorer is None
-    assert all(not hooks for hooks in unused._hooks.values())
+    assert unused.prefix_index is None
+    assert [p.typed_name.type for p in unused.profile.plugins] == ["queue-scorer", "max-score-picker"]

@@ -1,0 +1,145 @@
+"""The plugin contract: extension points found by type, scores clamped to [0, 1], a cycle state shared by the
+plugins of one cycle and reaching the request's later hooks, declared data checked at startup, typed names."""
+
+import math
+
+import pytest
+
+from epp.scheduling.errors import ConfigError
+from epp.scheduling.framework import (
+    PLUGIN_TYPES,
+    Filter,
+    PoolChanged,
+    PreRequest,
+    ResponseComplete,
+    Scorer,
+    build_plugin,
+    check_data_dependencies,
+    register,
+)
+from epp.scheduling.scheduler import Profile, Scheduler
+from epp.scheduling.types import CycleState, SchedulingRequest, StateKey, TypedName
+from tests.epp.helpers import endpoint
+
+SEEN: StateKey[list[str]] = StateKey("seen")
+
+
+class Fixed(Scorer):
+    """Scores given per endpoint name, whatever their range."""
+
+    consumes = (SEEN,)
+
+    def __init__(self, name, scores):
+        self.typed_name = TypedName("fixed", name)
+        self.scores = scores
+        self.seen = None
+
+    def score(self, cycle_state, request, endpoints):
+        self.seen = cycle_state.read(SEEN)
+        return [self.scores[e.name] for e in endpoints]
+
+
+class Recorder(Filter, PreRequest, ResponseComplete, PoolChanged):
+    """Passes every candidate and writes their names into the cycle state; records every hook call."""
+
+    typed_name = TypedName("recorder", "recorder")
+    produces = (SEEN,)
+
+    def __init__(self):
+        self.calls = []
+
+    def filter(self, cycle_state, request, endpoints):
+        cycle_state.write(SEEN, [e.name for e in endpoints])
+        return endpoints
+
+    def pre_request(self, request, result):
+        self.calls.append(("pre_request", result.cycle_state.read(SEEN)))
+
+    def response_complete(self, request, result, endpoint):
+        self.calls.append(("response_complete", result.cycle_state.read(SEEN), endpoint.name))
+
+    def pool_changed(self, endpoints):
+        self.calls.append(("pool_changed", len(endpoints)))
+
+
+def scheduler_of(*scorers, recorder=None):
+    picker = build_plugin("max-score-picker", {"maxNumOfEndpoints": 3})
+    filters = (recorder,) if recorder else ()
+    plugins = (*filters, *(s for s, _ in scorers), picker)
+    return Scheduler(Profile("test", plugins, filters, tuple(scorers), picker))
+
+
+def req():
+    return SchedulingRequest(request_id="r", model="m")
+
+
+def test_scores_are_clamped_to_0_1_and_nan_counts_as_0():
+    wild = Fixed("wild", {"e0": 7.0, "e1": -3.0, "e2": math.nan})
+    tame = Fixed("tame", {"e0": 0.0, "e1": 0.5, "e2": 0.9})
+    scheduler = scheduler_of((wild, 1.0), (tame, 1.0), recorder=Recorder())
+    result = scheduler.schedule(req(), [endpoint(i) for i in range(3)])
+    assert result.scores == {wild.typed_name: [1.0, 0.0, 0.0], tame.typed_name: [0.0, 0.5, 0.9]}
+    # totals 1.0, 0.5, 0.9: an unbounded 7.0 could not outweigh every other scorer
+    assert [e.name for e in result.endpoints] == ["e0", "e2", "e1"]
+
+
+def test_the_cycle_state_is_shared_in_the_cycle_and_reaches_the_later_hooks():
+    recorder = Recorder()
+    scorer = Fixed("s", {"e0": 0.2, "e1": 0.8})
+    scheduler = scheduler_of((scorer, 1.0), recorder=recorder)
+    pool = [endpoint(0), endpoint(1)]
+    result = scheduler.schedule(req(), pool)
+    assert scorer.seen == ["e0", "e1"]  # written by the filter, read by the scorer
+    scheduler.on_routed(req(), result)
+    scheduler.on_finished(req(), result, result.primary)
+    scheduler.on_pool_changed(pool[:1])
+    assert recorder.calls == [
+        ("pre_request", ["e0", "e1"]),
+        ("response_complete", ["e0", "e1"], "e1"),
+        ("pool_changed", 1),
+    ]
+    assert scheduler.schedule(req(), pool).cycle_state is not result.cycle_state  # one state per cycle
+
+
+def test_consuming_what_nothing_produces_is_a_config_error():
+    with pytest.raises(ConfigError, match=r"fixed/s consumes 'seen', which no plugin of the profile produces"):
+        scheduler_of((Fixed("s", {}), 1.0))
+
+    class Misspelled(Scorer):
+        typed_name = TypedName("misspelled", "misspelled")
+        consumes = ("kv_usage", "kv_utilisation")
+
+        def score(self, cycle_state, request, endpoints):
+            return None
+
+    with pytest.raises(ConfigError, match="consumes endpoint attribute 'kv_utilisation', which the data layer"):
+        scheduler_of((Misspelled(), 1.0))
+
+
+def test_every_built_in_plugin_can_be_configured_alone():
+    """What a built-in consumes comes from the data layer or from the plugin itself."""
+    build_plugin("queue-scorer")  # registers the built-ins
+    for type_name in PLUGIN_TYPES:
+        check_data_dependencies("alone", [build_plugin(type_name)])
+
+
+def test_named_instances_keep_their_type():
+    plugin = build_plugin("queue-scorer", None, "short-queues")
+    assert plugin.typed_name == TypedName("queue-scorer", "short-queues")
+    assert str(plugin.typed_name) == "queue-scorer/short-queues"
+    assert build_plugin("queue-scorer").typed_name == TypedName("queue-scorer", "queue-scorer")
+
+
+def test_a_plugin_must_implement_an_extension_point_to_register():
+    class Nothing:
+        pass
+
+    with pytest.raises(TypeError, match="implements no extension point"):
+        register("nothing")(Nothing)
+
+
+def test_cycle_state_reads_what_was_written_under_the_same_key():
+    state, other = CycleState(), StateKey("seen")
+    state.write(SEEN, ["e0"])
+    assert state.read(SEEN) == ["e0"]
+    assert state.read(other) is None  # keys compare by identity, not by name
