@@ -1,9 +1,11 @@
-"""How well the predictor learns real sim servers: `python -m epp.predictor.evaluate [--servers 4] [--phase 20]`.
+"""How well the predictor learns real sim servers: `python -m epp.predictor.evaluate [--route predicted]`.
 
 Starts a sim pool (one `modelserver --backend sim --replicas N` process), scrapes each server's /metrics every
 50 ms into `Endpoint` objects as the EPP's data layer does, and drives a heterogeneous closed-loop workload
-straight at the servers (no EPP, no Envoy): 20 % ~5,000-token prompts, the rest ~200 tokens, each request sent to
-a random server, the number of concurrent clients stepping through `--concurrency` (one phase each). For every
+straight at the servers (no EPP, no Envoy): 20 % ~5,000-token prompts, the rest ~200 tokens, the number of
+concurrent clients stepping through `--concurrency` (one phase each). Each request goes to a random server
+(`--route random`, the default), or, once the predictor is ready, to the one with the lowest predicted TTFT
+(`--route predicted`, what the predicted-latency scorer alone would do). For every
 request it records the features at send time (`LatencyPredictor.routed`, with this driver's own in-flight prompt
 tokens per server standing in for the EPP's) and the prediction made then, then the TTFT and TPOT observed on the
 response stream, which the predictor learns from (`observe`), as the director will.
@@ -11,8 +13,9 @@ response stream, which the predictor learns from (`observe`), as the director wi
 Reported per phase, over the requests sent after the phase's first quarter (steady load) while the predictor was
 ready: the mean absolute percentage error of the predictions made at send time, and the predictor's own windowed
 MAPE; then the scheduler's decision time at 32 endpoints with the predicted-latency scorer and SLO filter added to
-the default profile, using the trained predictor. The random routing is deliberate: it spreads the load states the
-model sees; routing by the predictor would narrow them.
+the default profile, using the trained predictor. Random routing is the harder test: it keeps sending short
+requests behind long prefills, whose progress no feature sees exactly; routing by the prediction avoids most of
+those, and its error is the one that matters for the decisions actually made.
 """
 
 from __future__ import annotations
