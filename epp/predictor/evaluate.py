@@ -4,8 +4,10 @@ Starts a sim pool (one `modelserver --backend sim --replicas N` process), scrape
 50 ms into `Endpoint` objects as the EPP's data layer does, and drives a heterogeneous closed-loop workload
 straight at the servers (no EPP, no Envoy): 20 % ~5,000-token prompts, the rest ~200 tokens, the number of
 concurrent clients stepping through `--concurrency` (one phase each). Each request goes to a random server
-(`--route random`, the default), or, once the predictor is ready, to the one with the lowest predicted TTFT
-(`--route predicted`, what the predicted-latency scorer alone would do). For every
+(`--route random`, the default); or, once the predictor is ready, to the one with the lowest predicted TTFT
+(`--route predicted`, what the predicted-latency scorer alone would do); or where the EPP's scheduler sends it,
+with its default profile (`--route epp-default`) or with the predictor plugins added (`--route epp-predicted`;
+they abstain during cold start). For every
 request it records the features at send time (`LatencyPredictor.routed`, with this driver's own in-flight prompt
 tokens per server standing in for the EPP's) and the prediction made then, then the TTFT and TPOT observed on the
 response stream, which the predictor learns from (`observe`), as the director will.
@@ -43,7 +45,8 @@ from protocol.metrics import MetricsParseError, parse_metrics
 
 MODEL = "sim-llama-8b"
 CHARS_PER_TOKEN = 4  # the EPP's prompt-token estimate (len(prompt) // 4) is what the director will record
-DECISION_POOL = "evaluate-decision-time"
+DECISION_POOL = "evaluate-decision-time"  # the shared predictors these tools use (epp.predictor.shared)
+EVALUATE_POOL = "evaluate"
 MIX = ((0.8, 200, 96), (0.2, 5000, 128))  # (share, prompt tokens, output tokens)
 
 
@@ -84,6 +87,7 @@ async def _scrape(session: aiohttp.ClientSession, endpoints: list[Endpoint], sto
         try:
             async with session.get(f"http://{e.hostport}/metrics") as response:
                 e.metrics = parse_metrics(await response.text(), scraped_at=time.monotonic())
+                e.stale = False
         except (aiohttp.ClientError, TimeoutError, MetricsParseError):
             pass  # keep the last snapshot, as the EPP does until it is stale
 
@@ -111,13 +115,42 @@ async def _request(session: aiohttp.ClientSession, endpoint: Endpoint, prompt: s
     return first - started, (last - first) / (tokens - 1) if tokens > 1 else None
 
 
+ROUTES = ("random", "predicted", "epp-default", "epp-predicted")
+
+
+def _router(route: str, predictor: LatencyPredictor, endpoints: list[Endpoint], rng: random.Random):
+    """(request id, prompt, prompt tokens, max tokens) -> the endpoint it goes to, for one of ROUTES."""
+    if route == "random":
+        return lambda request_id, prompt, tokens, output: rng.choice(endpoints)
+    if route == "predicted":
+        return lambda request_id, prompt, tokens, output: _pick(rng, endpoints, predictor, tokens)
+    from epp.scheduling.scheduler import Scheduler
+    from epp.scheduling.types import SchedulingRequest
+
+    scheduler = Scheduler.from_config(None if route == "epp-default" else predictor_config(EVALUATE_POOL))
+    candidates = shared(EVALUATE_POOL)
+    candidates.predictor, candidates.cached_tokens = predictor, scheduler.prefix_index.cached_tokens
+
+    def route_by_scheduler(request_id: str, prompt: str, tokens: int, output: int) -> Endpoint:
+        request = SchedulingRequest(request_id, MODEL, prompt, tokens, max_tokens=output)
+        result = scheduler.schedule(request, endpoints)
+        scheduler.on_routed(request, result)
+        return result.primary
+
+    return route_by_scheduler
+
+
 async def drive(urls: list[str], predictor: LatencyPredictor, concurrency: list[int], phase_seconds: float,
                 seed: int = 0, route: str = "random") -> list[Sample]:  # fmt: skip
     """Run the phases against already started servers; every completed request is observed by `predictor`.
-    `route`: "random", or "predicted" (the lowest predicted TTFT once the predictor is ready, random before)."""
+    `route`: "random"; "predicted" (the lowest predicted TTFT once the predictor is ready, random before);
+    "epp-default" (the EPP's default profile); "epp-predicted" (that profile plus the SLO filter and the
+    predicted-latency scorer, reading `predictor`: `predictor_config`)."""
     rng = random.Random(seed)
     hostports = [u.removeprefix("http://").rpartition(":") for u in urls]
     endpoints = [Endpoint(EndpointSpec(f"ms-{i}", host, int(port))) for i, (host, _, port) in enumerate(hostports)]
+    pick = _router(route, predictor, endpoints, rng)
+    sent_total = 0
     prompts = {tokens: [_text(rng, tokens) for _ in range(16)] for _, tokens, _ in MIX}
     samples: list[Sample] = []
     stop = asyncio.Event()
@@ -130,13 +163,14 @@ async def drive(urls: list[str], predictor: LatencyPredictor, concurrency: list[
                 deadline = began + phase_seconds
 
                 async def client(phase=phase, began=began, deadline=deadline) -> None:
+                    nonlocal sent_total
                     while time.monotonic() < deadline:
                         _, tokens, output = rng.choices(MIX, [m[0] for m in MIX])[0]
                         # a unique head per request: no prefix-cache hits, so cached_tokens = 0 is the truth
                         prompt = f"{rng.random()} " + rng.choice(prompts[tokens])
                         estimate = len(prompt) // CHARS_PER_TOKEN
-                        endpoint = _pick(rng, endpoints, predictor, estimate) if route == "predicted" else None
-                        endpoint = endpoint or rng.choice(endpoints)
+                        sent_total += 1
+                        endpoint = pick(f"r{sent_total}", prompt, estimate, output)
                         features = predictor.routed(endpoint, estimate, 0, None)
                         predicted = predictor.predict_ttft(features), predictor.predict_tpot(features)
                         sent = time.monotonic() - began
@@ -157,10 +191,10 @@ async def drive(urls: list[str], predictor: LatencyPredictor, concurrency: list[
     return samples
 
 
-def _pick(rng: random.Random, endpoints: list[Endpoint], predictor: LatencyPredictor, tokens: int) -> Endpoint | None:
+def _pick(rng: random.Random, endpoints: list[Endpoint], predictor: LatencyPredictor, tokens: int) -> Endpoint:
     predicted = predictor.predict_endpoints(endpoints, tokens, [0] * len(endpoints), None)
     if predicted is None:
-        return None
+        return rng.choice(endpoints)
     best = min(ttft for ttft, _ in predicted)
     return rng.choice([e for e, (ttft, _) in zip(endpoints, predicted, strict=True) if ttft == best])
 
@@ -179,23 +213,30 @@ def phase_report(samples: list[Sample], phase: int, concurrency: int, phase_seco
                        statistics.fmean(s.ttft for s in steady) * 1e3 if steady else 0.0)  # fmt: skip
 
 
-def decision_time(predictor: LatencyPredictor, size: int = 32, repeats: int = 300) -> float:
-    """Median microseconds of schedule() + on_routed() at `size` endpoints: the default profile plus the SLO filter
-    and the predicted-latency scorer, both reading `predictor`, with the prefix scorer's match wired in as the
-    director will (every request carries a TTFT objective, so the filter does its work too)."""
-    from epp.bench.decision import _pool
-    from epp.scheduling.scheduler import DEFAULT_CONFIG, Scheduler
-    from epp.scheduling.types import SchedulingRequest
+def predictor_config(pool: str) -> str:
+    """The EPP's default profile plus slo-headroom-filter and predicted-latency-scorer (weight 2, as the queue and
+    KV scorers; not tuned) reading the shared predictor `pool`."""
+    from epp.scheduling.scheduler import DEFAULT_CONFIG
 
-    params = f"  parameters: {{pool: {DECISION_POOL}}}\n"
-    config = DEFAULT_CONFIG.replace(
+    params = f"  parameters: {{pool: {pool}}}\n"
+    return DEFAULT_CONFIG.replace(
         "- type: max-score-picker\n",
         f"- type: slo-headroom-filter\n{params}- type: predicted-latency-scorer\n{params}- type: max-score-picker\n",
     ).replace(
         "  plugins:\n",
         "  plugins:\n  - pluginRef: slo-headroom-filter\n  - pluginRef: predicted-latency-scorer\n    weight: 2\n",
     )
-    scheduler = Scheduler.from_config(config)
+
+
+def decision_time(predictor: LatencyPredictor, size: int = 32, repeats: int = 300) -> float:
+    """Median microseconds of schedule() + on_routed() at `size` endpoints: the default profile plus the SLO filter
+    and the predicted-latency scorer, both reading `predictor`, with the prefix scorer's match wired in as the
+    director will (every request carries a TTFT objective, so the filter does its work too)."""
+    from epp.bench.decision import _pool
+    from epp.scheduling.scheduler import Scheduler
+    from epp.scheduling.types import SchedulingRequest
+
+    scheduler = Scheduler.from_config(predictor_config(DECISION_POOL))
     candidates = shared(DECISION_POOL)
     candidates.predictor, candidates.cached_tokens = predictor, scheduler.prefix_index.cached_tokens
     rng = random.Random(0)
@@ -252,9 +293,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--route",
-        choices=["random", "predicted"],
+        choices=ROUTES,
         default="random",
-        help="how each request picks its server (predicted: the lowest predicted TTFT once ready)",
+        help="how each request picks its server (see the module's docstring)",
     )
     p.add_argument("--trace", type=Path, help="write every sample (features, observed, predicted) as JSON lines")
     args = p.parse_args(argv)

@@ -13,7 +13,7 @@ other scorers then decide alone.
 Parameters: pool ("default": which shared predictor), longOutputTokens (256).
 Trade-offs: the prediction already accounts for a cache hit and an adapter load, so composing it with the prefix
 and LoRA scorers counts those twice (weigh them lower next to it); it is only as good as the predictor's recent
-error (exported as a metric); one model per pool assumes alike endpoints.
+error (`LatencyPredictor.ttft_mape`, for the EPP's metrics); one model per pool assumes alike endpoints.
 """
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
-"""The evaluation on real sim servers, unit-test sized: the predictor learns them well enough to be used."""
+"""The evaluation on real sim servers, unit-test sized: routed by the EPP's scheduler with the predictor plugins
+(they abstain until the predictor is ready, then take part), the predictor learns the servers well enough to be
+used."""
 
 from epp.predictor import LatencyPredictor
 from epp.predictor.evaluate import decision_time, evaluate
@@ -6,7 +8,7 @@ from epp.predictor.evaluate import decision_time, evaluate
 
 async def test_predictor_learns_a_real_sim_pool():
     predictor = LatencyPredictor(min_observations=25, max_mape=0.6, window=25)
-    report = await evaluate(servers=2, concurrency=[4, 8], phase_seconds=8, predictor=predictor)
+    report = await evaluate(servers=2, concurrency=[4, 8], phase_seconds=8, predictor=predictor, route="epp-predicted")
     assert report.observations == predictor.observations == sum(p.requests for p in report.phases) > 40
     assert predictor.ttft_ready
     last = report.phases[-1]
