@@ -6,6 +6,8 @@ predictor `epp.predictor.shared(pool).predictor`:
         features = predictor.routed(endpoint, prompt_tokens, cached_tokens, adapter)
   (b) when the request completes:
         predictor.observe(features, ttft_seconds, tpot_seconds)   # tpot None when fewer than two tokens came back
+      only for a streamed response that produced tokens: a non-streamed body's first byte comes after its last
+      token, so its "TTFT" would teach the model end-to-end times; failed requests teach nothing.
 `cached_tokens` is the prefix scorer's match on that endpoint (`PrefixCacheScorer.cached_tokens`), `adapter` the
 request's LoRA adapter or None. Everything is synchronous and bounded: `routed` costs ~2 us; `observe` is O(n^2)
 for n = 13 inputs plus an O(n^3) re-solve every `refit_every` observations, ~40 us amortised for both targets
