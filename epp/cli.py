@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import functools
 import logging
 import os
 import re
@@ -28,12 +27,14 @@ from epp.datalayer.kubernetes import KubernetesSource
 from epp.datalayer.pool_file import PoolFileError, PoolFileSource
 from epp.datalayer.scraper import Scraper
 from epp.grpc_h2 import ExtProcServer
+from epp.handlers.extproc import DEFAULT_MAX_BODY_BYTES, BodyBudget, RequestStream
+from epp.handlers.grpcio import ExternalProcessor
 from epp.health import HealthState
 from epp.leader import LeaseElector
 from epp.metrics import EPPMetrics
+from epp.requestcontrol.director import Director
 from epp.scheduling.errors import ConfigError
 from epp.scheduling.scheduler import Scheduler
-from epp.server import DEFAULT_MAX_BODY_BYTES, BodyBudget, EndpointPicker, ExternalProcessor, RequestStream
 from protocol import extproc
 
 log = logging.getLogger("epp")
@@ -138,15 +139,19 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     datastore.apply(initial)
     pool_name = args.pool_name or Path(args.pool_file).stem
     metrics = EPPMetrics(pool_name, lambda: datastore.endpoints, lambda: scheduler.prefix_index)
-    picker = EndpointPicker(datastore, scheduler, metrics, args.max_request_body_bytes)
+    director = Director(datastore, scheduler, metrics)
+
+    def new_connection():  # the handlers of one connection share its body budget
+        budget = BodyBudget(args.max_connection_body_bytes)
+        return lambda reply: RequestStream(director, reply, budget, args.max_request_body_bytes)
 
     if args.ext_proc_transport == "h2":
-        server = ExtProcServer(
-            lambda: functools.partial(RequestStream, picker, BodyBudget(args.max_connection_body_bytes))
-        )
+        server = ExtProcServer(new_connection)
     else:
         server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 * 1024 * 1024)])
-        pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(picker), server)
+        pb_grpc.add_ExternalProcessorServicer_to_server(
+            ExternalProcessor(lambda reply: RequestStream(director, reply, None, args.max_request_body_bytes)), server
+        )
         server.add_insecure_port(f"{args.bind_address}:{args.grpc_port}")
     health = HealthState()
     health_server = grpc.aio.server()

@@ -3,7 +3,7 @@
 Why not grpcio: measured here (a do-nothing ext_proc servicer behind a real Envoy), grpcio aio
 spends ~0.8 ms of CPU per request, because its completion-queue poller thread hands every message to the event
 loop through a wake-up socket and both threads take turns on the GIL. This transport runs on the event loop: one
-read wakes it, each message goes straight to the request's state machine (`epp.server.RequestStream`), and the
+read wakes it, each message goes straight to the request's handler (`epp.handlers.extproc.RequestStream`), and the
 answers of one read leave in one write.
 
 Scope: cleartext HTTP/2 with prior knowledge (what Envoy's gRPC client speaks), uncompressed gRPC messages, and
@@ -14,6 +14,7 @@ TLS or reflection use the grpcio transport (`epp --ext-proc-transport grpcio`).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import struct
 import time
@@ -24,6 +25,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf.message import DecodeError
 from hpack import Decoder
 from hpack.exceptions import HPACKError
+
+from epp.handlers import NewHandler
 
 log = logging.getLogger("epp.grpc_h2")
 
@@ -103,7 +106,7 @@ class _Stream:
     def __init__(self, stream_id: int, send_window: int):
         self.id = stream_id
         self.send_window = send_window
-        self.handler = None  # a RequestStream once the headers named the Process method
+        self.handler = None  # the stream's handler once the headers named the Process method
         self.header_block = b""
         self.headers_sent = False
         self.closed = False  # our trailers are queued
@@ -116,7 +119,7 @@ class _Stream:
 class ExtProcConnection(asyncio.Protocol):
     """One HTTP/2 connection from Envoy; each stream is one HTTP request's ext_proc exchange."""
 
-    def __init__(self, new_handler: Callable[[], object], connections: set):
+    def __init__(self, new_handler: NewHandler, connections: set):
         self.new_handler = new_handler
         self.connections = connections
         self.transport: asyncio.Transport | None = None
@@ -317,7 +320,7 @@ class ExtProcConnection(asyncio.Protocol):
                 self.out.append(frame(RST_STREAM, 0, stream.id, U32.pack(REFUSED_STREAM)))
                 return
             if path == PROCESS_PATH:
-                stream.handler = self.new_handler()
+                stream.handler = self.new_handler(functools.partial(self._reply, stream))
             else:
                 self._close_stream(stream, status_trailers(UNIMPLEMENTED, f"unknown method {path.decode('latin-1')}"))
                 return
@@ -384,6 +387,16 @@ class ExtProcConnection(asyncio.Protocol):
             self._send_message(stream, response.SerializeToString())
         if responses:
             self.after.append(handler)
+
+    def _reply(self, stream: _Stream, responses: list[pb.ProcessingResponse]) -> None:
+        """A handler's deferred answers (a request that waited in flow control): sent at once."""
+        if stream.closed or stream.handler is None or self.transport is None or self.transport.is_closing():
+            return
+        for response in responses:
+            self._send_message(stream, response.SerializeToString())
+        if responses:
+            self.after.append(stream.handler)
+        self._write()
 
     def _on_settings(self, payload: bytes) -> None:
         for offset in range(0, len(payload) - len(payload) % 6, 6):
@@ -474,10 +487,10 @@ class ExtProcConnection(asyncio.Protocol):
 
 class ExtProcServer:
     """Listens for Envoy's ext_proc connections. `new_connection()` is called once per connection and returns that
-    connection's `new_handler()`, which makes one state machine per stream (so the handlers of one connection can
-    share what is bounded per connection, e.g. the body bytes they buffer)."""
+    connection's `new_handler(reply)`, which makes one handler per stream (so the handlers of one connection can
+    share what is bounded per connection, e.g. the body bytes they buffer); the interface is in `epp.handlers`."""
 
-    def __init__(self, new_connection: Callable[[], Callable[[], object]]):
+    def __init__(self, new_connection: Callable[[], NewHandler]):
         self.new_connection = new_connection
         self.connections: set[ExtProcConnection] = set()
         self.server: asyncio.Server | None = None

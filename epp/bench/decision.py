@@ -1,12 +1,17 @@
-"""The scheduler's decision time per request (default profile: filters, four scorers, picker) against pool size
-and prompt length, with a warm prefix index (every endpoint has served 200 earlier prompts)."""
+"""Decision time per request against pool size and prompt length, with a warm prefix index (every endpoint has
+served 200 earlier prompts): the scheduler alone (default profile: filters, scorers, picker, and recording the
+pick), and the whole request path of the director (`epp.requestcontrol.director`: model, objective, admission,
+scheduling, accounting and metrics; recording the pick; completion)."""
 
 from __future__ import annotations
 
 import random
 import time
 
-from epp.datalayer.endpoint import Endpoint, EndpointSpec
+from epp.datalayer.datastore import Datastore
+from epp.datalayer.endpoint import Endpoint, EndpointSpec, PoolState
+from epp.metrics import EPPMetrics
+from epp.requestcontrol.director import Director
 from epp.scheduling.scheduler import Scheduler
 from epp.scheduling.types import SchedulingRequest
 from protocol.metrics import EndpointMetrics
@@ -18,6 +23,52 @@ def _pool(size: int, rng: random.Random) -> list[Endpoint]:
                                      block_size=16, num_gpu_blocks=8192, max_lora=4,
                                      running_adapters=frozenset({f"lora-{rng.randrange(8)}"})), stale=False)
             for i in range(size)]  # fmt: skip
+
+
+class _DrawnMetrics:
+    """Stands in for the scraper: every endpoint keeps the metrics drawn for it."""
+
+    def __init__(self, endpoints: list[Endpoint]):
+        self.metrics = {e.spec.name: e.metrics for e in endpoints}
+
+    def start(self, endpoint: Endpoint) -> None:
+        endpoint.metrics, endpoint.stale = self.metrics[endpoint.spec.name], False
+
+    def stop(self, endpoint: Endpoint) -> None:
+        pass
+
+    def wake(self) -> None:
+        pass
+
+
+def measure_director(size: int, prompt_bytes: int, repeats: int = 300, seed: int = 0) -> float:
+    """Median microseconds per director.route() + after_routed() + on_complete()."""
+    rng = random.Random(seed)
+    pool = _pool(size, rng)
+    scheduler = Scheduler.from_config(None)
+    datastore = Datastore(_DrawnMetrics(pool), scheduler.on_pool_changed)
+    datastore.apply(PoolState(endpoints=tuple(e.spec for e in pool)))
+    director = Director(datastore, scheduler, EPPMetrics("bench", lambda: datastore.endpoints, lambda: None))
+    system = "".join(rng.choice("abcdefghij ") for _ in range(prompt_bytes))
+    headers = {":path": "/v1/completions", "content-type": "application/json"}
+
+    def one(prompt: str) -> None:
+        ctx = director.new_request(dict(headers), None)
+        payload = {"model": "m", "prompt": prompt, "max_tokens": 16}
+        director.route(ctx, payload, b"")
+        director.after_routed(ctx)
+        ctx.status = "200"
+        director.on_complete(ctx)
+
+    for i in range(200):
+        one(system[: prompt_bytes // 2] + str(i))
+    samples = []
+    for i in range(repeats):
+        started = time.perf_counter()
+        one(system + str(i))
+        samples.append(time.perf_counter() - started)
+    samples.sort()
+    return samples[len(samples) // 2] * 1e6
 
 
 def measure(size: int, prompt_bytes: int, repeats: int = 300, seed: int = 0) -> float:
@@ -42,7 +93,9 @@ def measure(size: int, prompt_bytes: int, repeats: int = 300, seed: int = 0) -> 
 
 
 def main(sizes=(8, 32, 128), prompts=(1_000, 16_000, 220_000)) -> None:
-    print("| endpoints | " + " | ".join(f"{p // 1000} KB prompt (us)" for p in prompts) + " |")
-    print("| --- |" + " --- |" * len(prompts))
-    for size in sizes:
-        print(f"| {size} | " + " | ".join(f"{measure(size, p):.0f}" for p in prompts) + " |", flush=True)
+    for title, function in (("scheduler", measure), ("director (whole request path)", measure_director)):
+        print(f"\n{title}\n")
+        print("| endpoints | " + " | ".join(f"{p // 1000} KB prompt (us)" for p in prompts) + " |")
+        print("| --- |" + " --- |" * len(prompts))
+        for size in sizes:
+            print(f"| {size} | " + " | ".join(f"{function(size, p):.0f}" for p in prompts) + " |", flush=True)

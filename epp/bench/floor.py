@@ -22,6 +22,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf import struct_pb2
 
 from epp.grpc_h2 import ExtProcServer
+from epp.handlers import Reply
 from protocol import extproc
 
 
@@ -49,8 +50,9 @@ class FloorHandler:
     """One ext_proc stream; shares the prebuilt answers of its server."""
 
     __slots__ = ("answers",)
+    awaiting_reply = False  # it answers every message at once
 
-    def __init__(self, answers: itertools.cycle):
+    def __init__(self, answers: itertools.cycle, reply: Reply):
         self.answers = answers
 
     def handle(self, message: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:

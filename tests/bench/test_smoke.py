@@ -87,6 +87,7 @@ def test_decision_time_smoke():
     from epp.bench import decision
 
     assert 0 < decision.measure(8, 1000, repeats=20) < 50_000
+    assert 0 < decision.measure_director(8, 1000, repeats=20) < 50_000
 
 
 @pytest.mark.skipif(inference_perf.command() is None, reason="inference-perf is not installed (needs Python 3.12: "

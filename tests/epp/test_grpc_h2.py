@@ -1,6 +1,5 @@
-"""The EPP's own gRPC transport against grpcio's client (an independent HTTP/2 + gRPC implementation) and raw bytes:
-many concurrent streams on one connection, messages larger than every flow-control window in both directions,
-per-stream errors that leave the other streams alone, and connection errors for what is not HTTP/2."""
+"""What only the EPP's own gRPC transport does (what both transports share is in test_transports.py): gRPC errors
+for undecodable messages, connection errors for what is not HTTP/2, GOAWAY on stop."""
 
 import asyncio
 import socket
@@ -8,57 +7,10 @@ import struct
 
 import grpc
 import pytest
-from envoy.config.core.v3 import base_pb2
-from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from epp.grpc_h2 import GOAWAY, MAX_RECEIVE_FRAME, PREFACE, ExtProcServer, frame
-
-PROCESS = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
-
-
-class EchoHandler:
-    """Answers request headers with a header naming how many messages it saw, and echoes request bodies back as a
-    body mutation (so a large body is also a large response)."""
-
-    log: list[str] = []
-
-    def __init__(self):
-        self.seen = 0
-
-    def handle(self, message: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
-        self.seen += 1
-        if message.HasField("request_headers"):
-            if any(h.key == "x-crash" for h in message.request_headers.headers.headers):
-                raise RuntimeError("boom")
-            common = pb.CommonResponse()
-            common.header_mutation.set_headers.append(
-                base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key="x-seen", raw_value=str(self.seen).encode()))
-            )
-            return [pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common))]
-        if message.HasField("request_body"):
-            mutation = pb.BodyMutation(body=message.request_body.body)
-            return [
-                pb.ProcessingResponse(request_body=pb.BodyResponse(response=pb.CommonResponse(body_mutation=mutation)))
-            ]
-        return []
-
-    def after_reply(self) -> None:
-        self.log.append("after_reply")
-
-    def finish(self) -> None:
-        self.log.append("finish")
-
-
-def headers(*extra: tuple[str, str]) -> pb.ProcessingRequest:
-    message = pb.ProcessingRequest()
-    for key, value in ((":method", "POST"), (":path", "/v1/completions"), *extra):
-        message.request_headers.headers.headers.append(base_pb2.HeaderValue(key=key, raw_value=value.encode()))
-    return message
-
-
-def body(data: bytes) -> pb.ProcessingRequest:
-    return pb.ProcessingRequest(request_body=pb.HttpBody(body=data, end_of_stream=True))
+from tests.epp.test_transports import PROCESS, EchoHandler, body, headers
 
 
 @pytest.fixture
@@ -70,47 +22,6 @@ async def server():
         yield server
     finally:
         await server.stop(grace=0.2)
-
-
-async def test_concurrent_streams_and_large_messages_both_ways(server):
-    big = bytes(range(256)) * (12 * 1024)  # 3 MiB: over grpcio's and our initial windows and frame sizes
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
-        stub = pb_grpc.ExternalProcessorStub(channel)
-
-        async def exchange(i: int) -> None:
-            call = stub.Process()
-            await call.write(headers())
-            reply = await call.read()
-            assert reply.request_headers.response.header_mutation.set_headers[0].header.raw_value == b"1"
-            data = big if i % 10 == 0 else f"request {i}".encode()
-            await call.write(body(data))
-            reply = await call.read()
-            assert reply.request_body.response.body_mutation.body == data
-            await call.done_writing()
-            assert await call.read() == grpc.aio.EOF
-            assert await call.code() == grpc.StatusCode.OK
-
-        await asyncio.gather(*(exchange(i) for i in range(40)))
-    assert EchoHandler.log.count("finish") == 40
-    assert EchoHandler.log.count("after_reply") == 80  # once per read that produced answers
-
-
-async def test_a_failing_handler_costs_its_own_stream_only(server):
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
-        stub = pb_grpc.ExternalProcessorStub(channel)
-        healthy = stub.Process()
-        await healthy.write(headers())
-        await healthy.read()
-        crashing = stub.Process()
-        await crashing.write(headers(("x-crash", "1")))
-        with pytest.raises(grpc.aio.AioRpcError) as failure:
-            await crashing.read()
-        assert failure.value.code() == grpc.StatusCode.INTERNAL
-        assert "RuntimeError" in failure.value.details()
-        await healthy.write(body(b"still here"))
-        assert (await healthy.read()).request_body.response.body_mutation.body == b"still here"
-        await healthy.done_writing()
-        assert await healthy.code() == grpc.StatusCode.OK
 
 
 async def test_unknown_method_and_undecodable_message_get_grpc_errors(server):

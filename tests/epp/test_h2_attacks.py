@@ -32,7 +32,7 @@ from epp.grpc_h2 import (
     frame,
 )
 from tests.epp import test_grpc_h2
-from tests.epp.test_grpc_h2 import PROCESS, headers
+from tests.epp.test_transports import PROCESS, headers
 
 END_STREAM, END_HEADERS = 0x1, 0x4
 server = test_grpc_h2.server  # the fixture: an ExtProcServer of EchoHandlers on a free port

@@ -10,9 +10,10 @@ from google.protobuf import struct_pb2
 
 from epp.datalayer.datastore import Datastore
 from epp.datalayer.endpoint import EndpointSpec, ModelRewrite, PoolState
+from epp.handlers.extproc import BodyBudget, RequestStream
 from epp.metrics import EPPMetrics
+from epp.requestcontrol.director import Director
 from epp.scheduling.scheduler import Scheduler
-from epp.server import BodyBudget, EndpointPicker, RequestStream
 from protocol.metrics import EndpointMetrics
 
 FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
@@ -34,13 +35,19 @@ class NoScraper:
         return None
 
 
-def make_picker(state: PoolState | None = None, config: str | None = None) -> EndpointPicker:
+def make_picker(state: PoolState | None = None, config: str | None = None) -> Director:
     scheduler = Scheduler.from_config(config)
     datastore = Datastore(NoScraper(), scheduler.on_pool_changed)
     datastore.apply(
         state or PoolState(endpoints=(EndpointSpec("a", "10.0.0.1", 8000), EndpointSpec("b", "10.0.0.2", 8000)))
     )
-    return EndpointPicker(datastore, scheduler, EPPMetrics("pool", lambda: datastore.endpoints, lambda: None))
+    return Director(datastore, scheduler, EPPMetrics("pool", lambda: datastore.endpoints, lambda: None))
+
+
+def new_stream(director: Director, budget: BodyBudget | None = None, **limits) -> RequestStream:
+    return RequestStream(
+        director, lambda answers: pytest.fail(f"unexpected deferred answer {answers}"), budget, **limits
+    )
 
 
 def headers_message(headers: dict, end_of_stream=False, mode=FULL_DUPLEX, subset=None) -> pb.ProcessingRequest:
@@ -81,7 +88,7 @@ def set_headers(response) -> dict[str, str]:
 
 def test_full_duplex_defers_headers_until_the_body_ends_and_streams_it_back_in_chunks():
     picker = make_picker()
-    stream = RequestStream(picker)
+    stream = new_stream(picker)
     assert stream.handle(headers_message({**BASE_HEADERS, "x-gateway-destination-endpoint": "6.6.6.6:1"})) == []
     body = json.dumps({"model": "m", "prompt": "x" * 150_000}).encode()
     assert stream.handle(body_message(body[:70_000], end=False)) == []
@@ -99,7 +106,7 @@ def test_full_duplex_defers_headers_until_the_body_ends_and_streams_it_back_in_c
     assert all(len(s.body) <= 62_000 for s in streamed)
     assert b"".join(s.body for s in streamed) == body  # not re-serialized
     assert [s.end_of_stream for s in streamed] == [False, False, True]
-    endpoint = stream.endpoint
+    endpoint = stream.ctx.endpoint
     assert endpoint.in_flight_requests == 1
     stream.after_reply()
     stream.finish()
@@ -107,7 +114,7 @@ def test_full_duplex_defers_headers_until_the_body_ends_and_streams_it_back_in_c
 
 
 def test_buffered_mode_answers_headers_at_once_and_routes_in_the_body_response():
-    stream = RequestStream(make_picker())
+    stream = new_stream(make_picker())
     (first,) = stream.handle(headers_message(BASE_HEADERS, mode=BUFFERED))
     assert first.HasField("request_headers") and not first.request_headers.response.header_mutation.set_headers
     (routed,) = stream.handle(body_message(b'{"model": "m", "prompt": "hello"}'))
@@ -118,7 +125,7 @@ def test_buffered_mode_answers_headers_at_once_and_routes_in_the_body_response()
 
 
 def test_header_only_request_is_routed_at_once():
-    stream = RequestStream(make_picker())
+    stream = new_stream(make_picker())
     (response,) = stream.handle(headers_message({":method": "GET", ":path": "/v1/models"}, end_of_stream=True))
     assert set_headers(response)["x-gateway-destination-endpoint"].startswith("10.0.0.")
     assert "content-length" not in set_headers(response)
@@ -136,32 +143,32 @@ def test_header_only_request_is_routed_at_once():
     ],
 )
 def test_bad_bodies_get_openai_errors(body, status):
-    stream = RequestStream(make_picker())
+    stream = new_stream(make_picker())
     stream.handle(headers_message(BASE_HEADERS))
     (response,) = stream.handle(body_message(body))
     immediate = response.immediate_response
     assert immediate.status.code == status
     assert set(json.loads(immediate.body)["error"]) == {"message", "type", "param", "code"}
-    assert stream.endpoint is None
+    assert stream.ctx.endpoint is None
 
 
 def test_unknown_model_is_404_when_the_pool_declares_its_models():
     state = PoolState(endpoints=(EndpointSpec("a", "10.0.0.1", 8000),), models=frozenset({"m"}))
-    stream = RequestStream(make_picker(state))
+    stream = new_stream(make_picker(state))
     stream.handle(headers_message(BASE_HEADERS))
     (response,) = stream.handle(body_message(b'{"model": "other", "prompt": "x"}'))
     assert response.immediate_response.status.code == 404
 
 
 def test_empty_pool_is_503_and_sheddable_requests_are_429_when_saturated():
-    stream = RequestStream(make_picker(PoolState()))
+    stream = new_stream(make_picker(PoolState()))
     stream.handle(headers_message(BASE_HEADERS))
     (response,) = stream.handle(body_message(b'{"model": "m", "prompt": "x"}'))
     assert response.immediate_response.status.code == 503
     state = PoolState(endpoints=(EndpointSpec("a", "10.0.0.1", 8000),), objectives={"batch": -1})
     picker = make_picker(state)
     picker.datastore.endpoints[0].metrics.waiting = 10
-    stream = RequestStream(picker)
+    stream = new_stream(picker)
     stream.handle(headers_message({**BASE_HEADERS, "x-gateway-inference-objective": "batch"}))
     (response,) = stream.handle(body_message(b'{"model": "m", "prompt": "x"}'))
     assert response.immediate_response.status.code == 429
@@ -172,7 +179,7 @@ def test_empty_pool_is_503_and_sheddable_requests_are_429_when_saturated():
     [(["10.0.0.2:8000"], "10.0.0.2:8000"), ("10.0.0.1:8000, 9.9.9.9:1", "10.0.0.1:8000"), ([], None)],
 )
 def test_subset_hint(subset, expected):
-    stream = RequestStream(make_picker())
+    stream = new_stream(make_picker())
     stream.handle(headers_message(BASE_HEADERS, subset=subset))
     (response, *_) = stream.handle(body_message(b'{"model": "m", "prompt": "x"}'))
     if expected is None:
@@ -182,14 +189,14 @@ def test_subset_hint(subset, expected):
 
 
 def test_model_rewrite_header_and_pool_rewrites_change_the_body():
-    stream = RequestStream(make_picker())
+    stream = new_stream(make_picker())
     stream.handle(headers_message({**BASE_HEADERS, "x-gateway-model-name-rewrite": "m-v2"}))
     responses = stream.handle(body_message(b'{"model": "m", "prompt": "x"}'))
     body = b"".join(r.request_body.response.body_mutation.streamed_response.body for r in responses[1:])
     assert json.loads(body)["model"] == "m-v2"
     assert set_headers(responses[0])["content-length"] == str(len(body))
     state = PoolState(endpoints=(EndpointSpec("a", "10.0.0.1", 8000),), rewrites=(ModelRewrite("m", (("m-v3", 1),)),))
-    stream = RequestStream(make_picker(state))
+    stream = new_stream(make_picker(state))
     stream.handle(headers_message(BASE_HEADERS, mode=BUFFERED))
     (response,) = stream.handle(body_message(b'{"model": "m", "prompt": "x"}'))
     assert response.request_body.response.status == pb.CommonResponse.CONTINUE_AND_REPLACE
@@ -198,7 +205,7 @@ def test_model_rewrite_header_and_pool_rewrites_change_the_body():
 
 def test_fallback_endpoints_travel_in_metadata_and_headers():
     config = "plugins:\n- type: max-score-picker\n  parameters: {maxNumOfEndpoints: 2}\nschedulingProfiles:\n- name: d\n  plugins:\n  - pluginRef: max-score-picker\n"
-    stream = RequestStream(make_picker(config=config))
+    stream = new_stream(make_picker(config=config))
     stream.handle(headers_message(BASE_HEADERS))
     (head, *_) = stream.handle(body_message(b'{"model": "m", "prompt": "x"}'))
     listed = head.dynamic_metadata.fields["envoy.lb"].struct_value.fields["x-gateway-destination-endpoint"].string_value
@@ -210,7 +217,7 @@ def test_fallback_endpoints_travel_in_metadata_and_headers():
 
 
 def test_a_single_pick_sends_no_fallback_headers():
-    stream = RequestStream(make_picker())
+    stream = new_stream(make_picker())
     stream.handle(headers_message(BASE_HEADERS))
     (head, *_) = stream.handle(body_message(b'{"model": "m", "prompt": "x"}'))
     assert not any("fallback" in name for name in set_headers(head))
@@ -218,7 +225,7 @@ def test_a_single_pick_sends_no_fallback_headers():
 
 def test_response_path_reads_served_endpoint_and_usage():
     picker = make_picker()
-    stream = RequestStream(picker)
+    stream = new_stream(picker)
     stream.handle(headers_message(BASE_HEADERS))
     stream.handle(body_message(b'{"model": "m", "prompt": "x"}'))
     served = pb.ProcessingRequest(
@@ -231,7 +238,7 @@ def test_response_path_reads_served_endpoint_and_usage():
     )
     (response,) = stream.handle(served)
     assert response.HasField("response_headers")
-    assert stream.served == "10.0.0.1:8000"
+    assert stream.ctx.served == "10.0.0.1:8000"
     (echo,) = stream.handle(
         pb.ProcessingRequest(response_body=pb.HttpBody(body=b'{"usage": {"completion_tokens": 7}}', end_of_stream=True))
     )
@@ -249,7 +256,7 @@ def test_rewritten_model_is_rewritten_back_in_streamed_responses():
     state = PoolState(
         endpoints=(EndpointSpec("a", "10.0.0.1", 8000),), rewrites=(ModelRewrite("food", (("food-v2", 1),)),)
     )
-    stream = RequestStream(make_picker(state))
+    stream = new_stream(make_picker(state))
     headers = headers_message(BASE_HEADERS)
     headers.protocol_config.response_body_mode = FULL_DUPLEX
     stream.handle(headers)
@@ -269,8 +276,7 @@ def test_rewritten_model_is_rewritten_back_in_streamed_responses():
 
 def test_bodies_over_the_limit_are_413_and_their_buffer_is_released():
     picker = make_picker()
-    picker.max_body_bytes = 1000
-    stream = RequestStream(picker)
+    stream = new_stream(picker, max_body_bytes=1000)
     stream.handle(headers_message(BASE_HEADERS))
     assert stream.handle(body_message(b"x" * 600, end=False)) == []
     (response,) = stream.handle(body_message(b"x" * 600, end=False))
@@ -283,7 +289,7 @@ def test_bodies_over_the_limit_are_413_and_their_buffer_is_released():
 def test_the_bodies_of_one_connection_share_a_budget():
     picker = make_picker()
     budget = BodyBudget(1500)
-    first, second = RequestStream(picker, budget), RequestStream(picker, budget)
+    first, second = new_stream(picker, budget), new_stream(picker, budget)
     for stream in (first, second):
         stream.handle(headers_message(BASE_HEADERS))
     assert first.handle(body_message(b"x" * 1000, end=False)) == []
@@ -291,7 +297,7 @@ def test_the_bodies_of_one_connection_share_a_budget():
     assert refused.immediate_response.status.code == 413 and budget.held == 1000
     first.finish()  # the stream ended mid-body (reset): its bytes go back
     assert budget.held == 0
-    third = RequestStream(picker, budget)
+    third = new_stream(picker, budget)
     third.handle(headers_message(BASE_HEADERS))
     body = json.dumps({"model": "m", "prompt": "hello"}).encode()
     responses = third.handle(body_message(body))
@@ -308,7 +314,7 @@ def test_client_chosen_model_names_cannot_grow_the_metrics():
     picker = make_picker()  # the pool declares no models: any name is routed, and model servers answer 404
     registry = picker.metrics.registry
     for i in range(500):
-        stream = RequestStream(picker)
+        stream = new_stream(picker)
         stream.handle(headers_message(BASE_HEADERS))
         stream.handle(body_message(json.dumps({"model": f"random-{i}", "prompt": "x"}).encode()))
         finish_with_status(stream, b"404")
@@ -323,7 +329,7 @@ def test_client_chosen_model_names_cannot_grow_the_metrics():
     )
     # a name a model server served gets its own label
     for _ in range(2):
-        stream = RequestStream(picker)
+        stream = new_stream(picker)
         stream.handle(headers_message(BASE_HEADERS))
         stream.handle(body_message(b'{"model": "real", "prompt": "x"}'))
         finish_with_status(stream, b"200")
@@ -343,7 +349,7 @@ def test_a_rewrite_header_cannot_widen_the_pools_model_allowlist():
         rewrites=(ModelRewrite("alias", (("backend-name", 1),)),),
     )
     for target, allowed in (("secret-model", False), ("m-v2", True), ("backend-name", True)):
-        stream = RequestStream(make_picker(state))
+        stream = new_stream(make_picker(state))
         stream.handle(headers_message({**BASE_HEADERS, "x-gateway-model-name-rewrite": target}))
         responses = stream.handle(body_message(b'{"model": "m", "prompt": "x"}'))
         if allowed:

@@ -1,0 +1,38 @@
+"""Handlers speak the proxy's protocol and nothing else: they turn its messages into calls of the director
+(`epp.requestcontrol.director`) and the director's answers into its messages.
+
+The ext_proc handler interface, which both gRPC transports (`epp.grpc_h2`, the lean one; `epp.handlers.grpcio`)
+drive the same way:
+* per ext_proc stream (one HTTP request) the transport makes one handler: `new_handler(reply)`;
+* `handle(message)` takes one ProcessingRequest and returns the answers to send now, in order (possibly none);
+* an answer the handler cannot give at once (a request waiting in flow control) it gives later by calling
+  `reply(answers)`, at most once per message it left unanswered; the transport sends them as they come;
+* `awaiting_reply` is true while the handler owes such an answer (a transport that reads and writes one stream in
+  turns waits for it before reading the next message: the proxy sends nothing more before it has the answer);
+* `after_reply()` runs after each batch of answers (returned or replied) has been handed to the connection: work
+  the proxy need not wait for;
+* `finish()` runs exactly once when the stream ends, however it ends (end of messages, reset, disconnect, error);
+  it cancels an answer still pending, and `reply` is not called after it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+Reply = Callable[[list[pb.ProcessingResponse]], None]
+
+
+class ExtProcHandler(Protocol):
+    awaiting_reply: bool
+
+    def handle(self, message: pb.ProcessingRequest) -> list[pb.ProcessingResponse]: ...
+
+    def after_reply(self) -> None: ...
+
+    def finish(self) -> None: ...
+
+
+NewHandler = Callable[[Reply], ExtProcHandler]

@@ -1,0 +1,320 @@
+"""The ext_proc handler: Envoy streams each HTTP request's headers and body here; the EPP answers with the endpoint
+that should serve it (Endpoint Picker Protocol, names in `protocol.extproc`). This module only translates: the
+director (`epp.requestcontrol.director`) decides.
+
+Body modes:
+* FULL_DUPLEX_STREAMED (what our Envoy config uses): body chunks accumulate; the headers response is held until
+  the body ends, then sent with the destination header, a recomputed Content-Length, clear_route_cache and
+  dynamic metadata, followed by the body in chunks of at most 62,000 bytes.
+* BUFFERED (and any Envoy that does not announce its mode): headers are answered at once; the body response
+  carries the header mutation.
+The JSON body is re-serialized only when the EPP changes it (a model rewrite). A request's completion (in-flight
+accounting, scheduler hooks, metrics) is known when its ext_proc stream ends. A request the director queues (flow
+control) is answered through the transport's `reply` once it is routed (the interface: `epp.handlers`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable
+
+from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.type.v3 import http_status_pb2
+from google.protobuf import struct_pb2
+
+from epp.handlers import Reply
+from epp.requestcontrol.director import Director
+from epp.requestcontrol.types import RequestContext, RoutingDecision
+from protocol import extproc
+from protocol.openai import OpenAIError, load_json_body
+
+FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
+OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+CONTINUE_AND_REPLACE = pb.CommonResponse.CONTINUE_AND_REPLACE
+EXT_PROC_ATTRIBUTES = "envoy.filters.http.ext_proc"  # the key Envoy files CEL attributes under
+
+
+def _header(key: str, value: str) -> base_pb2.HeaderValueOption:
+    return base_pb2.HeaderValueOption(
+        header=base_pb2.HeaderValue(key=key, raw_value=value.encode()), append_action=OVERWRITE
+    )
+
+
+def immediate_response(error: OpenAIError) -> pb.ProcessingResponse:
+    return pb.ProcessingResponse(
+        immediate_response=pb.ImmediateResponse(
+            status=http_status_pb2.HttpStatus(code=error.status),
+            headers=pb.HeaderMutation(set_headers=[_header("content-type", "application/json")]),
+            body=error.to_json(),
+            details=error.message[:200],
+        )
+    )
+
+
+def subset_hint(request: pb.ProcessingRequest) -> frozenset[str] | None:
+    """The proxy's allowed endpoints, from metadata_context; None when there is no hint."""
+    namespace = request.metadata_context.filter_metadata.get(extproc.SUBSET_HINT_NAMESPACE)
+    if namespace is None or extproc.SUBSET_HINT_KEY not in namespace.fields:
+        return None
+    value = namespace.fields[extproc.SUBSET_HINT_KEY]
+    kind = value.WhichOneof("kind")
+    if kind == "list_value":
+        items = [v.string_value for v in value.list_value.values]
+    elif kind == "string_value":
+        items = value.string_value.split(",")
+    else:
+        items = []
+    return frozenset(s.strip() for s in items if s.strip())
+
+
+def served_endpoint(request: pb.ProcessingRequest) -> str | None:
+    """The endpoint that served the request: the gateway's metadata (protocol), else Envoy's upstream.address
+    attribute (what our Envoy bootstrap sends)."""
+    namespace = request.metadata_context.filter_metadata.get(extproc.SERVED_ENDPOINT_NAMESPACE)
+    value = namespace.fields.get(extproc.SERVED_ENDPOINT_KEY) if namespace is not None else None
+    if value is not None and value.string_value:
+        return value.string_value
+    attributes = request.attributes.get(EXT_PROC_ATTRIBUTES)
+    value = attributes.fields.get("upstream.address") if attributes is not None else None
+    return value.string_value if value is not None and value.string_value else None
+
+
+DEFAULT_MAX_BODY_BYTES = 32 << 20  # like the model servers' request size limit
+
+
+class BodyBudget:
+    """Body bytes the requests of one ext_proc connection may hold at once (their bodies are buffered until they
+    end): a request whose chunk would go over it is answered 413, the others go on."""
+
+    __slots__ = ("held", "limit")
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.held = 0
+
+    def reserve(self, size: int) -> bool:
+        if self.held + size > self.limit:
+            return False
+        self.held += size
+        return True
+
+    def release(self, size: int) -> None:
+        self.held -= size
+
+
+class RequestStream:
+    """The ext_proc state machine of one stream (one HTTP request); see `epp.handlers` for the interface."""
+
+    __slots__ = ("body_bytes", "body_chunks", "body_done", "budget", "ctx", "director", "full_duplex",
+                 "max_body_bytes", "pending", "reply", "response_full_duplex", "rewrite_back", "routed")  # fmt: skip
+
+    def __init__(
+        self,
+        director: Director,
+        reply: Reply,
+        budget: BodyBudget | None = None,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    ):
+        self.director = director
+        self.reply = reply
+        self.budget = budget
+        self.max_body_bytes = max_body_bytes
+        self.ctx: RequestContext | None = None
+        self.body_chunks: list[bytes] = []
+        self.body_bytes = 0  # buffered now (reserved from the connection's budget)
+        self.body_done = False
+        self.full_duplex = False
+        self.response_full_duplex = False
+        self.rewrite_back = False
+        self.routed = False  # answered with a destination: after_reply hands the pick to the director's hooks
+        self.pending: asyncio.Future | None = None  # a routing the director queued, answered through reply
+
+    @property
+    def awaiting_reply(self) -> bool:
+        return self.pending is not None
+
+    # -- dispatch ----------------------------------------------------------------------------------------------
+    def handle(self, message: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+        kind = message.WhichOneof("request")
+        if kind == "request_body":
+            return self._on_request_body(message.request_body)
+        if kind == "request_headers":
+            return self._on_request_headers(message)
+        if kind == "response_headers":
+            return self._on_response_headers(message)
+        if kind == "response_body":
+            return self._on_response_body(message.response_body)
+        if kind == "request_trailers":
+            out = [] if self.body_done else self._on_request_body(pb.HttpBody(end_of_stream=True))
+            return [*out, pb.ProcessingResponse(request_trailers=pb.TrailersResponse())]
+        if kind == "response_trailers":
+            return [pb.ProcessingResponse(response_trailers=pb.TrailersResponse())]
+        return []
+
+    # -- request path ------------------------------------------------------------------------------------------
+    def _on_request_headers(self, message: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+        headers: dict[str, str] = {}
+        for h in message.request_headers.headers.headers:
+            headers[h.key.lower()] = h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
+        # the proxy attaches its metadata to the headers message
+        self.ctx = self.director.new_request(headers, subset_hint(message))
+        if message.HasField("protocol_config"):
+            self.full_duplex = message.protocol_config.request_body_mode == FULL_DUPLEX
+            self.response_full_duplex = message.protocol_config.response_body_mode == FULL_DUPLEX
+        if message.request_headers.end_of_stream:  # no body (GET, ...): route now
+            self.body_done = True
+            return self._route(None, None, headers_phase=True)
+        if self.full_duplex:
+            return []  # answer the headers once the body is complete
+        return [pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=pb.CommonResponse()))]
+
+    def _on_request_body(self, body: pb.HttpBody) -> list[pb.ProcessingResponse]:
+        if self.body_done:
+            return []  # answered already (413): the rest of the body is dropped
+        chunk = body.body
+        if chunk:
+            size = len(chunk)
+            limit = self.max_body_bytes
+            if self.body_bytes + size > limit:
+                return self._refuse_body(OpenAIError(f"request body is larger than {limit} bytes", 413))
+            if self.budget is not None and not self.budget.reserve(size):
+                return self._refuse_body(
+                    OpenAIError("the gateway is buffering too many request bodies; retry later", 413)
+                )
+            self.body_bytes += size
+            self.body_chunks.append(chunk)
+        if not body.end_of_stream:
+            return []
+        self.body_done = True
+        raw = self.body_chunks[0] if len(self.body_chunks) == 1 else b"".join(self.body_chunks)
+        self._release_body()
+        try:
+            payload = load_json_body(raw)
+        except OpenAIError as error:
+            return [self._reject(error)]
+        return self._route(payload, raw, headers_phase=self.full_duplex)
+
+    def _release_body(self) -> None:
+        self.body_chunks = []
+        if self.budget is not None:
+            self.budget.release(self.body_bytes)
+        self.body_bytes = 0
+
+    def _refuse_body(self, error: OpenAIError) -> list[pb.ProcessingResponse]:
+        self.body_done = True
+        self._release_body()
+        return [self._reject(error)]
+
+    def _route(self, payload: dict | None, raw: bytes | None, headers_phase: bool) -> list[pb.ProcessingResponse]:
+        try:
+            decision = self.director.route(self.ctx, payload, raw)
+        except OpenAIError as error:
+            return [immediate_response(error)]
+        if isinstance(decision, RoutingDecision):
+            return self._answers(decision, headers_phase)
+        self.pending = asyncio.ensure_future(self._answer_later(decision, headers_phase))
+        return []
+
+    async def _answer_later(self, decision: Awaitable[RoutingDecision], headers_phase: bool) -> None:
+        try:
+            answers = self._answers(await decision, headers_phase)
+        except OpenAIError as error:
+            answers = [immediate_response(error)]
+        self.pending = None
+        self.reply(answers)
+
+    def _answers(self, decision: RoutingDecision, headers_phase: bool) -> list[pb.ProcessingResponse]:
+        self.routed = True
+        self.rewrite_back = self.response_full_duplex and self.director.rewrites_response(self.ctx)
+        body = decision.body
+        endpoints = decision.endpoints
+        set_headers = [
+            # The header carries the primary only: Envoy's ORIGINAL_DST cluster reads one ip:port. The fallbacks are
+            # in the metadata's comma list (the protocol) and, for our Envoy bootstrap's retries, one per header.
+            _header(extproc.DESTINATION_ENDPOINT_HEADER, endpoints[0].hostport),
+            _header(extproc.REQUEST_ID_HEADER, decision.request_id),
+        ]
+        fallbacks = endpoints[1:]
+        if fallbacks:
+            for i, name in enumerate(extproc.FALLBACK_ENDPOINT_HEADERS):
+                set_headers.append(_header(name, fallbacks[min(i, len(fallbacks) - 1)].hostport))
+        if body is not None:
+            set_headers.append(_header("content-length", str(len(body))))
+        common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=set_headers), clear_route_cache=True)
+        metadata = struct_pb2.Struct()
+        metadata.get_or_create_struct(extproc.DESTINATION_ENDPOINT_NAMESPACE)[extproc.DESTINATION_ENDPOINT_KEY] = (
+            decision.destinations
+        )
+        if not headers_phase:  # BUFFERED: the body response carries the routing (and a rewritten body)
+            if decision.body_changed:
+                common.status = CONTINUE_AND_REPLACE
+                common.body_mutation.body = body
+            return [pb.ProcessingResponse(request_body=pb.BodyResponse(response=common), dynamic_metadata=metadata)]
+        head = pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common), dynamic_metadata=metadata)
+        if body is None:
+            return [head]
+        size = extproc.MAX_BODY_CHUNK_BYTES
+        chunks = [body[i : i + size] for i in range(0, len(body), size)] or [b""]
+        last = len(chunks) - 1
+        return [head] + [
+            pb.ProcessingResponse(
+                request_body=pb.BodyResponse(
+                    response=pb.CommonResponse(
+                        body_mutation=pb.BodyMutation(
+                            streamed_response=pb.StreamedBodyResponse(body=chunk, end_of_stream=i == last)
+                        )
+                    )
+                )
+            )
+            for i, chunk in enumerate(chunks)
+        ]
+
+    def _reject(self, error: OpenAIError) -> pb.ProcessingResponse:
+        if self.ctx is not None:
+            self.director.record_error(self.ctx, error)
+        return immediate_response(error)
+
+    # -- response path -----------------------------------------------------------------------------------------
+    def _on_response_headers(self, message: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+        status = ""
+        for h in message.response_headers.headers.headers:
+            if h.key == ":status":
+                status = h.raw_value.decode() if h.raw_value else h.value
+                break
+        if self.ctx is not None:
+            self.director.on_response_headers(self.ctx, status, served_endpoint(message))
+        common = pb.CommonResponse()
+        if self.rewrite_back:  # the body will change length: let the proxy re-frame it
+            common.header_mutation.remove_headers.append("content-length")
+        return [pb.ProcessingResponse(response_headers=pb.HeadersResponse(response=common))]
+
+    def _on_response_body(self, body: pb.HttpBody) -> list[pb.ProcessingResponse]:
+        chunk = body.body
+        if self.ctx is not None:
+            chunk = self.director.on_response_chunk(self.ctx, chunk, self.rewrite_back)
+        if not self.response_full_duplex:
+            return [pb.ProcessingResponse(response_body=pb.BodyResponse(response=pb.CommonResponse()))]
+        mutation = pb.BodyMutation(
+            streamed_response=pb.StreamedBodyResponse(body=chunk, end_of_stream=body.end_of_stream)
+        )
+        return [
+            pb.ProcessingResponse(response_body=pb.BodyResponse(response=pb.CommonResponse(body_mutation=mutation)))
+        ]
+
+    def after_reply(self) -> None:
+        """Work the proxy need not wait for: the director's after-routing hooks, once the answer is on its way."""
+        if self.routed:
+            self.routed = False
+            self.director.after_routed(self.ctx)
+
+    def finish(self) -> None:
+        """The ext_proc stream ended: the request is over, whether or not its response body came through here."""
+        if self.body_bytes:
+            self._release_body()  # ended mid-body (reset, disconnect)
+        if self.pending is not None:
+            self.pending.cancel()  # still queued: the director's wait ends with the stream
+            self.pending = None
+        if self.ctx is not None:
+            self.director.on_complete(self.ctx)

@@ -1,0 +1,46 @@
+"""The grpcio transport for ext_proc (`epp --ext-proc-transport grpcio`: TLS, reflection). The lean transport
+(`epp.grpc_h2`) is the default; both drive handlers through the interface in `epp.handlers`."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+
+from epp.handlers import NewHandler
+
+log = logging.getLogger("epp.handlers.grpcio")
+
+
+class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
+    def __init__(self, new_handler: NewHandler):
+        self.new_handler = new_handler
+
+    async def Process(self, request_iterator, context: grpc.aio.ServicerContext):
+        replies: asyncio.Queue = asyncio.Queue()
+        handler = self.new_handler(replies.put_nowait)
+        messages = aiter(request_iterator)
+        try:
+            while True:
+                message = await anext(messages, None)
+                if message is None:
+                    return
+                try:
+                    responses = handler.handle(message)
+                except Exception as exc:  # a bug must cost this request only, with the lean transport's status
+                    log.exception("ext_proc handler failed")
+                    await context.abort(grpc.StatusCode.INTERNAL, f"EPP internal error: {type(exc).__name__}")
+                for response in responses:
+                    yield response
+                if responses:
+                    handler.after_reply()
+                # an answer the handler owes (a queued request) comes through reply before the proxy says more:
+                # Envoy waits for it, so waiting here for the next message would never end
+                while handler.awaiting_reply or not replies.empty():
+                    for response in await replies.get():
+                        yield response
+                    handler.after_reply()
+        finally:
+            handler.finish()

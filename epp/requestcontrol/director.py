@@ -1,0 +1,196 @@
+"""The director: a request's lifecycle in the EPP, from its headers to the end of its response.
+
+Request path (`route`): the model (validated against the pool's declared models) -> rewrite (the
+x-gateway-model-name-rewrite header or the pool's InferenceModelRewrite rules) -> objective lookup (priority) ->
+admission (the subset hint, then the scheduler's shedding of sheddable requests at saturation) -> scheduling ->
+in-flight accounting and metrics -> a RoutingDecision. Errors are OpenAIError with the status the client gets.
+After the proxy has the answer, `after_routed` runs the scheduler's pre-request hooks (the prefix index records the
+pick) off the request's critical path.
+Response path: `on_response_headers` (status, the endpoint that served), `on_response_chunk` (the usage tail, and a
+rewritten model's name turned back into the client's), `on_complete` when the request is over (in-flight
+accounting, the scheduler's response-complete hooks, metrics). `on_complete` runs exactly once per routed request,
+whatever ended it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import re
+import time
+import uuid
+
+from epp.datalayer.datastore import Datastore
+from epp.datalayer.endpoint import ModelRewrite, PoolState
+from epp.metrics import EPPMetrics
+from epp.requestcontrol.types import RequestContext, RoutingDecision
+from epp.scheduling.errors import SchedulingError
+from epp.scheduling.scheduler import Scheduler
+from epp.scheduling.types import SchedulingRequest
+from protocol import extproc
+from protocol.openai import OpenAIError, model_not_found, prompt_text
+
+log = logging.getLogger("epp.requestcontrol")
+
+_COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+_USAGE_TAIL_BYTES = 4096
+
+
+class Director:
+    """Everything one EPP needs per request: the live pool, the scheduler and the metrics."""
+
+    def __init__(self, datastore: Datastore, scheduler: Scheduler, metrics: EPPMetrics):
+        self.datastore = datastore
+        self.scheduler = scheduler
+        self.metrics = metrics
+
+    def new_request(self, headers: dict[str, str], subset: frozenset[str] | None) -> RequestContext:
+        self.datastore.note_request()
+        return RequestContext(headers, subset)
+
+    # -- request path ------------------------------------------------------------------------------------------
+    def route(self, ctx: RequestContext, payload: dict | None, raw: bytes | None) -> RoutingDecision:
+        """Pick the endpoints for a request; `payload` is its parsed JSON body (None: a request without body).
+        Raises OpenAIError (recorded in the metrics) when the request cannot be routed."""
+        try:
+            body, changed = self._resolve_model(ctx, payload, raw)
+            request = self._scheduling_request(ctx, payload)
+            if request.subset is not None and not request.subset:
+                raise OpenAIError("the subset hint allows no endpoint", 503)
+            endpoints = self.datastore.endpoints
+            self.scheduler.admit(request, endpoints)
+            return self._schedule(ctx, request, endpoints, body, changed)
+        except SchedulingError as error:
+            self.record_error(ctx, OpenAIError(str(error), error.status))
+            raise OpenAIError(str(error), error.status) from None
+        except OpenAIError as error:
+            self.record_error(ctx, error)
+            raise
+
+    def record_error(self, ctx: RequestContext, error: OpenAIError) -> None:
+        self.metrics.errors.labels(*ctx.labels, str(error.status)).inc()
+
+    def _resolve_model(self, ctx: RequestContext, payload: dict | None, raw: bytes | None) -> tuple[bytes | None, bool]:
+        if payload is None:
+            return None, False
+        model = payload.get("model")
+        if not isinstance(model, str) or not model:
+            raise OpenAIError("`model` is required and must be a non-empty string", param="model")
+        state = self.datastore.state
+        if state.models is not None and model not in state.models:
+            raise model_not_found(model)
+        target = ctx.headers.get(extproc.MODEL_NAME_REWRITE_HEADER)
+        if target and state.models is not None and target not in state.models and not _rewrite_target(target, state):
+            # the gateway strips clients' copies of this header; whoever set it may not widen the pool's allowlist
+            raise model_not_found(target)
+        target = target or _rewrite(model, state.rewrites)
+        ctx.model, ctx.target_model = model, target or model
+        label = self.metrics.model_label
+        ctx.labels = (label(model, state.models), label(ctx.target_model, state.models))
+        if target and target != model:
+            payload["model"] = target
+            return json.dumps(payload, separators=(",", ":")).encode(), True
+        return raw, False
+
+    def _scheduling_request(self, ctx: RequestContext, payload: dict | None) -> SchedulingRequest:
+        headers = ctx.headers
+        objective = headers.get(extproc.OBJECTIVE_HEADER)
+        prompt = prompt_text(payload) if payload is not None else ""
+        return SchedulingRequest(
+            request_id=headers.get(extproc.REQUEST_ID_HEADER) or str(uuid.uuid4()),
+            model=ctx.target_model,
+            prompt=prompt,
+            prompt_tokens_estimate=len(prompt) // 4,
+            priority=self.datastore.priority(objective),
+            objective=objective,
+            fairness_id=headers.get(extproc.FAIRNESS_ID_HEADER),
+            headers=headers,
+            subset=ctx.subset,
+        )
+
+    def _schedule(self, ctx, request, endpoints, body, body_changed) -> RoutingDecision:
+        metrics = self.metrics
+        started = time.perf_counter()
+        result = self.scheduler.schedule(request, endpoints)
+        metrics.scheduler_e2e.labels().observe(time.perf_counter() - started)
+        for name, seconds in result.timings:
+            metrics.plugin_duration.labels("scheduler", name.type, name.name).observe(seconds)
+        ctx.request, ctx.result = request, result
+        endpoint = ctx.endpoint = result.primary
+        endpoint.in_flight_requests += 1
+        endpoint.in_flight_tokens += request.prompt_tokens_estimate
+        endpoint.routed_total += 1
+        ctx.routed_at = time.monotonic()
+        metrics.requests.labels(*ctx.labels).inc()
+        metrics.running.labels(ctx.labels[0]).inc()
+        if body is not None:
+            metrics.input_tokens.labels(*ctx.labels).observe(request.prompt_tokens_estimate)
+        return RoutingDecision(request.request_id, result.endpoints, body, body_changed)
+
+    def after_routed(self, ctx: RequestContext) -> None:
+        """The proxy has its answer: the scheduler's pre-request hooks record the pick (the prefix index)."""
+        request = ctx.request
+        if request is not None and request.prompt and ctx.endpoint is not None:
+            self.scheduler.on_routed(request, ctx.result)
+            request.prompt = ""  # recorded once
+
+    # -- response path -----------------------------------------------------------------------------------------
+    def on_response_headers(self, ctx: RequestContext, status: str, served: str | None) -> None:
+        ctx.status, ctx.served = status, served
+
+    def rewrites_response(self, ctx: RequestContext) -> bool:
+        """A rewritten model's name goes back to the client's name in the response (its length then changes)."""
+        return bool(ctx.target_model) and ctx.target_model != ctx.model
+
+    def on_response_chunk(self, ctx: RequestContext, chunk: bytes, rewrite: bool) -> bytes:
+        """Keep the tail (the usage is at the end); with `rewrite`, the chunk with the client's model name."""
+        if chunk:
+            ctx.response_tail = (ctx.response_tail + chunk)[-_USAGE_TAIL_BYTES:]
+            if rewrite and self.rewrites_response(ctx):
+                pattern = re.compile(rb'("model"\s*:\s*)' + re.escape(json.dumps(ctx.target_model).encode()))
+                chunk = pattern.sub(lambda m: m.group(1) + json.dumps(ctx.model).encode(), chunk)
+        return chunk
+
+    def on_complete(self, ctx: RequestContext) -> None:
+        """The request is over, whether or not its response came through the EPP."""
+        endpoint = ctx.endpoint
+        if endpoint is None:
+            return
+        ctx.endpoint = None
+        request = ctx.request
+        endpoint.in_flight_requests -= 1
+        endpoint.in_flight_tokens -= request.prompt_tokens_estimate
+        self.scheduler.on_finished(request, ctx.result, endpoint)
+        metrics = self.metrics
+        metrics.running.labels(ctx.labels[0]).dec()
+        status = ctx.status
+        if status.startswith("2"):  # a model server knows these names: from now on they are labels of their own
+            metrics.model_served(ctx.model)
+            metrics.model_served(ctx.target_model)
+            declared = self.datastore.state.models
+            ctx.labels = (metrics.model_label(ctx.model, declared), metrics.model_label(ctx.target_model, declared))
+            metrics.duration.labels(*ctx.labels).observe(time.monotonic() - ctx.routed_at)
+        elif status:
+            metrics.errors.labels(*ctx.labels, status[:3]).inc()
+        if ctx.response_tail and (match := _COMPLETION_TOKENS.search(ctx.response_tail)):
+            metrics.output_tokens.labels(*ctx.labels).observe(int(match.group(1)))
+        if ctx.served:
+            picked = ctx.served == endpoint.hostport
+            metrics.served.labels("pick" if picked else "other").inc()
+            if not picked:
+                log.debug(
+                    "request %s was served by %s, not the pick %s", request.request_id, ctx.served, endpoint.hostport
+                )
+
+
+def _rewrite_target(name: str, state: PoolState) -> bool:
+    return any(name == target for rule in state.rewrites for target, _ in rule.targets)
+
+
+def _rewrite(model: str, rewrites: tuple[ModelRewrite, ...]) -> str | None:
+    for rule in rewrites:  # in order; "*" (an InferenceModelRewrite rule without matches) takes any model
+        if rule.model in (model, "*") and rule.targets:
+            names, weights = zip(*rule.targets, strict=True)
+            return random.choices(names, weights)[0]
+    return None

@@ -1,0 +1,44 @@
+"""What the director keeps per request and what it answers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from epp.datalayer.endpoint import Endpoint
+from epp.scheduling.types import SchedulingRequest, SchedulingResult
+
+
+class RequestContext:
+    """One request's state from its headers to the end of its response; owned by the director, held by the
+    handler of the request's ext_proc stream."""
+
+    __slots__ = ("endpoint", "headers", "labels", "model", "request", "response_tail", "result", "routed_at",
+                 "served", "status", "subset", "target_model")  # fmt: skip
+
+    def __init__(self, headers: dict[str, str], subset: frozenset[str] | None):
+        self.headers = headers
+        self.subset = subset  # allowed "ip:port" from the proxy's subset hint; None = no hint
+        self.model = self.target_model = ""  # the client's model name and the one the model server will see
+        self.labels = ("", "")  # the metrics' model and target model labels (bounded: EPPMetrics.model_label)
+        self.request: SchedulingRequest | None = None
+        self.result: SchedulingResult | None = None
+        self.endpoint: Endpoint | None = None  # the pick, while the request is in flight
+        self.routed_at = 0.0
+        self.served: str | None = None  # the endpoint that answered, as the proxy reports it
+        self.status = ""  # the response's HTTP status
+        self.response_tail = b""  # the last bytes of the response body (where the usage is)
+
+
+@dataclass(slots=True)
+class RoutingDecision:
+    """Where the request goes. `body` is the request body to send (the client's, or re-serialized after a model
+    rewrite; None for a request without body); `body_changed` says whether it differs from the client's."""
+
+    request_id: str
+    endpoints: list[Endpoint]  # the pick first, then fallbacks
+    body: bytes | None
+    body_changed: bool = False
+
+    @property
+    def destinations(self) -> str:
+        return ",".join(e.hostport for e in self.endpoints)

@@ -1,0 +1,200 @@
+"""One suite for both ext_proc transports (the lean `epp.grpc_h2` and grpcio's `epp.handlers.grpcio`), driven by
+grpcio's client: the handler interface of `epp.handlers` (answers now or later through `reply`, `after_reply`
+after each batch of answers, `finish` once however the stream ends), many concurrent streams, messages larger than
+every flow-control window in both directions, and errors that cost one stream only."""
+
+import asyncio
+
+import grpc
+import pytest
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+
+from epp.grpc_h2 import ExtProcServer
+from epp.handlers.grpcio import ExternalProcessor
+
+PROCESS = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
+DEFER_SECONDS = 0.05
+
+
+class EchoHandler:
+    """Answers request headers with a header naming how many messages it saw (`x-defer`: later, through reply),
+    and echoes request bodies back as a body mutation (so a large body is also a large response)."""
+
+    log: list[str] = []
+
+    def __init__(self, reply):
+        self.reply = reply
+        self.seen = 0
+        self.later: asyncio.TimerHandle | None = None
+
+    @property
+    def awaiting_reply(self) -> bool:
+        return self.later is not None
+
+    def handle(self, message: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+        self.seen += 1
+        if message.HasField("request_headers"):
+            names = {h.key for h in message.request_headers.headers.headers}
+            if "x-crash" in names:
+                raise RuntimeError("boom")
+            common = pb.CommonResponse()
+            common.header_mutation.set_headers.append(
+                base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key="x-seen", raw_value=str(self.seen).encode()))
+            )
+            answer = [pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common))]
+            if "x-defer" in names:
+                self.later = asyncio.get_running_loop().call_later(DEFER_SECONDS, self._answer_later, answer)
+                return []
+            return answer
+        if message.HasField("request_body"):
+            mutation = pb.BodyMutation(body=message.request_body.body)
+            return [
+                pb.ProcessingResponse(request_body=pb.BodyResponse(response=pb.CommonResponse(body_mutation=mutation)))
+            ]
+        return []
+
+    def _answer_later(self, answer: list[pb.ProcessingResponse]) -> None:
+        self.later = None
+        self.log.append("replied")
+        self.reply(answer)
+
+    def after_reply(self) -> None:
+        self.log.append("after_reply")
+
+    def finish(self) -> None:
+        if self.later is not None:
+            self.later.cancel()
+            self.later = None
+            self.log.append("cancelled")
+        self.log.append("finish")
+
+
+def headers(*extra: tuple[str, str]) -> pb.ProcessingRequest:
+    message = pb.ProcessingRequest()
+    for key, value in ((":method", "POST"), (":path", "/v1/completions"), *extra):
+        message.request_headers.headers.headers.append(base_pb2.HeaderValue(key=key, raw_value=value.encode()))
+    return message
+
+
+def body(data: bytes) -> pb.ProcessingRequest:
+    return pb.ProcessingRequest(request_body=pb.HttpBody(body=data, end_of_stream=True))
+
+
+@pytest.fixture(params=["h2", "grpcio"])
+async def port(request):
+    """The port of a transport serving EchoHandlers."""
+    EchoHandler.log = []
+    if request.param == "h2":
+        server = ExtProcServer(lambda: EchoHandler)
+        await server.start("127.0.0.1", 0)
+        try:
+            yield server.port
+        finally:
+            await server.stop(grace=0.2)
+    else:
+        server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
+        pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(EchoHandler), server)
+        bound = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            yield bound
+        finally:
+            await server.stop(0.2)
+
+
+async def until(condition, timeout: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+async def test_concurrent_streams_and_large_messages_both_ways(port):
+    big = bytes(range(256)) * (12 * 1024)  # 3 MiB: over grpcio's and our initial windows and frame sizes
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = pb_grpc.ExternalProcessorStub(channel)
+
+        async def exchange(i: int) -> None:
+            call = stub.Process()
+            await call.write(headers())
+            reply = await call.read()
+            assert reply.request_headers.response.header_mutation.set_headers[0].header.raw_value == b"1"
+            data = big if i % 10 == 0 else f"request {i}".encode()
+            await call.write(body(data))
+            reply = await call.read()
+            assert reply.request_body.response.body_mutation.body == data
+            await call.done_writing()
+            assert await call.read() == grpc.aio.EOF
+            assert await call.code() == grpc.StatusCode.OK
+
+        await asyncio.gather(*(exchange(i) for i in range(40)))
+    await until(lambda: EchoHandler.log.count("finish") == 40)
+    assert EchoHandler.log.count("after_reply") == 80  # once per batch of answers
+
+
+async def test_deferred_answers_arrive_through_reply_in_order(port):
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = pb_grpc.ExternalProcessorStub(channel)
+
+        async def exchange(i: int) -> float:
+            call = stub.Process()
+            started = asyncio.get_running_loop().time()
+            await call.write(headers(("x-defer", "1")))
+            reply = await call.read()
+            waited = asyncio.get_running_loop().time() - started
+            assert reply.request_headers.response.header_mutation.set_headers[0].header.raw_value == b"1"
+            await call.write(body(f"after the wait {i}".encode()))
+            assert (await call.read()).request_body.response.body_mutation.body == f"after the wait {i}".encode()
+            await call.done_writing()
+            assert await call.code() == grpc.StatusCode.OK
+            return waited
+
+        waits = await asyncio.gather(*(exchange(i) for i in range(10)))
+    assert min(waits) >= DEFER_SECONDS * 0.9
+    await until(lambda: EchoHandler.log.count("finish") == 10)
+    assert EchoHandler.log.count("replied") == 10
+    assert EchoHandler.log.count("after_reply") == 20  # after each deferred answer, and after each body answer
+    assert "cancelled" not in EchoHandler.log
+
+
+async def test_a_stream_that_ends_while_its_answer_is_pending_cancels_it(port):
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        call = pb_grpc.ExternalProcessorStub(channel).Process()
+        await call.write(headers(("x-defer", "1")))
+        await asyncio.sleep(DEFER_SECONDS / 5)
+        call.cancel()  # the client went away (Envoy resets the stream)
+        await until(lambda: "finish" in EchoHandler.log)
+    await asyncio.sleep(DEFER_SECONDS * 2)
+    assert EchoHandler.log == ["cancelled", "finish"]  # finish once, and no reply after it
+
+
+async def test_a_failing_handler_costs_its_own_stream_only(port):
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = pb_grpc.ExternalProcessorStub(channel)
+        healthy = stub.Process()
+        await healthy.write(headers())
+        await healthy.read()
+        crashing = stub.Process()
+        await crashing.write(headers(("x-crash", "1")))
+        with pytest.raises(grpc.aio.AioRpcError) as failure:
+            await crashing.read()
+        assert failure.value.code() == grpc.StatusCode.INTERNAL
+        assert "RuntimeError" in failure.value.details()
+        await healthy.write(body(b"still here"))
+        assert (await healthy.read()).request_body.response.body_mutation.body == b"still here"
+        await healthy.done_writing()
+        assert await healthy.code() == grpc.StatusCode.OK
+
+
+async def test_unknown_method_gets_unimplemented_and_the_connection_stays_good(port):
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        other = channel.unary_unary("/envoy.service.ext_proc.v3.ExternalProcessor/Other")
+        with pytest.raises(grpc.aio.AioRpcError) as failure:
+            await other(b"")
+        assert failure.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        call = pb_grpc.ExternalProcessorStub(channel).Process()
+        await call.write(headers())
+        assert (await call.read()).HasField("request_headers")
+        await call.done_writing()
