@@ -26,6 +26,7 @@ from epp.datalayer.endpoint import PoolState
 from epp.datalayer.kubernetes import KubernetesSource
 from epp.datalayer.pool_file import PoolFileError, PoolFileSource
 from epp.datalayer.scraper import Scraper
+from epp.flowcontrol import FlowControlConfig, FlowController
 from epp.grpc_h2 import ExtProcServer
 from epp.handlers.extproc import DEFAULT_MAX_BODY_BYTES, BodyBudget, RequestStream
 from epp.handlers.grpcio import ExternalProcessor
@@ -118,6 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
 async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     config_text = Path(args.config_file).read_text() if args.config_file else args.config_text
     scheduler = Scheduler.from_config(config_text)
+    flow_config = FlowControlConfig.from_text(config_text)
     elector = None
     if args.pool_file:
         source = PoolFileSource(args.pool_file)
@@ -138,8 +140,23 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     datastore = Datastore(scraper, scheduler.on_pool_changed)
     datastore.apply(initial)
     pool_name = args.pool_name or Path(args.pool_file).stem
-    metrics = EPPMetrics(pool_name, lambda: datastore.endpoints, lambda: scheduler.prefix_index)
-    director = Director(datastore, scheduler, metrics)
+    detector = scheduler.detector
+    flow_control = None
+    metrics = EPPMetrics(
+        pool_name,
+        lambda: datastore.endpoints,
+        lambda: scheduler.prefix_index,
+        lambda: flow_control,
+        lambda: detector.saturation(datastore.endpoints),
+    )
+    if flow_config.enabled:
+        flow_control = FlowController(
+            flow_config,
+            lambda in_flight: detector.has_room(datastore.endpoints, in_flight),
+            observer=metrics.flow_control_outcome,
+            poll_interval=args.refresh_metrics_interval,  # a scrape may have shown room
+        )
+    director = Director(datastore, scheduler, metrics, flow_control)
 
     def new_connection():  # the handlers of one connection share its body budget
         budget = BodyBudget(args.max_connection_body_bytes)

@@ -41,6 +41,7 @@ def render_bootstrap(
     response_header_mode: str = "SEND",
     template: Path = TEMPLATE,
     admin_address: str | None = None,
+    message_timeout: float = 10.0,
 ) -> str:
     """The bootstrap YAML; `fallback_endpoints` are "host:port" strings of the pool (FailOpen routing).
 
@@ -65,6 +66,7 @@ def render_bootstrap(
         EPP_HOST=epp_host,
         EPP_PORT=epp_port,
         FAILURE_MODE_ALLOW="true" if fail_open else "false",
+        MESSAGE_TIMEOUT=f"{message_timeout}s",
         REQUEST_BODY_MODE=request_body_mode,
         REQUEST_TRAILER_MODE="SEND" if request_body_mode == "FULL_DUPLEX_STREAMED" else "SKIP",
         RESPONSE_HEADER_MODE=response_header_mode,

@@ -27,6 +27,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import yaml
+
 from epp.scheduling.errors import ConfigError
 from epp.scheduling.framework import Parameters
 
@@ -36,6 +38,7 @@ EVICTED_TTL = "EvictedTTL"
 EVICTED_CANCELLED = "EvictedContextCancelled"
 OUTCOMES = (DISPATCHED, REJECTED_CAPACITY, EVICTED_TTL, EVICTED_CANCELLED)
 
+DEFAULT_FLOW = "default"  # the flow of requests without x-gateway-inference-fairness-id
 FAIRNESS_POLICIES = ("round-robin", "global-strict")
 ORDERING_POLICIES = ("fcfs", "edf")
 
@@ -57,6 +60,7 @@ class BandConfig:
     fairness_cost: str = "requests"  # or "tokens": deficit round robin by prompt tokens
     quantum: int = 1
     ordering_policy: str = "fcfs"
+    request_ttl: float = 0.0  # 0 = the global defaultRequestTTL
 
 
 @dataclass
@@ -73,6 +77,22 @@ class FlowControlConfig:
         if cfg is None:
             cfg = BandConfig(**{**self.default_band.__dict__, "priority": priority})
         return cfg
+
+    @property
+    def longest_ttl(self) -> float:
+        """The longest a request may wait (what the proxy must be told to wait for an answer)."""
+        return max(
+            [self.default_request_ttl, self.default_band.request_ttl, *(b.request_ttl for b in self.bands.values())]
+        )
+
+    @classmethod
+    def from_text(cls, config_text: str | None) -> FlowControlConfig:
+        """From the `flowControl` section of EndpointPickerConfig YAML (the scheduler reads the rest)."""
+        try:
+            config = yaml.safe_load(config_text) if config_text else None
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config is not valid YAML: {exc}") from None
+        return cls.from_config(config.get("flowControl") if isinstance(config, dict) else None)
 
     @classmethod
     def from_config(cls, raw: dict[str, Any] | None) -> FlowControlConfig:
@@ -107,6 +127,7 @@ def _band_from(raw: dict[str, Any] | None, priority: int) -> BandConfig:
         fairness_cost=p.get("fairnessCost", "requests", str),
         quantum=p.get("quantum", 1, int, minimum=1),
         ordering_policy=p.get("orderingPolicy", "fcfs", str),
+        request_ttl=float(p.get("requestTTL", 0.0, (int, float), minimum=0)),
     )
     p.done()
     if band.fairness_policy not in FAIRNESS_POLICIES:
@@ -173,29 +194,44 @@ class Band:
         self.bytes = 0
 
 
+Observer = Callable[[int, str, str, float], None]  # (priority, flow id, outcome, seconds in the queue)
+
+
 class FlowController:
     """`has_room(in_flight)` is the saturation signal: True while the pool can take one more request now, given
     the requests this controller has dispatched that have not completed (the caller calls `complete()` for each,
-    however it ended), so a burst of dispatches cannot overfill the pool before the next scrape shows them."""
+    however it ended), so a burst of dispatches cannot overfill the pool before the next scrape shows them.
+    `observer` hears every request's outcome once (the metrics). While requests wait, the pool is polled every
+    `poll_interval` seconds (the scrape interval: a scrape that shows room dispatches them), besides each
+    `complete()`."""
 
-    def __init__(self, config: FlowControlConfig, has_room: Callable[[int], bool], clock=time.monotonic):
+    def __init__(
+        self,
+        config: FlowControlConfig,
+        has_room: Callable[[int], bool],
+        clock=time.monotonic,
+        observer: Observer | None = None,
+        poll_interval: float = 0.05,
+    ):
         self.config = config
         self.has_room = has_room
         self.clock = clock
+        self.observer = observer
+        self.poll_interval = poll_interval
         self.bands: dict[int, Band] = {}
         self.order: list[Band] = []  # highest priority first
         self.count = 0
         self.bytes = 0
         self.in_flight = 0
-        self.outcomes: dict[tuple[int, str, str], int] = {}
-        self.wait_seconds: list[float] = []  # drained by the metrics exporter
+        self._poll: asyncio.TimerHandle | None = None
         self._seq = itertools.count()
 
     # The fast path: synchronous, allocates nothing when the pool has room and nothing waits.
     def try_dispatch(self, priority: int, flow_id: str) -> bool:
         if self.count == 0 and self.has_room(self.in_flight):
             self.in_flight += 1
-            self._count(priority, flow_id, DISPATCHED)
+            if self.observer is not None:
+                self.observer(priority, flow_id, DISPATCHED, 0.0)
             return True
         return False
 
@@ -214,12 +250,22 @@ class FlowController:
         loop = asyncio.get_running_loop()
         item.future = loop.create_future()
         item.timer = loop.call_at(loop.time() + (item.deadline - self.clock()), self._expire, item)
+        if self._poll is None:
+            self._poll = loop.call_later(self.poll_interval, self._poll_pool)
         try:
             await item.future
         except asyncio.CancelledError:
             if not item.done:
                 self._finish(item, EVICTED_CANCELLED)
+            elif not item.future.cancelled() and item.future.exception() is None:
+                self.complete()  # dispatched, but the waiter went away before it could use its turn
             raise
+
+    def _poll_pool(self) -> None:
+        self._poll = None
+        self.pump()
+        if self.count:
+            self._poll = asyncio.get_running_loop().call_later(self.poll_interval, self._poll_pool)
 
     def _enqueue(self, priority: int, flow_id: str, size_bytes: int, tokens: int, ttl: float | None):
         band = self._band(priority)
@@ -227,13 +273,13 @@ class FlowController:
         if flow is None:
             flow = band.flows[flow_id] = Flow(band, flow_id)
         now = self.clock()
-        item = QueuedRequest(
-            flow, size_bytes, tokens, now, now + (ttl or self.config.default_request_ttl), next(self._seq)
-        )
+        ttl = ttl or band.config.request_ttl or self.config.default_request_ttl
+        item = QueuedRequest(flow, size_bytes, tokens, now, now + ttl, next(self._seq))
         while not self._fits(band, size_bytes):
             victim = self._displaceable(band, flow)
             if victim is None:
-                self._count(priority, flow_id, REJECTED_CAPACITY)
+                if self.observer is not None:
+                    self.observer(priority, flow_id, REJECTED_CAPACITY, 0.0)
                 raise FlowControlRejected(REJECTED_CAPACITY, f"flow control: band {priority} is full")
             self._finish(victim, REJECTED_CAPACITY)
         if flow.count == 0:
@@ -323,10 +369,10 @@ class FlowController:
             and (band.config.fairness_cost == "requests" or flow.deficit < max(1, flow.head().tokens))
         ):
             band.active.rotate(-1)  # its turn is over: the next flow in the band goes next
-        self._count(band.config.priority, flow.id, outcome)
         if outcome == DISPATCHED:
             self.in_flight += 1
-            self.wait_seconds.append(self.clock() - item.enqueued)
+        if self.observer is not None:
+            self.observer(band.config.priority, flow.id, outcome, self.clock() - item.enqueued)
         if item.timer is not None:
             item.timer.cancel()
         future = item.future
@@ -336,9 +382,9 @@ class FlowController:
             else:
                 future.set_exception(FlowControlRejected(outcome, f"flow control: {outcome}"))
 
-    def _count(self, priority: int, flow_id: str, outcome: str) -> None:
-        key = (priority, flow_id, outcome)
-        self.outcomes[key] = self.outcomes.get(key, 0) + 1
+    def queued(self) -> list[tuple[int, str, int, int]]:
+        """(priority, flow id, requests, bytes) of every flow with queued requests (the metrics' gauges)."""
+        return [(b.config.priority, f.id, f.count, f.bytes) for b in list(self.order) for f in list(b.flows.values())]
 
     def _band(self, priority: int) -> Band:
         band = self.bands.get(priority)

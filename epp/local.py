@@ -39,6 +39,7 @@ class StackConfig:
     listener_port: int = extproc.ENVOY_LISTENER_PORT
     admin_port: int = extproc.ENVOY_ADMIN_PORT
     fail_open: bool = False
+    message_timeout: float = 10.0  # Envoy's ext_proc message_timeout (the EPP extends it for queued requests)
     request_body_mode: str | None = None  # FULL_DUPLEX_STREAMED, or BUFFERED with FailOpen
     response_body_mode: str = "NONE"
     separate_model_server_processes: bool = False  # one process per model server (so one can be killed)
@@ -122,7 +123,7 @@ class LocalStack:
         bootstrap = render_bootstrap(
             epp_host=c.host, epp_port=c.grpc_port, listener_port=c.listener_port, admin_port=c.admin_port,
             fail_open=c.fail_open, bind_address=c.host, request_body_mode=c.request_body_mode,
-            response_body_mode=c.response_body_mode,
+            response_body_mode=c.response_body_mode, message_timeout=c.message_timeout,
             fallback_endpoints=[u.removeprefix("http://") for u in self.model_server_urls],
         )  # fmt: skip
         path = self.workdir / "envoy.yaml"

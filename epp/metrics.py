@@ -14,6 +14,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.utils import floatToGoString
 
 from epp.datalayer.endpoint import Endpoint
+from epp.flowcontrol import FlowController
 from epp.scheduling.framework import PrefixIndexStats
 from epp.scheduling.load import queue_depth
 
@@ -23,6 +24,9 @@ TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
                  524288, 1048576)  # fmt: skip
 OTHER_MODEL = "other"  # the label value of model names that are neither declared by the pool nor served yet
 MAX_SERVED_MODEL_LABELS = 100
+QUEUE_BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+OTHER_FLOW = "other"  # the label value of fairness ids beyond MAX_FAIRNESS_ID_LABELS (clients choose them)
+MAX_FAIRNESS_ID_LABELS = 100
 SCHEDULER_BUCKETS = (0.00001, 0.00002, 0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1)
 
 
@@ -128,6 +132,45 @@ class _PoolCollector:
             yield from (size, ratio)
 
 
+class _FlowControlCollector:
+    """The flow control's queues (per band and flow), the pool's saturation and the autoscaler signal, read when
+    Prometheus scrapes."""
+
+    def __init__(self, metrics: EPPMetrics, flow_control: Callable[[], FlowController | None],
+                 saturation: Callable[[], float]):  # fmt: skip
+        self.metrics = metrics
+        self.flow_control = flow_control
+        self.saturation = saturation
+
+    def collect(self):
+        pool = self.metrics.pool_name
+        labels = ["fairness_id", "priority", "inference_pool"]
+        size = GaugeMetricFamily("inference_extension_flow_control_queue_size",
+                                 "Current count of requests in the flow control buffer.", labels=labels)  # fmt: skip
+        size_bytes = GaugeMetricFamily("inference_extension_flow_control_queue_bytes",
+                                       "Current size in bytes of all buffered requests.", labels=labels)  # fmt: skip
+        saturation = GaugeMetricFamily("inference_extension_flow_control_pool_saturation",
+                                       "Share of the pool's endpoints that are saturated.", labels=["inference_pool"])  # fmt: skip
+        saturation.add_metric([pool], self.saturation())
+        per_endpoint = GaugeMetricFamily("inference_extension_flow_control_queued_requests_per_ready_endpoint",
+                                         "Requests waiting in flow control per ready endpoint (an autoscaling "
+                                         "signal).", labels=["inference_pool"])  # fmt: skip
+        controller = self.flow_control()
+        totals: dict[tuple[str, str], list[int]] = {}
+        for priority, flow, count, size_of in controller.queued() if controller is not None else ():
+            key = (self.metrics.fairness_label(flow), str(priority))
+            total = totals.setdefault(key, [0, 0])
+            total[0] += count
+            total[1] += size_of
+        for (flow, priority), (count, size_of) in totals.items():
+            size.add_metric([flow, priority, pool], count)
+            size_bytes.add_metric([flow, priority, pool], size_of)
+        ready = sum(1 for e in self.metrics.endpoints() if not e.stale and e.metrics is not None)
+        queued = controller.count if controller is not None else 0
+        per_endpoint.add_metric([pool], queued / ready if ready else float(queued))
+        yield from (size, size_bytes, saturation, per_endpoint)
+
+
 class _SeriesCollector:
     def __init__(self, series: tuple[_Series, ...]):
         self.series = series
@@ -143,7 +186,11 @@ class EPPMetrics:
         pool_name: str,
         endpoints: Callable[[], list[Endpoint]],
         prefix_index: Callable[[], PrefixIndexStats | None],
+        flow_control: Callable[[], FlowController | None] = lambda: None,
+        saturation: Callable[[], float] = lambda: 0.0,
     ):
+        self.pool_name = pool_name
+        self.endpoints = endpoints
         self.registry = reg = CollectorRegistry()
         model_labels = ["model_name", "target_model_name"]
         self.requests = _Series("counter", "inference_objective_request_total",
@@ -172,11 +219,32 @@ class EPPMetrics:
         self.served = _Series("counter", "inference_extension_served_endpoint_reports",
                               "Responses for which the gateway reported the endpoint that served them, by whether "
                               "it was the EPP's pick.", ["result"])  # fmt: skip
+        self.queue_duration = _Series("histogram", "inference_extension_flow_control_request_queue_duration_seconds",
+                                      "Distribution of the total time requests spend in flow control, from arrival "
+                                      "to their outcome.", ["fairness_id", "priority", "outcome", "inference_pool"],
+                                      QUEUE_BUCKETS)  # fmt: skip
         self.series = series = (self.requests, self.errors, self.duration, self.input_tokens, self.output_tokens, self.running,
-                  self.scheduler_e2e, self.plugin_duration, self.served)  # fmt: skip
+                  self.scheduler_e2e, self.plugin_duration, self.served, self.queue_duration)  # fmt: skip
         reg.register(_SeriesCollector(series))
         reg.register(_PoolCollector(pool_name, endpoints, prefix_index))
+        reg.register(_FlowControlCollector(self, flow_control, saturation))
         self._served_models: set[str] = set()
+        self._fairness_ids: set[str] = set()
+
+    def fairness_label(self, flow_id: str) -> str:
+        """Fairness ids are the clients' choice: the first MAX_FAIRNESS_ID_LABELS get series, the rest share one."""
+        if flow_id in self._fairness_ids:
+            return flow_id
+        if len(self._fairness_ids) < MAX_FAIRNESS_ID_LABELS:
+            self._fairness_ids.add(flow_id)
+            return flow_id
+        return OTHER_FLOW
+
+    def flow_control_outcome(self, priority: int, flow_id: str, outcome: str, seconds: float) -> None:
+        """FlowController's observer: every request's outcome and its time in flow control."""
+        self.queue_duration.labels(self.fairness_label(flow_id), str(priority), outcome, self.pool_name).observe(
+            seconds
+        )
 
     def model_label(self, name: str, declared: frozenset[str] | None) -> str:
         """Clients choose model names, so label values are bounded: a name is its own label once the pool declares

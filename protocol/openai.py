@@ -48,12 +48,21 @@ _ERROR_TYPES = {
 class OpenAIError(Exception):
     """An error with an HTTP status and OpenAI's body shape {"error": {"message", "type", "param", "code"}}."""
 
-    def __init__(self, message: str, status: int = 400, *, param: str | None = None, code: str | None = None):
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after: int | None = None,
+    ):
         super().__init__(message)
         self.message = message
         self.status = int(status)
         self.param = param
         self.code = code
+        self.retry_after = retry_after  # seconds, for a retry-after header (429, 503)
 
     @property
     def type(self) -> str:

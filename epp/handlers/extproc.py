@@ -16,13 +16,14 @@ control) is answered through the transport's `reply` once it is routed (the inte
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Awaitable
 
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.type.v3 import http_status_pb2
-from google.protobuf import struct_pb2
+from google.protobuf import duration_pb2, struct_pb2
 
 from epp.handlers import Reply
 from epp.requestcontrol.director import Director
@@ -46,7 +47,10 @@ def immediate_response(error: OpenAIError) -> pb.ProcessingResponse:
     return pb.ProcessingResponse(
         immediate_response=pb.ImmediateResponse(
             status=http_status_pb2.HttpStatus(code=error.status),
-            headers=pb.HeaderMutation(set_headers=[_header("content-type", "application/json")]),
+            headers=pb.HeaderMutation(
+                set_headers=[_header("content-type", "application/json")]
+                + ([_header("retry-after", str(error.retry_after))] if error.retry_after is not None else [])
+            ),
             body=error.to_json(),
             details=error.message[:200],
         )
@@ -81,6 +85,7 @@ def served_endpoint(request: pb.ProcessingRequest) -> str | None:
     return value.string_value if value is not None and value.string_value else None
 
 
+QUEUE_TIMEOUT_MARGIN_SECONDS = 2  # beyond the longest TTL: the 429 of an expired request reaches the proxy in time
 DEFAULT_MAX_BODY_BYTES = 32 << 20  # like the model servers' request size limit
 
 
@@ -215,7 +220,10 @@ class RequestStream:
         if isinstance(decision, RoutingDecision):
             return self._answers(decision, headers_phase)
         self.pending = asyncio.ensure_future(self._answer_later(decision, headers_phase))
-        return []
+        # the request waits in flow control: the proxy is told to wait for the answer as long as it may take
+        # (Envoy's ext_proc max_message_timeout bounds it; the template sets it above the longest TTL)
+        wait = duration_pb2.Duration(seconds=math.ceil(self.director.longest_wait or 0) + QUEUE_TIMEOUT_MARGIN_SECONDS)
+        return [pb.ProcessingResponse(override_message_timeout=wait)]
 
     async def _answer_later(self, decision: Awaitable[RoutingDecision], headers_phase: bool) -> None:
         try:

@@ -2,8 +2,13 @@
 
 Request path (`route`): the model (validated against the pool's declared models) -> rewrite (the
 x-gateway-model-name-rewrite header or the pool's InferenceModelRewrite rules) -> objective lookup (priority) ->
-admission (the subset hint, then the scheduler's shedding of sheddable requests at saturation) -> scheduling ->
-in-flight accounting and metrics -> a RoutingDecision. Errors are OpenAIError with the status the client gets.
+admission -> scheduling -> in-flight accounting and metrics -> a RoutingDecision. Errors are OpenAIError with the
+status the client gets.
+Admission: the subset hint must allow an endpoint and the pool must have one (else 503). With flow control
+(`epp.flowcontrol`, on by default) a request goes straight on while the pool has room and nothing waits (no
+queue, no await); otherwise `route` returns an awaitable that resolves to the decision once the request's turn
+comes (by priority band, fairly between flows), or raises 429 with retry-after when it expires or does not fit.
+Without flow control, sheddable requests (priority < 0) get 429 while the pool is saturated and the rest go on.
 After the proxy has the answer, `after_routed` runs the scheduler's pre-request hooks (the prefix index records the
 pick) off the request's critical path.
 Response path: `on_response_headers` (status, the endpoint that served), `on_response_chunk` (the usage tail, and a
@@ -20,9 +25,11 @@ import random
 import re
 import time
 import uuid
+from collections.abc import Awaitable
 
 from epp.datalayer.datastore import Datastore
 from epp.datalayer.endpoint import ModelRewrite, PoolState
+from epp.flowcontrol import DEFAULT_FLOW, FlowController, FlowControlRejected
 from epp.metrics import EPPMetrics
 from epp.requestcontrol.types import RequestContext, RoutingDecision
 from epp.scheduling.errors import SchedulingError
@@ -40,33 +47,74 @@ _USAGE_TAIL_BYTES = 4096
 class Director:
     """Everything one EPP needs per request: the live pool, the scheduler and the metrics."""
 
-    def __init__(self, datastore: Datastore, scheduler: Scheduler, metrics: EPPMetrics):
+    def __init__(
+        self,
+        datastore: Datastore,
+        scheduler: Scheduler,
+        metrics: EPPMetrics,
+        flow_control: FlowController | None = None,
+    ):
         self.datastore = datastore
         self.scheduler = scheduler
         self.metrics = metrics
+        self.flow_control = flow_control
 
     def new_request(self, headers: dict[str, str], subset: frozenset[str] | None) -> RequestContext:
         self.datastore.note_request()
         return RequestContext(headers, subset)
 
     # -- request path ------------------------------------------------------------------------------------------
-    def route(self, ctx: RequestContext, payload: dict | None, raw: bytes | None) -> RoutingDecision:
+    def route(
+        self, ctx: RequestContext, payload: dict | None, raw: bytes | None
+    ) -> RoutingDecision | Awaitable[RoutingDecision]:
         """Pick the endpoints for a request; `payload` is its parsed JSON body (None: a request without body).
-        Raises OpenAIError (recorded in the metrics) when the request cannot be routed."""
+        Returns the decision, or an awaitable of it while the request waits in flow control. Raises OpenAIError
+        (recorded in the metrics) when the request cannot be routed."""
         try:
             body, changed = self._resolve_model(ctx, payload, raw)
             request = self._scheduling_request(ctx, payload)
             if request.subset is not None and not request.subset:
                 raise OpenAIError("the subset hint allows no endpoint", 503)
             endpoints = self.datastore.endpoints
-            self.scheduler.admit(request, endpoints)
-            return self._schedule(ctx, request, endpoints, body, changed)
+            flow_control = self.flow_control
+            if flow_control is None:
+                self.scheduler.admit(request, endpoints)
+            elif not endpoints:
+                raise OpenAIError("no ready endpoint", 503)  # waiting would not make one
+            elif flow_control.try_dispatch(request.priority, request.fairness_id or DEFAULT_FLOW):
+                ctx.dispatched = True
+            else:
+                return self._wait_for_turn(ctx, request, body, changed)
+            return self._schedule(ctx, request, body, changed)
         except SchedulingError as error:
-            self.record_error(ctx, OpenAIError(str(error), error.status))
-            raise OpenAIError(str(error), error.status) from None
+            raise self._failed(ctx, _openai_error(error)) from None
         except OpenAIError as error:
-            self.record_error(ctx, error)
-            raise
+            raise self._failed(ctx, error) from None
+
+    async def _wait_for_turn(self, ctx, request, body, changed) -> RoutingDecision:
+        try:
+            await self.flow_control.wait(
+                request.priority, request.fairness_id or DEFAULT_FLOW, len(body or b""), request.prompt_tokens_estimate
+            )
+        except FlowControlRejected as rejected:
+            raise self._failed(ctx, OpenAIError(str(rejected), 429, retry_after=1)) from None
+        ctx.dispatched = True
+        try:
+            return self._schedule(ctx, request, body, changed)
+        except SchedulingError as error:
+            raise self._failed(ctx, _openai_error(error)) from None
+
+    @property
+    def longest_wait(self) -> float | None:
+        """The longest a request may wait in flow control (the proxy must wait as long for its answer)."""
+        return None if self.flow_control is None else self.flow_control.config.longest_ttl
+
+    def _failed(self, ctx: RequestContext, error: OpenAIError) -> OpenAIError:
+        if ctx.dispatched:  # its turn in flow control is over
+            ctx.dispatched = False
+            self.flow_control.complete()
+        self.record_error(ctx, error)
+        return error
 
     def record_error(self, ctx: RequestContext, error: OpenAIError) -> None:
         self.metrics.errors.labels(*ctx.labels, str(error.status)).inc()
@@ -109,10 +157,10 @@ class Director:
             subset=ctx.subset,
         )
 
-    def _schedule(self, ctx, request, endpoints, body, body_changed) -> RoutingDecision:
+    def _schedule(self, ctx, request, body, body_changed) -> RoutingDecision:
         metrics = self.metrics
         started = time.perf_counter()
-        result = self.scheduler.schedule(request, endpoints)
+        result = self.scheduler.schedule(request, self.datastore.endpoints)
         metrics.scheduler_e2e.labels().observe(time.perf_counter() - started)
         for name, seconds in result.timings:
             metrics.plugin_duration.labels("scheduler", name.type, name.name).observe(seconds)
@@ -154,6 +202,9 @@ class Director:
 
     def on_complete(self, ctx: RequestContext) -> None:
         """The request is over, whether or not its response came through the EPP."""
+        if ctx.dispatched:
+            ctx.dispatched = False
+            self.flow_control.complete()
         endpoint = ctx.endpoint
         if endpoint is None:
             return
@@ -182,6 +233,10 @@ class Director:
                 log.debug(
                     "request %s was served by %s, not the pick %s", request.request_id, ctx.served, endpoint.hostport
                 )
+
+
+def _openai_error(error: SchedulingError) -> OpenAIError:
+    return OpenAIError(str(error), error.status, retry_after=1 if error.status == 429 else None)
 
 
 def _rewrite_target(name: str, state: PoolState) -> bool:

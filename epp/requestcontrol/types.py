@@ -12,7 +12,7 @@ class RequestContext:
     """One request's state from its headers to the end of its response; owned by the director, held by the
     handler of the request's ext_proc stream."""
 
-    __slots__ = ("endpoint", "headers", "labels", "model", "request", "response_tail", "result", "routed_at",
+    __slots__ = ("dispatched", "endpoint", "headers", "labels", "model", "request", "response_tail", "result", "routed_at",
                  "served", "status", "subset", "target_model")  # fmt: skip
 
     def __init__(self, headers: dict[str, str], subset: frozenset[str] | None):
@@ -27,6 +27,7 @@ class RequestContext:
         self.served: str | None = None  # the endpoint that answered, as the proxy reports it
         self.status = ""  # the response's HTTP status
         self.response_tail = b""  # the last bytes of the response body (where the usage is)
+        self.dispatched = False  # flow control let it through: its completion frees the turn
 
 
 @dataclass(slots=True)

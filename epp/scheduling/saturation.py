@@ -48,6 +48,22 @@ class SaturationDetector:
     def is_saturated(self, endpoints: Sequence[Endpoint]) -> bool:
         return all(self.endpoint_saturated(e) for e in endpoints)
 
+    def has_room(self, endpoints: Sequence[Endpoint], in_flight: int) -> bool:
+        """Flow control's dispatch signal: some endpoint is not saturated (its queue counts what this EPP routed
+        there that the last scrape does not show yet, so a burst cannot overfill it). A pool none of whose
+        endpoints has fresh metrics (a broken metrics endpoint) is not held back forever: it takes up to
+        `queueDepthThreshold` requests per endpoint in flight, as if each had that queue."""
+        if not self.is_saturated(endpoints):
+            return True
+        blind = all(e.stale or e.metrics is None for e in endpoints)
+        return blind and in_flight < self.queue_depth_threshold * len(endpoints)
+
+    def saturation(self, endpoints: Sequence[Endpoint]) -> float:
+        """The share of the pool's endpoints that are saturated (1.0 for an empty pool): the metrics' gauge."""
+        if not endpoints:
+            return 1.0
+        return sum(1 for e in endpoints if self.endpoint_saturated(e)) / len(endpoints)
+
 
 def admit(request: SchedulingRequest, endpoints: Sequence[Endpoint], detector: SaturationDetector) -> None:
     """Raise ShedError (429) for a sheddable request (priority < 0) when the pool is saturated; admit the rest."""

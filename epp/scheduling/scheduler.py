@@ -81,7 +81,7 @@ API_VERSIONS = (
     "inference.networking.x-k8s.io/v1alpha1",
     "config.apix.gateway-api-inference-extension.sigs.k8s.io/v1alpha1",
 )
-TOP_LEVEL_KEYS = {"apiVersion", "kind", "plugins", "schedulingProfiles", "saturationDetector"}
+TOP_LEVEL_KEYS = {"apiVersion", "kind", "plugins", "schedulingProfiles", "saturationDetector", "flowControl"}
 
 
 @dataclass(frozen=True)

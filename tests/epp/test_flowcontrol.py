@@ -28,13 +28,22 @@ class Pool:
         return in_flight < self.slots
 
 
+class Outcomes(dict):
+    """The controller's observer: a count per (priority, flow, outcome)."""
+
+    def __call__(self, priority: int, flow: str, outcome: str, seconds: float) -> None:
+        assert seconds >= 0
+        self[(priority, flow, outcome)] = self.get((priority, flow, outcome), 0) + 1
+
+
 def controller(slots: int = 0, **raw) -> tuple[FlowController, Pool]:
     pool = Pool(slots)
-    return FlowController(FlowControlConfig.from_config(raw or None), pool.has_room), pool
+    fc = FlowController(FlowControlConfig.from_config(raw or None), pool.has_room, observer=Outcomes())
+    return fc, pool
 
 
 def total(fc: FlowController, outcome: str) -> int:
-    return sum(n for (_, _, o), n in fc.outcomes.items() if o == outcome)
+    return sum(n for (_, _, o), n in fc.observer.items() if o == outcome)
 
 
 async def queue(fc: FlowController, order: list[str], priority: int, flow: str, tokens: int = 1, ttl=None):
@@ -59,7 +68,7 @@ async def release(fc: FlowController, pool: Pool, n: int) -> None:
 def test_fast_path_is_synchronous_and_counted():
     fc, pool = controller(slots=1)
     assert fc.try_dispatch(0, "a") is True
-    assert fc.outcomes == {(0, "a", DISPATCHED): 1}
+    assert fc.observer == {(0, "a", DISPATCHED): 1}
     pool.slots = 0
     assert fc.try_dispatch(0, "a") is False
 
@@ -126,7 +135,7 @@ async def test_ttl_expiry_and_cancellation_each_end_in_one_outcome():
     assert order == [EVICTED_TTL]
     assert fc.count == 0
     await release(fc, pool, 2)  # nothing left to dispatch; a freed slot must not resurrect them
-    assert fc.outcomes == {(0, "a", EVICTED_TTL): 1, (0, "b", EVICTED_CANCELLED): 1}
+    assert fc.observer == {(0, "a", EVICTED_TTL): 1, (0, "b", EVICTED_CANCELLED): 1}
 
 
 async def test_capacity_displaces_the_noisy_flow_never_the_quiet_one():
