@@ -224,6 +224,7 @@ class FlowController:
         self.bytes = 0
         self.in_flight = 0
         self._poll: asyncio.TimerHandle | None = None
+        self._pump_soon = False
         self._seq = itertools.count()
 
     # The fast path: synchronous, allocates nothing when the pool has room and nothing waits.
@@ -311,15 +312,26 @@ class FlowController:
         return largest.newest()
 
     def pump(self) -> int:
-        """Dispatch queued requests while the pool has room; returns how many were dispatched."""
-        dispatched = 0
-        while self.count and self.has_room(self.in_flight):
-            item = self._next()
-            if item is None:
-                break
-            self._finish(item, DISPATCHED)
-            dispatched += 1
-        return dispatched
+        """Dispatch the next queued request if the pool has room; returns how many were dispatched (0 or 1).
+
+        One at a time: the dispatched request is routed when its waiter resumes (the next turn of the event loop),
+        and only then does the saturation signal see it, so the next dispatch is decided after that (a call_soon
+        queued behind the waiter's wake-up). Dispatching every queued request in one go would release a whole
+        queue onto a pool that has room for one."""
+        if not self.count or not self.has_room(self.in_flight):
+            return 0
+        item = self._next()
+        if item is None:
+            return 0
+        self._finish(item, DISPATCHED)
+        if self.count and item.future is not None and not self._pump_soon:
+            self._pump_soon = True
+            asyncio.get_running_loop().call_soon(self._pump_again)
+        return 1
+
+    def _pump_again(self) -> None:
+        self._pump_soon = False
+        self.pump()
 
     def _next(self) -> QueuedRequest | None:
         for band in self.order:

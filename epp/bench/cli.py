@@ -12,7 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-from epp.bench import chaos, compare, decision, idle, overhead, sim_capacity
+from epp.bench import chaos, compare, decision, flood, idle, overhead, sim_capacity
 from epp.bench.workloads import WORKLOADS
 
 
@@ -58,6 +58,12 @@ def main(argv: list[str] | None = None) -> None:
         "`make bench-inference-perf` installs it)",
     )
     cmp.add_argument("--out", type=Path, default=Path("bench-results"))
+    flood_cmd = sub.add_parser("flood", help="tenants of different priority past the pool's capacity (flow control)")
+    flood_cmd.add_argument("--targets", nargs="+", default=list(flood.TARGETS))
+    flood_cmd.add_argument("--overloads", type=float, nargs="+", default=[1.5, 2.0], help="offered rate / capacity")
+    flood_cmd.add_argument("--duration", type=float, default=30.0)
+    flood_cmd.add_argument("--servers", type=int, default=4)
+    flood_cmd.add_argument("--out", type=Path, default=None)
     sub.add_parser("decision", help="scheduler decision time vs pool size (8, 32, 128) and prompt length")
     chaos_cmd = sub.add_parser("chaos", help="attacks and faults on a local stack while a well-behaved client runs")
     chaos_cmd.add_argument("--seconds", type=float, default=4.0, help="per attack")
@@ -67,6 +73,9 @@ def main(argv: list[str] | None = None) -> None:
     idle_cmd.add_argument("--epp-arg", action="append", default=[], help="extra flag for the EPP (repeatable)")
     idle_cmd.add_argument("--busy", action="store_true", help="pages show a running request: no endpoint is quiet")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.command == "flood":
+        asyncio.run(flood.flood(args.targets, args.overloads, args.duration, args.servers, args.out))
+        return
     if args.command == "decision":
         decision.main()
     if args.command == "compare":

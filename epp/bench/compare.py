@@ -120,13 +120,13 @@ class Outcome(NamedTuple):
     cached_share: float = 0.0  # usage.prompt_tokens_details.cached_tokens / prompt_tokens
 
 
-async def _one(session: aiohttp.ClientSession, url: str, body: dict) -> Outcome:
+async def _one(session: aiohttp.ClientSession, url: str, body: dict, headers: dict | None = None) -> Outcome:
     started = time.monotonic()
     first = last = None
     chunks = 0
     usage = {}
     try:
-        async with session.post(url, json=body) as response:
+        async with session.post(url, json=body, headers=headers) as response:
             if response.status != 200:
                 await response.read()
                 return Outcome(response.status)
@@ -152,9 +152,13 @@ async def _one(session: aiohttp.ClientSession, url: str, body: dict) -> Outcome:
 class Pool:
     """A fresh sim pool plus one kind of router in front of it."""
 
-    def __init__(self, target: str, servers: int, workdir: Path, modelserver_args: list[str]):
+    def __init__(self, target: str, servers: int, workdir: Path, modelserver_args: list[str],
+                 epp_config: str | None = None, pool_extra: dict | None = None, router_args: list[str] = ()):  # fmt: skip
         self.target, self.servers, self.workdir = target, servers, workdir
         self.modelserver_args = modelserver_args
+        self.epp_config = epp_config if epp_config is not None else EPP_TARGETS.get(target)
+        self.pool_extra = pool_extra or {}
+        self.router_args = list(router_args)
         self.stack: LocalStack | None = None
         self.envoy: EnvoyProcess | None = None
         self.router: subprocess.Popen | None = None
@@ -165,10 +169,11 @@ class Pool:
         grpc, health, metrics, listener, admin = free_ports(5)
         config = StackConfig(model_servers=self.servers, base_port=base, grpc_port=grpc, grpc_health_port=health,
                              metrics_port=metrics, listener_port=listener, admin_port=admin, workdir=self.workdir,
-                             modelserver_args=self.modelserver_args, config_text=EPP_TARGETS.get(self.target))  # fmt: skip
+                             modelserver_args=self.modelserver_args, config_text=self.epp_config,
+                             pool_extra=self.pool_extra)  # fmt: skip
         self.stack = LocalStack(config)
         hostports = [u.removeprefix("http://") for u in self.stack.model_server_urls]
-        if self.target in EPP_TARGETS:
+        if self.target in EPP_TARGETS or self.target.startswith("epp"):
             await self.stack.start()
             self.url = self.stack.gateway_url
             return self
@@ -186,7 +191,8 @@ class Pool:
             self.url = f"http://127.0.0.1:{listener}"
             return self
         kind, policy = PEER_TARGETS[self.target]
-        self.router, self.url = await start_router(kind, policy, self.stack.model_server_urls, self.workdir, MODEL)
+        self.router, self.url = await start_router(kind, policy, self.stack.model_server_urls, self.workdir, MODEL,
+                                                   extra_args=self.router_args)  # fmt: skip
         return self
 
     def pids(self) -> dict[str, int]:
