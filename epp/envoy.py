@@ -66,7 +66,7 @@ def render_bootstrap(
         EPP_HOST=epp_host,
         EPP_PORT=epp_port,
         FAILURE_MODE_ALLOW="true" if fail_open else "false",
-        MESSAGE_TIMEOUT=f"{message_timeout}s",
+        MESSAGE_TIMEOUT=f"{message_timeout:g}s",
         REQUEST_BODY_MODE=request_body_mode,
         REQUEST_TRAILER_MODE="SEND" if request_body_mode == "FULL_DUPLEX_STREAMED" else "SKIP",
         RESPONSE_HEADER_MODE=response_header_mode,

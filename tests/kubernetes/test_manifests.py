@@ -117,7 +117,7 @@ def test_shipped_envoy_bootstrap_is_the_rendered_template():
 def test_dashboard_is_valid_grafana_json():
     dashboard = json.loads((MANIFESTS / "monitoring" / "dashboard.json").read_text())
     titles = " ".join(p["title"] for p in dashboard["panels"]).lower()
-    for topic in ("queue", "running", "kv", "ttft", "inter-token", "end-to-end", "prefix", "epp"):
+    for topic in ("queue", "running", "kv", "ttft", "inter-token", "end-to-end", "prefix", "epp", "flow control"):
         assert topic in titles, topic
 
 
