@@ -43,6 +43,7 @@ demo: $(DEMO_STAMP)
 
 test: $(STAMP) system-deps bench-inference-perf
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 bench: $(STAMP)
@@ -59,6 +60,7 @@ bench: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports
 
 format: $(STAMP)
 	$(BIN)/ruff check --fix .

@@ -95,7 +95,7 @@ def test_the_wheel_runs_the_demo_and_the_gateway_suite_from_elsewhere(installed_
     )  # fmt: skip
     assert demo.returncode == 0 and "8/8 requests done, 0 failed" in demo.stdout, demo.stdout[-2000:] + demo.stderr
     report = tmp_path / "report.yaml"
-    suite = subprocess.run([str(installed_wheel / "msp-conformance"), "gateway", "--report", str(report)],
+    suite = subprocess.run([str(installed_wheel / "gateway-conformance"), "--report", str(report)],
                            capture_output=True, text=True, timeout=240, cwd=tmp_path, env=OUTSIDE)  # fmt: skip
     assert suite.returncode == 0, suite.stdout[-2000:] + suite.stderr[-2000:]
     assert yaml.safe_load(report.read_text())["profiles"][0]["core"]["result"] == "success"

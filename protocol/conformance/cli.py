@@ -3,11 +3,9 @@
     msp-conformance --url http://host:8000 [--model NAME] [--lora-adapter A [--lora-adapter B]]
                     [--engine vllm|sglang|trtllm-serve|triton-tensorrt-llm] [--report report.yaml] [--only NAME ...]
 
-    msp-conformance gateway [--envoy-template BOOTSTRAP.tmpl] [--report report.yaml] [--only NAME ...]
-
-The first form checks a model server; `gateway` checks the gateway data path (a real Envoy from our bootstrap or
-yours, our EPP in test mode, echo backends, all on loopback). Prints one line per check (PASS / FAIL / SKIP, with
-its MUST or SHOULD level) and exits 1 if a MUST check failed.
+Checks a model server. Prints one line per check (PASS / FAIL / SKIP, with its MUST or SHOULD level) and exits 1 if
+a MUST check failed. The gateway data-path suite runs our EPP, so it lives with it: `gateway-conformance`
+(`epp/conformance/`).
 """
 
 from __future__ import annotations
@@ -32,30 +30,15 @@ async def run(args: argparse.Namespace) -> list[Result]:
         target = Target(args.url.rstrip("/"), model, args.engine, adapters, args.load_requests, session)
 
         print(f"Model Server Protocol conformance: {args.url} (model {model!r}, engine {args.engine})")
-        return await suite.run(target, set(args.only) if args.only else None, _show)
+        return await suite.run(target, set(args.only) if args.only else None, show)
 
 
-def _show(result: Result) -> None:
+def show(result: Result) -> None:
     note = f" — {result.message}" if result.message else ""
     print(f"{result.outcome:<4} {result.check.level:<6} {result.check.name}{note}", flush=True)
 
 
-async def run_gateway(args: argparse.Namespace) -> list[Result]:
-    from protocol.conformance import gateway
-
-    target = gateway.Gateway(envoy_template=args.envoy_template)
-    if args.workdir:
-        args.workdir.mkdir(parents=True, exist_ok=True)
-        target.workdir = args.workdir
-    print(f"Gateway data-path conformance: Envoy bootstrap {args.envoy_template} (logs in {target.workdir})")
-    try:
-        await target.start()
-        return await gateway.suite.run(target, set(args.only) if args.only else None, _show)
-    finally:
-        await target.stop()
-
-
-def _finish(args: argparse.Namespace, suite_name: str, results: list[Result], target: str) -> None:
+def finish(args: argparse.Namespace, suite_name: str, results: list[Result], target: str) -> None:
     counts = {o: sum(1 for r in results if r.outcome is o) for o in Outcome}
     print(f"{counts[Outcome.PASS]} passed, {counts[Outcome.FAIL]} failed, {counts[Outcome.SKIP]} skipped")
     if args.report:
@@ -67,7 +50,7 @@ def _finish(args: argparse.Namespace, suite_name: str, results: list[Result], ta
     sys.exit(1 if must_failed else 0)
 
 
-def _report_options(p: argparse.ArgumentParser) -> None:
+def report_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--only", nargs="*", help="run only these checks")
     p.add_argument("--report", type=Path, help="write a ConformanceReport YAML here")
     g = p.add_argument_group("implementation under test (report fields)")
@@ -78,26 +61,8 @@ def _report_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--contact", action="append", default=[])
 
 
-def gateway_main(argv: list[str]) -> None:
-    from epp.envoy import TEMPLATE
-
-    p = argparse.ArgumentParser(prog="msp-conformance gateway", description=__doc__,
-                                formatter_class=argparse.RawTextHelpFormatter)  # fmt: skip
-    p.add_argument("--envoy-template", type=Path, default=TEMPLATE, help="Envoy bootstrap template to test")
-    p.add_argument(
-        "--workdir", type=Path, help="where the Envoy, EPP and pool files and logs go (default: a new temp dir)"
-    )
-    _report_options(p)
-    args = p.parse_args(argv)
-    results = asyncio.run(run_gateway(args))
-    _finish(args, "GatewayDataPath", results, str(args.envoy_template))
-
-
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["gateway"]:
-        gateway_main(argv[1:])
-        return
     p = argparse.ArgumentParser(
         prog="msp-conformance", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
@@ -111,7 +76,7 @@ def main(argv: list[str] | None = None) -> None:
         default=32,
         help="concurrent long requests that first load the server (then 4x, up to 64x, until requests queue)",
     )
-    _report_options(p)
+    report_options(p)
     args = p.parse_args(argv)
     results = asyncio.run(run(args))
-    _finish(args, suite.name, results, args.url)
+    finish(args, suite.name, results, args.url)

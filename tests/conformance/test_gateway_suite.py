@@ -11,7 +11,7 @@ from epp.envoy import TEMPLATE
 
 def run_suite(tmp_path, *args):
     report = tmp_path / "report.yaml"
-    result = subprocess.run([sys.executable, "-m", "protocol.conformance", "gateway", "--report", str(report),
+    result = subprocess.run([sys.executable, "-m", "epp.conformance", "--report", str(report),
                              "--workdir", str(tmp_path / "work"), *args],
                             capture_output=True, text=True, timeout=240)  # fmt: skip
     assert report.exists(), result.stdout[-3000:] + result.stderr[-3000:]

@@ -2,8 +2,8 @@
 (they abstain until the predictor is ready, then take part), the predictor learns the servers well enough to be
 used."""
 
+from epp.bench.prediction import decision_time, evaluate
 from epp.predictor import LatencyPredictor
-from epp.predictor.evaluate import decision_time, evaluate
 
 
 async def test_predictor_learns_a_real_sim_pool():
@@ -13,7 +13,7 @@ async def test_predictor_learns_a_real_sim_pool():
     assert predictor.ttft_ready
     last = report.phases[-1]
     assert last.scored > 0
-    # loose bounds: the 2-core test machine is shared; the full run (`python -m epp.predictor.evaluate`) reports
+    # loose bounds: the 2-core test machine is shared; the full run (`python -m epp.bench.prediction`) reports
     # the real figures
     assert last.ttft_mape < 0.6 and last.window_ttft_mape < 0.6
     assert 0 < decision_time(predictor, size=8, repeats=20) < 5_000

@@ -1,4 +1,4 @@
-"""How well the predictor learns real sim servers: `python -m epp.predictor.evaluate [--route predicted]`.
+"""How well the predictor learns real sim servers: `python -m epp.bench.prediction [--route predicted]`.
 
 Starts a sim pool (one `modelserver --backend sim --replicas N` process), scrapes each server's /metrics every
 50 ms into `Endpoint` objects as the EPP's data layer does, and drives a heterogeneous closed-loop workload
@@ -285,7 +285,7 @@ async def evaluate(
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m epp.predictor.evaluate", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m epp.bench.prediction", description=__doc__.split("\n\n")[0])
     p.add_argument("--servers", type=int, default=4)
     p.add_argument("--concurrency", type=lambda s: [int(c) for c in s.split(",")], default=[4, 12, 24],
                    help="clients per phase, comma separated (default 4,12,24)")  # fmt: skip

@@ -1,0 +1,5 @@
+"""python -m epp.conformance: the gateway data-path suite."""
+
+from epp.conformance.cli import main
+
+main()
