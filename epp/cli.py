@@ -137,7 +137,7 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
         args.metrics_staleness_threshold,
         idle_interval=args.refresh_metrics_idle_interval or args.refresh_metrics_interval,
     )
-    datastore = Datastore(scraper, scheduler.on_pool_changed)
+    datastore = Datastore([scraper], scheduler.on_pool_changed)
     datastore.apply(initial)
     pool_name = args.pool_name or Path(args.pool_file).stem
     detector = scheduler.detector

@@ -28,6 +28,8 @@ def _pool(size: int, rng: random.Random) -> list[Endpoint]:
 class _DrawnMetrics:
     """Stands in for the scraper: every endpoint keeps the metrics drawn for it."""
 
+    name = "drawn-metrics"
+
     def __init__(self, endpoints: list[Endpoint]):
         self.metrics = {e.spec.name: e.metrics for e in endpoints}
 
@@ -40,13 +42,16 @@ class _DrawnMetrics:
     def wake(self) -> None:
         pass
 
+    async def close(self) -> None:
+        pass
+
 
 def measure_director(size: int, prompt_bytes: int, repeats: int = 300, seed: int = 0) -> float:
     """Median microseconds per director.route() + after_routed() + on_complete()."""
     rng = random.Random(seed)
     pool = _pool(size, rng)
     scheduler = Scheduler.from_config(None)
-    datastore = Datastore(_DrawnMetrics(pool), scheduler.on_pool_changed)
+    datastore = Datastore([_DrawnMetrics(pool)], scheduler.on_pool_changed)
     datastore.apply(PoolState(endpoints=tuple(e.spec for e in pool)))
     director = Director(datastore, scheduler, EPPMetrics("bench", lambda: datastore.endpoints, lambda: None))
     system = "".join(rng.choice("abcdefghij ") for _ in range(prompt_bytes))

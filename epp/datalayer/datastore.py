@@ -1,20 +1,23 @@
 """The live pool: one `Endpoint` object per endpoint for as long as it is in the pool, the pool's objectives,
-models and rewrites, and a scraper task per endpoint."""
+models and rewrites; the endpoint sources (`epp.datalayer.source`: the metrics scraper, KV events) are told when an
+endpoint joins or leaves."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from epp.datalayer.endpoint import Endpoint, PoolState
-from epp.datalayer.scraper import Scraper
+from epp.datalayer.source import EndpointSource
 
 log = logging.getLogger("epp.datastore")
 
 
 class Datastore:
-    def __init__(self, scraper: Scraper, on_pool_changed: Callable[[list[Endpoint]], None] | None = None):
-        self.scraper = scraper
+    def __init__(
+        self, sources: Sequence[EndpointSource], on_pool_changed: Callable[[list[Endpoint]], None] | None = None
+    ):
+        self.sources = tuple(sources)
         self.on_pool_changed = on_pool_changed
         self.state = PoolState()
         self.endpoints: list[Endpoint] = []  # what the scheduler reads, replaced (never mutated) on change
@@ -27,14 +30,16 @@ class Datastore:
         wanted = {spec.name: spec for spec in state.endpoints}
         for name, endpoint in list(current.items()):
             if wanted.get(name) != endpoint.spec:
-                self.scraper.stop(endpoint)
+                for source in self.sources:
+                    source.stop(endpoint)
                 del current[name]
                 log.info("endpoint %s (%s) left the pool", name, endpoint.hostport)
         for name, spec in wanted.items():
             if name not in current:
                 endpoint = Endpoint(spec)
                 current[name] = endpoint
-                self.scraper.start(endpoint)
+                for source in self.sources:
+                    source.start(endpoint)
                 log.info("endpoint %s (%s, %s) joined the pool", name, spec.hostport, spec.engine)
         self.state = state
         self.endpoints = [current[spec.name] for spec in state.endpoints]
@@ -44,7 +49,8 @@ class Datastore:
 
     def note_request(self) -> None:
         """A request arrived: quiet endpoints go back to the fast scrape interval while its body arrives."""
-        self.scraper.wake()
+        for source in self.sources:
+            source.wake()
 
     def by_hostport(self, hostport: str) -> Endpoint | None:
         return self._by_hostport.get(hostport)
@@ -54,5 +60,7 @@ class Datastore:
 
     async def close(self) -> None:
         for endpoint in self.endpoints:
-            self.scraper.stop(endpoint)
-        await self.scraper.close()
+            for source in self.sources:
+                source.stop(endpoint)
+        for source in self.sources:
+            await source.close()

@@ -135,10 +135,13 @@ def pool_state(pool: dict | None, pods: dict[str, dict], objectives: dict[str, d
 
 
 class KubernetesSource:
-    """Publishes the pool's PoolState whenever the pool, its Pods, objectives or rewrites change.
+    """A pool source (`epp.datalayer.source`): publishes the pool's PoolState whenever the pool, its Pods,
+    objectives or rewrites change.
 
     `run(on_update)` calls `on_update(state)` on the event loop; it returns only when the task is cancelled or
     `stop()` is called."""
+
+    name = "kubernetes"
 
     def __init__(self, api: k8s.ApiClient, pool_name: str, namespace: str, pool_group: str = POOL_GROUP,
                  watch_timeout: int = 60):  # fmt: skip

@@ -14,13 +14,15 @@ Trade-off: the replay socket is not used yet (its address is not in the topic), 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 
 import msgspec
 import zmq
 
+from epp.datalayer.endpoint import Endpoint
 from protocol.kv_events import (
     DEFAULT_SUBSCRIBER_PORT,
     AllBlocksCleared,
@@ -99,6 +101,12 @@ class KVBlockIndex:
 
 
 class KVEventSubscriber:
+    """An endpoint source (`epp.datalayer.source`) pushed to by the model servers: one SUB socket bound for all of
+    them (each publishes on its own `kv@<address:port>@<model>` topic); a receiver thread applies each batch to
+    the index. An endpoint that leaves the pool loses its entries."""
+
+    name = "kv-events"
+
     def __init__(self, index: KVBlockIndex, endpoint: str = f"tcp://*:{DEFAULT_SUBSCRIBER_PORT}"):
         self.index = index
         self._ctx = zmq.Context()
@@ -107,6 +115,7 @@ class KVEventSubscriber:
         self._sub.setsockopt(zmq.LINGER, 0)
         self._sub.bind(endpoint)
         self._next_seq: dict[str, int] = {}
+        self._forget: deque[str] = deque()  # endpoints that left the pool (appended on the loop, read by the thread)
         self.gaps = 0
         self.bad_messages = 0
         self._stop = threading.Event()
@@ -117,7 +126,19 @@ class KVEventSubscriber:
     def endpoint(self) -> str:
         return self._sub.getsockopt_string(zmq.LAST_ENDPOINT)
 
-    def close(self) -> None:
+    def start(self, endpoint: Endpoint) -> None:
+        pass  # its events identify it by topic; nothing to open per endpoint
+
+    def stop(self, endpoint: Endpoint) -> None:
+        self._forget.append(endpoint.hostport)  # the receiver thread owns the index: it clears it there
+
+    def wake(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self.shutdown)
+
+    def shutdown(self) -> None:
         self._stop.set()
         self._thread.join(timeout=2.0)
         self._sub.close(linger=0)
@@ -126,6 +147,10 @@ class KVEventSubscriber:
     def _run(self) -> None:
         decode = msgspec.msgpack.Decoder(KVEventBatch).decode
         while not self._stop.is_set():
+            while self._forget:
+                endpoint = self._forget.popleft()
+                self.index.clear(endpoint)
+                self._next_seq.pop(endpoint, None)
             if not self._sub.poll(100):
                 continue
             frames = self._sub.recv_multipart()

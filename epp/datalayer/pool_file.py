@@ -90,7 +90,10 @@ def load_pool_file(path: str | Path) -> PoolState:
 
 
 class PoolFileSource:
-    """Publishes the file's PoolState at start and whenever the file changes; a broken edit keeps the old pool."""
+    """A pool source (`epp.datalayer.source`): publishes the file's PoolState at start and whenever the file
+    changes; a broken edit keeps the old pool."""
+
+    name = "pool-file"
 
     def __init__(self, path: str | Path, poll_interval: float = 1.0):
         self.path = Path(path)

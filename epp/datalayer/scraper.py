@@ -20,12 +20,17 @@ import time
 
 from epp.datalayer.endpoint import Endpoint
 from epp.datalayer.metrics_client import MetricsClient, ScrapeError
-from protocol.metrics import InvalidMetricsError, MetricsParseError, engine_spec, parse_metrics
+from epp.datalayer.source import Extractor, PrometheusExtractor
+from protocol.metrics import InvalidMetricsError, MetricsParseError
 
 log = logging.getLogger("epp.scraper")
 
 
 class Scraper:
+    """An endpoint source (`epp.datalayer.source`): polls each endpoint's page and hands it to `extractor`."""
+
+    name = "metrics-scraper"
+
     def __init__(
         self,
         interval: float = 0.05,
@@ -33,7 +38,9 @@ class Scraper:
         staleness: float = 2.0,
         path: str = "/metrics",
         idle_interval: float = 0.05,
+        extractor: Extractor[str] | None = None,
     ):
+        self.extractor = extractor or PrometheusExtractor()
         self.interval = interval
         self.idle_interval = max(interval, min(idle_interval, staleness / 2))
         self.timeout = timeout
@@ -76,11 +83,10 @@ class Scraper:
 
     async def scrape_once(self, endpoint: Endpoint) -> bool:
         """One scrape; True when it succeeded. Updates the endpoint in place."""
-        spec = engine_spec(endpoint.spec.engine)
         self.scrapes += 1
         try:
             text = await self._client(endpoint).get()
-            endpoint.metrics = parse_metrics(text, spec)
+            self.extractor.extract(text, endpoint)
             self._set_stale(endpoint, False)
             return True
         except ConnectionRefusedError as exc:

@@ -83,7 +83,7 @@ class RecordingScraper:
 def test_datastore_reconciles_and_keeps_unchanged_endpoints():
     scraper = RecordingScraper()
     changes = []
-    store = Datastore(scraper, changes.append)
+    store = Datastore([scraper], changes.append)
     a, b = EndpointSpec("a", "10.0.0.1", 1), EndpointSpec("b", "10.0.0.2", 1)
     store.apply(PoolState(endpoints=(a, b), objectives={"x": 2}))
     kept = store.endpoints[0]
@@ -110,7 +110,7 @@ async def test_scraper_updates_marks_stale_and_recovers():
     site = web.TCPSite(runner, "127.0.0.1", port)
     await site.start()
     scraper = Scraper(interval=0.01, timeout=0.5, staleness=0.05)
-    store = Datastore(scraper)
+    store = Datastore([scraper])
     try:
         store.apply(PoolState(endpoints=(EndpointSpec("e", "127.0.0.1", port),)))
         endpoint = store.endpoints[0]
@@ -155,7 +155,7 @@ async def test_quiet_endpoints_are_scraped_slowly_until_a_request_arrives():
     IDLE = "vllm:num_requests_waiting 0\nvllm:num_requests_running 0\nvllm:kv_cache_usage_perc 0.0\n"
     state = {"page": IDLE, "scrapes": 0}
     scraper = Scraper(interval=0.01, timeout=0.5, staleness=2.0, idle_interval=0.4)
-    store = Datastore(scraper)
+    store = Datastore([scraper])
     async with page_server(state) as port:
         try:
             store.apply(PoolState(endpoints=(EndpointSpec("e", "127.0.0.1", port),)))
@@ -180,10 +180,10 @@ async def test_quiet_endpoints_are_scraped_slowly_until_a_request_arrives():
             await store.close()
 
 
-async def test_invalid_values_make_an_endpoint_stale_at_once_logged_once_and_scraping_survives(caplog, monkeypatch):
+async def test_invalid_values_make_an_endpoint_stale_at_once_logged_once_and_scraping_survives(caplog):
     state = {"page": PAGE}
     scraper = Scraper(interval=0.01, timeout=0.5, staleness=5.0)
-    store = Datastore(scraper)
+    store = Datastore([scraper])
     caplog.set_level("INFO", logger="epp.scraper")
     async with page_server(state) as port:
         try:
@@ -202,16 +202,46 @@ async def test_invalid_values_make_an_endpoint_stale_at_once_logged_once_and_scr
             assert len(stale_lines) == 3 and all(r.levelname == "WARNING" for r in stale_lines)  # once per change
             assert sum("is ready" in r.getMessage() for r in caplog.records) == 4
 
-            import epp.datalayer.scraper as scraper_module
+            class BrokenExtractor:
+                def extract(self, raw, endpoint):
+                    raise RuntimeError("a bug")
 
-            def broken(*args, **kwargs):
-                raise RuntimeError("a bug")
-
-            monkeypatch.setattr(scraper_module, "parse_metrics", broken)
+            working, scraper.extractor = scraper.extractor, BrokenExtractor()
             await asyncio.sleep(0.1)
             assert endpoint.stale
-            monkeypatch.undo()
+            scraper.extractor = working
             await asyncio.sleep(0.1)
             assert not endpoint.stale  # the scraping task survived the unexpected error
         finally:
             await store.close()
+
+
+class RecordingSource:
+    """An endpoint source that records what the datastore told it."""
+
+    name = "recording"
+
+    def __init__(self):
+        self.calls: list[str] = []
+
+    def start(self, endpoint):
+        self.calls.append(f"start {endpoint.name}")
+
+    def stop(self, endpoint):
+        self.calls.append(f"stop {endpoint.name}")
+
+    def wake(self):
+        self.calls.append("wake")
+
+    async def close(self):
+        self.calls.append("close")
+
+
+async def test_every_endpoint_source_follows_the_pool():
+    first, second = RecordingSource(), RecordingSource()
+    store = Datastore([first, second])
+    store.apply(PoolState(endpoints=(EndpointSpec("a", "10.0.0.1", 8000), EndpointSpec("b", "10.0.0.2", 8000))))
+    store.apply(PoolState(endpoints=(EndpointSpec("b", "10.0.0.2", 8000),)))
+    store.note_request()
+    await store.close()
+    assert first.calls == second.calls == ["start a", "start b", "stop a", "wake", "stop b", "close"]

@@ -6,6 +6,7 @@ import time
 import msgspec
 import zmq
 
+from epp.datalayer.endpoint import Endpoint, EndpointSpec
 from epp.datalayer.kv_events import KVBlockIndex, KVEventSubscriber
 from modelserver.engine.config import EngineConfig
 from modelserver.engine.engine import AsyncEngine
@@ -59,7 +60,7 @@ async def test_the_index_follows_each_server_s_cache_through_evictions():
     finally:
         for engine in engines:
             await engine.stop()
-        subscriber.close()
+        subscriber.shutdown()
 
 
 def test_a_gap_or_a_restart_drops_that_endpoint_only_and_resyncs():
@@ -76,7 +77,7 @@ def test_a_gap_or_a_restart_drops_that_endpoint_only_and_resyncs():
         subscriber._apply("b:1", 1, KVEventBatch(0.0, [BlockRemoved([2], "GPU")]))
         assert index.prefix_blocks([1, 2], ["b:1"]) == {"b:1": 1}
     finally:
-        subscriber.close()
+        subscriber.shutdown()
 
 
 def test_malformed_messages_are_counted_and_do_not_stop_the_subscriber():
@@ -98,7 +99,7 @@ def test_malformed_messages_are_counted_and_do_not_stop_the_subscriber():
     finally:
         pub.close(linger=0)
         ctx.term()
-        subscriber.close()
+        subscriber.shutdown()
 
 
 def test_the_memory_cap_drops_the_largest_endpoint_s_oldest_entries_and_counts_them():
@@ -108,3 +109,19 @@ def test_the_memory_cap_drops_the_largest_endpoint_s_oldest_entries_and_counts_t
     assert index.size == 4 and index.dropped_entries == 1
     assert index.prefix_blocks([1], ["a"]) == {"a": 0}  # a's oldest went first
     assert index.prefix_blocks([2, 3], ["a"]) == {"a": 2}
+
+
+async def test_an_endpoint_that_leaves_the_pool_loses_its_entries():
+    index = KVBlockIndex()
+    subscriber = KVEventSubscriber(index, "tcp://127.0.0.1:*")
+    try:
+        index.store("10.0.0.1:8000", [1, 2, 3])
+        index.store("10.0.0.2:8000", [1, 2])
+        subscriber.stop(Endpoint(EndpointSpec("a", "10.0.0.1", 8000)))  # the datastore: it left the pool
+        await wait_for(lambda: "10.0.0.1:8000" not in index._by_endpoint)
+        assert index.prefix_blocks([1, 2, 3], ["10.0.0.1:8000", "10.0.0.2:8000"]) == {
+            "10.0.0.1:8000": 0,
+            "10.0.0.2:8000": 2,
+        }
+    finally:
+        await subscriber.close()

@@ -21,6 +21,8 @@ BUFFERED = processing_mode_pb2.ProcessingMode.BUFFERED
 
 
 class NoScraper:
+    name = "no-scraper"
+
     def start(self, endpoint):
         endpoint.metrics = EndpointMetrics(block_size=16, num_gpu_blocks=100)
         endpoint.stale = False
@@ -37,7 +39,7 @@ class NoScraper:
 
 def make_picker(state: PoolState | None = None, config: str | None = None) -> Director:
     scheduler = Scheduler.from_config(config)
-    datastore = Datastore(NoScraper(), scheduler.on_pool_changed)
+    datastore = Datastore([NoScraper()], scheduler.on_pool_changed)
     datastore.apply(
         state or PoolState(endpoints=(EndpointSpec("a", "10.0.0.1", 8000), EndpointSpec("b", "10.0.0.2", 8000)))
     )

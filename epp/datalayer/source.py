@@ -1,0 +1,57 @@
+"""The data layer's two kinds of source, and the extractor that turns what a source collected into what the
+scheduler reads. A new signal plugs in as one more source (and its extractor), with no change to the scheduler:
+
+* `PoolSource` — discovery: what the pool is (endpoints, objectives, models, rewrites). `run(on_update)` calls
+  `on_update` with each new PoolState until it is cancelled. Implementations: `pool_file.PoolFileSource`,
+  `kubernetes.KubernetesSource`.
+* `EndpointSource` — collects per endpoint, for as long as the endpoint is in the pool: the datastore calls
+  `start(endpoint)` when it joins, `stop(endpoint)` when it leaves, `wake()` when a request arrives (a source that
+  slows down while the pool is quiet speeds up again) and `close()` at shutdown. Implementations:
+  `scraper.Scraper` (Prometheus pages, polled), `kv_events.KVEventSubscriber` (KV-cache events, pushed).
+* `Extractor` — what an endpoint source hands its raw data to: it updates the endpoint's attributes (the ones the
+  scheduling plugins declare in `consumes`) or an index the plugins read. `PrometheusExtractor` parses a metrics
+  page with the endpoint's engine's metric names into `Endpoint.metrics`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol, TypeVar
+
+from epp.datalayer.endpoint import Endpoint, PoolState
+from protocol.metrics import engine_spec, parse_metrics
+
+Raw = TypeVar("Raw", contravariant=True)
+
+
+class PoolSource(Protocol):
+    name: str
+
+    async def run(self, on_update: Callable[[PoolState], None]) -> None: ...
+
+
+class EndpointSource(Protocol):
+    name: str
+
+    def start(self, endpoint: Endpoint) -> None: ...
+
+    def stop(self, endpoint: Endpoint) -> None: ...
+
+    def wake(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+class Extractor(Protocol[Raw]):
+    def extract(self, raw: Raw, endpoint: Endpoint) -> None:
+        """Update `endpoint` (or what the plugins read about it) from `raw`; raise ValueError (or a subclass) when
+        `raw` is malformed, leaving the endpoint as it was."""
+        ...
+
+
+class PrometheusExtractor:
+    """A Prometheus text page -> `endpoint.metrics` (queue, running, KV usage, LoRA adapters, cache config), read
+    with the metric names of the endpoint's engine (`protocol.metrics.ENGINES`)."""
+
+    def extract(self, raw: str, endpoint: Endpoint) -> None:
+        endpoint.metrics = parse_metrics(raw, engine_spec(endpoint.spec.engine))
