@@ -217,8 +217,12 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
             tasks.append(asyncio.create_task(elector.run()))
         log.info(
             "epp ready: ext_proc %s:%d, health %d, metrics %d, %d endpoints",
-            args.bind_address, args.grpc_port, args.grpc_health_port, args.metrics_port, len(datastore.endpoints),
-        )  # fmt: skip
+            args.bind_address,
+            args.grpc_port,
+            args.grpc_health_port,
+            args.metrics_port,
+            len(datastore.endpoints),
+        )
         print(f"epp ready on {args.bind_address}:{args.grpc_port}", flush=True)
         await stop.wait()
     finally:

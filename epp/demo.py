@@ -22,8 +22,15 @@ SYSTEM_PROMPTS = [
     "You are a senior SQL engineer. Answer with a single query and one sentence of explanation. " * 25,
     "You are a travel planner. Suggest an itinerary with times and places, keep it short. " * 25,
 ]
-QUESTIONS = ["Where is my order?", "How do I join two tables?", "Plan a day in Lisbon.", "What is a refund policy?",
-             "Count users per country.", "Three days in Kyoto?", "Can I change my address?"]  # fmt: skip
+QUESTIONS = [
+    "Where is my order?",
+    "How do I join two tables?",
+    "Plan a day in Lisbon.",
+    "What is a refund policy?",
+    "Count users per country.",
+    "Three days in Kyoto?",
+    "Can I change my address?",
+]
 _SUCCESS = re.compile(r"^vllm:request_success_total\{[^}]*\} ([0-9.e+]+)$", re.MULTILINE)
 _PREFIX = re.compile(r"^vllm:prefix_cache_(hits|queries)_total\{[^}]*\} ([0-9.e+]+)$", re.MULTILINE)
 
@@ -37,26 +44,39 @@ async def _snapshot(session: aiohttp.ClientSession, url: str) -> dict:
         return {"down": True}
     prefix = {k: float(v) for k, v in _PREFIX.findall(text)}
     return {
-        "waiting": m.waiting, "running": m.running, "kv": m.kv_usage, "adapters": ",".join(sorted(m.running_adapters))
+        "waiting": m.waiting,
+        "running": m.running,
+        "kv": m.kv_usage,
+        "adapters": ",".join(sorted(m.running_adapters))
         + "".join(f" ({a} waiting)" for a in sorted(m.waiting_adapters - m.running_adapters)),
         "served": int(sum(float(v) for v in _SUCCESS.findall(text))),
         "hit": prefix.get("hits", 0) / prefix["queries"] if prefix.get("queries") else 0.0,
-    }  # fmt: skip
+    }
 
 
 def _table(urls: list[str], rows: list[dict], done: int, total: int, failures: int) -> Table:
     table = Table(title=f"EPP demo: {done}/{total} requests done, {failures} failed")
     # vLLM's lora_requests_info names the adapters of running and waiting requests (not every adapter loaded)
     for column in ("endpoint", "queue", "running", "KV", "LoRA in use", "served", "hit rate"):
-        table.add_column(column, justify="right" if column in ("queue", "running", "KV", "served", "hit rate") else "left",
-                         no_wrap=True)  # fmt: skip
+        table.add_column(
+            column,
+            justify="right" if column in ("queue", "running", "KV", "served", "hit rate") else "left",
+            no_wrap=True,
+        )
     for url, row in zip(urls, rows, strict=True):
         url = url.removeprefix("http://")
         if row.get("down"):
             table.add_row(url, "-", "-", "-", "down", "-", "-")
             continue
-        table.add_row(url, str(row["waiting"]), str(row["running"]), f"{row['kv']:.1%}", row["adapters"] or "-",
-                      str(row["served"]), f"{row['hit']:.0%}")  # fmt: skip
+        table.add_row(
+            url,
+            str(row["waiting"]),
+            str(row["running"]),
+            f"{row['kv']:.1%}",
+            row["adapters"] or "-",
+            str(row["served"]),
+            f"{row['hit']:.0%}",
+        )
     return table
 
 
@@ -70,8 +90,10 @@ async def run_demo(stack, model: str, adapters: tuple[str, ...], total: int, sto
     async def one(i: int) -> None:
         nonlocal done, failures
         target = rng.choice([model, model, *adapters])
-        messages = [{"role": "system", "content": rng.choice(SYSTEM_PROMPTS)},
-                    {"role": "user", "content": f"{rng.choice(QUESTIONS)} (#{i})"}]  # fmt: skip
+        messages = [
+            {"role": "system", "content": rng.choice(SYSTEM_PROMPTS)},
+            {"role": "user", "content": f"{rng.choice(QUESTIONS)} (#{i})"},
+        ]
         started = time.monotonic()
         try:
             if i % 2:

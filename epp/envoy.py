@@ -83,21 +83,36 @@ KUBERNETES_BOOTSTRAP = (
 
 def render_kubernetes_bootstrap() -> str:
     """The bootstrap the `gateways/envoy` kustomization ships: the EPP and the model servers by Service name."""
-    return render_bootstrap(epp_host="epp", epp_port=9002, fallback_endpoints=["model-server:8000"], listener_port=8081,
-                            admin_port=19000, bind_address="0.0.0.0", admin_address="127.0.0.1")  # fmt: skip
+    return render_bootstrap(
+        epp_host="epp",
+        epp_port=9002,
+        fallback_endpoints=["model-server:8000"],
+        listener_port=8081,
+        admin_port=19000,
+        bind_address="0.0.0.0",
+        admin_address="127.0.0.1",
+    )
 
 
 def render_baseline(
-    *, endpoints: list[str], listener_port: int, admin_port: int, lb_policy: str = "ROUND_ROBIN",
+    *,
+    endpoints: list[str],
+    listener_port: int,
+    admin_port: int,
+    lb_policy: str = "ROUND_ROBIN",
     bind_address: str = "127.0.0.1",
-) -> str:  # fmt: skip
+) -> str:
     """A plain Envoy balancing over the pool without the EPP (the benchmarks' baseline)."""
     if lb_policy not in ("ROUND_ROBIN", "LEAST_REQUEST", "RANDOM"):
         raise ValueError("lb_policy must be ROUND_ROBIN, LEAST_REQUEST or RANDOM")
     return string.Template(BASELINE_TEMPLATE.read_text()).substitute(
-        BIND_ADDRESS=bind_address, LISTENER_PORT=listener_port, ADMIN_ADDRESS=bind_address, ADMIN_PORT=admin_port,
-        LB_POLICY=lb_policy, FALLBACK_ENDPOINTS=_endpoints_yaml(endpoints),
-    )  # fmt: skip
+        BIND_ADDRESS=bind_address,
+        LISTENER_PORT=listener_port,
+        ADMIN_ADDRESS=bind_address,
+        ADMIN_PORT=admin_port,
+        LB_POLICY=lb_policy,
+        FALLBACK_ENDPOINTS=_endpoints_yaml(endpoints),
+    )
 
 
 def _endpoints_yaml(endpoints: list[str]) -> str:

@@ -100,8 +100,18 @@ def status_trailers(code: int, message: str) -> bytes:
 
 
 class _Stream:
-    __slots__ = ("closed", "handled", "handler", "header_block", "headers_sent", "id", "message", "pending",
-                 "recv_unacked", "send_window")  # fmt: skip
+    __slots__ = (
+        "closed",
+        "handled",
+        "handler",
+        "header_block",
+        "headers_sent",
+        "id",
+        "message",
+        "pending",
+        "recv_unacked",
+        "send_window",
+    )
 
     def __init__(self, stream_id: int, send_window: int):
         self.id = stream_id

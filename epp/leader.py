@@ -39,9 +39,18 @@ log = logging.getLogger("epp.leader")
 
 
 class LeaseElector:
-    def __init__(self, api: k8s.ApiClient, name: str, namespace: str, identity: str, lease_duration: float = 15.0,
-                 renew_deadline: float = 10.0, retry_period: float = 2.0,
-                 on_change: Callable[[bool], object] | None = None, release_on_stop: bool = True):  # fmt: skip
+    def __init__(
+        self,
+        api: k8s.ApiClient,
+        name: str,
+        namespace: str,
+        identity: str,
+        lease_duration: float = 15.0,
+        renew_deadline: float = 10.0,
+        retry_period: float = 2.0,
+        on_change: Callable[[bool], object] | None = None,
+        release_on_stop: bool = True,
+    ):
         if not retry_period < renew_deadline < lease_duration:
             raise ValueError("leader election needs retry_period < renew_deadline < lease_duration")
         self.leases = k8s.CoordinationV1Api(api)
@@ -87,9 +96,14 @@ class LeaseElector:
                 raise
             lease = k8s.V1Lease(
                 metadata=k8s.V1ObjectMeta(name=self.name, namespace=self.namespace),
-                spec=k8s.V1LeaseSpec(holder_identity=self.identity, lease_duration_seconds=self._duration_seconds(),
-                                     acquire_time=now, renew_time=now, lease_transitions=0),
-            )  # fmt: skip
+                spec=k8s.V1LeaseSpec(
+                    holder_identity=self.identity,
+                    lease_duration_seconds=self._duration_seconds(),
+                    acquire_time=now,
+                    renew_time=now,
+                    lease_transitions=0,
+                ),
+            )
             try:
                 self.leases.create_namespaced_lease(self.namespace, lease, _request_timeout=self.request_timeout)
                 return True
@@ -141,8 +155,12 @@ class LeaseElector:
         serving = self.serving
         if serving and not self.is_leader and not self._outage_logged:
             self._outage_logged = True
-            log.warning("%s: the Lease was not renewed within %.0fs (API unreachable); still serving from the last "
-                        "known pool until another holder appears", self.identity, self.renew_deadline)  # fmt: skip
+            log.warning(
+                "%s: the Lease was not renewed within %.0fs (API unreachable); still serving from the last "
+                "known pool until another holder appears",
+                self.identity,
+                self.renew_deadline,
+            )
         elif self.is_leader and self._outage_logged:
             self._outage_logged = False
             log.info("%s: the Lease is renewed again", self.identity)

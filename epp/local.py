@@ -81,9 +81,13 @@ class LocalStack:
     def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
         log = (self.workdir / f"{name}.log").open("ab")
         process = subprocess.Popen(
-            argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+            argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )  # fmt: skip
+        )
         log.close()
         self.processes[name] = process
         return process
@@ -96,8 +100,22 @@ class LocalStack:
             else [("modelserver", c.base_port, c.model_servers)]
         )
         for name, port, replicas in groups:
-            argv = [sys.executable, "-m", "modelserver", "--backend", c.backend, "--model", c.model, "--host", c.host,
-                    "--port", str(port), "--replicas", str(replicas), *c.modelserver_args]  # fmt: skip
+            argv = [
+                sys.executable,
+                "-m",
+                "modelserver",
+                "--backend",
+                c.backend,
+                "--model",
+                c.model,
+                "--host",
+                c.host,
+                "--port",
+                str(port),
+                "--replicas",
+                str(replicas),
+                *c.modelserver_args,
+            ]
             self._spawn(name, argv)
 
     def write_pool_file(self) -> Path:
@@ -109,9 +127,22 @@ class LocalStack:
 
     def start_epp(self) -> None:
         c = self.config
-        argv = [sys.executable, "-m", "epp", "--pool-file", str(self.write_pool_file()), "--bind-address", c.host,
-                "--grpc-port", str(c.grpc_port), "--grpc-health-port", str(c.grpc_health_port),
-                "--metrics-port", str(c.metrics_port), *c.epp_args]  # fmt: skip
+        argv = [
+            sys.executable,
+            "-m",
+            "epp",
+            "--pool-file",
+            str(self.write_pool_file()),
+            "--bind-address",
+            c.host,
+            "--grpc-port",
+            str(c.grpc_port),
+            "--grpc-health-port",
+            str(c.grpc_health_port),
+            "--metrics-port",
+            str(c.metrics_port),
+            *c.epp_args,
+        ]
         if c.config_file:
             argv += ["--config-file", c.config_file]
         if c.config_text:
@@ -121,11 +152,17 @@ class LocalStack:
     def start_envoy(self) -> None:
         c = self.config
         bootstrap = render_bootstrap(
-            epp_host=c.host, epp_port=c.grpc_port, listener_port=c.listener_port, admin_port=c.admin_port,
-            fail_open=c.fail_open, bind_address=c.host, request_body_mode=c.request_body_mode,
-            response_body_mode=c.response_body_mode, message_timeout=c.message_timeout,
+            epp_host=c.host,
+            epp_port=c.grpc_port,
+            listener_port=c.listener_port,
+            admin_port=c.admin_port,
+            fail_open=c.fail_open,
+            bind_address=c.host,
+            request_body_mode=c.request_body_mode,
+            response_body_mode=c.response_body_mode,
+            message_timeout=c.message_timeout,
             fallback_endpoints=[u.removeprefix("http://") for u in self.model_server_urls],
-        )  # fmt: skip
+        )
         path = self.workdir / "envoy.yaml"
         path.write_text(bootstrap)
         self.envoy = EnvoyProcess(path, c.admin_port, self.workdir / "envoy.log")
@@ -157,9 +194,15 @@ class LocalStack:
         """Every port the stack listens on, and what listens there."""
         c = self.config
         named = {c.base_port + i: f"model server {i}" for i in range(c.model_servers)}
-        named.update({c.grpc_port: "EPP ext_proc (--grpc-port)", c.grpc_health_port: "EPP health (--grpc-health-port)",
-                      c.metrics_port: "EPP metrics (--metrics-port)", c.listener_port: "Envoy (--listener-port)",
-                      c.admin_port: "Envoy admin (--admin-port)"})  # fmt: skip
+        named.update(
+            {
+                c.grpc_port: "EPP ext_proc (--grpc-port)",
+                c.grpc_health_port: "EPP health (--grpc-health-port)",
+                c.metrics_port: "EPP metrics (--metrics-port)",
+                c.listener_port: "Envoy (--listener-port)",
+                c.admin_port: "Envoy admin (--admin-port)",
+            }
+        )
         return named
 
     def check_ports_free(self) -> None:
@@ -239,8 +282,15 @@ def build_parser() -> argparse.ArgumentParser:
 async def run(args: argparse.Namespace, stop: asyncio.Event) -> int:
     model = args.model or ("sim-llama-8b" if args.backend == "sim" else None)
     workdir = Path(tempfile.mkdtemp(prefix="epp-local-"))
-    modelserver_args = ["--enable-lora", "--max-loras", "2", "--num-gpu-blocks", "4096",
-                        "--lora-modules", *(f"{a}={workdir / a}" for a in DEMO_ADAPTERS)]  # fmt: skip
+    modelserver_args = [
+        "--enable-lora",
+        "--max-loras",
+        "2",
+        "--num-gpu-blocks",
+        "4096",
+        "--lora-modules",
+        *(f"{a}={workdir / a}" for a in DEMO_ADAPTERS),
+    ]
     if args.backend == "torch" and model is None:
         from modelserver.torch.tiny import make_tiny_model
 
@@ -249,9 +299,12 @@ async def run(args: argparse.Namespace, stop: asyncio.Event) -> int:
     if args.backend == "torch":  # real adapter files: the tiny model's, or DIR/loras/<name> of the user's model
         adapters = [a for a in DEMO_ADAPTERS if (Path(model) / "loras" / a / "adapter_config.json").is_file()]
         if args.demo and len(adapters) < len(DEMO_ADAPTERS):
-            print(f"epp-local: the demo sends LoRA requests and needs PEFT adapters {', '.join(DEMO_ADAPTERS)} in "
-                  f"{Path(model) / 'loras'} (`modelserver make-tiny-model DIR --lora sql-lora --lora chat-lora` makes "
-                  "a tiny model with them); without --demo the stack runs without adapters", file=sys.stderr)  # fmt: skip
+            print(
+                f"epp-local: the demo sends LoRA requests and needs PEFT adapters {', '.join(DEMO_ADAPTERS)} in "
+                f"{Path(model) / 'loras'} (`modelserver make-tiny-model DIR --lora sql-lora --lora chat-lora` makes "
+                "a tiny model with them); without --demo the stack runs without adapters",
+                file=sys.stderr,
+            )
             return 2
         modelserver_args = modelserver_args[: -len(DEMO_ADAPTERS)] + [
             f"{a}={Path(model) / 'loras' / a}" for a in adapters
@@ -259,11 +312,20 @@ async def run(args: argparse.Namespace, stop: asyncio.Event) -> int:
         if not adapters:
             modelserver_args.remove("--lora-modules")
     config = StackConfig(
-        model_servers=args.model_servers, backend=args.backend, base_port=args.base_port, grpc_port=args.grpc_port,
-        grpc_health_port=args.grpc_health_port, metrics_port=args.metrics_port, listener_port=args.listener_port,
-        admin_port=args.admin_port, fail_open=args.fail_open, model=model, config_file=args.config_file,
-        modelserver_args=modelserver_args, workdir=workdir,
-    )  # fmt: skip
+        model_servers=args.model_servers,
+        backend=args.backend,
+        base_port=args.base_port,
+        grpc_port=args.grpc_port,
+        grpc_health_port=args.grpc_health_port,
+        metrics_port=args.metrics_port,
+        listener_port=args.listener_port,
+        admin_port=args.admin_port,
+        fail_open=args.fail_open,
+        model=model,
+        config_file=args.config_file,
+        modelserver_args=modelserver_args,
+        workdir=workdir,
+    )
     stack = LocalStack(config)
     say(f"starting {args.model_servers} {args.backend} model servers, the EPP and Envoy (logs in {workdir}) ...")
     try:

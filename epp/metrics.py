@@ -108,17 +108,27 @@ class _PoolCollector:
     def collect(self):
         endpoints = self.endpoints()
         ready = [e for e in endpoints if not e.stale and e.metrics is not None]
-        kv = GaugeMetricFamily("inference_pool_average_kv_cache_utilization",
-                               "The average kv cache utilization for an inference server pool.", labels=["name"])  # fmt: skip
+        kv = GaugeMetricFamily(
+            "inference_pool_average_kv_cache_utilization",
+            "The average kv cache utilization for an inference server pool.",
+            labels=["name"],
+        )
         kv.add_metric([self.pool_name], sum(e.metrics.kv_usage for e in ready) / len(ready) if ready else 0.0)
-        queue = GaugeMetricFamily("inference_pool_average_queue_size",
-                                  "The average number of requests pending in the model server queue.", labels=["name"])  # fmt: skip
+        queue = GaugeMetricFamily(
+            "inference_pool_average_queue_size",
+            "The average number of requests pending in the model server queue.",
+            labels=["name"],
+        )
         queue.add_metric([self.pool_name], sum(queue_depth(e) for e in ready) / len(ready) if ready else 0.0)
-        pods = GaugeMetricFamily("inference_pool_ready_pods", "The number of ready pods in the inference server pool.",
-                                 labels=["name"])  # fmt: skip
+        pods = GaugeMetricFamily(
+            "inference_pool_ready_pods", "The number of ready pods in the inference server pool.", labels=["name"]
+        )
         pods.add_metric([self.pool_name], len(ready))
-        per_pod = GaugeMetricFamily("inference_pool_per_pod_queue_size", "The total number of requests pending in the "
-                                    "model server queue for each underlying pod.", labels=["name", "model_server_pod"])  # fmt: skip
+        per_pod = GaugeMetricFamily(
+            "inference_pool_per_pod_queue_size",
+            "The total number of requests pending in the model server queue for each underlying pod.",
+            labels=["name", "model_server_pod"],
+        )
         for e in endpoints:
             per_pod.add_metric([self.pool_name, e.name], queue_depth(e))
         yield from (kv, queue, pods, per_pod)
@@ -126,8 +136,10 @@ class _PoolCollector:
         if index is not None:
             size = GaugeMetricFamily("inference_extension_prefix_indexer_size", "Size of the prefix indexer.")
             size.add_metric([], index.index_size)
-            ratio = GaugeMetricFamily("inference_extension_prefix_indexer_hit_ratio",
-                                      "Fraction of prompt blocks found on the chosen endpoint, over all requests.")  # fmt: skip
+            ratio = GaugeMetricFamily(
+                "inference_extension_prefix_indexer_hit_ratio",
+                "Fraction of prompt blocks found on the chosen endpoint, over all requests.",
+            )
             ratio.add_metric([], index.hit_ratio)
             yield from (size, ratio)
 
@@ -136,8 +148,9 @@ class _FlowControlCollector:
     """The flow control's queues (per band and flow), the pool's saturation and the autoscaler signal, read when
     Prometheus scrapes."""
 
-    def __init__(self, metrics: EPPMetrics, flow_control: Callable[[], FlowController | None],
-                 saturation: Callable[[], float]):  # fmt: skip
+    def __init__(
+        self, metrics: EPPMetrics, flow_control: Callable[[], FlowController | None], saturation: Callable[[], float]
+    ):
         self.metrics = metrics
         self.flow_control = flow_control
         self.saturation = saturation
@@ -145,16 +158,27 @@ class _FlowControlCollector:
     def collect(self):
         pool = self.metrics.pool_name
         labels = ["fairness_id", "priority", "inference_pool"]
-        size = GaugeMetricFamily("inference_extension_flow_control_queue_size",
-                                 "Current count of requests in the flow control buffer.", labels=labels)  # fmt: skip
-        size_bytes = GaugeMetricFamily("inference_extension_flow_control_queue_bytes",
-                                       "Current size in bytes of all buffered requests.", labels=labels)  # fmt: skip
-        saturation = GaugeMetricFamily("inference_extension_flow_control_pool_saturation",
-                                       "Share of the pool's endpoints that are saturated.", labels=["inference_pool"])  # fmt: skip
+        size = GaugeMetricFamily(
+            "inference_extension_flow_control_queue_size",
+            "Current count of requests in the flow control buffer.",
+            labels=labels,
+        )
+        size_bytes = GaugeMetricFamily(
+            "inference_extension_flow_control_queue_bytes",
+            "Current size in bytes of all buffered requests.",
+            labels=labels,
+        )
+        saturation = GaugeMetricFamily(
+            "inference_extension_flow_control_pool_saturation",
+            "Share of the pool's endpoints that are saturated.",
+            labels=["inference_pool"],
+        )
         saturation.add_metric([pool], self.saturation())
-        per_endpoint = GaugeMetricFamily("inference_extension_flow_control_queued_requests_per_ready_endpoint",
-                                         "Requests waiting in flow control per ready endpoint (an autoscaling "
-                                         "signal).", labels=["inference_pool"])  # fmt: skip
+        per_endpoint = GaugeMetricFamily(
+            "inference_extension_flow_control_queued_requests_per_ready_endpoint",
+            "Requests waiting in flow control per ready endpoint (an autoscaling signal).",
+            labels=["inference_pool"],
+        )
         controller = self.flow_control()
         totals: dict[tuple[str, str], list[int]] = {}
         for priority, flow, count, size_of in controller.queued() if controller is not None else ():
@@ -193,38 +217,84 @@ class EPPMetrics:
         self.endpoints = endpoints
         self.registry = reg = CollectorRegistry()
         model_labels = ["model_name", "target_model_name"]
-        self.requests = _Series("counter", "inference_objective_request_total",
-                                "Counter of inference objective requests broken out for each model and target model.",
-                                model_labels)  # fmt: skip
-        self.errors = _Series("counter", "inference_objective_request_error_total",
-                              "Counter of inference objective requests errors broken out for each model and target "
-                              "model.", [*model_labels, "error_code"])  # fmt: skip
-        self.duration = _Series("histogram", "inference_objective_request_duration_seconds",
-                                "Inference objective response latency distribution in seconds for each model and "
-                                "target model.", model_labels, DURATION_BUCKETS)  # fmt: skip
-        self.input_tokens = _Series("histogram", "inference_objective_input_tokens",
-                                    "Inference objective input token count distribution for requests in each model.",
-                                    model_labels, TOKEN_BUCKETS)  # fmt: skip
-        self.output_tokens = _Series("histogram", "inference_objective_output_tokens",
-                                     "Inference objective output token count distribution for requests in each model.",
-                                     model_labels, TOKEN_BUCKETS)  # fmt: skip
-        self.running = _Series("gauge", "inference_objective_running_requests",
-                               "Inference objective number of running requests in each model.", ["model_name"])  # fmt: skip
-        self.scheduler_e2e = _Series("histogram", "inference_extension_scheduler_e2e_duration_seconds",
-                                     "Scheduling latency distribution in seconds.", (), SCHEDULER_BUCKETS)  # fmt: skip
-        self.plugin_duration = _Series("histogram", "inference_extension_plugin_duration_seconds",
-                                       "Plugin latency distribution in seconds for each extension point, plugin type "
-                                       "and plugin name.", ["extension_point", "plugin_type", "plugin_name"],
-                                       SCHEDULER_BUCKETS)  # fmt: skip
-        self.served = _Series("counter", "inference_extension_served_endpoint_reports",
-                              "Responses for which the gateway reported the endpoint that served them, by whether "
-                              "it was the EPP's pick.", ["result"])  # fmt: skip
-        self.queue_duration = _Series("histogram", "inference_extension_flow_control_request_queue_duration_seconds",
-                                      "Distribution of the total time requests spend in flow control, from arrival "
-                                      "to their outcome.", ["fairness_id", "priority", "outcome", "inference_pool"],
-                                      QUEUE_BUCKETS)  # fmt: skip
-        self.series = series = (self.requests, self.errors, self.duration, self.input_tokens, self.output_tokens, self.running,
-                  self.scheduler_e2e, self.plugin_duration, self.served, self.queue_duration)  # fmt: skip
+        self.requests = _Series(
+            "counter",
+            "inference_objective_request_total",
+            "Counter of inference objective requests broken out for each model and target model.",
+            model_labels,
+        )
+        self.errors = _Series(
+            "counter",
+            "inference_objective_request_error_total",
+            "Counter of inference objective requests errors broken out for each model and target model.",
+            [*model_labels, "error_code"],
+        )
+        self.duration = _Series(
+            "histogram",
+            "inference_objective_request_duration_seconds",
+            "Inference objective response latency distribution in seconds for each model and target model.",
+            model_labels,
+            DURATION_BUCKETS,
+        )
+        self.input_tokens = _Series(
+            "histogram",
+            "inference_objective_input_tokens",
+            "Inference objective input token count distribution for requests in each model.",
+            model_labels,
+            TOKEN_BUCKETS,
+        )
+        self.output_tokens = _Series(
+            "histogram",
+            "inference_objective_output_tokens",
+            "Inference objective output token count distribution for requests in each model.",
+            model_labels,
+            TOKEN_BUCKETS,
+        )
+        self.running = _Series(
+            "gauge",
+            "inference_objective_running_requests",
+            "Inference objective number of running requests in each model.",
+            ["model_name"],
+        )
+        self.scheduler_e2e = _Series(
+            "histogram",
+            "inference_extension_scheduler_e2e_duration_seconds",
+            "Scheduling latency distribution in seconds.",
+            (),
+            SCHEDULER_BUCKETS,
+        )
+        self.plugin_duration = _Series(
+            "histogram",
+            "inference_extension_plugin_duration_seconds",
+            "Plugin latency distribution in seconds for each extension point, plugin type and plugin name.",
+            ["extension_point", "plugin_type", "plugin_name"],
+            SCHEDULER_BUCKETS,
+        )
+        self.served = _Series(
+            "counter",
+            "inference_extension_served_endpoint_reports",
+            "Responses for which the gateway reported the endpoint that served them, by whether it was the EPP's pick.",
+            ["result"],
+        )
+        self.queue_duration = _Series(
+            "histogram",
+            "inference_extension_flow_control_request_queue_duration_seconds",
+            "Distribution of the total time requests spend in flow control, from arrival to their outcome.",
+            ["fairness_id", "priority", "outcome", "inference_pool"],
+            QUEUE_BUCKETS,
+        )
+        self.series = series = (
+            self.requests,
+            self.errors,
+            self.duration,
+            self.input_tokens,
+            self.output_tokens,
+            self.running,
+            self.scheduler_e2e,
+            self.plugin_duration,
+            self.served,
+            self.queue_duration,
+        )
         reg.register(_SeriesCollector(series))
         reg.register(_PoolCollector(pool_name, endpoints, prefix_index))
         reg.register(_FlowControlCollector(self, flow_control, saturation))

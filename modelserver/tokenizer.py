@@ -67,9 +67,17 @@ def save_tokenizer(directory: Path) -> None:
     with it."""
     directory.mkdir(parents=True, exist_ok=True)
     build_default_tokenizer().save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS_TOKEN, "chat_template": DEFAULT_CHAT_TEMPLATE,
-        "model_max_length": 4096}, indent=2))  # fmt: skip
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "eos_token": EOS_TOKEN,
+                "chat_template": DEFAULT_CHAT_TEMPLATE,
+                "model_max_length": 4096,
+            },
+            indent=2,
+        )
+    )
 
 
 class Tokenizer:

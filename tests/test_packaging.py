@@ -45,8 +45,11 @@ def test_each_image_installs_only_its_part_and_the_manifests_name_the_right_imag
     for path in ("base/epp.yaml", "base/model-server.yaml", "overlays/gpu/model-server-gpu.yaml"):
         text = (ROOT / "manifests" / path).read_text()
         images[path] = re.search(r"image: \S+/([a-z-]+):", text).group(1)
-    assert images == {"base/epp.yaml": "epp", "base/model-server.yaml": "modelserver-sim",
-                      "overlays/gpu/model-server-gpu.yaml": "modelserver-torch"}  # fmt: skip
+    assert images == {
+        "base/epp.yaml": "epp",
+        "base/model-server.yaml": "modelserver-sim",
+        "overlays/gpu/model-server-gpu.yaml": "modelserver-torch",
+    }
 
 
 @pytest.mark.parametrize(("part", "module"), [("epp", "epp.cli"), ("modelserver", "modelserver.cli")])
@@ -61,13 +64,18 @@ def test_each_part_starts_without_the_others_dependencies(part, module):
 def installed_wheel(tmp_path_factory) -> Path:
     """A wheel of the checkout installed with [tools] into a new venv outside the checkout; its bin directory."""
     work = tmp_path_factory.mktemp("wheel")
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(work / "dist"), str(ROOT)],
-                   check=True, capture_output=True, timeout=300)  # fmt: skip
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(work / "dist"), str(ROOT)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     (wheel,) = (work / "dist").glob("*.whl")
     venv.create(work / "venv", with_pip=True)
     pip = work / "venv" / "bin" / "pip"
-    result = subprocess.run([str(pip), "install", "-q", f"{wheel}[tools]"], capture_output=True, text=True,
-                            timeout=600, env=OUTSIDE)  # fmt: skip
+    result = subprocess.run(
+        [str(pip), "install", "-q", f"{wheel}[tools]"], capture_output=True, text=True, timeout=600, env=OUTSIDE
+    )
     if result.returncode != 0:
         pytest.fail("installing the wheel failed: " + result.stderr[-2000:])
     return work / "venv" / "bin"
@@ -75,10 +83,13 @@ def installed_wheel(tmp_path_factory) -> Path:
 
 def test_the_wheel_ships_templates_and_workloads(installed_wheel):
     python = installed_wheel / "python"
-    code = ("import epp.envoy, epp.bench.workloads as w; print(epp.envoy.TEMPLATE.is_file(), "
-            "epp.envoy.BASELINE_TEMPLATE.is_file(), sorted(p.stem for p in w.WORKLOADS.glob('*.yaml')))")  # fmt: skip
-    out = subprocess.run([str(python), "-c", code], capture_output=True, text=True, timeout=60, cwd="/",
-                         env=OUTSIDE).stdout  # fmt: skip
+    code = (
+        "import epp.envoy, epp.bench.workloads as w; print(epp.envoy.TEMPLATE.is_file(), "
+        "epp.envoy.BASELINE_TEMPLATE.is_file(), sorted(p.stem for p in w.WORKLOADS.glob('*.yaml')))"
+    )
+    out = subprocess.run(
+        [str(python), "-c", code], capture_output=True, text=True, timeout=60, cwd="/", env=OUTSIDE
+    ).stdout
     assert out.startswith("True True [") and "shared-prefix" in out, out
 
 
@@ -88,14 +99,42 @@ def test_the_wheel_runs_the_demo_and_the_gateway_suite_from_elsewhere(installed_
     base = free_port_block(2)
     grpc, health, metrics, listener, admin = free_ports(5)
     demo = subprocess.run(
-        [str(installed_wheel / "epp-local"), "--model-servers", "2", "--demo", "--once", "--requests", "8",
-         "--base-port", str(base), "--grpc-port", str(grpc), "--grpc-health-port", str(health), "--metrics-port",
-         str(metrics), "--listener-port", str(listener), "--admin-port", str(admin)],
-        capture_output=True, text=True, timeout=240, cwd=tmp_path, env=OUTSIDE,
-    )  # fmt: skip
+        [
+            str(installed_wheel / "epp-local"),
+            "--model-servers",
+            "2",
+            "--demo",
+            "--once",
+            "--requests",
+            "8",
+            "--base-port",
+            str(base),
+            "--grpc-port",
+            str(grpc),
+            "--grpc-health-port",
+            str(health),
+            "--metrics-port",
+            str(metrics),
+            "--listener-port",
+            str(listener),
+            "--admin-port",
+            str(admin),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=tmp_path,
+        env=OUTSIDE,
+    )
     assert demo.returncode == 0 and "8/8 requests done, 0 failed" in demo.stdout, demo.stdout[-2000:] + demo.stderr
     report = tmp_path / "report.yaml"
-    suite = subprocess.run([str(installed_wheel / "gateway-conformance"), "--report", str(report)],
-                           capture_output=True, text=True, timeout=240, cwd=tmp_path, env=OUTSIDE)  # fmt: skip
+    suite = subprocess.run(
+        [str(installed_wheel / "gateway-conformance"), "--report", str(report)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=tmp_path,
+        env=OUTSIDE,
+    )
     assert suite.returncode == 0, suite.stdout[-2000:] + suite.stderr[-2000:]
     assert yaml.safe_load(report.read_text())["profiles"][0]["core"]["result"] == "success"

@@ -35,8 +35,14 @@ from epp.local import LocalStack, StackConfig
 MODEL = "sim-llama-8b"
 FAST_SIM = ["--sim-decode-base", "0.002", "--sim-prefill-time-per-token", "0.00001", "--sim-prefill-overhead", "0.001"]
 PROCESS_PATH = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
-REQUEST_HEADERS = [(":method", "POST"), (":scheme", "http"), (":path", PROCESS_PATH), (":authority", "epp"),
-                   ("content-type", "application/grpc"), ("te", "trailers")]  # fmt: skip
+REQUEST_HEADERS = [
+    (":method", "POST"),
+    (":scheme", "http"),
+    (":path", PROCESS_PATH),
+    (":authority", "epp"),
+    ("content-type", "application/grpc"),
+    ("te", "trailers"),
+]
 
 
 @dataclass
@@ -201,8 +207,10 @@ def gateway_body_flood(url: str, megabytes: int) -> tuple[int, int]:
     host, port = url.removeprefix("http://").split("/", 1)[0].split(":")
     with socket.create_connection((host, int(port)), timeout=30) as s:
         size = megabytes << 20
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\n"
-                  b"Content-Length: %d\r\n\r\n" % size)  # fmt: skip
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % size
+        )
         chunk = b"x" * (1 << 20)
         with contextlib.suppress(BrokenPipeError, ConnectionResetError):
             for _ in range(megabytes):
@@ -237,11 +245,20 @@ async def run(
     """Every attack in turn on one stack (`only`: the attacks whose names start with one of these)."""
     base = free_port_block(servers)
     grpc, health, metrics, listener, admin = free_ports(5)
-    stack = LocalStack(StackConfig(
-        model_servers=servers, base_port=base, grpc_port=grpc, grpc_health_port=health, metrics_port=metrics,
-        listener_port=listener, admin_port=admin, workdir=workdir, separate_model_server_processes=True,
-        modelserver_args=[*FAST_SIM, "--disable-log-stats"],
-    ))  # fmt: skip
+    stack = LocalStack(
+        StackConfig(
+            model_servers=servers,
+            base_port=base,
+            grpc_port=grpc,
+            grpc_health_port=health,
+            metrics_port=metrics,
+            listener_port=listener,
+            admin_port=admin,
+            workdir=workdir,
+            separate_model_server_processes=True,
+            modelserver_args=[*FAST_SIM, "--disable-log-stats"],
+        )
+    )
     await stack.start()
     # the attacker runs in a process of its own, so that its work does not slow the prober that measures latency
     pool = concurrent.futures.ProcessPoolExecutor(1)
@@ -274,12 +291,22 @@ async def run(
             await asyncio.sleep(max(0.5, seconds - (time.monotonic() - started)))
             stop.set()
             await asyncio.gather(*tasks)
-            result = AttackResult(name, sent, correct, prober.lost, peak[0] - idle_rss,
-                                  max(prober.latencies, default=0.0) * 1e3, len(prober.latencies), latency,
-                                  prober.notes[:3])  # fmt: skip
+            result = AttackResult(
+                name,
+                sent,
+                correct,
+                prober.lost,
+                peak[0] - idle_rss,
+                max(prober.latencies, default=0.0) * 1e3,
+                len(prober.latencies),
+                latency,
+                prober.notes[:3],
+            )
             results.append(result)
-            progress(f"{name}: {correct}/{sent} answered correctly, {result.lost} lost of {result.probes}, "
-                     f"peak RSS +{result.peak_rss_mb:.0f} MB, worst {result.worst_ms:.0f} ms")  # fmt: skip
+            progress(
+                f"{name}: {correct}/{sent} answered correctly, {result.lost} lost of {result.probes}, "
+                f"peak RSS +{result.peak_rss_mb:.0f} MB, worst {result.worst_ms:.0f} ms"
+            )
 
         loop = asyncio.get_running_loop()
 
@@ -296,8 +323,11 @@ async def run(
         pings = frame(PING, 0, 0, b"12345678") * 65_536
         await under("HTTP/2: PING flood (1.3 M), ACKs unread", lambda: thread(h2_attack, grpc, pings, 20))
         reset_encoder = Encoder()
-        resets = b"".join(frame(HEADERS, 0x4, 2 * i + 1, reset_encoder.encode(REQUEST_HEADERS))
-                          + frame(RST_STREAM, 0, 2 * i + 1, b"\0\0\0\x08") for i in range(2000))  # fmt: skip
+        resets = b"".join(
+            frame(HEADERS, 0x4, 2 * i + 1, reset_encoder.encode(REQUEST_HEADERS))
+            + frame(RST_STREAM, 0, 2 * i + 1, b"\0\0\0\x08")
+            for i in range(2000)
+        )
         await under("HTTP/2: rapid reset (2,000)", lambda: thread(h2_attack, grpc, resets))
         await under("HTTP/2: 1-byte WINDOW_UPDATE", lambda: thread(h2_attack, grpc, frame(WINDOW_UPDATE, 0, 0, b"\1")))
         await under("model-name flood (2,000 names)", lambda: model_name_flood(url, stack.epp_metrics_url, 2000))
@@ -336,14 +366,20 @@ async def run(
 
 def markdown(report: ChaosReport) -> str:
     limit = 3 * report.unloaded_p50_ms
-    lines = [f"host load (1/5/15 min): {' '.join(f'{v:.2f}' for v in os.getloadavg())}; well-behaved request "
-             f"unloaded p50 {report.unloaded_p50_ms:.1f} ms (3x: {limit:.1f} ms); EPP idle RSS "
-             f"{report.idle_rss_mb:.0f} MB", "",
-             "| attack | sent | answered correctly | well-behaved lost / sent | EPP peak RSS above idle | worst latency "
-             "| goals met |", "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    lines = [
+        f"host load (1/5/15 min): {' '.join(f'{v:.2f}' for v in os.getloadavg())}; well-behaved request "
+        f"unloaded p50 {report.unloaded_p50_ms:.1f} ms (3x: {limit:.1f} ms); EPP idle RSS "
+        f"{report.idle_rss_mb:.0f} MB",
+        "",
+        "| attack | sent | answered correctly | well-behaved lost / sent | EPP peak RSS above idle | worst latency "
+        "| goals met |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for r in report.results:
         met = r.lost == 0 and r.peak_rss_mb <= 64 and r.answered_correctly == r.sent
         met = met and (r.worst_ms <= limit if r.judged_on_latency else True)
-        lines.append(f"| {r.attack} | {r.sent} | {r.answered_correctly} | {r.lost} / {r.probes} | "
-                     f"+{r.peak_rss_mb:.0f} MB | {r.worst_ms:.0f} ms | {'yes' if met else 'NO'} |")  # fmt: skip
+        lines.append(
+            f"| {r.attack} | {r.sent} | {r.answered_correctly} | {r.lost} / {r.probes} | "
+            f"+{r.peak_rss_mb:.0f} MB | {r.worst_ms:.0f} ms | {'yes' if met else 'NO'} |"
+        )
     return "\n".join(lines)

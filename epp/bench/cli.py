@@ -41,10 +41,19 @@ def main(argv: list[str] | None = None) -> None:
         nargs="+",
         choices=targets,
         metavar="TARGET",
-        default=["epp", "prefix-only", "queue-only", "round-robin", "least-request", "random", "sglang-cache-aware",
-                 "sglang-round-robin", "vllm-cache-aware"],
+        default=[
+            "epp",
+            "prefix-only",
+            "queue-only",
+            "round-robin",
+            "least-request",
+            "random",
+            "sglang-cache-aware",
+            "sglang-round-robin",
+            "vllm-cache-aware",
+        ],
         help="any of: " + ", ".join(targets) + " (the Rust routers need the [bench] extra)",
-    )  # fmt: skip
+    )
     cmp.add_argument("--rates", type=float, nargs="+", default=[8.0, 16.0, 24.0])
     cmp.add_argument("--concurrency", type=int, nargs="+", default=[], help="closed-loop clients (instead of --rates)")
     cmp.add_argument("--duration", type=float, default=60.0)
@@ -82,8 +91,12 @@ def main(argv: list[str] | None = None) -> None:
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
         runs = len(args.targets) * len(args.concurrency or args.rates)
-        with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} runs"),
-                      TimeElapsedColumn()) as bar:  # fmt: skip
+        with Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            TextColumn("{task.completed}/{task.total} runs"),
+            TimeElapsedColumn(),
+        ) as bar:
             task = bar.add_task("starting", total=runs)
             started = []
 
@@ -97,10 +110,20 @@ def main(argv: list[str] | None = None) -> None:
                 started.append(message)
                 bar.update(task, description=message.split(" for ")[0])
 
-            results = asyncio.run(compare.compare(args.workload, args.targets, args.rates, args.duration, args.servers,
-                                                  args.out, args.scale, progress=progress,
-                                                  concurrencies=args.concurrency,
-                                                  load_generator=args.load_generator))  # fmt: skip
+            results = asyncio.run(
+                compare.compare(
+                    args.workload,
+                    args.targets,
+                    args.rates,
+                    args.duration,
+                    args.servers,
+                    args.out,
+                    args.scale,
+                    progress=progress,
+                    concurrencies=args.concurrency,
+                    load_generator=args.load_generator,
+                )
+            )
             bar.update(task, completed=runs, description="done")
         print(compare.markdown(results))
         print(f"results in {args.out}/{args.workload}.md, .json and *.png")

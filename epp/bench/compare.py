@@ -39,8 +39,11 @@ EPP_TARGETS = {
     "lora-only": SINGLE_SCORER.format("lora-affinity-scorer"),
 }
 ENVOY_TARGETS = {"round-robin": "ROUND_ROBIN", "least-request": "LEAST_REQUEST", "random": "RANDOM"}
-PEER_TARGETS = {"sglang-cache-aware": ("sglang", "cache_aware"), "sglang-round-robin": ("sglang", "round_robin"),
-                "vllm-cache-aware": ("vllm", "cache_aware")}  # fmt: skip
+PEER_TARGETS = {
+    "sglang-cache-aware": ("sglang", "cache_aware"),
+    "sglang-round-robin": ("sglang", "round_robin"),
+    "vllm-cache-aware": ("vllm", "cache_aware"),
+}
 _TOKEN_EVENT, _USAGE_EVENT = re.compile(rb'"choices":\s*\[\{'), re.compile(rb'"usage":\s*\{')
 _COUNTER = re.compile(r"^(vllm:(?:prefix_cache_hits|prefix_cache_queries|request_success)_total)\{[^}]*\} (\S+)$", re.M)
 
@@ -81,8 +84,12 @@ def _host_ticks() -> tuple[int, int]:
 def _summary(values: list[float]) -> dict[str, float]:
     if not values:
         return {}
-    return {"p50": percentile(values, 0.5) * 1e3, "p90": percentile(values, 0.9) * 1e3,
-            "p99": percentile(values, 0.99) * 1e3, "mean": statistics.fmean(values) * 1e3}  # fmt: skip
+    return {
+        "p50": percentile(values, 0.5) * 1e3,
+        "p90": percentile(values, 0.9) * 1e3,
+        "p99": percentile(values, 0.99) * 1e3,
+        "mean": statistics.fmean(values) * 1e3,
+    }
 
 
 async def _counters(session: aiohttp.ClientSession, urls: list[str]) -> list[dict[str, float]]:
@@ -145,15 +152,29 @@ async def _one(session: aiohttp.ClientSession, url: str, body: dict, headers: di
     if first is None:
         return Outcome(598)
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-    return Outcome(200, first - started, (last - first) / max(1, chunks - 1), time.monotonic() - started,
-                   usage.get("completion_tokens", 0), cached / max(1, usage.get("prompt_tokens", 0)))  # fmt: skip
+    return Outcome(
+        200,
+        first - started,
+        (last - first) / max(1, chunks - 1),
+        time.monotonic() - started,
+        usage.get("completion_tokens", 0),
+        cached / max(1, usage.get("prompt_tokens", 0)),
+    )
 
 
 class Pool:
     """A fresh sim pool plus one kind of router in front of it."""
 
-    def __init__(self, target: str, servers: int, workdir: Path, modelserver_args: list[str],
-                 epp_config: str | None = None, pool_extra: dict | None = None, router_args: list[str] = ()):  # fmt: skip
+    def __init__(
+        self,
+        target: str,
+        servers: int,
+        workdir: Path,
+        modelserver_args: list[str],
+        epp_config: str | None = None,
+        pool_extra: dict | None = None,
+        router_args: list[str] = (),
+    ):
         self.target, self.servers, self.workdir = target, servers, workdir
         self.modelserver_args = modelserver_args
         self.epp_config = epp_config if epp_config is not None else EPP_TARGETS.get(target)
@@ -167,10 +188,19 @@ class Pool:
     async def __aenter__(self) -> Pool:
         base = free_port_block(self.servers)
         grpc, health, metrics, listener, admin = free_ports(5)
-        config = StackConfig(model_servers=self.servers, base_port=base, grpc_port=grpc, grpc_health_port=health,
-                             metrics_port=metrics, listener_port=listener, admin_port=admin, workdir=self.workdir,
-                             modelserver_args=self.modelserver_args, config_text=self.epp_config,
-                             pool_extra=self.pool_extra)  # fmt: skip
+        config = StackConfig(
+            model_servers=self.servers,
+            base_port=base,
+            grpc_port=grpc,
+            grpc_health_port=health,
+            metrics_port=metrics,
+            listener_port=listener,
+            admin_port=admin,
+            workdir=self.workdir,
+            modelserver_args=self.modelserver_args,
+            config_text=self.epp_config,
+            pool_extra=self.pool_extra,
+        )
         self.stack = LocalStack(config)
         hostports = [u.removeprefix("http://") for u in self.stack.model_server_urls]
         if self.target in EPP_TARGETS or self.target.startswith("epp"):
@@ -183,22 +213,29 @@ class Pool:
         )
         if self.target in ENVOY_TARGETS:
             path = self.workdir / "baseline.yaml"
-            path.write_text(render_baseline(endpoints=hostports, listener_port=listener, admin_port=admin,
-                                            lb_policy=ENVOY_TARGETS[self.target]))  # fmt: skip
+            path.write_text(
+                render_baseline(
+                    endpoints=hostports, listener_port=listener, admin_port=admin, lb_policy=ENVOY_TARGETS[self.target]
+                )
+            )
             self.envoy = EnvoyProcess(path, admin, self.workdir / "baseline-envoy.log")
             self.envoy.start()
             await self.envoy.wait_ready()
             self.url = f"http://127.0.0.1:{listener}"
             return self
         kind, policy = PEER_TARGETS[self.target]
-        self.router, self.url = await start_router(kind, policy, self.stack.model_server_urls, self.workdir, MODEL,
-                                                   extra_args=self.router_args)  # fmt: skip
+        self.router, self.url = await start_router(
+            kind, policy, self.stack.model_server_urls, self.workdir, MODEL, extra_args=self.router_args
+        )
         return self
 
     def pids(self) -> dict[str, int]:
         out = {name: p.pid for name, p in self.stack.processes.items()}
-        for name, process in (("envoy", self.stack.envoy and self.stack.envoy.process),
-                              ("envoy", self.envoy and self.envoy.process), ("router", self.router)):  # fmt: skip
+        for name, process in (
+            ("envoy", self.stack.envoy and self.stack.envoy.process),
+            ("envoy", self.envoy and self.envoy.process),
+            ("router", self.router),
+        ):
             if process is not None:
                 out[name] = process.pid
         return out
@@ -212,23 +249,39 @@ class Pool:
         self.stack.stop()
 
 
-async def run_target(target: str, spec: dict, rate: float, duration: float, servers: int, workdir: Path,
-                     scale: float = 1.0, seed: int = 0, concurrency: int = 0,
-                     load_generator: str = "builtin") -> TargetResult:  # fmt: skip
+async def run_target(
+    target: str,
+    spec: dict,
+    rate: float,
+    duration: float,
+    servers: int,
+    workdir: Path,
+    scale: float = 1.0,
+    seed: int = 0,
+    concurrency: int = 0,
+    load_generator: str = "builtin",
+) -> TargetResult:
     lora_args = []
     if spec["name"] == "multi-lora":
         names = lora_names(spec)
-        lora_args = ["--enable-lora", "--max-loras", str(spec.get("max_loras", 4)), "--lora-modules",
-                     *(f"{n}={workdir}/{n}" for n in names)]  # fmt: skip
+        lora_args = [
+            "--enable-lora",
+            "--max-loras",
+            str(spec.get("max_loras", 4)),
+            "--lora-modules",
+            *(f"{n}={workdir}/{n}" for n in names),
+        ]
     # A closed loop draws from a stream generated fast enough never to run dry.
     stream = requests(spec, MODEL, rate or concurrency * 50, duration, seed, scale)
-    result = TargetResult(target, 0.0 if concurrency else rate, concurrency, requests=len(stream),
-                          load_generator=load_generator)  # fmt: skip
+    result = TargetResult(
+        target, 0.0 if concurrency else rate, concurrency, requests=len(stream), load_generator=load_generator
+    )
     server_args = ["--disable-log-stats", *lora_args, *map(str, spec.get("modelserver_args", []))]
     async with Pool(target, servers, workdir, server_args) as pool:
         urls = pool.stack.model_server_urls
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
-                                         timeout=aiohttp.ClientTimeout(total=300)) as session:  # fmt: skip
+        async with aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=300)
+        ) as session:
             before = await _counters(session, urls)
             pids = pool.pids()
             cpu_before = {k: cpu_seconds(p) for k, p in pids.items()}
@@ -246,8 +299,9 @@ async def run_target(target: str, spec: dict, rate: float, duration: float, serv
             url = f"{pool.url}/v1/completions"
             outcomes = []
             if load_generator == "inference-perf":
-                summary = await inference_perf.run(spec, pool.url, MODEL, rate, concurrency, duration, scale, workdir,
-                                                   seed)  # fmt: skip
+                summary = await inference_perf.run(
+                    spec, pool.url, MODEL, rate, concurrency, duration, scale, workdir, seed
+                )
             elif concurrency:
                 pending = iter(stream)
 
@@ -348,11 +402,14 @@ def markdown(results: list[TargetResult]) -> str:
         title = f"closed loop, {concurrency} concurrent clients" if concurrency else f"{rate:g} requests/s"
         if rows and rows[0].load_generator != "builtin":
             title += f" (load generator: {rows[0].load_generator})"
-        lines += [f"### {title}", "",
-                  "| target | TTFT mean | TTFT p90 | ITL mean | e2e p90 | req/s | out tok/s | success | prefix hits | "
-                  "cached requests (TTFT cached / not) | per server | TTFT vs RR (mean / p90) | TTFT vs best peer (mean / p90) | "
-                  "valid |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+        lines += [
+            f"### {title}",
+            "",
+            "| target | TTFT mean | TTFT p90 | ITL mean | e2e p90 | req/s | out tok/s | success | prefix hits | "
+            "cached requests (TTFT cached / not) | per server | TTFT vs RR (mean / p90) | TTFT vs best peer (mean / p90) | "
+            "valid |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
         for r in rows:
             t = r.ttft_ms or {"mean": float("nan"), "p90": float("nan")}
             vs_rr = (
@@ -376,7 +433,7 @@ def markdown(results: list[TargetResult]) -> str:
                 f"{r.requests_per_s:.1f} | {r.output_tokens_per_s:.0f} | {r.succeeded}/{r.requests} | "
                 f"{r.prefix_hit_rate:.0%} | {cached} | {'/'.join(map(str, r.per_server))} | {vs_rr} | {vs_peer} | "
                 f"{'yes' if r.valid else f'no (CPU: ours {r.machine_busy:.0%}, host {r.host_busy:.0%})'} |"
-            )  # fmt: skip
+            )
         lines.append("")
     return "\n".join(lines) + "times in ms; TTFT ratios below 1 mean faster than the reference.\n"
 
@@ -397,8 +454,11 @@ def plots(results: list[TargetResult], out: Path) -> list[Path]:
             continue
         fig, ax = plt.subplots(figsize=(7, 4))
         for target in dict.fromkeys(r.target for r in runs):
-            points = sorted((r.concurrency if closed else r.rate, r.ttft_ms.get("p90", float("nan")))
-                            for r in runs if r.target == target)  # fmt: skip
+            points = sorted(
+                (r.concurrency if closed else r.rate, r.ttft_ms.get("p90", float("nan")))
+                for r in runs
+                if r.target == target
+            )
             ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=target)
         ax.set(xlabel=xlabel, ylabel="TTFT p90 (ms)", title=f"TTFT vs {xlabel}")
         ax.legend(fontsize=7)
@@ -412,8 +472,11 @@ def plots(results: list[TargetResult], out: Path) -> list[Path]:
         load = f"{r.concurrency} clients" if r.concurrency else f"{r.rate:g} req/s"
         fig, ax = plt.subplots(figsize=(7, 3))
         for server in range(len(r.load_over_time[0])):
-            ax.plot([0.5 * i for i in range(len(r.load_over_time))], [s[server] for s in r.load_over_time],
-                    label=f"server {server}")  # fmt: skip
+            ax.plot(
+                [0.5 * i for i in range(len(r.load_over_time))],
+                [s[server] for s in r.load_over_time],
+                label=f"server {server}",
+            )
         ax.set(xlabel="seconds", ylabel="running + waiting", title=f"{r.target} at {load}: load per server")
         ax.legend(fontsize=7)
         fig.tight_layout()
@@ -423,9 +486,18 @@ def plots(results: list[TargetResult], out: Path) -> list[Path]:
     return paths
 
 
-async def compare(workload: str, targets: list[str], rates: list[float], duration: float, servers: int, out: Path,
-                  scale: float = 1.0, progress=print, concurrencies: list[int] = (),
-                  load_generator: str = "builtin") -> list[TargetResult]:  # fmt: skip
+async def compare(
+    workload: str,
+    targets: list[str],
+    rates: list[float],
+    duration: float,
+    servers: int,
+    out: Path,
+    scale: float = 1.0,
+    progress=print,
+    concurrencies: list[int] = (),
+    load_generator: str = "builtin",
+) -> list[TargetResult]:
     known = {**EPP_TARGETS, **ENVOY_TARGETS, **PEER_TARGETS}
     unknown = [t for t in targets if t not in known]
     if unknown:  # before anything starts

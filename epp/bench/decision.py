@@ -5,11 +5,13 @@ scheduling, accounting and metrics; recording the pick; completion)."""
 
 from __future__ import annotations
 
+import functools
 import random
 import time
 
 from epp.datalayer.datastore import Datastore
 from epp.datalayer.endpoint import Endpoint, EndpointSpec, PoolState
+from epp.flowcontrol import FlowControlConfig, FlowController
 from epp.metrics import EPPMetrics
 from epp.requestcontrol.director import Director
 from epp.scheduling.scheduler import Scheduler
@@ -18,11 +20,22 @@ from protocol.metrics import EndpointMetrics
 
 
 def _pool(size: int, rng: random.Random) -> list[Endpoint]:
-    return [Endpoint(EndpointSpec(f"e{i}", f"10.0.{i // 250}.{i % 250}", 8000),
-                     EndpointMetrics(waiting=rng.randrange(5), running=rng.randrange(20), kv_usage=rng.random(),
-                                     block_size=16, num_gpu_blocks=8192, max_lora=4,
-                                     running_adapters=frozenset({f"lora-{rng.randrange(8)}"})), stale=False)
-            for i in range(size)]  # fmt: skip
+    return [
+        Endpoint(
+            EndpointSpec(f"e{i}", f"10.0.{i // 250}.{i % 250}", 8000),
+            EndpointMetrics(
+                waiting=rng.randrange(5),
+                running=rng.randrange(20),
+                kv_usage=rng.random(),
+                block_size=16,
+                num_gpu_blocks=8192,
+                max_lora=4,
+                running_adapters=frozenset({f"lora-{rng.randrange(8)}"}),
+            ),
+            stale=False,
+        )
+        for i in range(size)
+    ]
 
 
 class _DrawnMetrics:
@@ -46,14 +59,22 @@ class _DrawnMetrics:
         pass
 
 
-def measure_director(size: int, prompt_bytes: int, repeats: int = 300, seed: int = 0) -> float:
-    """Median microseconds per director.route() + after_routed() + on_complete()."""
+def measure_director(
+    size: int, prompt_bytes: int, repeats: int = 300, seed: int = 0, flow_control: bool = False
+) -> float:
+    """Median microseconds per director.route() + after_routed() + on_complete(); with `flow_control`, through
+    its fast path (the pool has room: the saturation check, no queue)."""
     rng = random.Random(seed)
     pool = _pool(size, rng)
     scheduler = Scheduler.from_config(None)
     datastore = Datastore([_DrawnMetrics(pool)], scheduler.on_pool_changed)
     datastore.apply(PoolState(endpoints=tuple(e.spec for e in pool)))
     director = Director(datastore, scheduler, EPPMetrics("bench", lambda: datastore.endpoints, lambda: None))
+    if flow_control:
+        detector = scheduler.detector
+        director.flow_control = FlowController(
+            FlowControlConfig(), lambda in_flight: detector.has_room(datastore.endpoints, in_flight)
+        )
     system = "".join(rng.choice("abcdefghij ") for _ in range(prompt_bytes))
     headers = {":path": "/v1/completions", "content-type": "application/json"}
 
@@ -98,7 +119,12 @@ def measure(size: int, prompt_bytes: int, repeats: int = 300, seed: int = 0) -> 
 
 
 def main(sizes=(8, 32, 128), prompts=(1_000, 16_000, 220_000)) -> None:
-    for title, function in (("scheduler", measure), ("director (whole request path)", measure_director)):
+    with_flow_control = functools.partial(measure_director, flow_control=True)
+    for title, function in (
+        ("scheduler", measure),
+        ("director (whole request path)", measure_director),
+        ("director with flow control (its fast path: the pool has room)", with_flow_control),
+    ):
         print(f"\n{title}\n")
         print("| endpoints | " + " | ".join(f"{p // 1000} KB prompt (us)" for p in prompts) + " |")
         print("| --- |" + " --- |" * len(prompts))

@@ -118,8 +118,9 @@ def jain_index(served: list[float], demands: list[float]) -> float:
     return sum(x) ** 2 / (len(x) * sum(v * v for v in x)) if x and any(x) else 0.0
 
 
-async def run_target(target: str, overload: float, capacity: float, duration: float, servers: int, workdir: Path,
-                     seed: int = 0) -> FloodResult:  # fmt: skip
+async def run_target(
+    target: str, overload: float, capacity: float, duration: float, servers: int, workdir: Path, seed: int = 0
+) -> FloodResult:
     workdir.mkdir(parents=True, exist_ok=True)
     rate = capacity * overload
     total_share = sum(share for share, _ in CLASSES.values())
@@ -130,20 +131,40 @@ async def run_target(target: str, overload: float, capacity: float, duration: fl
         while (t := t + rng.expovariate(rate * share / total_share)) < duration:
             stream.append((t, name))
     stream.sort()
-    router_args = ["--max-concurrent-requests", str(servers * MAX_NUM_SEQS), "--queue-size", "1000",
-                   "--queue-timeout-secs", str(int(TTL))]  # fmt: skip
+    router_args = [
+        "--max-concurrent-requests",
+        str(servers * MAX_NUM_SEQS),
+        "--queue-size",
+        "1000",
+        "--queue-timeout-secs",
+        str(int(TTL)),
+    ]
     result = FloodResult(target, overload, rate, capacity, duration)
-    async with Pool(target, servers, workdir, SIM_ARGS, epp_config=TARGETS.get(target), pool_extra=OBJECTIVES,
-                    router_args=router_args) as pool:  # fmt: skip
+    async with Pool(
+        target,
+        servers,
+        workdir,
+        SIM_ARGS,
+        epp_config=TARGETS.get(target),
+        pool_extra=OBJECTIVES,
+        router_args=router_args,
+    ) as pool:
         url = f"{pool.url}/v1/completions"
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
-                                         timeout=aiohttp.ClientTimeout(total=TTL + 60)) as session:  # fmt: skip
+        async with aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=TTL + 60)
+        ) as session:
             started = time.monotonic()
             tasks: list[tuple[str, float, asyncio.Task[Outcome]]] = []
             for offset, name in stream:
                 await asyncio.sleep(max(0.0, started + offset - time.monotonic()))
-                body = {"model": MODEL, "prompt": _prompt(rng), "max_tokens": OUTPUT_TOKENS, "stream": True,
-                        "stream_options": {"include_usage": True}, "ignore_eos": True}  # fmt: skip
+                body = {
+                    "model": MODEL,
+                    "prompt": _prompt(rng),
+                    "max_tokens": OUTPUT_TOKENS,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                    "ignore_eos": True,
+                }
                 tasks.append((name, offset, asyncio.create_task(_one(session, url, body, CLASSES[name][1]))))
             outcomes = [(name, offset, await task) for name, offset, task in tasks]
             elapsed = time.monotonic() - started
@@ -159,10 +180,14 @@ async def run_target(target: str, overload: float, capacity: float, duration: fl
         for o in mine:
             statuses[str(o.status)] = statuses.get(str(o.status), 0) + 1
         result.classes[name] = ClassResult(
-            sent=len(mine), ok=len(ok), in_slo=sum(1 for o in ok if o.ttft <= SLO_TTFT),
-            ttft_p50=percentile(ttfts, 0.5) if ttfts else 0.0, ttft_p99=percentile(ttfts, 0.99) if ttfts else 0.0,
-            served_tokens=sum(o.output_tokens for o in ok), statuses=statuses,
-        )  # fmt: skip
+            sent=len(mine),
+            ok=len(ok),
+            in_slo=sum(1 for o in ok if o.ttft <= SLO_TTFT),
+            ttft_p50=percentile(ttfts, 0.5) if ttfts else 0.0,
+            ttft_p99=percentile(ttfts, 0.99) if ttfts else 0.0,
+            served_tokens=sum(o.output_tokens for o in ok),
+            statuses=statuses,
+        )
     served = [sum(o.output_tokens for n, o in in_window if n == name) for name in EQUAL_PRIORITY]
     demands = [result.classes[n].sent * OUTPUT_TOKENS for n in EQUAL_PRIORITY]
     result.jain = jain_index(served, demands)
@@ -173,22 +198,32 @@ async def run_target(target: str, overload: float, capacity: float, duration: fl
 
 
 def markdown(results: list[FloodResult], unloaded_ttft_p99: float) -> str:
-    lines = [f"TTFT SLO {SLO_TTFT:g} s; critical TTFT p99 on the unloaded pool {unloaded_ttft_p99 * 1000:.0f} ms", "",
-             "| target | overload | class | sent | 200 | in SLO | TTFT p50 ms | TTFT p99 ms | other statuses |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    lines = [
+        f"TTFT SLO {SLO_TTFT:g} s; critical TTFT p99 on the unloaded pool {unloaded_ttft_p99 * 1000:.0f} ms",
+        "",
+        "| target | overload | class | sent | 200 | in SLO | TTFT p50 ms | TTFT p99 ms | other statuses |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for r in results:
         for name, c in r.classes.items():
             others = ", ".join(f"{k}: {v}" for k, v in sorted(c.statuses.items()) if k != "200") or "-"
-            lines.append(f"| {r.target} | {r.overload:g}x | {name} | {c.sent} | {c.ok} | {c.in_slo} | "
-                         f"{c.ttft_p50 * 1000:.0f} | {c.ttft_p99 * 1000:.0f} | {others} |")  # fmt: skip
-    lines += ["", "| target | overload | offered req/s | capacity req/s | completed during the flood / capacity | "
-              "in-SLO goodput / capacity | Jain (equal priority, during the flood) | critical p99 / unloaded | 5xx |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+            lines.append(
+                f"| {r.target} | {r.overload:g}x | {name} | {c.sent} | {c.ok} | {c.in_slo} | "
+                f"{c.ttft_p50 * 1000:.0f} | {c.ttft_p99 * 1000:.0f} | {others} |"
+            )
+    lines += [
+        "",
+        "| target | overload | offered req/s | capacity req/s | completed during the flood / capacity | "
+        "in-SLO goodput / capacity | Jain (equal priority, during the flood) | critical p99 / unloaded | 5xx |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for r in results:
         critical = r.classes["critical"].ttft_p99 / unloaded_ttft_p99 if unloaded_ttft_p99 else 0.0
-        lines.append(f"| {r.target} | {r.overload:g}x | {r.offered_rate:.1f} | {r.capacity:.1f} | "
-                     f"{r.pool_throughput_ratio:.2f} | {r.pool_goodput_ratio:.2f} | {r.jain:.3f} | {critical:.2f} | "
-                     f"{r.server_errors} |")  # fmt: skip
+        lines.append(
+            f"| {r.target} | {r.overload:g}x | {r.offered_rate:.1f} | {r.capacity:.1f} | "
+            f"{r.pool_throughput_ratio:.2f} | {r.pool_goodput_ratio:.2f} | {r.jain:.3f} | {critical:.2f} | "
+            f"{r.server_errors} |"
+        )
     return "\n".join(lines)
 
 
@@ -200,14 +235,21 @@ async def unloaded_ttft_p99(servers: int, workdir: Path, requests: int = 30) -> 
         async with aiohttp.ClientSession() as session:
             ttfts = []
             for _ in range(requests):
-                body = {"model": MODEL, "prompt": _prompt(rng), "max_tokens": OUTPUT_TOKENS, "stream": True,
-                        "ignore_eos": True}  # fmt: skip
+                body = {
+                    "model": MODEL,
+                    "prompt": _prompt(rng),
+                    "max_tokens": OUTPUT_TOKENS,
+                    "stream": True,
+                    "ignore_eos": True,
+                }
                 outcome = await _one(session, f"{pool.url}/v1/completions", body, CLASSES["critical"][1])
                 ttfts.append(outcome.ttft)
     return percentile(ttfts, 0.99)
 
 
-async def flood(targets: list[str], overloads: list[float], duration: float, servers: int, out: Path | None) -> list[FloodResult]:  # fmt: skip
+async def flood(
+    targets: list[str], overloads: list[float], duration: float, servers: int, out: Path | None
+) -> list[FloodResult]:
     workdir = Path(out or ".") / "flood-work"
     workdir.mkdir(parents=True, exist_ok=True)
     capacity = await measure_capacity(servers, workdir / "capacity")

@@ -30,8 +30,18 @@ def command() -> str | None:
     return shutil.which("inference-perf")
 
 
-def config(spec: dict, base_url: str, model: str, rate: float, concurrency: int, duration: float, scale: float,
-           tokenizer: Path, reports: Path, seed: int = 0) -> dict:  # fmt: skip
+def config(
+    spec: dict,
+    base_url: str,
+    model: str,
+    rate: float,
+    concurrency: int,
+    duration: float,
+    scale: float,
+    tokenizer: Path,
+    reports: Path,
+    seed: int = 0,
+) -> dict:
     """inference-perf's config for one run of the workload `spec` against `base_url`."""
     if spec["name"] != "shared-prefix":
         raise SystemExit(f"--load-generator inference-perf runs the shared-prefix workloads only, not {spec['name']!r}")
@@ -43,21 +53,36 @@ def config(spec: dict, base_url: str, model: str, rate: float, concurrency: int,
     load["num_workers"] = 1  # one client process: the 2-core machine is shared with the pool and the router
     return {
         "api": {"type": "completion", "streaming": True},
-        "data": {"type": "shared_prefix", "shared_prefix": {
-            "num_groups": spec["groups"], "num_prompts_per_group": spec["prompts_per_group"],
-            "system_prompt_len": max(1, int(spec["system_prompt_tokens"] * scale)),
-            "question_len": spec["question_tokens"], "output_len": spec["output_tokens"], "seed": seed,
-            "enable_multi_turn_chat": bool(spec.get("multi_turn")),
-        }},
+        "data": {
+            "type": "shared_prefix",
+            "shared_prefix": {
+                "num_groups": spec["groups"],
+                "num_prompts_per_group": spec["prompts_per_group"],
+                "system_prompt_len": max(1, int(spec["system_prompt_tokens"] * scale)),
+                "question_len": spec["question_tokens"],
+                "output_len": spec["output_tokens"],
+                "seed": seed,
+                "enable_multi_turn_chat": bool(spec.get("multi_turn")),
+            },
+        },
         "load": load,
         "server": {"type": "vllm", "model_name": model, "base_url": base_url, "ignore_eos": True},
         "tokenizer": {"pretrained_model_name_or_path": str(tokenizer)},
         "storage": {"local_storage": {"path": str(reports)}},
-    }  # fmt: skip
+    }
 
 
-async def run(spec: dict, base_url: str, model: str, rate: float, concurrency: int, duration: float, scale: float,
-              workdir: Path, seed: int = 0) -> dict:  # fmt: skip
+async def run(
+    spec: dict,
+    base_url: str,
+    model: str,
+    rate: float,
+    concurrency: int,
+    duration: float,
+    scale: float,
+    workdir: Path,
+    seed: int = 0,
+) -> dict:
     """Runs inference-perf once; returns its summary_lifecycle_metrics.json."""
     executable = command()
     if executable is None:
@@ -65,11 +90,11 @@ async def run(spec: dict, base_url: str, model: str, rate: float, concurrency: i
     tokenizer, reports = workdir / "tokenizer", workdir / "inference-perf"
     save_tokenizer(tokenizer)
     path = workdir / "inference-perf.yaml"
-    path.write_text(yaml.safe_dump(config(spec, base_url, model, rate, concurrency, duration, scale, tokenizer,
-                                          reports, seed)))  # fmt: skip
+    path.write_text(
+        yaml.safe_dump(config(spec, base_url, model, rate, concurrency, duration, scale, tokenizer, reports, seed))
+    )
     with (workdir / "inference-perf.log").open("wb") as log:
-        process = await asyncio.create_subprocess_exec(executable, "-c", str(path), stdout=log, stderr=log,
-                                                       cwd=workdir)  # fmt: skip
+        process = await asyncio.create_subprocess_exec(executable, "-c", str(path), stdout=log, stderr=log, cwd=workdir)
         code = await process.wait()
     summary = reports / "summary_lifecycle_metrics.json"
     if code != 0 or not summary.is_file():
@@ -81,5 +106,9 @@ def ms(distribution: dict | None) -> dict[str, float]:
     """inference-perf's seconds distribution as our summary in milliseconds."""
     if not distribution:
         return {}
-    return {"p50": distribution["median"] * 1e3, "p90": distribution["p90"] * 1e3, "p99": distribution["p99"] * 1e3,
-            "mean": distribution["mean"] * 1e3}  # fmt: skip
+    return {
+        "p50": distribution["median"] * 1e3,
+        "p90": distribution["p90"] * 1e3,
+        "p99": distribution["p99"] * 1e3,
+        "mean": distribution["mean"] * 1e3,
+    }

@@ -27,16 +27,39 @@ def peer_command(kind: str) -> list[str] | None:
     return [path] if Path(path).exists() else None
 
 
-async def start_router(kind: str, policy: str, worker_urls: list[str], workdir: Path, model: str,
-                       timeout: float = 60.0, extra_args: list[str] = ()) -> tuple[subprocess.Popen, str]:  # fmt: skip
+async def start_router(
+    kind: str,
+    policy: str,
+    worker_urls: list[str],
+    workdir: Path,
+    model: str,
+    timeout: float = 60.0,
+    extra_args: list[str] = (),
+) -> tuple[subprocess.Popen, str]:
     """Start a router bound to 127.0.0.1 (its HTTP and Prometheus ports) and wait until it serves a completion."""
     port, prometheus_port = free_ports(2)
     log = (workdir / f"{kind}-{policy}.log").open("ab")
     process = subprocess.Popen(
-        [*peer_command(kind), "--host", "127.0.0.1", "--port", str(port), "--policy", policy, "--prometheus-host",
-         "127.0.0.1", "--prometheus-port", str(prometheus_port), *extra_args, "--worker-urls", *worker_urls],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
+        [
+            *peer_command(kind),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--policy",
+            policy,
+            "--prometheus-host",
+            "127.0.0.1",
+            "--prometheus-port",
+            str(prometheus_port),
+            *extra_args,
+            "--worker-urls",
+            *worker_urls,
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     log.close()
     url = f"http://127.0.0.1:{port}"
     deadline = asyncio.get_running_loop().time() + timeout

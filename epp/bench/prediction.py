@@ -140,8 +140,14 @@ def _router(route: str, predictor: LatencyPredictor, endpoints: list[Endpoint], 
     return route_by_scheduler
 
 
-async def drive(urls: list[str], predictor: LatencyPredictor, concurrency: list[int], phase_seconds: float,
-                seed: int = 0, route: str = "random") -> list[Sample]:  # fmt: skip
+async def drive(
+    urls: list[str],
+    predictor: LatencyPredictor,
+    concurrency: list[int],
+    phase_seconds: float,
+    seed: int = 0,
+    route: str = "random",
+) -> list[Sample]:
     """Run the phases against already started servers; every completed request is observed by `predictor`.
     `route`: "random"; "predicted" (the lowest predicted TTFT once the predictor is ready, random before);
     "epp-default" (the EPP's default profile); "epp-predicted" (that profile plus the SLO filter and the
@@ -209,8 +215,14 @@ def phase_report(samples: list[Sample], phase: int, concurrency: int, phase_seco
     steady = [s for s in mine if s.sent >= phase_seconds / 4]
     ttft = [(s.predicted_ttft, s.ttft) for s in steady if s.predicted_ttft is not None]
     tpot = [(s.predicted_tpot, s.tpot) for s in steady if s.predicted_tpot is not None and s.tpot is not None]
-    return PhaseReport(concurrency, len(mine), len(ttft), _mape(ttft), _mape(tpot),
-                       statistics.fmean(s.ttft for s in steady) * 1e3 if steady else 0.0)  # fmt: skip
+    return PhaseReport(
+        concurrency,
+        len(mine),
+        len(ttft),
+        _mape(ttft),
+        _mape(tpot),
+        statistics.fmean(s.ttft for s in steady) * 1e3 if steady else 0.0,
+    )
 
 
 def predictor_config(pool: str) -> str:
@@ -265,8 +277,14 @@ async def evaluate(
 ) -> Report:
     predictor = predictor or LatencyPredictor()
     with tempfile.TemporaryDirectory(prefix="predictor-eval-") as workdir:
-        stack = LocalStack(StackConfig(model_servers=servers, base_port=free_port_block(servers),
-                                       workdir=Path(workdir), modelserver_args=["--disable-log-stats"]))  # fmt: skip
+        stack = LocalStack(
+            StackConfig(
+                model_servers=servers,
+                base_port=free_port_block(servers),
+                workdir=Path(workdir),
+                modelserver_args=["--disable-log-stats"],
+            )
+        )
         stack.start_model_servers()
         try:
             await asyncio.gather(*(stack._wait_http("modelserver", f"{u}/health", 60) for u in stack.model_server_urls))
@@ -287,8 +305,12 @@ async def evaluate(
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m epp.bench.prediction", description=__doc__.split("\n\n")[0])
     p.add_argument("--servers", type=int, default=4)
-    p.add_argument("--concurrency", type=lambda s: [int(c) for c in s.split(",")], default=[4, 12, 24],
-                   help="clients per phase, comma separated (default 4,12,24)")  # fmt: skip
+    p.add_argument(
+        "--concurrency",
+        type=lambda s: [int(c) for c in s.split(",")],
+        default=[4, 12, 24],
+        help="clients per phase, comma separated (default 4,12,24)",
+    )
     p.add_argument("--phase", type=float, default=20.0, help="seconds per phase (default 20)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -300,8 +322,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--trace", type=Path, help="write every sample (features, observed, predicted) as JSON lines")
     args = p.parse_args(argv)
     predictor = LatencyPredictor()
-    report = asyncio.run(evaluate(args.servers, args.concurrency, args.phase, args.trace, args.seed, predictor,
-                                  args.route))  # fmt: skip
+    report = asyncio.run(
+        evaluate(args.servers, args.concurrency, args.phase, args.trace, args.seed, predictor, args.route)
+    )
     if predictor.ttft_ready:
         report.decision_us_32 = decision_time(predictor)
     print(f"{report.servers} sim servers, {report.observations} requests observed")
@@ -309,8 +332,10 @@ def main(argv: list[str] | None = None) -> None:
     print("| --- | --- | --- | --- | --- | --- |")
     fmt = lambda v: "-" if v is None else f"{v:.1%}"  # noqa: E731
     for r in report.phases:
-        print(f"| {r.concurrency} | {r.requests} | {r.scored} | {fmt(r.ttft_mape)} | {fmt(r.tpot_mape)} | "
-              f"{r.ttft_mean_ms:.0f} |")  # fmt: skip
+        print(
+            f"| {r.concurrency} | {r.requests} | {r.scored} | {fmt(r.ttft_mape)} | {fmt(r.tpot_mape)} | "
+            f"{r.ttft_mean_ms:.0f} |"
+        )
     last = report.phases[-1]
     fmt = lambda v: "-" if v is None else f"{v:.1%}"  # noqa: E731
     print(f"windowed MAPE at the end: TTFT {fmt(last.window_ttft_mape)}, TPOT {fmt(last.window_tpot_mape)}")

@@ -53,8 +53,9 @@ async def measure_point(replicas: int, rate: float, duration: float, seed: int =
     base = free_port_block(replicas)
     server = subprocess.Popen(
         [sys.executable, "-m", "modelserver", "--port", str(base), "--replicas", str(replicas), "--disable-log-stats"],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         for _ in range(replicas):
             server.stdout.readline()
@@ -78,8 +79,15 @@ async def measure_point(replicas: int, rate: float, duration: float, seed: int =
         server.terminate()
         server.wait(10)
     ttfts, itls, e2es = zip(*results, strict=True)
-    return CapacityPoint(replicas, rate, len(results), 100 * cpu / elapsed, percentile(list(ttfts), 0.5) * 1e3,
-                         statistics.fmean(itls) * 1e3, percentile(list(e2es), 0.5) * 1e3)  # fmt: skip
+    return CapacityPoint(
+        replicas,
+        rate,
+        len(results),
+        100 * cpu / elapsed,
+        percentile(list(ttfts), 0.5) * 1e3,
+        statistics.fmean(itls) * 1e3,
+        percentile(list(e2es), 0.5) * 1e3,
+    )
 
 
 def main(replicas: int, rates: list[float], duration: float) -> list[CapacityPoint]:
@@ -90,6 +98,9 @@ def main(replicas: int, rates: list[float], duration: float) -> list[CapacityPoi
     for rate in rates:
         p = asyncio.run(measure_point(replicas, rate, duration))
         points.append(p)
-        print(f"| {p.replicas} | {p.rate:g} | {p.completed} | {p.cpu_percent_of_one_core:.0f} | {p.ttft_p50_ms:.1f} | "
-              f"{p.itl_mean_ms:.2f} | {p.e2e_p50_ms:.0f} |", flush=True)  # fmt: skip
+        print(
+            f"| {p.replicas} | {p.rate:g} | {p.completed} | {p.cpu_percent_of_one_core:.0f} | {p.ttft_p50_ms:.1f} | "
+            f"{p.itl_mean_ms:.2f} | {p.e2e_p50_ms:.0f} |",
+            flush=True,
+        )
     return points

@@ -33,8 +33,9 @@ async def run(args: argparse.Namespace) -> list[Result]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="gateway-conformance", description=__doc__,
-                                formatter_class=argparse.RawTextHelpFormatter)  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="gateway-conformance", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
     p.add_argument("--envoy-template", type=Path, default=TEMPLATE, help="Envoy bootstrap template to test")
     p.add_argument(
         "--workdir", type=Path, help="where the Envoy, EPP and pool files and logs go (default: a new temp dir)"

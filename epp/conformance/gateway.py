@@ -60,8 +60,12 @@ async def _echo(request: web.Request) -> web.StreamResponse:
     body = await request.read()
     served = f"127.0.0.1:{request.transport.get_extra_info('sockname')[1]}"
     request.app[HITS].append(served)
-    info = {"served_by": served, "headers": dict(request.headers), "body_bytes": len(body),
-            "sha256": hashlib.sha256(body).hexdigest()}  # fmt: skip
+    info = {
+        "served_by": served,
+        "headers": dict(request.headers),
+        "body_bytes": len(body),
+        "sha256": hashlib.sha256(body).hexdigest(),
+    }
     if request.query.get("stream"):
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
@@ -121,23 +125,48 @@ class Gateway:
         self.broken_endpoint = f"127.0.0.1:{ports[backends]}"
         grpc_port, health_port, metrics_port, close_port, close_admin, open_port, open_admin, _ = ports[backends + 1 :]
         pool = self.workdir / "pool.yaml"
-        members = [{"name": f"pod-{0 if i < 2 else i - 1}-rank-{i if i < 2 else 0}", "address": "127.0.0.1", "port": p}
-                   for i, p in enumerate(ports[: backends + 1])]  # fmt: skip
+        members = [
+            {"name": f"pod-{0 if i < 2 else i - 1}-rank-{i if i < 2 else 0}", "address": "127.0.0.1", "port": p}
+            for i, p in enumerate(ports[: backends + 1])
+        ]
         members[-1]["name"] = "pod-broken"
         pool.write_text(yaml.safe_dump({"endpoints": members}))
         log = (self.workdir / "epp.log").open("ab")
         self._epp = subprocess.Popen(
-            [sys.executable, "-m", "epp", "--pool-file", str(pool), "--bind-address", "127.0.0.1",
-             "--grpc-port", str(grpc_port), "--grpc-health-port", str(health_port), "--metrics-port",
-             str(metrics_port), "--config-text", TEST_CONFIG, "--refresh-metrics-interval", "20ms"],
-            stdout=log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "epp",
+                "--pool-file",
+                str(pool),
+                "--bind-address",
+                "127.0.0.1",
+                "--grpc-port",
+                str(grpc_port),
+                "--grpc-health-port",
+                str(health_port),
+                "--metrics-port",
+                str(metrics_port),
+                "--config-text",
+                TEST_CONFIG,
+                "--refresh-metrics-interval",
+                "20ms",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         log.close()
         self.epp_metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
         for fail_open, listener, admin in ((False, close_port, close_admin), (True, open_port, open_admin)):
-            text = render_bootstrap(epp_host="127.0.0.1", epp_port=grpc_port, fallback_endpoints=self.endpoints,
-                                    listener_port=listener, admin_port=admin, fail_open=fail_open,
-                                    template=self.envoy_template)  # fmt: skip
+            text = render_bootstrap(
+                epp_host="127.0.0.1",
+                epp_port=grpc_port,
+                fallback_endpoints=self.endpoints,
+                listener_port=listener,
+                admin_port=admin,
+                fail_open=fail_open,
+                template=self.envoy_template,
+            )
             path = self.workdir / f"envoy-{'open' if fail_open else 'close'}.yaml"
             path.write_text(yaml.safe_dump(_with_subset_lua(yaml.safe_load(text)), sort_keys=False))
             envoy = EnvoyProcess(path, admin, self.workdir / f"envoy-{'open' if fail_open else 'close'}.log")
@@ -157,8 +186,13 @@ class Gateway:
             await asyncio.sleep(0.05)
         raise RuntimeError(f"the gateway never routed a request; see {self.workdir}")
 
-    async def send(self, body: bytes = b'{"model": "m", "prompt": "hi"}', headers: dict | None = None,
-                   url: str | None = None, path: str = "/v1/completions") -> tuple[int, dict]:  # fmt: skip
+    async def send(
+        self,
+        body: bytes = b'{"model": "m", "prompt": "hi"}',
+        headers: dict | None = None,
+        url: str | None = None,
+        path: str = "/v1/completions",
+    ) -> tuple[int, dict]:
         async with self.session.post((url or self.gateway_url) + path, data=body, headers=headers or {}) as r:
             payload = await r.read()
             return r.status, json.loads(payload) if r.status == 200 and payload.startswith(b"{") else {}
@@ -186,11 +220,16 @@ def _with_subset_lua(bootstrap: dict) -> dict:
                 filters = network_filter["typed_config"].get("http_filters", [])
                 names = [f["name"] for f in filters]
                 if "envoy.filters.http.ext_proc" in names:
-                    filters.insert(names.index("envoy.filters.http.ext_proc"), {
-                        "name": "envoy.filters.http.lua",
-                        "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.lua.v3.Lua",
-                                         "default_source_code": {"inline_string": SUBSET_LUA}},
-                    })  # fmt: skip
+                    filters.insert(
+                        names.index("envoy.filters.http.ext_proc"),
+                        {
+                            "name": "envoy.filters.http.lua",
+                            "typed_config": {
+                                "@type": "type.googleapis.com/envoy.extensions.filters.http.lua.v3.Lua",
+                                "default_source_code": {"inline_string": SUBSET_LUA},
+                            },
+                        },
+                    )
     return bootstrap
 
 
@@ -203,8 +242,12 @@ async def _served(g: Gateway, designated: list[str], count: int = 6, url: str | 
     return seen
 
 
-@suite.check("follows-pick-one", MUST, "a request goes to the one endpoint the EPP picked (FailClose and FailOpen "
-             "gateways alike, so both are wired to the pool's EPP that the fail-* checks stop)")  # fmt: skip
+@suite.check(
+    "follows-pick-one",
+    MUST,
+    "a request goes to the one endpoint the EPP picked (FailClose and FailOpen "
+    "gateways alike, so both are wired to the pool's EPP that the fail-* checks stop)",
+)
 async def follows_one(g: Gateway) -> None:
     for url in (g.gateway_url, g.fail_open_url):
         for endpoint in g.endpoints:
@@ -231,8 +274,11 @@ async def served_reported(g: Gateway) -> None:
     async def reports() -> float:
         async with g.session.get(g.epp_metrics_url) as r:
             text = await r.text()
-        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                   if line.startswith('inference_extension_served_endpoint_reports_total{result="pick"}'))  # fmt: skip
+        return sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith('inference_extension_served_endpoint_reports_total{result="pick"}')
+        )
 
     before = await reports()
     await _served(g, [g.endpoints[2]], 3)
@@ -303,8 +349,11 @@ async def large_body(g: Gateway) -> None:
 
 @suite.check("streamed-response", MUST, "a streamed (SSE) response passes through whole and in order")
 async def streamed(g: Gateway) -> None:
-    async with g.session.post(g.gateway_url + "/v1/completions?stream=200", data=b'{"model": "m", "prompt": "s"}',
-                              headers={SELECT: g.endpoints[1]}) as r:  # fmt: skip
+    async with g.session.post(
+        g.gateway_url + "/v1/completions?stream=200",
+        data=b'{"model": "m", "prompt": "s"}',
+        headers={SELECT: g.endpoints[1]},
+    ) as r:
         expect(r.status == 200, f"streaming answered {r.status}")
         events = [line.decode().strip() for line in [line async for line in r.content] if line.strip()]
     expect(events[-1] == "data: [DONE]", "the stream was cut")

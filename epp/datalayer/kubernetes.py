@@ -82,8 +82,11 @@ def _pool_selector_and_ports(spec: dict) -> tuple[dict, list[int]]:
 
 def _refers_to(obj: dict, pool_name: str, pool_group: str) -> bool:
     ref = (obj.get("spec") or {}).get("poolRef") or {}
-    return (ref.get("name") == pool_name and ref.get("group", POOL_GROUP) == pool_group
-            and ref.get("kind", "InferencePool") == "InferencePool")  # fmt: skip
+    return (
+        ref.get("name") == pool_name
+        and ref.get("group", POOL_GROUP) == pool_group
+        and ref.get("kind", "InferencePool") == "InferencePool"
+    )
 
 
 def _age(obj: dict) -> tuple[str, str]:
@@ -106,8 +109,14 @@ def _rewrites(rewrites: list[dict]) -> tuple[ModelRewrite, ...]:
     return tuple(exact + catch_all)
 
 
-def pool_state(pool: dict | None, pods: dict[str, dict], objectives: dict[str, dict], rewrites: dict[str, dict],
-               pool_name: str, pool_group: str = POOL_GROUP) -> PoolState:  # fmt: skip
+def pool_state(
+    pool: dict | None,
+    pods: dict[str, dict],
+    objectives: dict[str, dict],
+    rewrites: dict[str, dict],
+    pool_name: str,
+    pool_group: str = POOL_GROUP,
+) -> PoolState:
     """The PoolState that the current objects describe."""
     if pool is None:
         return PoolState()
@@ -123,8 +132,9 @@ def pool_state(pool: dict | None, pods: dict[str, dict], objectives: dict[str, d
             log.warning("pod %s: unknown engine type %r, reading %s metrics", name, engine, DEFAULT_ENGINE)
             engine = DEFAULT_ENGINE
         for rank, port in enumerate(ports):
-            endpoints.append(EndpointSpec(f"{name}-rank-{rank}", pod["status"]["podIP"], port, engine,
-                                          tuple(sorted(labels.items()))))  # fmt: skip
+            endpoints.append(
+                EndpointSpec(f"{name}-rank-{rank}", pod["status"]["podIP"], port, engine, tuple(sorted(labels.items())))
+            )
     priorities = {
         name: int((obj.get("spec") or {}).get("priority") or 0)
         for name, obj in objectives.items()
@@ -143,8 +153,9 @@ class KubernetesSource:
 
     name = "kubernetes"
 
-    def __init__(self, api: k8s.ApiClient, pool_name: str, namespace: str, pool_group: str = POOL_GROUP,
-                 watch_timeout: int = 60):  # fmt: skip
+    def __init__(
+        self, api: k8s.ApiClient, pool_name: str, namespace: str, pool_group: str = POOL_GROUP, watch_timeout: int = 60
+    ):
         if pool_group not in POOL_VERSIONS:
             raise ValueError(f"unknown --pool-group {pool_group!r}; known: {', '.join(POOL_VERSIONS)}")
         self.pool_name, self.namespace, self.pool_group = pool_name, namespace, pool_group
@@ -231,9 +242,13 @@ class KubernetesSource:
 
     def _watch(self, resource: _Resource, changed: Callable[[], None]) -> None:
         response = resource.list_call(
-            watch=True, resource_version=resource.resource_version, allow_watch_bookmarks=True,
-            timeout_seconds=self.watch_timeout, _preload_content=False, _request_timeout=(5, self.watch_timeout + 5),
-        )  # fmt: skip
+            watch=True,
+            resource_version=resource.resource_version,
+            allow_watch_bookmarks=True,
+            timeout_seconds=self.watch_timeout,
+            _preload_content=False,
+            _request_timeout=(5, self.watch_timeout + 5),
+        )
         self._open_watches.add(response)
         try:
             buffer = b""
@@ -296,8 +311,12 @@ class KubernetesSource:
                     continue
                 if outage_since is None:  # logged once per outage, and once when it ends (above)
                     outage_since = time.monotonic()
-                    log.warning("%s: list/watch failed (%s); retrying every <= %.0fs, routing from the last known pool",
-                                resource.name, _short(exc), BACKOFF_MAX)  # fmt: skip
+                    log.warning(
+                        "%s: list/watch failed (%s); retrying every <= %.0fs, routing from the last known pool",
+                        resource.name,
+                        _short(exc),
+                        BACKOFF_MAX,
+                    )
                 else:
                     log.debug("%s: still failing (%s)", resource.name, _short(exc))
                 self._stop.wait(backoff * random.uniform(0.5, 1.0))

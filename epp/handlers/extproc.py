@@ -112,8 +112,21 @@ class BodyBudget:
 class RequestStream:
     """The ext_proc state machine of one stream (one HTTP request); see `epp.handlers` for the interface."""
 
-    __slots__ = ("body_bytes", "body_chunks", "body_done", "budget", "ctx", "director", "full_duplex",
-                 "max_body_bytes", "pending", "reply", "response_full_duplex", "rewrite_back", "routed")  # fmt: skip
+    __slots__ = (
+        "body_bytes",
+        "body_chunks",
+        "body_done",
+        "budget",
+        "ctx",
+        "director",
+        "full_duplex",
+        "max_body_bytes",
+        "pending",
+        "reply",
+        "response_full_duplex",
+        "rewrite_back",
+        "routed",
+    )
 
     def __init__(
         self,

@@ -17,8 +17,19 @@ from epp.scheduling.types import CycleState, SchedulingRequest, StateKey
 # Endpoint name -> (TTFT, TPOT or None) seconds for this cycle's request.
 PREDICTED_LATENCY: StateKey[dict[str, tuple[float, float | None]]] = StateKey("predicted-latency")
 # What a plugin reading the predictions consumes (`Plugin.consumes`).
-PREDICTION_READS = (*dict.fromkeys((*QUEUE_DEPTH_READS, *RUNNING_REQUESTS_READS, "kv_usage", "in_flight_tokens",
-                                    "running_adapters", "waiting_adapters")), PREDICTED_LATENCY)  # fmt: skip
+PREDICTION_READS = (
+    *dict.fromkeys(
+        (
+            *QUEUE_DEPTH_READS,
+            *RUNNING_REQUESTS_READS,
+            "kv_usage",
+            "in_flight_tokens",
+            "running_adapters",
+            "waiting_adapters",
+        )
+    ),
+    PREDICTED_LATENCY,
+)
 
 # The prompt tokens a candidate probably holds in its prefix cache for a request: the prefix scorer's match
 # (`PrefixCacheScorer.cached_tokens`). The director sets it when it wires the predictor; without it every prompt
@@ -48,9 +59,15 @@ class CandidatePredictions:
             cached = self.cached_tokens
             tokens = [cached(cycle_state, request, e) for e in missing] if cached is not None else [0] * len(missing)
             model = request.model
-            adapter = model if any(e.metrics is not None and (model in e.metrics.running_adapters or
-                                                              model in e.metrics.waiting_adapters)
-                                   for e in endpoints) else None  # fmt: skip
+            adapter = (
+                model
+                if any(
+                    e.metrics is not None
+                    and (model in e.metrics.running_adapters or model in e.metrics.waiting_adapters)
+                    for e in endpoints
+                )
+                else None
+            )
             predicted = self.predictor.predict_endpoints(missing, request.prompt_tokens_estimate, tokens, adapter)
             for e, p in zip(missing, predicted, strict=True):
                 known[e.spec.name] = p

@@ -32,8 +32,9 @@ class Features:
             raise ValueError(f"cached_tokens must be within [0, prompt_tokens], got {self.cached_tokens}")
 
 
-def endpoint_features(endpoint: Endpoint, prompt_tokens: int, cached_tokens: int, adapter: str | None,
-                      backlog_tokens: float = 0.0) -> Features:  # fmt: skip
+def endpoint_features(
+    endpoint: Endpoint, prompt_tokens: int, cached_tokens: int, adapter: str | None, backlog_tokens: float = 0.0
+) -> Features:
     """The features of sending a request to `endpoint` now.
 
     `cached_tokens` is clipped to `prompt_tokens` (both are estimates); `adapter` is the request's LoRA adapter name,
@@ -57,12 +58,26 @@ REQUESTS = 10.0
 
 def vector(f: Features) -> tuple[float, ...]:
     """The model's inputs for recorded features (training and the director's side)."""
-    return inputs(f.waiting, f.running, f.kv_usage, f.in_flight_tokens, f.prompt_tokens - f.cached_tokens,
-                  f.adapter_loaded, f.backlog_tokens)  # fmt: skip
+    return inputs(
+        f.waiting,
+        f.running,
+        f.kv_usage,
+        f.in_flight_tokens,
+        f.prompt_tokens - f.cached_tokens,
+        f.adapter_loaded,
+        f.backlog_tokens,
+    )
 
 
-def inputs(waiting: int, running: int, kv_usage: float, in_flight_tokens: int, uncached_tokens: int,
-           adapter_loaded: bool, backlog_tokens: float) -> tuple[float, ...]:  # fmt: skip
+def inputs(
+    waiting: int,
+    running: int,
+    kv_usage: float,
+    in_flight_tokens: int,
+    uncached_tokens: int,
+    adapter_loaded: bool,
+    backlog_tokens: float,
+) -> tuple[float, ...]:
     """The model's inputs. Why each one (the sim's step-time model and a GPU's both have this shape):
     * own prefill work: uncached prompt tokens (prompt_tokens x (1 - cached fraction));
     * work ahead of it: the prefill backlog there (and whether there is any: then the request waits for it, and
@@ -79,9 +94,21 @@ def inputs(waiting: int, running: int, kv_usage: float, in_flight_tokens: int, u
     own = uncached_tokens / TOKENS
     ahead = in_flight_tokens / TOKENS
     batch = running / REQUESTS
-    return (1.0, own, ahead, waiting / REQUESTS, batch, own * batch, 1.0 if running or waiting else 0.0, ahead * own,
-            ahead * batch, kv_usage, 0.0 if adapter_loaded else 1.0, backlog_tokens / TOKENS,
-            1.0 if backlog_tokens else 0.0)  # fmt: skip
+    return (
+        1.0,
+        own,
+        ahead,
+        waiting / REQUESTS,
+        batch,
+        own * batch,
+        1.0 if running or waiting else 0.0,
+        ahead * own,
+        ahead * batch,
+        kv_usage,
+        0.0 if adapter_loaded else 1.0,
+        backlog_tokens / TOKENS,
+        1.0 if backlog_tokens else 0.0,
+    )
 
 
 SIZE = 13  # len(vector(...))

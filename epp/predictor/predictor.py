@@ -70,8 +70,14 @@ class LatencyPredictor:
     """Parameters: min_observations (100), max_mape (0.5: predictions are withheld while the windowed error is
     worse), window (200 observations for the error), decay (0.998 per observation), refit_every (8)."""
 
-    def __init__(self, min_observations: int = 100, max_mape: float = 0.5, window: int = 200, decay: float = 0.998,
-                 refit_every: int = 8):  # fmt: skip
+    def __init__(
+        self,
+        min_observations: int = 100,
+        max_mape: float = 0.5,
+        window: int = 200,
+        decay: float = 0.998,
+        refit_every: int = 8,
+    ):
         if min_observations < 1 or max_mape <= 0 or window < 1:
             raise ValueError("LatencyPredictor: min_observations >= 1, max_mape > 0 and window >= 1 required")
         self.min_observations, self.max_mape = min_observations, max_mape
@@ -80,8 +86,9 @@ class LatencyPredictor:
         self.ttft_ready = self.tpot_ready = False
         self.backlog = PrefillBacklog()
 
-    def routed(self, endpoint: Endpoint, prompt_tokens: int, cached_tokens: int, adapter: str | None,
-               now: float | None = None) -> Features:  # fmt: skip
+    def routed(
+        self, endpoint: Endpoint, prompt_tokens: int, cached_tokens: int, adapter: str | None, now: float | None = None
+    ) -> Features:
         """A request goes to `endpoint`: its features there now (to hand back to `observe`), and its uncached
         prompt tokens join the endpoint's prefill backlog."""
         now = time.monotonic() if now is None else now

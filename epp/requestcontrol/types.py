@@ -12,8 +12,21 @@ class RequestContext:
     """One request's state from its headers to the end of its response; owned by the director, held by the
     handler of the request's ext_proc stream."""
 
-    __slots__ = ("dispatched", "endpoint", "headers", "labels", "model", "request", "response_tail", "result", "routed_at",
-                 "served", "status", "subset", "target_model")  # fmt: skip
+    __slots__ = (
+        "dispatched",
+        "endpoint",
+        "headers",
+        "labels",
+        "model",
+        "request",
+        "response_tail",
+        "result",
+        "routed_at",
+        "served",
+        "status",
+        "subset",
+        "target_model",
+    )
 
     def __init__(self, headers: dict[str, str], subset: frozenset[str] | None):
         self.headers = headers

@@ -151,9 +151,14 @@ class ModelServer:
     async def models(self, request: web.Request) -> web.Response:
         s = self.settings
         base = {
-            "id": s.served_model_name, "object": "model", "created": self.created, "owned_by": "modelserver",
-            "root": s.model_path, "parent": None, "max_model_len": s.max_model_len,
-        }  # fmt: skip
+            "id": s.served_model_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "modelserver",
+            "root": s.model_path,
+            "parent": None,
+            "max_model_len": s.max_model_len,
+        }
         adapters = [
             {
                 "id": name,
@@ -169,20 +174,33 @@ class ModelServer:
 
     async def server_info(self, request: web.Request) -> web.Response:
         config = self.engine.config
-        return web.json_response({
-            "model_path": self.settings.model_path, "served_model_name": self.settings.served_model_name,
-            "backend": self.settings.backend, "version": VERSION, "max_model_len": config.max_model_len,
-            "block_size": config.block_size, "num_gpu_blocks": config.num_gpu_blocks,
-            "max_num_seqs": config.max_num_seqs, "max_num_batched_tokens": config.max_num_batched_tokens,
-            "enable_prefix_caching": config.enable_prefix_caching, "enable_lora": config.enable_lora,
-            "max_loras": config.max_loras, **self.settings.extra_info,
-        })  # fmt: skip
+        return web.json_response(
+            {
+                "model_path": self.settings.model_path,
+                "served_model_name": self.settings.served_model_name,
+                "backend": self.settings.backend,
+                "version": VERSION,
+                "max_model_len": config.max_model_len,
+                "block_size": config.block_size,
+                "num_gpu_blocks": config.num_gpu_blocks,
+                "max_num_seqs": config.max_num_seqs,
+                "max_num_batched_tokens": config.max_num_batched_tokens,
+                "enable_prefix_caching": config.enable_prefix_caching,
+                "enable_lora": config.enable_lora,
+                "max_loras": config.max_loras,
+                **self.settings.extra_info,
+            }
+        )
 
     async def model_info(self, request: web.Request) -> web.Response:
-        return web.json_response({
-            "model_path": self.settings.model_path, "tokenizer_path": self.settings.model_path,
-            "is_generation": True, "served_model_name": self.settings.served_model_name,
-        })  # fmt: skip
+        return web.json_response(
+            {
+                "model_path": self.settings.model_path,
+                "tokenizer_path": self.settings.model_path,
+                "is_generation": True,
+                "served_model_name": self.settings.served_model_name,
+            }
+        )
 
     async def tokenize(self, request: web.Request) -> web.Response:
         payload = load_json_body(await request.read())
@@ -211,8 +229,9 @@ class ModelServer:
         if not self.settings.allow_runtime_lora_updating:
             raise OpenAIError(
                 "runtime LoRA updating is disabled (--allow-runtime-lora-updating or "
-                "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)", 400,
-            )  # fmt: skip
+                "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)",
+                400,
+            )
 
     async def load_lora_adapter(self, request: web.Request) -> web.Response:
         self._check_lora_admin()
@@ -265,8 +284,9 @@ class ModelServer:
         if at_least >= limit:
             raise OpenAIError(
                 f"This model's maximum context length is {limit} tokens. However, your prompt has at least "
-                f"{at_least} tokens ({len(text)} characters). Please reduce the length of the prompt.", param=param,
-            )  # fmt: skip
+                f"{at_least} tokens ({len(text)} characters). Please reduce the length of the prompt.",
+                param=param,
+            )
         if len(text) < TOKENIZE_IN_THREAD_CHARS:
             return self.tokenizer.encode(text)
         return await asyncio.to_thread(self.tokenizer.encode_releasing_gil, text)
@@ -292,15 +312,17 @@ class ModelServer:
         if num_prompt_tokens >= limit:
             raise OpenAIError(
                 f"This model's maximum context length is {limit} tokens. However, your prompt has "
-                f"{num_prompt_tokens} tokens. Please reduce the length of the prompt.", param="prompt",
-            )  # fmt: skip
+                f"{num_prompt_tokens} tokens. Please reduce the length of the prompt.",
+                param="prompt",
+            )
         max_tokens = parsed.max_tokens if parsed.max_tokens is not None else limit - num_prompt_tokens
         if num_prompt_tokens + max_tokens > limit:
             raise OpenAIError(
                 f"This model's maximum context length is {limit} tokens. However, you requested "
                 f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the messages, {max_tokens} in the "
-                "completion). Please reduce the length of the messages or completion.", param="max_tokens",
-            )  # fmt: skip
+                "completion). Please reduce the length of the messages or completion.",
+                param="max_tokens",
+            )
         return SamplingParams(
             max_tokens=max_tokens,
             min_tokens=parsed.min_tokens,
@@ -322,8 +344,9 @@ class ModelServer:
         if sequences > self.engine.config.max_num_seqs:
             raise OpenAIError(
                 f"the request asks for {sequences} sequences (prompts x n); this server runs at most "
-                f"{self.engine.config.max_num_seqs} at once (--max-num-seqs)", param="n",
-            )  # fmt: skip
+                f"{self.engine.config.max_num_seqs} at once (--max-num-seqs)",
+                param="n",
+            )
         prompt_ids = await self._prompt_ids(parsed)
         params = [self._sampling_params(parsed, len(ids)) for ids in prompt_ids]
         base_id = ("chatcmpl-" if kind is RequestKind.CHAT else "cmpl-") + uuid.uuid4().hex
@@ -380,12 +403,20 @@ class ModelServer:
                 text = decode([token])
                 return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
-            return {"content": [{**entry(t, lp[t]), "top_logprobs": [entry(k, v) for k, v in lp.items() if k != t]}
-                                for t, lp in pairs]}  # fmt: skip
+            return {
+                "content": [
+                    {**entry(t, lp[t]), "top_logprobs": [entry(k, v) for k, v in lp.items() if k != t]}
+                    for t, lp in pairs
+                ]
+            }
         texts = [decode([t]) for t, _ in pairs]
         offsets = [sum(len(s) for s in texts[:i]) for i in range(len(texts))]
-        return {"tokens": texts, "token_logprobs": [lp[t] for t, lp in pairs],
-                "top_logprobs": [{decode([k]): v for k, v in lp.items()} for _, lp in pairs], "text_offset": offsets}  # fmt: skip
+        return {
+            "tokens": texts,
+            "token_logprobs": [lp[t] for t, lp in pairs],
+            "top_logprobs": [{decode([k]): v for k, v in lp.items()} for _, lp in pairs],
+            "text_offset": offsets,
+        }
 
     def _usage(self, choices: list[_Choice]) -> dict:
         seen: dict[str, tuple[int, int]] = {}
@@ -395,9 +426,11 @@ class ModelServer:
         cached = sum(c for _, c in seen.values())
         completion_tokens = sum(len(c.token_ids) for c in choices)
         return {
-            "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached},
-        }  # fmt: skip
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
 
     def _full_response(self, parsed: CompletionRequest, base_id: str, choices: list[_Choice]) -> dict:
         if parsed.kind is RequestKind.CHAT:
@@ -424,8 +457,14 @@ class ModelServer:
                 for c in choices
             ]
             obj = "text_completion"
-        return {"id": base_id, "object": obj, "created": int(time.time()), "model": parsed.model, "choices": items,
-                "usage": self._usage(choices)}  # fmt: skip
+        return {
+            "id": base_id,
+            "object": obj,
+            "created": int(time.time()),
+            "model": parsed.model,
+            "choices": items,
+            "usage": self._usage(choices),
+        }
 
     async def _stream(
         self,
@@ -437,8 +476,12 @@ class ModelServer:
     ) -> web.StreamResponse:
         chat = parsed.kind is RequestKind.CHAT
         created = int(time.time())
-        head = {"id": base_id, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
-                "model": parsed.model}  # fmt: skip
+        head = {
+            "id": base_id,
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": created,
+            "model": parsed.model,
+        }
         updates: asyncio.Queue[tuple[_Choice, BaseException | None]] = asyncio.Queue()
 
         async def pump(choice: _Choice, stream: AsyncIterator[None]) -> None:
@@ -464,8 +507,13 @@ class ModelServer:
             if chat:
                 for c in choices:
                     delta = {"role": "assistant", "content": ""}
-                    await self._send(response, {**head, "choices": [
-                        {"index": c.index, "delta": delta, "logprobs": None, "finish_reason": None}]})  # fmt: skip
+                    await self._send(
+                        response,
+                        {
+                            **head,
+                            "choices": [{"index": c.index, "delta": delta, "logprobs": None, "finish_reason": None}],
+                        },
+                    )
             remaining = len(choices)
             update = first_update
             while True:

@@ -40,8 +40,10 @@ class TorchExecutor:
         c = model.config
         dtype = next(model.parameters()).dtype
         shape = (num_gpu_blocks, block_size, c.num_key_value_heads, c.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=self.device),
-                           torch.zeros(shape, dtype=dtype, device=self.device)) for _ in range(c.num_hidden_layers)]  # fmt: skip
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=dtype, device=self.device), torch.zeros(shape, dtype=dtype, device=self.device))
+            for _ in range(c.num_hidden_layers)
+        ]
         self.tokens_computed = 0  # tokens that actually went through the model (cached prefixes do not)
 
     @classmethod
@@ -102,9 +104,11 @@ class TorchExecutor:
             positions=torch.cat(positions).to(device),
             slot_mapping=torch.cat(slots).to(device),
             lora_slots=torch.tensor(loras, dtype=torch.long, device=device),
-            seq_slices=slices, seq_context_slots=contexts, seq_starts=starts,
+            seq_slices=slices,
+            seq_context_slots=contexts,
+            seq_starts=starts,
             sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=device),
-        )  # fmt: skip
+        )
         self.tokens_computed += len(ids)
         logits = self.model(step, self.kv_caches)
         tokens, logprobs = sample(logits, samplers) if samplers else ([], [])

@@ -38,8 +38,9 @@ def _our_name(hf_name: str) -> str:
     return re.sub(r"(_proj)\.(weight|bias)$", r"\1.base.\2", name)
 
 
-def load_model(model_dir: str | Path, max_loras: int, max_lora_rank: int, device: torch.device,
-               dtype: torch.dtype) -> Transformer:  # fmt: skip
+def load_model(
+    model_dir: str | Path, max_loras: int, max_lora_rank: int, device: torch.device, dtype: torch.dtype
+) -> Transformer:
     model_dir = Path(model_dir)
     config = read_config(model_dir)
     with torch.device("meta"):

@@ -64,8 +64,13 @@ async def measure(model_dir: str, batch: int, device: torch.device, dtype: torch
         )
     finally:
         await engine.stop()
-    return {"batch": batch, "tokens_per_s": batch * new / elapsed, "ttft_ms": statistics.median(ttfts) * 1e3,
-            "step_ms": elapsed / steps * 1e3, "python_overhead_ms": (elapsed - forward_seconds[0]) / steps * 1e3}  # fmt: skip
+    return {
+        "batch": batch,
+        "tokens_per_s": batch * new / elapsed,
+        "ttft_ms": statistics.median(ttfts) * 1e3,
+        "step_ms": elapsed / steps * 1e3,
+        "python_overhead_ms": (elapsed - forward_seconds[0]) / steps * 1e3,
+    }
 
 
 def main() -> None:
@@ -82,8 +87,11 @@ def main() -> None:
     print("| --- | --- | --- | --- | --- |")
     for batch in (1, 32):
         r = asyncio.run(measure(model_dir, batch, device, dtype))
-        print(f"| {r['batch']} | {r['tokens_per_s']:.0f} | {r['ttft_ms']:.1f} | {r['step_ms']:.2f} | "
-              f"{r['python_overhead_ms']:.2f} |", flush=True)  # fmt: skip
+        print(
+            f"| {r['batch']} | {r['tokens_per_s']:.0f} | {r['ttft_ms']:.1f} | {r['step_ms']:.2f} | "
+            f"{r['python_overhead_ms']:.2f} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

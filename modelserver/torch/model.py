@@ -148,8 +148,9 @@ class Attention(nn.Module):
             n, ctx = end - begin, context.shape[0]
             # query i sits at position start + i and sees keys 0 .. start + i
             mask = torch.arange(ctx, device=x.device)[None, :] <= (start + torch.arange(n, device=x.device))[:, None]
-            attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask,
-                                                      enable_gqa=self.heads != self.kv_heads)  # fmt: skip
+            attended = F.scaled_dot_product_attention(
+                queries, keys, values, attn_mask=mask, enable_gqa=self.heads != self.kv_heads
+            )
             out[begin:end] = attended.transpose(0, 1)
         return self.o_proj(out.reshape(t, -1), step.lora_slots, active)
 
@@ -194,8 +195,15 @@ class Transformer(nn.Module):
     def lora_modules(self, layer: int) -> dict[str, LoRALinear]:
         block = self.layers[layer]
         attn, mlp = block.self_attn, block.mlp
-        return {"q_proj": attn.q_proj, "k_proj": attn.k_proj, "v_proj": attn.v_proj, "o_proj": attn.o_proj,
-                "gate_proj": mlp.gate_proj, "up_proj": mlp.up_proj, "down_proj": mlp.down_proj}  # fmt: skip
+        return {
+            "q_proj": attn.q_proj,
+            "k_proj": attn.k_proj,
+            "v_proj": attn.v_proj,
+            "o_proj": attn.o_proj,
+            "gate_proj": mlp.gate_proj,
+            "up_proj": mlp.up_proj,
+            "down_proj": mlp.down_proj,
+        }
 
     @torch.inference_mode()
     def forward(self, step: StepInput, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:

@@ -33,8 +33,10 @@ def sample(logits: torch.Tensor, sequences: list[ScheduledSequence]) -> tuple[li
                 (p.seed * 1_000_003 + seq.num_sampled) % 2**63
             )
         out.append(int(torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=generator)))
-    return out, [_logprobs(logits[row], token, seq.params.logprobs) for row, (seq, token) in
-                 enumerate(zip(sequences, out, strict=True))]  # fmt: skip
+    return out, [
+        _logprobs(logits[row], token, seq.params.logprobs)
+        for row, (seq, token) in enumerate(zip(sequences, out, strict=True))
+    ]
 
 
 def _logprobs(row: torch.Tensor, token: int, top: int | None) -> dict[int, float] | None:

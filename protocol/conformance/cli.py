@@ -42,8 +42,9 @@ def finish(args: argparse.Namespace, suite_name: str, results: list[Result], tar
     counts = {o: sum(1 for r in results if r.outcome is o) for o in Outcome}
     print(f"{counts[Outcome.PASS]} passed, {counts[Outcome.FAIL]} failed, {counts[Outcome.SKIP]} skipped")
     if args.report:
-        implementation = Implementation(args.organization, args.project, args.implementation_url, args.version,
-                                        args.contact)  # fmt: skip
+        implementation = Implementation(
+            args.organization, args.project, args.implementation_url, args.version, args.contact
+        )
         report = conformance_report(suite_name, results, implementation, target)
         args.report.write_text(yaml.safe_dump(report, sort_keys=False))
     must_failed = any(r.outcome is Outcome.FAIL and r.check.level is Level.MUST for r in results)

@@ -89,8 +89,13 @@ class Target:
         return parse_metrics(await self.metrics_text(), self.engine)
 
     def long_request(self, model: str | None = None, prompt: str = "Tell a long story.") -> dict:
-        return {"model": model or self.model, "prompt": prompt, "max_tokens": LOAD_TOKENS, "ignore_eos": True,
-                "min_tokens": LOAD_TOKENS}  # fmt: skip
+        return {
+            "model": model or self.model,
+            "prompt": prompt,
+            "max_tokens": LOAD_TOKENS,
+            "ignore_eos": True,
+            "min_tokens": LOAD_TOKENS,
+        }
 
 
 def open_session() -> aiohttp.ClientSession:
@@ -159,8 +164,10 @@ async def completions_streaming(t: Target) -> None:
 
 @suite.check("chat-completions", MUST, "POST /v1/chat/completions answers a well-formed chat.completion")
 async def chat(t: Target) -> None:
-    body = await t.json_post("/v1/chat/completions", {"model": t.model, "max_tokens": 8,
-                                                      "messages": [{"role": "user", "content": "Say hello."}]})  # fmt: skip
+    body = await t.json_post(
+        "/v1/chat/completions",
+        {"model": t.model, "max_tokens": 8, "messages": [{"role": "user", "content": "Say hello."}]},
+    )
     expect(body.get("object") == "chat.completion", f"object is {body.get('object')!r}")
     _envelope(body, t)
     message = body["choices"][0]["message"]
@@ -170,8 +177,9 @@ async def chat(t: Target) -> None:
 
 @suite.check("chat-completions-streaming", MUST, "streamed chat: chunks, the first delta carries the role, [DONE]")
 async def chat_streaming(t: Target) -> None:
-    events, raw, _ = await t.stream("/v1/chat/completions", {"model": t.model, "max_tokens": 8,
-                                                             "messages": [{"role": "user", "content": "Hi"}]})  # fmt: skip
+    events, raw, _ = await t.stream(
+        "/v1/chat/completions", {"model": t.model, "max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}]}
+    )
     expect(raw and raw[-1] == "[DONE]", "the stream does not end with data: [DONE]")
     expect(all(e.get("object") == "chat.completion.chunk" for e in events), "chunks are not chat.completion.chunk")
     expect(events[0]["choices"][0]["delta"].get("role") == "assistant", "the first delta does not carry the role")
@@ -179,8 +187,10 @@ async def chat_streaming(t: Target) -> None:
 
 @suite.check("streaming-usage", SHOULD, "stream_options.include_usage adds a final chunk with usage")
 async def streaming_usage(t: Target) -> None:
-    events, _, _ = await t.stream("/v1/completions", {"model": t.model, "prompt": "Hi", "max_tokens": 4,
-                                                      "stream_options": {"include_usage": True}})  # fmt: skip
+    events, _, _ = await t.stream(
+        "/v1/completions",
+        {"model": t.model, "prompt": "Hi", "max_tokens": 4, "stream_options": {"include_usage": True}},
+    )
     expect(events and events[-1].get("usage"), "no usage chunk at the end")
     expect(events[-1].get("choices") == [], "the usage chunk has choices")
     _usage_adds_up(events[-1]["usage"])
@@ -202,8 +212,12 @@ async def unknown_model(t: Target) -> None:
     _error_shape(payload)
 
 
-@suite.check("openai-sdk", MUST, "the official OpenAI Python SDK reads completions and chat, streamed and not, "
-             "and maps errors to its exception types")  # fmt: skip
+@suite.check(
+    "openai-sdk",
+    MUST,
+    "the official OpenAI Python SDK reads completions and chat, streamed and not, "
+    "and maps errors to its exception types",
+)
 async def openai_sdk(t: Target) -> None:
     async with openai.AsyncOpenAI(base_url=t.url + "/v1", api_key="conformance", max_retries=0) as client:
         completion = await client.completions.create(model=t.model, prompt="Say hello.", max_tokens=4)
@@ -270,8 +284,11 @@ async def metrics_gauges(t: Target) -> None:
     expect(all(0.0 <= v <= 1.0 for v in kv), f"KV usage {kv} is not a fraction in [0, 1]")
 
 
-@suite.check("metrics-under-load", MUST, "waiting and running rise under concurrent long requests and fall back "
-             "after; KV usage stays in [0, 1] and rises")  # fmt: skip
+@suite.check(
+    "metrics-under-load",
+    MUST,
+    "waiting and running rise under concurrent long requests and fall back after; KV usage stays in [0, 1] and rises",
+)
 async def metrics_under_load(t: Target) -> None:
     idle = await t.metrics()
     peak = await _escalate(t, lambda i: t.model, lambda p: p.running > 0 and p.waiting > 0 and p.kv_max > idle.kv_usage)
@@ -342,8 +359,11 @@ async def _back_to_idle(t: Target, idle: EndpointMetrics, seconds: float = 15.0)
         m = await t.metrics()
         if m.running <= idle.running and m.waiting <= idle.waiting:
             return
-        expect(time.monotonic() < deadline, f"{seconds:.0f}s after the load ended: running {m.running}, "
-                                            f"waiting {m.waiting} (idle: {idle.running}, {idle.waiting})")  # fmt: skip
+        expect(
+            time.monotonic() < deadline,
+            f"{seconds:.0f}s after the load ended: running {m.running}, "
+            f"waiting {m.waiting} (idle: {idle.running}, {idle.waiting})",
+        )
         await asyncio.sleep(0.05)
 
 
@@ -407,8 +427,10 @@ async def lora_waiting(t: Target) -> None:
     _need_lora(t)
     adapters = t.lora_adapters
     peak = await _escalate(t, lambda i: adapters[i % len(adapters)], lambda p: p.waiting_adapters & set(adapters))
-    expect(peak.waiting_adapters & set(adapters),
-           f"no adapter appeared in waiting_lora_adapters with up to {peak.requests} concurrent requests")  # fmt: skip
+    expect(
+        peak.waiting_adapters & set(adapters),
+        f"no adapter appeared in waiting_lora_adapters with up to {peak.requests} concurrent requests",
+    )
 
 
 @suite.check("lora-names-clean", MUST, "adapter lists are comma-separated names, none empty or with inner spaces")

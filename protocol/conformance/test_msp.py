@@ -21,8 +21,14 @@ def test_model_server_protocol(request, check):
             base = url.rstrip("/")
             model = request.config.getoption("--msp-model") or await default_model(session, base)
             adapters = request.config.getoption("--msp-lora-adapter") or await served_adapters(session, base, model)
-            target = Target(base, model, request.config.getoption("--msp-engine"), adapters,
-                            request.config.getoption("--msp-load-requests"), session=session)  # fmt: skip
+            target = Target(
+                base,
+                model,
+                request.config.getoption("--msp-engine"),
+                adapters,
+                request.config.getoption("--msp-load-requests"),
+                session=session,
+            )
             return await suite.run_one(check, target)
 
     result = asyncio.run(run())

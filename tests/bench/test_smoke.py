@@ -13,8 +13,11 @@ from epp.bench import compare, inference_perf, overhead
 
 
 def test_compare_smoke(tmp_path):
-    results = asyncio.run(compare.compare("shared-prefix", ["epp", "round-robin"], [6.0], 3.0, 4, tmp_path, scale=0.2,
-                                          progress=lambda m: None))  # fmt: skip
+    results = asyncio.run(
+        compare.compare(
+            "shared-prefix", ["epp", "round-robin"], [6.0], 3.0, 4, tmp_path, scale=0.2, progress=lambda m: None
+        )
+    )
     assert [r.target for r in results] == ["epp", "round-robin"]
     for r in results:
         assert r.requests > 5 and r.succeeded == r.requests, r.errors
@@ -31,8 +34,19 @@ def test_compare_smoke(tmp_path):
 
 
 def test_closed_loop_smoke(tmp_path):
-    (result,) = asyncio.run(compare.compare("heterogeneous", ["round-robin"], [], 2.0, 2, tmp_path, scale=0.05,
-                                            progress=lambda m: None, concurrencies=[3]))  # fmt: skip
+    (result,) = asyncio.run(
+        compare.compare(
+            "heterogeneous",
+            ["round-robin"],
+            [],
+            2.0,
+            2,
+            tmp_path,
+            scale=0.05,
+            progress=lambda m: None,
+            concurrencies=[3],
+        )
+    )
     assert result.concurrency == 3 and result.requests == result.succeeded > 0
     assert "closed loop, 3 concurrent clients" in (tmp_path / "heterogeneous.md").read_text()
     assert (tmp_path / "ttft_vs_concurrency.png").is_file() and (tmp_path / "load_round-robin_c3.png").is_file()
@@ -90,11 +104,24 @@ def test_decision_time_smoke():
     assert 0 < decision.measure_director(8, 1000, repeats=20) < 50_000
 
 
-@pytest.mark.skipif(inference_perf.command() is None, reason="inference-perf is not installed (needs Python 3.12: "
-                    "make bench-inference-perf)")  # fmt: skip
+@pytest.mark.skipif(
+    inference_perf.command() is None,
+    reason="inference-perf is not installed (needs Python 3.12: make bench-inference-perf)",
+)
 def test_inference_perf_as_the_load_generator(tmp_path):
-    (result,) = asyncio.run(compare.compare("shared-prefix", ["epp"], [4.0], 3.0, 2, tmp_path, scale=0.1,
-                                            progress=lambda m: None, load_generator="inference-perf"))  # fmt: skip
+    (result,) = asyncio.run(
+        compare.compare(
+            "shared-prefix",
+            ["epp"],
+            [4.0],
+            3.0,
+            2,
+            tmp_path,
+            scale=0.1,
+            progress=lambda m: None,
+            load_generator="inference-perf",
+        )
+    )
     assert result.load_generator == "inference-perf" and result.succeeded == result.requests > 0, result.errors
     assert 0 < result.ttft_ms["p50"] <= result.ttft_ms["p99"] and result.output_tokens_per_s > 0
     assert sum(result.per_server) == result.requests  # the servers' own counters agree with the client's
@@ -105,14 +132,19 @@ def test_cli_lists_workloads_and_targets_and_rejects_unknown_ones_before_startin
     import subprocess
     import sys
 
-    help_text = subprocess.run([sys.executable, "-m", "epp.bench.cli", "compare", "--help"], capture_output=True,
-                               text=True, timeout=60).stdout  # fmt: skip
+    help_text = subprocess.run(
+        [sys.executable, "-m", "epp.bench.cli", "compare", "--help"], capture_output=True, text=True, timeout=60
+    ).stdout
     flat = "".join(help_text.split())  # argparse wraps lines, at hyphens too
     for name in ("multi-lora", "heterogeneous", "round-robin", "sglang-cache-aware", "prefix-only"):
         assert name in flat
     started = time.monotonic()
-    result = subprocess.run([sys.executable, "-m", "epp.bench.cli", "compare", "--targets", "bogus"],
-                            capture_output=True, text=True, timeout=60)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-m", "epp.bench.cli", "compare", "--targets", "bogus"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2 and "bogus" in result.stderr and time.monotonic() - started < 20
     with pytest.raises(ValueError, match="unknown target"):
         asyncio.run(compare.compare("shared-prefix", ["epp", "bogus"], [1.0], 1.0, 2, Path("/tmp/never-made")))

@@ -11,9 +11,12 @@ from epp.envoy import TEMPLATE
 
 def run_suite(tmp_path, *args):
     report = tmp_path / "report.yaml"
-    result = subprocess.run([sys.executable, "-m", "epp.conformance", "--report", str(report),
-                             "--workdir", str(tmp_path / "work"), *args],
-                            capture_output=True, text=True, timeout=240)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-m", "epp.conformance", "--report", str(report), "--workdir", str(tmp_path / "work"), *args],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert report.exists(), result.stdout[-3000:] + result.stderr[-3000:]
     return result, yaml.safe_load(report.read_text())
 
@@ -44,12 +47,15 @@ def test_a_gateway_without_retries_fails_the_fallback_check(tmp_path):
     # Routing straight to the pick's ORIGINAL_DST cluster: one address, nothing to fall back to.
     template = edited_template(
         tmp_path,
-        ("route: {cluster: pick_with_fallbacks, timeout: 0s, idle_timeout: 600s,\n"
-         '                        retry_policy: {retry_on: "connect-failure,reset", num_retries: 2}}',
-         "route: {cluster: original_destination_cluster, timeout: 0s, idle_timeout: 600s}"),
-    )  # fmt: skip
-    result, report = run_suite(tmp_path, "--envoy-template", template, "--only", "follows-pick-one",
-                               "fallback-endpoints")  # fmt: skip
+        (
+            "route: {cluster: pick_with_fallbacks, timeout: 0s, idle_timeout: 600s,\n"
+            '                        retry_policy: {retry_on: "connect-failure,reset", num_retries: 2}}',
+            "route: {cluster: original_destination_cluster, timeout: 0s, idle_timeout: 600s}",
+        ),
+    )
+    result, report = run_suite(
+        tmp_path, "--envoy-template", template, "--only", "follows-pick-one", "fallback-endpoints"
+    )
     assert result.returncode == 0  # a SHOULD check: reported, not fatal
     assert report["profiles"][0]["extended"]["failedTests"] == ["fallback-endpoints"]
     assert "FAIL SHOULD fallback-endpoints — with the primary resetting connections" in result.stdout
@@ -57,8 +63,13 @@ def test_a_gateway_without_retries_fails_the_fallback_check(tmp_path):
 
 def test_a_gateway_that_keeps_the_client_header_fails(tmp_path):
     # Without the strip and with routing on the header alone, a client could steer requests.
-    template = edited_template(tmp_path, ("                - remove: x-gateway-destination-endpoint\n",
-                                          "                - remove: x-not-the-destination\n"))  # fmt: skip
+    template = edited_template(
+        tmp_path,
+        (
+            "                - remove: x-gateway-destination-endpoint\n",
+            "                - remove: x-not-the-destination\n",
+        ),
+    )
     result, report = run_suite(tmp_path, "--envoy-template", template, "--only", "spoofed-header-epp-down")
     assert result.returncode == 1
     assert report["profiles"][0]["core"]["failedTests"] == ["spoofed-header-epp-down"]

@@ -20,8 +20,11 @@ SERVER = ["--disable-log-stats", "--enable-lora", "--max-loras", "1", "--max-num
 @contextlib.contextmanager
 def model_server(*args: str):
     (port,) = free_ports(1)
-    process = subprocess.Popen([sys.executable, "-m", "modelserver", "--port", str(port), *SERVER, *args],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+    process = subprocess.Popen(
+        [sys.executable, "-m", "modelserver", "--port", str(port), *SERVER, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     try:
         lines = []
         while not (line := process.stdout.readline().decode()).startswith("ready on"):
@@ -49,19 +52,48 @@ def our_server(request, tmp_path):
     from modelserver.torch.tiny import make_tiny_model
 
     model = make_tiny_model(tmp_path / "tiny", lora_names=["sql", "chat"])
-    with model_server("--backend", "torch", "--model", str(model), "--served-model-name", "tiny", "--device", "cpu",
-                      "--num-gpu-blocks", "512", "--lora-modules", f"sql={model}/loras/sql",
-                      f"chat={model}/loras/chat") as url:  # fmt: skip
+    with model_server(
+        "--backend",
+        "torch",
+        "--model",
+        str(model),
+        "--served-model-name",
+        "tiny",
+        "--device",
+        "cpu",
+        "--num-gpu-blocks",
+        "512",
+        "--lora-modules",
+        f"sql={model}/loras/sql",
+        f"chat={model}/loras/chat",
+    ) as url:
         yield url
 
 
 def test_our_server_conforms(our_server, tmp_path):
     report = tmp_path / "report.yaml"
     result = subprocess.run(
-        [sys.executable, "-m", "protocol.conformance", "--url", our_server, "--lora-adapter", "sql",
-         "--lora-adapter", "chat", "--load-requests", "8", "--report", str(report), "--project", "llm-routing-reference"],
-        capture_output=True, text=True, timeout=240,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "protocol.conformance",
+            "--url",
+            our_server,
+            "--lora-adapter",
+            "sql",
+            "--lora-adapter",
+            "chat",
+            "--load-requests",
+            "8",
+            "--report",
+            str(report),
+            "--project",
+            "llm-routing-reference",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     lines = [line for line in result.stdout.splitlines() if line.startswith(("PASS", "FAIL", "SKIP"))]
     assert len(lines) == 17 and all(line.startswith("PASS") for line in lines), result.stdout
@@ -80,10 +112,26 @@ def test_pytest_plugin_runs_every_check_with_the_servers_adapters(sim_server):
     # waiting-queue checks crawled: 103 s against 11 s)
     started = time.monotonic()
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "protocol.conformance.pytest_plugin",
-         "--msp-url", sim_server, "--msp-load-requests", "8", "--pyargs", "protocol.conformance.test_msp"],
-        capture_output=True, text=True, timeout=240,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "protocol.conformance.pytest_plugin",
+            "--msp-url",
+            sim_server,
+            "--msp-load-requests",
+            "8",
+            "--pyargs",
+            "protocol.conformance.test_msp",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "17 passed" in result.stdout and "skipped" not in result.stdout, result.stdout
     assert time.monotonic() - started < 60
@@ -105,8 +153,16 @@ async def broken_server() -> tuple[web.AppRunner, str]:
             await response.write(b"data: [DONE]\n\n")
             return response
         usage = {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}
-        return web.json_response({"id": "c", "created": 1, "model": "other", "object": "text_completion",
-                                  "choices": [choice], "usage": usage})  # fmt: skip
+        return web.json_response(
+            {
+                "id": "c",
+                "created": 1,
+                "model": "other",
+                "object": "text_completion",
+                "choices": [choice],
+                "usage": usage,
+            }
+        )
 
     async def metrics(request):
         return web.Response(

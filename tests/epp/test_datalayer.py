@@ -16,13 +16,17 @@ PAGE = "vllm:num_requests_waiting 3\nvllm:num_requests_running 1\nvllm:kv_cache_
 
 
 def test_parse_pool_file():
-    state = parse_pool({
-        "endpoints": [{"address": "10.0.0.1", "port": 8000, "engine": "sglang", "labels": {"zone": "a"}},
-                      {"name": "b", "address": "10.0.0.2", "port": 8001}],
-        "objectives": [{"name": "batch", "priority": -1}],
-        "models": ["m"],
-        "rewrites": [{"model": "m", "targets": [{"model": "m2", "weight": 3}]}],
-    })  # fmt: skip
+    state = parse_pool(
+        {
+            "endpoints": [
+                {"address": "10.0.0.1", "port": 8000, "engine": "sglang", "labels": {"zone": "a"}},
+                {"name": "b", "address": "10.0.0.2", "port": 8001},
+            ],
+            "objectives": [{"name": "batch", "priority": -1}],
+            "models": ["m"],
+            "rewrites": [{"model": "m", "targets": [{"model": "m2", "weight": 3}]}],
+        }
+    )
     assert [e.name for e in state.endpoints] == ["10.0.0.1:8000", "b"]
     assert state.endpoints[0].engine == "sglang" and state.endpoints[0].labels == (("zone", "a"),)
     assert state.objectives == {"batch": -1}

@@ -36,8 +36,14 @@ from tests.epp.test_transports import PROCESS, headers
 
 END_STREAM, END_HEADERS = 0x1, 0x4
 server = test_grpc_h2.server  # the fixture: an ExtProcServer of EchoHandlers on a free port
-REQUEST_HEADERS = [(":method", "POST"), (":scheme", "http"), (":path", PROCESS), (":authority", "epp"),
-                   ("content-type", "application/grpc"), ("te", "trailers")]  # fmt: skip
+REQUEST_HEADERS = [
+    (":method", "POST"),
+    (":scheme", "http"),
+    (":path", PROCESS),
+    (":authority", "epp"),
+    ("content-type", "application/grpc"),
+    ("te", "trailers"),
+]
 
 
 def connect(port: int) -> socket.socket:
@@ -125,9 +131,9 @@ async def test_streams_beyond_the_advertised_limit_are_refused_then_the_connecti
         encoder = Encoder()
         with connect(server.port) as s:
             count = MAX_CONCURRENT_STREAMS + 5000
-            s.sendall(b"".join(
-                frame(HEADERS, END_HEADERS, 2 * i + 1, encoder.encode(REQUEST_HEADERS)) for i in range(count)
-            ))  # fmt: skip
+            s.sendall(
+                b"".join(frame(HEADERS, END_HEADERS, 2 * i + 1, encoder.encode(REQUEST_HEADERS)) for i in range(count))
+            )
             frames = read_frames(s, lambda seen: bool(seen) and seen[-1][0] == GOAWAY)
             refused = sum(f[0] == RST_STREAM and struct.unpack(">L", f[2])[0] == REFUSED_STREAM for f in frames)
             code = struct.unpack(">L", frames[-1][2][4:8])[0] if frames and frames[-1][0] == GOAWAY else None

@@ -15,10 +15,24 @@ async def test_health_services(tmp_path):
     pool.write_text("endpoints: [{address: 127.0.0.1, port: 1}]\n")
     grpc_port, health_port, metrics_port = free_ports(3)
     process = subprocess.Popen(
-        [sys.executable, "-m", "epp", "--pool-file", str(pool), "--bind-address", "127.0.0.1", "--grpc-port",
-         str(grpc_port), "--grpc-health-port", str(health_port), "--metrics-port", str(metrics_port)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "epp",
+            "--pool-file",
+            str(pool),
+            "--bind-address",
+            "127.0.0.1",
+            "--grpc-port",
+            str(grpc_port),
+            "--grpc-health-port",
+            str(health_port),
+            "--metrics-port",
+            str(metrics_port),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     try:
         while b"epp ready" not in process.stdout.readline():
             assert process.poll() is None
@@ -37,6 +51,10 @@ def test_bad_flags_and_config_fail_clearly(tmp_path):
     assert result.returncode != 0 and "--pool-file" in result.stderr
     pool = tmp_path / "pool.yaml"
     pool.write_text("endpoints: []\n")
-    result = subprocess.run([sys.executable, "-m", "epp", "--pool-file", str(pool), "--config-text", "plugins: [{type: nope}]"],
-                            capture_output=True, text=True, timeout=30)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-m", "epp", "--pool-file", str(pool), "--config-text", "plugins: [{type: nope}]"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert result.returncode != 0 and "unknown plugin type" in result.stderr

@@ -32,8 +32,13 @@ async def test_the_index_follows_each_server_s_cache_through_evictions():
     for port in (8000, 8001):
         publisher = ZmqEventPublisher(config, f"kv@127.0.0.1:{port}@m")
         cfg = EngineConfig(num_gpu_blocks=12, block_size=16)
-        engine = AsyncEngine(cfg, SimExecutor(SimTiming.zero(), 16, 12, list(range(100, 164))), model_name="m",
-                             log_stats=False, kv_events=publisher)  # fmt: skip
+        engine = AsyncEngine(
+            cfg,
+            SimExecutor(SimTiming.zero(), 16, 12, list(range(100, 164))),
+            model_name="m",
+            log_stats=False,
+            kv_events=publisher,
+        )
         await engine.start()
         engines.append(engine)
     await asyncio.sleep(0.3)
@@ -50,8 +55,9 @@ async def test_the_index_follows_each_server_s_cache_through_evictions():
         assert index.prefix_blocks(hashes, endpoints)["127.0.0.1:8001"] == 0
 
         for i in range(8):  # push that prompt's blocks out of server 0's 12-block cache
-            async for _ in engines[0].generate(f"f{i}", [5000 + 100 * i + t for t in range(49)],
-                                               SamplingParams(max_tokens=1)):  # fmt: skip
+            async for _ in engines[0].generate(
+                f"f{i}", [5000 + 100 * i + t for t in range(49)], SamplingParams(max_tokens=1)
+            ):
                 pass
         kv = engines[0].kv
         await wait_for(lambda: index._by_endpoint.get("127.0.0.1:8000", {}).keys() == kv._cached.keys())

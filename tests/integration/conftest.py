@@ -31,12 +31,21 @@ def stack_config(tmp_path, servers=3, extra_modelserver_args=(), **overrides) ->
     base = free_port_block(servers)
     grpc, health, metrics, listener, admin = free_ports(5)
     lora_args = ["--enable-lora", "--max-loras", "1", "--lora-modules", *(f"{a}={tmp_path}/{a}" for a in ADAPTERS)]
-    return StackConfig(**{
-        "model_servers": servers, "base_port": base, "grpc_port": grpc, "grpc_health_port": health,
-        "metrics_port": metrics, "listener_port": listener, "admin_port": admin, "workdir": tmp_path,
-        "modelserver_args": [*FAST_SIM, *lora_args, "--disable-log-stats", *extra_modelserver_args],
-        "epp_args": ["--refresh-metrics-interval", "20ms"], **overrides,
-    })  # fmt: skip
+    return StackConfig(
+        **{
+            "model_servers": servers,
+            "base_port": base,
+            "grpc_port": grpc,
+            "grpc_health_port": health,
+            "metrics_port": metrics,
+            "listener_port": listener,
+            "admin_port": admin,
+            "workdir": tmp_path,
+            "modelserver_args": [*FAST_SIM, *lora_args, "--disable-log-stats", *extra_modelserver_args],
+            "epp_args": ["--refresh-metrics-interval", "20ms"],
+            **overrides,
+        }
+    )
 
 
 async def started(config: StackConfig) -> LocalStack:

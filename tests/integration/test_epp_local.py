@@ -10,11 +10,33 @@ def test_epp_local_demo_once():
     base = free_port_block(2)
     grpc, health, metrics, listener, admin = free_ports(5)
     result = subprocess.run(
-        [sys.executable, "-m", "epp.local", "--model-servers", "2", "--demo", "--once", "--requests", "12",
-         "--base-port", str(base), "--grpc-port", str(grpc), "--grpc-health-port", str(health),
-         "--metrics-port", str(metrics), "--listener-port", str(listener), "--admin-port", str(admin)],
-        capture_output=True, text=True, timeout=180,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "epp.local",
+            "--model-servers",
+            "2",
+            "--demo",
+            "--once",
+            "--requests",
+            "12",
+            "--base-port",
+            str(base),
+            "--grpc-port",
+            str(grpc),
+            "--grpc-health-port",
+            str(health),
+            "--metrics-port",
+            str(metrics),
+            "--listener-port",
+            str(listener),
+            "--admin-port",
+            str(admin),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "gateway ready" in result.stdout
     assert "12/12 requests done, 0 failed" in result.stdout
@@ -25,12 +47,26 @@ def test_adapter_paths_are_checked_at_start_up(tmp_path):
     """A torch model server refuses adapter dirs without PEFT files at start-up (it used to die at the first
     request for them), and epp-local's demo on a user's model says which adapters it needs."""
     result = subprocess.run(
-        [sys.executable, "-m", "modelserver", "--backend", "torch", "--model", str(tmp_path), "--lora-modules",
-         f"sql={tmp_path / 'nowhere'}"], capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "modelserver",
+            "--backend",
+            "torch",
+            "--model",
+            str(tmp_path),
+            "--lora-modules",
+            f"sql={tmp_path / 'nowhere'}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode != 0 and "adapter_config.json" in result.stderr, result.stderr[-2000:]
     result = subprocess.run(
         [sys.executable, "-m", "epp.local", "--backend", "torch", "--model", str(tmp_path), "--demo", "--once"],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2 and "needs PEFT adapters" in result.stderr, result.stdout + result.stderr

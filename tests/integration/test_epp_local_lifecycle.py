@@ -17,14 +17,33 @@ from tests.conftest import free_port_block, free_ports
 def ports_args() -> tuple[list[str], list[int]]:
     base = free_port_block(2)
     grpc, health, metrics, listener, admin = free_ports(5)
-    args = ["--model-servers", "2", "--base-port", str(base), "--grpc-port", str(grpc), "--grpc-health-port",
-            str(health), "--metrics-port", str(metrics), "--listener-port", str(listener), "--admin-port", str(admin)]  # fmt: skip
+    args = [
+        "--model-servers",
+        "2",
+        "--base-port",
+        str(base),
+        "--grpc-port",
+        str(grpc),
+        "--grpc-health-port",
+        str(health),
+        "--metrics-port",
+        str(metrics),
+        "--listener-port",
+        str(listener),
+        "--admin-port",
+        str(admin),
+    ]
     return args, [base, base + 1, grpc, health, metrics, listener, admin]
 
 
 def start(args: list[str]) -> tuple[subprocess.Popen, Path]:
-    process = subprocess.Popen([sys.executable, "-m", "epp.local", *args], stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    process = subprocess.Popen(
+        [sys.executable, "-m", "epp.local", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     workdir = None
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline:
@@ -93,8 +112,7 @@ def test_a_taken_port_fails_fast_naming_it():
 def test_a_child_that_dies_stops_the_stack_with_its_last_log_lines():
     args, ports = ports_args()
     process, workdir = start(args)
-    epp = next(pid for pid in children_of(workdir)
-               if b"-m\0epp\0" in Path(f"/proc/{pid}/cmdline").read_bytes())  # fmt: skip
+    epp = next(pid for pid in children_of(workdir) if b"-m\0epp\0" in Path(f"/proc/{pid}/cmdline").read_bytes())
     os.kill(epp, signal.SIGKILL)
     assert process.wait(30) == 1
     stderr = process.stderr.read()

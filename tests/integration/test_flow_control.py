@@ -44,8 +44,12 @@ def outcome_count(page: str, outcome: str) -> float:
 
 
 async def test_a_request_queued_longer_than_the_message_timeout_is_answered(make_stack):
-    stack = await make_stack(servers=1, config_text=config(ttl=20), message_timeout=MESSAGE_TIMEOUT,
-                             extra_modelserver_args=[*FAST_SIM, *ONE_AT_A_TIME])  # fmt: skip
+    stack = await make_stack(
+        servers=1,
+        config_text=config(ttl=20),
+        message_timeout=MESSAGE_TIMEOUT,
+        extra_modelserver_args=[*FAST_SIM, *ONE_AT_A_TIME],
+    )
     async with aiohttp.ClientSession() as session:
         first = asyncio.create_task(timed(session, stack.gateway_url))
         await asyncio.sleep(0.2)
@@ -64,8 +68,12 @@ async def test_a_request_queued_longer_than_the_message_timeout_is_answered(make
 
 
 async def test_a_request_whose_ttl_runs_out_gets_429_with_retry_after(make_stack):
-    stack = await make_stack(servers=1, config_text=config(ttl=0.3), message_timeout=MESSAGE_TIMEOUT,
-                             extra_modelserver_args=[*FAST_SIM, *ONE_AT_A_TIME])  # fmt: skip
+    stack = await make_stack(
+        servers=1,
+        config_text=config(ttl=0.3),
+        message_timeout=MESSAGE_TIMEOUT,
+        extra_modelserver_args=[*FAST_SIM, *ONE_AT_A_TIME],
+    )
     async with aiohttp.ClientSession() as session:
         first = asyncio.create_task(timed(session, stack.gateway_url))
         await asyncio.sleep(0.2)

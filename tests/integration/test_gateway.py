@@ -97,16 +97,29 @@ async def test_load_prefix_and_lora_aware_routing(make_stack):
 
 @pytest.mark.parametrize("body_mode", ["FULL_DUPLEX_STREAMED", "BUFFERED"])
 async def test_one_megabyte_body_routes_in_both_body_modes(make_stack, body_mode):
-    big = ["--max-model-len", "2000000", "--num-gpu-blocks", "150000", "--max-num-batched-tokens", "2000000",
-           "--sim-prefill-time-per-token", "0"]  # fmt: skip
-    stack = await make_stack(servers=2, request_body_mode=body_mode, config_text=TESTING_CONFIG,
-                             extra_modelserver_args=big)  # fmt: skip
+    big = [
+        "--max-model-len",
+        "2000000",
+        "--num-gpu-blocks",
+        "150000",
+        "--max-num-batched-tokens",
+        "2000000",
+        "--sim-prefill-time-per-token",
+        "0",
+    ]
+    stack = await make_stack(
+        servers=2, request_body_mode=body_mode, config_text=TESTING_CONFIG, extra_modelserver_args=big
+    )
     host = stack.model_server_urls[1].removeprefix("http://")
     prompt = "lorem ipsum dolor sit amet " * 40_000  # ~1.08 MB
     async with aiohttp.ClientSession() as session:
         before = await served_counts(stack)
-        status, payload = await complete(session, stack, {"model": MODEL, "prompt": prompt, "max_tokens": 1},
-                                         headers={"test-epp-endpoint-selection": host})  # fmt: skip
+        status, payload = await complete(
+            session,
+            stack,
+            {"model": MODEL, "prompt": prompt, "max_tokens": 1},
+            headers={"test-epp-endpoint-selection": host},
+        )
         assert status == 200, payload[:300]
         assert json.loads(payload)["usage"]["prompt_tokens"] > 100_000  # the whole body arrived
         assert delta(before, await served_counts(stack)) == [0, 1]
@@ -114,8 +127,13 @@ async def test_one_megabyte_body_routes_in_both_body_modes(make_stack, body_mode
 
 async def test_streaming_through_the_gateway(make_stack):
     stack = await make_stack(servers=2)
-    body = {"model": MODEL, "prompt": "stream me", "max_tokens": 6, "stream": True,
-            "stream_options": {"include_usage": True}}  # fmt: skip
+    body = {
+        "model": MODEL,
+        "prompt": "stream me",
+        "max_tokens": 6,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     async with aiohttp.ClientSession() as session, session.post(f"{stack.gateway_url}/v1/completions", json=body) as r:
         raw = (await r.read()).decode()
     events = [e[6:] for e in raw.split("\n\n") if e]
@@ -164,8 +182,13 @@ async def test_rewritten_model_goes_back_to_the_client_name_with_response_bodies
             session, stack, {"model": "my-alias", "prompt": "hi", "max_tokens": 3}, rewrite
         )
         assert status == 200 and json.loads(payload)["model"] == "my-alias"
-        body = {"model": "my-alias", "prompt": "hi", "max_tokens": 3, "stream": True,
-                "stream_options": {"include_usage": True}}  # fmt: skip
+        body = {
+            "model": "my-alias",
+            "prompt": "hi",
+            "max_tokens": 3,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         async with session.post(f"{stack.gateway_url}/v1/completions", json=body, headers=rewrite) as r:
             events = [e[6:] for e in (await r.read()).decode().split("\n\n") if e]
     assert events[-1] == "[DONE]"

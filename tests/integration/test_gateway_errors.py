@@ -48,8 +48,10 @@ async def test_http_1_0_clients_are_answered(make_stack):
     body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 2}).encode()
     host, port = stack.gateway_url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=10) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.0\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
-                  % len(body) + body)  # fmt: skip
+        s.sendall(
+            b"POST /v1/completions HTTP/1.0\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body)
+            + body
+        )
         response = b""
         while chunk := s.recv(65536):
             response += chunk

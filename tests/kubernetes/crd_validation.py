@@ -91,8 +91,10 @@ def validate_custom_resource(obj: dict, schemas: dict | None = None) -> list[str
     if schema is None:
         return [f"no CRD for {obj.get('apiVersion')} {obj.get('kind')}"]
     errors = _unknown_fields(schema, obj, "")
-    errors += [f"{'.'.join(map(str, e.path)) or '<root>'}: {e.message}"
-               for e in jsonschema.Draft7Validator(schema).iter_errors(obj)]  # fmt: skip
+    errors += [
+        f"{'.'.join(map(str, e.path)) or '<root>'}: {e.message}"
+        for e in jsonschema.Draft7Validator(schema).iter_errors(obj)
+    ]
     return errors or _cel_errors(schema, _with_defaults(schema, obj), "")
 
 
@@ -148,8 +150,9 @@ def validate_crd(crd: dict) -> list[str]:
     if protected_group(group):
         value = (metadata.get("annotations") or {}).get(APPROVAL)
         if not value:
-            errors.append(f"metadata.annotations[{APPROVAL}]: Required value: protected groups must have approval "
-                          "annotation")  # fmt: skip
+            errors.append(
+                f"metadata.annotations[{APPROVAL}]: Required value: protected groups must have approval annotation"
+            )
         elif not value.startswith(("https://", "http://", "unapproved")):
             errors.append(f"metadata.annotations[{APPROVAL}]: must be a URL or start with 'unapproved'")
     versions = spec.get("versions") or []

@@ -91,8 +91,14 @@ class FakeAPIServer:
             if request.query.get("watch") in ("true", "1", "True"):
                 return await self._watch(kind, request)
             self.list_requests += 1
-            return web.json_response({"kind": "List", "apiVersion": "v1", "metadata": {"resourceVersion": str(self.rv)},
-                                      "items": list(self.objects[kind].values())})  # fmt: skip
+            return web.json_response(
+                {
+                    "kind": "List",
+                    "apiVersion": "v1",
+                    "metadata": {"resourceVersion": str(self.rv)},
+                    "items": list(self.objects[kind].values()),
+                }
+            )
 
         return handle
 
@@ -112,8 +118,17 @@ class FakeAPIServer:
 
         try:
             if since < self.compacted_before:
-                await send({"type": "ERROR", "object": {"kind": "Status", "code": 410, "reason": "Expired",
-                                                        "message": f"too old resource version: {since}"}})  # fmt: skip
+                await send(
+                    {
+                        "type": "ERROR",
+                        "object": {
+                            "kind": "Status",
+                            "code": 410,
+                            "reason": "Expired",
+                            "message": f"too old resource version: {since}",
+                        },
+                    }
+                )
                 return response
             deadline = asyncio.get_running_loop().time() + timeout
             while asyncio.get_running_loop().time() < deadline:

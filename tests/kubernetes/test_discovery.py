@@ -16,8 +16,12 @@ def pod(name, ip="10.0.0.1", ready=True, labels=None, terminating=False):
     meta = {"name": name, "namespace": NS, "labels": {"app": "model-server", **(labels or {})}}
     if terminating:
         meta["deletionTimestamp"] = "2026-01-01T00:00:00Z"
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta,
-            "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}}  # fmt: skip
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": meta,
+        "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]},
+    }
 
 
 def rewrite(name, rules, created=None, pool_group=None):
@@ -27,9 +31,16 @@ def rewrite(name, rules, created=None, pool_group=None):
 
 
 def pool(selector=None, ports=(8000,)):
-    return {"apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool", "metadata": {"name": "pool"},
-            "spec": {"selector": {"matchLabels": selector or {"app": "model-server"}},
-                     "targetPorts": [{"number": p} for p in ports], "endpointPickerRef": {"name": "epp", "port": {"number": 9002}}}}  # fmt: skip
+    return {
+        "apiVersion": "inference.networking.k8s.io/v1",
+        "kind": "InferencePool",
+        "metadata": {"name": "pool"},
+        "spec": {
+            "selector": {"matchLabels": selector or {"app": "model-server"}},
+            "targetPorts": [{"number": p} for p in ports],
+            "endpointPickerRef": {"name": "epp", "port": {"number": 9002}},
+        },
+    }
 
 
 class Collector:
@@ -106,10 +117,25 @@ async def test_pods_pool_objectives_and_rewrites(apiserver):
             {"metadata": {"name": "elsewhere"}, "spec": {"priority": 5, "poolRef": {"name": "x"}}},
         )
         await seen.until(lambda s: s.objectives == {"batch": -1})
-        server.apply("inferencemodelrewrites", {"metadata": {"name": "r"}, "spec": {"poolRef": {"name": "pool"}, "rules": [
-            {"matches": [{"model": {"type": "Exact", "value": "food"}}],
-             "targets": [{"modelRewrite": "food-v1", "weight": 90}, {"modelRewrite": "food-v2", "weight": 10}]},
-            {"targets": [{"modelRewrite": "default-model"}]}]}})  # fmt: skip
+        server.apply(
+            "inferencemodelrewrites",
+            {
+                "metadata": {"name": "r"},
+                "spec": {
+                    "poolRef": {"name": "pool"},
+                    "rules": [
+                        {
+                            "matches": [{"model": {"type": "Exact", "value": "food"}}],
+                            "targets": [
+                                {"modelRewrite": "food-v1", "weight": 90},
+                                {"modelRewrite": "food-v2", "weight": 10},
+                            ],
+                        },
+                        {"targets": [{"modelRewrite": "default-model"}]},
+                    ],
+                },
+            },
+        )
         state = await seen.until(lambda s: len(s.rewrites) == 2)
         assert state.rewrites[0].model == "food" and state.rewrites[0].targets == (("food-v1", 90), ("food-v2", 10))
         assert state.rewrites[1].model == "*"
@@ -175,8 +201,10 @@ async def test_rewrite_precedence_and_pool_references(apiserver):
         state = await seen.until(lambda s: s.rewrites)
         # Exact matches before catch-alls; among equals the oldest resource first; other pools' rewrites ignored.
         assert [(r.model, r.targets) for r in state.rewrites] == [
-            ("food", (("food-old", 5),)), ("food", (("food-new", 5),)), ("*", (("default", 1),))
-        ]  # fmt: skip
+            ("food", (("food-old", 5),)),
+            ("food", (("food-new", 5),)),
+            ("*", (("default", 1),)),
+        ]
         assert state.objectives == {"chat": 0}  # no priority: 0
         server.delete("inferencemodelrewrites", "old")
         state = await seen.until(lambda s: len(s.rewrites) == 1)
@@ -185,8 +213,10 @@ async def test_rewrite_precedence_and_pool_references(apiserver):
 
 async def test_v1alpha2_pool_group(apiserver):
     server, api = apiserver
-    v1alpha2 = {"metadata": {"name": "pool"}, "spec": {"selector": {"app": "model-server"}, "targetPortNumber": 8001,
-                                                       "extensionRef": {"name": "epp"}}}  # fmt: skip
+    v1alpha2 = {
+        "metadata": {"name": "pool"},
+        "spec": {"selector": {"app": "model-server"}, "targetPortNumber": 8001, "extensionRef": {"name": "epp"}},
+    }
     server.apply("x-inferencepools", v1alpha2)
     server.apply("pods", pod("a", "10.0.0.1"))
     async with discovery(api, pool_group="inference.networking.x-k8s.io") as seen:

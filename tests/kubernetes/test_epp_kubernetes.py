@@ -24,11 +24,18 @@ async def readiness(port: int) -> int:
 def write_kubeconfig(tmp_path, api):
     """A kubeconfig for the `epp` process that points at the local API server."""
     kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(yaml.safe_dump({
-        "apiVersion": "v1", "kind": "Config", "current-context": "local",
-        "clusters": [{"name": "local", "cluster": {"server": api.configuration.host}}],
-        "contexts": [{"name": "local", "context": {"cluster": "local", "user": "u", "namespace": NS}}],
-        "users": [{"name": "u", "user": {"token": "test"}}]}))  # fmt: skip
+    kubeconfig.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "current-context": "local",
+                "clusters": [{"name": "local", "cluster": {"server": api.configuration.host}}],
+                "contexts": [{"name": "local", "context": {"cluster": "local", "user": "u", "namespace": NS}}],
+                "users": [{"name": "u", "user": {"token": "test"}}],
+            }
+        )
+    )
     return kubeconfig
 
 
@@ -36,8 +43,11 @@ async def test_epp_replicas_discover_and_elect(apiserver, tmp_path):
     server, api = apiserver
     kubeconfig = write_kubeconfig(tmp_path, api)
     (model_port,) = free_ports(1)
-    model = subprocess.Popen([sys.executable, "-m", "modelserver", "--port", str(model_port), "--disable-log-stats"],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    model = subprocess.Popen(
+        [sys.executable, "-m", "modelserver", "--port", str(model_port), "--disable-log-stats"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     server.apply("inferencepools", pool(ports=(model_port,)))
     server.apply("pods", pod("ms-0", "127.0.0.1"))
     replicas = []
@@ -45,11 +55,29 @@ async def test_epp_replicas_discover_and_elect(apiserver, tmp_path):
         for _ in range(2):
             grpc_port, health_port, metrics_port = free_ports(3)
             process = subprocess.Popen(
-                [sys.executable, "-m", "epp", "--pool-name", "pool", "--pool-namespace", NS, "--kubeconfig",
-                 str(kubeconfig), "--ha-enable-leader-election", "--bind-address", "127.0.0.1", "--grpc-port",
-                 str(grpc_port), "--grpc-health-port", str(health_port), "--metrics-port", str(metrics_port)],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            )  # fmt: skip
+                [
+                    sys.executable,
+                    "-m",
+                    "epp",
+                    "--pool-name",
+                    "pool",
+                    "--pool-namespace",
+                    NS,
+                    "--kubeconfig",
+                    str(kubeconfig),
+                    "--ha-enable-leader-election",
+                    "--bind-address",
+                    "127.0.0.1",
+                    "--grpc-port",
+                    str(grpc_port),
+                    "--grpc-health-port",
+                    str(health_port),
+                    "--metrics-port",
+                    str(metrics_port),
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
             replicas.append((process, health_port, metrics_port))
         async with aiohttp.ClientSession() as session:
             for _, _, metrics_port in replicas:
@@ -94,10 +122,28 @@ async def test_readiness_waits_for_the_pool_to_be_listed(apiserver, tmp_path):
     server.fail_requests = 10**9  # nothing can be listed yet
     grpc_port, health_port, metrics_port = free_ports(3)
     process = subprocess.Popen(
-        [sys.executable, "-m", "epp", "--pool-name", "pool", "--pool-namespace", NS, "--kubeconfig", str(kubeconfig),
-         "--bind-address", "127.0.0.1", "--grpc-port", str(grpc_port), "--grpc-health-port", str(health_port),
-         "--metrics-port", str(metrics_port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "epp",
+            "--pool-name",
+            "pool",
+            "--pool-namespace",
+            NS,
+            "--kubeconfig",
+            str(kubeconfig),
+            "--bind-address",
+            "127.0.0.1",
+            "--grpc-port",
+            str(grpc_port),
+            "--grpc-health-port",
+            str(health_port),
+            "--metrics-port",
+            str(metrics_port),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         statuses = []
         for _ in range(40):  # up, answering probes, but not ready: its pool is unknown

@@ -25,8 +25,14 @@ class Replicas:
         self.monitor = asyncio.create_task(self._monitor())
 
     def start(self, name, **options):
-        elector = LeaseElector(self.api, "epp-lease", NS, name, **{**TIMING, **options},
-                               on_change=lambda leader: self.changes.append((name, leader)))  # fmt: skip
+        elector = LeaseElector(
+            self.api,
+            "epp-lease",
+            NS,
+            name,
+            **{**TIMING, **options},
+            on_change=lambda leader: self.changes.append((name, leader)),
+        )
         self.electors[name] = elector
         self.tasks[name] = asyncio.create_task(elector.run())
         return elector

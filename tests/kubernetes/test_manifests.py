@@ -59,14 +59,23 @@ def test_kustomization_builds_and_validates(path):
 def test_overlays_bring_up_pool_epp_and_gateway():
     for overlay in ("overlays/sim", "overlays/gpu"):
         kinds = {(o["kind"], o["metadata"]["name"]) for o in build(overlay)}
-        for needed in [("Deployment", "epp"), ("Deployment", "model-server"), ("Deployment", "inference-gateway"),
-                       ("InferencePool", "model-server-pool"), ("Service", "epp"), ("ConfigMap", "envoy-bootstrap")]:  # fmt: skip
+        for needed in [
+            ("Deployment", "epp"),
+            ("Deployment", "model-server"),
+            ("Deployment", "inference-gateway"),
+            ("InferencePool", "model-server-pool"),
+            ("Service", "epp"),
+            ("ConfigMap", "envoy-bootstrap"),
+        ]:
             assert needed in kinds, (overlay, needed)
         # CRDs are applied and established first (README): with them in the same apply, a new cluster rejects the pool
         assert not any(kind == "CustomResourceDefinition" for kind, _ in kinds), overlay
     crds = {o["metadata"]["name"] for o in build("crds")}
-    assert crds == {"inferencepools.inference.networking.k8s.io", "inferenceobjectives.inference.networking.x-k8s.io",
-                    "inferencemodelrewrites.inference.networking.x-k8s.io"}  # fmt: skip
+    assert crds == {
+        "inferencepools.inference.networking.k8s.io",
+        "inferenceobjectives.inference.networking.x-k8s.io",
+        "inferencemodelrewrites.inference.networking.x-k8s.io",
+    }
     gpu = next(
         o for o in build("overlays/gpu") if o["kind"] == "Deployment" and o["metadata"]["name"] == "model-server"
     )
@@ -102,10 +111,16 @@ def test_rbac_is_least_privilege():
         (g, r, v) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]
     }
     read = {"get", "list", "watch"}
-    expected = ({("", "pods", v) for v in read}
-                | {("inference.networking.k8s.io", "inferencepools", v) for v in read}
-                | {("inference.networking.x-k8s.io", r, v) for r in ("inferenceobjectives", "inferencemodelrewrites") for v in read}
-                | {("coordination.k8s.io", "leases", v) for v in (*read, "create", "update")})  # fmt: skip
+    expected = (
+        {("", "pods", v) for v in read}
+        | {("inference.networking.k8s.io", "inferencepools", v) for v in read}
+        | {
+            ("inference.networking.x-k8s.io", r, v)
+            for r in ("inferenceobjectives", "inferencemodelrewrites")
+            for v in read
+        }
+        | {("coordination.k8s.io", "leases", v) for v in (*read, "create", "update")}
+    )
     assert grants == expected
     assert all(o["kind"] != "ClusterRole" for o in build("overlays/sim"))
 
@@ -122,18 +137,35 @@ def test_dashboard_is_valid_grafana_json():
 
 
 POOL = {
-    "apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool", "metadata": {"name": "p"},
-    "spec": {"selector": {"matchLabels": {"app": "m"}}, "targetPorts": [{"number": 8000}],
-             "endpointPickerRef": {"name": "epp", "port": {"number": 9002}}},
-}  # fmt: skip
+    "apiVersion": "inference.networking.k8s.io/v1",
+    "kind": "InferencePool",
+    "metadata": {"name": "p"},
+    "spec": {
+        "selector": {"matchLabels": {"app": "m"}},
+        "targetPorts": [{"number": 8000}],
+        "endpointPickerRef": {"name": "epp", "port": {"number": 9002}},
+    },
+}
 REWRITE = {
-    "apiVersion": "inference.networking.x-k8s.io/v1alpha2", "kind": "InferenceModelRewrite", "metadata": {"name": "r"},
-    "spec": {"poolRef": {"name": "p"}, "rules": [{"matches": [{"model": {"type": "Exact", "value": "a"}}],
-                                                  "targets": [{"modelRewrite": "a-v1", "weight": 90},
-                                                              {"modelRewrite": "a-v2", "weight": 10}]}]},
-}  # fmt: skip
-OBJECTIVE = {"apiVersion": "inference.networking.x-k8s.io/v1alpha2", "kind": "InferenceObjective",
-             "metadata": {"name": "o"}, "spec": {"priority": -1, "poolRef": {"name": "p"}}}  # fmt: skip
+    "apiVersion": "inference.networking.x-k8s.io/v1alpha2",
+    "kind": "InferenceModelRewrite",
+    "metadata": {"name": "r"},
+    "spec": {
+        "poolRef": {"name": "p"},
+        "rules": [
+            {
+                "matches": [{"model": {"type": "Exact", "value": "a"}}],
+                "targets": [{"modelRewrite": "a-v1", "weight": 90}, {"modelRewrite": "a-v2", "weight": 10}],
+            }
+        ],
+    },
+}
+OBJECTIVE = {
+    "apiVersion": "inference.networking.x-k8s.io/v1alpha2",
+    "kind": "InferenceObjective",
+    "metadata": {"name": "o"},
+    "spec": {"priority": -1, "poolRef": {"name": "p"}},
+}
 
 
 def with_change(obj, path, value):

@@ -30,13 +30,18 @@ async def start_server(
     timing = timing or SimTiming(prefill_overhead=0.001, prefill_time_per_token=0.00002, decode_base=0.002)
     executor = SimExecutor(timing, cfg.block_size, cfg.num_gpu_blocks, tokenizer.filler_token_ids())
     (tmp_path / "loras" / "sql").mkdir(parents=True, exist_ok=True)
-    engine = AsyncEngine(cfg, executor, model_name=MODEL, log_stats=False,
-                         lora_modules={"sql": str(tmp_path / "loras" / "sql")})  # fmt: skip
+    engine = AsyncEngine(
+        cfg, executor, model_name=MODEL, log_stats=False, lora_modules={"sql": str(tmp_path / "loras" / "sql")}
+    )
     await engine.start()
     settings = ServerSettings(
-        served_model_name=MODEL, model_path=MODEL, max_model_len=cfg.max_model_len, lora_roots=[str(tmp_path / "loras")],
-        allow_runtime_lora_updating=True, max_request_body_bytes=max_request_body_bytes,
-    )  # fmt: skip
+        served_model_name=MODEL,
+        model_path=MODEL,
+        max_model_len=cfg.max_model_len,
+        lora_roots=[str(tmp_path / "loras")],
+        allow_runtime_lora_updating=True,
+        max_request_body_bytes=max_request_body_bytes,
+    )
     server = ModelServer(engine, tokenizer, settings)
     runner = web.AppRunner(server.app, access_log=None, handler_cancellation=True)
     await runner.setup()

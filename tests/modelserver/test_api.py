@@ -30,9 +30,12 @@ async def test_completion_and_usage(model_server):
 
 async def test_chat_streaming_with_usage_chunk(model_server):
     stream = await client(model_server).chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5, stream=True,
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=5,
+        stream=True,
         stream_options={"include_usage": True},
-    )  # fmt: skip
+    )
     chunks = [chunk async for chunk in stream]
     assert chunks[0].choices[0].delta.role == "assistant"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 5
@@ -177,8 +180,9 @@ async def test_non_streaming_disconnect_aborts_too(model_server):
     async with aiohttp.ClientSession() as session:
         body = {"model": MODEL, "prompt": "long", "max_tokens": 3000}
         with pytest.raises(asyncio.TimeoutError):
-            async with session.post(f"{model_server.url}/v1/completions", json=body,
-                                    timeout=aiohttp.ClientTimeout(total=0.2)):  # fmt: skip
+            async with session.post(
+                f"{model_server.url}/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=0.2)
+            ):
                 pass
     for _ in range(100):
         if engine.num_unfinished == 0:

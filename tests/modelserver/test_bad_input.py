@@ -15,10 +15,26 @@ json_values = st.recursive(
     lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
     max_leaves=10,
 )
-FIELDS = ["model", "prompt", "messages", "max_tokens", "n", "stream", "stop", "temperature", "top_p", "seed",
-          "stream_options", "logprobs", "max_completion_tokens", "min_tokens", "ignore_eos"]  # fmt: skip
-bodies = st.fixed_dictionaries({"model": st.sampled_from([MODEL, "sql", "nope", 3])}, optional={
-    f: json_values for f in FIELDS if f != "model"})  # fmt: skip
+FIELDS = [
+    "model",
+    "prompt",
+    "messages",
+    "max_tokens",
+    "n",
+    "stream",
+    "stop",
+    "temperature",
+    "top_p",
+    "seed",
+    "stream_options",
+    "logprobs",
+    "max_completion_tokens",
+    "min_tokens",
+    "ignore_eos",
+]
+bodies = st.fixed_dictionaries(
+    {"model": st.sampled_from([MODEL, "sql", "nope", 3])}, optional={f: json_values for f in FIELDS if f != "model"}
+)
 
 
 async def test_generated_bodies_never_500(tmp_path):
@@ -63,11 +79,19 @@ async def post(session, url, body) -> int:
 
 async def test_raw_garbage_bodies(model_server):
     url = model_server.url
-    cases = [b"", b"{", b"\xff\xfe\xfd", b'{"model": "\xff"}', b"[]", b"null", b'{"model": "sim-model", "prompt": "\\ud800"}',
-             b'{"model": "sim-model", "prompt": "x", "max_tokens": 1e400}',
-             b'{"model": "sim-model", "prompt": "x", "max_tokens": 99999999999999999999999999}',
-             b'{"model": "sim-model", "prompt": ' + b"[" * 10_000 + b"]" * 10_000 + b"}",
-             b'{"messages": [{"role": "user", "content": ' + b"{\"a\": " * 10_000 + b"1" + b"}" * 10_000 + b"}]}"]  # fmt: skip
+    cases = [
+        b"",
+        b"{",
+        b"\xff\xfe\xfd",
+        b'{"model": "\xff"}',
+        b"[]",
+        b"null",
+        b'{"model": "sim-model", "prompt": "\\ud800"}',
+        b'{"model": "sim-model", "prompt": "x", "max_tokens": 1e400}',
+        b'{"model": "sim-model", "prompt": "x", "max_tokens": 99999999999999999999999999}',
+        b'{"model": "sim-model", "prompt": ' + b"[" * 10_000 + b"]" * 10_000 + b"}",
+        b'{"messages": [{"role": "user", "content": ' + b'{"a": ' * 10_000 + b"1" + b"}" * 10_000 + b"}]}",
+    ]
     async with aiohttp.ClientSession() as session:
         for body in cases:
             for path in ("/v1/completions", "/v1/chat/completions", "/tokenize"):

@@ -18,8 +18,13 @@ FILLER = list(range(100, 164))
 def engine(timing=None, **config):
     cfg = EngineConfig(**{"num_gpu_blocks": 512, "block_size": 16, **config})
     timing = timing or SimTiming(prefill_overhead=0.001, prefill_time_per_token=0.0001, decode_base=0.005)
-    return AsyncEngine(cfg, SimExecutor(timing, cfg.block_size, cfg.num_gpu_blocks, FILLER), model_name="m",
-                       log_stats=False, lora_modules={"a": "/a", "b": "/b"} if cfg.enable_lora else None)  # fmt: skip
+    return AsyncEngine(
+        cfg,
+        SimExecutor(timing, cfg.block_size, cfg.num_gpu_blocks, FILLER),
+        model_name="m",
+        log_stats=False,
+        lora_modules={"a": "/a", "b": "/b"} if cfg.enable_lora else None,
+    )
 
 
 async def run(eng, rid, prompt, max_tokens=4, lora=None):
@@ -222,8 +227,13 @@ async def test_hidden_v0_metrics_only_when_asked():
     for name in ("gpu_cache_usage_perc", "gpu_prefix_cache", "vllm:time_per_output_token_seconds"):
         assert name not in page
     cfg = EngineConfig(num_gpu_blocks=16)
-    hidden = AsyncEngine(cfg, SimExecutor(SimTiming.zero(), 16, 16, FILLER), model_name="m", log_stats=False,
-                         show_hidden_metrics_for_version="0.10")  # fmt: skip
+    hidden = AsyncEngine(
+        cfg,
+        SimExecutor(SimTiming.zero(), 16, 16, FILLER),
+        model_name="m",
+        log_stats=False,
+        show_hidden_metrics_for_version="0.10",
+    )
     await hidden.start()
     try:
         await run(hidden, "a", list(range(1, 40)), max_tokens=3)
@@ -259,8 +269,9 @@ async def test_fast_page_equals_prometheus_client_exposition():
 
 
 async def test_logging_stat_logger_prints_the_summary_line(caplog):
-    eng = AsyncEngine(EngineConfig(num_gpu_blocks=64), SimExecutor(SimTiming.zero(), 16, 64, FILLER), model_name="m",
-                      engine_index=3)  # fmt: skip
+    eng = AsyncEngine(
+        EngineConfig(num_gpu_blocks=64), SimExecutor(SimTiming.zero(), 16, 64, FILLER), model_name="m", engine_index=3
+    )
     await eng.start()
     try:
         with caplog.at_level("INFO", logger="modelserver.stats"):

@@ -43,24 +43,35 @@ async def test_real_prometheus_scrapes_replicas(tmp_path):
     base = free_port_block(2)
     server = subprocess.Popen(
         [sys.executable, "-m", "modelserver", "--port", str(base), "--replicas", "2", "--disable-log-stats"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     (prom_port,) = free_ports(1)
-    config = {"global": {"scrape_interval": "1s"},
-              "scrape_configs": [{"job_name": "modelserver",
-                                  "static_configs": [{"targets": [f"127.0.0.1:{base}", f"127.0.0.1:{base + 1}"]}]}]}  # fmt: skip
+    config = {
+        "global": {"scrape_interval": "1s"},
+        "scrape_configs": [
+            {"job_name": "modelserver", "static_configs": [{"targets": [f"127.0.0.1:{base}", f"127.0.0.1:{base + 1}"]}]}
+        ],
+    }
     (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
     prometheus = subprocess.Popen(
-        ["prometheus", f"--config.file={tmp_path / 'prometheus.yml'}", f"--storage.tsdb.path={tmp_path / 'data'}",
-         f"--web.listen-address=127.0.0.1:{prom_port}"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        [
+            "prometheus",
+            f"--config.file={tmp_path / 'prometheus.yml'}",
+            f"--storage.tsdb.path={tmp_path / 'data'}",
+            f"--web.listen-address=127.0.0.1:{prom_port}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         lines = [server.stdout.readline().decode() for _ in range(2)]
         assert lines == [f"ready on http://127.0.0.1:{base}\n", f"ready on http://127.0.0.1:{base + 1}\n"]
         async with aiohttp.ClientSession() as session:
-            async with session.post(f"http://127.0.0.1:{base + 1}/v1/completions",
-                                    json={"model": "sim-llama-8b", "prompt": "x", "max_tokens": 3}) as r:  # fmt: skip
+            async with session.post(
+                f"http://127.0.0.1:{base + 1}/v1/completions",
+                json={"model": "sim-llama-8b", "prompt": "x", "max_tokens": 3},
+            ) as r:
                 assert r.status == 200
             deadline = time.monotonic() + 60
             query = f"http://127.0.0.1:{prom_port}/api/v1/query"

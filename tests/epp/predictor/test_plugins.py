@@ -33,8 +33,11 @@ def req(prompt_tokens=1000, headers=None, max_tokens=None, model="m"):
 
 def pool_of_three(pool):
     """Idle; a long prompt just routed there (still in its prefill backlog); no queue but a big decode batch."""
-    endpoints = [endpoint(0), endpoint(1, in_flight=1, in_flight_tokens=6000, waiting=1),
-                 endpoint(2, running=15, in_flight=15, in_flight_tokens=3000)]  # fmt: skip
+    endpoints = [
+        endpoint(0),
+        endpoint(1, in_flight=1, in_flight_tokens=6000, waiting=1),
+        endpoint(2, running=15, in_flight=15, in_flight_tokens=3000),
+    ]
     shared(pool).predictor.routed(endpoints[1], 6000, 0, None)
     return endpoints
 
@@ -117,11 +120,16 @@ def test_filter_passes_everything_while_cold(pool):
     assert f.filter(CycleState(), req(headers={"x-slo-ttft-ms": "1"}), endpoints) == endpoints
 
 
-@pytest.mark.parametrize(("plugin", "parameters"), [("slo-headroom-filter", {"headroom": 1}),
-                                                    ("slo-headroom-filter", {"headroom": -0.1}),
-                                                    ("predicted-latency-scorer", {"longOutputTokens": 0}),
-                                                    ("predicted-latency-scorer", {"pool": 3}),
-                                                    ("predicted-latency-scorer", {"unknown": 1})])  # fmt: skip
+@pytest.mark.parametrize(
+    ("plugin", "parameters"),
+    [
+        ("slo-headroom-filter", {"headroom": 1}),
+        ("slo-headroom-filter", {"headroom": -0.1}),
+        ("predicted-latency-scorer", {"longOutputTokens": 0}),
+        ("predicted-latency-scorer", {"pool": 3}),
+        ("predicted-latency-scorer", {"unknown": 1}),
+    ],
+)
 def test_bad_parameters_are_config_errors(plugin, parameters):
     with pytest.raises(ConfigError):
         build_plugin(plugin, parameters)

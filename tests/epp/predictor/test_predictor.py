@@ -81,8 +81,15 @@ def test_endpoint_features_read_the_lag_corrected_load_and_the_adapter():
     e = endpoint(0, waiting=1, running=2, kv=0.4, running_adapters=("sql",), in_flight=6, in_flight_tokens=900)
     f = endpoint_features(e, prompt_tokens=500, cached_tokens=700, adapter="chat")
     # 6 in flight from this EPP, 3 reported: what the scrape does not show yet counts (epp.scheduling.load)
-    assert f == Features(waiting=4, running=5, kv_usage=0.4, in_flight_tokens=900, prompt_tokens=500,
-                         cached_tokens=500, adapter_loaded=False)  # fmt: skip
+    assert f == Features(
+        waiting=4,
+        running=5,
+        kv_usage=0.4,
+        in_flight_tokens=900,
+        prompt_tokens=500,
+        cached_tokens=500,
+        adapter_loaded=False,
+    )
     assert endpoint_features(e, 500, 0, "sql").adapter_loaded and endpoint_features(e, 500, 0, None).adapter_loaded
     never_scraped = endpoint(1, in_flight=2, in_flight_tokens=40)
     never_scraped.metrics = None
@@ -92,8 +99,18 @@ def test_endpoint_features_read_the_lag_corrected_load_and_the_adapter():
 def test_predict_endpoints_matches_one_at_a_time_predictions():
     predictor = LatencyPredictor(min_observations=50)
     train(predictor)
-    endpoints = [endpoint(i, waiting=i % 3, running=i, kv=0.1 * i, in_flight=i, in_flight_tokens=700 * i,
-                          running_adapters=("a",) if i % 2 else ()) for i in range(6)]  # fmt: skip
+    endpoints = [
+        endpoint(
+            i,
+            waiting=i % 3,
+            running=i,
+            kv=0.1 * i,
+            in_flight=i,
+            in_flight_tokens=700 * i,
+            running_adapters=("a",) if i % 2 else (),
+        )
+        for i in range(6)
+    ]
     cached = [0, 100, 3000, 0, 50, 10_000]
     predictor.routed(endpoints[1], 5000, 0, None, now=10.0)  # a prefill backlog on one of them
     batch = predictor.predict_endpoints(endpoints, 2000, cached, "a", now=10.1)

@@ -43,8 +43,9 @@ def test_no_fit_before_data_and_state_stays_fixed_size():
     assert model.predict((1.0, 3.0, 0.0, 0.0)) == pytest.approx(1.0, rel=1e-3)
 
 
-@pytest.mark.parametrize("kwargs", [{"size": 0}, {"size": 2, "decay": 0.0}, {"size": 2, "ridge": 0.0},
-                                    {"size": 2, "refit_every": 0}])  # fmt: skip
+@pytest.mark.parametrize(
+    "kwargs", [{"size": 0}, {"size": 2, "decay": 0.0}, {"size": 2, "ridge": 0.0}, {"size": 2, "refit_every": 0}]
+)
 def test_bad_parameters_are_rejected(kwargs):
     with pytest.raises(ValueError):
         OnlineRidge(**kwargs)

@@ -16,9 +16,14 @@ FILLER = list(range(100, 164))
 
 def make_engine(timing: SimTiming, index: int = 0, **config) -> AsyncEngine:
     cfg = EngineConfig(**{"num_gpu_blocks": 256, **config})
-    return AsyncEngine(cfg, SimExecutor(timing, cfg.block_size, cfg.num_gpu_blocks, FILLER), model_name="m",
-                       engine_index=index, log_stats=False,
-                       lora_modules={n: f"/{n}" for n in "abc"} if cfg.enable_lora else None)  # fmt: skip
+    return AsyncEngine(
+        cfg,
+        SimExecutor(timing, cfg.block_size, cfg.num_gpu_blocks, FILLER),
+        model_name="m",
+        engine_index=index,
+        log_stats=False,
+        lora_modules={n: f"/{n}" for n in "abc"} if cfg.enable_lora else None,
+    )
 
 
 async def ttft(engine: AsyncEngine, rid: str, prompt: list[int], lora: str | None = None) -> float:
@@ -87,8 +92,14 @@ async def test_random_cancellations_free_everything_and_count_every_request():
 
 
 async def test_lora_load_latency_only_when_the_adapter_enters_a_slot():
-    timing = SimTiming(prefill_overhead=0.0, prefill_time_per_token=0.0, decode_base=0.0, decode_per_seq=0.0,
-                       lora_load_time=0.03, lora_cold_load_time=0.06)  # fmt: skip
+    timing = SimTiming(
+        prefill_overhead=0.0,
+        prefill_time_per_token=0.0,
+        decode_base=0.0,
+        decode_per_seq=0.0,
+        lora_load_time=0.03,
+        lora_cold_load_time=0.06,
+    )
     engine = make_engine(timing, enable_lora=True, max_loras=1, max_cpu_loras=2)
     await engine.start()
     try:
@@ -147,8 +158,9 @@ async def test_an_adapter_that_fails_to_load_fails_its_requests_alone():
         return tokens
 
     try:
-        results = await asyncio.gather(run("base", None), run("a", "a"), run("b1", "b"), run("b2", "b"),
-                                       return_exceptions=True)  # fmt: skip
+        results = await asyncio.gather(
+            run("base", None), run("a", "a"), run("b1", "b"), run("b2", "b"), return_exceptions=True
+        )
         assert len(results[0]) == 5 and len(results[1]) == 5
         for failed in results[2:]:
             assert isinstance(failed, ValueError) and "loading LoRA adapter 'b' failed" in str(failed)

@@ -43,9 +43,16 @@ def test_random_workloads_finish_exactly_and_free_everything(
 ):
     block_size = 4
     config = EngineConfig(
-        block_size=block_size, num_gpu_blocks=num_blocks, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
-        max_model_len=1000, enable_prefix_caching=caching, enable_lora=True, max_loras=max_loras, max_cpu_loras=2,
-    )  # fmt: skip
+        block_size=block_size,
+        num_gpu_blocks=num_blocks,
+        max_num_batched_tokens=budget,
+        max_num_seqs=max_num_seqs,
+        max_model_len=1000,
+        enable_prefix_caching=caching,
+        enable_lora=True,
+        max_loras=max_loras,
+        max_cpu_loras=2,
+    )
     kv = KVCacheManager(num_blocks, block_size, caching, sample_rate=0.5)
     loras = LoRASlots(max_loras, 2)
     for name in "abc":

@@ -27,8 +27,14 @@ def start(num_gpu_blocks: int = 64, replay: bool = True) -> tuple[AsyncEngine, z
     ctx = zmq.Context()
     publisher = ZmqEventPublisher(config, "kv@127.0.0.1:8000@m", ctx)
     cfg = EngineConfig(num_gpu_blocks=num_gpu_blocks, block_size=BLOCK, enable_lora=True)
-    engine = AsyncEngine(cfg, SimExecutor(SimTiming.zero(), BLOCK, num_gpu_blocks, FILLER), model_name="m",
-                         log_stats=False, lora_modules={"sql": "/sql"}, kv_events=publisher)  # fmt: skip
+    engine = AsyncEngine(
+        cfg,
+        SimExecutor(SimTiming.zero(), BLOCK, num_gpu_blocks, FILLER),
+        model_name="m",
+        log_stats=False,
+        lora_modules={"sql": "/sql"},
+        kv_events=publisher,
+    )
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.connect(publisher.endpoint)
@@ -140,9 +146,17 @@ async def test_evictions_are_announced_and_sequence_numbers_are_gapless_and_repl
 
 def test_config_json_and_the_default_topic_per_replica():
     args = build_parser().parse_args(
-        ["--port", "8100", "--replicas", "2", "--served-model-name", "m",
-         "--kv-events-config", '{"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:*"}']
-    )  # fmt: skip
+        [
+            "--port",
+            "8100",
+            "--replicas",
+            "2",
+            "--served-model-name",
+            "m",
+            "--kv-events-config",
+            '{"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:*"}',
+        ]
+    )
     publishers = [build_kv_events(args, i) for i in range(2)]
     try:
         assert [p._topic for p in publishers] == [b"kv@127.0.0.1:8100@m", b"kv@127.0.0.1:8101@m"]

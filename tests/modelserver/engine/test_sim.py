@@ -8,8 +8,14 @@ from modelserver.engine.executor import ScheduledBatch, ScheduledSequence
 from modelserver.engine.request import SamplingParams
 from modelserver.engine.sim import SimExecutor, SimTiming
 
-TIMING = SimTiming(prefill_overhead=0.004, prefill_time_per_token=0.0001, decode_base=0.012, decode_per_seq=0.00005,
-                   lora_load_time=0.02, lora_cold_load_time=0.05)  # fmt: skip
+TIMING = SimTiming(
+    prefill_overhead=0.004,
+    prefill_time_per_token=0.0001,
+    decode_base=0.012,
+    decode_per_seq=0.00005,
+    lora_load_time=0.02,
+    lora_cold_load_time=0.05,
+)
 
 
 @pytest.mark.parametrize(

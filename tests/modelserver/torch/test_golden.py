@@ -51,8 +51,9 @@ def hf_greedy(model_dir, prompt_ids, lora_dir=None) -> list[int]:
                 state[target] += scale * (b @ a)
         model.load_state_dict(state)
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
-                             pad_token_id=0)  # fmt: skip
+        out = model.generate(
+            torch.tensor([prompt_ids]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
     return out[0, len(prompt_ids) :].tolist()
 
 
@@ -60,8 +61,9 @@ async def run_engine(model_dir, prompts, loras=None, **config):
     cfg = EngineConfig(**{"num_gpu_blocks": 256, "block_size": 16, "enable_lora": True, "max_loras": 2, **config})
     model = load_model(model_dir, cfg.max_loras, cfg.max_lora_rank, torch.device("cpu"), torch.float32)
     executor = TorchExecutor(model, cfg.block_size, cfg.num_gpu_blocks, eos_token_id=None)
-    engine = AsyncEngine(cfg, executor, model_name="tiny", log_stats=False,
-                         lora_modules={"sql": str(model_dir / "loras" / "sql")})  # fmt: skip
+    engine = AsyncEngine(
+        cfg, executor, model_name="tiny", log_stats=False, lora_modules={"sql": str(model_dir / "loras" / "sql")}
+    )
     await engine.start()
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 
@@ -152,8 +154,10 @@ def test_seeded_sampling_is_reproducible(tiny, tokenizer):
     from modelserver.torch.sampler import sample
 
     logits = torch.randn(2, 50)
-    seqs = [ScheduledSequence("a", [1], 0, 1, [0], True, SamplingParams(temperature=0.9, top_p=0.8, top_k=20, seed=5),
-                              0, 3) for _ in range(2)]  # fmt: skip
+    seqs = [
+        ScheduledSequence("a", [1], 0, 1, [0], True, SamplingParams(temperature=0.9, top_p=0.8, top_k=20, seed=5), 0, 3)
+        for _ in range(2)
+    ]
     assert sample(logits[:1], seqs[:1])[0] == sample(logits[:1], seqs[:1])[0]
     greedy = [ScheduledSequence("g", [1], 0, 1, [0], True, SamplingParams(temperature=0.0), 0, 0)]
     assert sample(logits[:1], greedy) == ([int(logits[0].argmax())], [None])
