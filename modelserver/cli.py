@@ -22,6 +22,7 @@ from modelserver.engine.config import EngineConfig
 from modelserver.engine.engine import AsyncEngine
 from modelserver.engine.kv_events import ZmqEventPublisher, should_bind
 from modelserver.engine.sim import SimExecutor, SimTiming
+from modelserver.metrics import default_stat_loggers
 from modelserver.tokenizer import load_tokenizer
 from protocol.kv_events import KVEventsConfig, default_topic
 
@@ -140,8 +141,12 @@ def build_engine(args: argparse.Namespace, index: int, tokenizer) -> AsyncEngine
         executor,
         model_name=args.served_model_name,
         engine_index=0,
-        log_stats=not args.disable_log_stats,
-        show_hidden_metrics_for_version=args.show_hidden_metrics_for_version,
+        stat_loggers=default_stat_loggers(
+            config,
+            args.served_model_name,
+            log_stats=not args.disable_log_stats,
+            show_hidden_metrics_for_version=args.show_hidden_metrics_for_version,
+        ),
         lora_modules=dict(args.lora_modules),
         kv_events=build_kv_events(args, index),
     )

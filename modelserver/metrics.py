@@ -1,4 +1,6 @@
-"""vLLM V1's metrics (vLLM's V1 metrics design) for one engine, in its own prometheus_client registry.
+"""The stat loggers of the model server (`modelserver.engine.stats`): vLLM V1's metrics (its V1 metrics design) for
+one engine, in its own prometheus_client registry, and the periodic log line. Metric and label names come from
+`protocol.metrics`.
 
 Histograms are observed on the engine step (inter-token latency once per running sequence per step), so they use a
 small list-based histogram (~0.3 us per observation) instead of prometheus_client's locked Histogram. Gauges and
@@ -15,21 +17,51 @@ import logging
 import time
 from bisect import bisect_left
 from collections import deque
+from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.core import HistogramMetricFamily
 
 from modelserver.engine.config import EngineConfig
+from modelserver.engine.stats import IterationStats, SchedulerStats
 from protocol.metrics import (
+    LABEL_ENGINE,
+    LABEL_FINISHED_REASON,
     LABEL_MAX_LORA,
+    LABEL_MODEL_NAME,
     LABEL_RUNNING_LORA_ADAPTERS,
     LABEL_WAITING_LORA_ADAPTERS,
     VLLM_CACHE_CONFIG_INFO,
+    VLLM_GENERATION_TOKENS,
+    VLLM_GPU_PREFIX_CACHE_HITS,
+    VLLM_GPU_PREFIX_CACHE_QUERIES,
+    VLLM_INTER_TOKEN_LATENCY_SECONDS,
+    VLLM_ITERATION_TOKENS_TOTAL,
+    VLLM_KV_BLOCK_IDLE_BEFORE_EVICT_SECONDS,
+    VLLM_KV_BLOCK_LIFETIME_SECONDS,
+    VLLM_KV_BLOCK_REUSE_GAP_SECONDS,
     VLLM_KV_CACHE_USAGE,
     VLLM_KV_CACHE_USAGE_V0,
     VLLM_LORA_REQUESTS_INFO,
+    VLLM_NUM_PREEMPTIONS,
     VLLM_NUM_REQUESTS_RUNNING,
     VLLM_NUM_REQUESTS_WAITING,
+    VLLM_PREFIX_CACHE_HITS,
+    VLLM_PREFIX_CACHE_QUERIES,
+    VLLM_PROMPT_TOKENS,
+    VLLM_REQUEST_DECODE_TIME_SECONDS,
+    VLLM_REQUEST_GENERATION_TOKENS,
+    VLLM_REQUEST_INFERENCE_TIME_SECONDS,
+    VLLM_REQUEST_MAX_NUM_GENERATION_TOKENS,
+    VLLM_REQUEST_PARAMS_MAX_TOKENS,
+    VLLM_REQUEST_PARAMS_N,
+    VLLM_REQUEST_PREFILL_TIME_SECONDS,
+    VLLM_REQUEST_PROMPT_TOKENS,
+    VLLM_REQUEST_QUEUE_TIME_SECONDS,
+    VLLM_REQUEST_SUCCESS,
+    VLLM_REQUEST_TIME_PER_OUTPUT_TOKEN_SECONDS,
+    VLLM_TIME_PER_OUTPUT_TOKEN_SECONDS,
+    VLLM_TIME_TO_FIRST_TOKEN_SECONDS,
 )
 
 log = logging.getLogger("modelserver.stats")
@@ -71,6 +103,14 @@ class FastHistogram:
     def observe(self, value: float) -> None:
         self.counts[bisect_left(self.bounds, value)] += 1
         self.sum += value
+
+    def observe_many(self, values: list[float]) -> None:
+        """`observe` each value (one call per step for a list the engine collected, not one per token)."""
+        if values:
+            counts, bounds = self.counts, self.bounds
+            for value in values:
+                counts[bisect_left(bounds, value)] += 1
+            self.sum += sum(values)
 
 
 def _escape(value: str) -> str:
@@ -121,9 +161,11 @@ class _HistogramCollector:
         return [HistogramMetricFamily(h.name, h.documentation, labels=self._label_names) for h in self._histograms]
 
 
-class EngineMetrics:
-    """All vllm:* series of one engine. The engine observes them directly (bound series, no label lookups on the
-    step); nothing here touches the scheduler."""
+class PrometheusStatLogger:
+    """A stat logger (`modelserver.engine.stats`): all vllm:* series of one engine, updated from the engine's
+    scheduler and iteration stats (bound series, no label lookups on the step)."""
+
+    log_interval = None
 
     def __init__(
         self,
@@ -136,7 +178,7 @@ class EngineMetrics:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.scalars = CollectorRegistry()  # gauges and counters; histograms are rendered by _HistogramText
         self.config = config
-        names, values = ["model_name", "engine"], [model_name, str(engine_index)]
+        names, values = [LABEL_MODEL_NAME, LABEL_ENGINE], [model_name, str(engine_index)]
         labels = dict(zip(names, values, strict=True))
         reg = self.scalars
 
@@ -158,27 +200,27 @@ class EngineMetrics:
                 f"GPU KV-cache usage. 1 means 100 percent usage. DEPRECATED: use vllm:kv_cache_usage_perc; {hidden}",
             )
             self.gpu_prefix_queries = counter(
-                "vllm:gpu_prefix_cache_queries",
+                VLLM_GPU_PREFIX_CACHE_QUERIES,
                 "GPU prefix cache queries, in terms of number of queried tokens. "
                 f"DEPRECATED: use vllm:prefix_cache_queries; {hidden}",
             )
             self.gpu_prefix_hits = counter(
-                "vllm:gpu_prefix_cache_hits",
+                VLLM_GPU_PREFIX_CACHE_HITS,
                 f"GPU prefix cache hits, in terms of number of cached tokens. DEPRECATED: use vllm:prefix_cache_hits; "
                 f"{hidden}",
             )
-        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
-        self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
-        self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.")
+        self.prompt_tokens = counter(VLLM_PROMPT_TOKENS, "Number of prefill tokens processed.")
+        self.generation_tokens = counter(VLLM_GENERATION_TOKENS, "Number of generation tokens processed.")
+        self.preemptions = counter(VLLM_NUM_PREEMPTIONS, "Cumulative number of preemption from the engine.")
         self.prefix_queries = counter(
-            "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."
+            VLLM_PREFIX_CACHE_QUERIES, "Prefix cache queries, in terms of number of queried tokens."
         )
-        self.prefix_hits = counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
+        self.prefix_hits = counter(VLLM_PREFIX_CACHE_HITS, "Prefix cache hits, in terms of number of cached tokens.")
         success = Counter(
-            "vllm:request_success", "Count of successfully processed requests.", [*names, "finished_reason"],
+            VLLM_REQUEST_SUCCESS, "Count of successfully processed requests.", [*names, LABEL_FINISHED_REASON],
             registry=reg,
         )  # fmt: skip
-        self.success = {r: success.labels(**labels, finished_reason=r) for r in ("stop", "length", "abort")}
+        self.success = {r: success.labels(*values, r) for r in ("stop", "length", "abort")}
         cache_labels = config.cache_config_labels()
         Gauge(VLLM_CACHE_CONFIG_INFO, "Information of the LLMEngine CacheConfig", list(cache_labels),
               registry=reg).labels(**cache_labels).set(1)  # fmt: skip
@@ -192,38 +234,38 @@ class EngineMetrics:
 
         token_buckets = buckets_1_2_5(config.max_model_len)
         h = FastHistogram
-        self.ttft = h("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS)
-        self.itl = h("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS)
+        self.ttft = h(VLLM_TIME_TO_FIRST_TOKEN_SECONDS, "Histogram of time to first token in seconds.", TTFT_BUCKETS)
+        self.itl = h(VLLM_INTER_TOKEN_LATENCY_SECONDS, "Histogram of inter-token latency in seconds.", ITL_BUCKETS)
         self.tpot = h(
-            "vllm:request_time_per_output_token_seconds", "Histogram of time_per_output_token_seconds per request.",
+            VLLM_REQUEST_TIME_PER_OUTPUT_TOKEN_SECONDS, "Histogram of time_per_output_token_seconds per request.",
             ITL_BUCKETS,
         )  # fmt: skip
         if show_hidden_metrics_for_version:
             self.tpot_deprecated = h(
-                "vllm:time_per_output_token_seconds",
+                VLLM_TIME_PER_OUTPUT_TOKEN_SECONDS,
                 f"Histogram of time per output token in seconds. DEPRECATED: use vllm:inter_token_latency_seconds; "
                 f"{hidden}",
                 ITL_BUCKETS,
             )
         self.e2e = h("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
                      REQUEST_LATENCY_BUCKETS)  # fmt: skip
-        self.queue = h("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.",
+        self.queue = h(VLLM_REQUEST_QUEUE_TIME_SECONDS, "Histogram of time spent in WAITING phase for request.",
                        REQUEST_LATENCY_BUCKETS)  # fmt: skip
-        self.inference = h("vllm:request_inference_time_seconds",
+        self.inference = h(VLLM_REQUEST_INFERENCE_TIME_SECONDS,
                            "Histogram of time spent in RUNNING phase for request.", REQUEST_LATENCY_BUCKETS)  # fmt: skip
-        self.prefill = h("vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.",
+        self.prefill = h(VLLM_REQUEST_PREFILL_TIME_SECONDS, "Histogram of time spent in PREFILL phase for request.",
                          REQUEST_LATENCY_BUCKETS)  # fmt: skip
-        self.decode = h("vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.",
+        self.decode = h(VLLM_REQUEST_DECODE_TIME_SECONDS, "Histogram of time spent in DECODE phase for request.",
                         REQUEST_LATENCY_BUCKETS)  # fmt: skip
-        self.prompt_hist = h("vllm:request_prompt_tokens", "Number of prefill tokens processed.", token_buckets)
-        self.generation_hist = h("vllm:request_generation_tokens", "Number of generation tokens processed.",
+        self.prompt_hist = h(VLLM_REQUEST_PROMPT_TOKENS, "Number of prefill tokens processed.", token_buckets)
+        self.generation_hist = h(VLLM_REQUEST_GENERATION_TOKENS, "Number of generation tokens processed.",
                                  token_buckets)  # fmt: skip
-        self.iteration_tokens = h("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+        self.iteration_tokens = h(VLLM_ITERATION_TOKENS_TOTAL, "Histogram of number of tokens per engine_step.",
                                   ITERATION_TOKENS_BUCKETS)  # fmt: skip
-        self.params_n = h("vllm:request_params_n", "Histogram of the n request parameter.", REQUEST_N_BUCKETS)
-        self.params_max_tokens = h("vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.",
+        self.params_n = h(VLLM_REQUEST_PARAMS_N, "Histogram of the n request parameter.", REQUEST_N_BUCKETS)
+        self.params_max_tokens = h(VLLM_REQUEST_PARAMS_MAX_TOKENS, "Histogram of the max_tokens request parameter.",
                                    token_buckets)  # fmt: skip
-        self.max_generation = h("vllm:request_max_num_generation_tokens",
+        self.max_generation = h(VLLM_REQUEST_MAX_NUM_GENERATION_TOKENS,
                                 "Histogram of maximum number of requested generation tokens.", token_buckets)  # fmt: skip
         histograms = [self.ttft, self.itl, self.tpot, self.e2e, self.queue, self.inference, self.prefill,
                       self.decode, self.prompt_hist, self.generation_hist, self.iteration_tokens, self.params_n,
@@ -232,16 +274,15 @@ class EngineMetrics:
             histograms.append(self.tpot_deprecated)
         self.kv_lifetime = self.kv_idle = self.kv_reuse_gap = None
         if config.kv_cache_metrics_sample > 0:
-            self.kv_lifetime = h("vllm:kv_block_lifetime_seconds",
+            self.kv_lifetime = h(VLLM_KV_BLOCK_LIFETIME_SECONDS,
                                  "Histogram of KV cache block lifetime from allocation to eviction.",
                                  KV_RESIDENCY_BUCKETS)  # fmt: skip
-            self.kv_idle = h("vllm:kv_block_idle_before_evict_seconds",
+            self.kv_idle = h(VLLM_KV_BLOCK_IDLE_BEFORE_EVICT_SECONDS,
                              "Histogram of idle time before KV cache block eviction.", KV_RESIDENCY_BUCKETS)  # fmt: skip
-            self.kv_reuse_gap = h("vllm:kv_block_reuse_gap_seconds",
+            self.kv_reuse_gap = h(VLLM_KV_BLOCK_REUSE_GAP_SECONDS,
                                   "Histogram of time gaps between consecutive KV cache block accesses.",
                                   KV_RESIDENCY_BUCKETS)  # fmt: skip
             histograms += [self.kv_lifetime, self.kv_idle, self.kv_reuse_gap]
-        self.observe_itl = self.itl.observe if self.tpot_deprecated is None else self._observe_itl_and_tpot
         for collector in list(self.scalars._collector_to_names):
             self.registry.register(collector)
         self.registry.register(_HistogramCollector(histograms, names, values))
@@ -251,9 +292,51 @@ class EngineMetrics:
         """The /metrics page: what generate_latest(self.registry) gives, ~10x cheaper."""
         return generate_latest(self.scalars) + self._histogram_text.render().encode()
 
-    def _observe_itl_and_tpot(self, seconds: float) -> None:
-        self.itl.observe(seconds)
-        self.tpot_deprecated.observe(seconds)
+    def record(self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats | None) -> None:
+        if iteration_stats is not None:
+            self._record_iteration(iteration_stats)
+        if scheduler_stats is not None:
+            self.running.set(scheduler_stats.num_running)
+            self.waiting.set(scheduler_stats.num_waiting)
+            self.kv_usage.set(scheduler_stats.kv_usage)
+            if self.gpu_cache_usage is not None:
+                self.gpu_cache_usage.set(scheduler_stats.kv_usage)
+            if self.lora_info is not None:
+                self.set_lora_info(scheduler_stats.running_loras, scheduler_stats.waiting_loras)
+
+    def _record_iteration(self, stats: IterationStats) -> None:
+        self.queue.observe_many(stats.queue_times)
+        self.ttft.observe_many(stats.ttfts)
+        self.prefill.observe_many(stats.prefill_times)
+        self.itl.observe_many(stats.inter_token_latencies)
+        if self.tpot_deprecated is not None:
+            self.tpot_deprecated.observe_many(stats.inter_token_latencies)
+        if stats.is_step:
+            self.prompt_tokens.inc(stats.num_prompt_tokens)
+            self.generation_tokens.inc(stats.num_generation_tokens)
+            # vLLM's definition: prompt tokens of the prefills that completed this step plus the tokens generated
+            self.iteration_tokens.observe(stats.num_prompt_tokens + stats.num_generation_tokens)
+        if stats.num_preemptions:
+            self.preemptions.inc(stats.num_preemptions)
+        if stats.prefix_cache_queries:
+            self.record_prefix_cache(stats.prefix_cache_queries, stats.prefix_cache_hits)
+        if self.kv_lifetime is not None:
+            self.kv_lifetime.observe_many(stats.kv_block_lifetimes)
+            self.kv_idle.observe_many(stats.kv_block_idle_before_evict)
+            self.kv_reuse_gap.observe_many(stats.kv_block_reuse_gaps)
+        for finished in stats.finished:
+            self.e2e.observe(finished.e2e)
+            if finished.decode is not None:
+                self.decode.observe(finished.decode)
+                self.inference.observe(finished.inference)
+                self.tpot.observe(finished.tpot)
+            self.prompt_hist.observe(finished.num_prompt_tokens)
+            self.generation_hist.observe(finished.num_generation_tokens)
+            self.params_n.observe(finished.n)
+            if finished.max_tokens:
+                self.params_max_tokens.observe(finished.max_tokens)
+            self.max_generation.observe(finished.num_generation_tokens)  # the most any sequence of it generated
+            self.success[finished.finish_reason].inc()
 
     def record_prefix_cache(self, queries: int, hits: int) -> None:
         self.prefix_queries.inc(queries)
@@ -262,7 +345,7 @@ class EngineMetrics:
             self.gpu_prefix_queries.inc(queries)
             self.gpu_prefix_hits.inc(hits)
 
-    def set_lora_info(self, running: list[str], waiting: list[str]) -> None:
+    def set_lora_info(self, running: Sequence[str], waiting: Sequence[str]) -> None:
         if self.lora_info is None:
             return
         key = (",".join(sorted(running)), ",".join(sorted(waiting)))
@@ -274,33 +357,35 @@ class EngineMetrics:
 
 
 class LoggingStatLogger:
-    """Logs the seed's summary line every `interval` seconds: running/waiting, KV usage, prompt and generation
-    throughput since the last line, and the prefix-cache hit rate over the most recent 1k queries (requests)."""
+    """A stat logger that logs the seed's summary line every `log_interval` seconds: running/waiting, KV usage,
+    prompt and generation throughput since the last line, and the prefix-cache hit rate over the most recent 1k
+    queries (requests)."""
 
-    def __init__(self, name: str, interval: float = 5.0, recent_queries: int = 1000):
+    def __init__(self, name: str, log_interval: float = 5.0, recent_queries: int = 1000):
         self.name = name
-        self.interval = interval
+        self.log_interval = log_interval
         self._last = time.monotonic()
         self._prompt = self._generation = 0
         self._was_busy = False
         self._queries: deque[tuple[int, int]] = deque(maxlen=recent_queries)  # (queried, hit) tokens per request
 
-    def record(self, prompt_tokens: int, generation_tokens: int) -> None:
-        self._prompt += prompt_tokens
-        self._generation += generation_tokens
-
-    def record_query(self, queried_tokens: int, hit_tokens: int) -> None:
-        self._queries.append((queried_tokens, hit_tokens))
+    def record(self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats | None) -> None:
+        if iteration_stats is not None:
+            self._prompt += iteration_stats.num_prompt_tokens
+            self._generation += iteration_stats.num_generation_tokens
+            self._queries.extend(iteration_stats.scheduled_prompts)
+        if scheduler_stats is not None:
+            self._maybe_log(scheduler_stats)
 
     @property
     def hit_rate(self) -> float:
         queried = sum(q for q, _ in self._queries)
         return sum(h for _, h in self._queries) / queried if queried else 0.0
 
-    def maybe_log(self, running: int, waiting: int, kv_usage: float) -> None:
+    def _maybe_log(self, stats: SchedulerStats) -> None:
         now = time.monotonic()
         elapsed = now - self._last
-        if elapsed < self.interval:
+        if elapsed < self.log_interval:
             return
         busy = bool(self._prompt or self._generation)
         log_fn = log.info if busy or self._was_busy else log.debug  # like vLLM: quiet on an idle system
@@ -308,7 +393,27 @@ class LoggingStatLogger:
         log_fn(
             "%s: Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, Running: %d reqs, "
             "Waiting: %d reqs, GPU KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%",
-            self.name, self._prompt / elapsed, self._generation / elapsed, running, waiting, kv_usage * 100,
-            self.hit_rate * 100,
+            self.name, self._prompt / elapsed, self._generation / elapsed, stats.num_running, stats.num_waiting,
+            stats.kv_usage * 100, self.hit_rate * 100,
         )  # fmt: skip
         self._last, self._prompt, self._generation = now, 0, 0
+
+
+def default_stat_loggers(
+    config: EngineConfig,
+    model_name: str,
+    engine_index: int = 0,
+    registry: CollectorRegistry | None = None,
+    log_stats: bool = True,
+    show_hidden_metrics_for_version: str | None = None,
+) -> list[PrometheusStatLogger | LoggingStatLogger]:
+    """What a served engine reports to: its Prometheus series (first) and, unless --disable-log-stats, the log line."""
+    loggers: list = [PrometheusStatLogger(config, model_name, engine_index, registry, show_hidden_metrics_for_version)]
+    if log_stats:
+        loggers.append(LoggingStatLogger(f"Engine {engine_index:03d}"))
+    return loggers
+
+
+def prometheus_logger(loggers) -> PrometheusStatLogger:
+    """The Prometheus logger among an engine's stat loggers (what /metrics renders)."""
+    return next(logger for logger in loggers if isinstance(logger, PrometheusStatLogger))

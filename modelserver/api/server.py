@@ -23,6 +23,7 @@ from modelserver.engine.engine import AsyncEngine, EngineDeadError
 from modelserver.engine.lora import LoRAError
 from modelserver.engine.request import FinishReason, SamplingParams
 from modelserver.lora_files import resolve_adapter_path
+from modelserver.metrics import prometheus_logger
 from modelserver.tokenizer import Tokenizer
 from protocol.openai import (
     CompletionRequest,
@@ -145,7 +146,7 @@ class ModelServer:
         return web.json_response({"version": VERSION})
 
     async def metrics(self, request: web.Request) -> web.Response:
-        body = self.engine.metrics.render()
+        body = prometheus_logger(self.engine.stat_loggers).render()
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def models(self, request: web.Request) -> web.Response:

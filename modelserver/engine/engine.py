@@ -1,6 +1,7 @@
-"""The async engine: one asyncio task per engine runs schedule -> execute -> update, and streams each request's
-tokens to its `generate()` iterator. Many engines (replicas) share one event loop; an idle engine waits on an
-event and costs nothing."""
+"""The async engine: one asyncio task per engine runs schedule -> execute -> update (the scheduler's `schedule()`
+and `update_from_output()`), streams each request's tokens to its `generate()` iterator, and hands the scheduler's
+and each step's stats (`stats.py`, plain data) to its stat loggers; it knows nothing of how they are exported.
+Many engines (replicas) share one event loop; an idle engine waits on an event and costs nothing."""
 
 from __future__ import annotations
 
@@ -9,9 +10,7 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator
-
-from prometheus_client import CollectorRegistry
+from collections.abc import AsyncIterator, Sequence
 
 from modelserver.engine.block_manager import KVCacheManager
 from modelserver.engine.config import EngineConfig
@@ -20,7 +19,7 @@ from modelserver.engine.kv_events import ZmqEventPublisher
 from modelserver.engine.lora import LoRAError, LoRASlots
 from modelserver.engine.request import FinishReason, Request, RequestOutput, RequestStatus, SamplingParams
 from modelserver.engine.scheduler import Scheduler, SchedulerOutput
-from modelserver.metrics import EngineMetrics, LoggingStatLogger
+from modelserver.engine.stats import IterationStats, StatLogger
 from protocol.kv_events import KVEventBatch
 
 log = logging.getLogger("modelserver.engine")
@@ -64,9 +63,7 @@ class AsyncEngine:
         *,
         model_name: str,
         engine_index: int = 0,
-        registry: CollectorRegistry | None = None,
-        log_stats: bool = True,
-        show_hidden_metrics_for_version: str | None = None,
+        stat_loggers: Sequence[StatLogger] = (),
         lora_modules: dict[str, str] | None = None,
         kv_events: ZmqEventPublisher | None = None,
     ):
@@ -85,9 +82,10 @@ class AsyncEngine:
         for name, path in (lora_modules or {}).items():
             self.loras.add(name, path)
         self.scheduler = Scheduler(config, self.kv, self.loras, executor.eos_token_id)
-        self.metrics = EngineMetrics(config, model_name, engine_index, registry, show_hidden_metrics_for_version)
-        self.registry = self.metrics.registry
-        self.stat_logger = LoggingStatLogger(f"Engine {engine_index:03d}") if log_stats else None
+        self.engine_index = engine_index
+        self.stat_loggers = tuple(stat_loggers)
+        intervals = [logger.log_interval for logger in self.stat_loggers if logger.log_interval]
+        self._log_interval = min(intervals) if intervals else None
         self._requests: dict[str, tuple[Request, _OutputStream]] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -158,7 +156,7 @@ class AsyncEngine:
         queue = _OutputStream()
         self._requests[request_id] = (request, queue)
         self.scheduler.add(request)
-        self._update_gauges()
+        self._record(None)
         self._wake.set()
         try:
             while True:
@@ -179,12 +177,12 @@ class AsyncEngine:
         if entry is None or entry[0].status is RequestStatus.FINISHED:
             return
         request, queue = entry
-        self.scheduler.finish(request, reason)
-        self._record_finished(request, time.monotonic())
+        stats = IterationStats(is_step=False)
+        self.scheduler.finish(request, reason, time.monotonic(), stats)
         queue.put(
             RequestOutput(request_id, [], True, reason, request.num_prompt_tokens, max(request.num_cached_tokens, 0))
         )
-        self._update_gauges()
+        self._record(stats)
 
     # -- the step loop -----------------------------------------------------------------------------------------
     async def _run(self) -> None:
@@ -192,18 +190,18 @@ class AsyncEngine:
             while True:
                 if not self.scheduler.num_unfinished:
                     self._wake.clear()
-                    if self.stat_logger is None:
+                    if self._log_interval is None:
                         await self._wake.wait()
                     else:  # wake every log interval so the last busy interval (then idle ones) still get a line
                         with contextlib.suppress(TimeoutError):
-                            await asyncio.wait_for(self._wake.wait(), self.stat_logger.interval)
-                        self._update_gauges()
+                            await asyncio.wait_for(self._wake.wait(), self._log_interval)
+                        self._record(None)
                     continue
                 output = self.scheduler.schedule()
                 if not output.requests:
                     await asyncio.sleep(0.001)  # nothing fits this step (e.g. all deferred); do not spin
                     continue
-                self._update_gauges()  # like vLLM's scheduler stats: the state with this step's batch in flight
+                self._record(None)  # like vLLM's scheduler stats: the state with this step's batch in flight
                 step = await self.executor.execute(output.batch)
                 self._process(output, step, time.monotonic())
                 if self.kv_events is not None and self.kv.events:
@@ -223,114 +221,25 @@ class AsyncEngine:
         for name, reason in failed.items():
             log.error("loading LoRA adapter %s failed (%s): its requests fail, the engine goes on", name, reason)
             self.loras.evict(name)
+        stats = IterationStats(is_step=False)
         for request in output.requests:
             if request.lora_name in failed and request.status is not RequestStatus.FINISHED:
-                self.scheduler.finish(request, FinishReason.ABORT)
-                self._record_finished(request, now)
+                self.scheduler.finish(request, FinishReason.ABORT, now, stats)
                 message = f"loading LoRA adapter '{request.lora_name}' failed: {failed[request.lora_name]}"
                 self._requests[request.request_id][1].put(LoRAError(message))
+        self._record(stats)
 
     def _process(self, output: SchedulerOutput, step: StepOutput, now: float) -> None:
         if step.failed_lora_loads:
             self._fail_lora_loads(output, step.failed_lora_loads, now)
-        metrics, kv, scheduler = self.metrics, self.kv, self.scheduler
-        block_size = kv.block_size
-        prompt_done = generated = 0
-        stat_logger = self.stat_logger
-        for request in output.newly_scheduled:
-            metrics.queue.observe(request.scheduled_ts - request.queued_ts)
-            if stat_logger is not None:
-                stat_logger.record_query(request.num_prompt_tokens, request.num_cached_tokens)
-        requests = self._requests
-        logprobs = step.logprobs
-        observe_itl = metrics.observe_itl
-        for i, (request, sequence, token) in enumerate(
-            zip(output.requests, output.batch.sequences, step.tokens, strict=True)
-        ):
-            if request.status is RequestStatus.FINISHED:  # aborted while the step ran
-                continue
-            request.num_computed_tokens = computed = sequence.start + sequence.num_new_tokens
-            if computed // block_size > request.num_registered_blocks:  # a block was completed: cache it
-                kv.register_full_blocks(request)
-            if token is None:
-                continue
-            request.token_ids.append(token)
-            generated += 1
-            if request.first_token_ts == 0.0:  # prefill done; a preemption before this stretches TTFT and prefill
-                request.first_token_ts = now
-                metrics.ttft.observe(now - request.arrival_time)
-                metrics.prefill.observe(now - request.scheduled_ts)
-                prompt_done += request.num_prompt_tokens
-            else:  # a preemption during decode stretches this interval (and decode, inference)
-                observe_itl(now - request.last_token_ts)
-            request.last_token_ts = now
-            reason = scheduler.check_stop(request, token)
-            if reason is not None:
-                scheduler.finish(request, reason)
-                self._record_finished(request, now)
-            requests[request.request_id][1].put(
-                RequestOutput(
-                    request.request_id, [token], reason is not None, reason, request.num_prompt_tokens,
-                    request.num_cached_tokens, [logprobs[i]] if logprobs is not None and logprobs[i] is not None else None,
-                )
-            )  # fmt: skip
-        metrics.prompt_tokens.inc(prompt_done)
-        metrics.generation_tokens.inc(generated)
-        # vLLM's definition: prompt tokens of the prefills that completed this step plus the tokens generated.
-        metrics.iteration_tokens.observe(prompt_done + generated)
-        if output.num_preemptions:
-            metrics.preemptions.inc(output.num_preemptions)
-        if kv.queries:
-            metrics.record_prefix_cache(kv.queries, kv.hits)
-        if kv.residency.lifetimes or kv.residency.reuse_gaps:
-            self._drain_residency()
-        if stat_logger is not None:
-            stat_logger.record(prompt_done, generated)
-        kv.queries = kv.hits = 0
-        self._update_gauges()
+        self._record(self.scheduler.update_from_output(output, step, now, self._deliver))
 
-    def _drain_residency(self) -> None:
-        events, metrics = self.kv.residency, self.metrics
-        if metrics.kv_lifetime is not None:
-            for value in events.lifetimes:
-                metrics.kv_lifetime.observe(value)
-            for value in events.idle_before_evict:
-                metrics.kv_idle.observe(value)
-            for value in events.reuse_gaps:
-                metrics.kv_reuse_gap.observe(value)
-        events.lifetimes.clear()
-        events.idle_before_evict.clear()
-        events.reuse_gaps.clear()
+    def _deliver(self, output: RequestOutput) -> None:
+        self._requests[output.request_id][1].put(output)
 
-    def _update_gauges(self) -> None:
-        scheduler, metrics = self.scheduler, self.metrics
-        running, waiting, usage = len(scheduler.running), len(scheduler.waiting), self.kv.usage
-        metrics.running.set(running)
-        metrics.waiting.set(waiting)
-        metrics.kv_usage.set(usage)
-        if metrics.gpu_cache_usage is not None:
-            metrics.gpu_cache_usage.set(usage)
-        if metrics.lora_info is not None:
-            metrics.set_lora_info(
-                list({r.lora_name for r in scheduler.running if r.lora_name}),
-                list({r.lora_name for r in scheduler.waiting if r.lora_name}),
-            )
-        if self.stat_logger is not None:
-            self.stat_logger.maybe_log(running, waiting, usage)
-
-    def _record_finished(self, request: Request, now: float) -> None:
-        metrics = self.metrics
-        num_output = request.num_output_tokens
-        metrics.e2e.observe(now - request.arrival_time)
-        if request.first_token_ts:  # vLLM V1's intervals, from the first SCHEDULED and first/last NEW_TOKENS
-            decode = request.last_token_ts - request.first_token_ts
-            metrics.decode.observe(decode)
-            metrics.inference.observe(request.last_token_ts - request.scheduled_ts)
-            metrics.tpot.observe(decode / (num_output - 1) if num_output > 1 else 0.0)
-        metrics.prompt_hist.observe(request.num_prompt_tokens)
-        metrics.generation_hist.observe(num_output)
-        metrics.params_n.observe(request.params.n)
-        if request.params.max_tokens:
-            metrics.params_max_tokens.observe(request.params.max_tokens)
-        metrics.max_generation.observe(num_output)  # the most tokens any sequence of the request generated
-        metrics.success[request.finish_reason or FinishReason.ABORT].inc()
+    def _record(self, iteration_stats: IterationStats | None) -> None:
+        """Hand the scheduler's state (and what a step or an abort produced) to every stat logger."""
+        if self.stat_loggers:
+            scheduler_stats = self.scheduler.make_stats()
+            for logger in self.stat_loggers:
+                logger.record(scheduler_stats, iteration_stats)

@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from modelserver.engine.block_manager import KVCacheManager
 from modelserver.engine.config import EngineConfig
-from modelserver.engine.executor import ScheduledBatch, ScheduledSequence
+from modelserver.engine.executor import ScheduledBatch, ScheduledSequence, StepOutput
 from modelserver.engine.lora import LoRASlots
-from modelserver.engine.request import FinishReason, Request, RequestStatus
+from modelserver.engine.request import FinishReason, Request, RequestOutput, RequestStatus
+from modelserver.engine.stats import FinishedRequestStats, IterationStats, SchedulerStats
 
 
 @dataclass(slots=True)
@@ -155,8 +157,74 @@ class Scheduler:
         batch = ScheduledBatch(sequences, uncached_prefill, decode, loads, cold_loads)
         return SchedulerOutput(batch, requests, newly, num_preemptions)
 
-    def finish(self, request: Request, reason: str) -> None:
-        """Remove a request wherever it is and free its blocks."""
+    def update_from_output(
+        self, output: SchedulerOutput, step: StepOutput, now: float, deliver: Callable[[RequestOutput], None]
+    ) -> IterationStats:
+        """Apply a step's tokens: cache completed blocks, append tokens, check stops and finish requests; each
+        request's output of this step goes to `deliver` as it is made (no second pass over the batch). Returns the
+        step's stats."""
+        stats = IterationStats(num_preemptions=output.num_preemptions)
+        if output.newly_scheduled:
+            newly = output.newly_scheduled
+            stats.queue_times = [r.scheduled_ts - r.queued_ts for r in newly]
+            stats.scheduled_prompts = [(r.num_prompt_tokens, r.num_cached_tokens) for r in newly]
+        kv = self.kv
+        block_size = kv.block_size
+        logprobs = step.logprobs
+        check_stop = self.check_stop
+        itls = stats.inter_token_latencies  # the per-token path: local names, counters summed at the end
+        generated = prompt_done = 0
+        for i, (request, sequence, token) in enumerate(
+            zip(output.requests, output.batch.sequences, step.tokens, strict=True)
+        ):
+            if request.status is RequestStatus.FINISHED:  # aborted while the step ran
+                continue
+            request.num_computed_tokens = computed = sequence.start + sequence.num_new_tokens
+            if computed // block_size > request.num_registered_blocks:  # a block was completed: cache it
+                kv.register_full_blocks(request)
+            if token is None:
+                continue
+            request.token_ids.append(token)
+            generated += 1
+            if request.first_token_ts == 0.0:  # prefill done; a preemption before this stretches TTFT and prefill
+                request.first_token_ts = now
+                if not stats.ttfts:
+                    stats.ttfts, stats.prefill_times = [], []
+                stats.ttfts.append(now - request.arrival_time)
+                stats.prefill_times.append(now - request.scheduled_ts)
+                prompt_done += request.num_prompt_tokens
+            else:  # a preemption during decode stretches this interval (and decode, inference)
+                itls.append(now - request.last_token_ts)
+            request.last_token_ts = now
+            reason = check_stop(request, token)
+            if reason is not None:
+                self.finish(request, reason, now, stats)
+            token_logprobs = logprobs[i] if logprobs is not None else None
+            deliver(
+                RequestOutput(
+                    request.request_id, [token], reason is not None, reason, request.num_prompt_tokens,
+                    request.num_cached_tokens, [token_logprobs] if token_logprobs is not None else None,
+                )
+            )  # fmt: skip
+        stats.num_generation_tokens, stats.num_prompt_tokens = generated, prompt_done
+        stats.prefix_cache_queries, stats.prefix_cache_hits = kv.queries, kv.hits
+        kv.queries = kv.hits = 0
+        residency = kv.residency
+        if residency.lifetimes or residency.reuse_gaps:
+            stats.kv_block_lifetimes, residency.lifetimes = residency.lifetimes, []
+            stats.kv_block_idle_before_evict, residency.idle_before_evict = residency.idle_before_evict, []
+            stats.kv_block_reuse_gaps, residency.reuse_gaps = residency.reuse_gaps, []
+        return stats
+
+    def make_stats(self) -> SchedulerStats:
+        stats = SchedulerStats(len(self.running), len(self.waiting), self.kv.usage)
+        if self.config.enable_lora:
+            stats.running_loras = tuple({r.lora_name for r in self.running if r.lora_name})
+            stats.waiting_loras = tuple({r.lora_name for r in self.waiting if r.lora_name})
+        return stats
+
+    def finish(self, request: Request, reason: str, now: float = 0.0, stats: IterationStats | None = None) -> None:
+        """Remove a request wherever it is, free its blocks, and add its intervals (ending `now`) to `stats`."""
         if request.status is RequestStatus.FINISHED:
             return
         if request.status is RequestStatus.RUNNING:
@@ -166,6 +234,24 @@ class Scheduler:
         self.kv.free(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
+        if stats is None:
+            return
+        num_output = request.num_output_tokens
+        finished = FinishedRequestStats(
+            reason,
+            now - request.arrival_time,
+            request.num_prompt_tokens,
+            num_output,
+            request.params.n,
+            request.params.max_tokens or None,
+        )
+        if request.first_token_ts:
+            finished.decode = decode = request.last_token_ts - request.first_token_ts
+            finished.inference = request.last_token_ts - request.scheduled_ts
+            finished.tpot = decode / (num_output - 1) if num_output > 1 else 0.0
+        if not stats.finished:
+            stats.finished = []
+        stats.finished.append(finished)
 
     def check_stop(self, request: Request, token: int) -> str | None:
         """Why `request` finishes now that `token` was appended to it, or None."""

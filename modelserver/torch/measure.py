@@ -16,6 +16,7 @@ import torch
 from modelserver.engine.config import EngineConfig
 from modelserver.engine.engine import AsyncEngine
 from modelserver.engine.request import SamplingParams
+from modelserver.metrics import PrometheusStatLogger
 from modelserver.torch.executor import TorchExecutor, resolve_device, resolve_dtype
 from modelserver.torch.loader import load_model
 from modelserver.torch.tiny import make_tiny_model
@@ -37,7 +38,8 @@ async def measure(model_dir: str, batch: int, device: torch.device, dtype: torch
         return out
 
     model.forward = timed_forward
-    engine = AsyncEngine(cfg, executor, model_name="measure", log_stats=False)
+    metrics = PrometheusStatLogger(cfg, "measure")
+    engine = AsyncEngine(cfg, executor, model_name="measure", stat_loggers=[metrics])
     await engine.start()
     params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
 
@@ -49,19 +51,12 @@ async def measure(model_dir: str, batch: int, device: torch.device, dtype: torch
 
     try:
         await one(-1)  # warm up
-        steps_before = engine.registry.get_sample_value(
-            "vllm:iteration_tokens_total_count", {"model_name": "measure", "engine": "0"}
-        )
+        steps_before = sum(metrics.iteration_tokens.counts)  # one observation per engine step
         forward_seconds[0] = 0.0
         started = time.perf_counter()
         ttfts = await asyncio.gather(*(one(i) for i in range(batch)))
         elapsed = time.perf_counter() - started
-        steps = (
-            engine.registry.get_sample_value(
-                "vllm:iteration_tokens_total_count", {"model_name": "measure", "engine": "0"}
-            )
-            - steps_before
-        )
+        steps = sum(metrics.iteration_tokens.counts) - steps_before
     finally:
         await engine.stop()
     return {

@@ -36,7 +36,6 @@ async def test_the_index_follows_each_server_s_cache_through_evictions():
             cfg,
             SimExecutor(SimTiming.zero(), 16, 12, list(range(100, 164))),
             model_name="m",
-            log_stats=False,
             kv_events=publisher,
         )
         await engine.start()

@@ -9,6 +9,7 @@ from modelserver.api.server import ModelServer, ServerSettings
 from modelserver.engine.config import EngineConfig
 from modelserver.engine.engine import AsyncEngine
 from modelserver.engine.sim import SimExecutor, SimTiming
+from modelserver.metrics import PrometheusStatLogger
 from modelserver.tokenizer import load_tokenizer
 from tests.conftest import free_ports
 
@@ -31,7 +32,11 @@ async def start_server(
     executor = SimExecutor(timing, cfg.block_size, cfg.num_gpu_blocks, tokenizer.filler_token_ids())
     (tmp_path / "loras" / "sql").mkdir(parents=True, exist_ok=True)
     engine = AsyncEngine(
-        cfg, executor, model_name=MODEL, log_stats=False, lora_modules={"sql": str(tmp_path / "loras" / "sql")}
+        cfg,
+        executor,
+        model_name=MODEL,
+        stat_loggers=[PrometheusStatLogger(cfg, MODEL)],
+        lora_modules={"sql": str(tmp_path / "loras" / "sql")},
     )
     await engine.start()
     settings = ServerSettings(

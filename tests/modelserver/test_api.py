@@ -8,6 +8,7 @@ import openai
 import pytest
 from openai import AsyncOpenAI
 
+from modelserver.metrics import prometheus_logger
 from tests.modelserver.conftest import MODEL
 
 
@@ -16,7 +17,12 @@ def client(server) -> AsyncOpenAI:
 
 
 async def metric(server, name: str, **labels) -> float:
-    return server.engine.registry.get_sample_value(name, {"model_name": MODEL, "engine": "0", **labels}) or 0.0
+    return (
+        prometheus_logger(server.engine.stat_loggers).registry.get_sample_value(
+            name, {"model_name": MODEL, "engine": "0", **labels}
+        )
+        or 0.0
+    )
 
 
 async def test_completion_and_usage(model_server):

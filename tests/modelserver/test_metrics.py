@@ -10,6 +10,7 @@ from modelserver.engine.config import EngineConfig
 from modelserver.engine.engine import AsyncEngine
 from modelserver.engine.request import SamplingParams
 from modelserver.engine.sim import SimExecutor, SimTiming
+from modelserver.metrics import LoggingStatLogger, PrometheusStatLogger, prometheus_logger
 from protocol.metrics import parse_metrics
 
 FILLER = list(range(100, 164))
@@ -22,9 +23,13 @@ def engine(timing=None, **config):
         cfg,
         SimExecutor(timing, cfg.block_size, cfg.num_gpu_blocks, FILLER),
         model_name="m",
-        log_stats=False,
+        stat_loggers=[PrometheusStatLogger(cfg, "m")],
         lora_modules={"a": "/a", "b": "/b"} if cfg.enable_lora else None,
     )
+
+
+def registry(eng):
+    return prometheus_logger(eng.stat_loggers).registry
 
 
 async def run(eng, rid, prompt, max_tokens=4, lora=None):
@@ -37,11 +42,11 @@ async def run(eng, rid, prompt, max_tokens=4, lora=None):
 
 
 def sample(eng, name, **labels):
-    return eng.registry.get_sample_value(name, {"model_name": "m", "engine": "0", **labels})
+    return registry(eng).get_sample_value(name, {"model_name": "m", "engine": "0", **labels})
 
 
 def snapshot(eng):
-    return parse_metrics(generate_latest(eng.registry).decode())
+    return parse_metrics(generate_latest(registry(eng)).decode())
 
 
 async def test_generates_exact_lengths_and_finish_reasons():
@@ -124,7 +129,7 @@ async def test_adapter_moves_from_waiting_to_running():
         snap = snapshot(eng)
         assert snap.running_adapters == {"b"} and snap.waiting_adapters == frozenset()
         await second
-        page = generate_latest(eng.registry).decode()
+        page = generate_latest(registry(eng)).decode()
         assert page.count("vllm:lora_requests_info{") == 1  # old label sets are removed
     finally:
         await eng.stop()
@@ -213,7 +218,7 @@ async def test_info_gauges():
         await run(eng, "a", list(range(1, 20)), max_tokens=2, lora="a")
         snap = snapshot(eng)
         assert (snap.block_size, snap.num_gpu_blocks, snap.max_lora) == (16, 512, 2)
-        page = generate_latest(eng.registry).decode()
+        page = generate_latest(registry(eng)).decode()
         (line,) = [ln for ln in page.splitlines() if ln.startswith("vllm:lora_requests_info{")]
         assert 'running_lora_adapters=""' in line and 'waiting_lora_adapters=""' in line
         assert before <= float(line.rsplit(" ", 1)[1]) <= time.time()  # wall-clock time of the last update
@@ -223,7 +228,7 @@ async def test_info_gauges():
 
 
 async def test_hidden_v0_metrics_only_when_asked():
-    page = generate_latest(engine().registry).decode()
+    page = generate_latest(registry(engine())).decode()
     for name in ("gpu_cache_usage_perc", "gpu_prefix_cache", "vllm:time_per_output_token_seconds"):
         assert name not in page
     cfg = EngineConfig(num_gpu_blocks=16)
@@ -231,13 +236,12 @@ async def test_hidden_v0_metrics_only_when_asked():
         cfg,
         SimExecutor(SimTiming.zero(), 16, 16, FILLER),
         model_name="m",
-        log_stats=False,
-        show_hidden_metrics_for_version="0.10",
+        stat_loggers=[PrometheusStatLogger(cfg, "m", show_hidden_metrics_for_version="0.10")],
     )
     await hidden.start()
     try:
         await run(hidden, "a", list(range(1, 40)), max_tokens=3)
-        page = generate_latest(hidden.registry).decode()
+        page = generate_latest(registry(hidden)).decode()
         for name in (
             "vllm:gpu_cache_usage_perc",
             "vllm:gpu_prefix_cache_queries",
@@ -263,36 +267,47 @@ async def test_fast_page_equals_prometheus_client_exposition():
             families = text_string_to_metric_families(text)
             return sorted((s.name, tuple(sorted(s.labels.items())), s.value) for f in families for s in f.samples)
 
-        assert samples(eng.metrics.render().decode()) == samples(generate_latest(eng.registry).decode())
+        assert samples(prometheus_logger(eng.stat_loggers).render().decode()) == samples(
+            generate_latest(registry(eng)).decode()
+        )
     finally:
         await eng.stop()
 
 
 async def test_logging_stat_logger_prints_the_summary_line(caplog):
+    log_line = LoggingStatLogger("Engine 003")
     eng = AsyncEngine(
-        EngineConfig(num_gpu_blocks=64), SimExecutor(SimTiming.zero(), 16, 64, FILLER), model_name="m", engine_index=3
+        EngineConfig(num_gpu_blocks=64),
+        SimExecutor(SimTiming.zero(), 16, 64, FILLER),
+        model_name="m",
+        engine_index=3,
+        stat_loggers=[log_line],
     )
     await eng.start()
     try:
         with caplog.at_level("INFO", logger="modelserver.stats"):
             await run(eng, "a", list(range(1, 33)), max_tokens=2)
             await run(eng, "b", list(range(1, 33)), max_tokens=2)  # 16 of 32 tokens hit the cache
-            eng.stat_logger.interval = 0.0  # the next update logs
-            eng._update_gauges()
-            eng.stat_logger.interval = 5.0
+            log_line.log_interval = 0.0  # the next update logs
+            eng._record(None)
+            log_line.log_interval = 5.0
         line = caplog.records[-1].getMessage()
         assert line.startswith("Engine 003: Avg prompt throughput: ")
         for part in ("Avg generation throughput: ", "Running: ", "Waiting: ", "GPU KV cache usage: "):
             assert part in line
-        assert eng.stat_logger.hit_rate == 16 / 64
+        assert log_line.hit_rate == 16 / 64
         assert line.endswith("Prefix cache hit rate: 25.0%")
     finally:
         await eng.stop()
 
 
 async def test_stat_logger_logs_the_last_busy_interval_then_goes_quiet(caplog):
-    eng = AsyncEngine(EngineConfig(num_gpu_blocks=64), SimExecutor(SimTiming.zero(), 16, 64, FILLER), model_name="m")
-    eng.stat_logger.interval = 0.05
+    eng = AsyncEngine(
+        EngineConfig(num_gpu_blocks=64),
+        SimExecutor(SimTiming.zero(), 16, 64, FILLER),
+        model_name="m",
+        stat_loggers=[LoggingStatLogger("Engine 000", log_interval=0.05)],
+    )
     await eng.start()
     try:
         with caplog.at_level("DEBUG", logger="modelserver.stats"):

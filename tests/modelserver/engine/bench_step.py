@@ -20,6 +20,7 @@ from modelserver.engine.config import EngineConfig
 from modelserver.engine.engine import AsyncEngine
 from modelserver.engine.request import SamplingParams
 from modelserver.engine.sim import SimExecutor, SimTiming
+from modelserver.metrics import PrometheusStatLogger
 
 
 @dataclass
@@ -39,7 +40,8 @@ async def _consume(engine: AsyncEngine, request_id: str, prompt: list[int]) -> N
 async def measure(seqs: int = 256, seconds: float = 2.0, prompt_len: int = 32) -> StepOverhead:
     config = EngineConfig(num_gpu_blocks=65536, max_num_seqs=seqs, max_model_len=1_100_000)
     executor = SimExecutor(SimTiming.zero(), config.block_size, config.num_gpu_blocks, list(range(100, 164)))
-    engine = AsyncEngine(config, executor, model_name="bench", log_stats=False)
+    metrics = PrometheusStatLogger(config, "bench")
+    engine = AsyncEngine(config, executor, model_name="bench", stat_loggers=[metrics])
     await engine.start()
     tasks = [asyncio.create_task(_consume(engine, f"r{i}", list(range(i, i + prompt_len)))) for i in range(seqs)]
     try:
@@ -62,7 +64,7 @@ async def measure(seqs: int = 256, seconds: float = 2.0, prompt_len: int = 32) -
             return wrapper
 
         engine.scheduler.schedule, engine._process = timed(schedule), timed(process)
-        steps = engine.metrics.iteration_tokens
+        steps = metrics.iteration_tokens
         steps_before, started = sum(steps.counts), time.perf_counter()
         await asyncio.sleep(seconds)
         elapsed, num_steps = time.perf_counter() - started, sum(steps.counts) - steps_before

@@ -10,6 +10,7 @@ from modelserver.engine.config import EngineConfig
 from modelserver.engine.engine import AsyncEngine
 from modelserver.engine.request import SamplingParams
 from modelserver.engine.sim import SimExecutor, SimTiming
+from modelserver.metrics import PrometheusStatLogger, prometheus_logger
 
 FILLER = list(range(100, 164))
 
@@ -21,7 +22,7 @@ def make_engine(timing: SimTiming, index: int = 0, **config) -> AsyncEngine:
         SimExecutor(timing, cfg.block_size, cfg.num_gpu_blocks, FILLER),
         model_name="m",
         engine_index=index,
-        log_stats=False,
+        stat_loggers=[PrometheusStatLogger(cfg, "m", index)],
         lora_modules={n: f"/{n}" for n in "abc"} if cfg.enable_lora else None,
     )
 
@@ -82,7 +83,9 @@ async def test_random_cancellations_free_everything_and_count_every_request():
         assert engine.kv.num_free_blocks == engine.kv.num_blocks
         labels = {"model_name": "m", "engine": "0"}
         counts = [
-            engine.registry.get_sample_value("vllm:request_success_total", {**labels, "finished_reason": reason})
+            prometheus_logger(engine.stat_loggers).registry.get_sample_value(
+                "vllm:request_success_total", {**labels, "finished_reason": reason}
+            )
             for reason in ("stop", "length", "abort")
         ]
         assert sum(counts) == 60

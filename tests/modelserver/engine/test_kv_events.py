@@ -31,7 +31,6 @@ def start(num_gpu_blocks: int = 64, replay: bool = True) -> tuple[AsyncEngine, z
         cfg,
         SimExecutor(SimTiming.zero(), BLOCK, num_gpu_blocks, FILLER),
         model_name="m",
-        log_stats=False,
         lora_modules={"sql": "/sql"},
         kv_events=publisher,
     )

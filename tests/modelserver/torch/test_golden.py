@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 from modelserver.engine.config import EngineConfig
 from modelserver.engine.engine import AsyncEngine
 from modelserver.engine.request import SamplingParams
+from modelserver.metrics import PrometheusStatLogger, prometheus_logger
 from modelserver.tokenizer import load_tokenizer
 from modelserver.torch.executor import TorchExecutor
 from modelserver.torch.loader import load_model
@@ -62,7 +63,11 @@ async def run_engine(model_dir, prompts, loras=None, **config):
     model = load_model(model_dir, cfg.max_loras, cfg.max_lora_rank, torch.device("cpu"), torch.float32)
     executor = TorchExecutor(model, cfg.block_size, cfg.num_gpu_blocks, eos_token_id=None)
     engine = AsyncEngine(
-        cfg, executor, model_name="tiny", log_stats=False, lora_modules={"sql": str(model_dir / "loras" / "sql")}
+        cfg,
+        executor,
+        model_name="tiny",
+        stat_loggers=[PrometheusStatLogger(cfg, "tiny")],
+        lora_modules={"sql": str(model_dir / "loras" / "sql")},
     )
     await engine.start()
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
@@ -98,7 +103,7 @@ def test_prefix_cache_hits_skip_compute_and_match(tiny, tokenizer):
         cfg = EngineConfig(num_gpu_blocks=128, block_size=16)
         model = load_model(tiny, 1, 16, torch.device("cpu"), torch.float32)
         executor = TorchExecutor(model, 16, 128, eos_token_id=None)
-        engine = AsyncEngine(cfg, executor, model_name="tiny", log_stats=False)
+        engine = AsyncEngine(cfg, executor, model_name="tiny")
         await engine.start()
         params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
         runs = []
@@ -131,7 +136,9 @@ def test_preemption_recompute_matches(tiny, tokenizer):
     prompts = [tokenizer.encode(p) for p in PROMPTS]
     expected = [hf_greedy(tiny, ids) for ids in prompts]
     results, engine, _ = asyncio.run(run_engine(tiny, prompts, num_gpu_blocks=14, block_size=4))
-    preemptions = engine.registry.get_sample_value("vllm:num_preemptions_total", {"model_name": "tiny", "engine": "0"})
+    preemptions = prometheus_logger(engine.stat_loggers).registry.get_sample_value(
+        "vllm:num_preemptions_total", {"model_name": "tiny", "engine": "0"}
+    )
     assert preemptions > 0
     assert [tokens for tokens, _ in results] == expected
 
