@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
+import re
 import time
 from collections import deque
 from collections.abc import Callable
@@ -39,8 +40,50 @@ EVICTED_CANCELLED = "EvictedContextCancelled"
 OUTCOMES = (DISPATCHED, REJECTED_CAPACITY, EVICTED_TTL, EVICTED_CANCELLED)
 
 DEFAULT_FLOW = "default"  # the flow of requests without x-gateway-inference-fairness-id
-FAIRNESS_POLICIES = ("round-robin", "global-strict")
-ORDERING_POLICIES = ("fcfs", "edf")
+# llm-d's policy names (its bands name their policies with fairnessPolicyRef / orderingPolicyRef)
+FAIRNESS_POLICIES = {"round-robin-fairness-policy": "round-robin", "global-strict-fairness-policy": "global-strict"}
+ORDERING_POLICIES = {"fcfs-ordering-policy": "fcfs", "edf-ordering-policy": "edf"}
+_QUANTITY = re.compile(r"^(\d+)(Ki|Mi|Gi|Ti|k|M|G|T)?$")
+_QUANTITY_UNITS = {
+    None: 1,
+    "k": 10**3,
+    "M": 10**6,
+    "G": 10**9,
+    "T": 10**12,
+    "Ki": 1 << 10,
+    "Mi": 1 << 20,
+    "Gi": 1 << 30,
+    "Ti": 1 << 40,
+}
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ns|us|ms|s|m|h)")
+_DURATION_UNITS = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def _quantity(p: Parameters, key: str, default: int) -> int:
+    """A Kubernetes resource quantity ("1Gi", "500M", "1k") or a plain integer, >= 0."""
+    value = p.get(key, default, (int, str))
+    if isinstance(value, int):
+        if value < 0:
+            raise ConfigError(f"{p.owner}: {key} must be >= 0, got {value!r}")
+        return value
+    match = _QUANTITY.match(value.strip())
+    if match is None:
+        raise ConfigError(f"{p.owner}: {key} must be an integer or a quantity like 1Gi, 500M or 1k, got {value!r}")
+    return int(match.group(1)) * _QUANTITY_UNITS[match.group(2)]
+
+
+def _duration(p: Parameters, key: str, default: float) -> float:
+    """Seconds from a number or a Go duration ("60s", "500ms", "1m30s")."""
+    value = p.get(key, default, (int, float, str))
+    if isinstance(value, str):
+        text = value.strip()
+        parts = _DURATION.findall(text)
+        if not parts or "".join(n + u for n, u in parts) != text:
+            raise ConfigError(f"{p.owner}: {key} must be seconds or a duration like 60s or 500ms, got {value!r}")
+        value = sum(float(n) * _DURATION_UNITS[u] for n, u in parts)
+    if value < 0:
+        raise ConfigError(f"{p.owner}: {key} must be >= 0, got {value!r}")
+    return float(value)
 
 
 class FlowControlRejected(Exception):
@@ -60,7 +103,7 @@ class BandConfig:
     fairness_cost: str = "requests"  # or "tokens": deficit round robin by prompt tokens
     quantum: int = 1
     ordering_policy: str = "fcfs"
-    request_ttl: float = 0.0  # 0 = the global defaultRequestTTL
+    request_ttl: float = 0.0  # 0 = the global defaultRequestTTL (ours: llm-d has one TTL for all bands)
 
 
 @dataclass
@@ -71,28 +114,41 @@ class FlowControlConfig:
     default_request_ttl: float = 30.0
     bands: dict[int, BandConfig] = field(default_factory=dict)
     default_band: BandConfig = field(default_factory=lambda: BandConfig(priority=0))
+    default_negative_band: BandConfig | None = None  # the template of priorities below 0 (else default_band's)
 
     def band(self, priority: int) -> BandConfig:
         cfg = self.bands.get(priority)
         if cfg is None:
-            cfg = BandConfig(**{**self.default_band.__dict__, "priority": priority})
+            template = self.default_negative_band if priority < 0 and self.default_negative_band else self.default_band
+            cfg = BandConfig(**{**template.__dict__, "priority": priority})
         return cfg
 
     @property
     def longest_ttl(self) -> float:
         """The longest a request may wait (what the proxy must be told to wait for an answer)."""
-        return max(
-            [self.default_request_ttl, self.default_band.request_ttl, *(b.request_ttl for b in self.bands.values())]
-        )
+        templates = [self.default_band, *([self.default_negative_band] if self.default_negative_band else [])]
+        return max([self.default_request_ttl, *(b.request_ttl for b in (*templates, *self.bands.values()))])
 
     @classmethod
     def from_text(cls, config_text: str | None) -> FlowControlConfig:
-        """From the `flowControl` section of EndpointPickerConfig YAML (the scheduler reads the rest)."""
+        """From the `flowControl` section of EndpointPickerConfig YAML (the scheduler reads the rest); llm-d's
+        feature gate `flowControl=false` in `featureGates` turns it off like `flowControl: {enabled: false}`."""
         try:
             config = yaml.safe_load(config_text) if config_text else None
         except yaml.YAMLError as exc:
             raise ConfigError(f"config is not valid YAML: {exc}") from None
-        return cls.from_config(config.get("flowControl") if isinstance(config, dict) else None)
+        config = config if isinstance(config, dict) else {}
+        cfg = cls.from_config(config.get("flowControl"))
+        gates = config.get("featureGates") or []
+        if not isinstance(gates, list) or not all(isinstance(g, str) for g in gates):
+            raise ConfigError(f"featureGates must be a list of strings like flowControl=false, got {gates!r}")
+        for gate in gates:
+            name, _, value = gate.partition("=")
+            if name.strip() == "flowControl":
+                if value.strip().lower() not in ("", "true", "false"):
+                    raise ConfigError(f"featureGates: {gate!r} must be flowControl, flowControl=true or =false")
+                cfg.enabled = cfg.enabled and value.strip().lower() != "false"
+        return cfg
 
     @classmethod
     def from_config(cls, raw: dict[str, Any] | None) -> FlowControlConfig:
@@ -100,11 +156,15 @@ class FlowControlConfig:
         p = Parameters("flowControl", raw)
         cfg = cls(
             enabled=p.get("enabled", True, bool),
-            max_requests=p.get("maxRequests", 10_000, int, minimum=1),
-            max_bytes=p.get("maxBytes", 1 << 30, int, minimum=1),
-            default_request_ttl=float(p.get("defaultRequestTTL", 30.0, (int, float), minimum=0.001)),
+            max_requests=_quantity(p, "maxRequests", 10_000) or 10_000,  # 0: unset, llm-d's convention
+            max_bytes=_quantity(p, "maxBytes", 1 << 30) or 1 << 30,
+            default_request_ttl=_duration(p, "defaultRequestTTL", 30.0),
         )
+        if cfg.default_request_ttl <= 0:
+            raise ConfigError("flowControl: defaultRequestTTL must be > 0 (a request must not wait forever)")
         cfg.default_band = _band_from(p.get("defaultPriorityBand", None, (dict, type(None))), 0)
+        negative = p.get("defaultNegativePriorityBand", None, (dict, type(None)))
+        cfg.default_negative_band = _band_from(negative, -1) if negative is not None else None
         for raw_band in p.get("priorityBands", [], list):
             if not isinstance(raw_band, dict) or not isinstance(raw_band.get("priority"), int):
                 raise ConfigError(f"flowControl: each of priorityBands needs an integer priority, got {raw_band!r}")
@@ -119,21 +179,23 @@ class FlowControlConfig:
 def _band_from(raw: dict[str, Any] | None, priority: int) -> BandConfig:
     p = Parameters(f"flowControl band {priority}", raw)
     p.get("priority", priority, int)
+    fairness = p.get("fairnessPolicyRef", "round-robin-fairness-policy", str)
+    ordering = p.get("orderingPolicyRef", "fcfs-ordering-policy", str)
+    if fairness not in FAIRNESS_POLICIES:
+        raise ConfigError(f"flowControl band {priority}: fairnessPolicyRef must be one of {sorted(FAIRNESS_POLICIES)}")
+    if ordering not in ORDERING_POLICIES:
+        raise ConfigError(f"flowControl band {priority}: orderingPolicyRef must be one of {sorted(ORDERING_POLICIES)}")
     band = BandConfig(
         priority=priority,
-        max_requests=p.get("maxRequests", 0, int, minimum=0),
-        max_bytes=p.get("maxBytes", 0, int, minimum=0),
-        fairness_policy=p.get("fairnessPolicy", "round-robin", str),
+        max_requests=_quantity(p, "maxRequests", 0),
+        max_bytes=_quantity(p, "maxBytes", 0),
+        fairness_policy=FAIRNESS_POLICIES[fairness],
         fairness_cost=p.get("fairnessCost", "requests", str),
         quantum=p.get("quantum", 1, int, minimum=1),
-        ordering_policy=p.get("orderingPolicy", "fcfs", str),
-        request_ttl=float(p.get("requestTTL", 0.0, (int, float), minimum=0)),
+        ordering_policy=ORDERING_POLICIES[ordering],
+        request_ttl=_duration(p, "defaultRequestTTL", 0.0),
     )
     p.done()
-    if band.fairness_policy not in FAIRNESS_POLICIES:
-        raise ConfigError(f"flowControl band {priority}: fairnessPolicy must be one of {FAIRNESS_POLICIES}")
-    if band.ordering_policy not in ORDERING_POLICIES:
-        raise ConfigError(f"flowControl band {priority}: orderingPolicy must be one of {ORDERING_POLICIES}")
     if band.fairness_cost not in ("requests", "tokens"):
         raise ConfigError(f"flowControl band {priority}: fairnessCost must be requests or tokens")
     return band

@@ -217,29 +217,35 @@ class PrometheusStatLogger:
         )
         self.prefix_hits = counter(VLLM_PREFIX_CACHE_HITS, "Prefix cache hits, in terms of number of cached tokens.")
         success = Counter(
-            VLLM_REQUEST_SUCCESS, "Count of successfully processed requests.", [*names, LABEL_FINISHED_REASON],
+            VLLM_REQUEST_SUCCESS,
+            "Count of successfully processed requests.",
+            [*names, LABEL_FINISHED_REASON],
             registry=reg,
-        )  # fmt: skip
+        )
         self.success = {r: success.labels(*values, r) for r in ("stop", "length", "abort")}
         cache_labels = config.cache_config_labels()
-        Gauge(VLLM_CACHE_CONFIG_INFO, "Information of the LLMEngine CacheConfig", list(cache_labels),
-              registry=reg).labels(**cache_labels).set(1)  # fmt: skip
+        Gauge(
+            VLLM_CACHE_CONFIG_INFO, "Information of the LLMEngine CacheConfig", list(cache_labels), registry=reg
+        ).labels(**cache_labels).set(1)
         self.lora_info = None
         self._lora_labels: tuple[str, str] | None = None
         if config.enable_lora:
             self.lora_info = Gauge(
-                VLLM_LORA_REQUESTS_INFO, "Running stats on lora requests.",
-                [LABEL_MAX_LORA, LABEL_RUNNING_LORA_ADAPTERS, LABEL_WAITING_LORA_ADAPTERS], registry=reg,
-            )  # fmt: skip
+                VLLM_LORA_REQUESTS_INFO,
+                "Running stats on lora requests.",
+                [LABEL_MAX_LORA, LABEL_RUNNING_LORA_ADAPTERS, LABEL_WAITING_LORA_ADAPTERS],
+                registry=reg,
+            )
 
         token_buckets = buckets_1_2_5(config.max_model_len)
         h = FastHistogram
         self.ttft = h(VLLM_TIME_TO_FIRST_TOKEN_SECONDS, "Histogram of time to first token in seconds.", TTFT_BUCKETS)
         self.itl = h(VLLM_INTER_TOKEN_LATENCY_SECONDS, "Histogram of inter-token latency in seconds.", ITL_BUCKETS)
         self.tpot = h(
-            VLLM_REQUEST_TIME_PER_OUTPUT_TOKEN_SECONDS, "Histogram of time_per_output_token_seconds per request.",
+            VLLM_REQUEST_TIME_PER_OUTPUT_TOKEN_SECONDS,
+            "Histogram of time_per_output_token_seconds per request.",
             ITL_BUCKETS,
-        )  # fmt: skip
+        )
         if show_hidden_metrics_for_version:
             self.tpot_deprecated = h(
                 VLLM_TIME_PER_OUTPUT_TOKEN_SECONDS,
@@ -247,41 +253,80 @@ class PrometheusStatLogger:
                 f"{hidden}",
                 ITL_BUCKETS,
             )
-        self.e2e = h("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
-                     REQUEST_LATENCY_BUCKETS)  # fmt: skip
-        self.queue = h(VLLM_REQUEST_QUEUE_TIME_SECONDS, "Histogram of time spent in WAITING phase for request.",
-                       REQUEST_LATENCY_BUCKETS)  # fmt: skip
-        self.inference = h(VLLM_REQUEST_INFERENCE_TIME_SECONDS,
-                           "Histogram of time spent in RUNNING phase for request.", REQUEST_LATENCY_BUCKETS)  # fmt: skip
-        self.prefill = h(VLLM_REQUEST_PREFILL_TIME_SECONDS, "Histogram of time spent in PREFILL phase for request.",
-                         REQUEST_LATENCY_BUCKETS)  # fmt: skip
-        self.decode = h(VLLM_REQUEST_DECODE_TIME_SECONDS, "Histogram of time spent in DECODE phase for request.",
-                        REQUEST_LATENCY_BUCKETS)  # fmt: skip
+        self.e2e = h(
+            "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", REQUEST_LATENCY_BUCKETS
+        )
+        self.queue = h(
+            VLLM_REQUEST_QUEUE_TIME_SECONDS,
+            "Histogram of time spent in WAITING phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.inference = h(
+            VLLM_REQUEST_INFERENCE_TIME_SECONDS,
+            "Histogram of time spent in RUNNING phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.prefill = h(
+            VLLM_REQUEST_PREFILL_TIME_SECONDS,
+            "Histogram of time spent in PREFILL phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.decode = h(
+            VLLM_REQUEST_DECODE_TIME_SECONDS,
+            "Histogram of time spent in DECODE phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
         self.prompt_hist = h(VLLM_REQUEST_PROMPT_TOKENS, "Number of prefill tokens processed.", token_buckets)
-        self.generation_hist = h(VLLM_REQUEST_GENERATION_TOKENS, "Number of generation tokens processed.",
-                                 token_buckets)  # fmt: skip
-        self.iteration_tokens = h(VLLM_ITERATION_TOKENS_TOTAL, "Histogram of number of tokens per engine_step.",
-                                  ITERATION_TOKENS_BUCKETS)  # fmt: skip
+        self.generation_hist = h(
+            VLLM_REQUEST_GENERATION_TOKENS, "Number of generation tokens processed.", token_buckets
+        )
+        self.iteration_tokens = h(
+            VLLM_ITERATION_TOKENS_TOTAL, "Histogram of number of tokens per engine_step.", ITERATION_TOKENS_BUCKETS
+        )
         self.params_n = h(VLLM_REQUEST_PARAMS_N, "Histogram of the n request parameter.", REQUEST_N_BUCKETS)
-        self.params_max_tokens = h(VLLM_REQUEST_PARAMS_MAX_TOKENS, "Histogram of the max_tokens request parameter.",
-                                   token_buckets)  # fmt: skip
-        self.max_generation = h(VLLM_REQUEST_MAX_NUM_GENERATION_TOKENS,
-                                "Histogram of maximum number of requested generation tokens.", token_buckets)  # fmt: skip
-        histograms = [self.ttft, self.itl, self.tpot, self.e2e, self.queue, self.inference, self.prefill,
-                      self.decode, self.prompt_hist, self.generation_hist, self.iteration_tokens, self.params_n,
-                      self.params_max_tokens, self.max_generation]  # fmt: skip
+        self.params_max_tokens = h(
+            VLLM_REQUEST_PARAMS_MAX_TOKENS, "Histogram of the max_tokens request parameter.", token_buckets
+        )
+        self.max_generation = h(
+            VLLM_REQUEST_MAX_NUM_GENERATION_TOKENS,
+            "Histogram of maximum number of requested generation tokens.",
+            token_buckets,
+        )
+        histograms = [
+            self.ttft,
+            self.itl,
+            self.tpot,
+            self.e2e,
+            self.queue,
+            self.inference,
+            self.prefill,
+            self.decode,
+            self.prompt_hist,
+            self.generation_hist,
+            self.iteration_tokens,
+            self.params_n,
+            self.params_max_tokens,
+            self.max_generation,
+        ]
         if self.tpot_deprecated is not None:
             histograms.append(self.tpot_deprecated)
         self.kv_lifetime = self.kv_idle = self.kv_reuse_gap = None
         if config.kv_cache_metrics_sample > 0:
-            self.kv_lifetime = h(VLLM_KV_BLOCK_LIFETIME_SECONDS,
-                                 "Histogram of KV cache block lifetime from allocation to eviction.",
-                                 KV_RESIDENCY_BUCKETS)  # fmt: skip
-            self.kv_idle = h(VLLM_KV_BLOCK_IDLE_BEFORE_EVICT_SECONDS,
-                             "Histogram of idle time before KV cache block eviction.", KV_RESIDENCY_BUCKETS)  # fmt: skip
-            self.kv_reuse_gap = h(VLLM_KV_BLOCK_REUSE_GAP_SECONDS,
-                                  "Histogram of time gaps between consecutive KV cache block accesses.",
-                                  KV_RESIDENCY_BUCKETS)  # fmt: skip
+            self.kv_lifetime = h(
+                VLLM_KV_BLOCK_LIFETIME_SECONDS,
+                "Histogram of KV cache block lifetime from allocation to eviction.",
+                KV_RESIDENCY_BUCKETS,
+            )
+            self.kv_idle = h(
+                VLLM_KV_BLOCK_IDLE_BEFORE_EVICT_SECONDS,
+                "Histogram of idle time before KV cache block eviction.",
+                KV_RESIDENCY_BUCKETS,
+            )
+            self.kv_reuse_gap = h(
+                VLLM_KV_BLOCK_REUSE_GAP_SECONDS,
+                "Histogram of time gaps between consecutive KV cache block accesses.",
+                KV_RESIDENCY_BUCKETS,
+            )
             histograms += [self.kv_lifetime, self.kv_idle, self.kv_reuse_gap]
         for collector in list(self.scalars._collector_to_names):
             self.registry.register(collector)
@@ -393,9 +438,14 @@ class LoggingStatLogger:
         log_fn(
             "%s: Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, Running: %d reqs, "
             "Waiting: %d reqs, GPU KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%",
-            self.name, self._prompt / elapsed, self._generation / elapsed, stats.num_running, stats.num_waiting,
-            stats.kv_usage * 100, self.hit_rate * 100,
-        )  # fmt: skip
+            self.name,
+            self._prompt / elapsed,
+            self._generation / elapsed,
+            stats.num_running,
+            stats.num_waiting,
+            stats.kv_usage * 100,
+            self.hit_rate * 100,
+        )
         self._last, self._prompt, self._generation = now, 0, 0
 
 

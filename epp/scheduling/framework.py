@@ -162,7 +162,7 @@ class Parameters:
     def __init__(self, owner: str, raw: dict[str, Any] | None):
         if raw is not None and not isinstance(raw, dict):
             raise ConfigError(f"{owner}: parameters must be a mapping, got {raw!r}")
-        self._owner = owner
+        self.owner = owner
         self._raw = dict(raw or {})
 
     def get(
@@ -177,13 +177,13 @@ class Parameters:
         kinds = kind if isinstance(kind, tuple) else (kind,)
         if (isinstance(value, bool) and bool not in kinds) or not isinstance(value, kinds):
             names = " or ".join(k.__name__ for k in kinds)
-            raise ConfigError(f"{self._owner}: parameter {key} must be {names}, got {value!r}")
+            raise ConfigError(f"{self.owner}: parameter {key} must be {names}, got {value!r}")
         if minimum is not None and value < minimum:
-            raise ConfigError(f"{self._owner}: parameter {key} must be >= {minimum}, got {value!r}")
+            raise ConfigError(f"{self.owner}: parameter {key} must be >= {minimum}, got {value!r}")
         if maximum is not None and value > maximum:
-            raise ConfigError(f"{self._owner}: parameter {key} must be <= {maximum}, got {value!r}")
+            raise ConfigError(f"{self.owner}: parameter {key} must be <= {maximum}, got {value!r}")
         return value
 
     def done(self) -> None:
         if self._raw:
-            raise ConfigError(f"{self._owner}: unknown parameter(s) {', '.join(sorted(self._raw))}")
+            raise ConfigError(f"{self.owner}: unknown parameter(s) {', '.join(sorted(self._raw))}")

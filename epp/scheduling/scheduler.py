@@ -13,6 +13,7 @@ The config has GIE's shape:
       - pluginRef: prefix-cache-scorer
         weight: 3
     saturationDetector: {queueDepthThreshold: 5, kvCacheUtilThreshold: 0.8}
+    flowControl: {...}            # and featureGates: [flowControl=false]; read by epp.flowcontrol
 
 Every plugin the profile refers to also gets the lifecycle hooks it implements (PreRequest, ResponseComplete,
 PoolChanged); plugins listed under `plugins` but not in the profile get nothing. A profile without a picker gets
@@ -81,7 +82,15 @@ API_VERSIONS = (
     "inference.networking.x-k8s.io/v1alpha1",
     "config.apix.gateway-api-inference-extension.sigs.k8s.io/v1alpha1",
 )
-TOP_LEVEL_KEYS = {"apiVersion", "kind", "plugins", "schedulingProfiles", "saturationDetector", "flowControl"}
+TOP_LEVEL_KEYS = {
+    "apiVersion",
+    "kind",
+    "plugins",
+    "schedulingProfiles",
+    "saturationDetector",
+    "flowControl",
+    "featureGates",
+}
 
 
 @dataclass(frozen=True)

@@ -202,10 +202,15 @@ class Scheduler:
             token_logprobs = logprobs[i] if logprobs is not None else None
             deliver(
                 RequestOutput(
-                    request.request_id, [token], reason is not None, reason, request.num_prompt_tokens,
-                    request.num_cached_tokens, [token_logprobs] if token_logprobs is not None else None,
+                    request.request_id,
+                    [token],
+                    reason is not None,
+                    reason,
+                    request.num_prompt_tokens,
+                    request.num_cached_tokens,
+                    [token_logprobs] if token_logprobs is not None else None,
                 )
-            )  # fmt: skip
+            )
         stats.num_generation_tokens, stats.num_prompt_tokens = generated, prompt_done
         stats.prefix_cache_queries, stats.prefix_cache_hits = kv.queries, kv.hits
         kv.queries = kv.hits = 0

@@ -107,7 +107,7 @@ async def test_deficit_by_tokens_shares_tokens_not_requests():
 
 
 async def test_edf_orders_by_deadline_within_a_flow():
-    fc, pool = controller(defaultPriorityBand={"orderingPolicy": "edf"})
+    fc, pool = controller(defaultPriorityBand={"orderingPolicyRef": "edf-ordering-policy"})
     done: list[float] = []
 
     async def one(ttl):
@@ -188,11 +188,14 @@ async def test_queued_request_dispatched_when_room_appears():
     "raw",
     [
         {"enabled": "yes"},
-        {"maxRequests": 0},
+        {"maxRequests": "lots"},
+        {"maxBytes": -1},
+        {"defaultRequestTTL": "forever"},
+        {"defaultRequestTTL": "0s"},
         {"priorityBands": [{"maxBytes": 1}]},
         {"priorityBands": [{"priority": 1}, {"priority": 1}]},
-        {"defaultPriorityBand": {"fairnessPolicy": "lottery"}},
-        {"defaultPriorityBand": {"orderingPolicy": "lifo"}},
+        {"defaultPriorityBand": {"fairnessPolicyRef": "lottery"}},
+        {"defaultPriorityBand": {"orderingPolicyRef": "lifo"}},
         {"unknown": 1},
     ],
 )
@@ -206,3 +209,23 @@ def test_config_defaults_and_disable():
     assert FlowControlConfig.from_config({"enabled": False}).enabled is False
     cfg = FlowControlConfig.from_config({"priorityBands": [{"priority": 1, "maxRequests": 5}]})
     assert cfg.band(1).max_requests == 5 and cfg.band(7).max_requests == 0
+
+
+def test_llm_d_style_config_quantities_durations_policy_refs_and_feature_gate():
+    cfg = FlowControlConfig.from_config(
+        {
+            "maxBytes": "1Gi",
+            "maxRequests": "2k",
+            "defaultRequestTTL": "1m30s",
+            "defaultNegativePriorityBand": {"maxRequests": 10, "fairnessPolicyRef": "global-strict-fairness-policy"},
+            "priorityBands": [{"priority": 1, "maxBytes": "500M", "orderingPolicyRef": "edf-ordering-policy"}],
+        }
+    )
+    assert (cfg.max_bytes, cfg.max_requests, cfg.default_request_ttl) == (1 << 30, 2000, 90.0)
+    assert cfg.band(1).max_bytes == 500_000_000 and cfg.band(1).ordering_policy == "edf"
+    assert cfg.band(-3).max_requests == 10 and cfg.band(-3).fairness_policy == "global-strict"
+    assert cfg.band(0).max_requests == 0 and cfg.band(0).fairness_policy == "round-robin"  # the default template
+    assert FlowControlConfig.from_text("featureGates: [flowControl=false]\n").enabled is False
+    assert FlowControlConfig.from_text("featureGates: [flowControl]\n").enabled is True
+    with pytest.raises(ConfigError):
+        FlowControlConfig.from_text("featureGates: [flowControl=maybe]\n")
