@@ -148,6 +148,7 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
         lambda: scheduler.prefix_index,
         lambda: flow_control,
         lambda: detector.saturation(datastore.endpoints),
+        lambda: scheduler.latency_prediction,
     )
     if flow_config.enabled:
         flow_control = FlowController(

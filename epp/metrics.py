@@ -15,7 +15,7 @@ from prometheus_client.utils import floatToGoString
 
 from epp.datalayer.endpoint import Endpoint
 from epp.flowcontrol import FlowController
-from epp.scheduling.framework import PrefixIndexStats
+from epp.scheduling.framework import LatencyPredictionStats, PrefixIndexStats
 from epp.scheduling.load import queue_depth
 
 DURATION_BUCKETS = (0.005, 0.025, 0.05, 0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 1.25, 1.5, 2, 3, 4, 5, 6, 8, 10, 15, 20, 30,
@@ -100,10 +100,12 @@ class _PoolCollector:
         pool_name: str,
         endpoints: Callable[[], list[Endpoint]],
         prefix_index: Callable[[], PrefixIndexStats | None],
+        latency_prediction: Callable[[], LatencyPredictionStats | None],
     ):
         self.pool_name = pool_name
         self.endpoints = endpoints
         self.prefix_index = prefix_index
+        self.latency_prediction = latency_prediction
 
     def collect(self):
         endpoints = self.endpoints()
@@ -142,6 +144,23 @@ class _PoolCollector:
             )
             ratio.add_metric([], index.hit_ratio)
             yield from (size, ratio)
+        prediction = self.latency_prediction()
+        if prediction is not None:
+            ttft_error, tpot_error = prediction.prediction_errors
+            error = GaugeMetricFamily(
+                "inference_extension_latency_predictor_mape",
+                "Mean absolute percentage error of the latency predictions over the recent window, by target.",
+                labels=["target"],
+            )
+            for target, value in (("ttft", ttft_error), ("tpot", tpot_error)):
+                if value is not None:
+                    error.add_metric([target], value)
+            observations = CounterMetricFamily(
+                "inference_extension_latency_predictor_observations",
+                "Completed requests the latency predictor learnt from.",
+            )
+            observations.add_metric([], prediction.observations)
+            yield from (error, observations)
 
 
 class _FlowControlCollector:
@@ -212,6 +231,7 @@ class EPPMetrics:
         prefix_index: Callable[[], PrefixIndexStats | None],
         flow_control: Callable[[], FlowController | None] = lambda: None,
         saturation: Callable[[], float] = lambda: 0.0,
+        latency_prediction: Callable[[], LatencyPredictionStats | None] = lambda: None,
     ):
         self.pool_name = pool_name
         self.endpoints = endpoints
@@ -296,7 +316,7 @@ class EPPMetrics:
             self.queue_duration,
         )
         reg.register(_SeriesCollector(series))
-        reg.register(_PoolCollector(pool_name, endpoints, prefix_index))
+        reg.register(_PoolCollector(pool_name, endpoints, prefix_index, latency_prediction))
         reg.register(_FlowControlCollector(self, flow_control, saturation))
         self._served_models: set[str] = set()
         self._fairness_ids: set[str] = set()

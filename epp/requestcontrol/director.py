@@ -34,7 +34,7 @@ from epp.metrics import EPPMetrics
 from epp.requestcontrol.types import RequestContext, RoutingDecision
 from epp.scheduling.errors import SchedulingError
 from epp.scheduling.scheduler import Scheduler
-from epp.scheduling.types import SchedulingRequest
+from epp.scheduling.types import ResponseInfo, SchedulingRequest
 from protocol import extproc
 from protocol.openai import OpenAIError, model_not_found, prompt_text
 
@@ -134,6 +134,7 @@ class Director:
             raise model_not_found(target)
         target = target or _rewrite(model, state.rewrites)
         ctx.model, ctx.target_model = model, target or model
+        ctx.streamed = payload.get("stream") is True
         label = self.metrics.model_label
         ctx.labels = (label(model, state.models), label(ctx.target_model, state.models))
         if target and target != model:
@@ -153,6 +154,7 @@ class Director:
             priority=self.datastore.priority(objective),
             objective=objective,
             fairness_id=headers.get(extproc.FAIRNESS_ID_HEADER),
+            max_tokens=_max_tokens(payload),
             headers=headers,
             subset=ctx.subset,
         )
@@ -194,6 +196,8 @@ class Director:
     def on_response_chunk(self, ctx: RequestContext, chunk: bytes, rewrite: bool) -> bytes:
         """Keep the tail (the usage is at the end); with `rewrite`, the chunk with the client's model name."""
         if chunk:
+            if not ctx.first_chunk_at:
+                ctx.first_chunk_at = time.monotonic()
             ctx.response_tail = (ctx.response_tail + chunk)[-_USAGE_TAIL_BYTES:]
             if rewrite and self.rewrites_response(ctx):
                 pattern = re.compile(rb'("model"\s*:\s*)' + re.escape(json.dumps(ctx.target_model).encode()))
@@ -212,7 +216,15 @@ class Director:
         request = ctx.request
         endpoint.in_flight_requests -= 1
         endpoint.in_flight_tokens -= request.prompt_tokens_estimate
-        self.scheduler.on_finished(request, ctx.result, endpoint)
+        now = time.monotonic()
+        match = _COMPLETION_TOKENS.search(ctx.response_tail) if ctx.response_tail else None
+        output_tokens = int(match.group(1)) if match else None
+        response = ResponseInfo(ctx.status, output_tokens=output_tokens)
+        if ctx.streamed and ctx.first_chunk_at and ctx.status.startswith("2"):
+            response.ttft = ctx.first_chunk_at - ctx.routed_at
+            if output_tokens is not None and output_tokens > 1:
+                response.tpot = (now - ctx.first_chunk_at) / (output_tokens - 1)
+        self.scheduler.on_finished(request, ctx.result, endpoint, response)
         metrics = self.metrics
         metrics.running.labels(ctx.labels[0]).dec()
         status = ctx.status
@@ -221,11 +233,11 @@ class Director:
             metrics.model_served(ctx.target_model)
             declared = self.datastore.state.models
             ctx.labels = (metrics.model_label(ctx.model, declared), metrics.model_label(ctx.target_model, declared))
-            metrics.duration.labels(*ctx.labels).observe(time.monotonic() - ctx.routed_at)
+            metrics.duration.labels(*ctx.labels).observe(now - ctx.routed_at)
         elif status:
             metrics.errors.labels(*ctx.labels, status[:3]).inc()
-        if ctx.response_tail and (match := _COMPLETION_TOKENS.search(ctx.response_tail)):
-            metrics.output_tokens.labels(*ctx.labels).observe(int(match.group(1)))
+        if output_tokens is not None:
+            metrics.output_tokens.labels(*ctx.labels).observe(output_tokens)
         if ctx.served:
             picked = ctx.served == endpoint.hostport
             metrics.served.labels("pick" if picked else "other").inc()
@@ -233,6 +245,13 @@ class Director:
                 log.debug(
                     "request %s was served by %s, not the pick %s", request.request_id, ctx.served, endpoint.hostport
                 )
+
+
+def _max_tokens(payload: dict | None) -> int | None:
+    if payload is None:
+        return None
+    value = payload.get("max_tokens", payload.get("max_completion_tokens"))
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def _openai_error(error: SchedulingError) -> OpenAIError:

@@ -15,6 +15,7 @@ class RequestContext:
     __slots__ = (
         "dispatched",
         "endpoint",
+        "first_chunk_at",
         "headers",
         "labels",
         "model",
@@ -24,6 +25,7 @@ class RequestContext:
         "routed_at",
         "served",
         "status",
+        "streamed",
         "subset",
         "target_model",
     )
@@ -41,6 +43,8 @@ class RequestContext:
         self.status = ""  # the response's HTTP status
         self.response_tail = b""  # the last bytes of the response body (where the usage is)
         self.dispatched = False  # flow control let it through: its completion frees the turn
+        self.first_chunk_at = 0.0  # when the first response body chunk came through (monotonic), 0 = none yet
+        self.streamed = False  # the client asked for a streamed response (its first chunk is then the first token)
 
 
 @dataclass(slots=True)

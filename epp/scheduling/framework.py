@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 
 from epp.datalayer.endpoint import Endpoint, EndpointSpec
 from epp.scheduling.errors import ConfigError
-from epp.scheduling.types import CycleState, SchedulingRequest, SchedulingResult, StateKey, TypedName
+from epp.scheduling.types import CycleState, ResponseInfo, SchedulingRequest, SchedulingResult, StateKey, TypedName
 from protocol.metrics import EndpointMetrics
 
 # What the data layer fills in on every endpoint (discovery, the scrapes, the EPP's own in-flight counters): the
@@ -77,7 +77,9 @@ class PreRequest(Plugin):
 
 class ResponseComplete(Plugin):
     @abstractmethod
-    def response_complete(self, request: SchedulingRequest, result: SchedulingResult, endpoint: Endpoint) -> None:
+    def response_complete(
+        self, request: SchedulingRequest, result: SchedulingResult, endpoint: Endpoint, response: ResponseInfo
+    ) -> None:
         """The request is over (its ext_proc stream ended); `endpoint` is the one it was routed to."""
 
 
@@ -99,6 +101,21 @@ class PrefixIndexStats(Plugin):
     @abstractmethod
     def hit_ratio(self) -> float:
         """Share of the routed prompts' blocks found on the chosen endpoint."""
+
+
+class LatencyPredictionStats(Plugin):
+    """A latency predictor whose error the EPP exports (inference_extension_latency_predictor_*)."""
+
+    @property
+    @abstractmethod
+    def prediction_errors(self) -> tuple[float | None, float | None]:
+        """Mean absolute percentage error of the TTFT and the TPOT predictions over the recent window (None: not
+        known yet)."""
+
+    @property
+    @abstractmethod
+    def observations(self) -> int:
+        """Completed requests the predictor learnt from."""
 
 
 EXTENSION_POINTS = (Filter, Scorer, Picker, PreRequest, ResponseComplete, PoolChanged)

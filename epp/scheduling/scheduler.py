@@ -38,6 +38,7 @@ from epp.datalayer.endpoint import Endpoint
 from epp.scheduling.errors import ConfigError, NoEndpointError
 from epp.scheduling.framework import (
     Filter,
+    LatencyPredictionStats,
     Picker,
     Plugin,
     PoolChanged,
@@ -49,7 +50,7 @@ from epp.scheduling.framework import (
     check_data_dependencies,
 )
 from epp.scheduling.saturation import SaturationDetector, admit
-from epp.scheduling.types import CycleState, SchedulingRequest, SchedulingResult, StateKey, TypedName
+from epp.scheduling.types import CycleState, ResponseInfo, SchedulingRequest, SchedulingResult, StateKey, TypedName
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +123,9 @@ class Scheduler:
         self._response_complete = [p for p in plugins if isinstance(p, ResponseComplete)]
         self._pool_changed = [p for p in plugins if isinstance(p, PoolChanged)]
         self.prefix_index: PrefixIndexStats | None = next((p for p in plugins if isinstance(p, PrefixIndexStats)), None)
+        self.latency_prediction: LatencyPredictionStats | None = next(
+            (p for p in plugins if isinstance(p, LatencyPredictionStats)), None
+        )
 
     @classmethod
     def from_config(cls, config_text: str | None = None) -> Scheduler:
@@ -195,10 +199,12 @@ class Scheduler:
         for p in self._pre_request:
             p.pre_request(request, result)
 
-    def on_finished(self, request: SchedulingRequest, result: SchedulingResult, endpoint: Endpoint) -> None:
-        """The request is over: ResponseComplete plugins see it with its scheduling result."""
+    def on_finished(
+        self, request: SchedulingRequest, result: SchedulingResult, endpoint: Endpoint, response: ResponseInfo
+    ) -> None:
+        """The request is over: ResponseComplete plugins see it with its scheduling result and how it went."""
         for p in self._response_complete:
-            p.response_complete(request, result, endpoint)
+            p.response_complete(request, result, endpoint, response)
 
     def on_pool_changed(self, endpoints: Sequence[Endpoint]) -> None:
         """Discovery added or removed endpoints: plugins drop what they keep for endpoints that are gone."""

@@ -51,6 +51,20 @@ class CycleState:
 
 
 @dataclass(slots=True)
+class ResponseInfo:
+    """How a routed request's response went, as the EPP saw it (for ResponseComplete plugins).
+
+    `ttft`: seconds from the routing answer to the first response body chunk, and `tpot`: seconds per output token
+    after it (from the usage's completion_tokens); both None unless the response body streamed through the EPP
+    (Envoy's response_body_mode FULL_DUPLEX_STREAMED) and produced tokens."""
+
+    status: str  # the HTTP status, "" when no response headers came through (a reset)
+    ttft: float | None = None
+    tpot: float | None = None
+    output_tokens: int | None = None
+
+
+@dataclass(slots=True)
 class SchedulingRequest:
     """What the scheduler may read of one request. Built once per request on the ext_proc path."""
 

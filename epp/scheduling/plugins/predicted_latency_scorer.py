@@ -10,6 +10,10 @@ Score: best cost / cost (1 for the fastest, 0.5 for one predicted twice as slow)
 instead of being stretched to 0..1 as min-max would.
 Abstains (None) while the predictor is cold (too few observations or its windowed error above its bound): the
 other scorers then decide alone.
+Feeds the predictor too: when a request is routed (PreRequest) its features on the picked endpoint are kept in the
+cycle state, and when it completes (ResponseComplete) the observed TTFT and time per output token train the model.
+The director observes them only for streamed responses whose body passes through the EPP (Envoy's
+response_body_mode FULL_DUPLEX_STREAMED): the first body chunk is the first token.
 Parameters: pool ("default": which shared predictor), longOutputTokens (256).
 Trade-offs: the prediction already accounts for a cache hit and an adapter load, so composing it with the prefix
 and LoRA scorers counts those twice (weigh them lower next to it); it is only as good as the predictor's recent
@@ -19,16 +23,25 @@ error (`LatencyPredictor.ttft_mape`, for the EPP's metrics); one model per pool 
 from __future__ import annotations
 
 from epp.datalayer.endpoint import Endpoint
-from epp.predictor import shared
+from epp.predictor import Features, shared
 from epp.predictor.candidates import PREDICTED_LATENCY, PREDICTION_READS
-from epp.scheduling.framework import Parameters, Scorer, register
-from epp.scheduling.types import CycleState, SchedulingRequest
+from epp.scheduling.framework import (
+    LatencyPredictionStats,
+    Parameters,
+    PreRequest,
+    ResponseComplete,
+    Scorer,
+    register,
+)
+from epp.scheduling.types import CycleState, ResponseInfo, SchedulingRequest, SchedulingResult, StateKey
+
+ROUTED_FEATURES: StateKey[Features] = StateKey("predicted-latency-routed-features")
 
 
 @register("predicted-latency-scorer")
-class PredictedLatencyScorer(Scorer):
+class PredictedLatencyScorer(Scorer, PreRequest, ResponseComplete, LatencyPredictionStats):
     consumes = PREDICTION_READS
-    produces = (PREDICTED_LATENCY,)
+    produces = (PREDICTED_LATENCY, ROUTED_FEATURES)
 
     def __init__(self, parameters: dict | None):
         p = Parameters("predicted-latency-scorer", parameters)
@@ -49,3 +62,32 @@ class PredictedLatencyScorer(Scorer):
             costs = [ttft for ttft, _ in predicted]
         best = min(costs)
         return [best / c for c in costs]
+
+    def pre_request(self, request: SchedulingRequest, result: SchedulingResult) -> None:
+        endpoint = result.primary
+        cached = self.predictions.cached_tokens
+        cached_tokens = cached(result.cycle_state, request, endpoint) if cached is not None else 0
+        m = endpoint.metrics
+        is_adapter = m is not None and (request.model in m.running_adapters or request.model in m.waiting_adapters)
+        features = self.predictions.predictor.routed(
+            endpoint, request.prompt_tokens_estimate, cached_tokens, request.model if is_adapter else None
+        )
+        result.cycle_state.write(ROUTED_FEATURES, features)
+
+    def response_complete(
+        self, request: SchedulingRequest, result: SchedulingResult, endpoint, response: ResponseInfo
+    ) -> None:
+        features = result.cycle_state.read(ROUTED_FEATURES)
+        if features is None or response.ttft is None or response.ttft <= 0:
+            return  # not routed by a prompt, not streamed through the EPP, or no token came
+        tpot = response.tpot if response.tpot is not None and response.tpot > 0 else None
+        self.predictions.predictor.observe(features, response.ttft, tpot)
+
+    @property
+    def prediction_errors(self) -> tuple[float | None, float | None]:
+        predictor = self.predictions.predictor
+        return predictor.ttft_mape, predictor.tpot_mape
+
+    @property
+    def observations(self) -> int:
+        return self.predictions.predictor.observations

@@ -18,7 +18,7 @@ from epp.scheduling.framework import (
     register,
 )
 from epp.scheduling.scheduler import Profile, Scheduler
-from epp.scheduling.types import CycleState, SchedulingRequest, StateKey, TypedName
+from epp.scheduling.types import CycleState, ResponseInfo, SchedulingRequest, StateKey, TypedName
 from tests.epp.helpers import endpoint
 
 SEEN: StateKey[list[str]] = StateKey("seen")
@@ -55,7 +55,7 @@ class Recorder(Filter, PreRequest, ResponseComplete, PoolChanged):
     def pre_request(self, request, result):
         self.calls.append(("pre_request", result.cycle_state.read(SEEN)))
 
-    def response_complete(self, request, result, endpoint):
+    def response_complete(self, request, result, endpoint, response):
         self.calls.append(("response_complete", result.cycle_state.read(SEEN), endpoint.name))
 
     def pool_changed(self, endpoints):
@@ -91,7 +91,7 @@ def test_the_cycle_state_is_shared_in_the_cycle_and_reaches_the_later_hooks():
     result = scheduler.schedule(req(), pool)
     assert scorer.seen == ["e0", "e1"]  # written by the filter, read by the scorer
     scheduler.on_routed(req(), result)
-    scheduler.on_finished(req(), result, result.primary)
+    scheduler.on_finished(req(), result, result.primary, ResponseInfo("200"))
     scheduler.on_pool_changed(pool[:1])
     assert recorder.calls == [
         ("pre_request", ["e0", "e1"]),

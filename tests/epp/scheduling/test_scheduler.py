@@ -7,7 +7,7 @@ import pytest
 
 from epp.scheduling.errors import NoEndpointError
 from epp.scheduling.scheduler import Scheduler
-from epp.scheduling.types import SchedulingRequest, TypedName
+from epp.scheduling.types import ResponseInfo, SchedulingRequest, TypedName
 from tests.epp.helpers import endpoint
 
 SYSTEM = "You are a terse assistant. Answer in one sentence. " * 40  # ~2 KB shared prefix
@@ -188,7 +188,9 @@ def test_hooks_reach_profile_plugins_only():
     assert prefix.index_size > 0
     scheduler.on_pool_changed([])
     assert prefix.index_size == 0
-    scheduler.on_finished(req(SYSTEM), result, pool[0])  # no plugin needs it: a no-op, never an error
+    scheduler.on_finished(
+        req(SYSTEM), result, pool[0], ResponseInfo("200")
+    )  # no plugin needs it: a no-op, never an error
     unused = Scheduler.from_config(
         "plugins: [{type: prefix-cache-scorer}, {type: queue-scorer}]\nschedulingProfiles:"
         " [{name: q, plugins: [{pluginRef: queue-scorer}]}]"

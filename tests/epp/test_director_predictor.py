@@ -1,0 +1,53 @@
+"""The director feeds the latency predictor: a streamed response's first body chunk gives its TTFT and the usage's
+completion_tokens its time per output token; a response that did not stream through the EPP teaches nothing."""
+
+import json
+import time
+
+from epp.metrics import EPPMetrics
+from epp.predictor import shared
+from tests.epp.test_server import make_picker
+
+CONFIG = """\
+plugins:
+- type: predicted-latency-scorer
+  parameters: {pool: director-test}
+- type: queue-scorer
+schedulingProfiles:
+- name: default
+  plugins:
+  - pluginRef: predicted-latency-scorer
+  - pluginRef: queue-scorer
+"""
+
+
+def serve(director, stream: bool, first_token_after: float, tokens: int = 5) -> None:
+    ctx = director.new_request({":path": "/v1/completions"}, None)
+    payload = {"model": "m", "prompt": "hello " * 50, "max_tokens": tokens, "stream": stream}
+    director.route(ctx, payload, json.dumps(payload).encode())
+    director.after_routed(ctx)
+    director.on_response_headers(ctx, "200", None)
+    time.sleep(first_token_after)
+    director.on_response_chunk(ctx, b'data: {"choices":[{"text":"a"}]}\n\n', rewrite=False)
+    usage = f'data: {{"choices":[],"usage":{{"prompt_tokens":60,"completion_tokens":{tokens}}}}}\n\n'.encode()
+    director.on_response_chunk(ctx, usage, rewrite=False)
+    director.on_complete(ctx)
+
+
+def test_streamed_responses_train_the_predictor_and_others_do_not():
+    director = make_picker(config=CONFIG)
+    predictor = shared("director-test").predictor
+    before = predictor.observations
+    serve(director, stream=False, first_token_after=0.0)
+    assert predictor.observations == before  # its first chunk came after its last token: not a TTFT
+    for _ in range(3):
+        serve(director, stream=True, first_token_after=0.02)
+    assert predictor.observations == before + 3
+    metrics = EPPMetrics(
+        "pool",
+        lambda: director.datastore.endpoints,
+        lambda: None,
+        latency_prediction=lambda: director.scheduler.latency_prediction,
+    )
+    assert metrics.registry.get_sample_value("inference_extension_latency_predictor_observations_total") == before + 3
+    assert all(e.in_flight_requests == 0 for e in director.datastore.endpoints)
