@@ -28,6 +28,7 @@ from epp.bench.ports import free_port_block, free_ports
 from epp.bench.workloads import load_workload, lora_names, requests
 from epp.envoy import EnvoyProcess, render_baseline
 from epp.local import LocalStack, StackConfig
+from epp.scheduling.scheduler import DEFAULT_CONFIG
 
 MODEL = "sim-llama-8b"
 SINGLE_SCORER = """plugins:\n- type: {0}\nschedulingProfiles:\n- name: {0}\n  plugins:\n  - pluginRef: {0}\n"""
@@ -37,7 +38,15 @@ EPP_TARGETS = {
     "kv-only": SINGLE_SCORER.format("kv-cache-utilization-scorer"),
     "prefix-only": SINGLE_SCORER.format("prefix-cache-scorer"),
     "lora-only": SINGLE_SCORER.format("lora-affinity-scorer"),
+    # the default profile plus the latency predictor (trained from the streamed responses: the EPP sees them)
+    "epp-predicted": DEFAULT_CONFIG.replace(
+        "- type: max-score-picker\n", "- type: max-score-picker\n- type: predicted-latency-scorer\n"
+    ).replace(
+        "  - pluginRef: max-score-picker\n",
+        "  - pluginRef: predicted-latency-scorer\n    weight: 4\n  - pluginRef: max-score-picker\n",
+    ),
 }
+STREAMED_RESPONSES = {"epp-predicted"}  # targets whose Envoy sends response bodies to the EPP
 ENVOY_TARGETS = {"round-robin": "ROUND_ROBIN", "least-request": "LEAST_REQUEST", "random": "RANDOM"}
 PEER_TARGETS = {
     "sglang-cache-aware": ("sglang", "cache_aware"),
@@ -200,6 +209,7 @@ class Pool:
             modelserver_args=self.modelserver_args,
             config_text=self.epp_config,
             pool_extra=self.pool_extra,
+            response_body_mode="FULL_DUPLEX_STREAMED" if self.target in STREAMED_RESPONSES else "NONE",
         )
         self.stack = LocalStack(config)
         hostports = [u.removeprefix("http://") for u in self.stack.model_server_urls]
