@@ -97,6 +97,10 @@ class PrefixIndexStats(Plugin):
     def index_size(self) -> int:
         """Entries in the index."""
 
+    @abstractmethod
+    def cached_tokens(self, cycle_state: CycleState, request: SchedulingRequest, endpoint: Endpoint) -> int:
+        """Prompt tokens of `request` that `endpoint` probably holds in its prefix cache."""
+
     @property
     @abstractmethod
     def hit_ratio(self) -> float:
@@ -116,6 +120,10 @@ class LatencyPredictionStats(Plugin):
     @abstractmethod
     def observations(self) -> int:
         """Completed requests the predictor learnt from."""
+
+    @abstractmethod
+    def use_prefix_index(self, index: PrefixIndexStats) -> None:
+        """The scheduler hands over the profile's prefix index: predictions count what it expects cached."""
 
 
 EXTENSION_POINTS = (Filter, Scorer, Picker, PreRequest, ResponseComplete, PoolChanged)

@@ -126,6 +126,8 @@ class Scheduler:
         self.latency_prediction: LatencyPredictionStats | None = next(
             (p for p in plugins if isinstance(p, LatencyPredictionStats)), None
         )
+        if self.latency_prediction is not None and self.prefix_index is not None:
+            self.latency_prediction.use_prefix_index(self.prefix_index)
 
     @classmethod
     def from_config(cls, config_text: str | None = None) -> Scheduler:

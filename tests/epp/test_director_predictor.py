@@ -13,11 +13,13 @@ plugins:
 - type: predicted-latency-scorer
   parameters: {pool: director-test}
 - type: queue-scorer
+- type: prefix-cache-scorer
 schedulingProfiles:
 - name: default
   plugins:
   - pluginRef: predicted-latency-scorer
   - pluginRef: queue-scorer
+  - pluginRef: prefix-cache-scorer
 """
 
 
@@ -36,7 +38,10 @@ def serve(director, stream: bool, first_token_after: float, tokens: int = 5) -> 
 
 def test_streamed_responses_train_the_predictor_and_others_do_not():
     director = make_picker(config=CONFIG)
-    predictor = shared("director-test").predictor
+    predictions = shared("director-test")
+    predictor = predictions.predictor
+    # the scheduler handed the predictor the profile's prefix index: its expected cached tokens count
+    assert predictions.cached_tokens == director.scheduler.prefix_index.cached_tokens
     before = predictor.observations
     serve(director, stream=False, first_token_after=0.0)
     assert predictor.observations == before  # its first chunk came after its last token: not a TTFT

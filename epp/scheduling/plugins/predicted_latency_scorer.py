@@ -2,8 +2,7 @@
 
 Reads: the pool's latency predictor (`epp.predictor.shared(pool)`): predicted TTFT of this request on each
 candidate from its scraped load, this EPP's in-flight tokens and prefill backlog there, the request's prompt
-tokens and the part the prefix scorer expects cached there (once the director wires `cached_tokens`; until then
-none), and whether its LoRA adapter is loaded; `max_tokens` of the request. For a long answer (`max_tokens` at
+tokens and the part the profile's prefix index expects cached there (none without one), and whether its LoRA adapter is loaded; `max_tokens` of the request. For a long answer (`max_tokens` at
 least `longOutputTokens`) the cost is the predicted end-to-end time, TTFT + TPOT x max_tokens, so that a decode
 batch that would slow every token counts too.
 Score: best cost / cost (1 for the fastest, 0.5 for one predicted twice as slow), so close predictions stay close
@@ -28,6 +27,7 @@ from epp.predictor.candidates import PREDICTED_LATENCY, PREDICTION_READS
 from epp.scheduling.framework import (
     LatencyPredictionStats,
     Parameters,
+    PrefixIndexStats,
     PreRequest,
     ResponseComplete,
     Scorer,
@@ -91,3 +91,6 @@ class PredictedLatencyScorer(Scorer, PreRequest, ResponseComplete, LatencyPredic
     @property
     def observations(self) -> int:
         return self.predictions.predictor.observations
+
+    def use_prefix_index(self, index: PrefixIndexStats) -> None:
+        self.predictions.cached_tokens = index.cached_tokens
