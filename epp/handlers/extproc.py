@@ -120,6 +120,7 @@ class RequestStream:
         "ctx",
         "director",
         "full_duplex",
+        "held",
         "max_body_bytes",
         "pending",
         "reply",
@@ -148,6 +149,7 @@ class RequestStream:
         self.rewrite_back = False
         self.routed = False  # answered with a destination: after_reply hands the pick to the director's hooks
         self.pending: asyncio.Future | None = None  # a routing the director queued, answered through reply
+        self.held: list[pb.ProcessingResponse] = []  # answers to later messages, sent after the deferred one
 
     @property
     def awaiting_reply(self) -> bool:
@@ -155,6 +157,12 @@ class RequestStream:
 
     # -- dispatch ----------------------------------------------------------------------------------------------
     def handle(self, message: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+        if self.pending is not None:  # answers go out in order: this message's wait behind the deferred one
+            self.held.extend(self._handle(message))
+            return []
+        return self._handle(message)
+
+    def _handle(self, message: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
         kind = message.WhichOneof("request")
         if kind == "request_body":
             return self._on_request_body(message.request_body)
@@ -244,6 +252,7 @@ class RequestStream:
         except OpenAIError as error:
             answers = [immediate_response(error)]
         self.pending = None
+        answers, self.held = answers + self.held, []
         self.reply(answers)
 
     def _answers(self, decision: RoutingDecision, headers_phase: bool) -> list[pb.ProcessingResponse]:

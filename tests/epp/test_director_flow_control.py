@@ -5,6 +5,8 @@ leaves its queue (no turn is lost or held)."""
 import asyncio
 import json
 
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
 from epp.flowcontrol import DISPATCHED, EVICTED_CANCELLED, FlowControlConfig, FlowController
 from epp.handlers.extproc import RequestStream
 from tests.epp.test_server import BASE_HEADERS, body_message, headers_message, make_picker
@@ -76,3 +78,17 @@ async def test_a_scrape_that_shows_room_dispatches_without_a_completion():
     assert replies and replies[0][0].HasField("request_headers")
     stream.finish()
     assert director.flow_control.in_flight == 0
+
+
+async def test_answers_to_messages_that_arrive_while_queued_follow_the_deferred_answer():
+    director, room, _ = setup(slots=0)
+    replies: list = []
+    stream, _ = start(director, replies, "a")
+    trailers = pb.ProcessingRequest(request_trailers=pb.HttpTrailers())
+    assert stream.handle(trailers) == []  # held: its answer may not overtake the routing answer
+    room.slots = 1
+    await asyncio.sleep(0.05)
+    (answers,) = replies
+    kinds = [a.WhichOneof("response") for a in answers]
+    assert kinds == ["request_headers", "request_body", "request_trailers"]  # routing, the body, then the trailers
+    stream.finish()
