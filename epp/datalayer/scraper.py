@@ -1,7 +1,7 @@
 """One task per endpoint scrapes its Prometheus page (default every 50 ms, 1 s timeout, keep-alive) and parses it
 with the endpoint's engine spec.
 
-Quiet endpoints are scraped less often (`idle_interval`; the EPP's default is 5x `interval`): one whose last page showed no running
+Quiet endpoints may be scraped less often (`idle_interval`, off unless set): one whose last page showed no running
 and no waiting request, and to which this EPP has nothing in flight, waits `idle_interval` instead of `interval` —
 until `wake()`, which the request path calls for every request it receives, so the first request after a quiet
 spell sets every endpoint back to the fast interval (measured: `epp-bench idle`). The trade-off: load that another
