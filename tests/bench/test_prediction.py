@@ -15,6 +15,9 @@ async def test_predictor_learns_a_real_sim_pool():
     assert report.observations == predictor.observations == sum(p.requests for p in report.phases) > 40
     last = report.phases[-1]
     assert last.scored > 0  # the predictor was ready (its windowed error under the gate) and the plugins used it
-    # the full run (`python -m epp.bench.prediction`) reports the real figures
-    assert last.window_ttft_mape < 1.0
+    # The learning, bounded loosely: the last phase's predictions made at send time (every scored request of the
+    # phase) beat predicting nothing (MAPE 1). The predictor's own 25-observation window straddles the change of
+    # concurrency and, on a loaded 2-core machine, went over 1 (1.18) while the phase's predictions were at 0.46;
+    # the full run (`python -m epp.bench.prediction`) reports the real figures.
+    assert last.ttft_mape is not None and last.ttft_mape < 1.0
     assert 0 < decision_time(predictor, size=8, repeats=20) < 5_000
