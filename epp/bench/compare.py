@@ -22,13 +22,14 @@ from typing import NamedTuple
 import aiohttp
 
 from epp.bench import inference_perf
+from epp.bench.decision import predictor_config
 from epp.bench.overhead import cpu_seconds, percentile
 from epp.bench.peers import peer_command, start_router
 from epp.bench.ports import free_port_block, free_ports
 from epp.bench.workloads import load_workload, lora_names, requests
 from epp.envoy import EnvoyProcess, render_baseline
 from epp.local import LocalStack, StackConfig
-from epp.scheduling.scheduler import DEFAULT_CONFIG
+from epp.scheduling.plugins.slo_headroom_filter import TPOT_HEADER, TTFT_HEADER
 
 MODEL = "sim-llama-8b"
 SINGLE_SCORER = """plugins:\n- type: {0}\nschedulingProfiles:\n- name: {0}\n  plugins:\n  - pluginRef: {0}\n"""
@@ -38,15 +39,12 @@ EPP_TARGETS = {
     "kv-only": SINGLE_SCORER.format("kv-cache-utilization-scorer"),
     "prefix-only": SINGLE_SCORER.format("prefix-cache-scorer"),
     "lora-only": SINGLE_SCORER.format("lora-affinity-scorer"),
-    # the default profile plus the latency predictor (trained from the streamed responses: the EPP sees them)
-    "epp-predicted": DEFAULT_CONFIG.replace(
-        "- type: max-score-picker\n", "- type: max-score-picker\n- type: predicted-latency-scorer\n"
-    ).replace(
-        "  - pluginRef: max-score-picker\n",
-        "  - pluginRef: predicted-latency-scorer\n    weight: 4\n  - pluginRef: max-score-picker\n",
-    ),
+    # the default profile with the response bodies streamed through the EPP: what that costs, beside "epp"
+    "epp-streamed": None,
+    # the default profile plus the latency predictor, trained from the responses the EPP sees streamed
+    "epp-predicted": predictor_config(),
 }
-STREAMED_RESPONSES = {"epp-predicted"}  # targets whose Envoy sends response bodies to the EPP
+STREAMED_RESPONSES = {"epp-streamed", "epp-predicted"}  # targets whose Envoy sends response bodies to the EPP
 ENVOY_TARGETS = {"round-robin": "ROUND_ROBIN", "least-request": "LEAST_REQUEST", "random": "RANDOM"}
 PEER_TARGETS = {
     "sglang-cache-aware": ("sglang", "cache_aware"),
@@ -80,6 +78,9 @@ class TargetResult:
     host_busy: float = 0.0  # the whole machine's busy fraction (/proc/stat), other users' processes included
     valid: bool = True
     load_over_time: list[list[int]] = field(default_factory=list)  # per sample: running + waiting per server
+    slo_requests: int = 0  # requests that stated latency objectives (x-slo-ttft-ms / x-slo-tpot-ms)
+    slo_met: int = 0  # of those, succeeded within their own objectives (TTFT, and ITL as the time per output token)
+    goodput_per_s: float = 0.0  # slo_met / wall seconds
     load_generator: str = "builtin"  # or "inference-perf"
 
 
@@ -134,15 +135,34 @@ class Outcome(NamedTuple):
     e2e: float = 0.0
     output_tokens: int = 0
     cached_share: float = 0.0  # usage.prompt_tokens_details.cached_tokens / prompt_tokens
+    met_slo: bool | None = None  # None: the request stated no objective
 
 
-async def _one(session: aiohttp.ClientSession, url: str, body: dict, headers: dict | None = None) -> Outcome:
+def met_slo(headers: dict[str, str], outcome: Outcome) -> bool | None:
+    """Whether a request met the objectives its headers state (milliseconds; the time per output token is the
+    mean gap between token chunks the client saw); None when it states none."""
+    ttft, tpot = headers.get(TTFT_HEADER), headers.get(TPOT_HEADER)
+    if ttft is None and tpot is None:
+        return None
+    return (
+        outcome.status == 200
+        and (ttft is None or outcome.ttft * 1e3 <= float(ttft))
+        and (tpot is None or outcome.output_tokens < 2 or outcome.itl * 1e3 <= float(tpot))
+    )
+
+
+async def _one(session: aiohttp.ClientSession, url: str, body: dict, headers: dict[str, str]) -> Outcome:
+    outcome = await _send(session, url, body, headers)
+    return outcome._replace(met_slo=met_slo(headers, outcome))
+
+
+async def _send(session: aiohttp.ClientSession, url: str, body: dict, headers: dict[str, str]) -> Outcome:
     started = time.monotonic()
     first = last = None
     chunks = 0
     usage = {}
     try:
-        async with session.post(url, json=body, headers=headers) as response:
+        async with session.post(url, json=body, headers=headers or None) as response:
             if response.status != 200:
                 await response.read()
                 return Outcome(response.status)
@@ -316,17 +336,17 @@ async def run_target(
                 pending = iter(stream)
 
                 async def client() -> None:
-                    for _, body in pending:
+                    for _, body, headers in pending:
                         if time.monotonic() - started >= duration:
                             return
-                        outcomes.append(await _one(session, url, body))
+                        outcomes.append(await _one(session, url, body, headers))
 
                 await asyncio.gather(*(client() for _ in range(concurrency)))
             else:
                 tasks = []
-                for offset, body in stream:
+                for offset, body, headers in stream:
                     await asyncio.sleep(max(0.0, started + offset - time.monotonic()))
-                    tasks.append(asyncio.create_task(_one(session, url, body)))
+                    tasks.append(asyncio.create_task(_one(session, url, body, headers)))
                 outcomes = await asyncio.gather(*tasks)
             elapsed = time.monotonic() - started
             sampler.cancel()
@@ -384,6 +404,9 @@ def _from_outcomes(result: TargetResult, outcomes: list[Outcome], elapsed: float
     result.ttft_hit_ms, result.ttft_miss_ms = _summary(hit), _summary(miss)
     result.requests_per_s = len(ok) / elapsed
     result.output_tokens_per_s = sum(o.output_tokens for o in ok) / elapsed
+    judged = [o.met_slo for o in outcomes if o.met_slo is not None]
+    result.slo_requests, result.slo_met = len(judged), sum(judged)
+    result.goodput_per_s = result.slo_met / elapsed
 
 
 def _from_inference_perf(result: TargetResult, summary: dict) -> None:
@@ -445,7 +468,28 @@ def markdown(results: list[TargetResult]) -> str:
                 f"{'yes' if r.valid else f'no (CPU: ours {r.machine_busy:.0%}, host {r.host_busy:.0%})'} |"
             )
         lines.append("")
+        lines += _goodput_table(rows)
     return "\n".join(lines) + "times in ms; TTFT ratios below 1 mean faster than the reference.\n"
+
+
+def _goodput_table(rows: list[TargetResult]) -> list[str]:
+    """Requests that met their own objectives, per target, against the best of the other targets."""
+    judged = [r for r in rows if r.slo_requests]
+    if not judged:
+        return []
+    lines = [
+        "| target | met their SLO | goodput req/s | goodput vs best other |",
+        "| --- | --- | --- | --- |",
+    ]
+    for r in judged:
+        others = [o.goodput_per_s for o in judged if o is not r]
+        best = max(others, default=0.0)
+        ratio = f"{r.goodput_per_s / best:.2f}" if best else "-"
+        lines.append(
+            f"| {r.target} | {r.slo_met}/{r.slo_requests} ({r.slo_met / r.slo_requests:.0%}) | "
+            f"{r.goodput_per_s:.1f} | {ratio} |"
+        )
+    return [*lines, ""]
 
 
 def plots(results: list[TargetResult], out: Path) -> list[Path]:

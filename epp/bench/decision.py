@@ -1,7 +1,9 @@
 """Decision time per request against pool size and prompt length, with a warm prefix index (every endpoint has
 served 200 earlier prompts): the scheduler alone (default profile: filters, scorers, picker, and recording the
-pick), and the whole request path of the director (`epp.requestcontrol.director`: model, objective, admission,
-scheduling, accounting and metrics; recording the pick; completion)."""
+pick), the scheduler with the latency predictor in the profile (`predictor_config`: a trained predictor, every
+request carrying a TTFT objective so that the SLO filter does its work too), and the whole request path of the
+director (`epp.requestcontrol.director`: model, objective, admission, scheduling, accounting and metrics;
+recording the pick; completion)."""
 
 from __future__ import annotations
 
@@ -13,8 +15,9 @@ from epp.datalayer.datastore import Datastore
 from epp.datalayer.endpoint import Endpoint, EndpointSpec, PoolState
 from epp.flowcontrol import FlowControlConfig, FlowController
 from epp.metrics import EPPMetrics
+from epp.predictor import LatencyPredictor, endpoint_features, shared
 from epp.requestcontrol.director import Director
-from epp.scheduling.scheduler import Scheduler
+from epp.scheduling.scheduler import DEFAULT_CONFIG, Scheduler
 from epp.scheduling.types import SchedulingRequest
 from protocol.metrics import EndpointMetrics
 
@@ -97,18 +100,64 @@ def measure_director(
     return samples[len(samples) // 2] * 1e6
 
 
-def measure(size: int, prompt_bytes: int, repeats: int = 300, seed: int = 0) -> float:
-    """Median microseconds per schedule() + on_routed()."""
+PREDICTED_POOL = "decision-time"  # the shared predictor (epp.predictor.shared) the predicted profile reads here
+
+
+def predictor_config(pool: str = "default", weight: int = 4) -> str:
+    """The default profile with the latency predictor: slo-headroom-filter first (it passes every endpoint for a
+    request without objectives) and predicted-latency-scorer at `weight`, both reading the shared predictor `pool`
+    (the EPP trains it from the responses it sees streamed)."""
+    params = f"  parameters: {{pool: {pool}}}\n"
+    return (
+        DEFAULT_CONFIG.replace(
+            "- type: max-score-picker\n",
+            f"- type: max-score-picker\n- type: slo-headroom-filter\n{params}- type: predicted-latency-scorer\n{params}",
+        )
+        .replace(
+            "  - pluginRef: max-score-picker\n",
+            f"  - pluginRef: predicted-latency-scorer\n    weight: {weight}\n  - pluginRef: max-score-picker\n",
+        )
+        .replace("  plugins:\n", "  plugins:\n  - pluginRef: slo-headroom-filter\n", 1)
+    )
+
+
+def trained_predictor(endpoints: list[Endpoint], seed: int = 0) -> LatencyPredictor:
+    """A predictor that is ready (past its cold start), trained on latencies drawn from a linear model of the
+    features: what matters here is the cost of predicting, not the figures."""
+    rng = random.Random(seed)
+    predictor = LatencyPredictor()
+    while not (predictor.ttft_ready and predictor.tpot_ready):
+        f = endpoint_features(rng.choice(endpoints), rng.randrange(50, 6000), 0, None)
+        ttft = 0.02 + 1e-4 * f.prompt_tokens + 0.01 * f.waiting + 0.002 * f.running
+        predictor.observe(f, ttft, 0.012 + 5e-5 * f.running)
+    return predictor
+
+
+def measure(
+    size: int,
+    prompt_bytes: int,
+    repeats: int = 300,
+    seed: int = 0,
+    config: str | None = None,
+    headers: dict[str, str] | None = None,
+    predictor: LatencyPredictor | None = None,
+) -> float:
+    """Median microseconds per schedule() + on_routed() with the profile `config` (None: the default); `headers`
+    go with every request; `predictor` (when given) is the shared predictor PREDICTED_POOL the config reads."""
     rng = random.Random(seed)
     endpoints = _pool(size, rng)
-    scheduler = Scheduler.from_config(None)
+    scheduler = Scheduler.from_config(config)
+    if predictor is not None:
+        candidates = shared(PREDICTED_POOL)
+        candidates.predictor, candidates.cached_tokens = predictor, scheduler.prefix_index.cached_tokens
     system = "".join(rng.choice("abcdefghij ") for _ in range(prompt_bytes))
     for i in range(200):  # warm the prefix index
         request = SchedulingRequest(f"w{i}", "m", system[: prompt_bytes // 2] + str(i))
         scheduler.on_routed(request, scheduler.schedule(request, endpoints))
     samples = []
     for i in range(repeats):
-        request = SchedulingRequest(f"r{i}", "m", system + str(i))
+        prompt = system + str(i)
+        request = SchedulingRequest(f"r{i}", "m", prompt, len(prompt) // 4, headers=headers or {})
         started = time.perf_counter()
         result = scheduler.schedule(request, endpoints)
         scheduler.on_routed(request, result)
@@ -118,10 +167,25 @@ def measure(size: int, prompt_bytes: int, repeats: int = 300, seed: int = 0) -> 
     return samples[len(samples) // 2] * 1e6
 
 
+def measure_predicted(size: int, prompt_bytes: int, repeats: int = 300, seed: int = 0) -> float:
+    """`measure` with the predictor in the profile (`predictor_config`), trained, and a TTFT objective on every
+    request."""
+    return measure(
+        size,
+        prompt_bytes,
+        repeats,
+        seed,
+        config=predictor_config(PREDICTED_POOL),
+        headers={"x-slo-ttft-ms": "500"},
+        predictor=trained_predictor(_pool(size, random.Random(seed))),
+    )
+
+
 def main(sizes=(8, 32, 128), prompts=(1_000, 16_000, 220_000)) -> None:
     with_flow_control = functools.partial(measure_director, flow_control=True)
     for title, function in (
         ("scheduler", measure),
+        ("scheduler with the latency predictor (slo-headroom-filter + predicted-latency-scorer)", measure_predicted),
         ("director (whole request path)", measure_director),
         ("director with flow control (its fast path: the pool has room)", with_flow_control),
     ):

@@ -45,8 +45,7 @@ from protocol.metrics import MetricsParseError, parse_metrics
 
 MODEL = "sim-llama-8b"
 CHARS_PER_TOKEN = 4  # the EPP's prompt-token estimate (len(prompt) // 4) is what the director will record
-DECISION_POOL = "evaluate-decision-time"  # the shared predictors these tools use (epp.predictor.shared)
-EVALUATE_POOL = "evaluate"
+EVALUATE_POOL = "evaluate"  # the shared predictor (epp.predictor.shared) --route epp-predicted reads
 MIX = ((0.8, 200, 96), (0.2, 5000, 128))  # (share, prompt tokens, output tokens)
 
 
@@ -124,6 +123,7 @@ def _router(route: str, predictor: LatencyPredictor, endpoints: list[Endpoint], 
         return lambda request_id, prompt, tokens, output: rng.choice(endpoints)
     if route == "predicted":
         return lambda request_id, prompt, tokens, output: _pick(rng, endpoints, predictor, tokens)
+    from epp.bench.decision import predictor_config
     from epp.scheduling.scheduler import Scheduler
     from epp.scheduling.types import SchedulingRequest
 
@@ -151,7 +151,7 @@ async def drive(
     """Run the phases against already started servers; every completed request is observed by `predictor`.
     `route`: "random"; "predicted" (the lowest predicted TTFT once the predictor is ready, random before);
     "epp-default" (the EPP's default profile); "epp-predicted" (that profile plus the SLO filter and the
-    predicted-latency scorer, reading `predictor`: `predictor_config`)."""
+    predicted-latency scorer, reading `predictor`: `epp.bench.decision.predictor_config`)."""
     rng = random.Random(seed)
     hostports = [u.removeprefix("http://").rpartition(":") for u in urls]
     endpoints = [Endpoint(EndpointSpec(f"ms-{i}", host, int(port))) for i, (host, _, port) in enumerate(hostports)]
@@ -225,45 +225,20 @@ def phase_report(samples: list[Sample], phase: int, concurrency: int, phase_seco
     )
 
 
-def predictor_config(pool: str) -> str:
-    """The EPP's default profile plus slo-headroom-filter and predicted-latency-scorer (weight 2, as the queue and
-    KV scorers; not tuned) reading the shared predictor `pool`."""
-    from epp.scheduling.scheduler import DEFAULT_CONFIG
-
-    params = f"  parameters: {{pool: {pool}}}\n"
-    return DEFAULT_CONFIG.replace(
-        "- type: max-score-picker\n",
-        f"- type: slo-headroom-filter\n{params}- type: predicted-latency-scorer\n{params}- type: max-score-picker\n",
-    ).replace(
-        "  plugins:\n",
-        "  plugins:\n  - pluginRef: slo-headroom-filter\n  - pluginRef: predicted-latency-scorer\n    weight: 2\n",
-    )
-
-
 def decision_time(predictor: LatencyPredictor, size: int = 32, repeats: int = 300) -> float:
-    """Median microseconds of schedule() + on_routed() at `size` endpoints: the default profile plus the SLO filter
-    and the predicted-latency scorer, both reading `predictor`, with the prefix scorer's match wired in as the
-    director will (every request carries a TTFT objective, so the filter does its work too)."""
-    from epp.bench.decision import _pool
-    from epp.scheduling.scheduler import Scheduler
-    from epp.scheduling.types import SchedulingRequest
+    """Median microseconds of schedule() + on_routed() at `size` endpoints with the predictor in the profile
+    (`epp.bench.decision.predictor_config`), reading `predictor`, with the prefix scorer's match wired in as the
+    director does (every request carries a TTFT objective, so the filter does its work too)."""
+    from epp.bench import decision
 
-    scheduler = Scheduler.from_config(predictor_config(DECISION_POOL))
-    candidates = shared(DECISION_POOL)
-    candidates.predictor, candidates.cached_tokens = predictor, scheduler.prefix_index.cached_tokens
-    rng = random.Random(0)
-    endpoints = _pool(size, rng)
-    prompt = _text(rng, 1000)
-    samples = []
-    for i in range(repeats):
-        text = prompt + str(i)
-        request = SchedulingRequest(f"r{i}", "m", text, len(text) // CHARS_PER_TOKEN, headers={"x-slo-ttft-ms": "500"})
-        started = time.perf_counter()
-        result = scheduler.schedule(request, endpoints)
-        scheduler.on_routed(request, result)
-        samples.append(time.perf_counter() - started)
-        del result  # freed outside the timed decision, as epp.bench.decision does
-    return statistics.median(samples) * 1e6
+    return decision.measure(
+        size,
+        4000,
+        repeats,
+        config=decision.predictor_config(decision.PREDICTED_POOL),
+        headers={"x-slo-ttft-ms": "500"},
+        predictor=predictor,
+    )
 
 
 async def evaluate(

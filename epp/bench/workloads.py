@@ -1,12 +1,16 @@
-"""Seeded request streams from the YAML workloads in this folder: (arrival offset in seconds, request body)."""
+"""Seeded request streams from the YAML workloads in this folder: (arrival offset in seconds, request body, request
+headers)."""
 
 from __future__ import annotations
 
 import functools
 import random
 from pathlib import Path
+from typing import NamedTuple
 
 import yaml
+
+from epp.scheduling.plugins.slo_headroom_filter import TPOT_HEADER, TTFT_HEADER
 
 WORKLOADS = Path(__file__).parent / "workloads"
 WORDS = (  # noqa: SIM905 (one sentence of words reads better than a column of 38 strings)
@@ -14,6 +18,12 @@ WORDS = (  # noqa: SIM905 (one sentence of words reads better than a column of 3
     "batch prefix block adapter engine gateway picker metric scrape score weight budget decode prefill stream output "
     "input context window paged attention layer"
 ).split()
+
+
+class TimedRequest(NamedTuple):
+    at: float  # arrival offset, seconds from the start
+    body: dict
+    headers: dict[str, str]  # e.g. the request's latency objectives (TTFT_HEADER, TPOT_HEADER)
 
 
 def load_workload(name: str) -> dict:
@@ -58,13 +68,15 @@ def _arrivals(rng: random.Random, arrival: dict, rate: float, duration: float) -
 
 def requests(
     spec: dict, model: str, rate: float | None = None, duration: float | None = None, seed: int = 0, scale: float = 1.0
-) -> list[tuple[float, dict]]:
-    """The workload's requests; `scale` shrinks prompt lengths (for smoke runs)."""
+) -> list[TimedRequest]:
+    """The workload's requests; `scale` shrinks prompt lengths (for smoke runs). A mix entry's `slo` ({ttft_ms,
+    tpot_ms}, either or both) becomes its requests' objective headers."""
     rng = random.Random(seed)
     arrival = spec.get("arrival", {})
     times = _arrivals(rng, arrival, rate or arrival.get("rate", 10), duration or spec.get("duration", 60))
     name = spec["name"]
-    out = []
+    out: list[tuple[float, dict]] = []
+    headers: list[dict[str, str]] = []
     if name == "shared-prefix":
         systems = [_text(rng, spec["system_prompt_tokens"] * scale) for _ in range(spec["groups"])]
         # Multi-turn: each (group, prompt) is one user whose next request carries its earlier turns, each answered
@@ -103,10 +115,18 @@ def requests(
                     },
                 )
             )
-    elif name == "heterogeneous":
+    elif name in ("heterogeneous", "slo-mixed"):
         kinds, shares = spec["mix"], [m["share"] for m in spec["mix"]]
         for t in times:
             kind = rng.choices(kinds, shares)[0]
+            slo = kind.get("slo") or {}
+            headers.append(
+                {
+                    header: str(slo[key])
+                    for key, header in (("ttft_ms", TTFT_HEADER), ("tpot_ms", TPOT_HEADER))
+                    if key in slo
+                }
+            )
             out.append(
                 (
                     t,
@@ -133,7 +153,7 @@ def requests(
         raise SystemExit(f"workload {name!r} has no generator")
     for _, body in out:
         body.update(stream=True, stream_options={"include_usage": True}, ignore_eos=True)
-    return out
+    return [TimedRequest(t, body, headers[i] if headers else {}) for i, (t, body) in enumerate(out)]
 
 
 def lora_names(spec: dict) -> list[str]:

@@ -55,13 +55,40 @@ def test_closed_loop_smoke(tmp_path):
 def test_workloads_are_seeded_and_shaped():
     from epp.bench.workloads import load_workload, requests
 
-    for name in ("shared-prefix", "multi-lora", "heterogeneous", "long-prompt"):
+    for name in ("shared-prefix", "multi-lora", "heterogeneous", "long-prompt", "slo-mixed"):
         spec = load_workload(name)
         first, again = requests(spec, "m", rate=5, duration=4, seed=1), requests(spec, "m", rate=5, duration=4, seed=1)
         assert first == again and first
-        assert all(body["stream"] and body["stream_options"]["include_usage"] for _, body in first)
+        assert all(r.body["stream"] and r.body["stream_options"]["include_usage"] for r in first)
+        assert all(r.headers == {} for r in first) or name == "slo-mixed"
     lora = requests(load_workload("multi-lora"), "m", rate=50, duration=10)
-    assert {body["model"] for _, body in lora} <= {f"lora-{i}-{j}" for i, n in enumerate((2, 4, 10)) for j in range(n)}
+    assert {r.body["model"] for r in lora} <= {f"lora-{i}-{j}" for i, n in enumerate((2, 4, 10)) for j in range(n)}
+
+
+def test_slo_workload_states_each_requests_objectives_and_goodput_counts_who_met_them():
+    from epp.bench.compare import Outcome, TargetResult, _from_outcomes, markdown, met_slo
+    from epp.bench.workloads import load_workload, requests
+
+    stream = requests(load_workload("slo-mixed"), "m", rate=20, duration=10, seed=3)
+    by_objective = {}
+    for r in stream:
+        by_objective.setdefault((r.headers["x-slo-ttft-ms"], r.headers["x-slo-tpot-ms"]), set()).add(
+            r.body["max_tokens"]
+        )
+    assert by_objective == {("300", "50"): {64}, ("2000", "100"): {256}}
+    chat = {"x-slo-ttft-ms": "300", "x-slo-tpot-ms": "50"}
+    assert met_slo(chat, Outcome(200, ttft=0.29, itl=0.049, output_tokens=64)) is True
+    assert met_slo(chat, Outcome(200, ttft=0.31, itl=0.01, output_tokens=64)) is False
+    assert met_slo(chat, Outcome(200, ttft=0.1, itl=0.051, output_tokens=64)) is False
+    assert met_slo(chat, Outcome(429)) is False
+    assert met_slo({}, Outcome(200, ttft=9.0)) is None
+    fast, slow = TargetResult("fast", 1.0), TargetResult("slow", 1.0)
+    _from_outcomes(fast, [Outcome(200, 0.1, 0.01, 0.5, 64, met_slo=True)] * 6 + [Outcome(200, met_slo=None)], 2.0)
+    _from_outcomes(slow, [Outcome(200, 0.1, 0.01, 0.5, 64, met_slo=True)] * 2 + [Outcome(599, met_slo=False)] * 4, 2.0)
+    assert (fast.slo_requests, fast.slo_met, fast.goodput_per_s) == (6, 6, 3.0)
+    assert (slow.slo_requests, slow.slo_met, slow.goodput_per_s) == (6, 2, 1.0)
+    report = markdown([fast, slow])
+    assert "| fast | 6/6 (100%) | 3.0 | 3.00 |" in report and "| slow | 2/6 (33%) | 1.0 | 0.33 |" in report
 
 
 def test_multi_turn_requests_carry_the_users_earlier_turns():
@@ -69,8 +96,8 @@ def test_multi_turn_requests_carry_the_users_earlier_turns():
 
     stream = requests(load_workload("shared-prefix-multi-turn"), "m", rate=20, duration=10, seed=2)
     by_user: dict[str, list[str]] = {}
-    for _, body in stream:
-        prompt = body["prompt"]
+    for r in stream:
+        prompt = r.body["prompt"]
         by_user.setdefault(prompt.rsplit("\nQuestion ", 1)[1].split(":")[0] + prompt[:200], []).append(prompt)
     turns = [prompts for prompts in by_user.values() if len(prompts) > 1]
     assert turns, "some user came back within 10 s"
