@@ -37,12 +37,30 @@ PREDICTION_READS = (
 CachedTokens = Callable[[CycleState, SchedulingRequest, Endpoint], int]
 
 
+MAX_KNOWN_ADAPTERS = 4096  # LoRA adapter names remembered (endpoints report them; a bound against a churning pool)
+
+
 class CandidatePredictions:
     """Parameters: predictor; cached_tokens (see CachedTokens), None = nothing cached."""
 
     def __init__(self, predictor: LatencyPredictor, cached_tokens: CachedTokens | None = None):
         self.predictor = predictor
         self.cached_tokens = cached_tokens
+        self._adapters: set[str] = set()
+
+    def adapter(self, model: str, endpoints: list[Endpoint]) -> str | None:
+        """`model` when it is a LoRA adapter, None for a base-model request. An adapter is a name some endpoint
+        reported running or waiting, now or earlier: a request for an adapter that no candidate holds right now is
+        still one that must load it (the feature that matters), not a base-model request."""
+        if model in self._adapters:
+            return model
+        for e in endpoints:
+            m = e.metrics
+            if m is not None and (model in m.running_adapters or model in m.waiting_adapters):
+                if len(self._adapters) < MAX_KNOWN_ADAPTERS:
+                    self._adapters.add(model)
+                return model
+        return None
 
     def get(
         self, cycle_state: CycleState, request: SchedulingRequest, endpoints: list[Endpoint]
@@ -58,16 +76,7 @@ class CandidatePredictions:
         if missing:
             cached = self.cached_tokens
             tokens = [cached(cycle_state, request, e) for e in missing] if cached is not None else [0] * len(missing)
-            model = request.model
-            adapter = (
-                model
-                if any(
-                    e.metrics is not None
-                    and (model in e.metrics.running_adapters or model in e.metrics.waiting_adapters)
-                    for e in endpoints
-                )
-                else None
-            )
+            adapter = self.adapter(request.model, endpoints)
             predicted = self.predictor.predict_endpoints(missing, request.prompt_tokens_estimate, tokens, adapter)
             for e, p in zip(missing, predicted, strict=True):
                 known[e.spec.name] = p

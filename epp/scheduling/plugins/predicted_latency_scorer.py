@@ -67,11 +67,8 @@ class PredictedLatencyScorer(Scorer, PreRequest, ResponseComplete, LatencyPredic
         endpoint = result.primary
         cached = self.predictions.cached_tokens
         cached_tokens = cached(result.cycle_state, request, endpoint) if cached is not None else 0
-        m = endpoint.metrics
-        is_adapter = m is not None and (request.model in m.running_adapters or request.model in m.waiting_adapters)
-        features = self.predictions.predictor.routed(
-            endpoint, request.prompt_tokens_estimate, cached_tokens, request.model if is_adapter else None
-        )
+        adapter = self.predictions.adapter(request.model, result.candidates or [endpoint])
+        features = self.predictions.predictor.routed(endpoint, request.prompt_tokens_estimate, cached_tokens, adapter)
         result.cycle_state.write(ROUTED_FEATURES, features)
 
     def response_complete(

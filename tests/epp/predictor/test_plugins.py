@@ -7,6 +7,7 @@ import pytest
 from epp.predictor import shared
 from epp.scheduling.errors import ConfigError
 from epp.scheduling.framework import build_plugin
+from epp.scheduling.plugins.predicted_latency_scorer import ROUTED_FEATURES
 from epp.scheduling.scheduler import Scheduler
 from epp.scheduling.types import CycleState, SchedulingRequest
 from tests.epp.helpers import endpoint
@@ -164,3 +165,21 @@ def test_predictions_are_shared_within_a_cycle_and_renewed_in_the_next(pool):
     assert candidates.get(cycle, request, endpoints[1:]) == first[1:]  # the scorer after the filter: same numbers
     again = candidates.get(CycleState(), request, endpoints)  # scheduled again (a retry): 1 now has a backlog
     assert again[0][0] == pytest.approx(first[0][0], rel=1e-3) and again[1][0] > first[1][0] + 0.1
+
+
+def test_an_adapter_not_loaded_on_the_pick_is_recorded_as_a_load(pool):
+    """The pick lacks the adapter another candidate runs: its features say the adapter must be loaded there, and
+    still do once no endpoint reports it (the name is remembered as an adapter's); a base-model request's do not."""
+    trained(pool)
+    scorer = build_plugin("predicted-latency-scorer", {"pool": pool})
+    holder, other = endpoint(0, running_adapters=("sql-lora",)), endpoint(1)
+    scheduler = Scheduler.from_config(None)
+    for model, endpoints, loaded in (
+        ("sql-lora", [holder, other], False),
+        ("sql-lora", [other], False),
+        ("m", [holder, other], True),
+    ):
+        result = scheduler.schedule(req(model=model), endpoints)
+        result.endpoints = [other]
+        scorer.pre_request(req(model=model), result)
+        assert result.cycle_state.read(ROUTED_FEATURES).adapter_loaded is loaded
