@@ -142,7 +142,7 @@ def measure(
     headers: dict[str, str] | None = None,
     predictor: LatencyPredictor | None = None,
 ) -> float:
-    """Median microseconds per schedule() + on_routed() with the profile `config` (None: the default); `headers`
+    """Median microseconds per schedule() + on_picked() + on_routed() with the profile `config` (None: the default); `headers`
     go with every request; `predictor` (when given) is the shared predictor PREDICTED_POOL the config reads."""
     rng = random.Random(seed)
     endpoints = _pool(size, rng)
@@ -153,13 +153,16 @@ def measure(
     system = "".join(rng.choice("abcdefghij ") for _ in range(prompt_bytes))
     for i in range(200):  # warm the prefix index
         request = SchedulingRequest(f"w{i}", "m", system[: prompt_bytes // 2] + str(i))
-        scheduler.on_routed(request, scheduler.schedule(request, endpoints))
+        result = scheduler.schedule(request, endpoints)
+        scheduler.on_picked(request, result)
+        scheduler.on_routed(request, result)
     samples = []
     for i in range(repeats):
         prompt = system + str(i)
         request = SchedulingRequest(f"r{i}", "m", prompt, len(prompt) // 4, headers=headers or {})
         started = time.perf_counter()
         result = scheduler.schedule(request, endpoints)
+        scheduler.on_picked(request, result)
         scheduler.on_routed(request, result)
         samples.append(time.perf_counter() - started)
         del result  # its cycle state (up to 256 prefix hashes) is freed here, outside the timed decision

@@ -118,12 +118,19 @@ ROUTES = ("random", "predicted", "epp-default", "epp-predicted")
 
 
 def _router(route: str, predictor: LatencyPredictor, endpoints: list[Endpoint], rng: random.Random):
-    """(request id, prompt, prompt tokens, max tokens) -> the endpoint it goes to, for one of ROUTES."""
+    """(request id, prompt, prompt tokens, max tokens) -> (the endpoint it goes to, its recorded features), for one
+    of ROUTES: the features `predictor.routed` recorded at the pick (the predicted-latency scorer's, when the
+    scheduler's profile has it; once per request, so that its prefill joins the backlog once)."""
+
+    def routed(endpoint: Endpoint, tokens: int) -> tuple[Endpoint, Features]:
+        return endpoint, predictor.routed(endpoint, tokens, 0, None)
+
     if route == "random":
-        return lambda request_id, prompt, tokens, output: rng.choice(endpoints)
+        return lambda request_id, prompt, tokens, output: routed(rng.choice(endpoints), tokens)
     if route == "predicted":
-        return lambda request_id, prompt, tokens, output: _pick(rng, endpoints, predictor, tokens)
+        return lambda request_id, prompt, tokens, output: routed(_pick(rng, endpoints, predictor, tokens), tokens)
     from epp.bench.decision import predictor_config
+    from epp.scheduling.plugins.predicted_latency_scorer import ROUTED_FEATURES
     from epp.scheduling.scheduler import Scheduler
     from epp.scheduling.types import SchedulingRequest
 
@@ -131,11 +138,13 @@ def _router(route: str, predictor: LatencyPredictor, endpoints: list[Endpoint], 
     candidates = shared(EVALUATE_POOL)
     candidates.predictor, candidates.cached_tokens = predictor, scheduler.prefix_index.cached_tokens
 
-    def route_by_scheduler(request_id: str, prompt: str, tokens: int, output: int) -> Endpoint:
+    def route_by_scheduler(request_id: str, prompt: str, tokens: int, output: int) -> tuple[Endpoint, Features]:
         request = SchedulingRequest(request_id, MODEL, prompt, tokens, max_tokens=output)
         result = scheduler.schedule(request, endpoints)
+        scheduler.on_picked(request, result)
         scheduler.on_routed(request, result)
-        return result.primary
+        features = result.cycle_state.read(ROUTED_FEATURES)
+        return (result.primary, features) if features is not None else routed(result.primary, tokens)
 
     return route_by_scheduler
 
@@ -176,8 +185,7 @@ async def drive(
                         prompt = f"{rng.random()} " + rng.choice(prompts[tokens])
                         estimate = len(prompt) // CHARS_PER_TOKEN
                         sent_total += 1
-                        endpoint = pick(f"r{sent_total}", prompt, estimate, output)
-                        features = predictor.routed(endpoint, estimate, 0, None)
+                        endpoint, features = pick(f"r{sent_total}", prompt, estimate, output)
                         predicted = predictor.predict_ttft(features), predictor.predict_tpot(features)
                         sent = time.monotonic() - began
                         endpoint.in_flight_tokens += estimate

@@ -163,6 +163,7 @@ class Director:
         metrics = self.metrics
         started = time.perf_counter()
         result = self.scheduler.schedule(request, self.datastore.endpoints)
+        self.scheduler.on_picked(request, result)
         metrics.scheduler_e2e.labels().observe(time.perf_counter() - started)
         for name, seconds in result.timings:
             metrics.plugin_duration.labels("scheduler", name.type, name.name).observe(seconds)

@@ -70,9 +70,14 @@ class Picker(Plugin):
 
 
 class PreRequest(Plugin):
+    # False: the hook runs after the EPP answered the proxy (off the request's critical path: the prefix index).
+    # True: as soon as the pick is made (Scheduler.on_picked), for cheap bookkeeping that the next request's decision
+    # must see: a burst's requests are all scheduled before any answer goes out (the latency predictor's backlog).
+    at_pick: ClassVar[bool] = False
+
     @abstractmethod
     def pre_request(self, request: SchedulingRequest, result: SchedulingResult) -> None:
-        """The request was routed: called after the EPP answered the proxy (off the request's critical path)."""
+        """The request was routed (see `at_pick` for when this is called)."""
 
 
 class ResponseComplete(Plugin):

@@ -106,8 +106,8 @@ class Profile:
 
 
 class Scheduler:
-    """Runs one profile per request. The request path calls admit, schedule, then on_routed once the proxy has its
-    answer and on_finished when the request is over; discovery calls on_pool_changed. The profile's plugins are
+    """Runs one profile per request. The request path calls admit, schedule, on_picked when the pick is final,
+    on_routed once the proxy has its answer and on_finished when the request is over; discovery calls on_pool_changed. The profile's plugins are
     checked (check_data_dependencies) and listed in the log at startup."""
 
     def __init__(self, profile: Profile, detector: SaturationDetector | None = None):
@@ -119,7 +119,8 @@ class Scheduler:
             consumes = ", ".join(k.name if isinstance(k, StateKey) else k for k in p.consumes)
             produces = ", ".join(k.name for k in p.produces)
             log.info("profile %s: %s consumes [%s] produces [%s]", profile.name, p.typed_name, consumes, produces)
-        self._pre_request = [p for p in plugins if isinstance(p, PreRequest)]
+        self._at_pick = [p for p in plugins if isinstance(p, PreRequest) and p.at_pick]
+        self._pre_request = [p for p in plugins if isinstance(p, PreRequest) and not p.at_pick]
         self._response_complete = [p for p in plugins if isinstance(p, ResponseComplete)]
         self._pool_changed = [p for p in plugins if isinstance(p, PoolChanged)]
         self.prefix_index: PrefixIndexStats | None = next((p for p in plugins if isinstance(p, PrefixIndexStats)), None)
@@ -196,8 +197,13 @@ class Scheduler:
         timings.append((picker.typed_name, clock() - start))
         return SchedulingResult(picked, self.profile.name, candidates, raw_scores, timings, cycle_state)
 
+    def on_picked(self, request: SchedulingRequest, result: SchedulingResult) -> None:
+        """The pick is final (before the proxy has its answer): PreRequest plugins with `at_pick` record it."""
+        for p in self._at_pick:
+            p.pre_request(request, result)
+
     def on_routed(self, request: SchedulingRequest, result: SchedulingResult) -> None:
-        """The proxy has its answer: PreRequest plugins record the pick (the prefix index)."""
+        """The proxy has its answer: the other PreRequest plugins record the pick (the prefix index)."""
         for p in self._pre_request:
             p.pre_request(request, result)
 

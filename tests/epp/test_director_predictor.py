@@ -56,3 +56,22 @@ def test_streamed_responses_train_the_predictor_and_others_do_not():
     )
     assert metrics.registry.get_sample_value("inference_extension_latency_predictor_observations_total") == before + 3
     assert all(e.in_flight_requests == 0 for e in director.datastore.endpoints)
+
+
+def test_a_bursts_next_request_sees_the_prefill_routed_before_it():
+    """Requests of one burst are all scheduled before the proxy gets any answer (after_routed comes later): each
+    one's prompt joins its pick's prefill backlog at the pick, so the next one's prediction counts it."""
+    director = make_picker(config=CONFIG.replace("director-test", "director-burst"))
+    backlog = shared("director-burst").predictor.backlog
+    contexts = []
+    for _ in range(3):
+        ctx = director.new_request({":path": "/v1/completions"}, None)
+        payload = {"model": "m", "prompt": "long prompt " * 2000, "max_tokens": 5}
+        director.route(ctx, payload, json.dumps(payload).encode())
+        contexts.append(ctx)
+    now = time.monotonic()
+    queued = sum(backlog.tokens(e.spec.name, now) for e in director.datastore.endpoints)
+    assert queued > 2 * 6000  # three ~6,000-token prompts, before any after_routed (drained ~0.1 ms a token)
+    for ctx in contexts:
+        director.after_routed(ctx)
+        director.on_complete(ctx)

@@ -9,8 +9,8 @@ Score: best cost / cost (1 for the fastest, 0.5 for one predicted twice as slow)
 instead of being stretched to 0..1 as min-max would.
 Abstains (None) while the predictor is cold (too few observations or its windowed error above its bound): the
 other scorers then decide alone.
-Feeds the predictor too: when a request is routed (PreRequest) its features on the picked endpoint are kept in the
-cycle state, and when it completes (ResponseComplete) the observed TTFT and time per output token train the model.
+Feeds the predictor too: when a request is routed (PreRequest, at the pick: a burst's next request sees its prefill
+in the backlog) its features on the picked endpoint are kept in the cycle state, and when it completes (ResponseComplete) the observed TTFT and time per output token train the model.
 The director observes them only for streamed responses whose body passes through the EPP (Envoy's
 response_body_mode FULL_DUPLEX_STREAMED): the first body chunk is the first token.
 Parameters: pool ("default": which shared predictor), longOutputTokens (256).
@@ -42,6 +42,7 @@ ROUTED_FEATURES: StateKey[Features] = StateKey("predicted-latency-routed-feature
 class PredictedLatencyScorer(Scorer, PreRequest, ResponseComplete, LatencyPredictionStats):
     consumes = PREDICTION_READS
     produces = (PREDICTED_LATENCY, ROUTED_FEATURES)
+    at_pick = True  # the prompt joins the pick's prefill backlog before the next request of a burst is scheduled
 
     def __init__(self, parameters: dict | None):
         p = Parameters("predicted-latency-scorer", parameters)
