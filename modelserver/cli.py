@@ -24,7 +24,7 @@ from modelserver.engine.kv_events import ZmqEventPublisher, should_bind
 from modelserver.engine.sim import SimExecutor, SimTiming
 from modelserver.metrics import default_stat_loggers
 from modelserver.tokenizer import load_tokenizer
-from protocol.kv_events import KVEventsConfig, default_topic
+from protocol.kv_events import DEFAULT_HASH_ALGO, HASH_ALGOS, KVEventsConfig, default_topic
 
 log = logging.getLogger("modelserver")
 
@@ -50,6 +50,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-model-len", type=int, default=8192)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument(
+        "--prefix-caching-hash-algo",
+        choices=HASH_ALGOS,
+        default=DEFAULT_HASH_ALGO,
+        help="vLLM's block hash: sha256 (pickle) or sha256_cbor (canonical CBOR); seeded by PYTHONHASHSEED",
+    )
     p.add_argument("--enable-lora", action="store_true")
     p.add_argument("--max-loras", type=int, default=1)
     p.add_argument("--max-cpu-loras", type=int, default=None)
@@ -118,6 +124,7 @@ def build_engine(args: argparse.Namespace, index: int, tokenizer) -> AsyncEngine
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
         enable_prefix_caching=args.enable_prefix_caching,
+        prefix_caching_hash_algo=args.prefix_caching_hash_algo,
         enable_lora=args.enable_lora or bool(args.lora_modules),
         max_loras=args.max_loras,
         max_cpu_loras=args.max_cpu_loras,

@@ -135,6 +135,7 @@ class ModelServer:
             self.app.router.add_get(path, self.model_info)
         self.app.router.add_post("/v1/load_lora_adapter", self.load_lora_adapter)
         self.app.router.add_post("/v1/unload_lora_adapter", self.unload_lora_adapter)
+        self.app.router.add_post("/reset_prefix_cache", self.reset_prefix_cache)
 
     # -- info endpoints ----------------------------------------------------------------------------------------
     async def health(self, request: web.Request) -> web.Response:
@@ -187,11 +188,18 @@ class ModelServer:
                 "max_num_seqs": config.max_num_seqs,
                 "max_num_batched_tokens": config.max_num_batched_tokens,
                 "enable_prefix_caching": config.enable_prefix_caching,
+                "prefix_caching_hash_algo": config.prefix_caching_hash_algo,
                 "enable_lora": config.enable_lora,
                 "max_loras": config.max_loras,
                 **self.settings.extra_info,
             }
         )
+
+    async def reset_prefix_cache(self, request: web.Request) -> web.Response:
+        """vLLM's development endpoint: 200 whether or not the engine could reset (it refuses while requests hold
+        blocks, and logs why), as vLLM answers without checking."""
+        self.engine.reset_prefix_cache()
+        return web.Response(status=200)
 
     async def model_info(self, request: web.Request) -> web.Response:
         return web.json_response(

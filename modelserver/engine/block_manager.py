@@ -1,13 +1,17 @@
-"""Paged KV cache bookkeeping with automatic prefix caching (vLLM V1's KVCacheManager, simplified).
+"""Paged KV cache bookkeeping with automatic prefix caching (vLLM V1's KVCacheManager and BlockPool, simplified).
 
-A full block is keyed by a hash chain: hash(parent block's hash, the block's token ids); the chain starts from the
-LoRA adapter name, so the same text under different adapters never shares KV. A block whose last user finishes
-keeps its hash and stays reusable until it is re-allocated; free blocks are reused least-recently-freed first, and
-a finished request's blocks are freed tail-first so its deepest (least shareable) blocks go first.
+A full block is keyed by vLLM's block hash (protocol/kv_events.py `BlockHasher`: SHA-256 over the parent block's
+digest, the block's token ids and, for a LoRA request, the adapter name; seeded by PYTHONHASHSEED), computed once
+per block as it fills. A block whose last user finishes keeps its hash and stays reusable until it is re-allocated;
+free blocks are reused least-recently-freed first, and a finished request's blocks are freed tail-first so its
+deepest (least shareable) blocks go first.
 
-With `record_events`, every block entered in the prefix cache and every cached block re-allocated (evicted) is
-recorded as a vLLM KV event (protocol/kv_events.py) until the engine drains them once per step; a preempted
-request's blocks stay cached, so they are announced as removed only when they are actually reused.
+With `record_events`, the cache's changes are recorded as vLLM KV events until the engine drains them once per step,
+as vLLM's BlockPool records them: one BlockStored per run of newly cached blocks of a request (parent = the block
+before the run), one BlockRemoved per cached block that is re-allocated (evicted), AllBlocksCleared on a reset. A
+preempted request's blocks stay cached, so they are announced as removed only when they are actually reused. Unlike
+vLLM, a block whose hash is already cached (the same prefix computed by two requests at once) is not cached twice, so
+every stored hash is removed exactly once.
 """
 
 from __future__ import annotations
@@ -15,10 +19,22 @@ from __future__ import annotations
 import random
 import time
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from modelserver.engine.request import Request
-from protocol.kv_events import MEDIUM_GPU, BlockRemoved, BlockStored
+from protocol.kv_events import (
+    MEDIUM_GPU,
+    AllBlocksCleared,
+    BlockHasher,
+    BlockRemoved,
+    BlockStored,
+    block_hasher,
+    external_block_hash,
+    lora_extra_keys,
+)
+
+KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
 @dataclass
@@ -38,38 +54,31 @@ class KVCacheManager:
         enable_caching: bool = True,
         sample_rate: float = 0.0,
         record_events: bool = False,
+        hasher: BlockHasher | None = None,
+        lora_ids: Mapping[str, int] | None = None,
     ):
+        """hasher: vLLM's block hash for the server's algorithm and seed (default: sha256, unseeded as vLLM).
+        lora_ids: adapter name -> the integer id vLLM gives it (BlockStored.lora_id)."""
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.sample_rate = sample_rate
         self._ref_counts = [0] * num_blocks
-        self._block_hash: list[int | None] = [None] * num_blocks
+        self.hasher = hasher or block_hasher()
+        self._block_hash: list[bytes | None] = [None] * num_blocks
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # head = next to reuse
-        self._cached: dict[int, int] = {}  # block hash -> block id
+        self._cached: dict[bytes, int] = {}  # block digest -> block id
         self._sampled: dict[int, list[float]] = {}  # block id -> [allocated at, last touched]
         self.residency = BlockResidencyEvents()
         # Prefix-cache counters in tokens since the last drain (the engine turns them into Prometheus counters).
         self.queries = 0
         self.hits = 0
-        self.events: list[BlockStored | BlockRemoved] | None = [] if record_events else None
-        self._lora_ids: dict[str, int] = {}  # adapter name -> the lora_id its events carry (1.. in order first seen)
+        self.events: list[KVCacheEvent] | None = [] if record_events else None
+        self.lora_ids = lora_ids if lora_ids is not None else {}
 
-    def drain_events(self) -> list[BlockStored | BlockRemoved]:
+    def drain_events(self) -> list[KVCacheEvent]:
         events, self.events = self.events, []
         return events
-
-    def _lora_id(self, lora_name: str | None) -> int | None:
-        if lora_name is None:
-            return None
-        return self._lora_ids.setdefault(lora_name, len(self._lora_ids) + 1)
-
-    def _record_removed(self, block_hash: int) -> None:
-        events = self.events
-        if events and type(events[-1]) is BlockRemoved:
-            events[-1].block_hashes.append(block_hash)
-        else:
-            events.append(BlockRemoved([block_hash], MEDIUM_GPU))
 
     @property
     def num_free_blocks(self) -> int:
@@ -87,14 +96,18 @@ class KVCacheManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def _extend_hashes(self, request: Request, num_full_blocks: int) -> list[int]:
+    def _extend_hashes(self, request: Request, num_full_blocks: int) -> list[bytes]:
+        """The request's block digests up to num_full_blocks, hashing only blocks not hashed before."""
         hashes = request.block_hashes
-        size = self.block_size
-        tokens = request.token_ids
-        parent = hashes[-1] if hashes else hash(request.lora_name)
-        for i in range(len(hashes), num_full_blocks):
-            parent = hash((parent, *tokens[i * size : (i + 1) * size]))
-            hashes.append(parent)
+        if len(hashes) < num_full_blocks:
+            size = self.block_size
+            tokens = request.token_ids
+            hash_block = self.hasher.hash_block
+            extra_keys = lora_extra_keys(request.lora_name)
+            parent = hashes[-1] if hashes else None
+            for i in range(len(hashes), num_full_blocks):
+                parent = hash_block(parent, tokens[i * size : (i + 1) * size], extra_keys)
+                hashes.append(parent)
         return hashes
 
     def find_cached_prefix(self, request: Request) -> list[int]:
@@ -146,7 +159,7 @@ class KVCacheManager:
             if self._cached.get(block_hash) == block_id:
                 del self._cached[block_hash]
                 if self.events is not None:
-                    self._record_removed(block_hash)
+                    self.events.append(BlockRemoved([external_block_hash(block_hash)], MEDIUM_GPU))
             self._block_hash[block_id] = None
         if self._sampled:
             times = self._sampled.pop(block_id, None)
@@ -176,10 +189,11 @@ class KVCacheManager:
                 if events is None:
                     continue
                 if stored is None:  # one event per contiguous run of newly cached blocks
-                    parent = hashes[i - 1] if i else None
-                    stored = BlockStored([], parent, [], self.block_size, self._lora_id(request.lora_name), MEDIUM_GPU)
+                    parent = external_block_hash(hashes[i - 1]) if i else None
+                    lora_id = None if request.lora_name is None else self.lora_ids.get(request.lora_name)
+                    stored = BlockStored([], parent, [], self.block_size, lora_id, MEDIUM_GPU)
                     events.append(stored)
-                stored.block_hashes.append(block_hash)
+                stored.block_hashes.append(external_block_hash(block_hash))
                 stored.token_ids.extend(request.token_ids[i * self.block_size : (i + 1) * self.block_size])
             else:
                 stored = None
@@ -193,3 +207,14 @@ class KVCacheManager:
                 self._free[block_id] = None
         request.block_ids = []
         request.num_registered_blocks = 0
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (vLLM's BlockPool.reset_prefix_cache): refused, changing nothing, while any
+        block is in use; announced as AllBlocksCleared."""
+        if len(self._free) != self.num_blocks:
+            return False
+        self._cached.clear()
+        self._block_hash = [None] * self.num_blocks
+        if self.events is not None:
+            self.events.append(AllBlocksCleared())
+        return True

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from protocol.kv_events import DEFAULT_HASH_ALGO, HASH_ALGOS
+
 
 @dataclass
 class EngineConfig:
@@ -13,6 +15,7 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_model_len: int = 8192
     enable_prefix_caching: bool = True
+    prefix_caching_hash_algo: str = DEFAULT_HASH_ALGO  # vLLM's block hash: sha256 (pickle) or sha256_cbor
     enable_lora: bool = False
     max_loras: int = 1
     max_cpu_loras: int | None = None  # adapters kept in host memory, LRU (None: max_loras)
@@ -30,6 +33,8 @@ class EngineConfig:
             raise ValueError("max_loras must be >= 1")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError("max_cpu_loras must be >= max_loras")
+        if self.prefix_caching_hash_algo not in HASH_ALGOS:
+            raise ValueError(f"prefix_caching_hash_algo must be one of {', '.join(HASH_ALGOS)}")
         if not 0.0 <= self.kv_cache_metrics_sample <= 1.0:
             raise ValueError("kv_cache_metrics_sample must be in [0, 1]")
 
@@ -46,7 +51,7 @@ class EngineConfig:
             "num_cpu_blocks": "0",
             "num_gpu_blocks": str(self.num_gpu_blocks),
             "num_gpu_blocks_override": str(self.num_gpu_blocks),
-            "prefix_caching_hash_algo": "builtin",
+            "prefix_caching_hash_algo": self.prefix_caching_hash_algo,
             "sliding_window": "None",
             "swap_space": str(self.swap_space),
         }

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
@@ -20,7 +21,7 @@ from modelserver.engine.lora import LoRAError, LoRASlots
 from modelserver.engine.request import FinishReason, Request, RequestOutput, RequestStatus, SamplingParams
 from modelserver.engine.scheduler import Scheduler, SchedulerOutput
 from modelserver.engine.stats import IterationStats, StatLogger
-from protocol.kv_events import KVEventBatch
+from protocol.kv_events import KVEventBatch, block_hasher
 
 log = logging.getLogger("modelserver.engine")
 
@@ -70,17 +71,23 @@ class AsyncEngine:
         self.config = config
         self.executor = executor
         self.model_name = model_name
+        self.loras = LoRASlots(config.max_loras, config.max_cpu_loras)
+        for name, path in (lora_modules or {}).items():
+            self.loras.add(name, path)
+        # vLLM seeds its block hashes (NONE_HASH) from PYTHONHASHSEED, and with none set from random bytes.
+        hash_seed = os.environ.get("PYTHONHASHSEED")
+        if kv_events is not None and hash_seed is None:
+            log.warning("PYTHONHASHSEED is not set: KV event block hashes are random per process, no router can match")
         self.kv = KVCacheManager(
             config.num_gpu_blocks,
             config.block_size,
             config.enable_prefix_caching,
             config.kv_cache_metrics_sample,
             record_events=kv_events is not None,
+            hasher=block_hasher(config.prefix_caching_hash_algo, hash_seed),
+            lora_ids=self.loras.ids,
         )
         self.kv_events = kv_events
-        self.loras = LoRASlots(config.max_loras, config.max_cpu_loras)
-        for name, path in (lora_modules or {}).items():
-            self.loras.add(name, path)
         self.scheduler = Scheduler(config, self.kv, self.loras, executor.eos_token_id)
         self.engine_index = engine_index
         self.stat_loggers = tuple(stat_loggers)
@@ -126,6 +133,21 @@ class AsyncEngine:
         if any(r.lora_name == name for r, _ in self._requests.values()):
             raise LoRAError(f"The lora adapter '{name}' has unfinished requests.")
         self.loras.remove(name)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache (vLLM's `POST /reset_prefix_cache`); refused while requests hold blocks.
+        Subscribers hear AllBlocksCleared now, not at the next step."""
+        done = self.kv.reset_prefix_cache()
+        if done:
+            log.info("prefix cache reset")
+            self._publish_kv_events()
+        else:
+            log.warning("prefix cache not reset: %d blocks are in use", self.kv.num_blocks - self.kv.num_free_blocks)
+        return done
+
+    def _publish_kv_events(self) -> None:
+        if self.kv_events is not None and self.kv.events:
+            self.kv_events.publish(KVEventBatch(time.time(), self.kv.drain_events()))
 
     # -- requests ----------------------------------------------------------------------------------------------
     async def generate(
@@ -204,8 +226,7 @@ class AsyncEngine:
                 self._record(None)  # like vLLM's scheduler stats: the state with this step's batch in flight
                 step = await self.executor.execute(output.batch)
                 self._process(output, step, time.monotonic())
-                if self.kv_events is not None and self.kv.events:
-                    self.kv_events.publish(KVEventBatch(time.time(), self.kv.drain_events()))
+                self._publish_kv_events()
         except asyncio.CancelledError:
             raise
         except BaseException as exc:

@@ -21,6 +21,10 @@ class LoRASlots:
         self.max_loras = max_loras
         self.max_cpu_loras = max_loras if max_cpu_loras is None else max_cpu_loras
         self.adapters: OrderedDict[str, str] = OrderedDict()  # name -> path, in LRU order (last = newest use)
+        # name -> integer id, as vLLM's serving layer numbers adapters: 1, 2, ... in the order they are added
+        # (--lora-modules first); a re-added adapter gets a new id. KV events carry it as lora_id.
+        self.ids: dict[str, int] = {}
+        self._last_id = 0
         self._slot_of: dict[str, int] = {}
         self._free_slots = list(range(max_loras, 0, -1))
         self._cpu: OrderedDict[str, None] = OrderedDict()  # adapters in host memory, LRU order (last = newest)
@@ -31,11 +35,14 @@ class LoRASlots:
         if name in self.adapters:
             raise LoRAError(f"The lora adapter '{name}' has already been loaded.")
         self.adapters[name] = path
+        self._last_id += 1
+        self.ids[name] = self._last_id
 
     def remove(self, name: str) -> None:
         if name not in self.adapters:
             raise KeyError(name)
         del self.adapters[name]
+        del self.ids[name]
         self.evict(name)
 
     def evict(self, name: str) -> None:

@@ -103,7 +103,7 @@ class Request:
         self.block_ids: list[int] = []
         self.num_registered_blocks = 0  # leading blocks already entered in the prefix cache
         self.scheduled = None  # the executor's view of this request (ScheduledSequence), reused every step
-        self.block_hashes: list[int] = []  # hash chain of this request's full blocks, computed incrementally
+        self.block_hashes: list[bytes] = []  # vLLM block digests of this request's full blocks, computed as they fill
         # Stop conditions, set by the scheduler when the request is added (they depend on the engine's limits).
         self.max_len = self.num_prompt_tokens + params.max_tokens  # finish with "length" at this many tokens
         self.min_len = self.num_prompt_tokens + params.min_tokens  # no "stop" before this many tokens

@@ -13,7 +13,14 @@ from modelserver.engine.engine import AsyncEngine
 from modelserver.engine.kv_events import ZmqEventPublisher
 from modelserver.engine.request import SamplingParams
 from modelserver.engine.sim import SimExecutor, SimTiming
-from protocol.kv_events import BlockRemoved, BlockStored, KVEventBatch, KVEventsConfig
+from protocol.kv_events import (
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    KVEventsConfig,
+    external_block_hash,
+    request_block_hashes,
+)
 
 
 async def wait_for(condition, timeout: float = 3.0) -> None:
@@ -45,10 +52,7 @@ async def test_the_index_follows_each_server_s_cache_through_evictions():
         prompt = list(range(1, 50))  # 3 full blocks
         async for _ in engines[0].generate("a", prompt, SamplingParams(max_tokens=1)):
             pass
-        hashes, parent = [], hash(None)  # the server's chain (modelserver/engine/block_manager.py)
-        for i in range(3):
-            parent = hash((parent, *prompt[i * 16 : (i + 1) * 16]))
-            hashes.append(parent)
+        hashes = request_block_hashes(prompt, 16)  # vLLM's hashes; unseeded as the servers in this process
         endpoints = ["127.0.0.1:8000", "127.0.0.1:8001"]
         await wait_for(lambda: index.prefix_blocks(hashes, endpoints)["127.0.0.1:8000"] == 3)
         assert index.prefix_blocks(hashes, endpoints)["127.0.0.1:8001"] == 0
@@ -59,7 +63,8 @@ async def test_the_index_follows_each_server_s_cache_through_evictions():
             ):
                 pass
         kv = engines[0].kv
-        await wait_for(lambda: index._by_endpoint.get("127.0.0.1:8000", {}).keys() == kv._cached.keys())
+        cached = {external_block_hash(d) for d in kv._cached}
+        await wait_for(lambda: index._by_endpoint.get("127.0.0.1:8000", {}).keys() == cached)
         assert index.prefix_blocks(hashes, endpoints)["127.0.0.1:8000"] == 0
         assert subscriber.gaps == 0 and subscriber.bad_messages == 0
     finally:
