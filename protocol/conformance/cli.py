@@ -2,8 +2,10 @@
 
     msp-conformance --url http://host:8000 [--model NAME] [--lora-adapter A [--lora-adapter B]]
                     [--engine vllm|sglang|trtllm-serve|triton-tensorrt-llm] [--report report.yaml] [--only NAME ...]
+                    [--kv-events-endpoint tcp://host:5557 | --kv-events-bind tcp://127.0.0.1:5557]
+                    [--kv-replay-endpoint tcp://host:5558] [--kv-hash-seed SEED] [--kv-hash-algo sha256|sha256_cbor]
 
-Checks a model server. Prints one line per check (PASS / FAIL / SKIP, with its MUST or SHOULD level) and exits 1 if
+Checks a model server (and, given where its vLLM KV events are published, those events). Prints one line per check (PASS / FAIL / SKIP, with its MUST or SHOULD level) and exits 1 if
 a MUST check failed. The gateway data-path suite runs our EPP, so it lives with it: `gateway-conformance`
 (`epp/conformance/`).
 """
@@ -18,8 +20,9 @@ from pathlib import Path
 import yaml
 
 from protocol.conformance.framework import Level, Outcome, Result
-from protocol.conformance.msp import Target, default_model, open_session, served_adapters, suite
+from protocol.conformance.msp import KVEventsTarget, Target, default_model, open_session, served_adapters, suite
 from protocol.conformance.report import Implementation, conformance_report
+from protocol.kv_events import DEFAULT_HASH_ALGO, HASH_ALGOS
 from protocol.metrics import ENGINES
 
 
@@ -27,10 +30,43 @@ async def run(args: argparse.Namespace) -> list[Result]:
     async with open_session() as session:
         model = args.model or await default_model(session, args.url)
         adapters = args.lora_adapter or await served_adapters(session, args.url, model)
-        target = Target(args.url.rstrip("/"), model, args.engine, adapters, args.load_requests, session)
+        target = Target(
+            args.url.rstrip("/"), model, args.engine, adapters, args.load_requests, session, kv_events_target(args)
+        )
 
         print(f"Model Server Protocol conformance: {args.url} (model {model!r}, engine {args.engine})")
         return await suite.run(target, set(args.only) if args.only else None, show)
+
+
+def kv_events_target(args: argparse.Namespace) -> KVEventsTarget | None:
+    if args.kv_events_endpoint and args.kv_events_bind:
+        raise SystemExit("give --kv-events-endpoint or --kv-events-bind, not both")
+    endpoint = args.kv_events_endpoint or args.kv_events_bind
+    if not endpoint:
+        return None
+    return KVEventsTarget(
+        endpoint,
+        bind=bool(args.kv_events_bind),
+        replay_endpoint=args.kv_replay_endpoint,
+        topic=args.kv_events_topic,
+        hash_seed=args.kv_hash_seed,
+        hash_algo=args.kv_hash_algo,
+    )
+
+
+def kv_events_options(add, prefix: str = "") -> None:
+    """Declare the KV event options with `add` (argparse's add_argument or pytest's addoption; `prefix`: the pytest
+    plugin's "msp-")."""
+    add(f"--{prefix}kv-events-endpoint", default=None, help="connect to the server's KV event PUB socket here")
+    add(
+        f"--{prefix}kv-events-bind",
+        default=None,
+        help="bind a SUB socket here; the server's --kv-events-config endpoint connects to it",
+    )
+    add(f"--{prefix}kv-replay-endpoint", default=None, help="the server's KV event replay (ROUTER) endpoint")
+    add(f"--{prefix}kv-events-topic", default="", help="subscribe to topics starting with this (default: all)")
+    add(f"--{prefix}kv-hash-seed", default=None, help="the server's PYTHONHASHSEED (checks block hashes exactly)")
+    add(f"--{prefix}kv-hash-algo", default=DEFAULT_HASH_ALGO, choices=HASH_ALGOS, help="its --prefix-caching-hash-algo")
 
 
 def show(result: Result) -> None:
@@ -77,6 +113,7 @@ def main(argv: list[str] | None = None) -> None:
         default=32,
         help="concurrent long requests that first load the server (then 4x, up to 64x, until requests queue)",
     )
+    kv_events_options(p.add_argument_group("KV cache events").add_argument)
     report_options(p)
     args = p.parse_args(argv)
     results = asyncio.run(run(args))

@@ -1,6 +1,7 @@
 """The Model Server Protocol suite (Gateway API Inference Extension, docs/proposals/003-model-server-protocol):
-OpenAI Completions and Chat, the metrics the EPP scrapes, LoRA serving, and prefix caching. Black-box: it only
-talks HTTP to the server under test, so it runs against ours, vLLM, SGLang or a simulator alike."""
+OpenAI Completions and Chat, the metrics the EPP scrapes, LoRA serving, prefix caching, and vLLM's KV cache events
+(what precise prefix routing subscribes to). Black-box: it talks HTTP to the server under test, and ZMQ to its KV
+event publisher when told where, so it runs against ours, vLLM, SGLang or a simulator alike."""
 
 from __future__ import annotations
 
@@ -8,14 +9,27 @@ import asyncio
 import json
 import re
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import aiohttp
+import msgspec
 import openai
+import zmq
+import zmq.asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
 from protocol.conformance.framework import CheckFailed, Level, Skip, Suite, expect
+from protocol.kv_events import (
+    DEFAULT_HASH_ALGO,
+    END_SEQ,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    request_block_hashes,
+)
 from protocol.metrics import (
     LABEL_BLOCK_SIZE,
     LABEL_MAX_LORA,
@@ -35,6 +49,18 @@ LOAD_TOKENS = 256  # output tokens of the long requests that load the server
 
 
 @dataclass
+class KVEventsTarget:
+    """How the suite reaches a server's KV event publisher (vLLM's `--kv-events-config`)."""
+
+    endpoint: str  # the suite's SUB socket connects here (the server binds, `tcp://*:5557`) ...
+    bind: bool = False  # ... or binds here and the server connects to it (llm-d points vLLM at its EPP)
+    replay_endpoint: str | None = None  # the server's replay ROUTER
+    topic: str = ""  # subscribe to topics starting with this
+    hash_seed: str | None = None  # the server's PYTHONHASHSEED: with it, block hashes are checked exactly
+    hash_algo: str = DEFAULT_HASH_ALGO  # the server's --prefix-caching-hash-algo
+
+
+@dataclass
 class Target:
     url: str
     model: str
@@ -42,6 +68,7 @@ class Target:
     lora_adapters: list[str] = field(default_factory=list)
     load_requests: int = 32
     session: aiohttp.ClientSession | None = None
+    kv: KVEventsTarget | None = None  # where the server's KV events are; None: the KV event checks are skipped
 
     async def post(self, path: str, body: dict | bytes) -> tuple[int, bytes]:
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
@@ -367,16 +394,22 @@ async def _back_to_idle(t: Target, idle: EndpointMetrics, seconds: float = 15.0)
         await asyncio.sleep(0.05)
 
 
+def _cache_info(text: str, engine: str) -> dict[str, str]:
+    spec = engine_spec(engine)
+    if spec.cache_info is None:
+        return {}
+    match = re.search(rf"^{re.escape(spec.cache_info.name)}\{{([^}}]*)\}}", text, re.MULTILINE)
+    return dict(re.findall(r'(\w+)="([^"]*)"', match.group(1))) if match else {}
+
+
 @suite.check("cache-config-info", SHOULD, "cache_config_info publishes integer block_size and num_gpu_blocks")
 async def cache_config(t: Target) -> None:
     spec = engine_spec(t.engine)
     if spec.cache_info is None:
         raise Skip(f"engine {t.engine} defines no cache info metric")
-    text = await t.metrics_text()
-    match = re.search(rf"^{re.escape(spec.cache_info.name)}\{{([^}}]*)\}}", text, re.MULTILINE)
-    if match is None:
+    labels = _cache_info(await t.metrics_text(), t.engine)
+    if not labels:
         raise Skip(f"{spec.cache_info.name} is not published (optional)")
-    labels = dict(re.findall(r'(\w+)="([^"]*)"', match.group(1)))
     for key in (LABEL_BLOCK_SIZE, LABEL_NUM_GPU_BLOCKS):
         expect(labels.get(key, "").isdigit(), f"{key}={labels.get(key)!r} is not an integer")
 
@@ -473,3 +506,321 @@ async def prefix_cache(t: Target) -> None:
 def _counter(text: str, name: str) -> float | None:
     values = re.findall(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$", text, re.MULTILINE)
     return sum(float(v) for v in values) if values else None
+
+
+# -- KV cache events (vLLM's ZMQ publisher; wire format in protocol/kv_events.py) ------------------------------------
+
+KV_JOIN_SECONDS = 0.5  # a SUB socket receives only after its subscription reached the publisher
+KV_EVENT_TIMEOUT = 10.0
+KV_DECODER = msgspec.msgpack.Decoder(KVEventBatch)
+
+
+class KVEventListener:
+    """Subscribes to the server's KV events for the length of one check and keeps every message received."""
+
+    def __init__(self, kv: KVEventsTarget):
+        self.kv = kv
+        self.frames: list[tuple[bytes, int, bytes]] = []  # (topic, seq, payload) in arrival order
+        self._ctx = zmq.asyncio.Context()
+        self._sock = self._ctx.socket(zmq.SUB)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.SUBSCRIBE, kv.topic.encode())
+        self._task: asyncio.Task | None = None
+
+    async def __aenter__(self) -> KVEventListener:
+        (self._sock.bind if self.kv.bind else self._sock.connect)(self.kv.endpoint)
+        self._task = asyncio.create_task(self._read())
+        await asyncio.sleep(KV_JOIN_SECONDS)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+        self._sock.close(linger=0)
+        self._ctx.term()
+
+    async def _read(self) -> None:
+        while True:
+            frames = await self._sock.recv_multipart()
+            expect(len(frames) == 3 and len(frames[1]) == 8, "a KV event message is not [topic, seq, payload]")
+            self.frames.append((frames[0], int.from_bytes(frames[1], "big"), frames[2]))
+
+    def events(self) -> list:
+        events = []
+        for topic, seq, payload in self.frames:
+            try:
+                events += KV_DECODER.decode(payload).events
+            except msgspec.DecodeError as exc:
+                raise CheckFailed(f"batch {seq} of {topic!r} is not vLLM's msgpack KVEventBatch: {exc}") from None
+        return events
+
+    async def wait_for(self, condition: Callable[[], object], seconds: float = KV_EVENT_TIMEOUT):
+        """condition()'s first truthy value while events arrive, or its last (falsy) one after `seconds`."""
+        deadline = time.monotonic() + seconds
+        while not (result := condition()) and time.monotonic() < deadline:
+            if self._task.done():
+                self._task.result()  # a malformed message fails the check
+            await asyncio.sleep(0.02)
+        return result
+
+
+def _need_kv(t: Target, replay: bool = False, seed: bool = False) -> KVEventsTarget:
+    if t.kv is None:
+        raise Skip("no KV event endpoint given (--kv-events-endpoint or --kv-events-bind)")
+    if replay and not t.kv.replay_endpoint:
+        raise Skip("no KV event replay endpoint given (--kv-replay-endpoint)")
+    if seed and t.kv.hash_seed is None:
+        raise Skip("the server's PYTHONHASHSEED was not given (--kv-hash-seed): its block hashes cannot be reproduced")
+    return t.kv
+
+
+def _unique_prompt(words: int = 200) -> str:
+    """A prompt no earlier request shares a block with: it starts with a fresh nonce."""
+    return f"{uuid.uuid4().hex} " + " ".join(f"w{i}" for i in range(words))
+
+
+async def _tokens(t: Target, prompt: str) -> list[int]:
+    body = await t.json_post("/tokenize", {"model": t.model, "prompt": prompt})
+    tokens = body.get("tokens")
+    expect(isinstance(tokens, list) and tokens, f"/tokenize answered no tokens: {str(body)[:200]}")
+    return tokens
+
+
+@dataclass
+class StoredChain:
+    """A prompt's blocks as BlockStored events announced them."""
+
+    block_size: int
+    hashes: list[int]
+    lora_ids: set
+
+
+def _find_chain(events: list, tokens: list[int]) -> StoredChain | str:
+    """The chain of stored blocks that holds `tokens` from its first token: each block's token ids are the prompt's
+    and its parent is the block before it (None for the first). A string says what is missing or wrong."""
+    blocks = {}  # hash -> (parent, token ids, block size, lora_id)
+    for event in events:
+        if isinstance(event, BlockStored):
+            size, parent = event.block_size, event.parent_block_hash
+            expect(size > 0, f"BlockStored with block_size {size}")
+            expect(
+                len(event.token_ids) == size * len(event.block_hashes),
+                f"BlockStored carries {len(event.token_ids)} token ids for {len(event.block_hashes)} blocks of {size}",
+            )
+            for i, block_hash in enumerate(event.block_hashes):
+                blocks[block_hash] = (parent, event.token_ids[i * size : (i + 1) * size], size, event.lora_id)
+                parent = block_hash
+    if not blocks:
+        return "no BlockStored event arrived"
+    size = next(iter(blocks.values()))[2]
+    by_tokens: dict[tuple, list[int]] = {}
+    for block_hash, (_, block_tokens, _, _) in blocks.items():
+        by_tokens.setdefault(tuple(block_tokens), []).append(block_hash)
+    chain: list[int] = []
+    lora_ids = set()
+    for k in range(len(tokens) // size):
+        candidates = by_tokens.get(tuple(tokens[k * size : (k + 1) * size]), [])
+        parent = chain[-1] if chain else None
+        linked = [h for h in candidates if blocks[h][0] == parent]
+        if not linked:
+            if candidates:
+                return f"block {k} of the prompt was stored with parent {blocks[candidates[0]][0]}, not {parent}"
+            return f"block {k} of the prompt (of {len(tokens) // size}) was not announced as stored"
+        chain.append(linked[0])
+        lora_ids.add(blocks[linked[0]][3])
+    return StoredChain(size, chain, lora_ids)
+
+
+async def _store_prompt(
+    t: Target, listener: KVEventListener, model: str | None = None
+) -> tuple[list[int], StoredChain]:
+    """Send a fresh prompt (one output token) and wait for its full blocks to be announced."""
+    prompt = _unique_prompt()
+    tokens = await _tokens(t, prompt)
+    await t.json_post("/v1/completions", {"model": model or t.model, "prompt": prompt, "max_tokens": 1})
+
+    def stored() -> StoredChain | None:
+        chain = _find_chain(listener.events(), tokens)
+        return chain if isinstance(chain, StoredChain) else None
+
+    found = await listener.wait_for(stored)
+    if not found:
+        raise CheckFailed(str(_find_chain(listener.events(), tokens)))
+    expect(found.hashes, f"a {len(tokens)}-token prompt filled no block of {found.block_size} tokens")
+    return tokens, found
+
+
+@suite.check(
+    "kv-events-stored",
+    SHOULD,
+    "a request's full blocks are announced as BlockStored with the prompt's token ids (/tokenize), each block's "
+    "parent the block before it",
+)
+async def kv_events_stored(t: Target) -> None:
+    _need_kv(t)
+    async with KVEventListener(t.kv) as listener:
+        _, chain = await _store_prompt(t, listener)
+    expect(chain.lora_ids == {None}, f"a base-model request's blocks carry lora_id {chain.lora_ids}")
+    cache_info = _cache_info(await t.metrics_text(), t.engine)
+    if cache_info.get(LABEL_BLOCK_SIZE, "").isdigit():
+        size = int(cache_info[LABEL_BLOCK_SIZE])
+        expect(chain.block_size == size, f"events say block_size {chain.block_size}, cache_config_info {size}")
+
+
+@suite.check(
+    "kv-events-block-hashes",
+    SHOULD,
+    "stored block hashes are vLLM's for the prompt's tokens, the server's PYTHONHASHSEED and hash algorithm "
+    "(LoRA adapters: the adapter name in the hash, a lora_id)",
+)
+async def kv_events_block_hashes(t: Target) -> None:
+    kv = _need_kv(t, seed=True)
+    async with KVEventListener(kv) as listener:
+        for adapter in [None, *t.lora_adapters[:1]]:
+            tokens, chain = await _store_prompt(t, listener, adapter)
+            expected = request_block_hashes(
+                tokens[: len(chain.hashes) * chain.block_size],
+                chain.block_size,
+                lora_name=adapter,
+                hash_seed=kv.hash_seed,
+                algo=kv.hash_algo,
+            )
+            expect(
+                chain.hashes == expected,
+                f"{adapter or 'base model'}: block hashes {chain.hashes[:3]}... are not vLLM's {expected[:3]}... "
+                f"(PYTHONHASHSEED={kv.hash_seed!r}, {kv.hash_algo})",
+            )
+            if adapter is not None:
+                expect(
+                    len(chain.lora_ids) == 1 and isinstance(next(iter(chain.lora_ids)), int),
+                    f"{adapter}: blocks carry lora_id {chain.lora_ids}, not the adapter's integer id",
+                )
+
+
+async def _max_model_len(t: Target) -> int | None:
+    async with t.session.get(t.url + "/v1/models") as r:
+        data = (await r.json())["data"] if r.status == 200 else []
+    lengths = [m.get("max_model_len") for m in data if m.get("id") == t.model]
+    return lengths[0] if lengths and isinstance(lengths[0], int) else None
+
+
+KV_EVICTION_BUDGET_TOKENS = 1_000_000  # a bigger KV cache is not filled with traffic (use kv-events-cleared)
+
+
+@suite.check(
+    "kv-events-removed",
+    SHOULD,
+    "blocks the server evicts (distinct prompts through its whole KV cache) are announced as BlockRemoved",
+)
+async def kv_events_removed(t: Target) -> None:
+    _need_kv(t)
+    info = _cache_info(await t.metrics_text(), t.engine)
+    if not info.get(LABEL_NUM_GPU_BLOCKS, "").isdigit() or not info.get(LABEL_BLOCK_SIZE, "").isdigit():
+        raise Skip("cache_config_info does not say num_gpu_blocks and block_size: how much traffic evicts is unknown")
+    capacity = int(info[LABEL_NUM_GPU_BLOCKS]) * int(info[LABEL_BLOCK_SIZE])
+    if 2 * capacity > KV_EVICTION_BUDGET_TOKENS:
+        raise Skip(f"a KV cache of {capacity} tokens is too large to evict with traffic here")
+    prompt_tokens = min((await _max_model_len(t) or 4096) // 2, 2048)
+    words = max(16, prompt_tokens * 200 // len(await _tokens(t, _unique_prompt())))
+    async with KVEventListener(t.kv) as listener:
+        _, chain = await _store_prompt(t, listener)
+
+        def removed() -> bool:
+            return set(chain.hashes) <= {
+                h for e in listener.events() if isinstance(e, BlockRemoved) for h in e.block_hashes
+            }
+
+        sent = 0
+        while not removed() and sent < 2 * capacity:
+            bodies = [{"model": t.model, "prompt": _unique_prompt(words), "max_tokens": 1} for _ in range(4)]
+            answers = await asyncio.gather(*(t.json_post("/v1/completions", body) for body in bodies))
+            sent += sum(a["usage"]["prompt_tokens"] for a in answers)
+        expect(
+            await listener.wait_for(removed, 2.0),
+            f"after {sent} prompt tokens through a {capacity}-token KV cache, the first prompt's "
+            f"{len(chain.hashes)} blocks were not all announced as BlockRemoved",
+        )
+
+
+@suite.check(
+    "kv-events-cleared", SHOULD, "POST /reset_prefix_cache (vLLM's dev endpoint) is announced as AllBlocksCleared"
+)
+async def kv_events_cleared(t: Target) -> None:
+    _need_kv(t)
+    async with KVEventListener(t.kv) as listener:
+        status, _ = await t.post("/reset_prefix_cache", b"")
+        if status in (404, 405):
+            raise Skip(f"POST /reset_prefix_cache answered {status} (vLLM serves it with VLLM_SERVER_DEV_MODE=1)")
+        expect(status == 200, f"POST /reset_prefix_cache answered {status}")
+        # vLLM publishes what its block pool recorded after the next engine step: give it one
+        await t.json_post("/v1/completions", {"model": t.model, "prompt": _unique_prompt(8), "max_tokens": 1})
+        cleared = await listener.wait_for(lambda: any(isinstance(e, AllBlocksCleared) for e in listener.events()))
+        expect(cleared, "no AllBlocksCleared after POST /reset_prefix_cache on an idle server")
+
+
+async def _traffic(t: Target, listener: KVEventListener, batches: int = 4) -> None:
+    """Distinct prompts, one at a time, until the listener holds `batches` batches."""
+    for _ in range(4 * batches):
+        if len(listener.frames) >= batches:
+            return
+        await t.json_post("/v1/completions", {"model": t.model, "prompt": _unique_prompt(), "max_tokens": 1})
+        await listener.wait_for(lambda: False, 0.05)
+    expect(len(listener.frames) >= batches, f"{4 * batches} requests produced {len(listener.frames)} event batches")
+
+
+def _gaps(frames: list[tuple[bytes, int, bytes]]) -> list[str]:
+    last: dict[bytes, int] = {}
+    problems = []
+    for topic, seq, _ in frames:
+        if topic in last and seq != last[topic] + 1:
+            problems.append(f"{topic.decode(errors='replace')}: {last[topic]} then {seq}")
+        last[topic] = seq
+    return problems
+
+
+@suite.check("kv-events-gapless", SHOULD, "each topic's batches are numbered one after another, no gap or repeat")
+async def kv_events_gapless(t: Target) -> None:
+    _need_kv(t)
+    async with KVEventListener(t.kv) as listener:
+        await _traffic(t, listener, batches=6)
+        listener.events()  # every payload decodes
+        problems = _gaps(listener.frames)
+    expect(not problems, f"sequence numbers jump: {'; '.join(problems[:5])}")
+
+
+@suite.check(
+    "kv-events-replay",
+    SHOULD,
+    "the replay socket answers [start seq] with every buffered batch from it, as published, then seq -1",
+)
+async def kv_events_replay(t: Target) -> None:
+    kv = _need_kv(t, replay=True)
+    async with KVEventListener(kv) as listener:
+        await _traffic(t, listener, batches=4)
+        topic = listener.frames[0][0]
+        received = [(seq, payload) for top, seq, payload in listener.frames if top == topic]
+    start = received[1][0]  # as a subscriber that missed everything after its first batch asks
+    ctx = zmq.asyncio.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    replayed = []
+    try:
+        dealer.connect(kv.replay_endpoint)
+        await dealer.send_multipart([b"", start.to_bytes(8, "big")])
+        while True:
+            frames = await asyncio.wait_for(dealer.recv_multipart(), KV_EVENT_TIMEOUT)
+            expect(len(frames) == 3 and frames[0] == b"", f"a replay answer is not [b'', seq, payload]: {len(frames)}")
+            if frames[1] == END_SEQ:
+                break
+            replayed.append((int.from_bytes(frames[1], "big"), frames[2]))
+    except TimeoutError:
+        raise CheckFailed(f"the replay socket sent {len(replayed)} batches and no end marker (seq -1)") from None
+    finally:
+        dealer.close(linger=0)
+        ctx.term()
+    expect(replayed, f"replay from seq {start} answered no batch")
+    expect(replayed[0][0] == start, f"replay from seq {start} began at {replayed[0][0]}")
+    expect(
+        replayed[: len(received) - 1] == received[1:],
+        "replayed batches differ from the ones published (sequence numbers or payloads)",
+    )

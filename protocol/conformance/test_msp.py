@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 
+from protocol.conformance.cli import kv_events_target
 from protocol.conformance.framework import Level, Outcome
 from protocol.conformance.msp import Target, default_model, open_session, served_adapters, suite
 
@@ -28,6 +29,7 @@ def test_model_server_protocol(request, check):
                 adapters,
                 request.config.getoption("--msp-load-requests"),
                 session=session,
+                kv=kv_events_target(_KVOptions(request.config)),
             )
             return await suite.run_one(check, target)
 
@@ -38,3 +40,13 @@ def test_model_server_protocol(request, check):
         if check.level is Level.SHOULD:
             pytest.xfail(f"SHOULD: {result.message}")
         pytest.fail(f"MUST: {result.message}")
+
+
+class _KVOptions:
+    """The plugin's --msp-kv-* options under msp-conformance's names."""
+
+    def __init__(self, config):
+        self._config = config
+
+    def __getattr__(self, name: str):
+        return self._config.getoption(f"--msp-{name.replace('_', '-')}")

@@ -1,52 +1,90 @@
 """The Model Server Protocol suite: all checks pass against our server, sim and torch backends (console script,
-report YAML, pytest plugin), and a server that breaks the protocol fails the right MUST checks."""
+report YAML, pytest plugin), a server that breaks the protocol fails the right MUST checks, and a KV event publisher
+with gaps and broken parent chains fails the KV event checks."""
 
 import contextlib
 import json
+import os
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 
+import msgspec
 import pytest
 import yaml
+import zmq
 from aiohttp import web
 
+from protocol.kv_events import BlockStored, KVEventBatch
 from tests.conftest import free_ports
 
 FAST = ["--sim-decode-base", "0.002", "--sim-prefill-time-per-token", "0.00001", "--sim-prefill-overhead", "0.001"]
 SERVER = ["--disable-log-stats", "--enable-lora", "--max-loras", "1", "--max-num-seqs", "8"]
+HASH_SEED = "7"  # the servers' PYTHONHASHSEED, which the suite needs to check block hashes exactly
+
+
+@dataclass
+class Served:
+    url: str
+    kv_options: list[str]  # msp-conformance's options for the server's KV events
+
+    def plugin_options(self) -> list[str]:
+        return [option.replace("--", "--msp-", 1) if option.startswith("--") else option for option in self.kv_options]
 
 
 @contextlib.contextmanager
 def model_server(*args: str):
-    (port,) = free_ports(1)
+    """Our server publishing vLLM KV events: it connects to the suite's bound SUB socket (as llm-d points vLLM at
+    its EPP) and binds its replay socket."""
+    port, events, replay = free_ports(3)
+    kv_config = {
+        "enable_kv_cache_events": True,
+        "endpoint": f"tcp://127.0.0.1:{events}",
+        "replay_endpoint": f"tcp://127.0.0.1:{replay}",
+    }
     process = subprocess.Popen(
-        [sys.executable, "-m", "modelserver", "--port", str(port), *SERVER, *args],
+        [
+            sys.executable,
+            "-m",
+            "modelserver",
+            "--port",
+            str(port),
+            *SERVER,
+            "--kv-events-config",
+            json.dumps(kv_config),
+            *args,
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONHASHSEED": HASH_SEED},
     )
     try:
         lines = []
         while not (line := process.stdout.readline().decode()).startswith("ready on"):
             assert line, "the server exited: " + "".join(lines)
             lines.append(line)
-        yield f"http://127.0.0.1:{port}"
+        kv_options = ["--kv-events-bind", kv_config["endpoint"], "--kv-replay-endpoint", kv_config["replay_endpoint"]]
+        yield Served(f"http://127.0.0.1:{port}", [*kv_options, "--kv-hash-seed", HASH_SEED])
     finally:
         process.terminate()
         process.wait(10)
 
 
+SIM = ["--lora-modules", "sql=/adapters/sql", "chat=/adapters/chat", "--num-gpu-blocks", "1024", *FAST]
+
+
 @pytest.fixture
 def sim_server():
-    with model_server("--lora-modules", "sql=/adapters/sql", "chat=/adapters/chat", *FAST) as url:
-        yield url
+    with model_server(*SIM) as served:
+        yield served
 
 
 @pytest.fixture(params=["sim", "torch"])
 def our_server(request, tmp_path):
     if request.param == "sim":
-        with model_server("--lora-modules", "sql=/adapters/sql", "chat=/adapters/chat", *FAST) as url:
-            yield url
+        with model_server(*SIM) as served:
+            yield served
         return
     pytest.importorskip("torch")
     from modelserver.torch.tiny import make_tiny_model
@@ -66,8 +104,8 @@ def our_server(request, tmp_path):
         "--lora-modules",
         f"sql={model}/loras/sql",
         f"chat={model}/loras/chat",
-    ) as url:
-        yield url
+    ) as served:
+        yield served
 
 
 def test_our_server_conforms(our_server, tmp_path):
@@ -78,7 +116,8 @@ def test_our_server_conforms(our_server, tmp_path):
             "-m",
             "protocol.conformance",
             "--url",
-            our_server,
+            our_server.url,
+            *our_server.kv_options,
             "--lora-adapter",
             "sql",
             "--lora-adapter",
@@ -96,14 +135,14 @@ def test_our_server_conforms(our_server, tmp_path):
     )
     assert result.returncode == 0, result.stdout + result.stderr
     lines = [line for line in result.stdout.splitlines() if line.startswith(("PASS", "FAIL", "SKIP"))]
-    assert len(lines) == 17 and all(line.startswith("PASS") for line in lines), result.stdout
+    assert len(lines) == 23 and all(line.startswith("PASS") for line in lines), result.stdout
     parsed = yaml.safe_load(report.read_text())
     assert parsed["kind"] == "ConformanceReport" and parsed["GatewayAPIInferenceExtensionVersion"].startswith("v")
     assert parsed["implementation"]["project"] == "llm-routing-reference"
     profile = parsed["profiles"][0]
     assert profile["name"] == "ModelServerProtocol"
     assert profile["core"] == {"result": "success", "statistics": {"Failed": 0, "Passed": 14, "Skipped": 0}}
-    assert profile["extended"]["statistics"]["Passed"] == 3
+    assert profile["extended"]["statistics"]["Passed"] == 9
 
 
 def test_pytest_plugin_runs_every_check_with_the_servers_adapters(sim_server):
@@ -122,7 +161,8 @@ def test_pytest_plugin_runs_every_check_with_the_servers_adapters(sim_server):
             "-p",
             "protocol.conformance.pytest_plugin",
             "--msp-url",
-            sim_server,
+            sim_server.url,
+            *sim_server.plugin_options(),
             "--msp-load-requests",
             "8",
             "--pyargs",
@@ -133,7 +173,7 @@ def test_pytest_plugin_runs_every_check_with_the_servers_adapters(sim_server):
         timeout=240,
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "17 passed" in result.stdout and "skipped" not in result.stdout, result.stdout
+    assert "23 passed" in result.stdout and "skipped" not in result.stdout, result.stdout
     assert time.monotonic() - started < 60
 
 
@@ -208,3 +248,72 @@ async def test_a_broken_server_fails_must_checks():
         Outcome.SKIP,
         "the server lists no LoRA adapter in /v1/models and none was given (--lora-adapter)",
     )
+
+
+async def broken_kv_publisher() -> tuple[web.AppRunner, zmq.Socket, str, str]:
+    """A server whose KV events break vLLM's protocol two ways: each block's parent is not the block before it, and
+    every batch skips a sequence number. Tokens are the prompt's bytes, blocks of 16."""
+    ctx = zmq.Context.instance()
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    pub.bind("tcp://127.0.0.1:*")
+    seq = 0
+
+    async def tokenize(request):
+        return web.json_response({"tokens": list((await request.json())["prompt"].encode())})
+
+    async def completions(request):
+        nonlocal seq
+        tokens = list((await request.json())["prompt"].encode())
+        blocks = len(tokens) // 16
+        hashes = [hash((seq, i)) & (2**64 - 1) for i in range(blocks)]
+        events = [
+            BlockStored([h], 12345 if i else None, tokens[i * 16 : (i + 1) * 16], 16, None, "GPU")
+            for i, h in enumerate(hashes)
+        ]
+        pub.send_multipart([b"kv@broken@m", seq.to_bytes(8, "big"), msgspec.msgpack.encode(KVEventBatch(0.0, events))])
+        seq += 2
+        usage = {"prompt_tokens": len(tokens), "completion_tokens": 1, "total_tokens": len(tokens) + 1}
+        choice = {"text": "x", "finish_reason": "length"}
+        return web.json_response(
+            {"id": "c", "created": 1, "model": "m", "object": "text_completion", "choices": [choice], "usage": usage}
+        )
+
+    async def metrics(request):
+        return web.Response(text="")
+
+    app = web.Application()
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    (port,) = free_ports(1)
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner, pub, f"http://127.0.0.1:{port}", pub.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
+async def test_a_broken_kv_event_publisher_fails_the_kv_event_checks():
+    import aiohttp
+
+    from protocol.conformance.framework import Outcome
+    from protocol.conformance.msp import KVEventsTarget, Target, suite
+
+    runner, pub, url, endpoint = await broken_kv_publisher()
+    checks = {c.name for c in suite.checks if c.name.startswith("kv-events")}
+    try:
+        async with aiohttp.ClientSession() as session:
+            results = await suite.run(Target(url, "m", session=session, kv=KVEventsTarget(endpoint)), checks)
+            unconfigured = await suite.run(Target(url, "m", session=session), checks)
+    finally:
+        await runner.cleanup()
+        pub.close(linger=0)
+    outcomes = {r.check.name: (r.outcome, r.message) for r in results}
+    stored, gapless = outcomes["kv-events-stored"], outcomes["kv-events-gapless"]
+    assert stored[0] is Outcome.FAIL and stored[1].startswith("block 1 of the prompt was stored with parent 12345,")
+    assert gapless[0] is Outcome.FAIL and gapless[1].startswith("sequence numbers jump: kv@broken@m:")
+    assert outcomes["kv-events-block-hashes"][0] is Outcome.SKIP  # no PYTHONHASHSEED given
+    assert outcomes["kv-events-replay"][0] is Outcome.SKIP  # no replay endpoint
+    assert outcomes["kv-events-removed"][0] is Outcome.SKIP  # no cache_config_info
+    assert outcomes["kv-events-cleared"][0] is Outcome.SKIP  # no /reset_prefix_cache
+    assert {r.outcome for r in unconfigured} == {Outcome.SKIP}
