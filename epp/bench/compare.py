@@ -52,6 +52,9 @@ PEER_TARGETS = {
     "vllm-cache-aware": ("vllm", "cache_aware"),
 }
 _TOKEN_EVENT, _USAGE_EVENT = re.compile(rb'"choices":\s*\[\{'), re.compile(rb'"usage":\s*\{')
+_PREDICTOR = re.compile(
+    r'^inference_extension_latency_predictor_(?:mape\{target="(ttft|tpot)"\}|(observations)_total) (\S+)$', re.M
+)
 _COUNTER = re.compile(r"^(vllm:(?:prefix_cache_hits|prefix_cache_queries|request_success)_total)\{[^}]*\} (\S+)$", re.M)
 
 
@@ -81,6 +84,7 @@ class TargetResult:
     slo_requests: int = 0  # requests that stated latency objectives (x-slo-ttft-ms / x-slo-tpot-ms)
     slo_met: int = 0  # of those, succeeded within their own objectives (TTFT, and ITL as the time per output token)
     goodput_per_s: float = 0.0  # slo_met / wall seconds
+    predictor: dict[str, float] = field(default_factory=dict)  # the EPP's latency predictor at the end (its metrics)
     load_generator: str = "builtin"  # or "inference-perf"
 
 
@@ -351,6 +355,12 @@ async def run_target(
             elapsed = time.monotonic() - started
             sampler.cancel()
             after = await _counters(session, urls)
+            if pool.stack.processes.get("epp") is not None:
+                async with session.get(pool.stack.epp_metrics_url) as r:
+                    result.predictor = {
+                        f"{target}_mape" if target else "observations": float(value)
+                        for target, _, value in _PREDICTOR.findall(await r.text())
+                    }
             client_after = resource.getrusage(resource.RUSAGE_SELF)
             children_after = resource.getrusage(resource.RUSAGE_CHILDREN)
             host_after = _host_ticks()
@@ -469,6 +479,15 @@ def markdown(results: list[TargetResult]) -> str:
             )
         lines.append("")
         lines += _goodput_table(rows)
+        for r in rows:
+            if r.predictor:
+                p = r.predictor
+                lines += [
+                    f"{r.target}: the latency predictor at the end had learnt from {p.get('observations', 0):.0f} "
+                    f"requests; windowed MAPE TTFT {p.get('ttft_mape', float('nan')):.1%}, "
+                    f"TPOT {p.get('tpot_mape', float('nan')):.1%}",
+                    "",
+                ]
     return "\n".join(lines) + "times in ms; TTFT ratios below 1 mean faster than the reference.\n"
 
 
