@@ -273,6 +273,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--admin-port", type=int, default=extproc.ENVOY_ADMIN_PORT)
     p.add_argument("--fail-open", action="store_true", help="Envoy keeps serving (round robin) when the EPP is down")
     p.add_argument("--config-file", help="EndpointPickerConfig YAML for the EPP")
+    p.add_argument(
+        "--response-body-mode",
+        choices=["NONE", "FULL_DUPLEX_STREAMED"],
+        default="NONE",
+        help="Envoy sends response bodies through the EPP (FULL_DUPLEX_STREAMED): what predicted-latency-scorer\n"
+        "learns from (each streamed token costs an ext_proc round trip)",
+    )
     p.add_argument("--demo", action="store_true", help="send a mixed workload and show a live table")
     p.add_argument("--once", action="store_true", help="with --demo: exit after the workload")
     p.add_argument("--requests", type=int, default=64, help="with --demo: how many requests")
@@ -321,6 +328,7 @@ async def run(args: argparse.Namespace, stop: asyncio.Event) -> int:
         listener_port=args.listener_port,
         admin_port=args.admin_port,
         fail_open=args.fail_open,
+        response_body_mode=args.response_body_mode,
         model=model,
         config_file=args.config_file,
         modelserver_args=modelserver_args,
