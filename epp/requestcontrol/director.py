@@ -92,11 +92,18 @@ class Director:
             raise self._failed(ctx, error) from None
 
     async def _wait_for_turn(self, ctx, request, body, changed) -> RoutingDecision:
+        flow_control = self.flow_control
         try:
-            await self.flow_control.wait(
-                request.priority, request.fairness_id or DEFAULT_FLOW, len(body or b""), request.prompt_tokens_estimate
+            await flow_control.wait(
+                request.priority,
+                request.fairness_id or DEFAULT_FLOW,
+                len(body or b""),
+                request.prompt_tokens_estimate,
+                flow_control.config.request_ttl(request.objective),
             )
         except FlowControlRejected as rejected:
+            if not self.datastore.endpoints:  # the pool emptied while it waited: no retry would be served sooner
+                raise self._failed(ctx, OpenAIError("no ready endpoint", 503)) from None
             raise self._failed(ctx, OpenAIError(str(rejected), 429, retry_after=1)) from None
         ctx.dispatched = True
         try:
@@ -162,7 +169,10 @@ class Director:
     def _schedule(self, ctx, request, body, body_changed) -> RoutingDecision:
         metrics = self.metrics
         started = time.perf_counter()
-        result = self.scheduler.schedule(request, self.datastore.endpoints)
+        endpoints = self.datastore.endpoints
+        if ctx.dispatched:  # flow control let it go: to an endpoint that can start it now, not into a full one's queue
+            endpoints = self.scheduler.detector.with_room(endpoints)
+        result = self.scheduler.schedule(request, endpoints)
         self.scheduler.on_picked(request, result)
         metrics.scheduler_e2e.labels().observe(time.perf_counter() - started)
         for name, seconds in result.timings:
@@ -207,16 +217,17 @@ class Director:
 
     def on_complete(self, ctx: RequestContext) -> None:
         """The request is over, whether or not its response came through the EPP."""
+        endpoint = ctx.endpoint
+        request = ctx.request
+        if endpoint is not None:  # first: flow control's next dispatch sees the slot this request frees
+            ctx.endpoint = None
+            endpoint.in_flight_requests -= 1
+            endpoint.in_flight_tokens -= request.prompt_tokens_estimate
         if ctx.dispatched:
             ctx.dispatched = False
             self.flow_control.complete()
-        endpoint = ctx.endpoint
         if endpoint is None:
             return
-        ctx.endpoint = None
-        request = ctx.request
-        endpoint.in_flight_requests -= 1
-        endpoint.in_flight_tokens -= request.prompt_tokens_estimate
         now = time.monotonic()
         match = _COMPLETION_TOKENS.search(ctx.response_tail) if ctx.response_tail else None
         output_tokens = int(match.group(1)) if match else None
