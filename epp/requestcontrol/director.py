@@ -7,7 +7,8 @@ status the client gets.
 Admission: the subset hint must allow an endpoint and the pool must have one (else 503). With flow control
 (`epp.flowcontrol`, on by default) a request goes straight on while the pool has room and nothing waits (no
 queue, no await); otherwise `route` returns an awaitable that resolves to the decision once the request's turn
-comes (by priority band, fairly between flows), or raises 429 with retry-after when it expires or does not fit.
+comes (by priority band, fairly between flows; it is then scheduled among the endpoints that can start it now), or
+raises 429 with retry-after when it expires or does not fit (503 when the pool has emptied meanwhile).
 Without flow control, sheddable requests (priority < 0) get 429 while the pool is saturated and the rest go on.
 After the proxy has the answer, `after_routed` runs the scheduler's pre-request hooks (the prefix index records the
 pick) off the request's critical path.
@@ -107,7 +108,7 @@ class Director:
             raise self._failed(ctx, OpenAIError(str(rejected), 429, retry_after=1)) from None
         ctx.dispatched = True
         try:
-            return self._schedule(ctx, request, body, changed)
+            return self._schedule(ctx, request, body, changed, waited=True)
         except SchedulingError as error:
             raise self._failed(ctx, _openai_error(error)) from None
 
@@ -166,11 +167,11 @@ class Director:
             subset=ctx.subset,
         )
 
-    def _schedule(self, ctx, request, body, body_changed) -> RoutingDecision:
+    def _schedule(self, ctx, request, body, body_changed, waited: bool = False) -> RoutingDecision:
         metrics = self.metrics
         started = time.perf_counter()
         endpoints = self.datastore.endpoints
-        if ctx.dispatched:  # flow control let it go: to an endpoint that can start it now, not into a full one's queue
+        if waited:  # its turn came when a slot freed: it goes where it can start now, not into a full one's queue
             endpoints = self.scheduler.detector.with_room(endpoints)
         result = self.scheduler.schedule(request, endpoints)
         self.scheduler.on_picked(request, result)
