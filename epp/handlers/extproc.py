@@ -9,8 +9,8 @@ Body modes:
 * BUFFERED (and any Envoy that does not announce its mode): headers are answered at once; the body response
   carries the header mutation.
 The JSON body is re-serialized only when the EPP changes it (a model rewrite). A request's completion (in-flight
-accounting, scheduler hooks, metrics) is known at its response trailers (our bootstrap asks for them, so Envoy
-sends them, empty when the server sent none, as the response ends) or when its ext_proc stream ends. A request the director queues (flow
+accounting, scheduler hooks, metrics) is known at its response trailers or, when the server sent none, when its
+ext_proc stream ends (our bootstrap's response_trailer_mode SEND keeps the stream open until the response ends). A request the director queues (flow
 control) is answered through the transport's `reply` once it is routed (the interface: `epp.handlers`).
 """
 
@@ -178,7 +178,7 @@ class RequestStream:
         if kind == "request_trailers":
             out = [] if self.body_done else self._on_request_body(pb.HttpBody(end_of_stream=True))
             return [*out, pb.ProcessingResponse(request_trailers=pb.TrailersResponse())]
-        if kind == "response_trailers":  # the response is over (the bootstrap asks for trailers to learn this)
+        if kind == "response_trailers":  # the response is over
             self._complete()
             return [pb.ProcessingResponse(response_trailers=pb.TrailersResponse())]
         return []
