@@ -48,6 +48,7 @@ CLASSES = {  # name: (share of the offered rate, headers)
 EQUAL_PRIORITY = ("noisy", "quiet-1", "quiet-2")
 QUIET = ("quiet-1", "quiet-2")
 OBJECTIVES = {"objectives": [{"name": "critical", "priority": 1}, {"name": "batch", "priority": -1}]}
+WARMUP = 2.0  # seconds of the flood before completions count towards goodput and sharing
 TTL = 1.5  # seconds a request may wait in flow control: the SLO less the time a dispatched request takes to start
 TARGETS = {
     "epp": DEFAULT_CONFIG + f"flowControl: {{defaultRequestTTL: {TTL}s}}\n",  # flow control on (the default)
@@ -180,8 +181,9 @@ async def run_target(
             outcomes = [(name, offset, await task) for name, offset, task in tasks]
             flow_outcomes = await _flow_control_outcomes(session, pool) if target == "epp" else None
     # While the flood lasts: what was completed before the arrivals stopped (after that the queues drain and every
-    # tenant's backlog gets served, which says nothing about sharing under overload).
-    in_window = [(name, o) for name, offset, o in outcomes if o.status == 200 and offset + o.e2e <= duration]
+    # tenant's backlog gets served, which says nothing about sharing under overload), after the first WARMUP seconds
+    # (an empty pool completes nothing until its first requests have run their course).
+    in_window = [(name, o) for name, offset, o in outcomes if o.status == 200 and WARMUP <= offset + o.e2e <= duration]
     outcomes = [(name, o) for name, _, o in outcomes]
     for name in CLASSES:
         mine = [o for n, o in outcomes if n == name]
@@ -205,8 +207,8 @@ async def run_target(
     served = [sum(o.output_tokens for n, o in in_window if n == name) for name in EQUAL_PRIORITY]
     demands = [result.classes[n].sent * OUTPUT_TOKENS for n in EQUAL_PRIORITY]
     result.jain = jain_index(served, demands)
-    result.pool_goodput_ratio = sum(1 for _, o in in_window if o.ttft <= SLO_TTFT) / duration / capacity
-    result.pool_throughput_ratio = len(in_window) / duration / capacity
+    result.pool_goodput_ratio = sum(1 for _, o in in_window if o.ttft <= SLO_TTFT) / (duration - WARMUP) / capacity
+    result.pool_throughput_ratio = len(in_window) / (duration - WARMUP) / capacity
     result.server_errors = sum(1 for _, o in outcomes if 500 <= o.status < 600)
     return result
 
