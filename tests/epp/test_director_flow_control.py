@@ -6,10 +6,13 @@ import asyncio
 import json
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from epp.datalayer.endpoint import PoolState
 from epp.flowcontrol import DISPATCHED, EVICTED_CANCELLED, FlowControlConfig, FlowController
 from epp.handlers.extproc import RequestStream
+from epp.metrics import MAX_FAIRNESS_ID_LABELS, OTHER_FLOW, EPPMetrics
 from protocol.metrics import EndpointMetrics
 from tests.epp.test_server import BASE_HEADERS, body_message, headers_message, make_picker
 
@@ -166,3 +169,33 @@ async def test_the_response_trailers_end_a_request_not_its_first_byte_and_only_o
     assert director.flow_control.in_flight == 1
     second.finish()
     assert director.flow_control.in_flight == 0 and all(e.in_flight_requests == 0 for e in director.datastore.endpoints)
+
+
+async def test_flow_control_metrics_by_band_and_flow_with_bounded_fairness_labels():
+    director, _, _ = setup(slots=0)
+    endpoints = director.datastore.endpoints
+    metrics = director.metrics = EPPMetrics("pool", lambda: endpoints, lambda: None, lambda: director.flow_control)
+    director.flow_control.observer = metrics.flow_control_outcome
+    for e in director.datastore.endpoints:
+        e.metrics, e.stale = EndpointMetrics(), False
+    replies: list = []
+    streams = [start(director, replies, f"tenant-{i}")[0] for i in range(MAX_FAIRNESS_ID_LABELS + 5)]
+    await asyncio.sleep(0)
+    streams[0].finish()  # one client gave up while queued
+    await asyncio.sleep(0)
+    page = generate_latest(metrics.registry).decode()
+    families = {f.name: f for f in text_string_to_metric_families(page)}
+    sizes = families["inference_extension_flow_control_queue_size"].samples
+    # the first 100 fairness ids are labels of their own (tenant-0 left its queue), the rest share "other"
+    assert {s.labels["fairness_id"] for s in sizes} == {f"tenant-{i}" for i in range(1, 100)} | {OTHER_FLOW}
+    assert sum(s.value for s in sizes) == MAX_FAIRNESS_ID_LABELS + 4
+    assert next(s for s in sizes if s.labels["fairness_id"] == OTHER_FLOW).value == 5
+    (per_endpoint,) = families["inference_extension_flow_control_queued_requests_per_ready_endpoint"].samples
+    assert per_endpoint.value == (MAX_FAIRNESS_ID_LABELS + 4) / 2  # two ready endpoints
+    waits = families["inference_extension_flow_control_request_queue_duration_seconds"].samples
+    cancelled = [s for s in waits if s.name.endswith("_count") and s.labels["outcome"] == EVICTED_CANCELLED]
+    assert [(s.labels["fairness_id"], s.labels["priority"], s.value) for s in cancelled] == [("tenant-0", "0", 1)]
+    for stream in streams[1:]:
+        stream.finish()
+    await asyncio.sleep(0)
+    assert director.flow_control.count == 0
