@@ -16,6 +16,7 @@ from pathlib import Path
 
 import grpc
 import uvloop
+import zmq
 from aiohttp import web
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2_grpc
@@ -24,6 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from epp.datalayer.datastore import Datastore
 from epp.datalayer.endpoint import PoolState
 from epp.datalayer.kubernetes import KubernetesSource
+from epp.datalayer.kv_events import KVBlockIndex, KVEventSubscriber
 from epp.datalayer.pool_file import PoolFileError, PoolFileSource
 from epp.datalayer.scraper import Scraper
 from epp.flowcontrol import FlowControlConfig, FlowController
@@ -37,6 +39,7 @@ from epp.requestcontrol.director import Director
 from epp.scheduling.errors import ConfigError
 from epp.scheduling.scheduler import Scheduler
 from protocol import extproc
+from protocol.kv_events import DEFAULT_SUBSCRIBER_PORT
 
 log = logging.getLogger("epp")
 
@@ -112,6 +115,35 @@ def build_parser() -> argparse.ArgumentParser:
         default=8 * DEFAULT_MAX_BODY_BYTES,
         help="request body bytes all streams of one ext_proc connection may buffer at once; over it, 413",
     )
+    p.add_argument(
+        "--kv-events-port",
+        type=int,
+        default=DEFAULT_SUBSCRIBER_PORT,
+        help="port of the ZMQ SUB socket for the model servers' KV events (vLLM --kv-events-config), bound on "
+        "--bind-address, as llm-d's EPP; it runs only when the scheduling profile has a scorer that reads the "
+        "events (precise-prefix-cache-scorer, in the default profile); 0: off",
+    )
+    p.add_argument(
+        "--kv-events-connect-port-offset",
+        type=int,
+        default=None,
+        help="instead of binding --kv-events-port, connect to each endpoint's own publisher at its address and its "
+        "serving port + this offset (servers that bind, e.g. vLLM's tcp://*:5557 beside port 8000: -2443); "
+        "every EPP replica then receives every server's events",
+    )
+    p.add_argument(
+        "--kv-events-replay-port-offset",
+        type=int,
+        default=None,
+        help="each server's KV event replay socket (vLLM replay_endpoint) listens on its serving port + this "
+        "offset: a sequence gap is then replayed instead of dropping the server's entries",
+    )
+    p.add_argument(
+        "--kv-index-max-entries",
+        type=int,
+        default=4_000_000,
+        help="cap on the KV-event index's (block hash, endpoint) entries; over it, the largest endpoint's oldest go",
+    )
     p.add_argument("-v", "--verbosity", type=int, default=0, help="0 info, 1+ debug")
     return p
 
@@ -137,7 +169,25 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
         args.metrics_staleness_threshold,
         idle_interval=args.refresh_metrics_idle_interval or args.refresh_metrics_interval,
     )
-    datastore = Datastore([scraper], scheduler.on_pool_changed)
+    sources = [scraper]
+    subscriber = None
+    if args.kv_events_port and scheduler.requires_kv_events:
+        index = KVBlockIndex(args.kv_index_max_entries)
+        subscriber = KVEventSubscriber(
+            index,
+            f"tcp://{args.bind_address.replace('0.0.0.0', '*')}:{args.kv_events_port}",
+            connect_port_offset=args.kv_events_connect_port_offset,
+            replay_port_offset=args.kv_events_replay_port_offset,
+        )
+        scheduler.use_kv_index(index)
+        sources.append(subscriber)
+        log.info(
+            "KV events: %s",
+            f"bound on {subscriber.endpoint}"
+            if subscriber.endpoint
+            else f"connecting to each endpoint's port {args.kv_events_connect_port_offset:+d}",
+        )
+    datastore = Datastore(sources, scheduler.on_pool_changed)
     datastore.apply(initial)
     pool_name = args.pool_name or Path(args.pool_file).stem
     detector = scheduler.detector
@@ -149,6 +199,7 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
         lambda: flow_control,
         lambda: detector.saturation(datastore.endpoints),
         lambda: scheduler.latency_prediction,
+        lambda: subscriber,
     )
     if flow_config.enabled:
         flow_control = FlowController(
@@ -255,5 +306,5 @@ def main(argv: list[str] | None = None) -> None:
     try:
         with contextlib.suppress(KeyboardInterrupt):
             uvloop.run(run())  # less per-callback overhead than asyncio's loop on the ext_proc path
-    except (ConfigError, PoolFileError, OSError) as exc:
+    except (ConfigError, PoolFileError, OSError, zmq.ZMQError) as exc:
         raise SystemExit(f"epp: {exc}") from None

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -21,8 +22,10 @@ from pathlib import Path
 import aiohttp
 import yaml
 
+from epp.bench.ports import free_ports
 from epp.envoy import EnvoyProcess, render_bootstrap, terminate
 from protocol import extproc
+from protocol.kv_events import DEFAULT_SUBSCRIBER_PORT
 
 DEMO_ADAPTERS = ("sql-lora", "chat-lora")
 
@@ -50,6 +53,10 @@ class StackConfig:
     modelserver_args: list[str] = field(default_factory=list)
     epp_args: list[str] = field(default_factory=list)
     workdir: Path | None = None
+    # The EPP's KV-event SUB port: every model server publishes its KV events there (vLLM --kv-events-config
+    # connecting to the EPP, as llm-d deploys it); None: a free port; 0: no events (the approximate index only)
+    kv_events_port: int | None = None
+    hash_seed: str = "0"  # PYTHONHASHSEED of the servers and the EPP: vLLM's block hashes are seeded by it
 
 
 class LocalStack:
@@ -62,6 +69,9 @@ class LocalStack:
             self._tmp = tempfile.TemporaryDirectory(prefix="epp-local-")
             config.workdir = Path(self._tmp.name)
         self.workdir = config.workdir
+        if config.kv_events_port is None:  # a free port that none of the stack's other ports is
+            taken = set(self.ports())
+            config.kv_events_port = next(p for p in free_ports(len(taken) + 1) if p not in taken)
         self.processes: dict[str, subprocess.Popen] = {}
         self.envoy: EnvoyProcess | None = None
 
@@ -86,7 +96,7 @@ class LocalStack:
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONHASHSEED": self.config.hash_seed},
         )
         log.close()
         self.processes[name] = process
@@ -114,9 +124,18 @@ class LocalStack:
                 str(port),
                 "--replicas",
                 str(replicas),
+                *self.kv_events_args(),
                 *c.modelserver_args,
             ]
             self._spawn(name, argv)
+
+    def kv_events_args(self) -> list[str]:
+        """The model servers' --kv-events-config: publish to the EPP's SUB port (unless the caller configures it)."""
+        c = self.config
+        if not c.kv_events_port or "--kv-events-config" in c.modelserver_args:
+            return []
+        config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://{c.host}:{c.kv_events_port}"}
+        return ["--kv-events-config", json.dumps(config)]
 
     def write_pool_file(self) -> Path:
         c = self.config
@@ -141,6 +160,8 @@ class LocalStack:
             str(c.grpc_health_port),
             "--metrics-port",
             str(c.metrics_port),
+            "--kv-events-port",
+            str(c.kv_events_port or 0),
             *c.epp_args,
         ]
         if c.config_file:
@@ -203,6 +224,8 @@ class LocalStack:
                 c.admin_port: "Envoy admin (--admin-port)",
             }
         )
+        if c.kv_events_port:
+            named[c.kv_events_port] = "EPP KV events (--kv-events-port)"
         return named
 
     def check_ports_free(self) -> None:
@@ -271,6 +294,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", type=int, default=extproc.EPP_METRICS_PORT)
     p.add_argument("--listener-port", type=int, default=extproc.ENVOY_LISTENER_PORT)
     p.add_argument("--admin-port", type=int, default=extproc.ENVOY_ADMIN_PORT)
+    p.add_argument(
+        "--kv-events-port",
+        type=int,
+        default=DEFAULT_SUBSCRIBER_PORT,
+        help="the EPP's KV-event port; the model servers publish their KV events to it (0: no events)",
+    )
     p.add_argument("--fail-open", action="store_true", help="Envoy keeps serving (round robin) when the EPP is down")
     p.add_argument("--config-file", help="EndpointPickerConfig YAML for the EPP")
     p.add_argument(
@@ -327,6 +356,7 @@ async def run(args: argparse.Namespace, stop: asyncio.Event) -> int:
         metrics_port=args.metrics_port,
         listener_port=args.listener_port,
         admin_port=args.admin_port,
+        kv_events_port=args.kv_events_port,
         fail_open=args.fail_open,
         response_body_mode=args.response_body_mode,
         model=model,

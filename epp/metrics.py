@@ -14,6 +14,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.utils import floatToGoString
 
 from epp.datalayer.endpoint import Endpoint
+from epp.datalayer.kv_events import LAG_BUCKETS, KVEventSubscriber
 from epp.flowcontrol import FlowController
 from epp.scheduling.framework import LatencyPredictionStats, PrefixIndexStats
 from epp.scheduling.load import queue_depth
@@ -223,6 +224,62 @@ class _SeriesCollector:
             yield one.collect()
 
 
+class _KVEventsCollector:
+    """The KV-event subscriber and its index (epp/datalayer/kv_events.py), read when Prometheus scrapes."""
+
+    def __init__(self, subscriber: Callable[[], KVEventSubscriber | None]):
+        self.subscriber = subscriber
+
+    def collect(self):
+        sub = self.subscriber()
+        if sub is None:
+            return
+        index = sub.index
+        gauges = (
+            (
+                "inference_extension_kv_events_index_entries",
+                "(block hash, endpoint) pairs in the KV-event index.",
+                index.size,
+            ),
+            (
+                "inference_extension_kv_events_index_max_entries",
+                "The KV-event index's cap on entries.",
+                index.max_entries,
+            ),
+        )
+        for name, doc, value in gauges:
+            family = GaugeMetricFamily(name, doc)
+            family.add_metric([], value)
+            yield family
+        counters = (
+            (
+                "inference_extension_kv_events_index_dropped_entries",
+                "Entries the index's cap dropped.",
+                index.dropped_entries,
+            ),
+            ("inference_extension_kv_events_batches", "KV event batches applied to the index.", sub.batches),
+            ("inference_extension_kv_events_events", "KV events applied to the index.", sub.events_applied),
+            ("inference_extension_kv_events_gaps", "Sequence gaps that dropped an endpoint's entries.", sub.gaps),
+            ("inference_extension_kv_events_replays", "Sequence gaps closed by a replay from the server.", sub.replays),
+            ("inference_extension_kv_events_restarts", "Servers whose sequence started over.", sub.restarts),
+            ("inference_extension_kv_events_bad_messages", "Malformed KV event messages ignored.", sub.bad_messages),
+        )
+        for name, doc, value in counters:
+            family = CounterMetricFamily(name, doc)
+            family.add_metric([], value)
+            yield family
+        lag = HistogramMetricFamily(
+            "inference_extension_kv_events_lag_seconds",
+            "Seconds from a KV event batch's engine step (its ts) to its application in the index.",
+        )
+        cumulative, buckets = 0, []
+        for bound, count in zip((*LAG_BUCKETS, float("inf")), sub.lag_buckets, strict=True):
+            cumulative += count
+            buckets.append((str(bound) if bound != float("inf") else "+Inf", cumulative))
+        lag.add_metric([], buckets, sub.lag_sum)
+        yield lag
+
+
 class EPPMetrics:
     def __init__(
         self,
@@ -232,6 +289,7 @@ class EPPMetrics:
         flow_control: Callable[[], FlowController | None] = lambda: None,
         saturation: Callable[[], float] = lambda: 0.0,
         latency_prediction: Callable[[], LatencyPredictionStats | None] = lambda: None,
+        kv_events: Callable[[], KVEventSubscriber | None] = lambda: None,
     ):
         self.pool_name = pool_name
         self.endpoints = endpoints
@@ -318,6 +376,7 @@ class EPPMetrics:
         reg.register(_SeriesCollector(series))
         reg.register(_PoolCollector(pool_name, endpoints, prefix_index, latency_prediction))
         reg.register(_FlowControlCollector(self, flow_control, saturation))
+        reg.register(_KVEventsCollector(kv_events))
         self._served_models: set[str] = set()
         self._fairness_ids: set[str] = set()
 

@@ -23,8 +23,8 @@ from modelserver.engine.engine import AsyncEngine
 from modelserver.engine.kv_events import ZmqEventPublisher, should_bind
 from modelserver.engine.sim import SimExecutor, SimTiming
 from modelserver.metrics import default_stat_loggers
-from modelserver.tokenizer import load_tokenizer
 from protocol.kv_events import DEFAULT_HASH_ALGO, HASH_ALGOS, KVEventsConfig, default_topic
+from protocol.tokenizer import load_tokenizer
 
 log = logging.getLogger("modelserver")
 

@@ -176,7 +176,9 @@ def _message_text(content: Any, index: int) -> str:
     raise OpenAIError(f"`messages[{index}].content` must be a string or a list of parts", param="messages")
 
 
-def _messages(payload: Mapping[str, Any]) -> list[dict[str, Any]]:
+def chat_messages(payload: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The validated `messages` of a Chat request, each content as text: what the chat template renders (the model
+    server's and the EPP's)."""
     messages = payload.get("messages")
     if not isinstance(messages, list) or not messages:
         raise OpenAIError("`messages` must be a non-empty list", param="messages")
@@ -223,7 +225,7 @@ def parse_request(body: bytes | str | Mapping[str, Any], kind: RequestKind) -> C
         raise OpenAIError("`model` is required and must be a non-empty string", param="model")
     request = CompletionRequest(kind=kind, model=model, raw=payload)
     if kind is RequestKind.CHAT:
-        request.messages = _messages(payload)
+        request.messages = chat_messages(payload)
         max_tokens = _int_in(payload, "max_completion_tokens", 1)
         request.max_tokens = max_tokens if max_tokens is not None else _int_in(payload, "max_tokens", 1)
         if _expect(payload, "logprobs", bool, "a boolean"):

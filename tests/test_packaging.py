@@ -97,7 +97,7 @@ def test_the_wheel_runs_the_demo_and_the_gateway_suite_from_elsewhere(installed_
     from tests.conftest import free_port_block, free_ports
 
     base = free_port_block(2)
-    grpc, health, metrics, listener, admin = free_ports(5)
+    grpc, health, metrics, listener, admin, kv_events = free_ports(6)
     demo = subprocess.run(
         [
             str(installed_wheel / "epp-local"),
@@ -119,6 +119,8 @@ def test_the_wheel_runs_the_demo_and_the_gateway_suite_from_elsewhere(installed_
             str(listener),
             "--admin-port",
             str(admin),
+            "--kv-events-port",
+            str(kv_events),
         ],
         capture_output=True,
         text=True,

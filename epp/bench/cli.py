@@ -12,7 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-from epp.bench import chaos, compare, decision, flood, idle, overhead, sim_capacity
+from epp.bench import chaos, compare, decision, flood, idle, kv_events, overhead, sim_capacity, tokenize
 from epp.bench.workloads import WORKLOADS
 
 
@@ -74,6 +74,14 @@ def main(argv: list[str] | None = None) -> None:
     flood_cmd.add_argument("--servers", type=int, default=4)
     flood_cmd.add_argument("--out", type=Path, default=None)
     sub.add_parser("decision", help="scheduler decision time vs pool size (8, 32, 128) and prompt length")
+    sub.add_parser("tokenize", help="exact tokens and block hashes (precise prefix scorer) at 1k, 8k, 64k tokens")
+    events_cmd = sub.add_parser("kv-events", help="the EPP's CPU for KV events and its step-to-index delay")
+    events_cmd.add_argument("--servers", type=int, default=8)
+    events_cmd.add_argument("--rate", type=float, default=30.0, help="requests per second per server")
+    events_cmd.add_argument("--prompt-tokens", type=int, default=2000)
+    events_cmd.add_argument("--seconds", type=float, default=10.0)
+    events_cmd.add_argument("--num-gpu-blocks", type=int, default=20000, help="per server: evictions start past it")
+    events_cmd.add_argument("--step-ms", type=float, default=20.0, help="engine step: one batch per step")
     chaos_cmd = sub.add_parser("chaos", help="attacks and faults on a local stack while a well-behaved client runs")
     chaos_cmd.add_argument("--seconds", type=float, default=4.0, help="per attack")
     idle_cmd = sub.add_parser("idle", help="CPU of an idle EPP that only scrapes N endpoints")
@@ -87,6 +95,10 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.command == "decision":
         decision.main()
+    if args.command == "tokenize":
+        tokenize.main()
+    if args.command == "kv-events":
+        kv_events.main(args.servers, args.rate, args.prompt_tokens, args.seconds, args.num_gpu_blocks, args.step_ms)
     if args.command == "compare":
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 

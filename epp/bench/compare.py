@@ -30,11 +30,17 @@ from epp.bench.workloads import load_workload, lora_names, requests
 from epp.envoy import EnvoyProcess, render_baseline
 from epp.local import LocalStack, StackConfig
 from epp.scheduling.plugins.slo_headroom_filter import TPOT_HEADER, TTFT_HEADER
+from epp.scheduling.scheduler import DEFAULT_CONFIG
 
 MODEL = "sim-llama-8b"
 SINGLE_SCORER = """plugins:\n- type: {0}\nschedulingProfiles:\n- name: {0}\n  plugins:\n  - pluginRef: {0}\n"""
+# The default profile before precise-prefix-cache-scorer: the approximate prefix index alone (no KV events)
+APPROXIMATE_CONFIG = DEFAULT_CONFIG.replace("- type: precise-prefix-cache-scorer\n", "").replace(
+    "  - pluginRef: precise-prefix-cache-scorer\n    weight: 3\n", ""
+)
 EPP_TARGETS = {
-    "epp": None,
+    "epp": None,  # the default profile: precise for endpoints that publish KV events (epp-local's servers do)
+    "epp-approximate": APPROXIMATE_CONFIG,
     "queue-only": SINGLE_SCORER.format("queue-scorer"),
     "kv-only": SINGLE_SCORER.format("kv-cache-utilization-scorer"),
     "prefix-only": SINGLE_SCORER.format("prefix-cache-scorer"),

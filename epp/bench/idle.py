@@ -175,6 +175,8 @@ def measure(
                         str(health),
                         "--metrics-port",
                         str(metrics),
+                        "--kv-events-port",
+                        "0",
                         *(epp_args or []),
                     ],
                     stdout=log,

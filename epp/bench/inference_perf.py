@@ -18,7 +18,7 @@ from pathlib import Path
 
 import yaml
 
-from modelserver.tokenizer import save_tokenizer
+from protocol.tokenizer import save_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -38,7 +38,7 @@ def load_workload(name: str) -> dict:
 def _tokens_per_word() -> float:
     """Mean tokens per word of WORDS under the sim servers' built-in tokenizer, so that a workload's token counts
     are what the servers count (the jargon splits into ~2.3 tokens a word)."""
-    from modelserver.tokenizer import load_tokenizer
+    from protocol.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(None)
     return sum(len(tokenizer.encode(" " + w)) for w in WORDS) / len(WORDS)

@@ -147,6 +147,8 @@ class Gateway:
                 str(health_port),
                 "--metrics-port",
                 str(metrics_port),
+                "--kv-events-port",
+                "0",
                 "--config-text",
                 TEST_CONFIG,
                 "--refresh-metrics-interval",

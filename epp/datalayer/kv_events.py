@@ -2,14 +2,21 @@
 
 `KVBlockIndex` maps a block hash to the endpoints that hold it, and keeps each endpoint's hashes in the order they
 were stored so a memory cap can drop an endpoint's oldest entries first. `KVEventSubscriber` binds one SUB socket
-(default port 5557, as llm-d's EPP) that every server connects or is connected to, and applies each batch to the
-index on its own thread. Endpoints are identified by the topic `kv@<address:port>@<model>`.
+(`epp --kv-events-port`, default 5557 on all interfaces, as llm-d's EPP) that every server connects to (or, with
+`--kv-events-connect-port-offset`, connects to each server's bound publisher: several EPP replicas then all get
+every server's events, since vLLM publishes to one endpoint only), and applies each batch to the index on its own thread.
+Endpoints are identified by the topic `kv@<address:port>@<model>`, matched to the pool's endpoints by address:port;
+an endpoint that has published is scored by precise-prefix-cache-scorer, the others keep the approximate index.
 
-Gaps: sequence numbers per topic must be consecutive; on a gap (or a server that restarted: its sequence went
-back) the endpoint's entries are dropped and the index relearns it from the events that follow: until then a
-block it still holds scores as a miss (a lost hit), never a block it evicted as a hit.
-Parameters: `max_entries` (hash->endpoint pairs over all endpoints); `dropped_entries` counts what the cap removed.
-Trade-off: the replay socket is not used yet (its address is not in the topic), so a gap costs a resync.
+Gaps: sequence numbers per topic must be consecutive. On a gap, with a replay endpoint known for the server
+(`replay_port_offset`: the server's replay ROUTER listens on its serving port + offset, vLLM's `replay_endpoint`),
+the missed batches are requested from it and applied in order; without one, or when the replay fails or no longer
+has them, the endpoint's entries are dropped and the index relearns it from the events that follow: until then a
+block it still holds scores as a miss (a lost hit), never a block it evicted as a hit. A sequence that goes back (a
+restarted server), an AllBlocksCleared, and an endpoint that leaves the pool drop its entries too.
+Memory: `max_entries` caps the (block hash, endpoint) pairs over all endpoints; over it, the endpoint with the most
+entries loses its oldest. The EPP exports the index size, the entries the cap dropped, events applied, gaps,
+replays and the delay from a batch's step (its `ts`) to its application (inference_extension_kv_events_*).
 """
 
 from __future__ import annotations
@@ -17,7 +24,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections import OrderedDict, deque
+import time
+from collections import deque
 
 import msgspec
 import zmq
@@ -25,42 +33,94 @@ import zmq
 from epp.datalayer.endpoint import Endpoint
 from protocol.kv_events import (
     DEFAULT_SUBSCRIBER_PORT,
+    END_SEQ,
     AllBlocksCleared,
     BlockRemoved,
-    BlockStored,
-    KVEventBatch,
+    EventBatch,
+    KVCacheEvent,
     parse_topic,
 )
 
+# Bounds (seconds) of the delay histogram from a batch's step to its application in the index.
+LAG_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0, 5.0)
+
 log = logging.getLogger(__name__)
+
+
+class StoredBlocks(KVCacheEvent, tag="BlockStored"):
+    """vLLM's BlockStored as the index reads it: the token ids stay undecoded bytes (msgspec.Raw), since the index
+    keys on the hashes and decoding 16 ints per block would be most of the subscriber's work."""
+
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: msgspec.Raw
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+
+
+class IndexedBatch(EventBatch):
+    events: list[StoredBlocks | BlockRemoved | AllBlocksCleared]
 
 
 class KVBlockIndex:
     def __init__(self, max_entries: int = 4_000_000):
         self.max_entries = max_entries
-        self._holders: dict[int, set[str]] = {}
-        self._by_endpoint: dict[str, OrderedDict[int, None]] = {}
+        self._holders: dict[int, str | set[str]] = {}  # block hash -> its holder, or the set of them
+        self._by_endpoint: dict[str, dict[int, None]] = {}  # endpoint -> its hashes, in the order stored
         self._size = 0
         self.dropped_entries = 0
+        self._models: dict[str, str] = {}  # endpoint -> the model its topic names (its base model)
+        self.block_size: int | None = None  # the block size of the latest BlockStored (the servers' block size)
         self._lock = threading.Lock()
 
     @property
     def size(self) -> int:
         return self._size
 
+    def publishes(self, endpoint: str) -> bool:
+        """The endpoint (address:port) sends KV events: what it holds is known here."""
+        return endpoint in self._models
+
+    @property
+    def has_publishers(self) -> bool:
+        return bool(self._models)
+
+    @property
+    def base_models(self) -> set[str]:
+        return set(self._models.values())
+
+    def saw(self, endpoint: str, model: str) -> None:
+        self._models[endpoint] = model
+
+    def forget(self, endpoint: str) -> None:
+        """The endpoint left the pool."""
+        self._models.pop(endpoint, None)
+        self.clear(endpoint)
+
     def store(self, endpoint: str, block_hashes: list[int]) -> None:
+        # Bulk operations where the work is per block (a busy pool stores tens of thousands of blocks a second).
         with self._lock:
-            owned = self._by_endpoint.setdefault(endpoint, OrderedDict())
-            for block_hash in block_hashes:
-                if block_hash in owned:
-                    owned.move_to_end(block_hash)
-                    continue
-                owned[block_hash] = None
-                self._holders.setdefault(block_hash, set()).add(endpoint)
-                self._size += 1
+            owned = self._by_endpoint.get(endpoint)
+            if owned is None:
+                owned = self._by_endpoint[endpoint] = {}
+            new = [h for h in block_hashes if h not in owned]
+            owned.update(dict.fromkeys(new))
+            holders = self._holders
+            setdefault = holders.setdefault
+            for block_hash in new:
+                held = setdefault(block_hash, endpoint)  # one holder: the name itself, no set (most blocks)
+                if held != endpoint:
+                    if type(held) is str:
+                        holders[block_hash] = {held, endpoint}
+                    else:
+                        held.add(endpoint)
+            self._size += len(new)
             while self._size > self.max_entries:
                 largest = max(self._by_endpoint, key=lambda e: len(self._by_endpoint[e]))
-                oldest, _ = self._by_endpoint[largest].popitem(last=False)
+                owned = self._by_endpoint[largest]
+                oldest = next(iter(owned))
+                del owned[oldest]
                 self._unlink(oldest, largest)
                 self.dropped_entries += 1
 
@@ -69,10 +129,20 @@ class KVBlockIndex:
             owned = self._by_endpoint.get(endpoint)
             if owned is None:
                 return
+            holders = self._holders
+            removed = 0
             for block_hash in block_hashes:
                 if block_hash in owned:
                     del owned[block_hash]
-                    self._unlink(block_hash, endpoint)
+                    held = holders[block_hash]
+                    if type(held) is str:
+                        del holders[block_hash]
+                    else:
+                        held.discard(endpoint)
+                        if len(held) == 1:
+                            holders[block_hash] = next(iter(held))
+                    removed += 1
+            self._size -= removed
 
     def clear(self, endpoint: str) -> None:
         with self._lock:
@@ -80,10 +150,14 @@ class KVBlockIndex:
                 self._unlink(block_hash, endpoint)
 
     def _unlink(self, block_hash: int, endpoint: str) -> None:
-        holders = self._holders[block_hash]
-        holders.discard(endpoint)
-        if not holders:
-            del self._holders[block_hash]
+        holders = self._holders
+        held = holders[block_hash]
+        if type(held) is str:
+            del holders[block_hash]
+        else:
+            held.discard(endpoint)
+            if len(held) == 1:
+                holders[block_hash] = next(iter(held))
         self._size -= 1
 
     def prefix_blocks(self, block_hashes: list[int], endpoints: list[str]) -> dict[str, int]:
@@ -91,12 +165,20 @@ class KVBlockIndex:
         matched = dict.fromkeys(endpoints, 0)
         alive = set(endpoints)
         holders = self._holders
-        for depth, block_hash in enumerate(block_hashes):
-            alive &= holders.get(block_hash, set())
-            if not alive:
+        for depth, block_hash in enumerate(block_hashes, 1):
+            held = holders.get(block_hash)
+            if held is None:
                 break
+            if type(held) is str:
+                if held not in alive:
+                    break
+                alive = {held}
+            else:
+                alive &= held
+                if not alive:
+                    break
             for endpoint in alive:
-                matched[endpoint] = depth + 1
+                matched[endpoint] = depth
         return matched
 
 
@@ -107,30 +189,60 @@ class KVEventSubscriber:
 
     name = "kv-events"
 
-    def __init__(self, index: KVBlockIndex, endpoint: str = f"tcp://*:{DEFAULT_SUBSCRIBER_PORT}"):
+    def __init__(
+        self,
+        index: KVBlockIndex,
+        endpoint: str = f"tcp://*:{DEFAULT_SUBSCRIBER_PORT}",
+        *,
+        connect_port_offset: int | None = None,
+        replay_port_offset: int | None = None,
+        replay_timeout: float = 1.0,
+    ):
         self.index = index
         self._ctx = zmq.Context()
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.SUBSCRIBE, b"kv@")
         self._sub.setsockopt(zmq.LINGER, 0)
-        self._sub.bind(endpoint)
+        self._connect = connect_port_offset is not None
+        self.connect_port_offset = connect_port_offset
+        self._bound: str | None = None
+        self._targets: deque[tuple[bool, str]] = deque()  # (join?, publisher) from the loop, for the thread
+        if not self._connect:
+            self._sub.bind(endpoint)
+            self._bound = self._sub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.replay_port_offset = replay_port_offset
+        self.replay_timeout = replay_timeout
         self._next_seq: dict[str, int] = {}
         self._forget: deque[str] = deque()  # endpoints that left the pool (appended on the loop, read by the thread)
+        self.batches = 0
+        self.events_applied = 0
         self.gaps = 0
+        self.restarts = 0
+        self.replays = 0  # gaps closed by a replay
         self.bad_messages = 0
+        self.lag_buckets = [0] * (len(LAG_BUCKETS) + 1)  # per bound of LAG_BUCKETS, then +Inf (not cumulative)
+        self.lag_sum = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="kv-events-subscriber")
         self._thread.start()
 
     @property
-    def endpoint(self) -> str:
-        return self._sub.getsockopt_string(zmq.LAST_ENDPOINT)
+    def endpoint(self) -> str | None:
+        """The bound address (None when connecting to the servers)."""
+        return self._bound
+
+    def publisher(self, endpoint: Endpoint) -> str:
+        """Where a server that binds its publisher listens: its address, its serving port + the offset."""
+        return f"tcp://{endpoint.spec.address}:{endpoint.spec.port + self.connect_port_offset}"
 
     def start(self, endpoint: Endpoint) -> None:
-        pass  # its events identify it by topic; nothing to open per endpoint
+        if self._connect:  # servers that bind (vLLM's `tcp://*:5557`): connect to each one's publisher
+            self._targets.append((True, self.publisher(endpoint)))
 
     def stop(self, endpoint: Endpoint) -> None:
         self._forget.append(endpoint.hostport)  # the receiver thread owns the index: it clears it there
+        if self._connect:
+            self._targets.append((False, self.publisher(endpoint)))
 
     def wake(self) -> None:
         pass
@@ -145,37 +257,111 @@ class KVEventSubscriber:
         self._ctx.term()
 
     def _run(self) -> None:
-        decode = msgspec.msgpack.Decoder(KVEventBatch).decode
+        decode = msgspec.msgpack.Decoder(IndexedBatch).decode
+        topics: dict[bytes, tuple[str, str]] = {}
         while not self._stop.is_set():
             while self._forget:
                 endpoint = self._forget.popleft()
-                self.index.clear(endpoint)
+                self.index.forget(endpoint)
                 self._next_seq.pop(endpoint, None)
+            while self._connect and self._targets:
+                join, address = self._targets.popleft()
+                try:
+                    self._sub.connect(address) if join else self._sub.disconnect(address)
+                except zmq.ZMQError as exc:
+                    log.warning("KV events: cannot %s %s: %s", "connect" if join else "disconnect", address, exc)
             if not self._sub.poll(100):
                 continue
-            frames = self._sub.recv_multipart()
-            try:
-                topic_bytes, seq_bytes, payload = frames
-                parsed = parse_topic(topic_bytes.decode())
-                if parsed is None or len(seq_bytes) != 8:
-                    raise ValueError("not a kv@<address:port>@<model> topic with an 8-byte sequence number")
-                batch = decode(payload)
-            except (ValueError, UnicodeDecodeError, msgspec.DecodeError) as exc:
-                self.bad_messages += 1  # one bad publisher must not stop the others' events
-                log.debug("ignoring a malformed KV event message: %s", exc)
-                continue
-            self._apply(parsed[0], int.from_bytes(seq_bytes, "big"), batch)
+            while True:  # drain what has arrived: one poll per burst, not per message
+                try:
+                    frames = self._sub.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                try:
+                    topic_bytes, seq_bytes, payload = frames
+                    parsed = topics.get(topic_bytes)
+                    if parsed is None:
+                        parsed = parse_topic(topic_bytes.decode())
+                        if parsed is None:
+                            raise ValueError("not a kv@<address:port>@<model> topic")
+                        if len(topics) < 65536:  # bounded: topics are per server
+                            topics[topic_bytes] = parsed
+                    if len(seq_bytes) != 8:
+                        raise ValueError("not an 8-byte sequence number")
+                    batch = decode(payload)
+                except (ValueError, UnicodeDecodeError, msgspec.DecodeError) as exc:
+                    self.bad_messages += 1  # one bad publisher must not stop the others' events
+                    log.debug("ignoring a malformed KV event message: %s", exc)
+                    continue
+                self._receive(parsed[0], parsed[1], int.from_bytes(seq_bytes, "big"), batch)
 
-    def _apply(self, endpoint: str, seq: int, batch: KVEventBatch) -> None:
+    def _receive(self, endpoint: str, model: str, seq: int, batch: IndexedBatch) -> None:
         expected = self._next_seq.get(endpoint)
         if expected is not None and seq != expected:
-            self.gaps += 1  # missed batches or a restarted server: what we know of it may be stale
-            self.index.clear(endpoint)
-        self._next_seq[endpoint] = seq + 1
-        for event in batch.events:
-            if type(event) is BlockStored:
-                self.index.store(endpoint, event.block_hashes)
-            elif type(event) is BlockRemoved:
-                self.index.remove(endpoint, event.block_hashes)
-            elif type(event) is AllBlocksCleared:
+            if seq < expected:
+                self.restarts += 1  # its sequence started over: a new process whose cache starts empty
                 self.index.clear(endpoint)
+            elif self._replay(endpoint, expected, seq):
+                self.replays += 1
+            else:
+                self.gaps += 1  # missed batches: what we know of it may be stale
+                self.index.clear(endpoint)
+        self.index.saw(endpoint, model)
+        self._apply(endpoint, seq, batch)
+
+    def _apply(self, endpoint: str, seq: int, batch: IndexedBatch) -> None:
+        self._next_seq[endpoint] = seq + 1
+        index = self.index
+        for event in batch.events:
+            if type(event) is StoredBlocks:
+                index.store(endpoint, event.block_hashes)
+                index.block_size = event.block_size
+            elif type(event) is BlockRemoved:
+                index.remove(endpoint, event.block_hashes)
+            elif type(event) is AllBlocksCleared:
+                index.clear(endpoint)
+        self.batches += 1
+        self.events_applied += len(batch.events)
+        lag = max(0.0, time.time() - batch.ts)
+        self.lag_sum += lag
+        bucket = 0
+        while bucket < len(LAG_BUCKETS) and lag > LAG_BUCKETS[bucket]:
+            bucket += 1
+        self.lag_buckets[bucket] += 1
+
+    def _replay(self, endpoint: str, start: int, until: int) -> bool:
+        """Fetch and apply batches [start, until) from the server's replay socket; False when there is none or it
+        does not have them all in time."""
+        if self.replay_port_offset is None:
+            return False
+        host, _, port = endpoint.rpartition(":")
+        address = f"tcp://{host}:{int(port) + self.replay_port_offset}"
+        decode = msgspec.msgpack.Decoder(IndexedBatch).decode
+        socket = self._ctx.socket(zmq.DEALER)
+        socket.setsockopt(zmq.LINGER, 0)
+        try:
+            socket.connect(address)
+            socket.send_multipart((b"", start.to_bytes(8, "big")))
+            deadline = time.monotonic() + self.replay_timeout
+            replayed: list[tuple[int, IndexedBatch]] = []
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0 or not socket.poll(int(left * 1000) + 1):
+                    log.warning("KV events: replay from %s timed out", address)
+                    return False
+                frames = socket.recv_multipart()
+                if len(frames) != 3 or frames[1] == END_SEQ:
+                    break
+                seq = int.from_bytes(frames[1], "big")
+                if seq < until:
+                    replayed.append((seq, decode(frames[2])))
+            if [seq for seq, _ in replayed] != list(range(start, until)):
+                return False  # the server's buffer no longer holds them all
+            for seq, batch in replayed:
+                self._apply(endpoint, seq, batch)
+            return True
+        except (zmq.ZMQError, msgspec.DecodeError, ValueError) as exc:
+            log.warning("KV events: replay from %s failed: %s", address, exc)
+            return False
+        finally:
+            socket.close(linger=0)

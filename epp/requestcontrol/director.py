@@ -7,8 +7,7 @@ status the client gets.
 Admission: the subset hint must allow an endpoint and the pool must have one (else 503). With flow control
 (`epp.flowcontrol`, on by default) a request goes straight on while the pool has room and nothing waits (no
 queue, no await); otherwise `route` returns an awaitable that resolves to the decision once the request's turn
-comes (by priority band, fairly between flows; it is then scheduled among the endpoints that can start it now), or
-raises 429 with retry-after when it expires or does not fit (503 when the pool has emptied meanwhile).
+comes (by priority band, fairly between flows), or raises 429 with retry-after when it expires or does not fit.
 Without flow control, sheddable requests (priority < 0) get 429 while the pool is saturated and the rest go on.
 After the proxy has the answer, `after_routed` runs the scheduler's pre-request hooks (the prefix index records the
 pick) off the request's critical path.
@@ -35,13 +34,15 @@ from epp.metrics import EPPMetrics
 from epp.requestcontrol.types import RequestContext, RoutingDecision
 from epp.scheduling.errors import SchedulingError
 from epp.scheduling.scheduler import Scheduler
-from epp.scheduling.types import ResponseInfo, SchedulingRequest
+from epp.scheduling.types import CycleState, ResponseInfo, SchedulingRequest
 from protocol import extproc
 from protocol.openai import OpenAIError, model_not_found, prompt_text
 
 log = logging.getLogger("epp.requestcontrol")
 
 _COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+_PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
+_CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 _USAGE_TAIL_BYTES = 4096
 
 
@@ -93,22 +94,23 @@ class Director:
             raise self._failed(ctx, error) from None
 
     async def _wait_for_turn(self, ctx, request, body, changed) -> RoutingDecision:
-        flow_control = self.flow_control
         try:
-            await flow_control.wait(
-                request.priority,
-                request.fairness_id or DEFAULT_FLOW,
-                len(body or b""),
-                request.prompt_tokens_estimate,
-                flow_control.config.request_ttl(request.objective),
+            await self.flow_control.wait(
+                request.priority, request.fairness_id or DEFAULT_FLOW, len(body or b""), request.prompt_tokens_estimate
             )
         except FlowControlRejected as rejected:
-            if not self.datastore.endpoints:  # the pool emptied while it waited: no retry would be served sooner
-                raise self._failed(ctx, OpenAIError("no ready endpoint", 503)) from None
             raise self._failed(ctx, OpenAIError(str(rejected), 429, retry_after=1)) from None
         ctx.dispatched = True
         try:
-            return self._schedule(ctx, request, body, changed, waited=True)
+            decision = self._schedule(ctx, request, body, changed)
+        except SchedulingError as error:
+            raise self._failed(ctx, _openai_error(error)) from None
+        return decision if isinstance(decision, RoutingDecision) else await decision
+
+    async def _schedule_prepared(self, ctx, request, body, changed, prepared) -> RoutingDecision:
+        cycle_state = await prepared
+        try:
+            return self._decide(ctx, request, body, changed, cycle_state)
         except SchedulingError as error:
             raise self._failed(ctx, _openai_error(error)) from None
 
@@ -163,17 +165,23 @@ class Director:
             objective=objective,
             fairness_id=headers.get(extproc.FAIRNESS_ID_HEADER),
             max_tokens=_max_tokens(payload),
+            payload=payload,
             headers=headers,
             subset=ctx.subset,
         )
 
-    def _schedule(self, ctx, request, body, body_changed, waited: bool = False) -> RoutingDecision:
+    def _schedule(self, ctx, request, body, body_changed) -> RoutingDecision | Awaitable[RoutingDecision]:
+        """The decision, or an awaitable of it while a PrepareData plugin works in a worker thread (tokenizing a
+        long prompt)."""
+        prepared = self.scheduler.prepare(request)
+        if isinstance(prepared, CycleState):
+            return self._decide(ctx, request, body, body_changed, prepared)
+        return self._schedule_prepared(ctx, request, body, body_changed, prepared)
+
+    def _decide(self, ctx, request, body, body_changed, cycle_state: CycleState) -> RoutingDecision:
         metrics = self.metrics
         started = time.perf_counter()
-        endpoints = self.datastore.endpoints
-        if waited:  # its turn came when a slot freed: it goes where it can start now, not into a full one's queue
-            endpoints = self.scheduler.detector.with_room(endpoints)
-        result = self.scheduler.schedule(request, endpoints)
+        result = self.scheduler.schedule(request, self.datastore.endpoints, cycle_state)
         self.scheduler.on_picked(request, result)
         metrics.scheduler_e2e.labels().observe(time.perf_counter() - started)
         for name, seconds in result.timings:
@@ -196,6 +204,7 @@ class Director:
         if request is not None and request.prompt and ctx.endpoint is not None:
             self.scheduler.on_routed(request, ctx.result)
             request.prompt = ""  # recorded once
+            request.payload = None
 
     # -- response path -----------------------------------------------------------------------------------------
     def on_response_headers(self, ctx: RequestContext, status: str, served: str | None) -> None:
@@ -218,21 +227,25 @@ class Director:
 
     def on_complete(self, ctx: RequestContext) -> None:
         """The request is over, whether or not its response came through the EPP."""
-        endpoint = ctx.endpoint
-        request = ctx.request
-        if endpoint is not None:  # first: flow control's next dispatch sees the slot this request frees
-            ctx.endpoint = None
-            endpoint.in_flight_requests -= 1
-            endpoint.in_flight_tokens -= request.prompt_tokens_estimate
         if ctx.dispatched:
             ctx.dispatched = False
             self.flow_control.complete()
+        endpoint = ctx.endpoint
         if endpoint is None:
             return
+        ctx.endpoint = None
+        request = ctx.request
+        endpoint.in_flight_requests -= 1
+        endpoint.in_flight_tokens -= request.prompt_tokens_estimate
         now = time.monotonic()
-        match = _COMPLETION_TOKENS.search(ctx.response_tail) if ctx.response_tail else None
-        output_tokens = int(match.group(1)) if match else None
-        response = ResponseInfo(ctx.status, output_tokens=output_tokens)
+        tail = ctx.response_tail
+        output_tokens = _usage(_COMPLETION_TOKENS, tail)
+        response = ResponseInfo(
+            ctx.status,
+            output_tokens=output_tokens,
+            prompt_tokens=_usage(_PROMPT_TOKENS, tail),
+            cached_tokens=_usage(_CACHED_TOKENS, tail),
+        )
         if ctx.streamed and ctx.first_chunk_at and ctx.status.startswith("2"):
             response.ttft = ctx.first_chunk_at - ctx.routed_at
             if output_tokens is not None and output_tokens > 1:
@@ -258,6 +271,11 @@ class Director:
                 log.debug(
                     "request %s was served by %s, not the pick %s", request.request_id, ctx.served, endpoint.hostport
                 )
+
+
+def _usage(pattern: re.Pattern[bytes], tail: bytes) -> int | None:
+    match = pattern.search(tail) if tail else None
+    return int(match.group(1)) if match else None
 
 
 def _max_tokens(payload: dict | None) -> int | None:

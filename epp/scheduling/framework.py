@@ -4,9 +4,10 @@ chooses; lifecycle hooks see the request after it was routed, when it finished, 
 A plugin is one class in one module of `epp.scheduling.plugins`, registered with `@register("type-name")`, built
 from its GIE-style `parameters` mapping at startup (invalid ones raise ConfigError there, never on the request
 path). It derives from `Plugin` and declares each extension point it implements by inheriting its base class
-(Filter, Scorer, Picker, PreRequest, ResponseComplete, PoolChanged; a prefix index also PrefixIndexStats, which the
-EPP's metrics read); the scheduler collects plugins by these types. It also declares the data it reads and writes (`consumes`, `produces`), which the scheduler
-checks at startup. All extension points run synchronously on the event loop: no I/O, no awaits.
+(Filter, Scorer, Picker, PrepareData, PreRequest, ResponseComplete, PoolChanged; a prefix index also PrefixIndexStats,
+which the EPP's metrics read, and KVEventsConsumer to read the KV-event index); the scheduler collects plugins by these types. It also declares the data it reads and writes (`consumes`, `produces`), which the scheduler
+checks at startup. All extension points run synchronously on the event loop (no I/O, no awaits), except PrepareData,
+which the director may run in a worker thread.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import fields
 from typing import Any, ClassVar
 
 from epp.datalayer.endpoint import Endpoint, EndpointSpec
+from epp.datalayer.kv_events import KVBlockIndex
 from epp.scheduling.errors import ConfigError
 from epp.scheduling.types import CycleState, ResponseInfo, SchedulingRequest, SchedulingResult, StateKey, TypedName
 from protocol.metrics import EndpointMetrics
@@ -88,6 +90,34 @@ class ResponseComplete(Plugin):
         """The request is over (its ext_proc stream ended); `endpoint` is the one it was routed to."""
 
 
+class PrepareData(Plugin):
+    """Reads the request before its scheduling cycle and writes what the scorers need into the cycle state (GIE's
+    PrepareData), e.g. the prompt's exact tokens. The one extension point that may be slow: when `in_thread` says
+    so for a request, the director runs `prepare` in a worker thread and the event loop serves other requests
+    meanwhile; it must then only touch the cycle state and its own thread-safe state."""
+
+    @abstractmethod
+    def in_thread(self, request: SchedulingRequest) -> bool:
+        """Whether preparing this request is long enough (a long prompt) to be worth a worker thread."""
+
+    @abstractmethod
+    def prepare(self, cycle_state: CycleState, request: SchedulingRequest) -> None:
+        """Write what this request's cycle needs into `cycle_state`; must not raise for a bad request (the
+        scorers then abstain)."""
+
+
+class KVEventsConsumer(Plugin):
+    """Reads the index the model servers' KV events build (`epp.datalayer.kv_events.KVBlockIndex`).
+    `requires_kv_events`: the EPP starts its KV-event subscriber only when some plugin of the profile requires it
+    (the others, e.g. the approximate prefix scorer, only step aside for endpoints the index covers)."""
+
+    requires_kv_events: ClassVar[bool] = False
+
+    @abstractmethod
+    def use_kv_index(self, index: KVBlockIndex) -> None:
+        """The EPP's KV-event index, handed over at startup when the subscriber runs."""
+
+
 class PoolChanged(Plugin):
     @abstractmethod
     def pool_changed(self, endpoints: Sequence[Endpoint]) -> None:
@@ -131,7 +161,7 @@ class LatencyPredictionStats(Plugin):
         """The scheduler hands over the profile's prefix index: predictions count what it expects cached."""
 
 
-EXTENSION_POINTS = (Filter, Scorer, Picker, PreRequest, ResponseComplete, PoolChanged)
+EXTENSION_POINTS = (Filter, Scorer, Picker, PreRequest, ResponseComplete, PoolChanged, PrepareData)
 
 
 def check_data_dependencies(profile: str, plugins: Iterable[Plugin]) -> None:

@@ -55,3 +55,18 @@ def inverted_min_max(values: list[float]) -> list[float]:
         return [1.0] * len(values)
     span = high - low
     return [(high - v) / span for v in values]
+
+
+def guard_load(scores: list[float], cycle_state: CycleState, endpoints: list[Endpoint], gap: float) -> list[float]:
+    """The prefix scorers' load guard: an endpoint's prefix score scaled by max(0, 1 - excess / gap), where excess
+    is how many requests its queue holds beyond the shallowest candidate's (gap 0: off). At `gap` requests more
+    than the least loaded candidate a cached prefix counts for nothing and the load scorers alone decide."""
+    if not gap:
+        return scores
+    queues = queue_depths(cycle_state, endpoints)
+    shallowest = min(queues)
+    # s * max(0, 1 - excess / gap), without a call per candidate
+    return [
+        s * (1.0 - (q - shallowest) / gap) if s and q - shallowest < gap else 0.0
+        for s, q in zip(scores, queues, strict=True)
+    ]

@@ -18,31 +18,36 @@ The config has GIE's shape:
 Every plugin the profile refers to also gets the lifecycle hooks it implements (PreRequest, ResponseComplete,
 PoolChanged); plugins listed under `plugins` but not in the profile get nothing. A profile without a picker gets
 `max-score-picker`. With no config at all, DEFAULT_CONFIG applies: queue-scorer 2,
-kv-cache-utilization-scorer 2, prefix-cache-scorer 3, lora-affinity-scorer 1 (neutral for base-model requests, so
-it only matters for adapters), in-flight-tokens-scorer 1 (a long prompt's prefill, which request counts miss) and
+kv-cache-utilization-scorer 2, prefix-cache-scorer 3 and precise-prefix-cache-scorer 3 (each endpoint gets one of
+the two: the precise one for endpoints that publish KV events, the approximate one for the rest),
+lora-affinity-scorer 1 (neutral for base-model requests, so it only matters for adapters), in-flight-tokens-scorer 1 (a long prompt's prefill, which request counts miss) and
 max-score-picker. Every error in a config is a ConfigError at startup, including a plugin that consumes data
 nothing produces (framework.check_data_dependencies).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import yaml
 
 from epp.datalayer.endpoint import Endpoint
+from epp.datalayer.kv_events import KVBlockIndex
 from epp.scheduling.errors import ConfigError, NoEndpointError
 from epp.scheduling.framework import (
     Filter,
+    KVEventsConsumer,
     LatencyPredictionStats,
     Picker,
     Plugin,
     PoolChanged,
     PrefixIndexStats,
+    PrepareData,
     PreRequest,
     ResponseComplete,
     Scorer,
@@ -61,6 +66,7 @@ plugins:
 - type: queue-scorer
 - type: kv-cache-utilization-scorer
 - type: prefix-cache-scorer
+- type: precise-prefix-cache-scorer
 - type: lora-affinity-scorer
 - type: in-flight-tokens-scorer
 - type: max-score-picker
@@ -73,12 +79,15 @@ schedulingProfiles:
     weight: 2
   - pluginRef: prefix-cache-scorer
     weight: 3
+  - pluginRef: precise-prefix-cache-scorer
+    weight: 3
   - pluginRef: lora-affinity-scorer
     weight: 1
   - pluginRef: in-flight-tokens-scorer
     weight: 1
   - pluginRef: max-score-picker
 """
+PREPARE_TIMINGS: StateKey[list[tuple[TypedName, float]]] = StateKey("prepare-timings")
 API_VERSIONS = (
     "inference.networking.x-k8s.io/v1alpha1",
     "config.apix.gateway-api-inference-extension.sigs.k8s.io/v1alpha1",
@@ -119,6 +128,8 @@ class Scheduler:
             consumes = ", ".join(k.name if isinstance(k, StateKey) else k for k in p.consumes)
             produces = ", ".join(k.name for k in p.produces)
             log.info("profile %s: %s consumes [%s] produces [%s]", profile.name, p.typed_name, consumes, produces)
+        self._prepare = [p for p in plugins if isinstance(p, PrepareData)]
+        self._kv_events = [p for p in plugins if isinstance(p, KVEventsConsumer)]
         self._at_pick = [p for p in plugins if isinstance(p, PreRequest) and p.at_pick]
         self._pre_request = [p for p in plugins if isinstance(p, PreRequest) and not p.at_pick]
         self._response_complete = [p for p in plugins if isinstance(p, ResponseComplete)]
@@ -156,7 +167,41 @@ class Scheduler:
         """Raise ShedError (429) for a sheddable request while the pool is saturated."""
         admit(request, endpoints, self.detector)
 
-    def schedule(self, request: SchedulingRequest, endpoints: Sequence[Endpoint]) -> SchedulingResult:
+    @property
+    def requires_kv_events(self) -> bool:
+        """A plugin of the profile reads the KV-event index (the EPP then runs its subscriber)."""
+        return any(p.requires_kv_events for p in self._kv_events)
+
+    def use_kv_index(self, index: KVBlockIndex) -> None:
+        for p in self._kv_events:
+            p.use_kv_index(index)
+
+    def prepare(self, request: SchedulingRequest) -> CycleState | Awaitable[CycleState]:
+        """The request's cycle state after the PrepareData plugins (exact tokens, block hashes): returned as is, or
+        an awaitable of it when a plugin asked for a worker thread (a long prompt)."""
+        cycle_state = CycleState()
+        plugins = self._prepare
+        if not plugins:
+            return cycle_state
+        if any(p.in_thread(request) for p in plugins):
+            return asyncio.to_thread(self._run_prepare, cycle_state, request)
+        return self._run_prepare(cycle_state, request)
+
+    def _run_prepare(self, cycle_state: CycleState, request: SchedulingRequest) -> CycleState:
+        timings = []
+        for p in self._prepare:
+            start = time.perf_counter()
+            try:
+                p.prepare(cycle_state, request)
+            except Exception:  # a plugin's bug must not fail the request: its scorer abstains
+                log.exception("%s failed to prepare request %s", p.typed_name, request.request_id)
+            timings.append((p.typed_name, time.perf_counter() - start))
+        cycle_state.write(PREPARE_TIMINGS, timings)
+        return cycle_state
+
+    def schedule(
+        self, request: SchedulingRequest, endpoints: Sequence[Endpoint], cycle_state: CycleState | None = None
+    ) -> SchedulingResult:
         """Endpoints for a request, best first, with each scorer's scores and each plugin's time. Raises
         NoEndpointError when nothing can serve it.
 
@@ -170,8 +215,9 @@ class Scheduler:
         if not candidates:
             raise NoEndpointError("no endpoint in the subset hint" if subset is not None else "no ready endpoint")
         clock = time.perf_counter
-        cycle_state = CycleState()
-        timings: list[tuple[TypedName, float]] = []
+        if cycle_state is None:
+            cycle_state = CycleState()
+        timings: list[tuple[TypedName, float]] = list(cycle_state.read(PREPARE_TIMINGS) or ())
         for f in self.profile.filters:
             start = clock()
             candidates = f.filter(cycle_state, request, candidates)

@@ -62,6 +62,8 @@ class ResponseInfo:
     ttft: float | None = None
     tpot: float | None = None
     output_tokens: int | None = None
+    prompt_tokens: int | None = None  # the usage's prompt_tokens
+    cached_tokens: int | None = None  # the usage's prompt_tokens_details.cached_tokens: the server's prefix hit
 
 
 @dataclass(slots=True)
@@ -78,6 +80,7 @@ class SchedulingRequest:
     headers: dict[str, str] = field(default_factory=dict)
     subset: frozenset[str] | None = None  # allowed "ip:port" from the proxy's subset hint; None = no hint
     max_tokens: int | None = None  # the body's max_tokens / max_completion_tokens, when it gives one
+    payload: dict[str, Any] | None = None  # the parsed JSON body (PrepareData plugins tokenize it)
 
 
 @dataclass(slots=True)

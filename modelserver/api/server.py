@@ -24,7 +24,6 @@ from modelserver.engine.lora import LoRAError
 from modelserver.engine.request import FinishReason, SamplingParams
 from modelserver.lora_files import resolve_adapter_path
 from modelserver.metrics import prometheus_logger
-from modelserver.tokenizer import Tokenizer
 from protocol.openai import (
     CompletionRequest,
     OpenAIError,
@@ -34,6 +33,7 @@ from protocol.openai import (
     parse_request,
     valid_text,
 )
+from protocol.tokenizer import Tokenizer
 
 log = logging.getLogger("modelserver.api")
 VERSION = "0.1.0"

@@ -52,7 +52,7 @@ class TorchExecutor:
         dtype = resolve_dtype(args.dtype, device)
         model = load_model(args.model, config.max_loras, config.max_lora_rank, device, dtype)
         num_blocks = args.num_gpu_blocks or cls.blocks_for_memory(model, config, device)
-        from modelserver.tokenizer import load_tokenizer
+        from protocol.tokenizer import load_tokenizer
 
         eos = load_tokenizer(args.model).eos_token_id
         log.info("torch executor: %s %s, %d KV blocks of %d tokens", device, dtype, num_blocks, config.block_size)

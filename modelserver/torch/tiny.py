@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from modelserver.tokenizer import EOS_TOKEN, build_default_tokenizer, save_tokenizer
+from protocol.tokenizer import EOS_TOKEN, build_default_tokenizer, save_tokenizer
 
 PROJECTIONS = {
     "q_proj": "self_attn",

@@ -29,6 +29,8 @@ async def test_health_services(tmp_path):
             str(health_port),
             "--metrics-port",
             str(metrics_port),
+            "--kv-events-port",
+            "0",
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

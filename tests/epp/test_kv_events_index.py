@@ -7,7 +7,7 @@ import msgspec
 import zmq
 
 from epp.datalayer.endpoint import Endpoint, EndpointSpec
-from epp.datalayer.kv_events import KVBlockIndex, KVEventSubscriber
+from epp.datalayer.kv_events import IndexedBatch, KVBlockIndex, KVEventSubscriber
 from modelserver.engine.config import EngineConfig
 from modelserver.engine.engine import AsyncEngine
 from modelserver.engine.kv_events import ZmqEventPublisher
@@ -21,6 +21,11 @@ from protocol.kv_events import (
     external_block_hash,
     request_block_hashes,
 )
+
+
+def wire(batch: KVEventBatch) -> IndexedBatch:
+    """A batch as the subscriber decodes it from the wire."""
+    return msgspec.msgpack.decode(msgspec.msgpack.encode(batch), type=IndexedBatch)
 
 
 async def wait_for(condition, timeout: float = 3.0) -> None:
@@ -78,13 +83,15 @@ def test_a_gap_or_a_restart_drops_that_endpoint_only_and_resyncs():
     subscriber = KVEventSubscriber(index, "tcp://127.0.0.1:*")
     try:
         batch = KVEventBatch(0.0, [BlockStored([1, 2], None, list(range(32)), 16, None, "GPU")])
-        subscriber._apply("a:1", 0, batch)
-        subscriber._apply("b:1", 0, batch)
-        subscriber._apply("a:1", 2, KVEventBatch(0.0, [BlockStored([7], None, list(range(16)), 16, None, "GPU")]))
+        subscriber._receive("a:1", "m", 0, wire(batch))
+        subscriber._receive("b:1", "m", 0, wire(batch))
+        subscriber._receive(
+            "a:1", "m", 2, wire(KVEventBatch(0.0, [BlockStored([7], None, list(range(16)), 16, None, "GPU")]))
+        )
         assert subscriber.gaps == 1
         assert index.prefix_blocks([1, 2], ["a:1", "b:1"]) == {"a:1": 0, "b:1": 2}
         assert index.prefix_blocks([7], ["a:1"]) == {"a:1": 1}
-        subscriber._apply("b:1", 1, KVEventBatch(0.0, [BlockRemoved([2], "GPU")]))
+        subscriber._receive("b:1", "m", 1, wire(KVEventBatch(0.0, [BlockRemoved([2], "GPU")])))
         assert index.prefix_blocks([1, 2], ["b:1"]) == {"b:1": 1}
     finally:
         subscriber.shutdown()
@@ -135,3 +142,59 @@ async def test_an_endpoint_that_leaves_the_pool_loses_its_entries():
         }
     finally:
         await subscriber.close()
+
+
+def test_a_restarted_server_is_dropped_and_counted_apart_from_gaps():
+    index = KVBlockIndex()
+    subscriber = KVEventSubscriber(index, "tcp://127.0.0.1:*")
+    try:
+        stored = KVEventBatch(time.time(), [BlockStored([1, 2], None, list(range(32)), 16, None, "GPU")])
+        for seq in range(3):
+            subscriber._receive("a:1", "m", seq, wire(stored))
+        assert index.publishes("a:1") and not index.publishes("b:1") and index.block_size == 16
+        subscriber._receive(
+            "a:1", "m", 0, wire(KVEventBatch(time.time(), [BlockStored([5], None, [0] * 16, 16, None, None)]))
+        )
+        assert subscriber.restarts == 1 and subscriber.gaps == 0
+        assert index.prefix_blocks([1], ["a:1"]) == {"a:1": 0} and index.prefix_blocks([5], ["a:1"]) == {"a:1": 1}
+        assert subscriber.batches == 4 and subscriber.events_applied == 4 and sum(subscriber.lag_buckets) == 4
+    finally:
+        subscriber.shutdown()
+
+
+def test_a_gap_is_closed_from_the_server_s_replay_socket():
+    index = KVBlockIndex()
+    subscriber = KVEventSubscriber(index, "tcp://127.0.0.1:*", replay_port_offset=0)
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    replay_port = router.bind_to_random_port("tcp://127.0.0.1")
+    endpoint = f"127.0.0.1:{replay_port}"  # offset 0: the replay socket listens on the endpoint's own port
+    batches = [
+        KVEventBatch(time.time(), [BlockStored([seq + 1], None, [seq] * 16, 16, None, "GPU")]) for seq in range(4)
+    ]
+
+    def serve_one_replay():
+        client, _, start = router.recv_multipart()
+        for seq in range(int.from_bytes(start, "big"), 4):
+            router.send_multipart([client, b"", seq.to_bytes(8, "big"), msgspec.msgpack.encode(batches[seq])])
+        router.send_multipart([client, b"", (-1).to_bytes(8, "big", signed=True), b""])
+
+    try:
+        import threading
+
+        server = threading.Thread(target=serve_one_replay)
+        server.start()
+        subscriber._receive(endpoint, "m", 0, wire(batches[0]))
+        subscriber._receive(endpoint, "m", 3, wire(batches[3]))  # 1 and 2 were lost: fetched from the replay socket
+        server.join(timeout=5)
+        assert subscriber.replays == 1 and subscriber.gaps == 0
+        assert index.prefix_blocks([1], [endpoint]) == {endpoint: 1}
+        assert all(index.prefix_blocks([h], [endpoint]) == {endpoint: 1} for h in (2, 3, 4))
+        # no answer from a replay socket: a gap, the endpoint's entries dropped
+        subscriber.replay_timeout = 0.2
+        subscriber._receive(endpoint, "m", 9, wire(batches[0]))
+        assert subscriber.gaps == 1 and index.prefix_blocks([4], [endpoint]) == {endpoint: 0}
+    finally:
+        router.close(linger=0)
+        ctx.term()
+        subscriber.shutdown()

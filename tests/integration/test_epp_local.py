@@ -8,7 +8,7 @@ from tests.conftest import free_port_block, free_ports
 
 def test_epp_local_demo_once():
     base = free_port_block(2)
-    grpc, health, metrics, listener, admin = free_ports(5)
+    grpc, health, metrics, listener, admin, kv_events = free_ports(6)
     result = subprocess.run(
         [
             sys.executable,
@@ -32,6 +32,8 @@ def test_epp_local_demo_once():
             str(listener),
             "--admin-port",
             str(admin),
+            "--kv-events-port",
+            str(kv_events),
         ],
         capture_output=True,
         text=True,

@@ -16,7 +16,7 @@ from tests.conftest import free_port_block, free_ports
 
 def ports_args() -> tuple[list[str], list[int]]:
     base = free_port_block(2)
-    grpc, health, metrics, listener, admin = free_ports(5)
+    grpc, health, metrics, listener, admin, kv_events = free_ports(6)
     args = [
         "--model-servers",
         "2",
@@ -32,7 +32,11 @@ def ports_args() -> tuple[list[str], list[int]]:
         str(listener),
         "--admin-port",
         str(admin),
+        "--kv-events-port",
+        str(kv_events),
     ]
+    # Not the KV-event port: the servers' connections to it that a killed EPP leaves in TIME_WAIT make a plain bind
+    # fail for a minute, and ZMQ binds with SO_REUSEADDR, so the next EPP gets it anyway.
     return args, [base, base + 1, grpc, health, metrics, listener, admin]
 
 

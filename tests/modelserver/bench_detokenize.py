@@ -9,7 +9,7 @@ import random
 import time
 
 from modelserver.api.detokenizer import IncrementalDetokenizer
-from modelserver.tokenizer import Tokenizer, build_default_tokenizer
+from protocol.tokenizer import Tokenizer, build_default_tokenizer
 
 STOPS = ["<|never-1|>", "never two"]
 

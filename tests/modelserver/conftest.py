@@ -10,7 +10,7 @@ from modelserver.engine.config import EngineConfig
 from modelserver.engine.engine import AsyncEngine
 from modelserver.engine.sim import SimExecutor, SimTiming
 from modelserver.metrics import PrometheusStatLogger
-from modelserver.tokenizer import load_tokenizer
+from protocol.tokenizer import load_tokenizer
 from tests.conftest import free_ports
 
 MODEL = "sim-model"

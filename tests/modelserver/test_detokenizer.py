@@ -6,7 +6,7 @@ import random
 import pytest
 
 from modelserver.api.detokenizer import IncrementalDetokenizer
-from modelserver.tokenizer import Tokenizer, build_default_tokenizer
+from protocol.tokenizer import Tokenizer, build_default_tokenizer
 
 TOKENIZER = Tokenizer(build_default_tokenizer())
 TEXT = "Héllo wörld! Ünïcode ✓ and emoji 🙂 mixed with plain ASCII words, numbers 12345 and  double  spaces.\n" * 8

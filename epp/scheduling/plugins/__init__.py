@@ -6,6 +6,7 @@ from epp.scheduling.plugins import (  # noqa: F401
     kv_cache_utilization_scorer,
     lora_affinity_scorer,
     max_score_picker,
+    precise_prefix_cache_scorer,
     predicted_latency_scorer,
     prefix_cache_scorer,
     queue_scorer,

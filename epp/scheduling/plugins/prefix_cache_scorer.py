@@ -29,6 +29,13 @@ queue more than about `loadGuardQueueGap` requests on a hot endpoint beyond its 
 some cache hits are given up to keep queues even; a larger gap keeps more hits and tolerates more imbalance,
 0 disables the guard.
 
+Learning from the servers: a response's `usage.prompt_tokens_details.cached_tokens` says how much of the prompt
+the server really had (ResponseComplete). When it had less than the index believed at the pick, the server evicted
+what the index still remembers (memory pressure, other routers' traffic, a restart): that endpoint's LRU capacity
+shrinks by the difference and its oldest entries go; when it had more, the capacity grows back towards
+num_gpu_blocks. Mixed pools: with the KV-event index (KVEventsConsumer), endpoints that publish KV events are left
+to precise-prefix-cache-scorer (scored 0 here, their picks not recorded); the rest are scored as above.
+
 Parameters: blockSize (16 tokens), maxPrefixBlocksToMatch (256), lruCapacityPerServer (31250 blocks, used when the
 endpoint does not publish num_gpu_blocks), autoTune (true), loadGuardQueueGap (8; 0 = off).
 Trade-offs: approximate: it knows where it sent a prefix, not what the server kept (evictions under memory
@@ -44,12 +51,24 @@ from collections.abc import Sequence
 import xxhash
 
 from epp.datalayer.endpoint import Endpoint
-from epp.scheduling.framework import Parameters, PoolChanged, PrefixIndexStats, PreRequest, Scorer, register
-from epp.scheduling.load import QUEUE_DEPTH_READS, QUEUE_DEPTHS, queue_depths
-from epp.scheduling.types import CycleState, SchedulingRequest, SchedulingResult, StateKey
+from epp.datalayer.kv_events import KVBlockIndex
+from epp.scheduling.framework import (
+    KVEventsConsumer,
+    Parameters,
+    PoolChanged,
+    PrefixIndexStats,
+    PreRequest,
+    ResponseComplete,
+    Scorer,
+    register,
+)
+from epp.scheduling.load import QUEUE_DEPTH_READS, QUEUE_DEPTHS, guard_load
+from epp.scheduling.types import CycleState, ResponseInfo, SchedulingRequest, SchedulingResult, StateKey
 
 CHARS_PER_TOKEN = 4
 PREFIX_HASHES: StateKey[list[int]] = StateKey("prefix-hashes")  # the prompt's chained block hashes
+# (blocks the index believed the pick held, blocks of the whole prompt), recorded with the pick
+PREFIX_BELIEF: StateKey[tuple[int, float]] = StateKey("prefix-belief")
 
 
 def longest_prefix(hashes: list[int], held: OrderedDict[int, None] | None) -> int:
@@ -67,9 +86,9 @@ def longest_prefix(hashes: list[int], held: OrderedDict[int, None] | None) -> in
 
 
 @register("prefix-cache-scorer")
-class PrefixCacheScorer(Scorer, PreRequest, PoolChanged, PrefixIndexStats):
+class PrefixCacheScorer(Scorer, PreRequest, ResponseComplete, PoolChanged, PrefixIndexStats, KVEventsConsumer):
     consumes = ("block_size", "num_gpu_blocks", *QUEUE_DEPTH_READS, QUEUE_DEPTHS, PREFIX_HASHES)
-    produces = (PREFIX_HASHES, QUEUE_DEPTHS)
+    produces = (PREFIX_HASHES, QUEUE_DEPTHS, PREFIX_BELIEF)
 
     def __init__(self, parameters: dict | None):
         p = Parameters("prefix-cache-scorer", parameters)
@@ -81,6 +100,8 @@ class PrefixCacheScorer(Scorer, PreRequest, PoolChanged, PrefixIndexStats):
         p.done()
         self._held: dict[str, OrderedDict[int, None]] = {}  # endpoint name -> hashes sent there, oldest first
         self._heads: dict[int, set[str]] = {}  # first-block hash -> endpoints that hold it
+        self._capacity: dict[str, int] = {}  # endpoint name -> blocks it keeps, as learnt from its cached_tokens
+        self._kv_index: KVBlockIndex | None = None
         self.lookups = 0
         self.matched_blocks = 0
         self.total_blocks = 0
@@ -119,17 +140,12 @@ class PrefixCacheScorer(Scorer, PreRequest, PoolChanged, PrefixIndexStats):
             return None  # nobody was sent this prompt's first block: no preference
         held, blocks = self._held, len(hashes)
         matched = {name: longest_prefix(hashes, held[name]) / blocks for name in holders}
-        scores = [matched.get(e.spec.name, 0.0) for e in endpoints]
-        gap = self.load_guard_gap
-        if gap:
-            queues = queue_depths(cycle_state, endpoints)
-            shallowest = min(queues)
-            # s * max(0, 1 - excess / gap), without a call per candidate
-            scores = [
-                s * (1.0 - (q - shallowest) / gap) if s and q - shallowest < gap else 0.0
-                for s, q in zip(scores, queues, strict=True)
-            ]
-        return scores
+        index = self._kv_index
+        if index is None:
+            scores = [matched.get(e.spec.name, 0.0) for e in endpoints]
+        else:  # endpoints that publish KV events are scored by precise-prefix-cache-scorer
+            scores = [0.0 if index.publishes(e.hostport) else matched.get(e.spec.name, 0.0) for e in endpoints]
+        return guard_load(scores, cycle_state, endpoints, self.load_guard_gap)
 
     def cached_tokens(self, cycle_state: CycleState, request: SchedulingRequest, endpoint: Endpoint) -> int:
         """Prompt tokens `endpoint` probably holds for `request` (the latency predictor's cache input)."""
@@ -139,17 +155,24 @@ class PrefixCacheScorer(Scorer, PreRequest, PoolChanged, PrefixIndexStats):
         blocks = longest_prefix(hashes, self._held.get(endpoint.spec.name))
         return blocks * self.block_chars((endpoint,)) // CHARS_PER_TOKEN
 
+    def use_kv_index(self, index: KVBlockIndex) -> None:
+        self._kv_index = index
+
     def pre_request(self, request: SchedulingRequest, result: SchedulingResult) -> None:
         hashes = result.cycle_state.read(PREFIX_HASHES)
         if not hashes or not result.endpoints:
             return
         endpoint = result.endpoints[0]
+        if self._kv_index is not None and self._kv_index.publishes(endpoint.hostport):
+            return  # the KV-event index knows what it holds
         name = endpoint.spec.name
         held = self._held.get(name)
         if held is None:
             held = self._held[name] = OrderedDict()
+        believed = longest_prefix(hashes, held)
+        result.cycle_state.write(PREFIX_BELIEF, (believed, len(request.prompt) / self.block_chars((endpoint,))))
         self.lookups += 1
-        self.matched_blocks += longest_prefix(hashes, held)
+        self.matched_blocks += believed
         self.total_blocks += len(hashes)
         touch = held.move_to_end
         for h in reversed(hashes):  # the head is touched last: evicted last
@@ -158,10 +181,41 @@ class PrefixCacheScorer(Scorer, PreRequest, PoolChanged, PrefixIndexStats):
             else:
                 held[h] = None
         self._heads.setdefault(hashes[0], set()).add(name)
+        self._trim(name, held, self._capacity.get(name) or self.server_capacity(endpoint))
+
+    def server_capacity(self, endpoint: Endpoint) -> int:
         m = endpoint.metrics
-        capacity = m.num_gpu_blocks if m is not None and m.num_gpu_blocks else self.default_capacity
+        return m.num_gpu_blocks if m is not None and m.num_gpu_blocks else self.default_capacity
+
+    def _trim(self, name: str, held: OrderedDict[int, None], capacity: int) -> None:
         for _ in range(len(held) - capacity):
             self._forget(name, held.popitem(last=False)[0])
+
+    def response_complete(
+        self, request: SchedulingRequest, result: SchedulingResult, endpoint: Endpoint, response: ResponseInfo
+    ) -> None:
+        """Learn from the server's own count of cached prompt tokens how many blocks it really keeps: when it had
+        fewer of the prompt cached than the index believed, it evicted them (memory pressure, another router's
+        traffic, a restart), so the endpoint's LRU shrinks by the difference; when it had more, it grows back
+        towards the server's num_gpu_blocks. Both counts are in this prompt's blocks (the server's share of cached
+        prompt tokens x the prompt's text blocks), so the ~4 characters per token estimate cancels out."""
+        belief = result.cycle_state.read(PREFIX_BELIEF)
+        if belief is None or response.cached_tokens is None or not response.prompt_tokens:
+            return
+        name = endpoint.spec.name
+        held = self._held.get(name)
+        if held is None:
+            return
+        believed, prompt_blocks = belief
+        cached = response.cached_tokens / response.prompt_tokens * prompt_blocks
+        full = self.server_capacity(endpoint)
+        capacity = self._capacity.get(name) or full
+        if believed > cached + 1:
+            capacity = max(int(prompt_blocks) + 1, capacity - int(believed - cached))
+            self._trim(name, held, capacity)
+        elif cached > believed + 1:
+            capacity = min(full, capacity + int(cached - believed))
+        self._capacity[name] = capacity
 
     def _forget(self, name: str, block_hash: int) -> None:
         holders = self._heads.get(block_hash)
@@ -173,6 +227,7 @@ class PrefixCacheScorer(Scorer, PreRequest, PoolChanged, PrefixIndexStats):
     def pool_changed(self, endpoints: Sequence[Endpoint]) -> None:
         present = {e.spec.name for e in endpoints}
         for name in [n for n in self._held if n not in present]:
+            self._capacity.pop(name, None)
             for block_hash in self._held.pop(name):
                 self._forget(name, block_hash)
 

@@ -28,6 +28,7 @@ def test_defaults(text):
             ("queue-scorer", "queue-scorer", 2.0),
             ("kv-cache-utilization-scorer", "kv-cache-utilization-scorer", 2.0),
             ("prefix-cache-scorer", "prefix-cache-scorer", 3.0),
+            ("precise-prefix-cache-scorer", "precise-prefix-cache-scorer", 3.0),
             ("lora-affinity-scorer", "lora-affinity-scorer", 1.0),
             ("in-flight-tokens-scorer", "in-flight-tokens-scorer", 1.0),
         ],

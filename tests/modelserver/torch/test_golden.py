@@ -12,10 +12,10 @@ from modelserver.engine.config import EngineConfig
 from modelserver.engine.engine import AsyncEngine
 from modelserver.engine.request import SamplingParams
 from modelserver.metrics import PrometheusStatLogger, prometheus_logger
-from modelserver.tokenizer import load_tokenizer
 from modelserver.torch.executor import TorchExecutor
 from modelserver.torch.loader import load_model
 from modelserver.torch.tiny import make_tiny_model
+from protocol.tokenizer import load_tokenizer
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.torch

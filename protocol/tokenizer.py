@@ -101,6 +101,14 @@ class Tokenizer:
         """`encode` through the batch API, which lets other threads run meanwhile (for a worker thread)."""
         return self._tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
 
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """Several texts in one call that releases the GIL."""
+        return [e.ids for e in self._tokenizer.encode_batch(texts, add_special_tokens=False)]
+
+    @property
+    def backend(self) -> HFTokenizer:
+        return self._tokenizer
+
     def decode(self, token_ids: list[int]) -> str:
         return self._tokenizer.decode(token_ids, skip_special_tokens=True)
 

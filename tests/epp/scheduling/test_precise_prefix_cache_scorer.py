@@ -1,0 +1,160 @@
+"""precise-prefix-cache-scorer: the server's own block hashes from the EPP's exact tokens, scored against the KV-event
+index; a mixed pool (endpoints with and without events) with the approximate scorer; the approximate index learning
+from the servers' cached_tokens."""
+
+import asyncio
+
+from epp.datalayer.kv_events import KVBlockIndex
+from epp.scheduling.framework import build_plugin
+from epp.scheduling.plugins.precise_prefix_cache_scorer import PROMPT_BLOCK_HASHES
+from epp.scheduling.plugins.prefix_cache_scorer import PREFIX_HASHES
+from epp.scheduling.scheduler import Scheduler
+from epp.scheduling.types import CycleState, ResponseInfo, SchedulingRequest, SchedulingResult
+from protocol.kv_events import request_block_hashes
+from protocol.openai import prompt_text
+from protocol.tokenizer import load_tokenizer
+from tests.epp.helpers import endpoint
+
+SEED = "1234"
+CONTEXT = "You are a helpful assistant. Answer the question concisely and accurately. " * 30
+
+
+def chat(question: str, model: str = "m") -> dict:
+    return {"model": model, "messages": [{"role": "system", "content": CONTEXT}, {"role": "user", "content": question}]}
+
+
+def request(payload: dict) -> SchedulingRequest:
+    return SchedulingRequest(request_id="r", model=payload["model"], prompt=prompt_text(payload), payload=payload)
+
+
+def server_hashes(payload: dict, lora_name=None) -> list[int]:
+    """What a sim server with PYTHONHASHSEED=SEED announces for this request (its tokenizer, its block hashes)."""
+    tokenizer = load_tokenizer(None)
+    if "messages" in payload:
+        ids = tokenizer.encode(tokenizer.apply_chat_template(payload["messages"]))
+    else:
+        ids = tokenizer.encode(payload["prompt"])
+    return request_block_hashes(ids, 16, hash_seed=SEED, lora_name=lora_name)
+
+
+def precise(index: KVBlockIndex, **parameters):
+    scorer = build_plugin("precise-prefix-cache-scorer", {"hashSeed": SEED, "loadGuardQueueGap": 0, **parameters})
+    scorer.use_kv_index(index)
+    return scorer
+
+
+def prepared(scorer, payload) -> tuple[CycleState, SchedulingRequest]:
+    cycle_state, req = CycleState(), request(payload)
+    scorer.prepare(cycle_state, req)
+    return cycle_state, req
+
+
+def test_the_prompt_s_hashes_are_the_server_s_and_score_the_held_prefix():
+    pool = [endpoint(0), endpoint(1), endpoint(2)]
+    index = KVBlockIndex()
+    payload = chat("What is the capital of France?")
+    hashes = server_hashes(payload)
+    assert len(hashes) > 10
+    index.saw(pool[0].hostport, "m")
+    index.store(pool[0].hostport, hashes)  # it served this very prompt
+    index.saw(pool[1].hostport, "m")
+    index.store(pool[1].hostport, hashes[: len(hashes) // 2])  # it holds half (the rest was evicted)
+    scorer = precise(index)
+    cycle_state, req = prepared(scorer, payload)
+    assert cycle_state.read(PROMPT_BLOCK_HASHES) == hashes
+    scores = scorer.score(cycle_state, req, pool)
+    assert scores == [1.0, (len(hashes) // 2) / len(hashes), 0.0]
+    # another question on the same context: the context's blocks still match
+    other_state, other = prepared(scorer, chat("How many days are there in a year?"))
+    assert 0.5 < scorer.score(other_state, other, pool)[0] < 1.0
+
+
+def test_an_adapter_s_blocks_carry_its_name_and_the_block_size_comes_from_the_events():
+    index = KVBlockIndex()
+    index.saw("127.0.0.1:8000", "base")
+    index.block_size = 32
+    scorer = precise(index)
+    payload = {"model": "my-adapter", "prompt": "the quick brown fox jumps over the lazy dog " * 20}
+    cycle_state, _ = prepared(scorer, payload)
+    ids = load_tokenizer(None).encode(payload["prompt"])
+    assert cycle_state.read(PROMPT_BLOCK_HASHES) == request_block_hashes(
+        ids, 32, hash_seed=SEED, lora_name="my-adapter"
+    )
+
+
+def test_nothing_is_tokenized_while_no_endpoint_publishes_and_the_load_guard_applies():
+    pool = [endpoint(0, waiting=8), endpoint(1)]
+    index = KVBlockIndex()
+    scorer = precise(index, loadGuardQueueGap=16)
+    payload = chat("What is the capital of France?")
+    cycle_state, req = prepared(scorer, payload)
+    assert cycle_state.read(PROMPT_BLOCK_HASHES) is None and scorer.score(cycle_state, req, pool) is None
+    index.saw(pool[0].hostport, "m")
+    index.store(pool[0].hostport, server_hashes(payload))
+    cycle_state, req = prepared(scorer, payload)
+    assert scorer.score(cycle_state, req, pool) == [0.5, 0.0]  # 8 queued beyond the other: half its score
+
+
+async def test_a_long_prompt_is_prepared_in_a_worker_thread_and_mixed_pools_use_both_scorers():
+    config = """
+plugins:
+- type: prefix-cache-scorer
+  parameters: {loadGuardQueueGap: 0}
+- type: precise-prefix-cache-scorer
+  parameters: {hashSeed: "1234", loadGuardQueueGap: 0, threadPromptChars: 1000}
+schedulingProfiles:
+- name: default
+  plugins:
+  - pluginRef: prefix-cache-scorer
+  - pluginRef: precise-prefix-cache-scorer
+"""
+    scheduler = Scheduler.from_config(config)
+    assert scheduler.requires_kv_events
+    index = KVBlockIndex()
+    scheduler.use_kv_index(index)
+    pool = [endpoint(0), endpoint(1), endpoint(2)]  # 0 and 1 publish KV events, 2 does not
+    payload = chat("What is the capital of France?")
+    index.saw(pool[0].hostport, "m")
+    index.saw(pool[1].hostport, "m")
+    index.store(pool[1].hostport, server_hashes(payload))
+    req = request(payload)
+    first = scheduler.prepare(req)
+    assert asyncio.iscoroutine(first)  # longer than threadPromptChars
+    result = scheduler.schedule(req, pool, await first)
+    assert result.primary is pool[1]
+    scheduler.on_routed(req, result)
+    # the approximate index skipped the publishing pick; route the same prompt to the silent endpoint 2
+    approx = scheduler.profile.scorers[0][0]
+    state = CycleState()
+    approx.score(state, request(payload), pool)
+    approx.pre_request(request(payload), SchedulingResult([pool[2]], cycle_state=state))
+    again = request(payload)
+    result = scheduler.schedule(again, pool, await scheduler.prepare(again))
+    scores = {name.type: s for name, s in result.raw_scores.items()}
+    assert scores["prefix-cache-scorer"] == [0.0, 0.0, 1.0]  # endpoints 0 and 1 are the precise scorer's
+    assert scores["precise-prefix-cache-scorer"] == [0.0, 1.0, 0.0]
+
+
+def test_the_approximate_index_learns_from_the_servers_cached_tokens():
+    scorer = build_plugin("prefix-cache-scorer", {"loadGuardQueueGap": 0})
+    e = endpoint(0, num_gpu_blocks=1000)
+    prompts = [f"tenant {i}: " + CONTEXT for i in range(4)]
+
+    def route(prompt, cached_tokens):
+        state, req = CycleState(), SchedulingRequest(request_id="r", model="m", prompt=prompt)
+        scorer.score(state, req, [e])
+        result = SchedulingResult([e], cycle_state=state)
+        scorer.pre_request(req, result)
+        blocks = len(state.read(PREFIX_HASHES))
+        scorer.response_complete(
+            req, result, e, ResponseInfo("200", prompt_tokens=blocks * 16, cached_tokens=cached_tokens)
+        )
+
+    for prompt in prompts:
+        route(prompt, 0)
+    assert "e0" not in scorer._capacity or scorer._capacity["e0"] == 1000  # it believed none cached: nothing learnt
+    route(prompts[0], 0)  # the index believed all of it cached; the server had none: it keeps fewer blocks
+    capacity = scorer._capacity["e0"]
+    assert capacity < 1000 and len(scorer._held["e0"]) <= capacity
+    route(prompts[1], 0)
+    assert scorer._capacity["e0"] < capacity

@@ -1,0 +1,52 @@
+"""Precise prefix routing end to end: sim servers publish their KV events to the EPP (epp-local's default wiring),
+the EPP tokenizes and hashes each prompt exactly as the servers do, and a prompt goes where its prefix is cached."""
+
+import asyncio
+import re
+
+import aiohttp
+
+from tests.integration.conftest import FAST_SIM
+
+PRECISE_ONLY = """\
+plugins:
+- type: precise-prefix-cache-scorer
+schedulingProfiles:
+- name: precise
+  plugins:
+  - pluginRef: precise-prefix-cache-scorer
+"""
+CONTEXT = "You are a helpful assistant. Answer the question concisely and accurately, and explain your reasoning. "
+
+
+async def epp_metric(session: aiohttp.ClientSession, stack, name: str) -> float:
+    async with session.get(stack.epp_metrics_url) as r:
+        match = re.search(rf"^{name} (\S+)$", await r.text(), re.M)
+    return float(match.group(1)) if match else 0.0
+
+
+async def complete(session, stack, prompt: str) -> dict:
+    body = {"model": stack.config.model, "prompt": prompt, "max_tokens": 2}
+    async with session.post(f"{stack.gateway_url}/v1/completions", json=body) as r:
+        assert r.status == 200, await r.text()
+        return (await r.json())["usage"]
+
+
+async def test_a_prompt_goes_where_the_servers_events_say_its_prefix_is(make_stack):
+    stack = await make_stack(servers=3, config_text=PRECISE_ONLY, modelserver_args=[*FAST_SIM, "--disable-log-stats"])
+    async with aiohttp.ClientSession() as session:
+        hits = []
+        for tenant in range(6):
+            context = f"Tenant {tenant}. " + CONTEXT * 12
+            entries = await epp_metric(session, stack, "inference_extension_kv_events_index_entries")
+            await complete(session, stack, context + "What is the capital of France?")
+            for _ in range(100):  # the first request's blocks reach the EPP's index (events, then applied)
+                if await epp_metric(session, stack, "inference_extension_kv_events_index_entries") > entries:
+                    break
+                await asyncio.sleep(0.02)
+            usage = await complete(session, stack, context + "How many days are there in a year?")
+            hits.append(usage["prompt_tokens_details"]["cached_tokens"] / usage["prompt_tokens"])
+        # Random placement would find the context on the second request's server one time in three.
+        assert min(hits) > 0.8, hits
+        assert await epp_metric(session, stack, "inference_extension_kv_events_batches_total") > 0
+        assert await epp_metric(session, stack, "inference_extension_kv_events_gaps_total") == 0
