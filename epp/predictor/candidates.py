@@ -34,7 +34,7 @@ PREDICTION_READS = (
 # The prompt tokens a candidate probably holds in its prefix cache for a request: the prefix scorer's match
 # (`PrefixCacheScorer.cached_tokens`). The director sets it when it wires the predictor; without it every prompt
 # counts as uncached, which still ranks the candidates by load but misses what a cache hit saves.
-CachedTokens = Callable[[CycleState, SchedulingRequest, Endpoint], int]
+CachedTokens = Callable[[CycleState, SchedulingRequest, list[Endpoint]], list[int]]
 
 
 MAX_KNOWN_ADAPTERS = 4096  # LoRA adapter names remembered (endpoints report them; a bound against a churning pool)
@@ -75,7 +75,7 @@ class CandidatePredictions:
         missing = [e for e in endpoints if e.spec.name not in known]
         if missing:
             cached = self.cached_tokens
-            tokens = [cached(cycle_state, request, e) for e in missing] if cached is not None else [0] * len(missing)
+            tokens = cached(cycle_state, request, missing) if cached is not None else [0] * len(missing)
             adapter = self.adapter(request.model, endpoints)
             predicted = self.predictor.predict_endpoints(missing, request.prompt_tokens_estimate, tokens, adapter)
             for e, p in zip(missing, predicted, strict=True):

@@ -33,7 +33,6 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from operator import mul
 
 from epp.datalayer.endpoint import Endpoint
 from epp.predictor.backlog import PrefillBacklog
@@ -133,31 +132,41 @@ class LatencyPredictor:
         now: float | None = None,
     ) -> list[tuple[float, float | None]] | None:
         """(TTFT, TPOT or None) of one request on each endpoint: what `predict_*` would say of the features
-        `routed` would record there, in one pass (the scheduling plugins' path: ~2 us an endpoint); None during
-        TTFT's cold start."""
+        `routed` would record there, in one pass (the scheduling plugins' path); None during TTFT's cold start."""
         if not self.ttft_ready:
             return None
         now = time.monotonic() if now is None else now
-        ttft_c = self.ttft.model.coefficients
-        tpot_c = self.tpot.model.coefficients if self.tpot_ready else None
+        models = [self.ttft.model.coefficients]
+        if self.tpot_ready:
+            models.append(self.tpot.model.coefficients)
         backlog = self.backlog.tokens
-        out = []
+        rows = []
         for e, cached in zip(endpoints, cached_tokens, strict=True):
             m = e.metrics
             loaded = adapter is None or (m is not None and adapter in m.running_adapters)
-            x = inputs(
-                queue_depth(e),
-                running_requests(e),
-                0.0 if m is None else m.kv_usage,
-                e.in_flight_tokens,
-                prompt_tokens - min(max(cached, 0), prompt_tokens),
-                loaded,
-                backlog(e.spec.name, now),
+            rows.append(
+                inputs(
+                    queue_depth(e),
+                    running_requests(e),
+                    0.0 if m is None else m.kv_usage,
+                    e.in_flight_tokens,
+                    prompt_tokens - min(max(cached, 0), prompt_tokens),
+                    loaded,
+                    backlog(e.spec.name, now),
+                )
             )
-            ttft = sum(map(mul, ttft_c, x))
-            tpot = None if tpot_c is None else max(sum(map(mul, tpot_c, x)), TPOT_FLOOR)
-            out.append((ttft if ttft > TTFT_FLOOR else TTFT_FLOOR, tpot))
-        return out
+        # c . x for every row, one coefficient at a time: a C loop per coefficient, not a call per endpoint
+        predicted = []
+        for c in models:
+            totals = [0.0] * len(rows)
+            for i, ci in enumerate(c):
+                if ci:
+                    totals = [t + ci * x[i] for t, x in zip(totals, rows, strict=True)]
+            predicted.append(totals)
+        ttfts = [t if t > TTFT_FLOOR else TTFT_FLOOR for t in predicted[0]]
+        if len(predicted) == 1:
+            return [(t, None) for t in ttfts]
+        return list(zip(ttfts, [p if p > TPOT_FLOOR else TPOT_FLOOR for p in predicted[1]], strict=True))
 
     @property
     def ttft_mape(self) -> float | None:

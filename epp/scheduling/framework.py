@@ -133,8 +133,10 @@ class PrefixIndexStats(Plugin):
         """Entries in the index."""
 
     @abstractmethod
-    def cached_tokens(self, cycle_state: CycleState, request: SchedulingRequest, endpoint: Endpoint) -> int:
-        """Prompt tokens of `request` that `endpoint` probably holds in its prefix cache."""
+    def cached_tokens(
+        self, cycle_state: CycleState, request: SchedulingRequest, endpoints: Sequence[Endpoint]
+    ) -> list[int]:
+        """Prompt tokens of `request` that each of `endpoints` probably holds in its prefix cache."""
 
     @property
     @abstractmethod

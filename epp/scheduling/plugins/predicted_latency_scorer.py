@@ -67,7 +67,7 @@ class PredictedLatencyScorer(Scorer, PreRequest, ResponseComplete, LatencyPredic
     def pre_request(self, request: SchedulingRequest, result: SchedulingResult) -> None:
         endpoint = result.primary
         cached = self.predictions.cached_tokens
-        cached_tokens = cached(result.cycle_state, request, endpoint) if cached is not None else 0
+        cached_tokens = cached(result.cycle_state, request, [endpoint])[0] if cached is not None else 0
         adapter = self.predictions.adapter(request.model, result.candidates or [endpoint])
         features = self.predictions.predictor.routed(endpoint, request.prompt_tokens_estimate, cached_tokens, adapter)
         result.cycle_state.write(ROUTED_FEATURES, features)

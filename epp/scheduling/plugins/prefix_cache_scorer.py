@@ -147,13 +147,20 @@ class PrefixCacheScorer(Scorer, PreRequest, ResponseComplete, PoolChanged, Prefi
             scores = [0.0 if index.publishes(e.hostport) else matched.get(e.spec.name, 0.0) for e in endpoints]
         return guard_load(scores, cycle_state, endpoints, self.load_guard_gap)
 
-    def cached_tokens(self, cycle_state: CycleState, request: SchedulingRequest, endpoint: Endpoint) -> int:
-        """Prompt tokens `endpoint` probably holds for `request` (the latency predictor's cache input)."""
-        hashes = self.hashes(cycle_state, request, (endpoint,))
-        if not hashes:
-            return 0
-        blocks = longest_prefix(hashes, self._held.get(endpoint.spec.name))
-        return blocks * self.block_chars((endpoint,)) // CHARS_PER_TOKEN
+    def cached_tokens(
+        self, cycle_state: CycleState, request: SchedulingRequest, endpoints: Sequence[Endpoint]
+    ) -> list[int]:
+        """Prompt tokens each of `endpoints` probably holds for `request` (the latency predictor's cache input);
+        only the endpoints that were sent the prompt's first block are matched."""
+        hashes = self.hashes(cycle_state, request, endpoints)
+        holders = self._heads.get(hashes[0]) if hashes else None
+        if not holders:
+            return [0] * len(endpoints)
+        held, tokens_per_block = self._held, self.block_chars(endpoints) // CHARS_PER_TOKEN
+        return [
+            longest_prefix(hashes, held[e.spec.name]) * tokens_per_block if e.spec.name in holders else 0
+            for e in endpoints
+        ]
 
     def use_kv_index(self, index: KVBlockIndex) -> None:
         self._kv_index = index

@@ -75,7 +75,9 @@ def test_cached_tokens_lower_the_prediction(pool):
     trained(pool)
     candidates = shared(pool)
     endpoints = [endpoint(0), endpoint(1)]
-    candidates.cached_tokens = lambda cycle_state, request, e: 4000 if e.name == "e1" else 0
+    candidates.cached_tokens = lambda cycle_state, request, endpoints: [
+        4000 if e.name == "e1" else 0 for e in endpoints
+    ]
     scores = build_plugin("predicted-latency-scorer", {"pool": pool}).score(
         CycleState(), req(prompt_tokens=5000), endpoints
     )
