@@ -147,7 +147,7 @@ class KVCacheManager:
                 self.residency.reuse_gaps.append(now - times[1])
                 times[1] = now
         request.block_ids.extend(cached_blocks)
-        request.num_registered_blocks = len(request.block_ids)
+        request.num_registered_blocks += len(cached_blocks)  # a running request's partial last block is not cached yet
         for _ in range(max(0, num_new_blocks)):
             request.block_ids.append(self._take_free_block())
         return True

@@ -170,6 +170,27 @@ async def test_continued_and_decoded_blocks_chain_to_their_parents(served):
     assert replay_into_index(events) == cached_hashes(engine)
 
 
+async def test_a_prompt_prefilled_in_chunks_is_cached_and_announced_chunk_by_chunk_as_one_chain(monkeypatch):
+    monkeypatch.setenv("PYTHONHASHSEED", SEED)
+    engine, sub, ctx, _ = start(max_num_batched_tokens=40)  # a 100-token prompt takes 3 steps
+    await engine.start()
+    await asyncio.sleep(0.3)
+    try:
+        prompt = list(range(2000, 2100))
+        await run(engine, "chunked", prompt)
+        stored = [e for e in await events_of(sub) if isinstance(e, BlockStored)]
+        assert len(stored) == 3  # blocks 0-1 (tokens 0..39), 2-4 (..79), 5 (..99)
+        assert [h for e in stored for h in e.block_hashes] == request_block_hashes(prompt, BLOCK, hash_seed=SEED)
+        assert [e.parent_block_hash for e in stored] == [None, stored[0].block_hashes[-1], stored[1].block_hashes[-1]]
+        assert [t for e in stored for t in e.token_ids] == prompt[:96]
+        again = [o async for o in engine.generate("again", prompt, SamplingParams(max_tokens=1, ignore_eos=True))]
+        assert again[-1].num_cached_tokens == 96  # the cached prefix runs across the chunk boundaries
+    finally:
+        await engine.stop()
+        sub.close(linger=0)
+        ctx.term()
+
+
 async def test_lora_blocks_carry_vllm_s_adapter_id_and_the_adapter_name_in_their_hashes(served):
     engine, sub = served
     await run(engine, "base", PROMPT)
