@@ -229,9 +229,11 @@ class LocalStack:
         return named
 
     def check_ports_free(self) -> None:
-        """Fail before starting anything when another process holds one of our ports (it would answer instead)."""
+        """Fail before starting anything when another process holds one of our ports (it would answer instead).
+        Probed as the servers bind (SO_REUSEADDR): a connection in TIME_WAIT on a port does not keep them out."""
         for port, what in self.ports().items():
             with socket.socket() as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                 try:
                     probe.bind((self.config.host, port))
                 except OSError:
@@ -274,9 +276,13 @@ class LocalStack:
         terminate(self.processes.pop(name, None), timeout)
 
     def stop(self) -> None:
+        """In the reverse of the start order: each process goes before the servers it is a client of (Envoy, then
+        the EPP whose scrapers keep connections to the model servers, then the model servers), so the clients close
+        their connections first and TIME_WAIT stays on their ephemeral ports. A model server that closes a scraper's
+        kept-alive connection itself leaves its own port in TIME_WAIT."""
         if self.envoy is not None:
             self.envoy.stop()
-        for name in list(self.processes):
+        for name in reversed(list(self.processes)):
             self.stop_process(name)
         if self._tmp is not None:
             self._tmp.cleanup()

@@ -122,3 +122,23 @@ def test_a_child_that_dies_stops_the_stack_with_its_last_log_lines():
     stderr = process.stderr.read()
     assert "epp exited with code -9" in stderr and "epp.log" in stderr
     assert_all_gone(workdir, ports)
+
+
+def test_a_port_in_time_wait_is_not_taken():
+    """A server that closed a connection first leaves its port in TIME_WAIT, which keeps no server out (they bind
+    with SO_REUSEADDR): epp-local starts there."""
+    args, ports = ports_args()
+    with socket.socket() as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", ports[0]))
+        listener.listen()
+        with socket.create_connection(("127.0.0.1", ports[0])) as client:
+            accepted, _ = listener.accept()
+            accepted.close()  # the server's side closes first: its port goes to TIME_WAIT
+            client.recv(1)
+    with socket.socket() as strict, pytest.raises(OSError):
+        strict.bind(("127.0.0.1", ports[0]))  # (what the old probe did)
+    process, workdir = start(args)
+    process.send_signal(signal.SIGINT)
+    assert process.wait(30) == 0, process.stderr.read()[-2000:]
+    assert_all_gone(workdir, ports[1:])
