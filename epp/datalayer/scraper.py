@@ -1,11 +1,15 @@
 """One task per endpoint scrapes its Prometheus page (default every 50 ms, 1 s timeout, keep-alive) and parses it
 with the endpoint's engine spec.
 
-Quiet endpoints may be scraped less often (`idle_interval`, off unless set): one whose last page showed no running
-and no waiting request, and to which this EPP has nothing in flight, waits `idle_interval` instead of `interval` —
-until `wake()`, which the request path calls for every request it receives, so the first request after a quiet
-spell sets every endpoint back to the fast interval (measured: `epp-bench idle`). The trade-off: load that another
-client put on a quiet endpoint is seen up to `idle_interval` late by the first requests after the spell.
+Quiet endpoints are scraped less often (`idle_interval`; the EPP's default is 5x `interval`, 250 ms): an endpoint is
+quiet when its last page showed no running and no waiting request, this EPP has nothing in flight to it, and no
+request reached this EPP within the last `idle_interval`. So any traffic, even one request every 200 ms, keeps every
+endpoint at `interval`: routing under load reads pages as fresh as with the quiet interval off. After a quiet spell,
+`wake()` (the request path calls it for every request) scrapes every waiting endpoint at once; the request that woke
+them is routed on pages up to `idle_interval` old rather than waiting for the new ones (measured on the 2-core host:
+all pages fresh 2 / 17-35 / 96-217 ms after a wake at 8 / 64 / 256 endpoints, which a wait would add to the first
+request after every spell). The cost: load another client put on a quiet endpoint in the last `idle_interval` is
+seen by that first request only. Measured with `epp-bench idle [--busy]`.
 
 A failed scrape never raises: the endpoint keeps its last metrics and becomes
 stale once no scrape succeeded within the staleness threshold (at once when the connection is refused). Each endpoint
@@ -16,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 
 from epp.datalayer.endpoint import Endpoint
@@ -49,6 +54,7 @@ class Scraper:
         self._clients: dict[int, MetricsClient] = {}
         self._tasks: dict[int, asyncio.Task] = {}
         self._idle_waits: set[asyncio.Future] = set()
+        self._last_request = -math.inf  # time.monotonic() of the latest wake()
         self.scrapes = 0
         self.failures = 0
 
@@ -118,14 +124,14 @@ class Scraper:
 
     def wake(self) -> None:
         """Traffic arrived: endpoints waiting out the idle interval are scraped now."""
-        if self._idle_waits:  # (empty unless the quiet interval is on)
+        self._last_request = time.monotonic()
+        if self._idle_waits:
             waits, self._idle_waits = self._idle_waits, set()
             for wait in waits:
                 if not wait.done():
                     wait.set_result(None)
 
-    @staticmethod
-    def quiet(endpoint: Endpoint) -> bool:
+    def quiet(self, endpoint: Endpoint) -> bool:
         m = endpoint.metrics
         return (
             m is not None
@@ -133,6 +139,7 @@ class Scraper:
             and endpoint.in_flight_requests == 0
             and m.running == 0
             and m.waiting == 0
+            and time.monotonic() - self._last_request >= self.idle_interval
         )
 
     async def _idle_wait(self, delay: float) -> None:

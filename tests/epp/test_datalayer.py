@@ -158,28 +158,30 @@ async def page_server(state: dict):
 async def test_quiet_endpoints_are_scraped_slowly_until_a_request_arrives():
     IDLE = "vllm:num_requests_waiting 0\nvllm:num_requests_running 0\nvllm:kv_cache_usage_perc 0.0\n"
     state = {"page": IDLE, "scrapes": 0}
-    scraper = Scraper(interval=0.01, timeout=0.5, staleness=2.0, idle_interval=0.4)
+    scraper = Scraper(interval=0.01, timeout=0.5, staleness=2.0, idle_interval=0.3)
     store = Datastore([scraper])
     async with page_server(state) as port:
         try:
             store.apply(PoolState(endpoints=(EndpointSpec("e", "127.0.0.1", port),)))
             endpoint = store.endpoints[0]
             await asyncio.sleep(0.1)
-            assert Scraper.quiet(endpoint), endpoint.metrics
+            assert scraper.quiet(endpoint), endpoint.metrics
             state["scrapes"] = 0
             await asyncio.sleep(0.5)
-            assert state["scrapes"] <= 2  # one every 0.4 s, not one every 10 ms
+            assert state["scrapes"] <= 3  # one every 0.3 s, not one every 10 ms
             state["page"] = PAGE  # the server got busy meanwhile (another client); a request reaches this EPP:
             store.note_request()
             await asyncio.sleep(0.05)
-            assert endpoint.metrics.waiting == 3 and not Scraper.quiet(endpoint)
+            assert endpoint.metrics.waiting == 3 and not scraper.quiet(endpoint)
+            state["page"] = IDLE  # idle again, but a request arrived within the idle interval: still the fast one
+            store.note_request()
             state["scrapes"] = 0
             await asyncio.sleep(0.2)
-            assert state["scrapes"] >= 8  # busy: back to the fast interval
+            assert state["scrapes"] >= 8 and not scraper.quiet(endpoint)
+            await asyncio.sleep(0.2)  # no request for longer than the idle interval: quiet
+            assert scraper.quiet(endpoint)
             endpoint.in_flight_requests = 1  # in flight from this EPP: not quiet even if the page says idle
-            state["page"] = IDLE
-            await asyncio.sleep(0.05)
-            assert not Scraper.quiet(endpoint)
+            assert not scraper.quiet(endpoint)
         finally:
             await store.close()
 
