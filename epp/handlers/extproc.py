@@ -16,6 +16,7 @@ control) is answered through the transport's `reply` once it is routed (the inte
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 from collections.abc import Awaitable
 
@@ -41,6 +42,25 @@ def _header(key: str, value: str) -> base_pb2.HeaderValueOption:
     return base_pb2.HeaderValueOption(
         header=base_pb2.HeaderValue(key=key, raw_value=value.encode()), append_action=OVERWRITE
     )
+
+
+MAX_CACHED_ROUTING_PIECES = 4096  # bounds _routing_header / _routing_metadata (pools have at most a few hundred)
+
+
+@functools.lru_cache(maxsize=MAX_CACHED_ROUTING_PIECES)
+def _routing_header(key: str, hostport: str) -> base_pb2.HeaderValueOption:
+    """The same few endpoint headers go out on every answer: built once (protobuf copies them into each answer)."""
+    return _header(key, hostport)
+
+
+@functools.lru_cache(maxsize=MAX_CACHED_ROUTING_PIECES)
+def _routing_metadata(destinations: str) -> struct_pb2.Struct:
+    """The dynamic metadata naming the destinations (the protocol's comma list), built once per list."""
+    metadata = struct_pb2.Struct()
+    metadata.get_or_create_struct(extproc.DESTINATION_ENDPOINT_NAMESPACE)[extproc.DESTINATION_ENDPOINT_KEY] = (
+        destinations
+    )
+    return metadata
 
 
 def immediate_response(error: OpenAIError) -> pb.ProcessingResponse:
@@ -263,20 +283,17 @@ class RequestStream:
         set_headers = [
             # The header carries the primary only: Envoy's ORIGINAL_DST cluster reads one ip:port. The fallbacks are
             # in the metadata's comma list (the protocol) and, for our Envoy bootstrap's retries, one per header.
-            _header(extproc.DESTINATION_ENDPOINT_HEADER, endpoints[0].hostport),
+            _routing_header(extproc.DESTINATION_ENDPOINT_HEADER, endpoints[0].hostport),
             _header(extproc.REQUEST_ID_HEADER, decision.request_id),
         ]
         fallbacks = endpoints[1:]
         if fallbacks:
             for i, name in enumerate(extproc.FALLBACK_ENDPOINT_HEADERS):
-                set_headers.append(_header(name, fallbacks[min(i, len(fallbacks) - 1)].hostport))
+                set_headers.append(_routing_header(name, fallbacks[min(i, len(fallbacks) - 1)].hostport))
         if body is not None:
             set_headers.append(_header("content-length", str(len(body))))
         common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=set_headers), clear_route_cache=True)
-        metadata = struct_pb2.Struct()
-        metadata.get_or_create_struct(extproc.DESTINATION_ENDPOINT_NAMESPACE)[extproc.DESTINATION_ENDPOINT_KEY] = (
-            decision.destinations
-        )
+        metadata = _routing_metadata(decision.destinations)
         if not headers_phase:  # BUFFERED: the body response carries the routing (and a rewritten body)
             if decision.body_changed:
                 common.status = CONTINUE_AND_REPLACE

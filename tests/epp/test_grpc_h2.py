@@ -84,3 +84,24 @@ async def test_stop_sends_goaway_and_lets_open_streams_finish(server):
         assert await call.code() == grpc.StatusCode.OK
         await stopping
     assert "finish" in EchoHandler.log
+
+
+def test_header_blocks_are_decoded_once_while_the_hpack_table_stays_the_same():
+    from hpack import Encoder
+
+    from epp.grpc_h2 import ExtProcConnection
+
+    connection = ExtProcConnection(lambda reply: None, set())
+    encoder = Encoder()
+    first = [(":path", "/a"), ("x-new", "1")]
+    block = encoder.encode(first)  # inserts x-new: a block that changes the table is never remembered
+    assert connection._decode(block) == [(b":path", b"/a"), (b"x-new", b"1")]
+    assert connection.decoded_blocks == {}
+    again = encoder.encode(first)  # all indexed now: the table stays as it is, so the block is remembered
+    assert connection._decode(again) == [(b":path", b"/a"), (b"x-new", b"1")]
+    assert again in connection.decoded_blocks
+    assert connection._decode(again) is connection.decoded_blocks[again]
+    other = encoder.encode([("x-other", "2")])  # changes the table: what was remembered may now decode differently
+    connection._decode(other)
+    assert connection.decoded_blocks == {}
+    assert connection._decode(encoder.encode(first)) == [(b":path", b"/a"), (b"x-new", b"1")]  # still in step
