@@ -120,6 +120,18 @@ def capture_sim_page(workdir: Path) -> bytes:
         log.close()
 
 
+def _wait_until_serving(epp: subprocess.Popen, metrics_port: int, log: Path, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=1).read()
+            return
+        except OSError:
+            if epp.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"epp did not start serving; see {log}") from None
+            time.sleep(0.1)
+
+
 def _read_line(process: subprocess.Popen, timeout: float) -> str:
     deadline = time.monotonic() + timeout
     line = process.stdout.readline()
@@ -183,7 +195,8 @@ def measure(
                     stderr=subprocess.STDOUT,
                 )
                 log.close()
-                time.sleep(warmup)
+                _wait_until_serving(epp, metrics, workdir / f"epp-{count}.log")
+                time.sleep(warmup)  # counted from the EPP serving (its start-up, slow on a loaded host, is not idle)
                 if epp.poll() is not None:
                     raise RuntimeError(f"epp exited; see {workdir / f'epp-{count}.log'}")
                 pages.send_signal(signal.SIGUSR1)
