@@ -12,6 +12,7 @@ import contextlib
 import signal
 import string
 import subprocess
+from collections.abc import Sequence
 from pathlib import Path
 
 import aiohttp
@@ -42,8 +43,10 @@ def render_bootstrap(
     template: Path = TEMPLATE,
     admin_address: str | None = None,
     message_timeout: float = 10.0,
+    more_epp_endpoints: Sequence[str] = (),
 ) -> str:
-    """The bootstrap YAML; `fallback_endpoints` are "host:port" strings of the pool (FailOpen routing).
+    """The bootstrap YAML; `fallback_endpoints` are "host:port" strings of the pool (FailOpen routing);
+    `more_epp_endpoints` ("host:port") are further EPP replicas beside epp_host:epp_port (round robin between them).
 
     The request body mode defaults to FULL_DUPLEX_STREAMED, or BUFFERED with FailOpen: Envoy can fail open only
     until the first body chunk went to the ext_proc server, which in full-duplex mode is at once, so a dead EPP
@@ -63,8 +66,7 @@ def render_bootstrap(
         LISTENER_PORT=listener_port,
         ADMIN_ADDRESS=admin_address or bind_address,
         ADMIN_PORT=admin_port,
-        EPP_HOST=epp_host,
-        EPP_PORT=epp_port,
+        EPP_ENDPOINTS=_endpoints_yaml([f"{epp_host}:{epp_port}", *more_epp_endpoints]),
         FAILURE_MODE_ALLOW="true" if fail_open else "false",
         MESSAGE_TIMEOUT=f"{message_timeout:g}s",
         REQUEST_BODY_MODE=request_body_mode,

@@ -22,7 +22,7 @@ from pathlib import Path
 import aiohttp
 import yaml
 
-from epp.bench.ports import free_ports
+from epp.bench.ports import free_port_block, free_ports
 from epp.envoy import EnvoyProcess, render_bootstrap, terminate
 from protocol import extproc
 from protocol.kv_events import DEFAULT_SUBSCRIBER_PORT
@@ -57,6 +57,10 @@ class StackConfig:
     # connecting to the EPP, as llm-d deploys it); None: a free port; 0: no events (the approximate index only)
     kv_events_port: int | None = None
     hash_seed: str = "0"  # PYTHONHASHSEED of the servers and the EPP: vLLM's block hashes are seeded by it
+    # Active-active: this many EPPs behind Envoy (round robin). Every server then binds its KV-event publisher (at
+    # its port + publisher_port_offset, a free block) and every EPP connects to all of them: vLLM publishes to one
+    # endpoint, so with several subscribers the servers bind and the subscribers connect.
+    epp_replicas: int = 1
 
 
 class LocalStack:
@@ -69,9 +73,22 @@ class LocalStack:
             self._tmp = tempfile.TemporaryDirectory(prefix="epp-local-")
             config.workdir = Path(self._tmp.name)
         self.workdir = config.workdir
+        # (grpc, health, metrics) of each EPP replica; the first are the config's
+        self.epp_ports = [(config.grpc_port, config.grpc_health_port, config.metrics_port)]
+        self.publisher_port_offset: int | None = None
         if config.kv_events_port is None:  # a free port that none of the stack's other ports is
             taken = set(self.ports())
             config.kv_events_port = next(p for p in free_ports(len(taken) + 1) if p not in taken)
+        if config.epp_replicas > 1:
+            taken = set(self.ports())
+            more = [p for p in free_ports(len(taken) + 3 * (config.epp_replicas - 1)) if p not in taken]
+            self.epp_ports += [tuple(more[i : i + 3]) for i in range(0, 3 * (config.epp_replicas - 1), 3)]
+            taken = set(self.ports())
+            while True:
+                base = free_port_block(config.model_servers)
+                if not taken & set(range(base, base + config.model_servers)):
+                    break
+            self.publisher_port_offset = base - config.base_port
         self.processes: dict[str, subprocess.Popen] = {}
         self.envoy: EnvoyProcess | None = None
 
@@ -87,6 +104,14 @@ class LocalStack:
     @property
     def epp_metrics_url(self) -> str:
         return f"http://{self.config.host}:{self.config.metrics_port}/metrics"
+
+    @property
+    def epp_names(self) -> list[str]:
+        return ["epp"] + [f"epp-{i}" for i in range(1, len(self.epp_ports))]
+
+    @property
+    def epp_metrics_urls(self) -> list[str]:
+        return [f"http://{self.config.host}:{metrics}/metrics" for _, _, metrics in self.epp_ports]
 
     def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
         log = (self.workdir / f"{name}.log").open("ab")
@@ -124,17 +149,23 @@ class LocalStack:
                 str(port),
                 "--replicas",
                 str(replicas),
-                *self.kv_events_args(),
+                *self.kv_events_args(port),
                 *c.modelserver_args,
             ]
             self._spawn(name, argv)
 
-    def kv_events_args(self) -> list[str]:
-        """The model servers' --kv-events-config: publish to the EPP's SUB port (unless the caller configures it)."""
+    def kv_events_args(self, port: int) -> list[str]:
+        """The --kv-events-config of the model servers from `port` on: publish to the EPP's SUB port, or with EPP
+        replicas bind a publisher at port + publisher_port_offset (each replica of a process at its own port + the
+        offset); nothing when the caller configures it or events are off."""
         c = self.config
         if not c.kv_events_port or "--kv-events-config" in c.modelserver_args:
             return []
-        config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://{c.host}:{c.kv_events_port}"}
+        if self.publisher_port_offset is None:
+            endpoint = f"tcp://{c.host}:{c.kv_events_port}"
+        else:  # vLLM binds only an endpoint with '*'; the sockets are up while the stack runs
+            endpoint = f"tcp://*:{port + self.publisher_port_offset}"
+        config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint}
         return ["--kv-events-config", json.dumps(config)]
 
     def write_pool_file(self) -> Path:
@@ -146,29 +177,33 @@ class LocalStack:
 
     def start_epp(self) -> None:
         c = self.config
-        argv = [
-            sys.executable,
-            "-m",
-            "epp",
-            "--pool-file",
-            str(self.write_pool_file()),
-            "--bind-address",
-            c.host,
-            "--grpc-port",
-            str(c.grpc_port),
-            "--grpc-health-port",
-            str(c.grpc_health_port),
-            "--metrics-port",
-            str(c.metrics_port),
-            "--kv-events-port",
-            str(c.kv_events_port or 0),
-            *c.epp_args,
-        ]
-        if c.config_file:
-            argv += ["--config-file", c.config_file]
-        if c.config_text:
-            argv += ["--config-text", c.config_text]
-        self._spawn("epp", argv)
+        pool_file = str(self.write_pool_file())
+        for name, (grpc, health, metrics) in zip(self.epp_names, self.epp_ports, strict=True):
+            argv = [
+                sys.executable,
+                "-m",
+                "epp",
+                "--pool-file",
+                pool_file,
+                "--bind-address",
+                c.host,
+                "--grpc-port",
+                str(grpc),
+                "--grpc-health-port",
+                str(health),
+                "--metrics-port",
+                str(metrics),
+                "--kv-events-port",
+                str(c.kv_events_port or 0),
+                *c.epp_args,
+            ]
+            if self.publisher_port_offset is not None:
+                argv += ["--kv-events-connect-port-offset", str(self.publisher_port_offset)]
+            if c.config_file:
+                argv += ["--config-file", c.config_file]
+            if c.config_text:
+                argv += ["--config-text", c.config_text]
+            self._spawn(name, argv)
 
     def start_envoy(self) -> None:
         c = self.config
@@ -183,6 +218,7 @@ class LocalStack:
             response_body_mode=c.response_body_mode,
             message_timeout=c.message_timeout,
             fallback_endpoints=[u.removeprefix("http://") for u in self.model_server_urls],
+            more_epp_endpoints=[f"{c.host}:{grpc}" for grpc, _, _ in self.epp_ports[1:]],
         )
         path = self.workdir / "envoy.yaml"
         path.write_text(bootstrap)
@@ -226,6 +262,11 @@ class LocalStack:
         )
         if c.kv_events_port:
             named[c.kv_events_port] = "EPP KV events (--kv-events-port)"
+        for i, ports in enumerate(self.epp_ports[1:], 1):
+            named.update(dict(zip(ports, (f"EPP {i} ext_proc", f"EPP {i} health", f"EPP {i} metrics"), strict=True)))
+        if self.publisher_port_offset is not None:
+            for i in range(c.model_servers):
+                named[c.base_port + i + self.publisher_port_offset] = f"model server {i} KV events"
         return named
 
     def check_ports_free(self) -> None:
@@ -265,7 +306,7 @@ class LocalStack:
                     self._wait_http(n, f"{u}/health", timeout)
                     for n, u in zip(self._server_names(), self.model_server_urls, strict=True)
                 ),
-                self._wait_http("epp", self.epp_metrics_url, timeout),
+                *(self._wait_http(n, u, timeout) for n, u in zip(self.epp_names, self.epp_metrics_urls, strict=True)),
                 self.envoy.wait_ready(timeout),
             )
         except BaseException:

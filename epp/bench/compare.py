@@ -41,6 +41,7 @@ APPROXIMATE_CONFIG = DEFAULT_CONFIG.replace("- type: precise-prefix-cache-scorer
 EPP_TARGETS = {
     "epp": None,  # the default profile: precise for endpoints that publish KV events (epp-local's servers do)
     "epp-approximate": APPROXIMATE_CONFIG,
+    "epp-3-replicas": None,  # the default profile on 3 EPPs behind one Envoy (round robin), all fed the KV events
     "queue-only": SINGLE_SCORER.format("queue-scorer"),
     "kv-only": SINGLE_SCORER.format("kv-cache-utilization-scorer"),
     "prefix-only": SINGLE_SCORER.format("prefix-cache-scorer"),
@@ -61,6 +62,7 @@ _TOKEN_EVENT, _USAGE_EVENT = re.compile(rb'"choices":\s*\[\{'), re.compile(rb'"u
 _PREDICTOR = re.compile(
     r'^inference_extension_latency_predictor_(?:mape\{target="(ttft|tpot)"\}|(observations)_total) (\S+)$', re.M
 )
+_INDEX = re.compile(r"^inference_extension_(kv_events_index_entries|prefix_indexer_size) (\S+)$", re.M)
 _COUNTER = re.compile(r"^(vllm:(?:prefix_cache_hits|prefix_cache_queries|request_success)_total)\{[^}]*\} (\S+)$", re.M)
 
 
@@ -91,6 +93,9 @@ class TargetResult:
     slo_met: int = 0  # of those, succeeded within their own objectives (TTFT, and ITL as the time per output token)
     goodput_per_s: float = 0.0  # slo_met / wall seconds
     predictor: dict[str, float] = field(default_factory=dict)  # the EPP's latency predictor at the end (its metrics)
+    # the EPPs' prefix indexes at the end: KV-event index entries, approximate index entries, resident memory (MB),
+    # summed over the replicas
+    epp_index: dict[str, float] = field(default_factory=dict)
     load_generator: str = "builtin"  # or "inference-perf"
 
 
@@ -240,6 +245,7 @@ class Pool:
             config_text=self.epp_config,
             pool_extra=self.pool_extra,
             response_body_mode="FULL_DUPLEX_STREAMED" if self.target in STREAMED_RESPONSES else "NONE",
+            epp_replicas=3 if self.target == "epp-3-replicas" else 1,
         )
         self.stack = LocalStack(config)
         hostports = [u.removeprefix("http://") for u in self.stack.model_server_urls]
@@ -362,6 +368,14 @@ async def run_target(
             sampler.cancel()
             after = await _counters(session, urls)
             if pool.stack.processes.get("epp") is not None:
+                for name, metrics_url in zip(pool.stack.epp_names, pool.stack.epp_metrics_urls, strict=True):
+                    async with session.get(metrics_url) as r:
+                        page = await r.text()
+                    for key, value in _INDEX.findall(page):
+                        result.epp_index[key] = result.epp_index.get(key, 0.0) + float(value)
+                    status = Path(f"/proc/{pool.stack.processes[name].pid}/status").read_text()
+                    rss_kb = int(re.search(r"^VmRSS:\s+(\d+)", status, re.M).group(1))
+                    result.epp_index["rss_mb"] = result.epp_index.get("rss_mb", 0.0) + rss_kb / 1024
                 async with session.get(pool.stack.epp_metrics_url) as r:
                     result.predictor = {
                         f"{target}_mape" if target else "observations": float(value)
@@ -484,6 +498,16 @@ def markdown(results: list[TargetResult]) -> str:
                 f"{'yes' if r.valid else f'no (CPU: ours {r.machine_busy:.0%}, host {r.host_busy:.0%})'} |"
             )
         lines.append("")
+        for r in rows:
+            epp_cpu = sum(v for k, v in r.cpu_seconds.items() if k.startswith("epp"))
+            if r.epp_index and r.succeeded:
+                i = r.epp_index
+                lines += [
+                    f"{r.target}: EPP CPU {1e3 * epp_cpu / r.succeeded:.2f} ms per request; at the end, KV-event index "
+                    f"{i.get('kv_events_index_entries', 0):.0f} entries, approximate index "
+                    f"{i.get('prefix_indexer_size', 0):.0f} entries, EPP resident memory {i['rss_mb']:.0f} MB",
+                    "",
+                ]
         lines += _goodput_table(rows)
         for r in rows:
             if r.predictor:
