@@ -158,3 +158,16 @@ def test_the_approximate_index_learns_from_the_servers_cached_tokens():
     assert capacity < 1000 and len(scorer._held["e0"]) <= capacity
     route(prompts[1], 0)
     assert scorer._capacity["e0"] < capacity
+
+
+def test_the_latency_predictor_s_cached_tokens_come_from_the_kv_index_for_publishing_endpoints():
+    pool = [endpoint(0), endpoint(1)]
+    index = KVBlockIndex()
+    payload = chat("What is the capital of France?")
+    hashes = server_hashes(payload)
+    index.saw(pool[0].hostport, "m")
+    index.store(pool[0].hostport, hashes[:10])
+    approx = build_plugin("prefix-cache-scorer", {"loadGuardQueueGap": 0})
+    approx.use_kv_index(index)
+    cycle_state, req = prepared(precise(index), payload)
+    assert approx.cached_tokens(cycle_state, req, pool) == [10 * 16, 0]
