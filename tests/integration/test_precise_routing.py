@@ -37,7 +37,7 @@ async def test_a_prompt_goes_where_the_servers_events_say_its_prefix_is(make_sta
     async with aiohttp.ClientSession() as session:
         hits = []
         for tenant in range(6):
-            context = f"Tenant {tenant}. " + CONTEXT * 12
+            context = f"Tenant {tenant}. " + CONTEXT * (12 if tenant % 2 else 100)  # 100: over threadPromptChars
             entries = await epp_metric(session, stack, "inference_extension_kv_events_index_entries")
             await complete(session, stack, context + "What is the capital of France?")
             for _ in range(100):  # the first request's blocks reach the EPP's index (events, then applied)
