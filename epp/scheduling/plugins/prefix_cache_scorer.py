@@ -135,13 +135,15 @@ class PrefixCacheScorer(Scorer, PreRequest, ResponseComplete, PoolChanged, Prefi
     def score(
         self, cycle_state: CycleState, request: SchedulingRequest, endpoints: list[Endpoint]
     ) -> list[float] | None:
+        index = self._kv_index
+        if index is not None and all(index.publishes(e.hostport) for e in endpoints):
+            return None  # precise-prefix-cache-scorer scores them all: no text hashing at all
         hashes = self.hashes(cycle_state, request, endpoints)
         holders = self._heads.get(hashes[0]) if hashes else None
         if not holders:
             return None  # nobody was sent this prompt's first block: no preference
         held, blocks = self._held, len(hashes)
         matched = {name: longest_prefix(hashes, held[name]) / blocks for name in holders}
-        index = self._kv_index
         if index is None:
             scores = [matched.get(e.spec.name, 0.0) for e in endpoints]
         else:  # endpoints that publish KV events are scored by precise-prefix-cache-scorer
