@@ -21,6 +21,8 @@ error (`LatencyPredictor.ttft_mape`, for the EPP's metrics); one model per pool 
 
 from __future__ import annotations
 
+import logging
+
 from epp.datalayer.endpoint import Endpoint
 from epp.predictor import Features, shared
 from epp.predictor.candidates import PREDICTED_LATENCY, PREDICTION_READS
@@ -36,6 +38,10 @@ from epp.scheduling.framework import (
 from epp.scheduling.types import CycleState, ResponseInfo, SchedulingRequest, SchedulingResult, StateKey
 
 ROUTED_FEATURES: StateKey[Features] = StateKey("predicted-latency-routed-features")
+# Successful responses whose body never reached the EPP before it says that it cannot learn (once).
+UNSEEN_BODIES_WARNING = 100
+
+log = logging.getLogger(__name__)
 
 
 @register("predicted-latency-scorer")
@@ -49,6 +55,7 @@ class PredictedLatencyScorer(Scorer, PreRequest, ResponseComplete, LatencyPredic
         self.predictions = shared(p.get("pool", "default", str))
         self.long_output_tokens = p.get("longOutputTokens", 256, int, minimum=1)
         p.done()
+        self.unseen_bodies = 0  # successful responses without a body through the EPP, while nothing was learnt
 
     def score(
         self, cycle_state: CycleState, request: SchedulingRequest, endpoints: list[Endpoint]
@@ -76,10 +83,24 @@ class PredictedLatencyScorer(Scorer, PreRequest, ResponseComplete, LatencyPredic
         self, request: SchedulingRequest, result: SchedulingResult, endpoint, response: ResponseInfo
     ) -> None:
         features = result.cycle_state.read(ROUTED_FEATURES)
+        if response.ttft is None and response.output_tokens is None and response.status.startswith("2"):
+            self._body_not_seen()
         if features is None or response.ttft is None or response.ttft <= 0:
             return  # not routed by a prompt, not streamed through the EPP, or no token came
         tpot = response.tpot if response.tpot is not None and response.tpot > 0 else None
         self.predictions.predictor.observe(features, response.ttft, tpot)
+
+    def _body_not_seen(self) -> None:
+        if self.predictions.predictor.observations or self.unseen_bodies > UNSEEN_BODIES_WARNING:
+            return
+        self.unseen_bodies += 1
+        if self.unseen_bodies == UNSEEN_BODIES_WARNING:
+            log.warning(
+                "predicted-latency-scorer: %d successful responses and none of their bodies reached the EPP: it "
+                "learns only from responses streamed through it (Envoy ext_proc response_body_mode "
+                "FULL_DUPLEX_STREAMED) and abstains until then",
+                UNSEEN_BODIES_WARNING,
+            )
 
     @property
     def prediction_errors(self) -> tuple[float | None, float | None]:

@@ -185,3 +185,17 @@ def test_an_adapter_not_loaded_on_the_pick_is_recorded_as_a_load(pool):
         result.endpoints = [other]
         scorer.pre_request(req(model=model), result)
         assert result.cycle_state.read(ROUTED_FEATURES).adapter_loaded is loaded
+
+
+def test_scorer_says_once_that_no_response_body_reaches_it(pool, caplog):
+    from epp.scheduling.plugins.predicted_latency_scorer import UNSEEN_BODIES_WARNING
+    from epp.scheduling.types import ResponseInfo
+
+    scorer = build_plugin("predicted-latency-scorer", {"pool": pool})
+    result = Scheduler.from_config(None).schedule(req(), [endpoint(0)])
+    with caplog.at_level("WARNING"):
+        for _ in range(3 * UNSEEN_BODIES_WARNING):
+            scorer.response_complete(req(), result, endpoint(0), ResponseInfo("200"))
+        scorer.response_complete(req(), result, endpoint(0), ResponseInfo("200", output_tokens=5))  # a body came
+    warnings = [r for r in caplog.records if "FULL_DUPLEX_STREAMED" in r.getMessage()]
+    assert len(warnings) == 1
