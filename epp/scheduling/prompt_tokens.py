@@ -132,6 +132,18 @@ class PromptTokenizer:
         pieces.append(text[start:])
         return pieces
 
+    def uncached_chars(self, text: str) -> int:
+        """Characters of `text` that `encode` would tokenize anew (what the cache does not hold)."""
+        if not self.resumable or len(text) <= self.segment_chars:
+            return len(text)
+        pieces = self.segments(text)
+        cache = self._segments
+        return len(pieces[-1]) + sum(
+            len(piece)
+            for piece in pieces[:-1]
+            if xxhash.xxh3_64_intdigest(piece.encode("utf-8", "surrogatepass")) not in cache
+        )
+
     def encode(self, text: str) -> list[int]:
         if not self.resumable or len(text) <= self.segment_chars:
             return self.tokenizer.encode_releasing_gil(text)

@@ -10,8 +10,9 @@ prompt's leading blocks an endpoint holds (`epp.datalayer.kv_events.KVBlockIndex
 (the approximate index) keeps scoring, so a pool that mixes both works with both scorers in the profile. The same
 load guard as prefix-cache-scorer (`epp.scheduling.load.guard_load`).
 
-Tokenizing and hashing run in `prepare` (PrepareData), before the cycle: in a worker thread for prompts longer than
-`threadPromptChars` (the tokenizer releases the GIL), so a 64k-token prompt does not hold the event loop. Block
+Tokenizing and hashing run in `prepare` (PrepareData), before the cycle: in a worker thread when the part of the prompt
+the per-prefix cache does not hold is longer than `threadPromptChars` (the tokenizer releases the GIL), so a new
+64k-token prompt does not hold the event loop while a conversation's next turn does not pay for a thread hop. Block
 digests are cached per token prefix (`blockHashCacheBlocks`), so a prompt that extends an earlier one hashes only
 its new blocks.
 Reads: the request body (PrepareData), the KV-event index, the candidates' queue depths (load guard). Writes:
@@ -30,9 +31,9 @@ as the events (a gap drops an endpoint until it republishes).
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
-from collections import OrderedDict
 from collections.abc import Sequence
 
 from epp.datalayer.endpoint import Endpoint
@@ -50,12 +51,13 @@ PROMPT_BLOCK_HASHES: StateKey[list[int]] = StateKey("prompt-block-hashes")  # th
 
 class BlockHashCache:
     """vLLM block digests per token prefix: the key of block i chains Python's hash of the block's token ids onto
-    block i-1's key (cheap), so only blocks never seen before are hashed with SHA-256. Bounded LRU; thread-safe."""
+    block i-1's key (cheap), so only blocks never seen before are hashed with SHA-256. Bounded, oldest insertion
+    first out (a prefix still in use that falls out is hashed again once); thread-safe."""
 
     def __init__(self, algo: str, hash_seed: str | None, capacity: int):
         self.hasher = block_hasher(algo, hash_seed)
         self.capacity = capacity
-        self._digests: OrderedDict[int, tuple[bytes, int]] = OrderedDict()
+        self._digests: dict[int, tuple[bytes, int]] = {}
         self._lock = threading.Lock()
 
     def hashes(self, token_ids: Sequence[int], block_size: int, lora_name: str | None) -> list[int]:
@@ -63,23 +65,22 @@ class BlockHashCache:
         key = hash((block_size, lora_name))
         parent: bytes | None = None
         out: list[int] = []
-        digests, lock = self._digests, self._lock
-        for start in range(0, len(token_ids) - block_size + 1, block_size):
-            block = tuple(token_ids[start : start + block_size])
-            key = hash((key, block))
-            with lock:
+        append = out.append
+        digests, hash_block = self._digests, self.hasher.hash_block
+        with self._lock:  # one acquisition per prompt: the loop and a worker thread rarely meet here
+            for start in range(0, len(token_ids) - block_size + 1, block_size):
+                block = tuple(token_ids[start : start + block_size])
+                key = hash((key, block))
                 known = digests.get(key)
-                if known is not None:
-                    digests.move_to_end(key)
-            if known is None:
-                digest = self.hasher.hash_block(parent, block, extra)
-                known = (digest, external_block_hash(digest))
-                with lock:
-                    digests[key] = known
-                    while len(digests) > self.capacity:
-                        digests.popitem(last=False)
-            parent = known[0]
-            out.append(known[1])
+                if known is None:
+                    digest = hash_block(parent, block, extra)
+                    known = digests[key] = (digest, external_block_hash(digest))
+                parent = known[0]
+                append(known[1])
+            excess = len(digests) - self.capacity
+            if excess > 0:
+                for old in list(itertools.islice(digests, excess)):
+                    del digests[old]
         return out
 
 
@@ -117,7 +118,12 @@ class PrecisePrefixCacheScorer(Scorer, PrepareData, KVEventsConsumer):
         return self.index is not None and self.index.has_publishers and request.payload is not None
 
     def in_thread(self, request: SchedulingRequest) -> bool:
-        return len(request.prompt) > self.thread_prompt_chars and self._active(request)
+        """A worker thread only for what is long to tokenize: a long prompt whose new part (what the per-prefix
+        cache does not hold) is itself over threadPromptChars; a long conversation's next turn stays on the loop."""
+        if len(request.prompt) <= self.thread_prompt_chars or not self._active(request):
+            return False
+        prompt = self.tokenizer.prompt(request.payload)
+        return isinstance(prompt, str) and self.tokenizer.uncached_chars(prompt) > self.thread_prompt_chars
 
     def prepare(self, cycle_state: CycleState, request: SchedulingRequest) -> None:
         if not self._active(request):

@@ -129,7 +129,9 @@ schedulingProfiles:
     approx.score(state, request(payload), pool)
     approx.pre_request(request(payload), SchedulingResult([pool[2]], cycle_state=state))
     again = request(payload)
-    result = scheduler.schedule(again, pool, await scheduler.prepare(again))
+    prepared = scheduler.prepare(again)
+    assert isinstance(prepared, CycleState)  # its tokens are cached now: no thread hop
+    result = scheduler.schedule(again, pool, prepared)
     scores = {name.type: s for name, s in result.raw_scores.items()}
     assert scores["prefix-cache-scorer"] == [0.0, 0.0, 1.0]  # endpoints 0 and 1 are the precise scorer's
     assert scores["precise-prefix-cache-scorer"] == [0.0, 1.0, 0.0]
