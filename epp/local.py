@@ -76,6 +76,7 @@ class LocalStack:
         # (grpc, health, metrics) of each EPP replica; the first are the config's
         self.epp_ports = [(config.grpc_port, config.grpc_health_port, config.metrics_port)]
         self.publisher_port_offset: int | None = None
+        self.replay_port_offset: int | None = None  # each server's replay socket (a late EPP catches up from it)
         if config.kv_events_port is None:  # a free port that none of the stack's other ports is
             taken = set(self.ports())
             config.kv_events_port = next(p for p in free_ports(len(taken) + 1) if p not in taken)
@@ -83,14 +84,18 @@ class LocalStack:
             taken = set(self.ports())
             more = [p for p in free_ports(len(taken) + 3 * (config.epp_replicas - 1)) if p not in taken]
             self.epp_ports += [tuple(more[i : i + 3]) for i in range(0, 3 * (config.epp_replicas - 1), 3)]
-            taken = set(self.ports())
-            while True:
-                base = free_port_block(config.model_servers)
-                if not taken & set(range(base, base + config.model_servers)):
-                    break
-            self.publisher_port_offset = base - config.base_port
+            self.publisher_port_offset = self._free_block_offset()
+            self.replay_port_offset = self._free_block_offset()
         self.processes: dict[str, subprocess.Popen] = {}
         self.envoy: EnvoyProcess | None = None
+
+    def _free_block_offset(self) -> int:
+        """The offset from the servers' ports of a block of free ports, one per server, clear of the stack's."""
+        taken, count = set(self.ports()), self.config.model_servers
+        while True:
+            base = free_port_block(count)
+            if not taken & set(range(base, base + count)):
+                return base - self.config.base_port
 
     @property
     def model_server_urls(self) -> list[str]:
@@ -166,6 +171,8 @@ class LocalStack:
         else:  # vLLM binds only an endpoint with '*'; the sockets are up while the stack runs
             endpoint = f"tcp://*:{port + self.publisher_port_offset}"
         config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint}
+        if self.replay_port_offset is not None:
+            config["replay_endpoint"] = f"tcp://*:{port + self.replay_port_offset}"
         return ["--kv-events-config", json.dumps(config)]
 
     def write_pool_file(self) -> Path:
@@ -199,6 +206,8 @@ class LocalStack:
             ]
             if self.publisher_port_offset is not None:
                 argv += ["--kv-events-connect-port-offset", str(self.publisher_port_offset)]
+            if self.replay_port_offset is not None:
+                argv += ["--kv-events-replay-port-offset", str(self.replay_port_offset)]
             if c.config_file:
                 argv += ["--config-file", c.config_file]
             if c.config_text:
@@ -267,6 +276,9 @@ class LocalStack:
         if self.publisher_port_offset is not None:
             for i in range(c.model_servers):
                 named[c.base_port + i + self.publisher_port_offset] = f"model server {i} KV events"
+        if self.replay_port_offset is not None:
+            for i in range(c.model_servers):
+                named[c.base_port + i + self.replay_port_offset] = f"model server {i} KV event replay"
         return named
 
     def check_ports_free(self) -> None:

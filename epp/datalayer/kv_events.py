@@ -13,7 +13,9 @@ Gaps: sequence numbers per topic must be consecutive. On a gap, with a replay en
 the missed batches are requested from it and applied in order; without one, or when the replay fails or no longer
 has them, the endpoint's entries are dropped and the index relearns it from the events that follow: until then a
 block it still holds scores as a miss (a lost hit), never a block it evicted as a hit. A sequence that goes back (a
-restarted server), an AllBlocksCleared, and an endpoint that leaves the pool drop its entries too.
+restarted server), an AllBlocksCleared, and an endpoint that leaves the pool drop its entries too. A subscriber that
+joins after a server started (a new EPP replica) asks the replay socket, when known, for what it still buffers of
+the earlier batches; without one it knows only what is stored from then on.
 Memory: `max_entries` caps the (block hash, endpoint) pairs over all endpoints; over it, the endpoint with the most
 entries loses its oldest. The EPP exports the index size, the entries the cap dropped, events applied, gaps,
 replays and the delay from a batch's step (its `ts`) to its application (inference_extension_kv_events_*).
@@ -297,7 +299,9 @@ class KVEventSubscriber:
 
     def _receive(self, endpoint: str, model: str, seq: int, batch: IndexedBatch) -> None:
         expected = self._next_seq.get(endpoint)
-        if expected is not None and seq != expected:
+        if expected is None and seq > 0 and self._replay(endpoint, 0, seq, whole=False):
+            self.replays += 1  # a subscriber that joined late: what the server still buffers of its history
+        elif expected is not None and seq != expected:
             if seq < expected:
                 self.restarts += 1  # its sequence started over: a new process whose cache starts empty
                 self.index.clear(endpoint)
@@ -329,9 +333,10 @@ class KVEventSubscriber:
             bucket += 1
         self.lag_buckets[bucket] += 1
 
-    def _replay(self, endpoint: str, start: int, until: int) -> bool:
+    def _replay(self, endpoint: str, start: int, until: int, whole: bool = True) -> bool:
         """Fetch and apply batches [start, until) from the server's replay socket; False when there is none or it
-        does not have them all in time."""
+        does not have them all in time. With `whole` False (a late joiner's history) the latest run the server
+        still buffers will do: a suffix of its history adds no block it evicted, it only misses older ones."""
         if self.replay_port_offset is None:
             return False
         host, _, port = endpoint.rpartition(":")
@@ -355,7 +360,9 @@ class KVEventSubscriber:
                 seq = int.from_bytes(frames[1], "big")
                 if seq < until:
                     replayed.append((seq, decode(frames[2])))
-            if [seq for seq, _ in replayed] != list(range(start, until)):
+            if not whole and replayed:
+                start = replayed[0][0]
+            if not replayed or [seq for seq, _ in replayed] != list(range(start, until)):
                 return False  # the server's buffer no longer holds them all
             for seq, batch in replayed:
                 self._apply(endpoint, seq, batch)

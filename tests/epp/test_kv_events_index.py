@@ -198,3 +198,34 @@ def test_a_gap_is_closed_from_the_server_s_replay_socket():
         router.close(linger=0)
         ctx.term()
         subscriber.shutdown()
+
+
+def test_a_late_subscriber_fetches_what_the_server_still_buffers():
+    index = KVBlockIndex()
+    subscriber = KVEventSubscriber(index, "tcp://127.0.0.1:*", replay_port_offset=0)
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    endpoint = f"127.0.0.1:{router.bind_to_random_port('tcp://127.0.0.1')}"
+    batches = [
+        KVEventBatch(time.time(), [BlockStored([seq + 1], None, [seq] * 16, 16, None, "GPU")]) for seq in range(6)
+    ]
+
+    def serve_one_replay():  # its buffer kept batches 2..5 (buffer_steps): 0 and 1 are gone
+        client, _, start = router.recv_multipart()
+        for seq in range(max(2, int.from_bytes(start, "big")), 6):
+            router.send_multipart([client, b"", seq.to_bytes(8, "big"), msgspec.msgpack.encode(batches[seq])])
+        router.send_multipart([client, b"", (-1).to_bytes(8, "big", signed=True), b""])
+
+    try:
+        import threading
+
+        server = threading.Thread(target=serve_one_replay)
+        server.start()
+        subscriber._receive(endpoint, "m", 5, wire(batches[5]))  # the first it hears of this server
+        server.join(timeout=5)
+        assert subscriber.replays == 1 and subscriber.gaps == 0
+        assert [index.prefix_blocks([h], [endpoint])[endpoint] for h in range(1, 7)] == [0, 0, 1, 1, 1, 1]
+    finally:
+        router.close(linger=0)
+        ctx.term()
+        subscriber.shutdown()
