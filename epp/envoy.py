@@ -73,7 +73,6 @@ def render_bootstrap(
         REQUEST_TRAILER_MODE="SEND" if request_body_mode == "FULL_DUPLEX_STREAMED" else "SKIP",
         RESPONSE_HEADER_MODE=response_header_mode,
         RESPONSE_BODY_MODE=response_body_mode,
-        RESPONSE_TRAILER_MODE="SEND" if response_body_mode == "FULL_DUPLEX_STREAMED" else "SKIP",
         FALLBACK_ENDPOINTS=_endpoints_yaml(fallback_endpoints),
     )
 

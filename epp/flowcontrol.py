@@ -9,7 +9,8 @@ first; within a band the flows in fair order (`round-robin`: deficit round robin
 (`edf`). Every request ends in exactly one outcome (GIE's names): Dispatched, RejectedCapacity, EvictedTTL,
 EvictedContextCancelled, counted per band and flow.
 
-Limits: global and per-band `maxRequests` / `maxBytes`. A request that does not fit displaces the newest request
+Limits: global and per-band `maxRequests` / `maxBytes`. TTL: per objective (`objectiveRequestTTL`), else per band,
+else `defaultRequestTTL`. A request that does not fit displaces the newest request
 of the band's largest flow when that flow holds more than the newcomer's (so a noisy tenant cannot fill the band
 against a quiet one); otherwise it is rejected. Config keys follow GIE's EndpointPickerConfig `flowControl`.
 Trade-offs: `has_room` is polled on each pump, so the caller's saturation signal must be cheap; deficit by tokens
@@ -115,6 +116,11 @@ class FlowControlConfig:
     bands: dict[int, BandConfig] = field(default_factory=dict)
     default_band: BandConfig = field(default_factory=lambda: BandConfig(priority=0))
     default_negative_band: BandConfig | None = None  # the template of priorities below 0 (else default_band's)
+    objective_ttls: dict[str, float] = field(default_factory=dict)  # objective name -> its requests' TTL
+
+    def request_ttl(self, objective: str | None) -> float | None:
+        """The TTL of a request for `objective` when one is configured for it (else its band's or the default)."""
+        return self.objective_ttls.get(objective) if objective else None
 
     def band(self, priority: int) -> BandConfig:
         cfg = self.bands.get(priority)
@@ -127,7 +133,8 @@ class FlowControlConfig:
     def longest_ttl(self) -> float:
         """The longest a request may wait (what the proxy must be told to wait for an answer)."""
         templates = [self.default_band, *([self.default_negative_band] if self.default_negative_band else [])]
-        return max([self.default_request_ttl, *(b.request_ttl for b in (*templates, *self.bands.values()))])
+        bands = (b.request_ttl for b in (*templates, *self.bands.values()))
+        return max([self.default_request_ttl, *bands, *self.objective_ttls.values()])
 
     @classmethod
     def from_text(cls, config_text: str | None) -> FlowControlConfig:
@@ -165,6 +172,12 @@ class FlowControlConfig:
         cfg.default_band = _band_from(p.get("defaultPriorityBand", None, (dict, type(None))), 0)
         negative = p.get("defaultNegativePriorityBand", None, (dict, type(None)))
         cfg.default_negative_band = _band_from(negative, -1) if negative is not None else None
+        raw_ttls = p.get("objectiveRequestTTL", {}, dict)
+        ttls = Parameters("flowControl objectiveRequestTTL", raw_ttls)
+        for objective in raw_ttls:
+            cfg.objective_ttls[str(objective)] = ttl = _duration(ttls, objective, 0.0)
+            if ttl <= 0:
+                raise ConfigError(f"flowControl: objectiveRequestTTL {objective} must be > 0")
         for raw_band in p.get("priorityBands", [], list):
             if not isinstance(raw_band, dict) or not isinstance(raw_band.get("priority"), int):
                 raise ConfigError(f"flowControl: each of priorityBands needs an integer priority, got {raw_band!r}")

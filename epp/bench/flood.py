@@ -1,26 +1,32 @@
 """Multi-tenant flood (issue 14): a sim pool driven past its capacity by tenants of different priority, one of
-them noisy, through each target: our EPP with flow control (the default), our EPP without it, Envoy round robin,
-and the Rust routers with their own admission limits (max concurrent requests = the pool's batch slots, a queue
-of 1,000, a queue timeout equal to our TTL, as their docs advise for protecting a pool).
+them noisy, through each target: our EPP with flow control (the default, with its request TTL set below the TTFT
+SLO: a request that waited that long is answered 429 instead of late), our EPP without it, Envoy round robin, and
+the Rust routers with their own admission limits as SGLang's gateway docs size them (vllm-router is a fork with the
+same flags): max concurrent requests = workers x requests per worker (the pool's batch slots), queue size = that x
+1 (the "interactive" factor), token refill = the sustainable request rate x 1.2 (without it the bucket refills at
+max-concurrent-requests per second), queue timeout = our TTL in whole seconds.
 
 Traffic (shares of the offered rate): three equal-priority tenants (fairness ids), `noisy` sending 10x what
 `quiet-1` and `quiet-2` send; `critical` (objective priority 1) and `sheddable` (objective priority -1). The
 pool's capacity is measured first (closed loop at the pool's batch slots, straight to the servers) and the offered
 rate is a multiple of it. Per class: goodput (requests whose TTFT met the SLO, per second), TTFT p50/p99, statuses;
 the Jain index of the equal-priority tenants' served tokens relative to min(demand, max-min fair share); the pool's
-goodput against its capacity.
+goodput against its capacity. For our EPP with flow control, every request is accounted for: the EPP's outcome
+counts (dispatched / rejected / expired / cancelled, from its metrics) per tenant add up to what was sent.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
 import random
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 
 from epp.bench.compare import ENVOY_TARGETS, MODEL, PEER_TARGETS, Outcome, Pool, _one
 from epp.bench.overhead import percentile
@@ -40,10 +46,12 @@ CLASSES = {  # name: (share of the offered rate, headers)
     "sheddable": (2.0, {"x-gateway-inference-objective": "batch", "x-gateway-inference-fairness-id": "batch"}),
 }
 EQUAL_PRIORITY = ("noisy", "quiet-1", "quiet-2")
+QUIET = ("quiet-1", "quiet-2")
 OBJECTIVES = {"objectives": [{"name": "critical", "priority": 1}, {"name": "batch", "priority": -1}]}
-TTL = 30.0
+WARMUP = 2.0  # seconds of the flood before completions count towards goodput and sharing
+TTL = 1.5  # seconds a request may wait in flow control: the SLO less the time a dispatched request takes to start
 TARGETS = {
-    "epp": DEFAULT_CONFIG,  # flow control on: the default
+    "epp": DEFAULT_CONFIG + f"flowControl: {{defaultRequestTTL: {TTL}s}}\n",  # flow control on (the default)
     "epp-no-flow-control": DEFAULT_CONFIG + "flowControl: {enabled: false}\n",
     "round-robin": None,
     "sglang-round-robin": None,
@@ -60,6 +68,7 @@ class ClassResult:
     ttft_p99: float = 0.0
     served_tokens: int = 0
     statuses: dict[str, int] = field(default_factory=dict)
+    outcomes: dict[str, int] = field(default_factory=dict)  # the EPP's flow-control outcomes for this tenant
 
 
 @dataclass
@@ -71,9 +80,10 @@ class FloodResult:
     duration: float
     classes: dict[str, ClassResult] = field(default_factory=dict)
     jain: float = 0.0
-    pool_goodput_ratio: float = 0.0  # requests served within the SLO per second / capacity
+    pool_goodput_ratio: float = 0.0  # requests served within the SLO while the flood lasted, per second / capacity
     pool_throughput_ratio: float = 0.0  # requests completed while the flood lasted, per second / capacity
     server_errors: int = 0
+    accounted: bool | None = None  # the EPP's outcomes per tenant == requests sent (None: no flow control)
 
 
 def _prompt(rng: random.Random) -> str:
@@ -135,9 +145,11 @@ async def run_target(
         "--max-concurrent-requests",
         str(servers * MAX_NUM_SEQS),
         "--queue-size",
-        "1000",
+        str(servers * MAX_NUM_SEQS),
+        "--rate-limit-tokens-per-second",
+        str(math.ceil(capacity * 1.2)),
         "--queue-timeout-secs",
-        str(int(TTL)),
+        str(max(1, int(TTL))),
     ]
     result = FloodResult(target, overload, rate, capacity, duration)
     async with Pool(
@@ -167,10 +179,11 @@ async def run_target(
                 }
                 tasks.append((name, offset, asyncio.create_task(_one(session, url, body, CLASSES[name][1]))))
             outcomes = [(name, offset, await task) for name, offset, task in tasks]
-            elapsed = time.monotonic() - started
+            flow_outcomes = await _flow_control_outcomes(session, pool) if target == "epp" else None
     # While the flood lasts: what was completed before the arrivals stopped (after that the queues drain and every
-    # tenant's backlog gets served, which says nothing about sharing under overload).
-    in_window = [(name, o) for name, offset, o in outcomes if o.status == 200 and offset + o.e2e <= duration]
+    # tenant's backlog gets served, which says nothing about sharing under overload), after the first WARMUP seconds
+    # (an empty pool completes nothing until its first requests have run their course).
+    in_window = [(name, o) for name, offset, o in outcomes if o.status == 200 and WARMUP <= offset + o.e2e <= duration]
     outcomes = [(name, o) for name, _, o in outcomes]
     for name in CLASSES:
         mine = [o for n, o in outcomes if n == name]
@@ -187,42 +200,64 @@ async def run_target(
             ttft_p99=percentile(ttfts, 0.99) if ttfts else 0.0,
             served_tokens=sum(o.output_tokens for o in ok),
             statuses=statuses,
+            outcomes=(flow_outcomes or {}).get(CLASSES[name][1]["x-gateway-inference-fairness-id"], {}),
         )
+    if flow_outcomes is not None:
+        result.accounted = all(sum(c.outcomes.values()) == c.sent for c in result.classes.values())
     served = [sum(o.output_tokens for n, o in in_window if n == name) for name in EQUAL_PRIORITY]
     demands = [result.classes[n].sent * OUTPUT_TOKENS for n in EQUAL_PRIORITY]
     result.jain = jain_index(served, demands)
-    result.pool_goodput_ratio = sum(c.in_slo for c in result.classes.values()) / elapsed / capacity
-    result.pool_throughput_ratio = len(in_window) / duration / capacity
+    result.pool_goodput_ratio = sum(1 for _, o in in_window if o.ttft <= SLO_TTFT) / (duration - WARMUP) / capacity
+    result.pool_throughput_ratio = len(in_window) / (duration - WARMUP) / capacity
     result.server_errors = sum(1 for _, o in outcomes if 500 <= o.status < 600)
     return result
+
+
+async def _flow_control_outcomes(session: aiohttp.ClientSession, pool: Pool) -> dict[str, dict[str, int]]:
+    """fairness id -> outcome -> requests, from the EPP's queue-duration histogram (one observation per request)."""
+    async with session.get(pool.stack.epp_metrics_url) as response:
+        page = await response.text()
+    out: dict[str, dict[str, int]] = {}
+    for family in text_string_to_metric_families(page):
+        if family.name != "inference_extension_flow_control_request_queue_duration_seconds":
+            continue
+        for sample in family.samples:
+            if sample.name.endswith("_count"):
+                by_outcome = out.setdefault(sample.labels["fairness_id"], {})
+                by_outcome[sample.labels["outcome"]] = int(sample.value)
+    return out
 
 
 def markdown(results: list[FloodResult], unloaded_ttft_p99: float) -> str:
     lines = [
         f"TTFT SLO {SLO_TTFT:g} s; critical TTFT p99 on the unloaded pool {unloaded_ttft_p99 * 1000:.0f} ms",
         "",
-        "| target | overload | class | sent | 200 | in SLO | TTFT p50 ms | TTFT p99 ms | other statuses |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| target | overload | class | sent | 200 | in SLO | TTFT p50 ms | TTFT p99 ms | other statuses | EPP outcomes |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in results:
         for name, c in r.classes.items():
             others = ", ".join(f"{k}: {v}" for k, v in sorted(c.statuses.items()) if k != "200") or "-"
+            outcomes = ", ".join(f"{k}: {v}" for k, v in sorted(c.outcomes.items())) or "-"
             lines.append(
                 f"| {r.target} | {r.overload:g}x | {name} | {c.sent} | {c.ok} | {c.in_slo} | "
-                f"{c.ttft_p50 * 1000:.0f} | {c.ttft_p99 * 1000:.0f} | {others} |"
+                f"{c.ttft_p50 * 1000:.0f} | {c.ttft_p99 * 1000:.0f} | {others} | {outcomes} |"
             )
     lines += [
         "",
         "| target | overload | offered req/s | capacity req/s | completed during the flood / capacity | "
-        "in-SLO goodput / capacity | Jain (equal priority, during the flood) | critical p99 / unloaded | 5xx |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "in-SLO goodput / capacity | Jain (equal priority, during the flood) | critical p99 / unloaded | "
+        "quiet p99 / unloaded | 5xx | all accounted for |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in results:
         critical = r.classes["critical"].ttft_p99 / unloaded_ttft_p99 if unloaded_ttft_p99 else 0.0
+        quiet = max(r.classes[n].ttft_p99 for n in QUIET) / unloaded_ttft_p99 if unloaded_ttft_p99 else 0.0
+        accounted = "-" if r.accounted is None else ("yes" if r.accounted else "NO")
         lines.append(
             f"| {r.target} | {r.overload:g}x | {r.offered_rate:.1f} | {r.capacity:.1f} | "
             f"{r.pool_throughput_ratio:.2f} | {r.pool_goodput_ratio:.2f} | {r.jain:.3f} | {critical:.2f} | "
-            f"{r.server_errors} |"
+            f"{quiet:.2f} | {r.server_errors} | {accounted} |"
         )
     return "\n".join(lines)
 

@@ -1,4 +1,5 @@
-"""What the EPP costs: Envoy + EPP against a plain Envoy in front of the same zero-delay sim pool, in one run.
+"""What the EPP costs: Envoy + EPP against a plain Envoy in front of the same zero-delay sim pool, in one run; and
+what flow control costs an unsaturated pool: the same build with `flowControl: {enabled: false}` beside it.
 
 * added latency, one request at a time (p50, p99), the two targets interleaved request by request;
 * throughput at a fixed concurrency (default 32), each target run twice in alternating order;
@@ -22,10 +23,12 @@ from epp.bench.peers import peer_command, start_router
 from epp.bench.ports import free_port_block, free_ports
 from epp.envoy import EnvoyProcess, render_baseline, render_bootstrap, terminate
 from epp.local import LocalStack, StackConfig
+from epp.scheduling.scheduler import DEFAULT_CONFIG
 
 BODY = {"model": "sim-llama-8b", "prompt": "Say hello to the benchmark.", "max_tokens": 1}
 PLAIN = "plain envoy"
 EPP = "envoy+epp"
+EPP_NO_FLOW_CONTROL = "envoy+epp (flowControl: {enabled: false})"
 FLOOR_ONE_TRIP = "envoy+floor (request headers only)"
 FLOOR_HEADERS = "envoy+floor (headers only)"
 FLOOR_BODY = "envoy+floor (body streamed)"
@@ -51,6 +54,7 @@ class OverheadResult:
     concurrent_requests: int
     latency_ms: dict[str, dict[str, float]] = field(default_factory=dict)  # target -> p50/p99/mean
     added_latency_ms: dict[str, float] = field(default_factory=dict)
+    flow_control_added_ms: dict[str, float] = field(default_factory=dict)  # EPP - EPP without flow control
     throughput_rps: dict[str, float] = field(default_factory=dict)
     throughput_ratio: float = 0.0
     cpu_seconds: dict[str, float] = field(default_factory=dict)  # process -> CPU seconds over the whole run
@@ -78,6 +82,11 @@ class OverheadResult:
             f"added latency of the EPP (ext_proc transport {self.transport}): p50 {self.added_latency_ms['p50']:+.2f} ms, "
             f"p99 {self.added_latency_ms['p99']:+.2f} ms; throughput ratio EPP/plain {self.throughput_ratio:.2f}"
         )
+        if self.flow_control_added_ms:
+            lines.append(
+                f"added latency of flow control (unsaturated, the same build without it): p50 "
+                f"{self.flow_control_added_ms['p50']:+.3f} ms, p99 {self.flow_control_added_ms['p99']:+.3f} ms"
+            )
         lines.append("CPU seconds over the run: " + ", ".join(f"{k} {v:.1f}" for k, v in self.cpu_seconds.items()))
         lines.append("host load (1/5/15 min) at the end: " + " ".join(f"{v:.2f}" for v in self.host_load))
         return "\n".join(lines)
@@ -141,6 +150,33 @@ async def _start_floor(
     return f"http://127.0.0.1:{listener}/v1/completions", {"envoy": envoy.process.pid, "processor": floor.pid}
 
 
+async def _start_epp_without_flow_control(stack: LocalStack, transport: str, opened: list) -> LocalStack:
+    """The stack's EPP build and Envoy bootstrap again, on ports of their own and over the stack's model servers,
+    with `flowControl: {enabled: false}`: flow control's cost is the difference to the stack's own EPP."""
+    grpc, health, metrics, listener, admin = free_ports(5)
+    c = stack.config
+    off = LocalStack(
+        StackConfig(
+            model_servers=c.model_servers,
+            base_port=c.base_port,
+            grpc_port=grpc,
+            grpc_health_port=health,
+            metrics_port=metrics,
+            listener_port=listener,
+            admin_port=admin,
+            workdir=stack.workdir / "flow-control-off",
+            config_text=DEFAULT_CONFIG + "flowControl: {enabled: false}\n",
+            epp_args=["--ext-proc-transport", transport],
+        )
+    )
+    off.workdir.mkdir(exist_ok=True)
+    opened.append(off)
+    off.start_epp()
+    off.start_envoy()
+    await asyncio.gather(off._wait_http("epp", off.epp_metrics_url, 60), off.envoy.wait_ready(60))
+    return off
+
+
 async def measure(
     servers: int = 4,
     sequential: int = 400,
@@ -150,6 +186,7 @@ async def measure(
     with_peers: bool = True,
     transport: str = "h2",
     with_floor: bool = True,
+    with_flow_control_off: bool = True,
 ) -> OverheadResult:
     """Every target in one run over one pool: sequential latency interleaved request by request, then throughput
     in alternating order. Each target has processes of its own (its Envoy, its processor or router), so their CPU
@@ -201,6 +238,10 @@ async def measure(
                 )
         targets[EPP] = f"{stack.gateway_url}/v1/completions"
         pids[EPP] = {"envoy": stack.envoy.process.pid, "epp": stack.processes["epp"].pid}
+        if with_flow_control_off:  # a second EPP and Envoy over the same servers, flow control off
+            off = await _start_epp_without_flow_control(stack, transport, opened)
+            targets[EPP_NO_FLOW_CONTROL] = f"{off.gateway_url}/v1/completions"
+            pids[EPP_NO_FLOW_CONTROL] = {"envoy": off.envoy.process.pid, "epp": off.processes["epp"].pid}
         for kind in ("sglang", "vllm") if with_peers else ():  # the Rust routers, when the [bench] extra installed them
             if peer_command(kind) is not None:
                 process, url = await start_router(
@@ -242,9 +283,12 @@ async def measure(
         epp, base_lat = result.latency_ms[EPP], result.latency_ms[PLAIN]
         result.added_latency_ms = {"p50": epp["p50"] - base_lat["p50"], "p99": epp["p99"] - base_lat["p99"]}
         result.throughput_ratio = result.throughput_rps[EPP] / result.throughput_rps[PLAIN]
+        if EPP_NO_FLOW_CONTROL in result.latency_ms:
+            off_lat = result.latency_ms[EPP_NO_FLOW_CONTROL]
+            result.flow_control_added_ms = {"p50": epp["p50"] - off_lat["p50"], "p99": epp["p99"] - off_lat["p99"]}
     finally:
         for item in reversed(opened):
-            if isinstance(item, EnvoyProcess):
+            if isinstance(item, (EnvoyProcess, LocalStack)):
                 item.stop()
             else:
                 terminate(item)

@@ -54,6 +54,11 @@ class Endpoint:
     in_flight_requests: int = 0
     in_flight_tokens: int = 0  # estimated prompt tokens of in-flight requests
     routed_total: int = 0
+    # For a load estimate fresher than the last scrape: what the EPP had in flight when that scrape was taken (the
+    # requests routed and finished since then are the difference), and the most requests the endpoint was seen
+    # running while others waited (its batch is full at that count; None until a scrape showed a waiting request).
+    in_flight_at_scrape: int = 0
+    batch_slots: int | None = None
 
     @property
     def name(self) -> str:

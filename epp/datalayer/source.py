@@ -51,7 +51,11 @@ class Extractor(Protocol[Raw]):
 
 class PrometheusExtractor:
     """A Prometheus text page -> `endpoint.metrics` (queue, running, KV usage, LoRA adapters, cache config), read
-    with the metric names of the endpoint's engine (`protocol.metrics.ENGINES`)."""
+    with the metric names of the endpoint's engine (`protocol.metrics.ENGINES`); also the EPP's in-flight count at
+    this scrape and the endpoint's batch slots once it is seen full (`Endpoint.batch_slots`)."""
 
     def extract(self, raw: str, endpoint: Endpoint) -> None:
-        endpoint.metrics = parse_metrics(raw, engine_spec(endpoint.spec.engine))
+        metrics = endpoint.metrics = parse_metrics(raw, engine_spec(endpoint.spec.engine))
+        endpoint.in_flight_at_scrape = endpoint.in_flight_requests
+        if metrics.waiting and metrics.running > (endpoint.batch_slots or 0):
+            endpoint.batch_slots = metrics.running

@@ -9,7 +9,8 @@ Body modes:
 * BUFFERED (and any Envoy that does not announce its mode): headers are answered at once; the body response
   carries the header mutation.
 The JSON body is re-serialized only when the EPP changes it (a model rewrite). A request's completion (in-flight
-accounting, scheduler hooks, metrics) is known when its ext_proc stream ends. A request the director queues (flow
+accounting, scheduler hooks, metrics) is known at its response trailers or, when the server sent none, when its
+ext_proc stream ends (our bootstrap's response_trailer_mode SEND keeps the stream open until the response ends). A request the director queues (flow
 control) is answered through the transport's `reply` once it is routed (the interface: `epp.handlers`).
 """
 
@@ -137,6 +138,7 @@ class RequestStream:
         "body_chunks",
         "body_done",
         "budget",
+        "completed",
         "ctx",
         "director",
         "full_duplex",
@@ -170,6 +172,7 @@ class RequestStream:
         self.routed = False  # answered with a destination: after_reply hands the pick to the director's hooks
         self.pending: asyncio.Future | None = None  # a routing the director queued, answered through reply
         self.held: list[pb.ProcessingResponse] = []  # answers to later messages, sent after the deferred one
+        self.completed = False
 
     @property
     def awaiting_reply(self) -> bool:
@@ -195,7 +198,8 @@ class RequestStream:
         if kind == "request_trailers":
             out = [] if self.body_done else self._on_request_body(pb.HttpBody(end_of_stream=True))
             return [*out, pb.ProcessingResponse(request_trailers=pb.TrailersResponse())]
-        if kind == "response_trailers":
+        if kind == "response_trailers":  # the response is over
+            self._complete()
             return [pb.ProcessingResponse(response_trailers=pb.TrailersResponse())]
         return []
 
@@ -364,5 +368,10 @@ class RequestStream:
         if self.pending is not None:
             self.pending.cancel()  # still queued: the director's wait ends with the stream
             self.pending = None
-        if self.ctx is not None:
+        self._complete()
+
+    def _complete(self) -> None:
+        """The director hears once that the request is over: at its response trailers or when the stream ends."""
+        if self.ctx is not None and not self.completed:
+            self.completed = True
             self.director.on_complete(self.ctx)

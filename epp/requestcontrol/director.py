@@ -7,7 +7,8 @@ status the client gets.
 Admission: the subset hint must allow an endpoint and the pool must have one (else 503). With flow control
 (`epp.flowcontrol`, on by default) a request goes straight on while the pool has room and nothing waits (no
 queue, no await); otherwise `route` returns an awaitable that resolves to the decision once the request's turn
-comes (by priority band, fairly between flows), or raises 429 with retry-after when it expires or does not fit.
+comes (by priority band, fairly between flows; it is then scheduled among the endpoints that can start it now), or
+raises 429 with retry-after when it expires or does not fit (503 when the pool has emptied meanwhile).
 Without flow control, sheddable requests (priority < 0) get 429 while the pool is saturated and the rest go on.
 After the proxy has the answer, `after_routed` runs the scheduler's pre-request hooks (the prefix index records the
 pick) off the request's critical path.
@@ -94,23 +95,30 @@ class Director:
             raise self._failed(ctx, error) from None
 
     async def _wait_for_turn(self, ctx, request, body, changed) -> RoutingDecision:
+        flow_control = self.flow_control
         try:
-            await self.flow_control.wait(
-                request.priority, request.fairness_id or DEFAULT_FLOW, len(body or b""), request.prompt_tokens_estimate
+            await flow_control.wait(
+                request.priority,
+                request.fairness_id or DEFAULT_FLOW,
+                len(body or b""),
+                request.prompt_tokens_estimate,
+                flow_control.config.request_ttl(request.objective),
             )
         except FlowControlRejected as rejected:
+            if not self.datastore.endpoints:  # the pool emptied while it waited: no retry would be served sooner
+                raise self._failed(ctx, OpenAIError("no ready endpoint", 503)) from None
             raise self._failed(ctx, OpenAIError(str(rejected), 429, retry_after=1)) from None
         ctx.dispatched = True
         try:
-            decision = self._schedule(ctx, request, body, changed)
+            decision = self._schedule(ctx, request, body, changed, waited=True)
         except SchedulingError as error:
             raise self._failed(ctx, _openai_error(error)) from None
         return decision if isinstance(decision, RoutingDecision) else await decision
 
-    async def _schedule_prepared(self, ctx, request, body, changed, prepared) -> RoutingDecision:
+    async def _schedule_prepared(self, ctx, request, body, changed, prepared, waited: bool) -> RoutingDecision:
         cycle_state = await prepared
         try:
-            return self._decide(ctx, request, body, changed, cycle_state)
+            return self._decide(ctx, request, body, changed, cycle_state, waited)
         except SchedulingError as error:
             raise self._failed(ctx, _openai_error(error)) from None
 
@@ -170,18 +178,24 @@ class Director:
             subset=ctx.subset,
         )
 
-    def _schedule(self, ctx, request, body, body_changed) -> RoutingDecision | Awaitable[RoutingDecision]:
+    def _schedule(
+        self, ctx, request, body, body_changed, waited: bool = False
+    ) -> RoutingDecision | Awaitable[RoutingDecision]:
         """The decision, or an awaitable of it while a PrepareData plugin works in a worker thread (tokenizing a
-        long prompt)."""
+        long prompt). A request that `waited` in flow control for its turn (a slot freed) goes to an endpoint that
+        can start it now, not into a full one's queue."""
         prepared = self.scheduler.prepare(request)
         if isinstance(prepared, CycleState):
-            return self._decide(ctx, request, body, body_changed, prepared)
-        return self._schedule_prepared(ctx, request, body, body_changed, prepared)
+            return self._decide(ctx, request, body, body_changed, prepared, waited)
+        return self._schedule_prepared(ctx, request, body, body_changed, prepared, waited)
 
-    def _decide(self, ctx, request, body, body_changed, cycle_state: CycleState) -> RoutingDecision:
+    def _decide(self, ctx, request, body, body_changed, cycle_state: CycleState, waited: bool) -> RoutingDecision:
         metrics = self.metrics
         started = time.perf_counter()
-        result = self.scheduler.schedule(request, self.datastore.endpoints, cycle_state)
+        endpoints = self.datastore.endpoints
+        if waited:
+            endpoints = self.scheduler.detector.with_room(endpoints)
+        result = self.scheduler.schedule(request, endpoints, cycle_state)
         self.scheduler.on_picked(request, result)
         metrics.scheduler_e2e.labels().observe(time.perf_counter() - started)
         for name, seconds in result.timings:
@@ -227,16 +241,17 @@ class Director:
 
     def on_complete(self, ctx: RequestContext) -> None:
         """The request is over, whether or not its response came through the EPP."""
+        endpoint = ctx.endpoint
+        request = ctx.request
+        if endpoint is not None:  # first: flow control's next dispatch sees the slot this request frees
+            ctx.endpoint = None
+            endpoint.in_flight_requests -= 1
+            endpoint.in_flight_tokens -= request.prompt_tokens_estimate
         if ctx.dispatched:
             ctx.dispatched = False
             self.flow_control.complete()
-        endpoint = ctx.endpoint
         if endpoint is None:
             return
-        ctx.endpoint = None
-        request = ctx.request
-        endpoint.in_flight_requests -= 1
-        endpoint.in_flight_tokens -= request.prompt_tokens_estimate
         now = time.monotonic()
         tail = ctx.response_tail
         output_tokens = _usage(_COMPLETION_TOKENS, tail)

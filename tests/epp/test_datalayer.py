@@ -7,12 +7,31 @@ import pytest
 from aiohttp import web
 
 from epp.datalayer.datastore import Datastore
-from epp.datalayer.endpoint import EndpointSpec, PoolState
+from epp.datalayer.endpoint import Endpoint, EndpointSpec, PoolState
 from epp.datalayer.pool_file import PoolFileError, PoolFileSource, parse_pool
 from epp.datalayer.scraper import Scraper
+from epp.datalayer.source import PrometheusExtractor
 from tests.conftest import free_ports
 
 PAGE = "vllm:num_requests_waiting 3\nvllm:num_requests_running 1\nvllm:kv_cache_usage_perc 0.5\n"
+
+
+def test_extractor_records_the_in_flight_count_at_the_scrape_and_learns_the_batch_slots():
+    e = Endpoint(EndpointSpec("a", "127.0.0.1", 1))
+    e.in_flight_requests = 2
+    PrometheusExtractor().extract(
+        "vllm:num_requests_waiting 0\nvllm:num_requests_running 2\nvllm:kv_cache_usage_perc 0\n", e
+    )
+    assert (e.in_flight_at_scrape, e.batch_slots) == (2, None)  # not full: its batch size is not known
+    e.in_flight_requests = 6
+    PrometheusExtractor().extract(
+        "vllm:num_requests_waiting 2\nvllm:num_requests_running 4\nvllm:kv_cache_usage_perc 0\n", e
+    )
+    assert (e.in_flight_at_scrape, e.batch_slots) == (6, 4)  # requests wait while 4 run: 4 slots
+    PrometheusExtractor().extract(
+        "vllm:num_requests_waiting 1\nvllm:num_requests_running 3\nvllm:kv_cache_usage_perc 0\n", e
+    )
+    assert e.batch_slots == 4  # a scrape between a completion and the next admission does not lower it
 
 
 def test_parse_pool_file():

@@ -6,9 +6,14 @@ import asyncio
 import json
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
+from epp.datalayer.endpoint import PoolState
 from epp.flowcontrol import DISPATCHED, EVICTED_CANCELLED, FlowControlConfig, FlowController
 from epp.handlers.extproc import RequestStream
+from epp.metrics import MAX_FAIRNESS_ID_LABELS, OTHER_FLOW, EPPMetrics
+from protocol.metrics import EndpointMetrics
 from tests.epp.test_server import BASE_HEADERS, body_message, headers_message, make_picker
 
 
@@ -30,9 +35,11 @@ def setup(slots: int):
     return director, room, outcomes
 
 
-def start(director, replies: list, tenant: str) -> tuple[RequestStream, list]:
+def start(director, replies: list, tenant: str, objective: str | None = None) -> tuple[RequestStream, list]:
     stream = RequestStream(director, replies.append)
     headers = {**BASE_HEADERS, "x-gateway-inference-fairness-id": tenant}
+    if objective:
+        headers["x-gateway-inference-objective"] = objective
     assert stream.handle(headers_message(headers)) == []
     return stream, stream.handle(body_message(json.dumps({"model": "m", "prompt": "hello"}).encode()))
 
@@ -92,3 +99,103 @@ async def test_answers_to_messages_that_arrive_while_queued_follow_the_deferred_
     kinds = [a.WhichOneof("response") for a in answers]
     assert kinds == ["request_headers", "request_body", "request_trailers"]  # routing, the body, then the trailers
     stream.finish()
+
+
+async def test_a_completion_frees_its_endpoint_before_the_next_dispatch_which_goes_there():
+    director = make_picker()
+    detector, endpoints = director.scheduler.detector, director.datastore.endpoints
+    director.flow_control = FlowController(FlowControlConfig(), lambda n: detector.has_room(endpoints, n))
+    for e in endpoints:  # each seen full at one running request; idle at the last scrape
+        e.metrics, e.stale, e.batch_slots = EndpointMetrics(), False, 1
+    replies: list = []
+    first, _ = start(director, replies, "a")
+    second, _ = start(director, replies, "a")
+    assert {first.ctx.endpoint, second.ctx.endpoint} == set(endpoints)  # each to the endpoint with a free slot
+    third, (wait,) = start(director, replies, "b")
+    assert wait.HasField("override_message_timeout")
+    await asyncio.sleep(0)
+    freed = first.ctx.endpoint
+    first.finish()  # its endpoint's slot is free at once (no scrape needed) and the queued request goes there
+    await asyncio.sleep(0)
+    assert replies and third.ctx.endpoint is freed
+    second.finish()
+    third.finish()
+    assert director.flow_control.in_flight == 0 and all(e.in_flight_requests == 0 for e in endpoints)
+
+
+async def test_a_request_queued_when_the_pool_empties_gets_503_at_its_ttl():
+    director = make_picker()
+    director.flow_control = FlowController(FlowControlConfig(default_request_ttl=0.02), Room(0))
+    replies: list = []
+    stream, _ = start(director, replies, "a")
+    director.datastore.apply(PoolState())  # every endpoint left the pool
+    await asyncio.sleep(0.05)
+    (answers,) = replies
+    assert answers[0].immediate_response.status.code == 503
+    stream.finish()
+    assert director.flow_control.in_flight == 0 and director.flow_control.count == 0
+
+
+async def test_a_request_waits_for_its_objectives_ttl_and_gets_429_with_retry_after():
+    director = make_picker()
+    config = FlowControlConfig.from_config({"defaultRequestTTL": "10s", "objectiveRequestTTL": {"interactive": "20ms"}})
+    director.flow_control = FlowController(config, Room(0))
+    replies: list = []
+    stream, (wait,) = start(director, replies, "a", objective="interactive")
+    assert wait.override_message_timeout.seconds == 12  # the longest TTL (10 s) and a margin
+    await asyncio.sleep(0.06)
+    (answers,) = replies  # expired at 20 ms, not 10 s
+    status = answers[0].immediate_response
+    assert status.status.code == 429
+    assert any(h.header.key == "retry-after" for h in status.headers.set_headers)
+    stream.finish()
+
+
+async def test_the_response_trailers_end_a_request_not_its_first_byte_and_only_once():
+    director, _, _ = setup(slots=1)
+    replies: list = []
+    first, _ = start(director, replies, "a")
+    second, _ = start(director, replies, "b")
+    await asyncio.sleep(0)
+    first.after_reply()
+    first.handle(pb.ProcessingRequest(response_headers=pb.HttpHeaders()))
+    await asyncio.sleep(0)
+    assert not replies  # the response has begun, the request still runs: no slot for the queued one
+    first.handle(pb.ProcessingRequest(response_trailers=pb.HttpTrailers()))  # the response is over
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    assert replies and second.ctx.endpoint is not None
+    first.finish()  # the stream's end after the trailers completes nothing twice
+    assert director.flow_control.in_flight == 1
+    second.finish()
+    assert director.flow_control.in_flight == 0 and all(e.in_flight_requests == 0 for e in director.datastore.endpoints)
+
+
+async def test_flow_control_metrics_by_band_and_flow_with_bounded_fairness_labels():
+    director, _, _ = setup(slots=0)
+    endpoints = director.datastore.endpoints
+    metrics = director.metrics = EPPMetrics("pool", lambda: endpoints, lambda: None, lambda: director.flow_control)
+    director.flow_control.observer = metrics.flow_control_outcome
+    for e in director.datastore.endpoints:
+        e.metrics, e.stale = EndpointMetrics(), False
+    replies: list = []
+    streams = [start(director, replies, f"tenant-{i}")[0] for i in range(MAX_FAIRNESS_ID_LABELS + 5)]
+    await asyncio.sleep(0)
+    streams[0].finish()  # one client gave up while queued
+    await asyncio.sleep(0)
+    page = generate_latest(metrics.registry).decode()
+    families = {f.name: f for f in text_string_to_metric_families(page)}
+    sizes = families["inference_extension_flow_control_queue_size"].samples
+    # the first 100 fairness ids are labels of their own (tenant-0 left its queue), the rest share "other"
+    assert {s.labels["fairness_id"] for s in sizes} == {f"tenant-{i}" for i in range(1, 100)} | {OTHER_FLOW}
+    assert sum(s.value for s in sizes) == MAX_FAIRNESS_ID_LABELS + 4
+    assert next(s for s in sizes if s.labels["fairness_id"] == OTHER_FLOW).value == 5
+    (per_endpoint,) = families["inference_extension_flow_control_queued_requests_per_ready_endpoint"].samples
+    assert per_endpoint.value == (MAX_FAIRNESS_ID_LABELS + 4) / 2  # two ready endpoints
+    waits = families["inference_extension_flow_control_request_queue_duration_seconds"].samples
+    cancelled = [s for s in waits if s.name.endswith("_count") and s.labels["outcome"] == EVICTED_CANCELLED]
+    assert [(s.labels["fairness_id"], s.labels["priority"], s.value) for s in cancelled] == [("tenant-0", "0", 1)]
+    for stream in streams[1:]:
+        stream.finish()
+    await asyncio.sleep(0)
+    assert director.flow_control.count == 0

@@ -197,6 +197,9 @@ async def test_queued_request_dispatched_when_room_appears():
         {"defaultPriorityBand": {"fairnessPolicyRef": "lottery"}},
         {"defaultPriorityBand": {"orderingPolicyRef": "lifo"}},
         {"unknown": 1},
+        {"objectiveRequestTTL": {"critical": "0s"}},
+        {"objectiveRequestTTL": {"critical": "soon"}},
+        {"objectiveRequestTTL": ["critical"]},
     ],
 )
 def test_invalid_config_is_a_clear_error(raw):
@@ -229,3 +232,16 @@ def test_llm_d_style_config_quantities_durations_policy_refs_and_feature_gate():
     assert FlowControlConfig.from_text("featureGates: [flowControl]\n").enabled is True
     with pytest.raises(ConfigError):
         FlowControlConfig.from_text("featureGates: [flowControl=maybe]\n")
+
+
+def test_objective_ttl_overrides_band_and_default_and_bounds_the_proxy_wait():
+    cfg = FlowControlConfig.from_config(
+        {
+            "defaultRequestTTL": "10s",
+            "priorityBands": [{"priority": 1, "defaultRequestTTL": "20s"}],
+            "objectiveRequestTTL": {"interactive": "2s", "report": "5m"},
+        }
+    )
+    assert cfg.request_ttl("interactive") == 2.0 and cfg.request_ttl("report") == 300.0
+    assert cfg.request_ttl("other") is None and cfg.request_ttl(None) is None  # the band's or the default applies
+    assert cfg.longest_ttl == 300.0  # the proxy is told to wait as long as the longest

@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import re
 import signal
 
 import aiohttp
@@ -22,6 +23,18 @@ async def complete(session, stack, body=None, headers=None, path="/v1/completion
     body = body or {"model": MODEL, "prompt": "hello", "max_tokens": 2}
     async with session.post(f"{stack.gateway_url}{path}", json=body, headers=headers or {}) as r:
         return r.status, await r.read()
+
+
+async def finished(stack) -> None:
+    """Until the EPP has seen every response end: it learns the end when Envoy closes the ext_proc stream, just
+    after the client has the last byte, so a client's next request can otherwise see the previous one in flight."""
+    async with aiohttp.ClientSession() as session:
+        for _ in range(100):
+            async with session.get(stack.epp_metrics_url) as r:
+                running = re.findall(r"^inference_objective_running_requests\{[^}]*\} (\S+)$", await r.text(), re.M)
+            if sum(float(v) for v in running) == 0:
+                return
+            await asyncio.sleep(0.01)
 
 
 def delta(before, after):
@@ -88,6 +101,7 @@ async def test_load_prefix_and_lora_aware_routing(make_stack):
             assert (await complete(session, stack, {"model": adapter, "prompt": "lora question", "max_tokens": 2}))[
                 0
             ] == 200
+            await finished(stack)
         # affinity is one weighted score among load scores, so one of six may go elsewhere when the adapter's server
         # is busier (measured: 1 in ~10 runs on a loaded machine); routing at random would put >= 5 there 1.8 % of the time
         assert delta(before, await served_counts(stack))[2] >= 5

@@ -25,6 +25,12 @@ async def epp_metric(session: aiohttp.ClientSession, stack, name: str) -> float:
     return float(match.group(1)) if match else 0.0
 
 
+async def epp_running(session: aiohttp.ClientSession, stack) -> float:
+    async with session.get(stack.epp_metrics_url) as r:
+        running = re.findall(r"^inference_objective_running_requests\{[^}]*\} (\S+)$", await r.text(), re.M)
+    return sum(float(v) for v in running)
+
+
 async def complete(session, stack, prompt: str) -> dict:
     body = {"model": stack.config.model, "prompt": prompt, "max_tokens": 2}
     async with session.post(f"{stack.gateway_url}/v1/completions", json=body) as r:
@@ -44,6 +50,12 @@ async def test_a_prompt_goes_where_the_servers_events_say_its_prefix_is(make_sta
                 if await epp_metric(session, stack, "inference_extension_kv_events_index_entries") > entries:
                     break
                 await asyncio.sleep(0.02)
+            for _ in range(100):  # and the EPP has seen the first response end (when Envoy closes its ext_proc
+                # stream, just after the client's last byte): else the holder counts one request in flight and the
+                # load guard may send the second elsewhere
+                if await epp_running(session, stack) == 0:
+                    break
+                await asyncio.sleep(0.01)
             usage = await complete(session, stack, context + "How many days are there in a year?")
             hits.append(usage["prompt_tokens_details"]["cached_tokens"] / usage["prompt_tokens"])
         # Random placement would find the context on the second request's server one time in three.

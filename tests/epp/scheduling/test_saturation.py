@@ -92,3 +92,40 @@ def test_configured_thresholds_reach_admission():
     scheduler = Scheduler.from_config(config)
     assert not scheduler.detector.is_saturated(BUSY)
     assert scheduler.admit(SchedulingRequest(request_id="r", model="m", priority=-1), BUSY) is None
+
+
+def test_flow_control_dispatches_into_free_batch_slots_once_an_endpoint_was_seen_full():
+    detector = SaturationDetector()
+    e = endpoint(0, running=4, in_flight=4)
+    e.in_flight_at_scrape = 4
+    assert detector.endpoint_has_room(e)  # never seen full: its queue depth (0) under queueDepthThreshold
+    e.batch_slots = 4
+    assert not detector.endpoint_has_room(e)  # its 4 slots run 4 requests
+    e.in_flight_requests = 3  # one finished since the scrape: its slot is free now, before the next scrape
+    assert detector.endpoint_has_room(e)
+    e.in_flight_requests = 4  # and routed one since: full again
+    assert not detector.endpoint_has_room(e)
+    e.in_flight_requests = 3
+    e.metrics.kv_usage = 0.8  # the KV cache is full whatever the batch
+    assert not detector.endpoint_has_room(e)
+    e.metrics.kv_usage = 0.0
+    e.stale = True
+    assert not detector.endpoint_has_room(e)
+
+
+def test_flow_control_sends_a_dispatched_request_to_an_endpoint_with_room():
+    detector = SaturationDetector()
+    full, free = endpoint(0, running=4, in_flight=4), endpoint(1, running=3, in_flight=3)
+    for e in (full, free):
+        e.batch_slots, e.in_flight_at_scrape = 4, e.in_flight_requests
+    assert detector.has_room([full, free], 7)
+    assert detector.with_room([full, free]) == [free]
+    free.in_flight_requests = 4
+    assert not detector.has_room([full, free], 8)
+    assert detector.with_room([full, free]) == [full, free]  # none has room: the scheduler picks among all
+
+
+def test_a_blind_pool_takes_queue_depth_threshold_requests_per_endpoint():
+    pool = [never_scraped(0), endpoint(1, stale=True)]
+    assert SaturationDetector().has_room(pool, 9)
+    assert not SaturationDetector().has_room(pool, 10)
