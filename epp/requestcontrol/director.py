@@ -204,6 +204,7 @@ class Director:
         endpoint = ctx.endpoint = result.primary
         endpoint.in_flight_requests += 1
         endpoint.in_flight_tokens += request.prompt_tokens_estimate
+        ctx.in_flight_tokens = request.prompt_tokens_estimate
         endpoint.routed_total += 1
         ctx.routed_at = time.monotonic()
         metrics.requests.labels(*ctx.labels).inc()
@@ -223,6 +224,18 @@ class Director:
     # -- response path -----------------------------------------------------------------------------------------
     def on_response_headers(self, ctx: RequestContext, status: str, served: str | None) -> None:
         ctx.status, ctx.served = status, served
+        self._release_prompt_tokens(ctx)
+
+    @staticmethod
+    def _release_prompt_tokens(ctx: RequestContext) -> None:
+        """The endpoint has answered: its prompt is no longer work waiting there. in_flight_tokens stands for pending
+        prefill (in-flight-tokens-scorer, the predictor's feature); counted to the response's end (the stream stays
+        open to it with response_trailer_mode SEND), a conversation's own server looked busy with its long context
+        and lost its next turn: shared-prefix-multi-turn at 16/s, 4 runs, epp mean TTFT 56-87 ms, prefix hits
+        81-87 %, against 52-54 ms and 89-90 % while the count ended at the response headers."""
+        if ctx.endpoint is not None and ctx.in_flight_tokens:
+            ctx.endpoint.in_flight_tokens -= ctx.in_flight_tokens
+            ctx.in_flight_tokens = 0
 
     def rewrites_response(self, ctx: RequestContext) -> bool:
         """A rewritten model's name goes back to the client's name in the response (its length then changes)."""
@@ -244,9 +257,9 @@ class Director:
         endpoint = ctx.endpoint
         request = ctx.request
         if endpoint is not None:  # first: flow control's next dispatch sees the slot this request frees
+            self._release_prompt_tokens(ctx)
             ctx.endpoint = None
             endpoint.in_flight_requests -= 1
-            endpoint.in_flight_tokens -= request.prompt_tokens_estimate
         if ctx.dispatched:
             ctx.dispatched = False
             self.flow_control.complete()

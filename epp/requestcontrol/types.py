@@ -17,6 +17,7 @@ class RequestContext:
         "endpoint",
         "first_chunk_at",
         "headers",
+        "in_flight_tokens",
         "labels",
         "model",
         "request",
@@ -38,6 +39,7 @@ class RequestContext:
         self.request: SchedulingRequest | None = None
         self.result: SchedulingResult | None = None
         self.endpoint: Endpoint | None = None  # the pick, while the request is in flight
+        self.in_flight_tokens = 0  # its prompt tokens counted in the pick's in_flight_tokens, until it answers
         self.routed_at = 0.0
         self.served: str | None = None  # the endpoint that answered, as the proxy reports it
         self.status = ""  # the response's HTTP status

@@ -359,3 +359,22 @@ def test_a_rewrite_header_cannot_widen_the_pools_model_allowlist():
             assert json.loads(body)["model"] == target
         else:
             assert responses[0].immediate_response.status.code == 404
+
+
+def test_prompt_tokens_count_as_in_flight_until_the_endpoint_answers_and_the_request_until_it_ends():
+    director = make_picker()
+    ctx = director.new_request({":path": "/v1/completions"}, None)
+    payload = {"model": "m", "prompt": "hello " * 50, "max_tokens": 5, "stream": True}
+    director.route(ctx, payload, json.dumps(payload).encode())
+    picked = ctx.endpoint
+    assert picked.in_flight_requests == 1 and picked.in_flight_tokens == ctx.request.prompt_tokens_estimate > 0
+    director.on_response_headers(ctx, "200", None)  # its prefill is under way: no longer work waiting there
+    assert picked.in_flight_tokens == 0 and picked.in_flight_requests == 1
+    director.on_complete(ctx)
+    assert picked.in_flight_tokens == 0 and picked.in_flight_requests == 0
+    # a request that ends without response headers (reset, EPP-side failure) releases both at its end
+    ctx = director.new_request({":path": "/v1/completions"}, None)
+    director.route(ctx, payload, json.dumps(payload).encode())
+    picked = ctx.endpoint
+    director.on_complete(ctx)
+    assert picked.in_flight_tokens == 0 and picked.in_flight_requests == 0

@@ -5,7 +5,7 @@ finished (no scrape needed, so it is exact within a burst).
 Score: inverted min-max over the candidates.
 Parameters: none.
 Trade-offs: a long prompt's prefill stalls every request that joins its batch, which request counts do not show;
-tokens do, but they stay counted until the request ends, long after its prefill.
+tokens do; they are counted until the endpoint answers (its response headers), an estimate of when its prefill is done.
 """
 
 from __future__ import annotations
