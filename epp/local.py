@@ -16,6 +16,9 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
+import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -61,6 +64,43 @@ class StackConfig:
     # its port + publisher_port_offset, a free block) and every EPP connects to all of them: vLLM publishes to one
     # endpoint, so with several subscribers the servers bind and the subscribers connect.
     epp_replicas: int = 1
+
+
+def epp_command(
+    pool_file: str, host: str, grpc: int, health: int, metrics: int, kv_events_port: int, extra: Sequence[str] = ()
+) -> list[str]:
+    """The command line of an EPP on a pool file (the local stack's and the benchmarks')."""
+    return [
+        sys.executable,
+        "-m",
+        "epp",
+        "--pool-file",
+        pool_file,
+        "--bind-address",
+        host,
+        "--grpc-port",
+        str(grpc),
+        "--grpc-health-port",
+        str(health),
+        "--metrics-port",
+        str(metrics),
+        "--kv-events-port",
+        str(kv_events_port),
+        *extra,
+    ]
+
+
+def wait_until_serving(epp: subprocess.Popen, metrics_url: str, log: Path, timeout: float = 60.0) -> None:
+    """Until the EPP answers on its metrics port; RuntimeError naming its log if it exits or times out first."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            urllib.request.urlopen(metrics_url, timeout=1).read()
+            return
+        except OSError:
+            if epp.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"epp did not start serving; see {log}") from None
+            time.sleep(0.1)
 
 
 class LocalStack:
@@ -186,24 +226,7 @@ class LocalStack:
         c = self.config
         pool_file = str(self.write_pool_file())
         for name, (grpc, health, metrics) in zip(self.epp_names, self.epp_ports, strict=True):
-            argv = [
-                sys.executable,
-                "-m",
-                "epp",
-                "--pool-file",
-                pool_file,
-                "--bind-address",
-                c.host,
-                "--grpc-port",
-                str(grpc),
-                "--grpc-health-port",
-                str(health),
-                "--metrics-port",
-                str(metrics),
-                "--kv-events-port",
-                str(c.kv_events_port or 0),
-                *c.epp_args,
-            ]
+            argv = epp_command(pool_file, c.host, grpc, health, metrics, c.kv_events_port or 0, c.epp_args)
             if self.publisher_port_offset is not None:
                 argv += ["--kv-events-connect-port-offset", str(self.publisher_port_offset)]
             if self.replay_port_offset is not None:

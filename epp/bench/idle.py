@@ -30,6 +30,7 @@ import yaml
 
 from epp.bench.overhead import cpu_seconds
 from epp.bench.ports import free_port_block, free_ports
+from epp.local import epp_command, wait_until_serving
 
 
 @dataclass
@@ -120,18 +121,6 @@ def capture_sim_page(workdir: Path) -> bytes:
         log.close()
 
 
-def _wait_until_serving(epp: subprocess.Popen, metrics_port: int, log: Path, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=1).read()
-            return
-        except OSError:
-            if epp.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"epp did not start serving; see {log}") from None
-            time.sleep(0.1)
-
-
 def _read_line(process: subprocess.Popen, timeout: float) -> str:
     deadline = time.monotonic() + timeout
     line = process.stdout.readline()
@@ -172,30 +161,10 @@ def measure(
                 endpoints = [{"name": f"ep-{i}", "address": "127.0.0.1", "port": base + i} for i in range(count)]
                 pool.write_text(yaml.safe_dump({"endpoints": endpoints}))
                 log = (workdir / f"epp-{count}.log").open("wb")
-                epp = subprocess.Popen(
-                    [
-                        sys.executable,
-                        "-m",
-                        "epp",
-                        "--pool-file",
-                        str(pool),
-                        "--bind-address",
-                        "127.0.0.1",
-                        "--grpc-port",
-                        str(grpc),
-                        "--grpc-health-port",
-                        str(health),
-                        "--metrics-port",
-                        str(metrics),
-                        "--kv-events-port",
-                        "0",
-                        *(epp_args or []),
-                    ],
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                )
+                argv = epp_command(str(pool), "127.0.0.1", grpc, health, metrics, 0, epp_args or ())
+                epp = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
                 log.close()
-                _wait_until_serving(epp, metrics, workdir / f"epp-{count}.log")
+                wait_until_serving(epp, f"http://127.0.0.1:{metrics}/metrics", workdir / f"epp-{count}.log")
                 time.sleep(warmup)  # counted from the EPP serving (its start-up, slow on a loaded host, is not idle)
                 if epp.poll() is not None:
                     raise RuntimeError(f"epp exited; see {workdir / f'epp-{count}.log'}")

@@ -15,7 +15,6 @@ from __future__ import annotations
 import random
 import re
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -27,6 +26,7 @@ import zmq
 
 from epp.bench.overhead import cpu_seconds
 from epp.bench.ports import free_ports
+from epp.local import epp_command, wait_until_serving
 from protocol.kv_events import BlockRemoved, BlockStored, KVEventBatch
 
 _BUCKET = re.compile(r'^inference_extension_kv_events_lag_seconds_bucket\{le="([^"]+)"\} (\S+)$', re.M)
@@ -107,39 +107,12 @@ def measure(servers: int, rate: float, prompt_tokens: int, seconds: float, num_g
             )
         )
         log = (workdir / "epp.log").open("wb")
-        epp = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "epp",
-                "--pool-file",
-                str(pool),
-                "--bind-address",
-                "127.0.0.1",
-                "--grpc-port",
-                str(grpc),
-                "--grpc-health-port",
-                str(health),
-                "--metrics-port",
-                str(metrics),
-                "--kv-events-port",
-                str(kv_port),
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
+        argv = epp_command(str(pool), "127.0.0.1", grpc, health, metrics, kv_port)
+        epp = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
         log.close()
         url = f"http://127.0.0.1:{metrics}/metrics"
         try:
-            deadline = time.monotonic() + 30
-            while True:
-                try:
-                    _scrape(url)
-                    break
-                except OSError:
-                    if epp.poll() is not None or time.monotonic() > deadline:
-                        raise RuntimeError(f"epp did not start; see {workdir / 'epp.log'}") from None
-                    time.sleep(0.1)
+            wait_until_serving(epp, url, workdir / "epp.log", timeout=30)
             time.sleep(1.0)
             cpu_before, started = cpu_seconds(epp.pid), time.monotonic()
             time.sleep(seconds)

@@ -131,20 +131,10 @@ class KVBlockIndex:
             owned = self._by_endpoint.get(endpoint)
             if owned is None:
                 return
-            holders = self._holders
-            removed = 0
             for block_hash in block_hashes:
                 if block_hash in owned:
                     del owned[block_hash]
-                    held = holders[block_hash]
-                    if type(held) is str:
-                        del holders[block_hash]
-                    else:
-                        held.discard(endpoint)
-                        if len(held) == 1:
-                            holders[block_hash] = next(iter(held))
-                    removed += 1
-            self._size -= removed
+                    self._unlink(block_hash, endpoint)
 
     def clear(self, endpoint: str) -> None:
         with self._lock:
