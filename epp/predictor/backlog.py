@@ -27,11 +27,12 @@ MAX_IDLE_ENTRIES = 4096  # endpoints whose queue has drained are forgotten beyon
 class PrefillBacklog:
     def __init__(self) -> None:
         self.seconds_per_token = DEFAULT_SECONDS_PER_TOKEN
-        self._queues: dict[str, tuple[float, float]] = {}  # endpoint name -> (tokens, time.monotonic() then)
+        # endpoint name -> (tokens, time.monotonic() then); read directly by LatencyPredictor.predict_endpoints
+        self.queues: dict[str, tuple[float, float]] = {}
 
     def tokens(self, name: str, now: float) -> float:
         """Prefill tokens still queued on endpoint `name` at `now`."""
-        queue = self._queues.get(name)
+        queue = self.queues.get(name)
         if queue is None:
             return 0.0
         tokens, then = queue
@@ -41,7 +42,7 @@ class PrefillBacklog:
     def add(self, name: str, tokens: float, now: float) -> float:
         """Queue a request's uncached prompt tokens on `name`; returns what was queued ahead of them."""
         ahead = self.tokens(name, now)
-        queues = self._queues
+        queues = self.queues
         if name not in queues and len(queues) >= MAX_IDLE_ENTRIES:
             for drained in [n for n in queues if self.tokens(n, now) == 0.0]:
                 del queues[drained]

@@ -63,21 +63,24 @@ class CandidatePredictions:
         return None
 
     def get(
-        self, cycle_state: CycleState, request: SchedulingRequest, endpoints: list[Endpoint]
+        self, cycle_state: CycleState, request: SchedulingRequest, endpoints: list[Endpoint], tpot: bool
     ) -> list[tuple[float, float | None]] | None:
-        """(TTFT, TPOT or None) seconds per endpoint, in order; None while the predictor is cold."""
-        if not self.predictor.ttft_ready:
+        """(TTFT, TPOT or None) seconds per endpoint, in order; None while the predictor is cold. TPOT is predicted
+        only when `tpot` (the caller reads it) and TPOT is past its cold start."""
+        predictor = self.predictor
+        if not predictor.ttft_ready:
             return None
+        tpot = tpot and predictor.tpot_ready
         known = cycle_state.read(PREDICTED_LATENCY)
         if known is None:
             known = {}
             cycle_state.write(PREDICTED_LATENCY, known)
-        missing = [e for e in endpoints if e.spec.name not in known]
+        missing = [e for e in endpoints if (p := known.get(e.spec.name)) is None or (tpot and p[1] is None)]
         if missing:
             cached = self.cached_tokens
             tokens = cached(cycle_state, request, missing) if cached is not None else [0] * len(missing)
             adapter = self.adapter(request.model, endpoints)
-            predicted = self.predictor.predict_endpoints(missing, request.prompt_tokens_estimate, tokens, adapter)
+            predicted = predictor.predict_endpoints(missing, request.prompt_tokens_estimate, tokens, adapter, tpot=tpot)
             for e, p in zip(missing, predicted, strict=True):
                 known[e.spec.name] = p
         return [known[e.spec.name] for e in endpoints]

@@ -2,13 +2,15 @@
 
 The director gets `Features` for the endpoint a request went to at routing time (`LatencyPredictor.routed`, which
 builds them with `endpoint_features`) and hands them back with the observed latencies when the request completes
-(`LatencyPredictor.observe`); the scheduling plugins compute the same inputs for every candidate to predict. Both
-sides go through `inputs`, so what is trained on is exactly what is predicted from.
+(`LatencyPredictor.observe`); the scheduling plugins gather the same raw measurements for every candidate to predict. Both
+sides go through `matrix`, so what is trained on is exactly what is predicted from.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import numpy as np
 
 from epp.datalayer.endpoint import Endpoint
 from epp.scheduling.load import queue_depth, running_requests
@@ -50,35 +52,47 @@ def endpoint_features(
     return Features(waiting, running, m.kv_usage, tokens, prompt_tokens, cached, loaded, backlog_tokens)
 
 
+# The raw measurements of one (request, endpoint) pair, in this order: a row of `matrix`'s input. `vector` reads
+# them from recorded Features (training), `LatencyPredictor.predict_endpoints` gathers them for every candidate.
+RAW = (
+    "waiting",
+    "running",
+    "kv_usage",
+    "in_flight_tokens",
+    "uncached_tokens",  # prompt_tokens - cached_tokens
+    "adapter_missing",  # 1 when the request's LoRA adapter must be loaded first, else 0
+    "backlog_tokens",
+    "busy",  # 1 when the endpoint has running or waiting requests, else 0
+    "backlogged",  # 1 when backlog_tokens > 0, else 0
+)
 # Scales keep every input near 1, so that the ridge penalty treats them alike and the normal equations stay
 # well conditioned.
 TOKENS = 1000.0
 REQUESTS = 10.0
+_SCALES = np.array([1 / REQUESTS, 1 / REQUESTS, 1.0, 1 / TOKENS, 1 / TOKENS, 1.0, 1 / TOKENS, 1.0, 1.0])
+_RUNNING, _IN_FLIGHT, _UNCACHED = RAW.index("running"), RAW.index("in_flight_tokens"), RAW.index("uncached_tokens")
 
 
-def vector(f: Features) -> tuple[float, ...]:
-    """The model's inputs for recorded features (training and the director's side)."""
-    return inputs(
+def raw(f: Features) -> tuple[float, ...]:
+    """The raw measurements (RAW) of recorded features."""
+    busy = f.running or f.waiting
+    return (
         f.waiting,
         f.running,
         f.kv_usage,
         f.in_flight_tokens,
         f.prompt_tokens - f.cached_tokens,
-        f.adapter_loaded,
+        0.0 if f.adapter_loaded else 1.0,
         f.backlog_tokens,
+        1.0 if busy else 0.0,
+        1.0 if f.backlog_tokens else 0.0,
     )
 
 
-def inputs(
-    waiting: int,
-    running: int,
-    kv_usage: float,
-    in_flight_tokens: int,
-    uncached_tokens: int,
-    adapter_loaded: bool,
-    backlog_tokens: float,
-) -> tuple[float, ...]:
-    """The model's inputs. Why each one (the sim's step-time model and a GPU's both have this shape):
+def matrix(rows: np.ndarray) -> np.ndarray:
+    """The model's inputs (n x SIZE) for n rows of raw measurements (n x len(RAW)): one array operation per
+    column group, whatever the number of candidates. Why each input (the sim's step-time model and a GPU's both
+    have this shape):
     * own prefill work: uncached prompt tokens (prompt_tokens x (1 - cached fraction));
     * work ahead of it: the prefill backlog there (and whether there is any: then the request waits for it, and
       for at least one step that prefills), the EPP's in-flight prompt tokens there, and the waiting requests;
@@ -91,24 +105,20 @@ def inputs(
     * memory pressure (KV usage; preemptions and a full cache delay admission);
     * a LoRA adapter that must be loaded first.
     """
-    own = uncached_tokens / TOKENS
-    ahead = in_flight_tokens / TOKENS
-    batch = running / REQUESTS
-    return (
-        1.0,
-        own,
-        ahead,
-        waiting / REQUESTS,
-        batch,
-        own * batch,
-        1.0 if running or waiting else 0.0,
-        ahead * own,
-        ahead * batch,
-        kv_usage,
-        0.0 if adapter_loaded else 1.0,
-        backlog_tokens / TOKENS,
-        1.0 if backlog_tokens else 0.0,
-    )
+    x = np.empty((len(rows), SIZE))
+    x[:, 0] = 1.0
+    scaled = x[:, 1 : 1 + len(RAW)]
+    np.multiply(rows, _SCALES, out=scaled)
+    own, ahead, batch = scaled[:, _UNCACHED], scaled[:, _IN_FLIGHT], scaled[:, _RUNNING]
+    np.multiply(own, batch, out=x[:, -3])
+    np.multiply(ahead, own, out=x[:, -2])
+    np.multiply(ahead, batch, out=x[:, -1])
+    return x
 
 
-SIZE = 13  # len(vector(...))
+def vector(f: Features) -> list[float]:
+    """The model's inputs for recorded features (training, and one-at-a-time predictions)."""
+    return matrix(np.array([raw(f)], dtype=float))[0].tolist()
+
+
+SIZE = len(RAW) + 4  # the constant, the raw measurements and three products

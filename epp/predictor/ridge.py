@@ -1,4 +1,6 @@
-"""Online ridge regression with exponential forgetting, in pure Python (no numpy on the EPP's runtime path).
+"""Online ridge regression with exponential forgetting, in pure Python: it learns one observation at a time, where
+numpy's per-call overhead would cost more than it saves (predicting for all candidates at once is numpy's, in
+`LatencyPredictor.predict_endpoints`).
 
 State: the decayed normal equations A = sum(d^age w x x^T), b = sum(d^age w y x) and the coefficients solved from
 them: O(n^2) numbers for n inputs, whatever the number of observations. `add` is O(n^2) (a rank-one update of A's

@@ -60,11 +60,12 @@ class PredictedLatencyScorer(Scorer, PreRequest, ResponseComplete, LatencyPredic
     def score(
         self, cycle_state: CycleState, request: SchedulingRequest, endpoints: list[Endpoint]
     ) -> list[float] | None:
-        predicted = self.predictions.get(cycle_state, request, endpoints)
+        output = request.max_tokens
+        long_output = output is not None and output >= self.long_output_tokens
+        predicted = self.predictions.get(cycle_state, request, endpoints, tpot=long_output)
         if predicted is None:
             return None
-        output = request.max_tokens
-        if output is not None and output >= self.long_output_tokens and predicted[0][1] is not None:
+        if long_output and predicted[0][1] is not None:
             costs = [ttft + tpot * output for ttft, tpot in predicted]
         else:
             costs = [ttft for ttft, _ in predicted]

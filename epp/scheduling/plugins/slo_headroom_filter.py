@@ -63,7 +63,7 @@ class SLOHeadroomFilter(Filter):
         ttft_slo, tpot_slo = _objective(headers, TTFT_HEADER), _objective(headers, TPOT_HEADER)
         if ttft_slo is None and tpot_slo is None:
             return endpoints
-        predicted = self.predictions.get(cycle_state, request, endpoints)
+        predicted = self.predictions.get(cycle_state, request, endpoints, tpot=tpot_slo is not None)
         if predicted is None:
             return endpoints
         # The worst ratio of prediction to objective per candidate: <= allowance means it meets both with headroom.

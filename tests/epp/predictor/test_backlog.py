@@ -29,5 +29,5 @@ def test_drained_endpoints_are_forgotten_beyond_the_bound(monkeypatch):
     b = PrefillBacklog()
     for i in range(100):
         b.add(f"e{i}", 10, now=float(i))  # each drained long before the next arrives
-    assert len(b._queues) <= 8
+    assert len(b.queues) <= 8
     assert b.tokens("e99", 99.0) == 10

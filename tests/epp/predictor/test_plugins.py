@@ -53,7 +53,9 @@ def test_scorer_prefers_the_fastest_predicted_endpoint(pool):
     scorer = build_plugin("predicted-latency-scorer", {"pool": pool})
     endpoints, request, cycle = pool_of_three(pool), req(), CycleState()
     scores = scorer.score(cycle, request, endpoints)
-    ttfts = [t for t, _ in shared(pool).get(cycle, request, endpoints)]  # the same cycle: what the scorer used
+    ttfts = [
+        t for t, _ in shared(pool).get(cycle, request, endpoints, tpot=False)
+    ]  # the same cycle: what the scorer used
     assert scores[0] == 1.0 and all(0 < s < 1 for s in scores[1:])
     assert scores == pytest.approx([min(ttfts) / t for t in ttfts])
     assert ttfts[1] > 0.6  # ~6,000 tokens ahead at 0.1 ms each (and the waiting one) are learnt
@@ -65,7 +67,7 @@ def test_scorer_counts_tpot_for_long_outputs(pool):
     # TTFT: 0 is a little better (no tokens in flight); TPOT: 0 has a 15-request decode batch, 1 none
     endpoints = [endpoint(0, running=15, in_flight=15, in_flight_tokens=0), endpoint(1, in_flight_tokens=200)]
     assert scorer.score(CycleState(), req(max_tokens=50), endpoints)[0] == 1.0  # short answer: TTFT decides
-    costs = [t + p * 5000 for t, p in shared(pool).get(CycleState(), req(), endpoints)]
+    costs = [t + p * 5000 for t, p in shared(pool).get(CycleState(), req(), endpoints, tpot=True)]
     long = scorer.score(CycleState(), req(max_tokens=5000), endpoints)
     assert long == pytest.approx([min(costs) / c for c in costs])
     assert long[1] == 1.0
@@ -88,7 +90,7 @@ def test_filter_keeps_endpoints_meeting_the_objective_with_headroom(pool):
     trained(pool)
     f = build_plugin("slo-headroom-filter", {"pool": pool, "headroom": 0.2})
     endpoints = pool_of_three(pool)
-    ttfts = [t for t, _ in shared(pool).get(CycleState(), req(), endpoints)]
+    ttfts = [t for t, _ in shared(pool).get(CycleState(), req(), endpoints, tpot=False)]
     slo_ms = max(ttfts[0], ttfts[2]) / 0.8 * 1e3 * 1.01  # 0 and 2 meet it with 20 % headroom, 1 does not
     assert f.filter(CycleState(), req(headers={"x-slo-ttft-ms": f"{slo_ms:.3f}"}), endpoints) == [
         endpoints[0],
@@ -102,7 +104,7 @@ def test_filter_checks_tpot_objectives(pool):
     trained(pool)
     f = build_plugin("slo-headroom-filter", {"pool": pool, "headroom": 0})
     endpoints = pool_of_three(pool)
-    tpots = [p for _, p in shared(pool).get(CycleState(), req(), endpoints)]
+    tpots = [p for _, p in shared(pool).get(CycleState(), req(), endpoints, tpot=True)]
     limit = f"{(tpots[0] + tpots[2]) / 2 * 1e3:.4f}"  # the 15-request decode batch of endpoint 2 misses it
     assert endpoints[2] not in f.filter(CycleState(), req(headers={"x-slo-tpot-ms": limit}), endpoints)
 
@@ -162,11 +164,25 @@ def test_predictions_are_shared_within_a_cycle_and_renewed_in_the_next(pool):
     trained(pool)
     candidates = shared(pool)
     endpoints, request, cycle = [endpoint(0), endpoint(1)], req(prompt_tokens=3000), CycleState()
-    first = candidates.get(cycle, request, endpoints)
+    first = candidates.get(cycle, request, endpoints, tpot=True)
     candidates.predictor.routed(endpoints[1], 5000, 0, None)
-    assert candidates.get(cycle, request, endpoints[1:]) == first[1:]  # the scorer after the filter: same numbers
-    again = candidates.get(CycleState(), request, endpoints)  # scheduled again (a retry): 1 now has a backlog
+    # the scorer after the filter: same numbers
+    assert candidates.get(cycle, request, endpoints[1:], tpot=True) == first[1:]
+    again = candidates.get(
+        CycleState(), request, endpoints, tpot=True
+    )  # scheduled again (a retry): 1 now has a backlog
     assert again[0][0] == pytest.approx(first[0][0], rel=1e-3) and again[1][0] > first[1][0] + 0.1
+
+
+def test_tpot_is_predicted_only_for_a_reader_that_needs_it(pool):
+    trained(pool)
+    candidates = shared(pool)
+    endpoints, request, cycle = [endpoint(0), endpoint(1)], req(prompt_tokens=3000), CycleState()
+    ttft_only = candidates.get(cycle, request, endpoints, tpot=False)
+    assert all(tpot is None for _, tpot in ttft_only)
+    both = candidates.get(cycle, request, endpoints, tpot=True)  # a later reader that needs TPOT gets it
+    assert all(tpot is not None for _, tpot in both)
+    assert [t for t, _ in both] == pytest.approx([t for t, _ in ttft_only])
 
 
 def test_an_adapter_not_loaded_on_the_pick_is_recorded_as_a_load(pool):
