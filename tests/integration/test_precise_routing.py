@@ -38,9 +38,33 @@ async def complete(session, stack, prompt: str) -> dict:
         return (await r.json())["usage"]
 
 
+async def wait_for_every_publisher(session: aiohttp.ClientSession, stack) -> None:
+    """Until each server's events reach the EPP. A ZMQ subscriber gets only what is published after its subscription
+    reached the publisher: on a loaded machine a server may still be joining when the first request runs, and the
+    batch it published before then comes back only with its next one (the late joiner's replay). So each server
+    stores prompts sent to it directly (each new from its first block) until the EPP's index grows."""
+    name = "inference_extension_kv_events_index_entries"
+    for server in stack.model_server_urls:
+        for attempt in range(100):
+            entries = await epp_metric(session, stack, name)
+            body = {
+                "model": stack.config.model,
+                "prompt": f"Warm-up {attempt} of {server}. " + CONTEXT * 2,
+                "max_tokens": 1,
+            }
+            async with session.post(f"{server}/v1/completions", json=body) as r:
+                assert r.status == 200
+            await asyncio.sleep(0.05)
+            if await epp_metric(session, stack, name) > entries:
+                break
+        else:
+            raise AssertionError(f"{server}'s KV events never reached the EPP")
+
+
 async def test_a_prompt_goes_where_the_servers_events_say_its_prefix_is(make_stack):
     stack = await make_stack(servers=3, config_text=PRECISE_ONLY, modelserver_args=[*FAST_SIM, "--disable-log-stats"])
     async with aiohttp.ClientSession() as session:
+        await wait_for_every_publisher(session, stack)
         hits = []
         for tenant in range(6):
             context = f"Tenant {tenant}. " + CONTEXT * (12 if tenant % 2 else 100)  # 100: over threadPromptChars
