@@ -39,6 +39,7 @@ def render_bootstrap(
     bind_address: str = "127.0.0.1",
     request_body_mode: str | None = None,
     response_body_mode: str = "NONE",
+    observed_responses_percent: int = 100,
     response_header_mode: str = "SEND",
     template: Path = TEMPLATE,
     admin_address: str | None = None,
@@ -51,6 +52,17 @@ def render_bootstrap(
     The request body mode defaults to FULL_DUPLEX_STREAMED, or BUFFERED with FailOpen: Envoy can fail open only
     until the first body chunk went to the ext_proc server, which in full-duplex mode is at once, so a dead EPP
     would fail every request with a body.
+
+    `observed_responses_percent` (with response_body_mode FULL_DUPLEX_STREAMED): the share of requests whose
+    response body Envoy streams through the EPP (what predicted-latency-scorer learns from); the others' responses
+    bypass it (NONE), saving an ext_proc round trip per token. Below 100 the listener's ext_proc mode is NONE and a
+    route matched by that fraction of requests (runtime_fraction, runtime key OBSERVED_RESPONSES_RUNTIME_KEY, so an
+    operator can change it at run time) overrides the mode to FULL_DUPLEX_STREAMED (ExtProcPerRoute). Envoy's
+    ext_proc merges the per-route mode from the route the request matches before the EPP answers (the fail-open
+    route: the EPP's metadata is not there yet) and tells the EPP the result in protocol_config.
+    Why not the EPP's own choice per request (ProcessingResponse.mode_override with allow_mode_override): Envoy
+    ignores mode_override whenever the listener's request or response body mode is FULL_DUPLEX_STREAMED
+    (ext_proc.cc, Filter::onReceiveMessage), and ours is: the EPP routes after reading the body.
     """
     request_body_mode = request_body_mode or ("BUFFERED" if fail_open else "FULL_DUPLEX_STREAMED")
     if fail_open and request_body_mode == "FULL_DUPLEX_STREAMED":
@@ -59,6 +71,9 @@ def render_bootstrap(
         raise ValueError("request_body_mode must be FULL_DUPLEX_STREAMED, BUFFERED or NONE (headers only)")
     if response_body_mode not in ("NONE", "FULL_DUPLEX_STREAMED"):
         raise ValueError("response_body_mode must be NONE or FULL_DUPLEX_STREAMED")
+    if not 1 <= observed_responses_percent <= 100:
+        raise ValueError("observed_responses_percent must be within 1..100")
+    sampled = response_body_mode == "FULL_DUPLEX_STREAMED" and observed_responses_percent < 100
     if response_header_mode not in ("SEND", "SKIP"):
         raise ValueError("response_header_mode must be SEND or SKIP")
     return string.Template(template.read_text()).substitute(
@@ -72,9 +87,43 @@ def render_bootstrap(
         REQUEST_BODY_MODE=request_body_mode,
         REQUEST_TRAILER_MODE="SEND" if request_body_mode == "FULL_DUPLEX_STREAMED" else "SKIP",
         RESPONSE_HEADER_MODE=response_header_mode,
-        RESPONSE_BODY_MODE=response_body_mode,
+        RESPONSE_BODY_MODE="NONE" if sampled else response_body_mode,
+        OBSERVED_RESPONSES_ROUTE=_observed_responses_route(
+            observed_responses_percent, request_body_mode, response_header_mode
+        )
+        if sampled
+        else "",
         FALLBACK_ENDPOINTS=_endpoints_yaml(fallback_endpoints),
     )
+
+
+OBSERVED_RESPONSES_RUNTIME_KEY = "gateway.observed_responses_percent"
+
+
+def _observed_responses_route(percent: int, request_body_mode: str, response_header_mode: str) -> str:
+    """The fail-open route's twin for `percent` % of the requests, with response bodies streamed to the EPP (YAML
+    lines that follow the route before it in the template); the whole processing mode is restated, as a per-route
+    mode replaces the listener's."""
+    request_trailer_mode = "SEND" if request_body_mode == "FULL_DUPLEX_STREAMED" else "SKIP"
+    return f"""
+              - name: fail-open-fallback-observed
+                match:
+                  prefix: /
+                  runtime_fraction:
+                    default_value: {{numerator: {percent}, denominator: HUNDRED}}
+                    runtime_key: {OBSERVED_RESPONSES_RUNTIME_KEY}
+                route: {{cluster: pool_fallback, timeout: 0s, idle_timeout: 600s}}
+                typed_per_filter_config:
+                  envoy.filters.http.ext_proc:
+                    "@type": type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute
+                    overrides:
+                      processing_mode:
+                        request_header_mode: SEND
+                        response_header_mode: {response_header_mode}
+                        request_body_mode: {request_body_mode}
+                        request_trailer_mode: {request_trailer_mode}
+                        response_body_mode: FULL_DUPLEX_STREAMED
+                        response_trailer_mode: SEND"""
 
 
 KUBERNETES_BOOTSTRAP = (

@@ -48,6 +48,7 @@ class StackConfig:
     message_timeout: float = 10.0  # Envoy's ext_proc message_timeout (the EPP extends it for queued requests)
     request_body_mode: str | None = None  # FULL_DUPLEX_STREAMED, or BUFFERED with FailOpen
     response_body_mode: str = "NONE"
+    observed_responses_percent: int = 100  # of the requests, with FULL_DUPLEX_STREAMED (epp.envoy.render_bootstrap)
     separate_model_server_processes: bool = False  # one process per model server (so one can be killed)
     model: str = "sim-llama-8b"
     config_file: str | None = None
@@ -248,6 +249,7 @@ class LocalStack:
             bind_address=c.host,
             request_body_mode=c.request_body_mode,
             response_body_mode=c.response_body_mode,
+            observed_responses_percent=c.observed_responses_percent,
             message_timeout=c.message_timeout,
             fallback_endpoints=[u.removeprefix("http://") for u in self.model_server_urls],
             more_epp_endpoints=[f"{c.host}:{grpc}" for grpc, _, _ in self.epp_ports[1:]],
@@ -391,6 +393,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="Envoy sends response bodies through the EPP (FULL_DUPLEX_STREAMED): what predicted-latency-scorer\n"
         "learns from (each streamed token costs an ext_proc round trip)",
     )
+    p.add_argument(
+        "--observed-responses-percent",
+        type=int,
+        default=100,
+        help="with --response-body-mode FULL_DUPLEX_STREAMED: the share of requests (1-100) whose response bodies\n"
+        "go through the EPP; the others bypass it",
+    )
     p.add_argument("--demo", action="store_true", help="send a mixed workload and show a live table")
     p.add_argument("--once", action="store_true", help="with --demo: exit after the workload")
     p.add_argument("--requests", type=int, default=64, help="with --demo: how many requests")
@@ -441,6 +450,7 @@ async def run(args: argparse.Namespace, stop: asyncio.Event) -> int:
         kv_events_port=args.kv_events_port,
         fail_open=args.fail_open,
         response_body_mode=args.response_body_mode,
+        observed_responses_percent=args.observed_responses_percent,
         model=model,
         config_file=args.config_file,
         modelserver_args=modelserver_args,

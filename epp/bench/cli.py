@@ -57,6 +57,12 @@ def main(argv: list[str] | None = None) -> None:
     cmp.add_argument("--rates", type=float, nargs="+", default=[8.0, 16.0, 24.0])
     cmp.add_argument("--concurrency", type=int, nargs="+", default=[], help="closed-loop clients (instead of --rates)")
     cmp.add_argument("--duration", type=float, default=60.0)
+    cmp.add_argument(
+        "--warmup",
+        type=float,
+        default=0.0,
+        help="seconds of the same workload before each target's measured run, not counted (online learning warms)",
+    )
     cmp.add_argument("--servers", type=int, default=8)
     cmp.add_argument("--scale", type=float, default=1.0, help="shrink prompt lengths (smoke runs)")
     cmp.add_argument(
@@ -134,6 +140,7 @@ def main(argv: list[str] | None = None) -> None:
                     progress=progress,
                     concurrencies=args.concurrency,
                     load_generator=args.load_generator,
+                    warmup=args.warmup,
                 )
             )
             bar.update(task, completed=runs, description="done")

@@ -38,6 +38,9 @@ SINGLE_SCORER = """plugins:\n- type: {0}\nschedulingProfiles:\n- name: {0}\n  pl
 APPROXIMATE_CONFIG = DEFAULT_CONFIG.replace("- type: precise-prefix-cache-scorer\n", "").replace(
     "  - pluginRef: precise-prefix-cache-scorer\n    weight: 3\n", ""
 )
+# epp-predicted learns from this share of the responses: its predictor's memory (~500 observations, decay 0.998)
+# then spans ~2 minutes at 16 req/s, and streaming costs a quarter of what it costs for every response.
+OBSERVED_RESPONSES_PERCENT = 25
 EPP_TARGETS = {
     "epp": None,  # the default profile: precise for endpoints that publish KV events (epp-local's servers do)
     "epp-approximate": APPROXIMATE_CONFIG,
@@ -48,10 +51,12 @@ EPP_TARGETS = {
     "lora-only": SINGLE_SCORER.format("lora-affinity-scorer"),
     # the default profile with the response bodies streamed through the EPP: what that costs, beside "epp"
     "epp-streamed": None,
-    # the default profile plus the latency predictor, trained from the responses the EPP sees streamed
+    # the default profile plus the latency predictor, trained from the sample of responses the EPP sees streamed
     "epp-predicted": predictor_config(),
 }
-STREAMED_RESPONSES = {"epp-streamed", "epp-predicted"}  # targets whose Envoy sends response bodies to the EPP
+# Targets whose Envoy sends response bodies to the EPP, and the share of the requests it does it for
+# (epp.envoy.render_bootstrap's observed_responses_percent): epp-streamed shows what streaming every one costs.
+STREAMED_RESPONSES = {"epp-streamed": 100, "epp-predicted": OBSERVED_RESPONSES_PERCENT}
 ENVOY_TARGETS = {"round-robin": "ROUND_ROBIN", "least-request": "LEAST_REQUEST", "random": "RANDOM"}
 PEER_TARGETS = {
     "sglang-cache-aware": ("sglang", "cache_aware"),
@@ -245,6 +250,7 @@ class Pool:
             config_text=self.epp_config,
             pool_extra=self.pool_extra,
             response_body_mode="FULL_DUPLEX_STREAMED" if self.target in STREAMED_RESPONSES else "NONE",
+            observed_responses_percent=STREAMED_RESPONSES.get(self.target, 100),
             epp_replicas=3 if self.target == "epp-3-replicas" else 1,
         )
         self.stack = LocalStack(config)
@@ -306,7 +312,12 @@ async def run_target(
     seed: int = 0,
     concurrency: int = 0,
     load_generator: str = "builtin",
+    warmup: float = 0.0,
 ) -> TargetResult:
+    """One target under the workload for `duration` s; `warmup` s of the same workload (another draw, at `rate`)
+    go first and count for nothing: what learns online (the latency predictor, the prefix caches) starts warm."""
+    if warmup and (concurrency or load_generator != "builtin"):
+        raise ValueError("--warmup needs the builtin load generator at a fixed rate (--rates)")
     lora_args = []
     if spec["name"] == "multi-lora":
         names = lora_names(spec)
@@ -328,6 +339,13 @@ async def run_target(
         async with aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=300)
         ) as session:
+            if warmup:
+                warm = []
+                warm_started = time.monotonic()
+                for offset, body, headers in requests(spec, MODEL, rate, warmup, seed + 1, scale):
+                    await asyncio.sleep(max(0.0, warm_started + offset - time.monotonic()))
+                    warm.append(asyncio.create_task(_one(session, f"{pool.url}/v1/completions", body, headers)))
+                await asyncio.gather(*warm)
             before = await _counters(session, urls)
             pids = pool.pids()
             cpu_before = {k: cpu_seconds(p) for k, p in pids.items()}
@@ -600,6 +618,7 @@ async def compare(
     progress=print,
     concurrencies: list[int] = (),
     load_generator: str = "builtin",
+    warmup: float = 0.0,
 ) -> list[TargetResult]:
     known = {**EPP_TARGETS, **ENVOY_TARGETS, **PEER_TARGETS}
     unknown = [t for t in targets if t not in known]
@@ -629,6 +648,7 @@ async def compare(
                     scale,
                     concurrency=concurrency,
                     load_generator=load_generator,
+                    warmup=warmup,
                 )
             )
     (out / f"{workload}.json").write_text(json.dumps([asdict(r) for r in results], indent=2))

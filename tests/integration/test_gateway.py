@@ -208,3 +208,26 @@ async def test_rewritten_model_goes_back_to_the_client_name_with_response_bodies
     assert events[-1] == "[DONE]"
     assert {json.loads(e)["model"] for e in events[:-1]} == {"my-alias"}
     assert json.loads(events[-2])["usage"]["completion_tokens"] == 3
+
+
+async def test_a_sampled_share_of_responses_streams_through_the_epp(make_stack):
+    """observed_responses_percent: Envoy streams the response bodies of about that share of the requests through
+    the EPP, each request's mode reaching the EPP in protocol_config. Seen through a model rewrite, which the EPP
+    undoes only in the bodies it sees: those come back with the client's model name, the others with the target's."""
+    pool = {"rewrites": [{"model": "my-alias", "targets": [{"model": MODEL, "weight": 1}]}]}
+    stack = await make_stack(
+        servers=1, response_body_mode="FULL_DUPLEX_STREAMED", observed_responses_percent=50, pool_extra=pool
+    )
+    body = {"model": "my-alias", "prompt": "hi", "max_tokens": 2, "stream": True}
+    names = []
+    async with aiohttp.ClientSession() as session:
+        for _ in range(40):
+            async with session.post(f"{stack.gateway_url}/v1/completions", json=body) as r:
+                assert r.status == 200
+                events = [e[6:] for e in (await r.read()).decode().split("\n\n") if e]
+            assert events[-1] == "[DONE]"
+            (name,) = {json.loads(e)["model"] for e in events[:-1]}
+            names.append(name)
+    observed = names.count("my-alias")
+    assert names.count(MODEL) == 40 - observed
+    assert 8 <= observed <= 32, observed  # Binomial(40, 0.5) falls outside with probability ~1e-4
