@@ -103,10 +103,11 @@ def measure_director(
 PREDICTED_POOL = "decision-time"  # the shared predictor (epp.predictor.shared) the predicted profile reads here
 
 
-def predictor_config(pool: str = "default", weight: int = 4) -> str:
+def predictor_config(pool: str = "default") -> str:
     """The default profile with the latency predictor: slo-headroom-filter first (it passes every endpoint for a
-    request without objectives) and predicted-latency-scorer at `weight`, both reading the shared predictor `pool`
-    (the EPP trains it from the responses it sees streamed)."""
+    request without objectives) and predicted-latency-scorer, which replaces the default scorers while it predicts
+    (`Scorer.replaces`; no weight), both reading the shared predictor `pool` (the EPP trains it from the responses
+    it sees streamed)."""
     params = f"  parameters: {{pool: {pool}}}\n"
     return (
         DEFAULT_CONFIG.replace(
@@ -115,7 +116,7 @@ def predictor_config(pool: str = "default", weight: int = 4) -> str:
         )
         .replace(
             "  - pluginRef: max-score-picker\n",
-            f"  - pluginRef: predicted-latency-scorer\n    weight: {weight}\n  - pluginRef: max-score-picker\n",
+            "  - pluginRef: predicted-latency-scorer\n  - pluginRef: max-score-picker\n",
         )
         .replace("  plugins:\n", "  plugins:\n  - pluginRef: slo-headroom-filter\n", 1)
     )

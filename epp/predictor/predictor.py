@@ -47,17 +47,33 @@ TPOT_FLOOR = 0.0005
 
 
 class _Target:
-    """One predicted quantity: its regression and its sliding window of absolute percentage errors."""
+    """One predicted quantity: its regression and, over a sliding window, its absolute percentage errors and its
+    ratios observed / predicted."""
 
     def __init__(self, floor: float, window: int, decay: float, refit_every: int):
         self.floor = floor
         self.model = OnlineRidge(SIZE, decay=decay, refit_every=refit_every)
         self.errors: deque[float] = deque(maxlen=window)
+        self.ratios: deque[float] = deque(maxlen=window)
+        self._sorted_ratios: list[float] | None = None  # sorted copy of ratios, made on demand after a change
 
-    def learn(self, x: tuple[float, ...], y: float) -> None:
+    def learn(self, x: list[float], y: float) -> None:
         if self.model.coefficients is not None:  # before the first fit there is no prediction to score
-            self.errors.append(abs(max(self.model.predict(x), self.floor) - y) / y)
+            predicted = max(self.model.predict(x), self.floor)
+            self.errors.append(abs(predicted - y) / y)
+            self.ratios.append(y / predicted)
+            self._sorted_ratios = None
         self.model.add(x, y, 1.0 / max(y, self.floor) ** 2)
+
+    def ratio_quantile(self, q: float) -> float:
+        """The q-quantile of observed / predicted over the window (1.0 before any): a prediction times this is
+        what the latency stays under for a share q of recent requests."""
+        ordered = self._sorted_ratios
+        if ordered is None:
+            ordered = self._sorted_ratios = sorted(self.ratios)
+        if not ordered:
+            return 1.0
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
     @property
     def mape(self) -> float | None:

@@ -226,10 +226,14 @@ class Scheduler:
                 raise NoEndpointError(f"no endpoint left after filter {f.typed_name.name!r}")
         totals = [0.0] * len(candidates)
         raw_scores: dict[TypedName, list[float]] = {}
+        replaced: tuple[str, ...] = ()
         for scorer, weight in self.profile.scorers:
+            if replaced and scorer.typed_name.type in replaced:
+                continue
             start = clock()
             scores = scorer.score(cycle_state, request, candidates)
             if scores is not None:
+                replaced = scorer.replaces or replaced
                 raw_scores[scorer.typed_name] = scores
                 # clamp_score inlined: a call per score would cost more than the sum itself
                 totals = [
@@ -317,4 +321,5 @@ def _build_profile(specs: Any, plugins: dict[str, Plugin]) -> Profile:
     picker = pickers[0] if pickers else build_plugin("max-score-picker")
     members = tuple(referred.values()) if pickers else (*referred.values(), picker)
     filters = tuple(p for p in members if isinstance(p, Filter))
+    scorers.sort(key=lambda pair: not pair[0].replaces)  # replacing scorers first (Scorer.replaces); stable
     return Profile(name, members, filters, tuple(scorers), picker)

@@ -13,10 +13,16 @@ Feeds the predictor too: when a request is routed (PreRequest, at the pick: a bu
 in the backlog) its features on the picked endpoint are kept in the cycle state, and when it completes (ResponseComplete) the observed TTFT and time per output token train the model.
 The director observes them only for streamed responses whose body passes through the EPP (Envoy's
 response_body_mode FULL_DUPLEX_STREAMED): the first body chunk is the first token.
+Composition with the other scorers, by rule rather than by weight: the prediction is made from their signals (the
+queue, running requests, KV usage, in-flight tokens, the prefix match as cached tokens, the adapter loaded or
+not), so while it predicts it replaces those scorers for the request (`Scorer.replaces`: the scheduler skips them,
+and this scorer's weight does not matter); while it abstains (cold, or its windowed error above its bound) they
+decide as in a profile without it. Adding both would count a cache hit or a queue twice, and a weight to balance
+them would have to be tuned per workload.
 Parameters: pool ("default": which shared predictor), longOutputTokens (256).
-Trade-offs: the prediction already accounts for a cache hit and an adapter load, so composing it with the prefix
-and LoRA scorers counts those twice (weigh them lower next to it); it is only as good as the predictor's recent
-error (`LatencyPredictor.ttft_mape`, for the EPP's metrics); one model per pool assumes alike endpoints.
+Trade-offs: it is only as good as the predictor's recent error (`LatencyPredictor.ttft_mape`, for the EPP's
+metrics); one model per pool assumes alike endpoints; a scorer added to the profile that it does not replace
+(one reading signals the predictor does not have) still adds to its score with the weights of the profile.
 """
 
 from __future__ import annotations
@@ -49,6 +55,15 @@ class PredictedLatencyScorer(Scorer, PreRequest, ResponseComplete, LatencyPredic
     consumes = PREDICTION_READS
     produces = (PREDICTED_LATENCY, ROUTED_FEATURES)
     at_pick = True  # the prompt joins the pick's prefill backlog before the next request of a burst is scheduled
+    replaces = (
+        "queue-scorer",
+        "running-requests-size-scorer",
+        "kv-cache-utilization-scorer",
+        "in-flight-tokens-scorer",
+        "prefix-cache-scorer",
+        "precise-prefix-cache-scorer",
+        "lora-affinity-scorer",
+    )
 
     def __init__(self, parameters: dict | None):
         p = Parameters("predicted-latency-scorer", parameters)

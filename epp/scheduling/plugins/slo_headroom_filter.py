@@ -2,17 +2,21 @@
 
 Reads: the request headers `x-slo-ttft-ms` and `x-slo-tpot-ms` (GIE/llm-d's names; milliseconds, either or both)
 and the pool's latency predictor (`epp.predictor.shared(pool)`), as predicted-latency-scorer does.
-Keeps the candidates whose predicted TTFT and TPOT are within the objectives less `headroom` (0.2: predicted at
-most 80 % of the objective), leaving room for the prediction's error. When none qualifies it keeps the single
-candidate closest to its objectives (the smallest predicted/objective ratio), so the request is still served as
-well as the pool can; shedding it instead belongs to flow control.
+Keeps the candidates predicted to meet the objectives with the headroom the predictor's own recent error calls
+for: a candidate qualifies when prediction x margin is within the objective, where the margin is the `confidence`
+quantile of observed / predicted over the predictor's recent window (`_Target.ratio_quantile`). So a request sent
+to a qualifying endpoint meets its objective with probability about `confidence` if the recent errors hold: the
+headroom grows when the predictions get worse and shrinks when they improve, with no number to tune per pool.
+When none qualifies it keeps the single candidate closest to its objectives (the smallest predicted/objective
+ratio), so the request is still served as well as the pool can; shedding it instead belongs to flow control.
 Passes every candidate through when the request states no objective, when a header is not a positive number (an
 objective the client got wrong is no reason to fail its request), and while the predictor is cold; a TPOT objective
 is ignored while TPOT is cold.
-Parameters: pool ("default"), headroom (0.2, in [0, 1)).
-Trade-offs: the headroom trades objectives met against spreading: a large one sends SLO traffic to the emptiest
-endpoints only; filtering acts before scoring, so among the endpoints that qualify the scorers (prefix, load) still
-choose, which keeps cache affinity for requests with loose objectives.
+Parameters: pool ("default"), confidence (0.9, in (0, 1)): the share of qualifying requests that should meet their
+objectives (a statement of the service level wanted, not a fitted weight).
+Trade-offs: a high confidence sends SLO traffic to the emptiest endpoints only; filtering acts before scoring, so
+among the endpoints that qualify the scorers (latency, prefix, load) still choose, which keeps cache affinity for
+requests with loose objectives. The margin is one per pool and target, whatever the request's size.
 """
 
 from __future__ import annotations
@@ -50,11 +54,10 @@ class SLOHeadroomFilter(Filter):
     def __init__(self, parameters: dict | None):
         p = Parameters("slo-headroom-filter", parameters)
         self.predictions = shared(p.get("pool", "default", str))
-        headroom = float(p.get("headroom", 0.2, (int, float), minimum=0))
+        self.confidence = float(p.get("confidence", 0.9, (int, float)))
         p.done()
-        if headroom >= 1:
-            raise ConfigError(f"slo-headroom-filter: parameter headroom must be < 1, got {headroom!r}")
-        self.allowance = 1.0 - headroom
+        if not 0 < self.confidence < 1:
+            raise ConfigError(f"slo-headroom-filter: parameter confidence must be in (0, 1), got {self.confidence!r}")
 
     def filter(self, cycle_state: CycleState, request: SchedulingRequest, endpoints: list[Endpoint]) -> list[Endpoint]:
         headers = request.headers
@@ -66,13 +69,15 @@ class SLOHeadroomFilter(Filter):
         predicted = self.predictions.get(cycle_state, request, endpoints, tpot=tpot_slo is not None)
         if predicted is None:
             return endpoints
-        # The worst ratio of prediction to objective per candidate: <= allowance means it meets both with headroom.
+        # The worst ratio of prediction x margin to objective per candidate: <= 1 means it meets both.
+        predictor, confidence = self.predictions.predictor, self.confidence
+        ttft_scale = predictor.ttft.ratio_quantile(confidence) / ttft_slo if ttft_slo is not None else 0.0
+        tpot_scale = predictor.tpot.ratio_quantile(confidence) / tpot_slo if tpot_slo is not None else 0.0
         ratios = []
         for ttft, tpot in predicted:
-            ratio = ttft / ttft_slo if ttft_slo is not None else 0.0
-            if tpot_slo is not None and tpot is not None:
-                ratio = max(ratio, tpot / tpot_slo)
+            ratio = ttft * ttft_scale
+            if tpot is not None and tpot * tpot_scale > ratio:
+                ratio = tpot * tpot_scale
             ratios.append(ratio)
-        allowance = self.allowance
-        kept = [e for e, r in zip(endpoints, ratios, strict=True) if r <= allowance]
+        kept = [e for e, r in zip(endpoints, ratios, strict=True) if r <= 1.0]
         return kept or [endpoints[ratios.index(min(ratios))]]

@@ -86,23 +86,36 @@ def test_cached_tokens_lower_the_prediction(pool):
     assert scores[1] == 1.0 and scores[0] < 0.5
 
 
-def test_filter_keeps_endpoints_meeting_the_objective_with_headroom(pool):
+def test_filter_keeps_endpoints_predicted_to_meet_the_objective_with_the_error_margin(pool):
     trained(pool)
-    f = build_plugin("slo-headroom-filter", {"pool": pool, "headroom": 0.2})
+    f = build_plugin("slo-headroom-filter", {"pool": pool, "confidence": 0.9})
+    margin = shared(pool).predictor.ttft.ratio_quantile(0.9)  # observed / predicted, 90th percentile
+    assert 1.0 < margin < 1.2  # the synthetic pool's noise is 3 %
     endpoints = pool_of_three(pool)
     ttfts = [t for t, _ in shared(pool).get(CycleState(), req(), endpoints, tpot=False)]
-    slo_ms = max(ttfts[0], ttfts[2]) / 0.8 * 1e3 * 1.01  # 0 and 2 meet it with 20 % headroom, 1 does not
-    assert f.filter(CycleState(), req(headers={"x-slo-ttft-ms": f"{slo_ms:.3f}"}), endpoints) == [
+    slo_ms = max(ttfts[0], ttfts[2]) * margin * 1e3 * 1.001  # 0 and 2 meet it with the margin, 1 does not
+    assert f.filter(CycleState(), req(headers={"x-slo-ttft-ms": f"{slo_ms:.4f}"}), endpoints) == [
         endpoints[0],
         endpoints[2],
     ]
+    without_margin = f"{ttfts[2] * 1e3 * 1.001:.4f}"  # 2 is predicted within it, but not with the margin
+    assert endpoints[2] not in f.filter(CycleState(), req(headers={"x-slo-ttft-ms": without_margin}), endpoints)
     tight = f"{ttfts[0] * 1e3 * 0.9:.3f}"  # nobody meets it: the best one is kept
     assert f.filter(CycleState(), req(headers={"x-slo-ttft-ms": tight}), endpoints) == [endpoints[0]]
 
 
+def test_the_margin_follows_the_predictor_error(pool):
+    predictor = shared(pool).predictor
+    train(predictor, noise=0.01)
+    tight = predictor.ttft.ratio_quantile(0.9)
+    train(predictor, count=300, noise=0.3, seed=1)  # the pool becomes noisier: the window fills with larger errors
+    assert predictor.ttft.ratio_quantile(0.9) > tight + 0.1
+    assert predictor.ttft.ratio_quantile(0.5) < predictor.ttft.ratio_quantile(0.9)
+
+
 def test_filter_checks_tpot_objectives(pool):
     trained(pool)
-    f = build_plugin("slo-headroom-filter", {"pool": pool, "headroom": 0})
+    f = build_plugin("slo-headroom-filter", {"pool": pool})
     endpoints = pool_of_three(pool)
     tpots = [p for _, p in shared(pool).get(CycleState(), req(), endpoints, tpot=True)]
     limit = f"{(tpots[0] + tpots[2]) / 2 * 1e3:.4f}"  # the 15-request decode batch of endpoint 2 misses it
@@ -128,8 +141,9 @@ def test_filter_passes_everything_while_cold(pool):
 @pytest.mark.parametrize(
     ("plugin", "parameters"),
     [
-        ("slo-headroom-filter", {"headroom": 1}),
-        ("slo-headroom-filter", {"headroom": -0.1}),
+        ("slo-headroom-filter", {"confidence": 1}),
+        ("slo-headroom-filter", {"confidence": 0}),
+        ("slo-headroom-filter", {"headroom": 0.2}),
         ("predicted-latency-scorer", {"longOutputTokens": 0}),
         ("predicted-latency-scorer", {"pool": 3}),
         ("predicted-latency-scorer", {"unknown": 1}),
@@ -215,3 +229,38 @@ def test_scorer_says_once_that_no_response_body_reaches_it(pool, caplog):
         scorer.response_complete(req(), result, endpoint(0), ResponseInfo("200", output_tokens=5))  # a body came
     warnings = [r for r in caplog.records if "FULL_DUPLEX_STREAMED" in r.getMessage()]
     assert len(warnings) == 1
+
+
+def test_while_it_predicts_the_latency_scorer_replaces_the_scorers_whose_signals_it_models(pool):
+    """Default scorers plus the latency scorer: cold, they decide (the queue scorer prefers the idle endpoint 0);
+    warm, only the prediction counts, whatever the weights, and no other scorer runs."""
+    config = f"""
+plugins:
+- type: queue-scorer
+- type: prefix-cache-scorer
+- type: predicted-latency-scorer
+  parameters: {{pool: {pool}}}
+schedulingProfiles:
+- name: default
+  plugins:
+  - pluginRef: queue-scorer
+    weight: 100
+  - pluginRef: prefix-cache-scorer
+  - pluginRef: predicted-latency-scorer
+"""
+    scheduler = Scheduler.from_config(config)
+    assert scheduler.profile.scorers[0][0].typed_name.type == "predicted-latency-scorer"  # runs first
+    endpoints = pool_of_three(pool)
+    cold = scheduler.schedule(req(), endpoints)
+    assert [name.type for name, _ in cold.timings] == [
+        "predicted-latency-scorer",
+        "queue-scorer",
+        "prefix-cache-scorer",
+        "max-score-picker",
+    ]
+    assert [name.type for name in cold.raw_scores] == ["queue-scorer"]  # the others abstained
+    trained(pool)
+    warm = scheduler.schedule(req(), endpoints)
+    assert [name.type for name in warm.raw_scores] == ["predicted-latency-scorer"]
+    assert [name.type for name, _ in warm.timings] == ["predicted-latency-scorer", "max-score-picker"]
+    assert warm.primary is endpoints[0]
