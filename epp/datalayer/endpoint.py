@@ -16,10 +16,12 @@ class EndpointSpec:
     port: int
     engine: str = "vllm"
     labels: tuple[tuple[str, str], ...] = ()
+    # "ip:port" ("[ip6]:port"), read on every request by the scheduler and the answers: computed once
+    hostport: str = field(init=False, repr=False, compare=False)
 
-    @property
-    def hostport(self) -> str:
-        return f"[{self.address}]:{self.port}" if ":" in self.address else f"{self.address}:{self.port}"
+    def __post_init__(self) -> None:
+        address = f"[{self.address}]" if ":" in self.address else self.address
+        object.__setattr__(self, "hostport", f"{address}:{self.port}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,7 +25,7 @@ from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.type.v3 import http_status_pb2
-from google.protobuf import duration_pb2, struct_pb2
+from google.protobuf import duration_pb2
 
 from epp.handlers import Reply
 from epp.requestcontrol.director import Director
@@ -45,23 +45,45 @@ def _header(key: str, value: str) -> base_pb2.HeaderValueOption:
     )
 
 
-MAX_CACHED_ROUTING_PIECES = 4096  # bounds _routing_header / _routing_metadata (pools have at most a few hundred)
+MAX_CACHED_ROUTING_ANSWERS = 4096  # bounds _routing_answer (pools have at most a few hundred endpoints)
 
 
-@functools.lru_cache(maxsize=MAX_CACHED_ROUTING_PIECES)
-def _routing_header(key: str, hostport: str) -> base_pb2.HeaderValueOption:
-    """The same few endpoint headers go out on every answer: built once (protobuf copies them into each answer)."""
-    return _header(key, hostport)
+@functools.lru_cache(maxsize=MAX_CACHED_ROUTING_ANSWERS)
+def _routing_answer(hostports: tuple[str, ...], headers_phase: bool) -> pb.ProcessingResponse:
+    """What every answer routing to these endpoints shares, built once per list and merged into each answer (protobuf
+    copies it in C: a third of building it field by field, measured): the destination header, the fallback headers,
+    clear_route_cache and the dynamic metadata. The header carries the primary only: Envoy's ORIGINAL_DST cluster
+    reads one ip:port. The fallbacks are in the metadata's comma list (the protocol) and, for our Envoy bootstrap's
+    retries, one per header."""
+    answer = pb.ProcessingResponse()
+    common = answer.request_headers.response if headers_phase else answer.request_body.response
+    common.clear_route_cache = True
+    set_headers = common.header_mutation.set_headers
+    set_headers.append(_header(extproc.DESTINATION_ENDPOINT_HEADER, hostports[0]))
+    fallbacks = hostports[1:]
+    if fallbacks:
+        for i, name in enumerate(extproc.FALLBACK_ENDPOINT_HEADERS):
+            set_headers.append(_header(name, fallbacks[min(i, len(fallbacks) - 1)]))
+    answer.dynamic_metadata.get_or_create_struct(extproc.DESTINATION_ENDPOINT_NAMESPACE)[
+        extproc.DESTINATION_ENDPOINT_KEY
+    ] = ",".join(hostports)
+    return answer
 
 
-@functools.lru_cache(maxsize=MAX_CACHED_ROUTING_PIECES)
-def _routing_metadata(destinations: str) -> struct_pb2.Struct:
-    """The dynamic metadata naming the destinations (the protocol's comma list), built once per list."""
-    metadata = struct_pb2.Struct()
-    metadata.get_or_create_struct(extproc.DESTINATION_ENDPOINT_NAMESPACE)[extproc.DESTINATION_ENDPOINT_KEY] = (
-        destinations
+def _add_header(set_headers, key: str, value: str) -> None:
+    option = set_headers.add(append_action=OVERWRITE)
+    option.header.key = key
+    option.header.raw_value = value.encode()
+
+
+# The response path's answers are the same for every request: built once.
+_RESPONSE_HEADERS_ANSWER = pb.ProcessingResponse(response_headers=pb.HeadersResponse(response=pb.CommonResponse()))
+_RESPONSE_HEADERS_REFRAMED = pb.ProcessingResponse(  # the body will change length: let the proxy re-frame it
+    response_headers=pb.HeadersResponse(
+        response=pb.CommonResponse(header_mutation=pb.HeaderMutation(remove_headers=["content-length"]))
     )
-    return metadata
+)
+_RESPONSE_TRAILERS_ANSWER = pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
 
 
 def immediate_response(error: OpenAIError) -> pb.ProcessingResponse:
@@ -200,7 +222,7 @@ class RequestStream:
             return [*out, pb.ProcessingResponse(request_trailers=pb.TrailersResponse())]
         if kind == "response_trailers":  # the response is over
             self._complete()
-            return [pb.ProcessingResponse(response_trailers=pb.TrailersResponse())]
+            return [_RESPONSE_TRAILERS_ANSWER]
         return []
 
     # -- request path ------------------------------------------------------------------------------------------
@@ -283,44 +305,29 @@ class RequestStream:
         self.routed = True
         self.rewrite_back = self.response_full_duplex and self.director.rewrites_response(self.ctx)
         body = decision.body
-        endpoints = decision.endpoints
-        set_headers = [
-            # The header carries the primary only: Envoy's ORIGINAL_DST cluster reads one ip:port. The fallbacks are
-            # in the metadata's comma list (the protocol) and, for our Envoy bootstrap's retries, one per header.
-            _routing_header(extproc.DESTINATION_ENDPOINT_HEADER, endpoints[0].hostport),
-            _header(extproc.REQUEST_ID_HEADER, decision.request_id),
-        ]
-        fallbacks = endpoints[1:]
-        if fallbacks:
-            for i, name in enumerate(extproc.FALLBACK_ENDPOINT_HEADERS):
-                set_headers.append(_routing_header(name, fallbacks[min(i, len(fallbacks) - 1)].hostport))
+        head = pb.ProcessingResponse()
+        head.MergeFrom(_routing_answer(tuple(e.hostport for e in decision.endpoints), headers_phase))
+        common = head.request_headers.response if headers_phase else head.request_body.response
+        set_headers = common.header_mutation.set_headers
+        _add_header(set_headers, extproc.REQUEST_ID_HEADER, decision.request_id)
         if body is not None:
-            set_headers.append(_header("content-length", str(len(body))))
-        common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=set_headers), clear_route_cache=True)
-        metadata = _routing_metadata(decision.destinations)
+            _add_header(set_headers, "content-length", str(len(body)))
         if not headers_phase:  # BUFFERED: the body response carries the routing (and a rewritten body)
             if decision.body_changed:
                 common.status = CONTINUE_AND_REPLACE
                 common.body_mutation.body = body
-            return [pb.ProcessingResponse(request_body=pb.BodyResponse(response=common), dynamic_metadata=metadata)]
-        head = pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common), dynamic_metadata=metadata)
+            return [head]
         if body is None:
             return [head]
         size = extproc.MAX_BODY_CHUNK_BYTES
-        chunks = [body[i : i + size] for i in range(0, len(body), size)] or [b""]
-        last = len(chunks) - 1
-        return [head] + [
-            pb.ProcessingResponse(
-                request_body=pb.BodyResponse(
-                    response=pb.CommonResponse(
-                        body_mutation=pb.BodyMutation(
-                            streamed_response=pb.StreamedBodyResponse(body=chunk, end_of_stream=i == last)
-                        )
-                    )
-                )
-            )
-            for i, chunk in enumerate(chunks)
-        ]
+        answers = [head]
+        for start in range(0, len(body), size) or (0,):
+            answer = pb.ProcessingResponse()  # filled by attribute paths: cheaper than nested constructors
+            streamed = answer.request_body.response.body_mutation.streamed_response
+            streamed.body = body[start : start + size]
+            streamed.end_of_stream = start + size >= len(body)
+            answers.append(answer)
+        return answers
 
     def _reject(self, error: OpenAIError) -> pb.ProcessingResponse:
         if self.ctx is not None:
@@ -336,10 +343,7 @@ class RequestStream:
                 break
         if self.ctx is not None:
             self.director.on_response_headers(self.ctx, status, served_endpoint(message))
-        common = pb.CommonResponse()
-        if self.rewrite_back:  # the body will change length: let the proxy re-frame it
-            common.header_mutation.remove_headers.append("content-length")
-        return [pb.ProcessingResponse(response_headers=pb.HeadersResponse(response=common))]
+        return [_RESPONSE_HEADERS_REFRAMED if self.rewrite_back else _RESPONSE_HEADERS_ANSWER]
 
     def _on_response_body(self, body: pb.HttpBody) -> list[pb.ProcessingResponse]:
         chunk = body.body

@@ -58,7 +58,3 @@ class RoutingDecision:
     endpoints: list[Endpoint]  # the pick first, then fallbacks
     body: bytes | None
     body_changed: bool = False
-
-    @property
-    def destinations(self) -> str:
-        return ",".join(e.hostport for e in self.endpoints)
