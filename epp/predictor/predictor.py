@@ -14,7 +14,7 @@ for n = 13 inputs plus an O(n^3) re-solve every `refit_every` observations, ~40 
 (a 2-core dev box, pure Python); the state is two n x n systems, two error windows and one backlog entry per
 endpoint.
 
-Model: one weighted online ridge regression per target (`OnlineRidge`) on `features.vector`. Each observation is
+Model: one weighted online ridge regression per target (`OnlineRidge`, coefficients >= 0) on `features.vector`. Each observation is
 weighted by 1 / y^2, so the fit minimises squared *relative* error, which is what MAPE scores and what routing
 needs: a 40 ms error matters on a 50 ms TTFT, not on a 2 s one. Forgetting (decay 0.998, ~500 observations of
 memory) follows drift in the workload and the servers.
@@ -52,7 +52,8 @@ class _Target:
 
     def __init__(self, floor: float, window: int, decay: float, refit_every: int):
         self.floor = floor
-        self.model = OnlineRidge(SIZE, decay=decay, refit_every=refit_every)
+        # every input measures work, so every coefficient is >= 0 (ridge.py says why that matters for routing)
+        self.model = OnlineRidge(SIZE, decay=decay, refit_every=refit_every, nonnegative=True)
         self.errors: deque[float] = deque(maxlen=window)
         self.ratios: deque[float] = deque(maxlen=window)
         self._sorted_ratios: list[float] | None = None  # sorted copy of ratios, made on demand after a change

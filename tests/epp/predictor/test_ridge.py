@@ -49,3 +49,28 @@ def test_no_fit_before_data_and_state_stays_fixed_size():
 def test_bad_parameters_are_rejected(kwargs):
     with pytest.raises(ValueError):
         OnlineRidge(**kwargs)
+
+
+def test_nonnegative_fit_matches_the_unconstrained_one_when_it_is_nonnegative_and_binds_the_others():
+    rng = random.Random(3)
+    free, bounded = OnlineRidge(3, decay=1.0, ridge=1e-9), OnlineRidge(3, decay=1.0, ridge=1e-9, nonnegative=True)
+    for _ in range(300):
+        x = (1.0, rng.random(), rng.random())
+        y = 0.5 + 2.0 * x[1] + 0.3 * x[2]
+        free.add(x, y)
+        bounded.add(x, y)
+    assert bounded.coefficients == pytest.approx(free.coefficients, abs=1e-6)
+    model = OnlineRidge(3, decay=1.0, ridge=1e-9, nonnegative=True)
+    points = []
+    for _ in range(300):
+        x = (1.0, rng.random(), rng.random())
+        y = 0.5 + 2.0 * x[1] - 0.3 * x[2]  # the best unconstrained fit has a negative coefficient
+        model.add(x, y)
+        points.append((x, y))
+    c = model.coefficients
+    assert min(c) >= 0.0 and c[2] == 0.0
+    # it is the best fit with that coefficient at zero: least squares on the other two
+    free2 = OnlineRidge(2, decay=1.0, ridge=1e-9)
+    for x, y in points:
+        free2.add(x[:2], y)
+    assert c[:2] == pytest.approx(free2.coefficients, abs=1e-6)
