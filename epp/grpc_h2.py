@@ -238,6 +238,9 @@ class ExtProcConnection(asyncio.Protocol):
 
     # -- frames --------------------------------------------------------------------------------------------------
     def _on_frame(self, kind: int, flags: int, stream_id: int, payload: bytes) -> None:
+        if kind == DATA and stream_id and not self.continuation_of:  # most frames: none of the checks below apply
+            self._on_data(flags, stream_id, payload)
+            return
         if self.continuation_of and kind != CONTINUATION:
             raise ValueError("expected CONTINUATION")
         size = FIXED_PAYLOAD.get(kind)
@@ -371,33 +374,44 @@ class ExtProcConnection(asyncio.Protocol):
         if stream is None or stream.closed:
             return  # a stream we already answered or the proxy reset
         if stream.handler is not None:
-            message = stream.message
-            message += payload
-            self.partial_bytes += len(payload)
-            if self.partial_bytes > MAX_PARTIAL_BYTES:
+            if self.partial_bytes + len(payload) > MAX_PARTIAL_BYTES:
                 self._close_stream(stream, status_trailers(RESOURCE_EXHAUSTED, "the connection holds too many bytes"))
                 return
-            while len(message) >= 5:
-                compressed, length = GRPC_PREFIX.unpack_from(message)
+            message = stream.message
+            if message:  # the rest of a message that began in an earlier frame
+                message += payload
+                self.partial_bytes += len(payload)
+                data = message
+            else:  # most frames carry whole messages: parsed straight from the frame
+                data = payload
+            offset, size = 0, len(data)
+            while size - offset >= 5:
+                compressed, length = GRPC_PREFIX.unpack_from(data, offset)
                 if compressed:
                     self._close_stream(stream, status_trailers(UNIMPLEMENTED, "compressed messages are not supported"))
                     return
                 if length > MAX_MESSAGE:
                     self._close_stream(stream, status_trailers(RESOURCE_EXHAUSTED, f"message over {MAX_MESSAGE} bytes"))
                     return
-                if len(message) < 5 + length:
+                end = offset + 5 + length
+                if size < end:
                     break
                 try:
-                    with memoryview(message) as view:  # parsed in place: one copy less of a large body
-                        request = pb.ProcessingRequest.FromString(view[5 : 5 + length])
+                    with memoryview(data) as view:  # parsed in place: one copy less of a large body
+                        request = pb.ProcessingRequest.FromString(view[offset + 5 : end])
                 except DecodeError:
                     self._close_stream(stream, status_trailers(INVALID_ARGUMENT, "not a ProcessingRequest"))
                     return
-                del message[: 5 + length]
-                self.partial_bytes -= 5 + length
+                offset = end
                 self._handle(stream, request)
                 if stream.closed:
-                    return
+                    return  # (closing dropped the stream's held bytes, the parsed ones included)
+            if data is message:
+                del message[:offset]
+                self.partial_bytes -= offset
+            elif offset < size:  # a message that goes on in the next frame
+                message += data[offset:]
+                self.partial_bytes += size - offset
         if flags & END_STREAM:
             self._end_of_requests(stream)
             return
@@ -461,7 +475,19 @@ class ExtProcConnection(asyncio.Protocol):
         if not stream.headers_sent:
             self.out.append(frame(HEADERS, END_HEADERS, stream.id, RESPONSE_HEADERS))
             stream.headers_sent = True
-        stream.pending.append(GRPC_PREFIX.pack(0, len(message)) + message)
+        data = GRPC_PREFIX.pack(0, len(message)) + message
+        size = len(data)
+        if (
+            not stream.pending
+            and size <= stream.send_window
+            and size <= self.send_window
+            and size <= self.peer_max_frame
+        ):
+            self.out.append(frame(DATA, 0, stream.id, data))  # the common case: nothing queued, the windows allow
+            stream.send_window -= size
+            self.send_window -= size
+            return
+        stream.pending.append(data)
         self._flush(stream)
 
     def _end_of_requests(self, stream: _Stream) -> None:

@@ -229,7 +229,8 @@ class RequestStream:
     def _on_request_headers(self, message: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
         headers: dict[str, str] = {}
         for h in message.request_headers.headers.headers:
-            headers[h.key.lower()] = h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
+            raw = h.raw_value  # each read of a field builds a new Python object: read once
+            headers[h.key.lower()] = raw.decode("utf-8", "replace") if raw else h.value
         # the proxy attaches its metadata to the headers message
         self.ctx = self.director.new_request(headers, subset_hint(message))
         if message.HasField("protocol_config"):
