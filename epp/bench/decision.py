@@ -104,21 +104,16 @@ PREDICTED_POOL = "decision-time"  # the shared predictor (epp.predictor.shared) 
 
 
 def predictor_config(pool: str = "default") -> str:
-    """The default profile with the latency predictor: slo-headroom-filter first (it passes every endpoint for a
-    request without objectives) and predicted-latency-scorer, which replaces the default scorers while it predicts
-    (`Scorer.replaces`; no weight), both reading the shared predictor `pool` (the EPP trains it from the responses
-    it sees streamed)."""
+    """The default profile with the latency predictor: slo-headroom-filter (it passes every endpoint for a request
+    without objectives), then predicted-latency-filter (it drops the endpoints predicted slower than the fastest by
+    more than the predictor's own error), then the default scorers among what is left; no weight of its own. Both
+    read the shared predictor `pool`, which the filter trains from the responses the EPP sees streamed."""
     params = f"  parameters: {{pool: {pool}}}\n"
-    return (
-        DEFAULT_CONFIG.replace(
-            "- type: max-score-picker\n",
-            f"- type: max-score-picker\n- type: slo-headroom-filter\n{params}- type: predicted-latency-scorer\n{params}",
-        )
-        .replace(
-            "  - pluginRef: max-score-picker\n",
-            "  - pluginRef: predicted-latency-scorer\n  - pluginRef: max-score-picker\n",
-        )
-        .replace("  plugins:\n", "  plugins:\n  - pluginRef: slo-headroom-filter\n", 1)
+    return DEFAULT_CONFIG.replace(
+        "- type: max-score-picker\n",
+        f"- type: max-score-picker\n- type: slo-headroom-filter\n{params}- type: predicted-latency-filter\n{params}",
+    ).replace(
+        "  plugins:\n", "  plugins:\n  - pluginRef: slo-headroom-filter\n  - pluginRef: predicted-latency-filter\n", 1
     )
 
 

@@ -7,6 +7,7 @@ from epp.scheduling.plugins import (  # noqa: F401
     lora_affinity_scorer,
     max_score_picker,
     precise_prefix_cache_scorer,
+    predicted_latency_filter,
     predicted_latency_scorer,
     prefix_cache_scorer,
     queue_scorer,

@@ -31,7 +31,7 @@ import logging
 
 from epp.datalayer.endpoint import Endpoint
 from epp.predictor import Features, shared
-from epp.predictor.candidates import PREDICTED_LATENCY, PREDICTION_READS
+from epp.predictor.candidates import PREDICTED_LATENCY, PREDICTION_READS, CandidatePredictions
 from epp.scheduling.framework import (
     LatencyPredictionStats,
     Parameters,
@@ -44,17 +44,77 @@ from epp.scheduling.framework import (
 from epp.scheduling.types import CycleState, ResponseInfo, SchedulingRequest, SchedulingResult, StateKey
 
 ROUTED_FEATURES: StateKey[Features] = StateKey("predicted-latency-routed-features")
+OBSERVED: StateKey[bool] = StateKey("predicted-latency-observed")  # the predictor learnt from this request
 # Successful responses whose body never reached the EPP before it says that it cannot learn (once).
 UNSEEN_BODIES_WARNING = 100
 
 log = logging.getLogger(__name__)
 
 
-@register("predicted-latency-scorer")
-class PredictedLatencyScorer(Scorer, PreRequest, ResponseComplete, LatencyPredictionStats):
-    consumes = PREDICTION_READS
-    produces = (PREDICTED_LATENCY, ROUTED_FEATURES)
+class PredictorFeed(PreRequest, ResponseComplete, LatencyPredictionStats):
+    """The hooks that train the pool's predictor, shared by the plugins that read it (this scorer and
+    predicted-latency-filter): at the pick the request's features on its endpoint (and its prompt into the
+    endpoint's prefill backlog), at completion the observed TTFT and TPOT. With both plugins in one profile the
+    first one fed does it, once per request. Needs `self.predictions` and `self.unseen_bodies = 0`."""
+
     at_pick = True  # the prompt joins the pick's prefill backlog before the next request of a burst is scheduled
+    predictions: CandidatePredictions
+    unseen_bodies: int
+
+    def pre_request(self, request: SchedulingRequest, result: SchedulingResult) -> None:
+        if result.cycle_state.read(ROUTED_FEATURES) is not None:
+            return  # fed by the profile's other predictor plugin
+        endpoint = result.primary
+        cached = self.predictions.cached_tokens
+        cached_tokens = cached(result.cycle_state, request, [endpoint])[0] if cached is not None else 0
+        adapter = self.predictions.adapter(request.model, result.candidates or [endpoint])
+        features = self.predictions.predictor.routed(endpoint, request.prompt_tokens_estimate, cached_tokens, adapter)
+        result.cycle_state.write(ROUTED_FEATURES, features)
+
+    def response_complete(
+        self, request: SchedulingRequest, result: SchedulingResult, endpoint, response: ResponseInfo
+    ) -> None:
+        if result.cycle_state.read(OBSERVED) is not None:
+            return
+        result.cycle_state.write(OBSERVED, True)
+        features = result.cycle_state.read(ROUTED_FEATURES)
+        if response.ttft is None and response.output_tokens is None and response.status.startswith("2"):
+            self._body_not_seen()
+        if features is None or response.ttft is None or response.ttft <= 0:
+            return  # not routed by a prompt, not streamed through the EPP, or no token came
+        tpot = response.tpot if response.tpot is not None and response.tpot > 0 else None
+        self.predictions.predictor.observe(features, response.ttft, tpot)
+
+    def _body_not_seen(self) -> None:
+        if self.predictions.predictor.observations or self.unseen_bodies > UNSEEN_BODIES_WARNING:
+            return
+        self.unseen_bodies += 1
+        if self.unseen_bodies == UNSEEN_BODIES_WARNING:
+            log.warning(
+                "%s: %d successful responses and none of their bodies reached the EPP: the latency predictor "
+                "learns only from responses streamed through it (Envoy ext_proc response_body_mode "
+                "FULL_DUPLEX_STREAMED) and abstains until then",
+                self.typed_name.type,
+                UNSEEN_BODIES_WARNING,
+            )
+
+    @property
+    def prediction_errors(self) -> tuple[float | None, float | None]:
+        predictor = self.predictions.predictor
+        return predictor.ttft_mape, predictor.tpot_mape
+
+    @property
+    def observations(self) -> int:
+        return self.predictions.predictor.observations
+
+    def use_prefix_index(self, index: PrefixIndexStats) -> None:
+        self.predictions.cached_tokens = index.cached_tokens
+
+
+@register("predicted-latency-scorer")
+class PredictedLatencyScorer(Scorer, PredictorFeed):
+    consumes = PREDICTION_READS
+    produces = (PREDICTED_LATENCY, ROUTED_FEATURES, OBSERVED)
     replaces = (
         "queue-scorer",
         "running-requests-size-scorer",
@@ -86,46 +146,3 @@ class PredictedLatencyScorer(Scorer, PreRequest, ResponseComplete, LatencyPredic
             costs = [ttft for ttft, _ in predicted]
         best = min(costs)
         return [best / c for c in costs]
-
-    def pre_request(self, request: SchedulingRequest, result: SchedulingResult) -> None:
-        endpoint = result.primary
-        cached = self.predictions.cached_tokens
-        cached_tokens = cached(result.cycle_state, request, [endpoint])[0] if cached is not None else 0
-        adapter = self.predictions.adapter(request.model, result.candidates or [endpoint])
-        features = self.predictions.predictor.routed(endpoint, request.prompt_tokens_estimate, cached_tokens, adapter)
-        result.cycle_state.write(ROUTED_FEATURES, features)
-
-    def response_complete(
-        self, request: SchedulingRequest, result: SchedulingResult, endpoint, response: ResponseInfo
-    ) -> None:
-        features = result.cycle_state.read(ROUTED_FEATURES)
-        if response.ttft is None and response.output_tokens is None and response.status.startswith("2"):
-            self._body_not_seen()
-        if features is None or response.ttft is None or response.ttft <= 0:
-            return  # not routed by a prompt, not streamed through the EPP, or no token came
-        tpot = response.tpot if response.tpot is not None and response.tpot > 0 else None
-        self.predictions.predictor.observe(features, response.ttft, tpot)
-
-    def _body_not_seen(self) -> None:
-        if self.predictions.predictor.observations or self.unseen_bodies > UNSEEN_BODIES_WARNING:
-            return
-        self.unseen_bodies += 1
-        if self.unseen_bodies == UNSEEN_BODIES_WARNING:
-            log.warning(
-                "predicted-latency-scorer: %d successful responses and none of their bodies reached the EPP: it "
-                "learns only from responses streamed through it (Envoy ext_proc response_body_mode "
-                "FULL_DUPLEX_STREAMED) and abstains until then",
-                UNSEEN_BODIES_WARNING,
-            )
-
-    @property
-    def prediction_errors(self) -> tuple[float | None, float | None]:
-        predictor = self.predictions.predictor
-        return predictor.ttft_mape, predictor.tpot_mape
-
-    @property
-    def observations(self) -> int:
-        return self.predictions.predictor.observations
-
-    def use_prefix_index(self, index: PrefixIndexStats) -> None:
-        self.predictions.cached_tokens = index.cached_tokens

@@ -9,7 +9,7 @@ from epp.scheduling.errors import ConfigError
 from epp.scheduling.framework import build_plugin
 from epp.scheduling.plugins.predicted_latency_scorer import ROUTED_FEATURES
 from epp.scheduling.scheduler import Scheduler
-from epp.scheduling.types import CycleState, SchedulingRequest
+from epp.scheduling.types import CycleState, ResponseInfo, SchedulingRequest
 from tests.epp.helpers import endpoint
 from tests.epp.predictor.conftest import train
 
@@ -222,10 +222,12 @@ def test_scorer_says_once_that_no_response_body_reaches_it(pool, caplog):
     from epp.scheduling.types import ResponseInfo
 
     scorer = build_plugin("predicted-latency-scorer", {"pool": pool})
-    result = Scheduler.from_config(None).schedule(req(), [endpoint(0)])
+    scheduler = Scheduler.from_config(None)
     with caplog.at_level("WARNING"):
-        for _ in range(3 * UNSEEN_BODIES_WARNING):
+        for _ in range(3 * UNSEEN_BODIES_WARNING):  # one request each (each is learnt from at most once)
+            result = scheduler.schedule(req(), [endpoint(0)])
             scorer.response_complete(req(), result, endpoint(0), ResponseInfo("200"))
+        result = scheduler.schedule(req(), [endpoint(0)])
         scorer.response_complete(req(), result, endpoint(0), ResponseInfo("200", output_tokens=5))  # a body came
     warnings = [r for r in caplog.records if "FULL_DUPLEX_STREAMED" in r.getMessage()]
     assert len(warnings) == 1
@@ -264,3 +266,44 @@ schedulingProfiles:
     assert [name.type for name in warm.raw_scores] == ["predicted-latency-scorer"]
     assert [name.type for name, _ in warm.timings] == ["predicted-latency-scorer", "max-score-picker"]
     assert warm.primary is endpoints[0]
+
+
+def test_latency_filter_drops_only_what_the_prediction_tells_apart_beyond_its_error(pool):
+    endpoints = pool_of_three(pool)
+    f = build_plugin("predicted-latency-filter", {"pool": pool})
+    assert f.filter(CycleState(), req(), endpoints) == endpoints  # cold: everything passes
+    trained(pool)
+    target = shared(pool).predictor.ttft
+    band = target.ratio_quantile(0.9) / target.ratio_quantile(0.1)
+    assert 1.0 < band < 1.3  # the synthetic pool's noise is 3 %
+    ttfts = [t for t, _ in shared(pool).get(CycleState(), req(), endpoints, tpot=False)]
+    kept = f.filter(CycleState(), req(), endpoints)
+    assert kept == [e for e, t in zip(endpoints, ttfts, strict=True) if t <= min(ttfts) * band]
+    assert endpoints[0] in kept and endpoints[1] not in kept  # 1 has a 6,000-token prefill ahead
+
+
+def test_with_both_predictor_plugins_a_request_is_learnt_once(pool):
+    trained(pool)
+    config = f"""
+plugins:
+- type: predicted-latency-filter
+  parameters: {{pool: {pool}}}
+- type: predicted-latency-scorer
+  parameters: {{pool: {pool}}}
+schedulingProfiles:
+- name: default
+  plugins:
+  - pluginRef: predicted-latency-filter
+  - pluginRef: predicted-latency-scorer
+"""
+    scheduler = Scheduler.from_config(config)
+    endpoints = pool_of_three(pool)
+    predictor = shared(pool).predictor
+    observations = predictor.observations
+    request = req()
+    result = scheduler.schedule(request, endpoints)
+    scheduler.on_picked(request, result)
+    scheduler.on_routed(request, result)
+    response = ResponseInfo(status="200", ttft=0.05, tpot=0.01, output_tokens=10)
+    scheduler.on_finished(request, result, result.primary, response)
+    assert predictor.observations == observations + 1
