@@ -154,21 +154,16 @@ def test_bad_parameters_are_config_errors(plugin, parameters):
         build_plugin(plugin, parameters)
 
 
+def profile_of(pool: str, *plugins: str) -> Scheduler:
+    """A scheduler whose one profile runs these predictor plugins, in order, all on `pool`'s predictor."""
+    declared = "".join(f"- type: {p}\n  parameters: {{pool: {pool}}}\n" for p in plugins)
+    refs = "".join(f"  - pluginRef: {p}\n" for p in plugins)
+    return Scheduler.from_config(f"plugins:\n{declared}schedulingProfiles:\n- name: default\n  plugins:\n{refs}")
+
+
 def test_profile_with_both_plugins_routes_to_the_fastest(pool):
     trained(pool)
-    config = f"""
-plugins:
-- type: slo-headroom-filter
-  parameters: {{pool: {pool}}}
-- type: predicted-latency-scorer
-  parameters: {{pool: {pool}}}
-schedulingProfiles:
-- name: default
-  plugins:
-  - pluginRef: slo-headroom-filter
-  - pluginRef: predicted-latency-scorer
-"""
-    scheduler = Scheduler.from_config(config)
+    scheduler = profile_of(pool, "slo-headroom-filter", "predicted-latency-scorer")
     endpoints = pool_of_three(pool)
     result = scheduler.schedule(req(headers={"x-slo-ttft-ms": "10000"}), endpoints)
     assert result.primary is endpoints[0]
@@ -284,19 +279,7 @@ def test_latency_filter_drops_only_what_the_prediction_tells_apart_beyond_its_er
 
 def test_with_both_predictor_plugins_a_request_is_learnt_once(pool):
     trained(pool)
-    config = f"""
-plugins:
-- type: predicted-latency-filter
-  parameters: {{pool: {pool}}}
-- type: predicted-latency-scorer
-  parameters: {{pool: {pool}}}
-schedulingProfiles:
-- name: default
-  plugins:
-  - pluginRef: predicted-latency-filter
-  - pluginRef: predicted-latency-scorer
-"""
-    scheduler = Scheduler.from_config(config)
+    scheduler = profile_of(pool, "predicted-latency-filter", "predicted-latency-scorer")
     endpoints = pool_of_three(pool)
     predictor = shared(pool).predictor
     observations = predictor.observations
