@@ -175,18 +175,20 @@ async def test_oversized_prompts_are_rejected_before_tokenizing_and_metrics_neve
                 assert "maximum context length" in (await r.json())["error"]["message"]
             assert time.monotonic() - started < 1.0  # tokenizing it took seconds
 
-            # within the bound but long: tokenized in a worker thread while /metrics keeps answering
+            # within the bound but long: tokenized in worker threads while /metrics keeps answering. One takes
+            # 24-40 ms to tokenize here, so 48 of them on the event loop would hold /metrics for over a second; in
+            # threads the loop still shares 2 cores with them (a 0.1 s bound failed once at 0.104 s in a CI run)
             long_prompt = {
                 "model": MODEL,
                 "prompt": "The quick brown fox jumps over the lazy dog. " * 1100,
                 "max_tokens": 2,
             }
-            posts = [asyncio.create_task(session.post(f"{url}/tokenize", json=long_prompt)) for _ in range(16)]
+            posts = [asyncio.create_task(session.post(f"{url}/tokenize", json=long_prompt)) for _ in range(48)]
             worst = max([await metrics_latency() for _ in range(10)])
             for post in posts:
                 async with await post as r:
                     assert r.status in (200, 400)
-            assert worst < 0.1, worst
+            assert worst < 0.3, worst
     finally:
         await runner.cleanup()
         await running.engine.stop()
