@@ -49,17 +49,11 @@ class PredictedLatencyFilter(Filter, PredictorFeed):
     def filter(self, cycle_state: CycleState, request: SchedulingRequest, endpoints: list[Endpoint]) -> list[Endpoint]:
         if len(endpoints) < 2:
             return endpoints
-        output = request.max_tokens
-        long_output = output is not None and output >= self.long_output_tokens
-        predicted = self.predictions.get(cycle_state, request, endpoints, tpot=long_output)
+        predicted = self.predicted_costs(cycle_state, request, endpoints)
         if predicted is None:
             return endpoints
+        costs, with_tpot = predicted
         predictor, confidence = self.predictions.predictor, self.confidence
-        if long_output and predicted[0][1] is not None:
-            costs = [ttft + tpot * output for ttft, tpot in predicted]
-            target = predictor.tpot  # the larger part of a long answer's time
-        else:
-            costs = [ttft for ttft, _ in predicted]
-            target = predictor.ttft
+        target = predictor.tpot if with_tpot else predictor.ttft  # TPOT: the larger part of a long answer's time
         limit = min(costs) * target.ratio_quantile(confidence) / target.ratio_quantile(1.0 - confidence)
         return [e for e, c in zip(endpoints, costs, strict=True) if c <= limit]
