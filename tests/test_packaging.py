@@ -94,34 +94,11 @@ def test_the_wheel_ships_templates_and_workloads(installed_wheel):
 
 
 def test_the_wheel_runs_the_demo_and_the_gateway_suite_from_elsewhere(installed_wheel, tmp_path):
-    from tests.conftest import free_port_block, free_ports
+    from tests.conftest import epp_local_ports
 
-    base = free_port_block(2)
-    grpc, health, metrics, listener, admin, kv_events = free_ports(6)
+    args, _ = epp_local_ports()
     demo = subprocess.run(
-        [
-            str(installed_wheel / "epp-local"),
-            "--model-servers",
-            "2",
-            "--demo",
-            "--once",
-            "--requests",
-            "8",
-            "--base-port",
-            str(base),
-            "--grpc-port",
-            str(grpc),
-            "--grpc-health-port",
-            str(health),
-            "--metrics-port",
-            str(metrics),
-            "--listener-port",
-            str(listener),
-            "--admin-port",
-            str(admin),
-            "--kv-events-port",
-            str(kv_events),
-        ],
+        [str(installed_wheel / "epp-local"), *args, "--demo", "--once", "--requests", "8"],
         capture_output=True,
         text=True,
         timeout=240,

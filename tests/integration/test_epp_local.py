@@ -3,38 +3,13 @@
 import subprocess
 import sys
 
-from tests.conftest import free_port_block, free_ports
+from tests.conftest import epp_local_ports
 
 
 def test_epp_local_demo_once():
-    base = free_port_block(2)
-    grpc, health, metrics, listener, admin, kv_events = free_ports(6)
+    args, _ = epp_local_ports()
     result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "epp.local",
-            "--model-servers",
-            "2",
-            "--demo",
-            "--once",
-            "--requests",
-            "12",
-            "--base-port",
-            str(base),
-            "--grpc-port",
-            str(grpc),
-            "--grpc-health-port",
-            str(health),
-            "--metrics-port",
-            str(metrics),
-            "--listener-port",
-            str(listener),
-            "--admin-port",
-            str(admin),
-            "--kv-events-port",
-            str(kv_events),
-        ],
+        [sys.executable, "-m", "epp.local", *args, "--demo", "--once", "--requests", "12"],
         capture_output=True,
         text=True,
         timeout=180,

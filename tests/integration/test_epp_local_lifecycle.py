@@ -11,33 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import free_port_block, free_ports
-
-
-def ports_args() -> tuple[list[str], list[int]]:
-    base = free_port_block(2)
-    grpc, health, metrics, listener, admin, kv_events = free_ports(6)
-    args = [
-        "--model-servers",
-        "2",
-        "--base-port",
-        str(base),
-        "--grpc-port",
-        str(grpc),
-        "--grpc-health-port",
-        str(health),
-        "--metrics-port",
-        str(metrics),
-        "--listener-port",
-        str(listener),
-        "--admin-port",
-        str(admin),
-        "--kv-events-port",
-        str(kv_events),
-    ]
-    # Not the KV-event port: the servers' connections to it that a killed EPP leaves in TIME_WAIT make a plain bind
-    # fail for a minute, and ZMQ binds with SO_REUSEADDR, so the next EPP gets it anyway.
-    return args, [base, base + 1, grpc, health, metrics, listener, admin]
+from tests.conftest import epp_local_ports
 
 
 def start(args: list[str]) -> tuple[subprocess.Popen, Path]:
@@ -88,7 +62,7 @@ def assert_all_gone(workdir: Path, ports: list[int]) -> None:
 
 @pytest.mark.parametrize("how", ["SIGINT", "SIGTERM", "SIGHUP", "closed-pipe"])
 def test_every_way_to_end_it_stops_every_child(how):
-    args, ports = ports_args()
+    args, ports = epp_local_ports()
     process, workdir = start(args)
     assert children_of(workdir)
     if how == "closed-pipe":  # `epp-local | head`, then Ctrl-C: stdout is a closed pipe when it says "stopping"
@@ -102,7 +76,7 @@ def test_every_way_to_end_it_stops_every_child(how):
 
 
 def test_a_taken_port_fails_fast_naming_it():
-    args, ports = ports_args()
+    args, ports = epp_local_ports()
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", ports[1]))
         holder.listen()
@@ -114,7 +88,7 @@ def test_a_taken_port_fails_fast_naming_it():
 
 
 def test_a_child_that_dies_stops_the_stack_with_its_last_log_lines():
-    args, ports = ports_args()
+    args, ports = epp_local_ports()
     process, workdir = start(args)
     epp = next(pid for pid in children_of(workdir) if b"-m\0epp\0" in Path(f"/proc/{pid}/cmdline").read_bytes())
     os.kill(epp, signal.SIGKILL)
@@ -127,7 +101,7 @@ def test_a_child_that_dies_stops_the_stack_with_its_last_log_lines():
 def test_a_port_in_time_wait_is_not_taken():
     """A server that closed a connection first leaves its port in TIME_WAIT, which keeps no server out (they bind
     with SO_REUSEADDR): epp-local starts there."""
-    args, ports = ports_args()
+    args, ports = epp_local_ports()
     with socket.socket() as listener:
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         listener.bind(("127.0.0.1", ports[0]))
