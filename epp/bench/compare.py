@@ -98,6 +98,9 @@ class TargetResult:
     slo_met: int = 0  # of those, succeeded within their own objectives (TTFT, and ITL as the time per output token)
     goodput_per_s: float = 0.0  # slo_met / wall seconds
     predictor: dict[str, float] = field(default_factory=dict)  # the EPP's latency predictor at the end (its metrics)
+    # per request class of the workload (TimedRequest.kind), when it has several: requests, succeeded, TTFT summary
+    # (ttft_ms), and for requests with objectives slo_requests / slo_met
+    by_kind: dict[str, dict] = field(default_factory=dict)
     # the EPPs' prefix indexes at the end: KV-event index entries, approximate index entries, resident memory (MB),
     # summed over the replicas
     epp_index: dict[str, float] = field(default_factory=dict)
@@ -156,6 +159,7 @@ class Outcome(NamedTuple):
     output_tokens: int = 0
     cached_share: float = 0.0  # usage.prompt_tokens_details.cached_tokens / prompt_tokens
     met_slo: bool | None = None  # None: the request stated no objective
+    kind: str = ""  # the request's class in the workload (TimedRequest.kind)
 
 
 def met_slo(headers: dict[str, str], outcome: Outcome) -> bool | None:
@@ -171,9 +175,11 @@ def met_slo(headers: dict[str, str], outcome: Outcome) -> bool | None:
     )
 
 
-async def _one(session: aiohttp.ClientSession, url: str, body: dict, headers: dict[str, str]) -> Outcome:
+async def _one(
+    session: aiohttp.ClientSession, url: str, body: dict, headers: dict[str, str], kind: str = ""
+) -> Outcome:
     outcome = await _send(session, url, body, headers)
-    return outcome._replace(met_slo=met_slo(headers, outcome))
+    return outcome._replace(met_slo=met_slo(headers, outcome), kind=kind)
 
 
 async def _send(session: aiohttp.ClientSession, url: str, body: dict, headers: dict[str, str]) -> Outcome:
@@ -342,9 +348,9 @@ async def run_target(
             if warmup:
                 warm = []
                 warm_started = time.monotonic()
-                for offset, body, headers in requests(spec, MODEL, rate, warmup, seed + 1, scale):
-                    await asyncio.sleep(max(0.0, warm_started + offset - time.monotonic()))
-                    warm.append(asyncio.create_task(_one(session, f"{pool.url}/v1/completions", body, headers)))
+                for request in requests(spec, MODEL, rate, warmup, seed + 1, scale):
+                    await asyncio.sleep(max(0.0, warm_started + request.at - time.monotonic()))
+                    warm.append(asyncio.create_task(_one(session, f"{pool.url}/v1/completions", *request[1:])))
                 await asyncio.gather(*warm)
             before = await _counters(session, urls)
             pids = pool.pids()
@@ -370,17 +376,17 @@ async def run_target(
                 pending = iter(stream)
 
                 async def client() -> None:
-                    for _, body, headers in pending:
+                    for request in pending:
                         if time.monotonic() - started >= duration:
                             return
-                        outcomes.append(await _one(session, url, body, headers))
+                        outcomes.append(await _one(session, url, *request[1:]))
 
                 await asyncio.gather(*(client() for _ in range(concurrency)))
             else:
                 tasks = []
-                for offset, body, headers in stream:
-                    await asyncio.sleep(max(0.0, started + offset - time.monotonic()))
-                    tasks.append(asyncio.create_task(_one(session, url, body, headers)))
+                for request in stream:
+                    await asyncio.sleep(max(0.0, started + request.at - time.monotonic()))
+                    tasks.append(asyncio.create_task(_one(session, url, *request[1:])))
                 outcomes = await asyncio.gather(*tasks)
             elapsed = time.monotonic() - started
             sampler.cancel()
@@ -455,6 +461,19 @@ def _from_outcomes(result: TargetResult, outcomes: list[Outcome], elapsed: float
     judged = [o.met_slo for o in outcomes if o.met_slo is not None]
     result.slo_requests, result.slo_met = len(judged), sum(judged)
     result.goodput_per_s = result.slo_met / elapsed
+    by_kind: dict[str, list[Outcome]] = {}
+    for o in outcomes:
+        by_kind.setdefault(o.kind, []).append(o)
+    if len(by_kind) > 1:
+        for kind, group in sorted(by_kind.items()):
+            judged = [o.met_slo for o in group if o.met_slo is not None]
+            result.by_kind[kind] = {
+                "requests": len(group),
+                "succeeded": sum(o.status == 200 for o in group),
+                "ttft_ms": _summary([o.ttft for o in group if o.status == 200]),
+                "slo_requests": len(judged),
+                "slo_met": sum(judged),
+            }
 
 
 def _from_inference_perf(result: TargetResult, summary: dict) -> None:
@@ -526,6 +545,7 @@ def markdown(results: list[TargetResult]) -> str:
                     f"{i.get('prefix_indexer_size', 0):.0f} entries, EPP resident memory {i['rss_mb']:.0f} MB",
                     "",
                 ]
+        lines += _by_kind_table(rows, base)
         lines += _goodput_table(rows)
         for r in rows:
             if r.predictor:
@@ -537,6 +557,28 @@ def markdown(results: list[TargetResult]) -> str:
                     "",
                 ]
     return "\n".join(lines) + "times in ms; TTFT ratios below 1 mean faster than the reference.\n"
+
+
+def _by_kind_table(rows: list[TargetResult], base: TargetResult | None) -> list[str]:
+    """TTFT per request class of the workload (a mix entry, a traffic tier): where each target gains or loses."""
+    split = [r for r in rows if r.by_kind]
+    if not split:
+        return []
+    lines = [
+        "| target | class | succeeded | TTFT mean | TTFT p90 | TTFT vs RR (mean / p90) | met their SLO |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in split:
+        for kind, k in r.by_kind.items():
+            t = k["ttft_ms"] or {"mean": float("nan"), "p90": float("nan")}
+            reference = (base.by_kind.get(kind) or {}).get("ttft_ms") if base else None
+            vs_rr = f"{t['mean'] / reference['mean']:.2f} / {t['p90'] / reference['p90']:.2f}" if reference else "-"
+            met = f"{k['slo_met']}/{k['slo_requests']}" if k["slo_requests"] else "-"
+            lines.append(
+                f"| {r.target} | {kind} | {k['succeeded']}/{k['requests']} | {t['mean']:.0f} | {t['p90']:.0f} | "
+                f"{vs_rr} | {met} |"
+            )
+    return [*lines, ""]
 
 
 def _goodput_table(rows: list[TargetResult]) -> list[str]:

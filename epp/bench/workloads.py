@@ -24,6 +24,9 @@ class TimedRequest(NamedTuple):
     at: float  # arrival offset, seconds from the start
     body: dict
     headers: dict[str, str]  # e.g. the request's latency objectives (TTFT_HEADER, TPOT_HEADER)
+    kind: str = (
+        ""  # the request's class in the workload (a mix entry, a traffic tier): reports break figures down by it
+    )
 
 
 def load_workload(name: str) -> dict:
@@ -70,13 +73,16 @@ def requests(
     spec: dict, model: str, rate: float | None = None, duration: float | None = None, seed: int = 0, scale: float = 1.0
 ) -> list[TimedRequest]:
     """The workload's requests; `scale` shrinks prompt lengths (for smoke runs). A mix entry's `slo` ({ttft_ms,
-    tpot_ms}, either or both) becomes its requests' objective headers."""
+    tpot_ms}, either or both) becomes its requests' objective headers. Each request's `kind` is its mix entry
+    (its `name`, or "<prompt_tokens>-token prompts") or its multi-LoRA traffic tier; empty for one-class
+    workloads."""
     rng = random.Random(seed)
     arrival = spec.get("arrival", {})
     times = _arrivals(rng, arrival, rate or arrival.get("rate", 10), duration or spec.get("duration", 60))
     name = spec["name"]
     out: list[tuple[float, dict]] = []
     headers: list[dict[str, str]] = []
+    kinds: list[str] = []
     if name == "shared-prefix":
         systems = [_text(rng, spec["system_prompt_tokens"] * scale) for _ in range(spec["groups"])]
         # Multi-turn: each (group, prompt) is one user whose next request carries its earlier turns, each answered
@@ -99,27 +105,31 @@ def requests(
             if spec.get("multi_turn"):
                 histories[user] = history + question + "\nAnswer: " + _text(rng, spec["output_tokens"])
     elif name == "multi-lora":
-        names, weights = [], []
+        names, weights, tiers = [], [], {}
         for tier_index, tier in enumerate(spec["tiers"]):
             for i in range(tier["adapters"]):
                 names.append(f"lora-{tier_index}-{i}")
                 weights.append(tier["share"] / tier["adapters"])
+                tiers[names[-1]] = f"tier {tier_index} ({tier['share']:.0%} of traffic on {tier['adapters']} adapters)"
         for t in times:
+            adapter = rng.choices(names, weights)[0]
+            kinds.append(tiers[adapter])
             out.append(
                 (
                     t,
                     {
-                        "model": rng.choices(names, weights)[0],
+                        "model": adapter,
                         "prompt": _text(rng, spec["prompt_tokens"] * scale),
                         "max_tokens": spec["output_tokens"],
                     },
                 )
             )
     elif name in ("heterogeneous", "slo-mixed"):
-        kinds, shares = spec["mix"], [m["share"] for m in spec["mix"]]
+        entries, shares = spec["mix"], [m["share"] for m in spec["mix"]]
         for t in times:
-            kind = rng.choices(kinds, shares)[0]
+            kind = rng.choices(entries, shares)[0]
             slo = kind.get("slo") or {}
+            kinds.append(kind.get("name") or f"{kind['prompt_tokens']}-token prompts")
             headers.append(
                 {
                     header: str(slo[key])
@@ -153,7 +163,10 @@ def requests(
         raise SystemExit(f"workload {name!r} has no generator")
     for _, body in out:
         body.update(stream=True, stream_options={"include_usage": True}, ignore_eos=True)
-    return [TimedRequest(t, body, headers[i] if headers else {}) for i, (t, body) in enumerate(out)]
+    return [
+        TimedRequest(t, body, headers[i] if headers else {}, kinds[i] if kinds else "")
+        for i, (t, body) in enumerate(out)
+    ]
 
 
 def lora_names(spec: dict) -> list[str]:

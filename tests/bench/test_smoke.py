@@ -91,6 +91,30 @@ def test_slo_workload_states_each_requests_objectives_and_goodput_counts_who_met
     assert "| fast | 6/6 (100%) | 3.0 | 3.00 |" in report and "| slow | 2/6 (33%) | 1.0 | 0.33 |" in report
 
 
+def test_report_breaks_ttft_down_by_request_class():
+    from epp.bench.compare import Outcome, TargetResult, _from_outcomes, markdown
+    from epp.bench.workloads import load_workload, requests
+
+    kinds = {r.kind: r.body["max_tokens"] for r in requests(load_workload("heterogeneous"), "m", rate=20, duration=10)}
+    assert kinds == {"200-token prompts": 128, "6000-token prompts": 256}
+    tiers = {r.kind for r in requests(load_workload("multi-lora"), "m", rate=50, duration=10)}
+    assert tiers == {
+        "tier 0 (60% of traffic on 2 adapters)",
+        "tier 1 (30% of traffic on 4 adapters)",
+        "tier 2 (10% of traffic on 10 adapters)",
+    }
+    assert {r.kind for r in requests(load_workload("shared-prefix"), "m", rate=5, duration=4)} == {""}
+    short, long = "200-token prompts", "6000-token prompts"
+    rr, epp = TargetResult("round-robin", 1.0), TargetResult("epp", 1.0)
+    _from_outcomes(rr, [Outcome(200, 0.2, kind=short)] * 4 + [Outcome(200, 0.6, kind=long)], 1.0)
+    _from_outcomes(epp, [Outcome(200, 0.05, kind=short)] * 4 + [Outcome(599, kind=long)], 1.0)
+    assert rr.by_kind[short]["ttft_ms"]["mean"] == 200 and rr.by_kind[long]["requests"] == 1
+    assert (epp.by_kind[long]["succeeded"], epp.by_kind[long]["ttft_ms"]) == (0, {})
+    report = markdown([rr, epp])
+    assert "| epp | 200-token prompts | 4/4 | 50 | 50 | 0.25 / 0.25 | - |" in report
+    assert "| epp | 6000-token prompts | 0/1 | nan | nan | nan / nan | - |" in report
+
+
 def test_multi_turn_requests_carry_the_users_earlier_turns():
     from epp.bench.workloads import load_workload, requests
 
