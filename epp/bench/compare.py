@@ -68,7 +68,11 @@ _PREDICTOR = re.compile(
     r'^inference_extension_latency_predictor_(?:mape\{target="(ttft|tpot)"\}|(observations)_total) (\S+)$', re.M
 )
 _INDEX = re.compile(r"^inference_extension_(kv_events_index_entries|prefix_indexer_size) (\S+)$", re.M)
-_COUNTER = re.compile(r"^(vllm:(?:prefix_cache_hits|prefix_cache_queries|request_success)_total)\{[^}]*\} (\S+)$", re.M)
+_COUNTER = re.compile(
+    r"^(vllm:(?:(?:prefix_cache_hits|prefix_cache_queries|request_success)_total|time_to_first_token_seconds_(?:sum|count)))"
+    r"\{[^}]*\} (\S+)$",
+    re.M,
+)
 
 
 @dataclass
@@ -89,6 +93,9 @@ class TargetResult:
     output_tokens_per_s: float = 0.0
     prefix_hit_rate: float = 0.0
     per_server: list[int] = field(default_factory=list)
+    # the model servers' own mean TTFT (vllm:time_to_first_token_seconds: from arrival at the server to the first
+    # token): the client's TTFT less this is the path (router, proxy) and its queueing, not where requests landed
+    server_ttft_ms: float = 0.0
     cpu_seconds: dict[str, float] = field(default_factory=dict)
     machine_busy: float = 0.0  # CPU seconds of this run's processes / (wall x cores)
     host_busy: float = 0.0  # the whole machine's busy fraction (/proc/stat), other users' processes included
@@ -430,6 +437,14 @@ async def run_target(
         int(a.get("vllm:request_success_total", 0) - b.get("vllm:request_success_total", 0))
         for a, b in zip(after, before, strict=True)
     ]
+    served = [
+        sum(
+            a.get(f"vllm:time_to_first_token_seconds_{k}", 0) - b.get(f"vllm:time_to_first_token_seconds_{k}", 0)
+            for a, b in zip(after, before, strict=True)
+        )
+        for k in ("sum", "count")
+    ]
+    result.server_ttft_ms = 1e3 * served[0] / served[1] if served[1] else 0.0
     if not result.requests:
         raise SystemExit(f"{target}: the workload produced no request in {duration:g} s; raise --duration or the rate")
     result.machine_busy = sum(result.cpu_seconds.values()) / (elapsed * (os.cpu_count() or 1))
@@ -535,6 +550,13 @@ def markdown(results: list[TargetResult]) -> str:
                 f"{'yes' if r.valid else f'no (CPU: ours {r.machine_busy:.0%}, host {r.host_busy:.0%})'} |"
             )
         lines.append("")
+        lines += [
+            "mean TTFT at the model servers (client's): "
+            + ", ".join(
+                f"{r.target} {r.server_ttft_ms:.0f} ({r.ttft_ms.get('mean', 0):.0f})" for r in rows if r.server_ttft_ms
+            ),
+            "",
+        ]
         for r in rows:
             epp_cpu = sum(v for k, v in r.cpu_seconds.items() if k.startswith("epp"))
             if r.epp_index and r.succeeded:

@@ -23,6 +23,7 @@ def test_compare_smoke(tmp_path):
         assert r.requests > 5 and r.succeeded == r.requests, r.errors
         assert sum(r.per_server) == r.requests
         assert r.ttft_ms["p50"] > 0 and r.output_tokens_per_s > 0
+        assert 0 < r.server_ttft_ms < r.ttft_ms["mean"]  # the servers' own TTFT leaves out the path to them
         assert set(r.cpu_seconds) >= {"modelserver", "load generator"}
     table = (tmp_path / "shared-prefix.md").read_text()
     assert "| epp |" in table and "| round-robin |" in table
