@@ -17,7 +17,8 @@ endpoint.
 Model: one weighted online ridge regression per target (`OnlineRidge`, coefficients >= 0) on `features.vector`. Each observation is
 weighted by 1 / y^2, so the fit minimises squared *relative* error, which is what MAPE scores and what routing
 needs: a 40 ms error matters on a 50 ms TTFT, not on a 2 s one. Forgetting (decay 0.998, ~500 observations of
-memory) follows drift in the workload and the servers.
+memory) follows drift in the workload and the servers. TTFT is the wait for the prefill backlog ahead
+(`backlog_wait`, from the backlog's learnt rate) plus the regression, which learns the rest.
 
 Cold start: each target reports no prediction (None) until it has `min_observations` and its error over the last
 `window` observations, measured before learning from each one (prequential), is at most `max_mape`. The plugins
@@ -41,40 +42,86 @@ from epp.predictor.backlog import PrefillBacklog
 from epp.predictor.features import RAW, SIZE, Features, endpoint_features, matrix, vector
 from epp.predictor.ridge import OnlineRidge
 
+_BACKLOG = RAW.index("backlog_tokens")
 # Latencies below these floors are weighted as if they were the floor: it bounds one tiny observation's weight.
 TTFT_FLOOR = 0.001
 TPOT_FLOOR = 0.0005
 
 
-class _Target:
-    """One predicted quantity: its regression and, over a sliding window, its absolute percentage errors and its
-    ratios observed / predicted."""
+# Ratios a size class needs before its own quantiles replace the pool-wide ones: few, since a rare class (20 % of
+# the requests, 25 % of their responses sampled) takes minutes to fill a window, and a few of its own ratios already
+# bound its error better than the pool-wide ones, which the other classes make.
+SIZE_CLASS_MIN = 10
 
-    def __init__(self, floor: float, window: int, decay: float, refit_every: int):
-        self.floor = floor
-        # every input measures work, so every coefficient is >= 0 (ridge.py says why that matters for routing)
-        self.model = OnlineRidge(SIZE, decay=decay, refit_every=refit_every, nonnegative=True)
-        self.errors: deque[float] = deque(maxlen=window)
-        self.ratios: deque[float] = deque(maxlen=window)
-        self._sorted_ratios: list[float] | None = None  # sorted copy of ratios, made on demand after a change
 
-    def learn(self, x: list[float], y: float) -> None:
-        if self.model.coefficients is not None:  # before the first fit there is no prediction to score
-            predicted = max(self.model.predict(x), self.floor)
-            self.errors.append(abs(predicted - y) / y)
-            self.ratios.append(y / predicted)
-            self._sorted_ratios = None
-        self.model.add(x, y, 1.0 / max(y, self.floor) ** 2)
+def size_class(prompt_tokens: int) -> int:
+    """Prompt lengths between consecutive powers of two share a class (bounded: 17 classes up to 100k tokens)."""
+    return max(prompt_tokens, 1).bit_length()
 
-    def ratio_quantile(self, q: float) -> float:
-        """The q-quantile of observed / predicted over the window (1.0 before any): a prediction times this is
-        what the latency stays under for a share q of recent requests."""
-        ordered = self._sorted_ratios
+
+class _Ratios:
+    """A sliding window of ratios observed / predicted, with a sorted copy made on demand after a change."""
+
+    def __init__(self, window: int):
+        self.values: deque[float] = deque(maxlen=window)
+        self._sorted: list[float] | None = None
+
+    def add(self, ratio: float) -> None:
+        self.values.append(ratio)
+        self._sorted = None
+
+    def quantile(self, q: float) -> float:
+        ordered = self._sorted
         if ordered is None:
-            ordered = self._sorted_ratios = sorted(self.ratios)
+            ordered = self._sorted = sorted(self.values)
         if not ordered:
             return 1.0
         return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+class _Target:
+    """One predicted quantity: its regression and, over a sliding window, its absolute percentage errors and its
+    ratios observed / predicted, pool-wide and per request size class (`size_class`).
+
+    Why per size: the errors are not alike across sizes. On the sim pool (`python -m epp.bench.prediction --route
+    epp-predicted --phase 20 --trace`) the ratios of ~150-token prompts spread 0.77-1.70 (q10-q90: their TTFT is a
+    few decode steps, and a step more or less is a large share) and those of ~3,700-token prompts 0.90-1.13 (mostly
+    their own prefill). One pool-wide band (0.82-1.60) is too wide to tell a long prompt on an idle endpoint from one
+    queued behind another long prefill, and too narrow for a short one."""
+
+    def __init__(self, floor: float, window: int, decay: float, refit_every: int):
+        self.floor = floor
+        self.window = window
+        # every input measures work, so every coefficient is >= 0 (ridge.py says why that matters for routing)
+        self.model = OnlineRidge(SIZE, decay=decay, refit_every=refit_every, nonnegative=True)
+        self.errors: deque[float] = deque(maxlen=window)
+        self.ratios = _Ratios(window)
+        self.ratios_by_size: dict[int, _Ratios] = {}
+
+    def learn(self, x: list[float], y: float, prompt_tokens: int, offset: float = 0.0) -> None:
+        """One observation `y` of inputs `x`; `offset` is the part of `y` known without the regression (the
+        model learns the rest)."""
+        if self.model.coefficients is not None:  # before the first fit there is no prediction to score
+            predicted = max(self.model.predict(x) + offset, self.floor)
+            self.errors.append(abs(predicted - y) / y)
+            ratio = y / predicted
+            self.ratios.add(ratio)
+            size = size_class(prompt_tokens)
+            by_size = self.ratios_by_size.get(size)
+            if by_size is None:
+                by_size = self.ratios_by_size[size] = _Ratios(self.window)
+            by_size.add(ratio)
+        self.model.add(x, y - offset, 1.0 / max(y, self.floor) ** 2)
+
+    def ratio_quantile(self, q: float, prompt_tokens: int | None = None) -> float:
+        """The q-quantile of observed / predicted over the window (1.0 before any): a prediction times this is
+        what the latency stays under for a share q of recent requests; of requests of the size of
+        `prompt_tokens` when given and that size class has at least SIZE_CLASS_MIN ratios."""
+        if prompt_tokens is not None:
+            by_size = self.ratios_by_size.get(size_class(prompt_tokens))
+            if by_size is not None and len(by_size.values) >= SIZE_CLASS_MIN:
+                return by_size.quantile(q)
+        return self.ratios.quantile(q)
 
     @property
     def mape(self) -> float | None:
@@ -121,11 +168,20 @@ class LatencyPredictor:
             raise ValueError(f"observed latencies must be finite and positive, got ttft={ttft!r} tpot={tpot!r}")
         self.backlog.learn(features.prompt_tokens - features.cached_tokens, features.backlog_tokens, ttft)
         x = vector(features)
-        self.ttft.learn(x, ttft)
+        self.ttft.learn(x, ttft, features.prompt_tokens, self.backlog_wait(features.backlog_tokens))
         self.ttft_ready = self._ready(self.ttft)
         if tpot is not None:
-            self.tpot.learn(x, tpot)
+            self.tpot.learn(x, tpot, features.prompt_tokens)
             self.tpot_ready = self._ready(self.tpot)
+
+    def backlog_wait(self, backlog_tokens: float) -> float:
+        """Seconds a request waits for the prefill queued ahead of it: the backlog at the pool's learnt prefill
+        rate. Part of every TTFT prediction as it is, not through a fitted coefficient: routing by the prediction
+        keeps requests away from backlogs, so the few observations behind one (weighted by 1 / y^2, being slow)
+        would barely move a coefficient, and a request then predicted ~90 ms behind a 2,900-token backlog took
+        540 ms (the trace above `_Target`). The regression still adds to it (its backlog input's coefficient is
+        >= 0) where the queue drains slower than the rate says."""
+        return backlog_tokens * self.backlog.seconds_per_token
 
     def _ready(self, target: _Target) -> bool:
         mape = target.mape
@@ -135,7 +191,8 @@ class LatencyPredictor:
         """Seconds to the first token, or None during cold start."""
         if not self.ttft_ready:
             return None
-        return max(self.ttft.model.predict(vector(features)), TTFT_FLOOR)
+        wait = self.backlog_wait(features.backlog_tokens)
+        return max(self.ttft.model.predict(vector(features)) + wait, TTFT_FLOOR)
 
     def predict_tpot(self, features: Features) -> float | None:
         """Mean seconds per output token after the first, or None during cold start."""
@@ -193,7 +250,9 @@ class LatencyPredictor:
             backlogged = 1.0 if backlog else 0.0
             extend((waiting, running, kv, e.in_flight_tokens, uncached, adapter_missing, backlog, busy, backlogged))
         raw = np.fromiter(rows, float, len(rows)).reshape(-1, len(RAW))
-        predicted = np.maximum(matrix(raw) @ coefficients, floors)
+        predicted = matrix(raw) @ coefficients
+        predicted[:, 0] += raw[:, _BACKLOG] * seconds_per_token  # backlog_wait
+        np.maximum(predicted, floors, out=predicted)
         if not with_tpot:
             return [(t, None) for t in predicted[:, 0].tolist()]
         return list(zip(predicted[:, 0].tolist(), predicted[:, 1].tolist(), strict=True))

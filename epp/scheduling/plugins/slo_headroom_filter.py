@@ -4,7 +4,8 @@ Reads: the request headers `x-slo-ttft-ms` and `x-slo-tpot-ms` (GIE/llm-d's name
 and the pool's latency predictor (`epp.predictor.shared(pool)`), as predicted-latency-scorer does.
 Keeps the candidates predicted to meet the objectives with the headroom the predictor's own recent error calls
 for: a candidate qualifies when prediction x margin is within the objective, where the margin is the `confidence`
-quantile of observed / predicted over the predictor's recent window (`_Target.ratio_quantile`). So a request sent
+quantile of observed / predicted over the predictor's recent window for requests of this one's size
+(`_Target.ratio_quantile`). So a request sent
 to a qualifying endpoint meets its objective with probability about `confidence` if the recent errors hold: the
 headroom grows when the predictions get worse and shrinks when they improve, with no number to tune per pool.
 When none qualifies it keeps the single candidate closest to its objectives (the smallest predicted/objective
@@ -16,7 +17,7 @@ Parameters: pool ("default"), confidence (0.9, in (0, 1)): the share of qualifyi
 objectives (a statement of the service level wanted, not a fitted weight).
 Trade-offs: a high confidence sends SLO traffic to the emptiest endpoints only; filtering acts before scoring, so
 among the endpoints that qualify the scorers (latency, prefix, load) still choose, which keeps cache affinity for
-requests with loose objectives. The margin is one per pool and target, whatever the request's size.
+requests with loose objectives. The margin is one per pool, target and request size class.
 """
 
 from __future__ import annotations
@@ -71,8 +72,9 @@ class SLOHeadroomFilter(Filter):
             return endpoints
         # The worst ratio of prediction x margin to objective per candidate: <= 1 means it meets both.
         predictor, confidence = self.predictions.predictor, self.confidence
-        ttft_scale = predictor.ttft.ratio_quantile(confidence) / ttft_slo if ttft_slo is not None else 0.0
-        tpot_scale = predictor.tpot.ratio_quantile(confidence) / tpot_slo if tpot_slo is not None else 0.0
+        size = request.prompt_tokens_estimate
+        ttft_scale = predictor.ttft.ratio_quantile(confidence, size) / ttft_slo if ttft_slo is not None else 0.0
+        tpot_scale = predictor.tpot.ratio_quantile(confidence, size) / tpot_slo if tpot_slo is not None else 0.0
         ratios = []
         for ttft, tpot in predicted:
             ratio = ttft * ttft_scale

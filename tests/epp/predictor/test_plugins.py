@@ -277,6 +277,18 @@ def test_latency_filter_drops_only_what_the_prediction_tells_apart_beyond_its_er
     assert endpoints[0] in kept and endpoints[1] not in kept  # 1 has a 6,000-token prefill ahead
 
 
+def test_latency_filter_for_a_long_answer_keeps_the_fastest_ttft_then_the_fastest_tpot_among_them(pool):
+    trained(pool)
+    f = build_plugin("predicted-latency-filter", {"pool": pool, "longOutputTokens": 100})
+    # 3: the same TTFT as 0 (nothing queued), but a 15-request decode batch: a slower TPOT (synthetic pool)
+    idle, backlogged, _ = pool_of_three(pool)
+    batch = endpoint(3, running=15, in_flight=15)
+    endpoints = [idle, backlogged, batch]
+    assert f.filter(CycleState(), req(max_tokens=50), endpoints) == [idle, batch]  # a short answer: TTFT alone
+    # a long answer: TTFT first (the ~0.6 s backlog is out however good its TPOT), then TPOT among the rest
+    assert f.filter(CycleState(), req(max_tokens=500), endpoints) == [idle]
+
+
 def test_with_both_predictor_plugins_a_request_is_learnt_once(pool):
     trained(pool)
     scheduler = profile_of(pool, "predicted-latency-filter", "predicted-latency-scorer")
