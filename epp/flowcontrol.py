@@ -289,6 +289,7 @@ class FlowController:
         poll_interval: float = 0.05,
     ):
         self.config = config
+        self.longest_ttl = config.longest_ttl  # read for every queued request; the config is fixed from here on
         self.has_room = has_room
         self.clock = clock
         self.observer = observer

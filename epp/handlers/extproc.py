@@ -86,6 +86,12 @@ _RESPONSE_HEADERS_REFRAMED = pb.ProcessingResponse(  # the body will change leng
 _RESPONSE_TRAILERS_ANSWER = pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
 
 
+@functools.lru_cache(maxsize=16)
+def _wait_answer(seconds: int) -> pb.ProcessingResponse:
+    """The answer to a request queued in flow control: wait `seconds` for its routing. One per TTL setting."""
+    return pb.ProcessingResponse(override_message_timeout=duration_pb2.Duration(seconds=seconds))
+
+
 def immediate_response(error: OpenAIError) -> pb.ProcessingResponse:
     return pb.ProcessingResponse(
         immediate_response=pb.ImmediateResponse(
@@ -290,8 +296,7 @@ class RequestStream:
         self.pending = asyncio.ensure_future(self._answer_later(decision, headers_phase))
         # the request waits in flow control: the proxy is told to wait for the answer as long as it may take
         # (Envoy's ext_proc max_message_timeout bounds it; the template sets it above the longest TTL)
-        wait = duration_pb2.Duration(seconds=math.ceil(self.director.longest_wait or 0) + QUEUE_TIMEOUT_MARGIN_SECONDS)
-        return [pb.ProcessingResponse(override_message_timeout=wait)]
+        return [_wait_answer(math.ceil(self.director.longest_wait or 0) + QUEUE_TIMEOUT_MARGIN_SECONDS)]
 
     async def _answer_later(self, decision: Awaitable[RoutingDecision], headers_phase: bool) -> None:
         try:

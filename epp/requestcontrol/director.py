@@ -125,7 +125,7 @@ class Director:
     @property
     def longest_wait(self) -> float | None:
         """The longest a request may wait in flow control (the proxy must wait as long for its answer)."""
-        return None if self.flow_control is None else self.flow_control.config.longest_ttl
+        return None if self.flow_control is None else self.flow_control.longest_ttl
 
     def _failed(self, ctx: RequestContext, error: OpenAIError) -> OpenAIError:
         if ctx.dispatched:  # its turn in flow control is over
