@@ -1,7 +1,11 @@
 """Load estimates shared by scorers, the load guard and the saturation detector.
 
 Scrapes arrive every 50 ms; a burst routed in between is invisible to them. The EPP's own in-flight count covers
-the gap: requests it routed that the endpoint does not yet report as running are counted as queued.
+the gap: requests it routed that the endpoint does not yet report as running are counted as queued. The other way
+round, a request the scrape saw waiting may have finished since; the EPP knows when more of its requests finished
+than it routed since the scrape (`Endpoint.in_flight_at_scrape`), and each of those took a waiting request's place
+(or was the waiting request). Without that, a client's previous request, caught waiting in the last scrape, made
+its server look queued for the next one until the next scrape (a LoRA request then left its adapter's server).
 """
 
 from __future__ import annotations
@@ -10,7 +14,7 @@ from epp.datalayer.endpoint import Endpoint
 from epp.scheduling.types import CycleState, StateKey
 
 # The endpoint attributes the estimates below read, for the `consumes` of the plugins that use them.
-QUEUE_DEPTH_READS = ("waiting", "running", "in_flight_requests")
+QUEUE_DEPTH_READS = ("waiting", "running", "in_flight_requests", "in_flight_at_scrape")
 RUNNING_REQUESTS_READS = ("running", "waiting", "in_flight_requests")
 # The candidates' queue depths, computed by the first plugin of a cycle that needs them (the queue scorer and the
 # prefix scorer's load guard both do), with the list they were computed for.
@@ -19,9 +23,11 @@ QUEUE_DEPTHS: StateKey[tuple[list[Endpoint], list[int]]] = StateKey("queue-depth
 
 def queue_depth(endpoint: Endpoint) -> int:
     m = endpoint.metrics
+    in_flight = endpoint.in_flight_requests
     if m is None:
-        return endpoint.in_flight_requests
-    return max(m.waiting, endpoint.in_flight_requests - m.running)
+        return in_flight
+    finished = endpoint.in_flight_at_scrape - in_flight  # at least this many finished since the scrape
+    return max(m.waiting - finished if finished > 0 else m.waiting, in_flight - m.running, 0)
 
 
 def queue_depths(cycle_state: CycleState, endpoints: list[Endpoint]) -> list[int]:
@@ -37,8 +43,12 @@ def queue_depths(cycle_state: CycleState, endpoints: list[Endpoint]) -> list[int
         if m is None:
             append(e.in_flight_requests)
         else:
-            unseen = e.in_flight_requests - m.running
-            append(unseen if unseen > m.waiting else m.waiting)
+            in_flight = e.in_flight_requests
+            finished = e.in_flight_at_scrape - in_flight
+            waiting = m.waiting - finished if finished > 0 else m.waiting
+            unseen = in_flight - m.running
+            depth = unseen if unseen > waiting else waiting
+            append(depth if depth > 0 else 0)
     cycle_state.write(QUEUE_DEPTHS, (endpoints, depths))
     return depths
 

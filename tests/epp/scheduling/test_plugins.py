@@ -21,6 +21,13 @@ def never_scraped(i, in_flight=0):
     return e
 
 
+def scraped_with(in_flight_at_scrape, **kw):
+    """An endpoint whose last scrape was taken while the EPP had `in_flight_at_scrape` requests in flight there."""
+    e = endpoint(0, **kw)
+    e.in_flight_at_scrape = in_flight_at_scrape
+    return e
+
+
 @pytest.mark.parametrize(
     ("e", "queue", "running"),
     [
@@ -31,10 +38,16 @@ def never_scraped(i, in_flight=0):
         # everything in flight is visible already: the scrape is the truth
         (endpoint(0, waiting=1, running=2, in_flight=3), 1, 2),
         (never_scraped(0, in_flight=2), 2, 2),
+        # the request the scrape saw waiting has finished since: the queue is empty, not one deep
+        (scraped_with(1, waiting=1, running=1, in_flight=0), 0, 1),
+        # three finished and one was routed since: at least two slots freed for the three waiting
+        (scraped_with(4, waiting=3, running=4, in_flight=2), 1, 4),
+        # as many routed as finished since: nothing is known to have left the queue
+        (scraped_with(2, waiting=2, running=2, in_flight=2), 2, 2),
     ],
 )
-def test_load_estimates_include_requests_routed_since_the_scrape(e, queue, running):
-    assert (queue_depth(e), running_requests(e)) == (queue, running)
+def test_load_estimates_include_requests_routed_and_finished_since_the_scrape(e, queue, running):
+    assert (queue_depth(e), queue_depths(CycleState(), [e]), running_requests(e)) == (queue, [queue], running)
 
 
 def test_queue_depths_are_computed_once_per_cycle_for_the_candidates_they_were_computed_for():
