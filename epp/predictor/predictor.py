@@ -17,8 +17,7 @@ endpoint.
 Model: one weighted online ridge regression per target (`OnlineRidge`, coefficients >= 0) on `features.vector`. Each observation is
 weighted by 1 / y^2, so the fit minimises squared *relative* error, which is what MAPE scores and what routing
 needs: a 40 ms error matters on a 50 ms TTFT, not on a 2 s one. Forgetting (decay 0.998, ~500 observations of
-memory) follows drift in the workload and the servers. TTFT is the wait for the prefill backlog ahead
-(`backlog_wait`, from the backlog's learnt rate) plus the regression, which learns the rest.
+memory) follows drift in the workload and the servers.
 
 Cold start: each target reports no prediction (None) until it has `min_observations` and its error over the last
 `window` observations, measured before learning from each one (prequential), is at most `max_mape`. The plugins
@@ -42,7 +41,6 @@ from epp.predictor.backlog import PrefillBacklog
 from epp.predictor.features import RAW, SIZE, Features, endpoint_features, matrix, vector
 from epp.predictor.ridge import OnlineRidge
 
-_BACKLOG = RAW.index("backlog_tokens")
 # Latencies below these floors are weighted as if they were the floor: it bounds one tiny observation's weight.
 TTFT_FLOOR = 0.001
 TPOT_FLOOR = 0.0005
@@ -98,11 +96,10 @@ class _Target:
         self.ratios = _Ratios(window)
         self.ratios_by_size: dict[int, _Ratios] = {}
 
-    def learn(self, x: list[float], y: float, prompt_tokens: int, offset: float = 0.0) -> None:
-        """One observation `y` of inputs `x`; `offset` is the part of `y` known without the regression (the
-        model learns the rest)."""
+    def learn(self, x: list[float], y: float, prompt_tokens: int) -> None:
+        """One observation `y` of inputs `x`, of a request with `prompt_tokens` (its size class)."""
         if self.model.coefficients is not None:  # before the first fit there is no prediction to score
-            predicted = max(self.model.predict(x) + offset, self.floor)
+            predicted = max(self.model.predict(x), self.floor)
             self.errors.append(abs(predicted - y) / y)
             ratio = y / predicted
             self.ratios.add(ratio)
@@ -111,7 +108,7 @@ class _Target:
             if by_size is None:
                 by_size = self.ratios_by_size[size] = _Ratios(self.window)
             by_size.add(ratio)
-        self.model.add(x, y - offset, 1.0 / max(y, self.floor) ** 2)
+        self.model.add(x, y, 1.0 / max(y, self.floor) ** 2)
 
     def ratio_quantile(self, q: float, prompt_tokens: int | None = None) -> float:
         """The q-quantile of observed / predicted over the window (1.0 before any): a prediction times this is
@@ -168,20 +165,11 @@ class LatencyPredictor:
             raise ValueError(f"observed latencies must be finite and positive, got ttft={ttft!r} tpot={tpot!r}")
         self.backlog.learn(features.prompt_tokens - features.cached_tokens, features.backlog_tokens, ttft)
         x = vector(features)
-        self.ttft.learn(x, ttft, features.prompt_tokens, self.backlog_wait(features.backlog_tokens))
+        self.ttft.learn(x, ttft, features.prompt_tokens)
         self.ttft_ready = self._ready(self.ttft)
         if tpot is not None:
             self.tpot.learn(x, tpot, features.prompt_tokens)
             self.tpot_ready = self._ready(self.tpot)
-
-    def backlog_wait(self, backlog_tokens: float) -> float:
-        """Seconds a request waits for the prefill queued ahead of it: the backlog at the pool's learnt prefill
-        rate. Part of every TTFT prediction as it is, not through a fitted coefficient: routing by the prediction
-        keeps requests away from backlogs, so the few observations behind one (weighted by 1 / y^2, being slow)
-        would barely move a coefficient, and a request then predicted ~90 ms behind a 2,900-token backlog took
-        540 ms (the trace above `_Target`). The regression still adds to it (its backlog input's coefficient is
-        >= 0) where the queue drains slower than the rate says."""
-        return backlog_tokens * self.backlog.seconds_per_token
 
     def _ready(self, target: _Target) -> bool:
         mape = target.mape
@@ -191,8 +179,7 @@ class LatencyPredictor:
         """Seconds to the first token, or None during cold start."""
         if not self.ttft_ready:
             return None
-        wait = self.backlog_wait(features.backlog_tokens)
-        return max(self.ttft.model.predict(vector(features)) + wait, TTFT_FLOOR)
+        return max(self.ttft.model.predict(vector(features)), TTFT_FLOOR)
 
     def predict_tpot(self, features: Features) -> float | None:
         """Mean seconds per output token after the first, or None during cold start."""
@@ -250,9 +237,7 @@ class LatencyPredictor:
             backlogged = 1.0 if backlog else 0.0
             extend((waiting, running, kv, e.in_flight_tokens, uncached, adapter_missing, backlog, busy, backlogged))
         raw = np.fromiter(rows, float, len(rows)).reshape(-1, len(RAW))
-        predicted = matrix(raw) @ coefficients
-        predicted[:, 0] += raw[:, _BACKLOG] * seconds_per_token  # backlog_wait
-        np.maximum(predicted, floors, out=predicted)
+        predicted = np.maximum(matrix(raw) @ coefficients, floors)
         if not with_tpot:
             return [(t, None) for t in predicted[:, 0].tolist()]
         return list(zip(predicted[:, 0].tolist(), predicted[:, 1].tolist(), strict=True))

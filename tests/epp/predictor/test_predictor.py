@@ -120,24 +120,6 @@ def test_predict_endpoints_matches_one_at_a_time_predictions():
         assert ttft == pytest.approx(predictor.predict_ttft(f)) and tpot == pytest.approx(predictor.predict_tpot(f))
 
 
-def test_a_backlog_counts_at_the_learnt_prefill_rate_without_being_learnt():
-    """Requests are rarely sent behind a backlog (the router avoids them), so the regression sees few: the wait
-    for it is part of the prediction from the start, at the backlog's learnt rate."""
-    predictor = LatencyPredictor(min_observations=50)
-    rng = random.Random(5)
-    for _ in range(200):  # no observation ever had a backlog ahead
-        f = Features(0, rng.randrange(8), 0.1, 0, rng.choice((200, 5000)), 0)
-        predictor.observe(f, 0.02 + 1e-4 * f.prompt_tokens, None)
-    idle, behind = Features(0, 4, 0.1, 0, 200, 0), Features(0, 4, 0.1, 5000, 200, 0, backlog_tokens=3000)
-    wait = 3000 * predictor.backlog.seconds_per_token
-    assert wait == pytest.approx(0.3, rel=0.1)  # learnt from the long prompts that found the queue empty
-    assert predictor.predict_ttft(behind) == pytest.approx(predictor.predict_ttft(idle) + wait, rel=0.05)
-    e = endpoint(0, running=4, in_flight_tokens=5000)
-    predictor.routed(e, 3000, 0, None, now=1.0)
-    ((ttft, _),) = predictor.predict_endpoints([e], 200, [0], None, now=1.0)
-    assert ttft == pytest.approx(predictor.predict_ttft(behind), rel=0.05)
-
-
 def test_error_ratios_are_kept_per_prompt_size_class():
     predictor = LatencyPredictor(min_observations=10)
     rng = random.Random(6)
