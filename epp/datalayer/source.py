@@ -57,5 +57,12 @@ class PrometheusExtractor:
     def extract(self, raw: str, endpoint: Endpoint) -> None:
         metrics = endpoint.metrics = parse_metrics(raw, engine_spec(endpoint.spec.engine))
         endpoint.in_flight_at_scrape = endpoint.in_flight_requests
-        if metrics.waiting and metrics.running > (endpoint.batch_slots or 0):
-            endpoint.batch_slots = metrics.running
+        slots = endpoint.batch_slots
+        if metrics.waiting:
+            if metrics.running > (slots or 0):
+                endpoint.batch_slots = metrics.running
+        elif slots is not None and metrics.running >= slots:
+            # every slot busy and nothing waiting: the limit learnt is not its batch size (a long prompt's prefill
+            # chunk or the KV cache made requests wait then), so one more; flow control dispatches only up to the
+            # limit, so a low one would never again be seen exceeded with requests waiting and would hold for good
+            endpoint.batch_slots = metrics.running + 1

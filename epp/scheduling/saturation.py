@@ -74,8 +74,9 @@ class SaturationDetector:
         the other way: the sim pool at 2x overload ran 2.67 of 4 slots (the stream's end reaches the EPP late).
         Before the endpoint has been seen full (`Endpoint.batch_slots` unknown), its queue depth under
         `queueDepthThreshold`.
-        Trade-off: a batch limit learnt while the KV cache, not the batch size, was the limit stays low until the
-        endpoint is seen running more with requests waiting (the KV threshold guards the other way)."""
+        Trade-off: a limit learnt while something else made requests wait (the KV cache, a long prompt's prefill
+        taking a step's token budget) is too low; it grows by one each time a scrape shows every slot busy and
+        nothing waiting (`PrometheusExtractor`), one scrape interval per slot."""
         m = endpoint.metrics
         if endpoint.stale or m is None or m.kv_usage >= self.kv_cache_util_threshold:
             return False

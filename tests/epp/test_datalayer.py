@@ -32,6 +32,17 @@ def test_extractor_records_the_in_flight_count_at_the_scrape_and_learns_the_batc
         "vllm:num_requests_waiting 1\nvllm:num_requests_running 3\nvllm:kv_cache_usage_perc 0\n", e
     )
     assert e.batch_slots == 4  # a scrape between a completion and the next admission does not lower it
+    PrometheusExtractor().extract(
+        "vllm:num_requests_waiting 0\nvllm:num_requests_running 3\nvllm:kv_cache_usage_perc 0\n", e
+    )
+    assert e.batch_slots == 4  # a slot free: nothing learnt
+    for running in (4, 5):
+        PrometheusExtractor().extract(
+            f"vllm:num_requests_waiting 0\nvllm:num_requests_running {running}\nvllm:kv_cache_usage_perc 0\n", e
+        )
+        # every slot busy and nothing waiting: 4 was not its batch size (flow control never sends more than the
+        # slots, so without this a low limit would hold for good)
+        assert e.batch_slots == running + 1
 
 
 def test_parse_pool_file():
