@@ -61,14 +61,14 @@ class PredictedLatencyFilter(Filter, PredictorFeed):
         if predicted is None:
             return endpoints
         predictor, size = self.predictions.predictor, request.prompt_tokens_estimate
-        kept = self._within_band(endpoints, [ttft for ttft, _ in predicted], predictor.ttft, size)
+        kept = self._within_band(range(len(endpoints)), [ttft for ttft, _ in predicted], predictor.ttft, size)
         if long_output and predicted[0][1] is not None and len(kept) > 1:
-            tpots = dict(zip((e.spec.name for e in endpoints), (tpot for _, tpot in predicted), strict=True))
-            kept = self._within_band(kept, [tpots[e.spec.name] for e in kept], predictor.tpot, size)
-        return kept
+            kept = self._within_band(kept, [predicted[i][1] for i in kept], predictor.tpot, size)
+        return [endpoints[i] for i in kept]
 
-    def _within_band(self, endpoints: list[Endpoint], predicted: list[float], target, size: int) -> list[Endpoint]:
-        """The endpoints whose prediction x low <= the best prediction x high (the size class's ratio quantiles)."""
+    def _within_band(self, candidates, predicted: list[float], target, size: int) -> list[int]:
+        """The candidates (indices) whose prediction x low <= the best prediction x high (the size class's ratio
+        quantiles)."""
         confidence = self.confidence
         limit = min(predicted) * target.ratio_quantile(confidence, size) / target.ratio_quantile(1 - confidence, size)
-        return [e for e, p in zip(endpoints, predicted, strict=True) if p <= limit]
+        return [i for i, p in zip(candidates, predicted, strict=True) if p <= limit]

@@ -55,27 +55,11 @@ class PredictorFeed(PreRequest, ResponseComplete, LatencyPredictionStats):
     """The hooks that train the pool's predictor, shared by the plugins that read it (this scorer and
     predicted-latency-filter): at the pick the request's features on its endpoint (and its prompt into the
     endpoint's prefill backlog), at completion the observed TTFT and TPOT. With both plugins in one profile the
-    first one fed does it, once per request. Needs `self.predictions`, `self.long_output_tokens` and
-    `self.unseen_bodies = 0`."""
+    first one fed does it, once per request. Needs `self.predictions` and `self.unseen_bodies = 0`."""
 
     at_pick = True  # the prompt joins the pick's prefill backlog before the next request of a burst is scheduled
     predictions: CandidatePredictions
-    long_output_tokens: int
     unseen_bodies: int
-
-    def predicted_costs(
-        self, cycle_state: CycleState, request: SchedulingRequest, endpoints: list[Endpoint]
-    ) -> tuple[list[float], bool] | None:
-        """Each candidate's predicted latency for the request: its TTFT, plus TPOT x max_tokens for a long answer
-        (max_tokens >= longOutputTokens); and whether the TPOT part is in it. None while the predictor abstains."""
-        output = request.max_tokens
-        long_output = output is not None and output >= self.long_output_tokens
-        predicted = self.predictions.get(cycle_state, request, endpoints, tpot=long_output)
-        if predicted is None:
-            return None
-        if long_output and predicted[0][1] is not None:
-            return [ttft + tpot * output for ttft, tpot in predicted], True
-        return [ttft for ttft, _ in predicted], False
 
     def pre_request(self, request: SchedulingRequest, result: SchedulingResult) -> None:
         if result.cycle_state.read(ROUTED_FEATURES) is not None:
@@ -151,9 +135,15 @@ class PredictedLatencyScorer(Scorer, PredictorFeed):
     def score(
         self, cycle_state: CycleState, request: SchedulingRequest, endpoints: list[Endpoint]
     ) -> list[float] | None:
-        predicted = self.predicted_costs(cycle_state, request, endpoints)
+        output = request.max_tokens
+        long_output = output is not None and output >= self.long_output_tokens
+        predicted = self.predictions.get(cycle_state, request, endpoints, tpot=long_output)
         if predicted is None:
             return None
-        costs = predicted[0]
+        # a long answer's cost is its TTFT plus TPOT x max_tokens
+        if long_output and predicted[0][1] is not None:
+            costs = [ttft + tpot * output for ttft, tpot in predicted]
+        else:
+            costs = [ttft for ttft, _ in predicted]
         best = min(costs)
         return [best / c for c in costs]

@@ -1,8 +1,8 @@
 """queue-scorer: prefer endpoints with short queues.
 
 Reads: each endpoint's waiting requests from its last scrape, plus requests this EPP routed there that the scrape
-does not show yet, less those it saw that have finished since (`epp.scheduling.load.queue_depth`). Writes: those depths to the cycle state (QUEUE_DEPTHS), where
-the prefix scorer's load guard finds them.
+does not show yet, less those it saw that have finished since (`epp.scheduling.load.queue_depth`). Writes: those
+depths to the cycle state (QUEUE_DEPTHS), where the prefix scorer's load guard finds them.
 Score: inverted min-max over the candidates (shortest queue 1, longest 0; all 1 when equal).
 Parameters: none.
 Trade-offs: relative, so it separates endpoints even when all queues are short; it does not know how long each
