@@ -167,26 +167,38 @@ class Outcome(NamedTuple):
     cached_share: float = 0.0  # usage.prompt_tokens_details.cached_tokens / prompt_tokens
     met_slo: bool | None = None  # None: the request stated no objective
     kind: str = ""  # the request's class in the workload (TimedRequest.kind)
+    missed: str = ""  # which objectives it missed (missed_objectives), "" when met or none stated
 
 
-def met_slo(headers: dict[str, str], outcome: Outcome) -> bool | None:
-    """Whether a request met the objectives its headers state (milliseconds; the time per output token is the
-    mean gap between token chunks the client saw); None when it states none."""
+def missed_objectives(headers: dict[str, str], outcome: Outcome) -> str | None:
+    """Which objectives its headers state (milliseconds) a request missed: "" none, "error" (not a 200), else "ttft",
+    "tpot" or "ttft+tpot" (the time per output token is the mean gap between token chunks the client saw); None
+    when it states none."""
     ttft, tpot = headers.get(TTFT_HEADER), headers.get(TPOT_HEADER)
     if ttft is None and tpot is None:
         return None
-    return (
-        outcome.status == 200
-        and (ttft is None or outcome.ttft * 1e3 <= float(ttft))
-        and (tpot is None or outcome.output_tokens < 2 or outcome.itl * 1e3 <= float(tpot))
-    )
+    if outcome.status != 200:
+        return "error"
+    missed = []
+    if ttft is not None and outcome.ttft * 1e3 > float(ttft):
+        missed.append("ttft")
+    if tpot is not None and outcome.output_tokens >= 2 and outcome.itl * 1e3 > float(tpot):
+        missed.append("tpot")
+    return "+".join(missed)
+
+
+def met_slo(headers: dict[str, str], outcome: Outcome) -> bool | None:
+    """Whether a request met the objectives its headers state; None when it states none."""
+    missed = missed_objectives(headers, outcome)
+    return None if missed is None else not missed
 
 
 async def _one(
     session: aiohttp.ClientSession, url: str, body: dict, headers: dict[str, str], kind: str = ""
 ) -> Outcome:
     outcome = await _send(session, url, body, headers)
-    return outcome._replace(met_slo=met_slo(headers, outcome), kind=kind)
+    missed = missed_objectives(headers, outcome)
+    return outcome._replace(met_slo=None if missed is None else not missed, kind=kind, missed=missed or "")
 
 
 async def _send(session: aiohttp.ClientSession, url: str, body: dict, headers: dict[str, str]) -> Outcome:
@@ -488,6 +500,9 @@ def _from_outcomes(result: TargetResult, outcomes: list[Outcome], elapsed: float
                 "ttft_ms": _summary([o.ttft for o in group if o.status == 200]),
                 "slo_requests": len(judged),
                 "slo_met": sum(judged),
+                # of those that missed: by TTFT, by time per output token (a request missing both counts in both)
+                "missed_ttft": sum("ttft" in o.missed for o in group),
+                "missed_tpot": sum("tpot" in o.missed for o in group),
             }
 
 
@@ -587,8 +602,8 @@ def _by_kind_table(rows: list[TargetResult], base: TargetResult | None) -> list[
     if not split:
         return []
     lines = [
-        "| target | class | succeeded | TTFT mean | TTFT p90 | TTFT vs RR (mean / p90) | met their SLO |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| target | class | succeeded | TTFT mean | TTFT p90 | TTFT vs RR (mean / p90) | met their SLO | missed TTFT / TPOT |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in split:
         for kind, k in r.by_kind.items():
@@ -596,9 +611,10 @@ def _by_kind_table(rows: list[TargetResult], base: TargetResult | None) -> list[
             reference = (base.by_kind.get(kind) or {}).get("ttft_ms") if base else None
             vs_rr = f"{t['mean'] / reference['mean']:.2f} / {t['p90'] / reference['p90']:.2f}" if reference else "-"
             met = f"{k['slo_met']}/{k['slo_requests']}" if k["slo_requests"] else "-"
+            missed = f"{k.get('missed_ttft', 0)} / {k.get('missed_tpot', 0)}" if k["slo_requests"] else "-"
             lines.append(
                 f"| {r.target} | {kind} | {k['succeeded']}/{k['requests']} | {t['mean']:.0f} | {t['p90']:.0f} | "
-                f"{vs_rr} | {met} |"
+                f"{vs_rr} | {met} | {missed} |"
             )
     return [*lines, ""]
 

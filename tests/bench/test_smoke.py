@@ -67,7 +67,7 @@ def test_workloads_are_seeded_and_shaped():
 
 
 def test_slo_workload_states_each_requests_objectives_and_goodput_counts_who_met_them():
-    from epp.bench.compare import Outcome, TargetResult, _from_outcomes, markdown, met_slo
+    from epp.bench.compare import Outcome, TargetResult, _from_outcomes, markdown, met_slo, missed_objectives
     from epp.bench.workloads import load_workload, requests
 
     stream = requests(load_workload("slo-mixed"), "m", rate=20, duration=10, seed=3)
@@ -83,6 +83,24 @@ def test_slo_workload_states_each_requests_objectives_and_goodput_counts_who_met
     assert met_slo(chat, Outcome(200, ttft=0.1, itl=0.051, output_tokens=64)) is False
     assert met_slo(chat, Outcome(429)) is False
     assert met_slo({}, Outcome(200, ttft=9.0)) is None
+    assert missed_objectives(chat, Outcome(200, ttft=0.31, itl=0.051, output_tokens=64)) == "ttft+tpot"
+    assert missed_objectives(chat, Outcome(200, ttft=0.1, itl=0.051, output_tokens=64)) == "tpot"
+    assert missed_objectives(chat, Outcome(503)) == "error"
+    by_class = TargetResult("by-class", 1.0)
+    met = Outcome(200, 0.1, met_slo=True, kind="a")
+    late = Outcome(200, 0.4, met_slo=False, kind="a", missed="ttft")
+    stalled = Outcome(200, 0.1, met_slo=False, kind="a", missed="tpot")
+    _from_outcomes(by_class, [met, late, stalled, stalled, Outcome(200, 0.1, kind="b")], 1.0)
+    assert by_class.by_kind["a"] | {"ttft_ms": None} == {
+        "requests": 4,
+        "succeeded": 4,
+        "ttft_ms": None,
+        "slo_requests": 4,
+        "slo_met": 1,
+        "missed_ttft": 1,
+        "missed_tpot": 2,
+    }
+    assert "| by-class | a | 4/4 | 175 | 400 | - | 1/4 | 1 / 2 |" in markdown([by_class])
     fast, slow = TargetResult("fast", 1.0), TargetResult("slow", 1.0)
     _from_outcomes(fast, [Outcome(200, 0.1, 0.01, 0.5, 64, met_slo=True)] * 6 + [Outcome(200, met_slo=None)], 2.0)
     _from_outcomes(slow, [Outcome(200, 0.1, 0.01, 0.5, 64, met_slo=True)] * 2 + [Outcome(599, met_slo=False)] * 4, 2.0)
@@ -112,8 +130,8 @@ def test_report_breaks_ttft_down_by_request_class():
     assert rr.by_kind[short]["ttft_ms"]["mean"] == 200 and rr.by_kind[long]["requests"] == 1
     assert (epp.by_kind[long]["succeeded"], epp.by_kind[long]["ttft_ms"]) == (0, {})
     report = markdown([rr, epp])
-    assert "| epp | 200-token prompts | 4/4 | 50 | 50 | 0.25 / 0.25 | - |" in report
-    assert "| epp | 6000-token prompts | 0/1 | nan | nan | nan / nan | - |" in report
+    assert "| epp | 200-token prompts | 4/4 | 50 | 50 | 0.25 / 0.25 | - | - |" in report
+    assert "| epp | 6000-token prompts | 0/1 | nan | nan | nan / nan | - | - |" in report
 
 
 def test_multi_turn_requests_carry_the_users_earlier_turns():
