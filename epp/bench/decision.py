@@ -105,16 +105,15 @@ PREDICTED_POOL = "decision-time"  # the shared predictor (epp.predictor.shared) 
 
 def predictor_config(pool: str = "default") -> str:
     """The default profile with the latency predictor: slo-headroom-filter (it passes every endpoint for a request
-    without objectives), then predicted-latency-filter (it drops the endpoints predicted slower than the fastest by
+    without objectives), slo-interference-filter (it keeps a prefill off the endpoints where it would push requests
+    decoding there past their TPOT objectives), then predicted-latency-filter (it drops the endpoints predicted slower than the fastest by
     more than the predictor's own error), then the default scorers among what is left; no weight of its own. Both
     read the shared predictor `pool`, which the filter trains from the responses the EPP sees streamed."""
     params = f"  parameters: {{pool: {pool}}}\n"
+    filters = ("slo-headroom-filter", "slo-interference-filter", "predicted-latency-filter")
     return DEFAULT_CONFIG.replace(
-        "- type: max-score-picker\n",
-        f"- type: max-score-picker\n- type: slo-headroom-filter\n{params}- type: predicted-latency-filter\n{params}",
-    ).replace(
-        "  plugins:\n", "  plugins:\n  - pluginRef: slo-headroom-filter\n  - pluginRef: predicted-latency-filter\n", 1
-    )
+        "- type: max-score-picker\n", "- type: max-score-picker\n" + "".join(f"- type: {f}\n{params}" for f in filters)
+    ).replace("  plugins:\n", "  plugins:\n" + "".join(f"  - pluginRef: {f}\n" for f in filters), 1)
 
 
 def trained_predictor(endpoints: list[Endpoint], seed: int = 0) -> LatencyPredictor:
@@ -137,9 +136,11 @@ def measure(
     config: str | None = None,
     headers: dict[str, str] | None = None,
     predictor: LatencyPredictor | None = None,
+    max_tokens: int | None = None,
 ) -> float:
     """Median microseconds per schedule() + on_picked() + on_routed() with the profile `config` (None: the default); `headers`
-    go with every request; `predictor` (when given) is the shared predictor PREDICTED_POOL the config reads."""
+    and `max_tokens` go with every request; `predictor` (when given) is the shared predictor PREDICTED_POOL the config
+    reads."""
     rng = random.Random(seed)
     endpoints = _pool(size, rng)
     scheduler = Scheduler.from_config(config)
@@ -155,7 +156,9 @@ def measure(
     samples = []
     for i in range(repeats):
         prompt = system + str(i)
-        request = SchedulingRequest(f"r{i}", "m", prompt, len(prompt) // 4, headers=headers or {})
+        request = SchedulingRequest(
+            f"r{i}", "m", prompt, len(prompt) // 4, headers=headers or {}, max_tokens=max_tokens
+        )
         started = time.perf_counter()
         result = scheduler.schedule(request, endpoints)
         scheduler.on_picked(request, result)
@@ -167,16 +170,17 @@ def measure(
 
 
 def measure_predicted(size: int, prompt_bytes: int, repeats: int = 300, seed: int = 0) -> float:
-    """`measure` with the predictor in the profile (`predictor_config`), trained, and a TTFT objective on every
-    request."""
+    """`measure` with the predictor in the profile (`predictor_config`), trained, and TTFT and TPOT objectives on
+    every request (none completes, so slo-interference-filter keeps each one in flight: ~10 per endpoint at 32)."""
     return measure(
         size,
         prompt_bytes,
         repeats,
         seed,
         config=predictor_config(PREDICTED_POOL),
-        headers={"x-slo-ttft-ms": "500"},
+        headers={"x-slo-ttft-ms": "500", "x-slo-tpot-ms": "50"},
         predictor=trained_predictor(_pool(size, random.Random(seed))),
+        max_tokens=64,
     )
 
 
@@ -184,7 +188,7 @@ def main(sizes=(8, 32, 128), prompts=(1_000, 16_000, 220_000)) -> None:
     with_flow_control = functools.partial(measure_director, flow_control=True)
     for title, function in (
         ("scheduler", measure),
-        ("scheduler with the latency predictor (slo-headroom-filter + predicted-latency-scorer)", measure_predicted),
+        ("scheduler with the latency predictor (predictor_config: its three filters)", measure_predicted),
         ("director (whole request path)", measure_director),
         ("director with flow control (its fast path: the pool has room)", with_flow_control),
     ):

@@ -14,5 +14,6 @@ from epp.scheduling.plugins import (  # noqa: F401
     random_picker,
     running_requests_size_scorer,
     slo_headroom_filter,
+    slo_interference_filter,
     weighted_random_picker,
 )

@@ -35,7 +35,7 @@ TTFT_HEADER = "x-slo-ttft-ms"
 TPOT_HEADER = "x-slo-tpot-ms"
 
 
-def _objective(headers: dict[str, str], name: str) -> float | None:
+def objective_seconds(headers: dict[str, str], name: str) -> float | None:
     """Seconds, or None when absent or not a positive finite number."""
     raw = headers.get(name)
     if raw is None:
@@ -64,7 +64,7 @@ class SLOHeadroomFilter(Filter):
         headers = request.headers
         if TTFT_HEADER not in headers and TPOT_HEADER not in headers:
             return endpoints
-        ttft_slo, tpot_slo = _objective(headers, TTFT_HEADER), _objective(headers, TPOT_HEADER)
+        ttft_slo, tpot_slo = objective_seconds(headers, TTFT_HEADER), objective_seconds(headers, TPOT_HEADER)
         if ttft_slo is None and tpot_slo is None:
             return endpoints
         predicted = self.predictions.get(cycle_state, request, endpoints, tpot=tpot_slo is not None)

@@ -1,0 +1,134 @@
+"""slo-interference-filter over a trained predictor (synthetic pool: conftest.true_ttft / true_tpot)."""
+
+import itertools
+
+import pytest
+
+from epp.bench.decision import predictor_config
+from epp.predictor import shared
+from epp.scheduling.framework import build_plugin
+from epp.scheduling.scheduler import Scheduler
+from epp.scheduling.types import CycleState, ResponseInfo, SchedulingRequest, SchedulingResult
+from tests.epp.helpers import endpoint
+from tests.epp.predictor.conftest import train
+
+_pools = itertools.count()
+CHAT = {"x-slo-ttft-ms": "300", "x-slo-tpot-ms": "30"}
+
+
+@pytest.fixture
+def pool():
+    return f"interference-pool-{next(_pools)}"
+
+
+def trained(pool: str) -> None:
+    predictor = shared(pool).predictor
+    predictor.min_observations = 50
+    train(predictor)
+
+
+def req(prompt_tokens, headers=None, max_tokens=None):
+    return SchedulingRequest("r", "m", "", prompt_tokens, headers=headers or {}, max_tokens=max_tokens)
+
+
+def routed(plugin, request, to):
+    """The request was picked for endpoint `to`: the plugin's at-pick hook, as the scheduler runs it."""
+    result = SchedulingResult([to], candidates=[to], cycle_state=CycleState())
+    plugin.pre_request(request, result)
+    return result
+
+
+def slacks(plugin, name):
+    return sorted(f.tpot_slack for f in plugin.in_flight.get(name, ()))
+
+
+def test_a_long_prefill_avoids_the_endpoint_whose_tight_tpot_decode_it_would_break(pool):
+    trained(pool)
+    plugin = build_plugin("slo-interference-filter", {"pool": pool})
+    e0, e1 = endpoint(0), endpoint(1)
+    chat = req(200, CHAT, max_tokens=30)
+    routed(plugin, chat, e0)
+    tpot = shared(pool).get(CycleState(), chat, [e0], tpot=True)[0][1]
+    # the decode time it may lose and still average 30 ms per token: less than a 6,000-token prefill takes
+    assert slacks(plugin, "e0") == pytest.approx([(0.030 - tpot) * 29])
+    rate = shared(pool).predictor.backlog.seconds_per_token
+    assert 200 * rate < slacks(plugin, "e0")[0] < 6000 * rate
+    assert plugin.filter(CycleState(), req(6000), [e0, e1]) == [e1]
+    assert plugin.filter(CycleState(), req(200), [e0, e1]) == [e0, e1]  # a short prefill breaks nothing
+
+
+def test_every_later_prefill_on_the_endpoint_takes_its_time_off_the_slack(pool):
+    trained(pool)
+    plugin = build_plugin("slo-interference-filter", {"pool": pool})
+    e0 = endpoint(0)
+    routed(plugin, req(200, {"x-slo-tpot-ms": "100"}, max_tokens=256), e0)
+    before = slacks(plugin, "e0")[0]
+    routed(plugin, req(3000), e0)  # no objective of its own: it still stalls the decode there
+    rate = shared(pool).predictor.backlog.seconds_per_token
+    assert slacks(plugin, "e0") == pytest.approx([before - 3000 * rate])
+    shared(pool).cached_tokens = lambda cycle_state, request, endpoints: [2000] * len(endpoints)
+    routed(plugin, req(3000), e0)  # only the uncached part is prefilled
+    assert slacks(plugin, "e0") == pytest.approx([before - 4000 * rate])
+
+
+def test_when_every_candidate_breaks_some_the_fewest_broken_are_kept(pool):
+    trained(pool)
+    plugin = build_plugin("slo-interference-filter", {"pool": pool})
+    e0, e1, e2 = endpoint(0), endpoint(1), endpoint(2)
+    for e in (e0, e0, e1, e2):
+        routed(plugin, req(200, CHAT, max_tokens=30), e)
+    for _ in range(2):  # e2's chat has already lost its slack: no placement saves it, so it does not count
+        routed(plugin, req(6000), e2)
+    assert slacks(plugin, "e2")[0] < 0
+    assert plugin.filter(CycleState(), req(6000), [e0, e1, e2]) == [e2]
+    assert plugin.filter(CycleState(), req(6000), [e0, e1]) == [e1]
+
+
+def test_a_long_prefill_avoids_an_endpoint_where_a_request_waits_for_its_first_token_within_a_tight_objective(pool):
+    trained(pool)
+    plugin = build_plugin("slo-interference-filter", {"pool": pool})
+    e0, e1 = endpoint(0), endpoint(1)
+    chat = req(200, {"x-slo-ttft-ms": "300", "x-slo-tpot-ms": "100"}, max_tokens=256)  # a loose TPOT objective
+    routed(plugin, chat, e0)
+    (entry,) = plugin.in_flight["e0"]
+    ttft = shared(pool).get(CycleState(), chat, [e0], tpot=False)[0][0]
+    assert entry.ttft_slack == pytest.approx(0.3 - ttft)
+    rate = shared(pool).predictor.backlog.seconds_per_token
+    assert entry.ttft_slack < 3000 * rate < entry.tpot_slack
+    assert plugin.filter(CycleState(), req(3000), [e0, e1]) == [e1]
+    entry.first_token_at = 0.0  # its first token is out: only its decode can still be stalled
+    assert plugin.filter(CycleState(), req(3000), [e0, e1]) == [e0, e1]
+    routed(plugin, req(3000), e0)
+    assert entry.ttft_slack == pytest.approx(0.3 - ttft)  # charged to its decode only
+    assert entry.tpot_slack == pytest.approx(
+        (0.1 - shared(pool).get(CycleState(), chat, [e0], tpot=True)[0][1]) * 255 - 3000 * rate
+    )
+
+
+@pytest.mark.parametrize("status", ["200", "503", ""])  # served, an error status, a reset or cancelled client
+def test_an_entry_is_released_when_its_request_ends_however_it_ended(pool, status):
+    trained(pool)
+    scheduler = Scheduler.from_config(predictor_config(pool))
+    plugin = next(f for f in scheduler.profile.filters if f.typed_name.type == "slo-interference-filter")
+    endpoints = [endpoint(0), endpoint(1)]
+    requests = [req(200, CHAT, max_tokens=30) for _ in range(3)] + [req(200, max_tokens=30), req(200, CHAT)]
+    results = []
+    for request in requests:
+        result = scheduler.schedule(request, endpoints)
+        scheduler.on_picked(request, result)
+        results.append(result)
+    # the requests with objectives are tracked (the last one only for its TTFT: no max_tokens, no decode budget)
+    entries = [f for entries in plugin.in_flight.values() for f in entries]
+    assert len(entries) == 4 and sum(f.tpot_slack == float("inf") for f in entries) == 1
+    for request, result in zip(requests, results, strict=True):
+        scheduler.on_finished(request, result, result.primary, ResponseInfo(status))
+        scheduler.on_finished(request, result, result.primary, ResponseInfo(status))  # a second call: no effect
+    assert plugin.in_flight == {}
+
+
+def test_passes_every_candidate_while_cold(pool):
+    plugin = build_plugin("slo-interference-filter", {"pool": pool})
+    e0, e1 = endpoint(0), endpoint(1)
+    routed(plugin, req(200, CHAT, max_tokens=30), e0)
+    assert plugin.in_flight == {}  # no predicted TPOT: no slack to keep
+    assert plugin.filter(CycleState(), req(6000), [e0, e1]) == [e0, e1]
