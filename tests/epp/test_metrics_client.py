@@ -21,6 +21,8 @@ RESPONSES = {
     "until-close": b"HTTP/1.0 200 OK\r\nContent-Type: text/plain\r\n\r\n" + PAGE,
     "500": b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 4\r\n\r\noops",
     "garbage": b"SSH-2.0-OpenSSH_9.6\r\n\r\n",
+    "huge": b"HTTP/1.1 200 OK\r\nContent-Length: 99999999999\r\n\r\n",
+    "bad-chunk": b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
     # a 300 KB page without Content-Length, written in pieces: read to the close, not cut at the first read
     "large-until-close": b"HTTP/1.0 200 OK\r\nContent-Type: text/plain\r\n\r\n" + PAGE + b"# padding\n" * 30_000,
 }
@@ -29,8 +31,8 @@ RESPONSES = {
 class RawServer:
     """Answers every request on a connection with `mode`'s bytes; counts connections and requests."""
 
-    def __init__(self, mode: str):
-        self.mode, self.connections, self.requests = mode, 0, 0
+    def __init__(self, mode: str, piece: int = 50_000):
+        self.mode, self.connections, self.requests, self.piece = mode, 0, 0, piece
         self.close_after_each = mode.endswith("until-close")
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -43,8 +45,8 @@ class RawServer:
                 if self.mode == "stall":
                     await asyncio.sleep(5)
                 response = RESPONSES[self.mode]
-                for start in range(0, len(response), 50_000):
-                    writer.write(response[start : start + 50_000])
+                for start in range(0, len(response), self.piece):
+                    writer.write(response[start : start + self.piece])
                     await writer.drain()
                     await asyncio.sleep(0.001)
                 if self.close_after_each:
@@ -58,8 +60,8 @@ class RawServer:
 async def serve():
     servers = []
 
-    async def start(mode: str) -> tuple[RawServer, MetricsClient]:
-        raw = RawServer(mode)
+    async def start(mode: str, piece: int = 50_000) -> tuple[RawServer, MetricsClient]:
+        raw = RawServer(mode, piece)
         (port,) = free_ports(1)
         servers.append(await asyncio.start_server(raw.handle, "127.0.0.1", port))
         return raw, MetricsClient("127.0.0.1", port, timeout=0.5)
@@ -80,6 +82,15 @@ async def test_every_framing_and_connection_reuse(serve, mode):
     client.close()
 
 
+@pytest.mark.parametrize("mode", ["length", "chunked"])
+async def test_a_response_in_small_pieces(serve, mode):
+    """The framing is found across reads: every response arrives 7 bytes at a time."""
+    _, client = await serve(mode, piece=7)
+    for _ in range(2):
+        assert await client.get() == PAGE.decode()
+    client.close()
+
+
 async def test_reconnects_when_the_server_dropped_an_idle_connection(serve):
     raw, client = await serve("length")
     assert await client.get() == PAGE.decode()
@@ -96,6 +107,12 @@ async def test_errors(serve):
         await client.get()
     _, client = await serve("garbage")
     with pytest.raises(ScrapeError, match=r"not an HTTP/1\.1 response"):
+        await client.get()
+    _, client = await serve("huge")
+    with pytest.raises(ScrapeError, match="byte metrics page"):
+        await client.get()
+    _, client = await serve("bad-chunk")
+    with pytest.raises(ValueError):
         await client.get()
     _, client = await serve("stall")
     with pytest.raises(TimeoutError):
