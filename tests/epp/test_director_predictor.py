@@ -75,3 +75,31 @@ def test_a_bursts_next_request_sees_the_prefill_routed_before_it():
     for ctx in contexts:
         director.after_routed(ctx)
         director.on_complete(ctx)
+
+
+def test_requests_with_objectives_leave_the_interference_filter_however_they_end():
+    """slo-interference-filter keeps each request with objectives in flight per endpoint; the director's completion
+    (once per routed request) releases it whether it was served, failed with a status or was reset."""
+    from epp.bench.decision import predictor_config
+    from tests.epp.predictor.conftest import train
+
+    director = make_picker(config=predictor_config("director-interference"))
+    predictor = shared("director-interference").predictor
+    predictor.min_observations = 50
+    train(predictor)
+    plugin = next(f for f in director.scheduler.profile.filters if f.typed_name.type == "slo-interference-filter")
+    headers = {":path": "/v1/completions", "x-slo-ttft-ms": "300", "x-slo-tpot-ms": "50"}
+    contexts = []
+    for _ in range(3):
+        ctx = director.new_request(dict(headers), None)
+        payload = {"model": "m", "prompt": "hello " * 50, "max_tokens": 64, "stream": True}
+        director.route(ctx, payload, json.dumps(payload).encode())
+        director.after_routed(ctx)
+        contexts.append(ctx)
+    assert sum(len(entries) for entries in plugin.in_flight.values()) == 3
+    served, failed, _reset = contexts  # the third gets no response headers: a reset
+    director.on_response_headers(served, "200", None)
+    director.on_response_headers(failed, "503", None)
+    for ctx in contexts:
+        director.on_complete(ctx)
+    assert plugin.in_flight == {}
