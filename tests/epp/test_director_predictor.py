@@ -102,4 +102,4 @@ def test_requests_with_objectives_leave_the_interference_filter_however_they_end
     director.on_response_headers(failed, "503", None)
     for ctx in contexts:
         director.on_complete(ctx)
-    assert plugin.in_flight == {}
+    assert plugin.in_flight == {} and plugin.tightest == {}

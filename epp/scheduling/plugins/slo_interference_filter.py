@@ -30,6 +30,8 @@ filters and the scorers choose as before, so a short prompt (a few ms of prefill
 long one goes where the requests beside it can absorb it, which segregates long prefills from tight-objective
 requests only as far as the objectives in flight require. Inert without requests with objectives in flight; passes
 every candidate while the predictor is cold (no slack is known then) and for a single candidate.
+Cost: one lookup per candidate (the least slack there, kept when its entries change); the prefix match and the
+count only on the endpoints where the prefill could break a request.
 Parameters: pool ("default").
 Trade-offs: the predicted TPOT an entry starts from already includes the stalls typical of the traffic it was
 learnt from, so the slack is conservative (a stall can count twice); and a request waiting for its first token is
@@ -64,12 +66,13 @@ class InFlight:
         self.first_token_at = first_token_at
         self.tpot_slack = tpot_slack
 
-    def breaks(self, stall: float, now: float) -> bool:
-        """Whether a prefill of `stall` seconds starting `now` beside it makes it miss an objective it still
-        meets."""
-        if self.ttft_slack < 0.0 or self.tpot_slack < 0.0:
-            return False  # lost already, whatever is placed beside it
-        return self.tpot_slack < stall or (now < self.first_token_at and self.ttft_slack < stall)
+    def exposure(self, now: float) -> float:
+        """The longest prefill that can start beside it `now` without making it miss an objective it still meets
+        (infinite when it has lost one already: nothing placed beside it changes that)."""
+        ttft, tpot = self.ttft_slack, self.tpot_slack
+        if ttft < 0.0 or tpot < 0.0:
+            return math.inf
+        return ttft if now < self.first_token_at and ttft < tpot else tpot
 
     def stall(self, seconds: float, now: float) -> None:
         """A prefill of `seconds` was placed beside it `now`."""
@@ -94,6 +97,9 @@ class SLOInterferenceFilter(Filter, PreRequest, ResponseComplete):
         self.predictions = shared(p.get("pool", "default", str))
         p.done()
         self.in_flight: dict[str, set[InFlight]] = {}  # endpoint name -> its entries; no empty sets
+        # endpoint name -> the least exposure of its entries when they last changed: a lower bound now (time only
+        # ends TTFT exposures), so the filter counts entries only where a prefill could break one
+        self.tightest: dict[str, float] = {}
 
     def prefill_seconds(
         self, cycle_state: CycleState, request: SchedulingRequest, endpoints: list[Endpoint]
@@ -110,23 +116,28 @@ class SLOInterferenceFilter(Filter, PreRequest, ResponseComplete):
         in_flight = self.in_flight
         if len(endpoints) < 2 or not in_flight or not self.predictions.predictor.ttft_ready:
             return endpoints
-        # the endpoints where the prefill, with nothing of it cached, would break a request; the prefix match (a
-        # lookup per endpoint) only for those
-        now = time.monotonic()
+        # the endpoints where the prefill, with nothing of it cached, could break a request; the prefix match (a
+        # lookup per endpoint) and the count only for those
         worst = request.prompt_tokens_estimate * self.predictions.predictor.backlog.seconds_per_token
-        exposed = [
-            i
-            for i, e in enumerate(endpoints)
-            if (entries := in_flight.get(e.spec.name)) and any(f.breaks(worst, now) for f in entries)
-        ]
+        tightest = self.tightest
+        exposed = [i for i, e in enumerate(endpoints) if tightest.get(e.spec.name, math.inf) < worst]
         if not exposed:
             return endpoints
+        now = time.monotonic()
         broken = [0] * len(endpoints)
         stalls = self.prefill_seconds(cycle_state, request, [endpoints[i] for i in exposed])
         for i, stall in zip(exposed, stalls, strict=True):
-            broken[i] = sum(f.breaks(stall, now) for f in in_flight[endpoints[i].spec.name])
+            broken[i] = sum(f.exposure(now) < stall for f in in_flight[endpoints[i].spec.name])
         fewest = min(broken)
         return [e for e, b in zip(endpoints, broken, strict=True) if b == fewest]
+
+    def _changed(self, name: str, now: float) -> None:
+        entries = self.in_flight.get(name)
+        if entries:
+            self.tightest[name] = min(f.exposure(now) for f in entries)
+        else:
+            self.in_flight.pop(name, None)
+            self.tightest.pop(name, None)
 
     def pre_request(self, request: SchedulingRequest, result: SchedulingResult) -> None:
         endpoint = result.primary
@@ -136,29 +147,38 @@ class SLOInterferenceFilter(Filter, PreRequest, ResponseComplete):
             stall = self.prefill_seconds(cycle_state, request, [endpoint])[0]
             for f in entries:
                 f.stall(stall, now)
+        entry = self._entry(request, cycle_state, endpoint, now)
+        if entry is not None:
+            self.in_flight.setdefault(name, set()).add(entry)
+            cycle_state.write(IN_FLIGHT, entry)
+        if entries or entry is not None:
+            self._changed(name, now)
+
+    def _entry(
+        self, request: SchedulingRequest, cycle_state: CycleState, endpoint: Endpoint, now: float
+    ) -> InFlight | None:
+        """The request's own entry on `endpoint`, when it states an objective and it can be predicted there."""
         ttft_objective = objective_seconds(request.headers, TTFT_HEADER)
         tpot_objective = objective_seconds(request.headers, TPOT_HEADER)
         output = request.max_tokens
-        if tpot_objective is not None and (output is None or output < 2):
+        if output is None or output < 2:
             tpot_objective = None  # no decode budget to spend
         if ttft_objective is None and tpot_objective is None:
-            return
+            return None
         predicted = self.predictions.get(cycle_state, request, [endpoint], tpot=tpot_objective is not None)
         if predicted is None:
-            return
+            return None
         ttft, tpot = predicted[0]
-        if tpot_objective is not None and tpot is None:
-            tpot_objective = None
+        if tpot is None:  # TPOT still cold
             if ttft_objective is None:
-                return
-        entry = InFlight(
-            name,
+                return None
+            tpot_objective = None
+        return InFlight(
+            endpoint.spec.name,
             math.inf if ttft_objective is None else ttft_objective - ttft,
             now + ttft,
             math.inf if tpot_objective is None else (tpot_objective - tpot) * (output - 1),
         )
-        self.in_flight.setdefault(name, set()).add(entry)
-        cycle_state.write(IN_FLIGHT, entry)
 
     def response_complete(
         self, request: SchedulingRequest, result: SchedulingResult, endpoint: Endpoint, response: ResponseInfo
@@ -170,5 +190,4 @@ class SLOInterferenceFilter(Filter, PreRequest, ResponseComplete):
         entries = self.in_flight.get(entry.endpoint)
         if entries is not None:
             entries.discard(entry)
-            if not entries:
-                del self.in_flight[entry.endpoint]
+            self._changed(entry.endpoint, time.monotonic())

@@ -123,7 +123,7 @@ def test_an_entry_is_released_when_its_request_ends_however_it_ended(pool, statu
     for request, result in zip(requests, results, strict=True):
         scheduler.on_finished(request, result, result.primary, ResponseInfo(status))
         scheduler.on_finished(request, result, result.primary, ResponseInfo(status))  # a second call: no effect
-    assert plugin.in_flight == {}
+    assert plugin.in_flight == {} and plugin.tightest == {}
 
 
 def test_passes_every_candidate_while_cold(pool):
