@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import random
 import time
+from collections import deque
 
 from epp.datalayer.datastore import Datastore
 from epp.datalayer.endpoint import Endpoint, EndpointSpec, PoolState
@@ -18,7 +19,7 @@ from epp.metrics import EPPMetrics
 from epp.predictor import LatencyPredictor, endpoint_features, shared
 from epp.requestcontrol.director import Director
 from epp.scheduling.scheduler import DEFAULT_CONFIG, Scheduler
-from epp.scheduling.types import SchedulingRequest
+from epp.scheduling.types import ResponseInfo, SchedulingRequest, SchedulingResult
 from protocol.metrics import EndpointMetrics
 
 
@@ -100,6 +101,7 @@ def measure_director(
     return samples[len(samples) // 2] * 1e6
 
 
+IN_FLIGHT_PER_ENDPOINT = 8
 PREDICTED_POOL = "decision-time"  # the shared predictor (epp.predictor.shared) the predicted profile reads here
 
 
@@ -140,7 +142,8 @@ def measure(
 ) -> float:
     """Median microseconds per schedule() + on_picked() + on_routed() with the profile `config` (None: the default); `headers`
     and `max_tokens` go with every request; `predictor` (when given) is the shared predictor PREDICTED_POOL the config
-    reads."""
+    reads. The requests stay in flight until IN_FLIGHT_PER_ENDPOINT per endpoint are (then the oldest completes,
+    outside the timed decision), as in a busy pool: what plugins keep per in-flight request is then its usual size."""
     rng = random.Random(seed)
     endpoints = _pool(size, rng)
     scheduler = Scheduler.from_config(config)
@@ -154,6 +157,7 @@ def measure(
         scheduler.on_picked(request, result)
         scheduler.on_routed(request, result)
     samples = []
+    in_flight: deque[tuple[SchedulingRequest, SchedulingResult]] = deque()
     for i in range(repeats):
         prompt = system + str(i)
         request = SchedulingRequest(
@@ -164,14 +168,18 @@ def measure(
         scheduler.on_picked(request, result)
         scheduler.on_routed(request, result)
         samples.append(time.perf_counter() - started)
-        del result  # its cycle state (up to 256 prefix hashes) is freed here, outside the timed decision
+        in_flight.append((request, result))
+        if len(in_flight) > IN_FLIGHT_PER_ENDPOINT * size:
+            request, result = in_flight.popleft()
+            scheduler.on_finished(request, result, result.primary, ResponseInfo("200"))
+        del request, result  # the last reference to a completed one's cycle state (up to 256 prefix hashes)
     samples.sort()
     return samples[len(samples) // 2] * 1e6
 
 
 def measure_predicted(size: int, prompt_bytes: int, repeats: int = 300, seed: int = 0) -> float:
     """`measure` with the predictor in the profile (`predictor_config`), trained, and TTFT and TPOT objectives on
-    every request (none completes, so slo-interference-filter keeps each one in flight: ~10 per endpoint at 32)."""
+    every request (slo-interference-filter keeps each one in flight until it completes)."""
     return measure(
         size,
         prompt_bytes,

@@ -16,6 +16,9 @@ from epp.scheduling.types import CycleState, SchedulingRequest, StateKey
 
 # Endpoint name -> (TTFT, TPOT or None) seconds for this cycle's request.
 PREDICTED_LATENCY: StateKey[dict[str, tuple[float, float | None]]] = StateKey("predicted-latency")
+# Endpoint name -> the prompt tokens it probably holds in its prefix cache for this cycle's request (`CachedTokens`),
+# for the endpoints predicted so far.
+CACHED_TOKENS: StateKey[dict[str, int]] = StateKey("predicted-latency-cached-tokens")
 # What a plugin reading the predictions consumes (`Plugin.consumes`).
 PREDICTION_READS = (
     *dict.fromkeys(
@@ -62,6 +65,22 @@ class CandidatePredictions:
                 return model
         return None
 
+    def cached(self, cycle_state: CycleState, request: SchedulingRequest, endpoints: list[Endpoint]) -> list[int]:
+        """The prompt tokens each of `endpoints` probably holds for `request` (0 without a prefix index), looked up
+        once per endpoint and cycle (CACHED_TOKENS)."""
+        lookup = self.cached_tokens
+        if lookup is None:
+            return [0] * len(endpoints)
+        known = cycle_state.read(CACHED_TOKENS)
+        if known is None:
+            known = {}
+            cycle_state.write(CACHED_TOKENS, known)
+        missing = [e for e in endpoints if e.spec.name not in known]
+        if missing:
+            for e, tokens in zip(missing, lookup(cycle_state, request, missing), strict=True):
+                known[e.spec.name] = tokens
+        return [known[e.spec.name] for e in endpoints]
+
     def get(
         self, cycle_state: CycleState, request: SchedulingRequest, endpoints: list[Endpoint], tpot: bool
     ) -> list[tuple[float, float | None]] | None:
@@ -77,8 +96,7 @@ class CandidatePredictions:
             cycle_state.write(PREDICTED_LATENCY, known)
         missing = [e for e in endpoints if (p := known.get(e.spec.name)) is None or (tpot and p[1] is None)]
         if missing:
-            cached = self.cached_tokens
-            tokens = cached(cycle_state, request, missing) if cached is not None else [0] * len(missing)
+            tokens = self.cached(cycle_state, request, missing)
             adapter = self.adapter(request.model, endpoints)
             predicted = predictor.predict_endpoints(missing, request.prompt_tokens_estimate, tokens, adapter, tpot=tpot)
             for e, p in zip(missing, predicted, strict=True):

@@ -96,10 +96,10 @@ def test_requests_with_objectives_leave_the_interference_filter_however_they_end
         director.route(ctx, payload, json.dumps(payload).encode())
         director.after_routed(ctx)
         contexts.append(ctx)
-    assert sum(len(entries) for entries in plugin.in_flight.values()) == 3
+    assert sum(len(ledger.tpot_budgets) for ledger in plugin.ledgers.values()) == 3
     served, failed, _reset = contexts  # the third gets no response headers: a reset
     director.on_response_headers(served, "200", None)
     director.on_response_headers(failed, "503", None)
     for ctx in contexts:
         director.on_complete(ctx)
-    assert plugin.in_flight == {} and plugin.tightest == {}
+    assert plugin.ledgers == {}

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from epp.datalayer.endpoint import Endpoint
 from epp.predictor import shared
-from epp.predictor.candidates import PREDICTED_LATENCY, PREDICTION_READS
+from epp.predictor.candidates import CACHED_TOKENS, PREDICTED_LATENCY, PREDICTION_READS
 from epp.scheduling.errors import ConfigError
 from epp.scheduling.framework import Filter, Parameters, register
 from epp.scheduling.plugins.predicted_latency_scorer import OBSERVED, ROUTED_FEATURES, PredictorFeed
@@ -38,7 +38,7 @@ from epp.scheduling.types import CycleState, SchedulingRequest
 @register("predicted-latency-filter")
 class PredictedLatencyFilter(Filter, PredictorFeed):
     consumes = PREDICTION_READS
-    produces = (PREDICTED_LATENCY, ROUTED_FEATURES, OBSERVED)
+    produces = (PREDICTED_LATENCY, CACHED_TOKENS, ROUTED_FEATURES, OBSERVED)
 
     def __init__(self, parameters: dict | None):
         p = Parameters("predicted-latency-filter", parameters)

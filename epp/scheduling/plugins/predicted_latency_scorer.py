@@ -31,7 +31,7 @@ import logging
 
 from epp.datalayer.endpoint import Endpoint
 from epp.predictor import Features, shared
-from epp.predictor.candidates import PREDICTED_LATENCY, PREDICTION_READS, CandidatePredictions
+from epp.predictor.candidates import CACHED_TOKENS, PREDICTED_LATENCY, PREDICTION_READS, CandidatePredictions
 from epp.scheduling.framework import (
     LatencyPredictionStats,
     Parameters,
@@ -65,8 +65,7 @@ class PredictorFeed(PreRequest, ResponseComplete, LatencyPredictionStats):
         if result.cycle_state.read(ROUTED_FEATURES) is not None:
             return  # fed by the profile's other predictor plugin
         endpoint = result.primary
-        cached = self.predictions.cached_tokens
-        cached_tokens = cached(result.cycle_state, request, [endpoint])[0] if cached is not None else 0
+        cached_tokens = self.predictions.cached(result.cycle_state, request, [endpoint])[0]
         adapter = self.predictions.adapter(request.model, result.candidates or [endpoint])
         features = self.predictions.predictor.routed(endpoint, request.prompt_tokens_estimate, cached_tokens, adapter)
         result.cycle_state.write(ROUTED_FEATURES, features)
@@ -114,7 +113,7 @@ class PredictorFeed(PreRequest, ResponseComplete, LatencyPredictionStats):
 @register("predicted-latency-scorer")
 class PredictedLatencyScorer(Scorer, PredictorFeed):
     consumes = PREDICTION_READS
-    produces = (PREDICTED_LATENCY, ROUTED_FEATURES, OBSERVED)
+    produces = (PREDICTED_LATENCY, CACHED_TOKENS, ROUTED_FEATURES, OBSERVED)
     replaces = (
         "queue-scorer",
         "running-requests-size-scorer",

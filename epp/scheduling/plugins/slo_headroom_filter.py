@@ -26,7 +26,7 @@ import math
 
 from epp.datalayer.endpoint import Endpoint
 from epp.predictor import shared
-from epp.predictor.candidates import PREDICTED_LATENCY, PREDICTION_READS
+from epp.predictor.candidates import CACHED_TOKENS, PREDICTED_LATENCY, PREDICTION_READS
 from epp.scheduling.errors import ConfigError
 from epp.scheduling.framework import Filter, Parameters, register
 from epp.scheduling.types import CycleState, SchedulingRequest
@@ -50,7 +50,7 @@ def objective_seconds(headers: dict[str, str], name: str) -> float | None:
 @register("slo-headroom-filter")
 class SLOHeadroomFilter(Filter):
     consumes = PREDICTION_READS
-    produces = (PREDICTED_LATENCY,)
+    produces = (PREDICTED_LATENCY, CACHED_TOKENS)
 
     def __init__(self, parameters: dict | None):
         p = Parameters("slo-headroom-filter", parameters)

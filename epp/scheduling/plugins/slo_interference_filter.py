@@ -15,9 +15,9 @@ pool's latency predictor (`epp.predictor.shared(pool)`): the request's predicted
 was routed to, the prefix match (cached tokens, `CandidatePredictions.cached_tokens`, which predicted-latency-filter
 or -scorer wires; without them every prompt counts as uncached) and the learnt prefill rate (seconds per uncached
 prompt token, `PrefillBacklog.seconds_per_token`).
-State, per endpoint: each request in flight there that stated objectives, with its slacks: objective - predicted
-TTFT there at routing (and when its first token is expected: routing + predicted TTFT), and (TPOT objective -
-predicted TPOT) x (max_tokens - 1), the decode time it may lose to stalls and still meet its mean time per output
+State, per endpoint (`Ledger`): each request in flight there that stated objectives, with its slacks: objective -
+predicted TTFT there at routing (and when its first token is expected: routing + predicted TTFT), and (TPOT objective
+- predicted TPOT) x (max_tokens - 1), the decode time it may lose to stalls and still meet its mean time per output
 token (no TPOT slack without a max_tokens of at least 2). Every request routed to the endpoint after it (with or
 without objectives of its own) takes its predicted prefill time (uncached prompt tokens x seconds per token) off the
 TPOT slack, and off the TTFT slack while the first token is not expected yet. An entry goes when its request
@@ -30,55 +30,111 @@ filters and the scorers choose as before, so a short prompt (a few ms of prefill
 long one goes where the requests beside it can absorb it, which segregates long prefills from tight-objective
 requests only as far as the objectives in flight require. Inert without requests with objectives in flight; passes
 every candidate while the predictor is cold (no slack is known then) and for a single candidate.
-Cost: one lookup per candidate (the least slack there, kept when its entries change); the prefix match and the
-count only on the endpoints where the prefill could break a request.
+Cost: the slacks are budgets on a per-endpoint clock of the prefill time placed there, so placing a prefill is one
+addition whatever the requests in flight, and counting the requests it breaks is two bisections of the sorted TPOT
+budgets plus a look at the few waiting for their first token; the prefix match only on the endpoints where the
+prefill, with nothing cached, would break one.
 Parameters: pool ("default").
-Trade-offs: the predicted TPOT an entry starts from already includes the stalls typical of the traffic it was
-learnt from, so the slack is conservative (a stall can count twice); and a request waiting for its first token is
-held back by one chunk of a later prefill, not all of it (the engine's chunk size is not known here), so the whole
-prefill is an upper bound. Both err towards keeping long prefills apart. Only this EPP's requests are known
-(several EPP replicas each protect their own); the stall is the prefill's time at the pool's learnt rate, whatever
-the batch there.
+Trade-offs: a request that missed its TTFT objective through a prefill placed beside it is dropped, but one that
+missed it otherwise (the prediction was wrong) is still protected for its decode. The predicted TPOT an entry starts
+from already includes the stalls typical of the traffic it was learnt from, so the slack is conservative (a stall
+can count twice); and a request waiting for its first token is held back by one chunk of a later prefill, not all
+of it (the engine's chunk size is not known here), so the whole prefill is an upper bound. Both err towards keeping
+long prefills apart. Only this EPP's requests are known (several EPP replicas each protect their own); the stall is
+the prefill's time at the pool's learnt rate, whatever the batch there.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from bisect import bisect_left, insort
 
 from epp.datalayer.endpoint import Endpoint
 from epp.predictor import shared
-from epp.predictor.candidates import PREDICTED_LATENCY, PREDICTION_READS
+from epp.predictor.candidates import CACHED_TOKENS, PREDICTED_LATENCY, PREDICTION_READS
 from epp.scheduling.framework import Filter, Parameters, PreRequest, ResponseComplete, register
 from epp.scheduling.plugins.slo_headroom_filter import TPOT_HEADER, TTFT_HEADER, objective_seconds
 from epp.scheduling.types import CycleState, ResponseInfo, SchedulingRequest, SchedulingResult, StateKey
 
 
 class InFlight:
-    """One request in flight with objectives: the time its first token and its decode may still lose (seconds;
-    infinite for an objective it did not state), and when its first token is expected (time.monotonic())."""
+    """One request in flight with objectives. Its slacks are kept as budgets on its endpoint's stall clock
+    (`Ledger.stalled`): slack now = budget - stalled, so a prefill placed there charges every request at once.
+    tpot_budget is infinite for a request without a TPOT objective (or once it is lost), ttft_budget for one
+    without a TTFT objective."""
 
-    __slots__ = ("endpoint", "first_token_at", "tpot_slack", "ttft_slack")
+    __slots__ = ("endpoint", "first_token_at", "tpot_budget", "ttft_budget")
 
-    def __init__(self, endpoint: str, ttft_slack: float, first_token_at: float, tpot_slack: float):
+    def __init__(self, endpoint: str, ttft_budget: float, first_token_at: float, tpot_budget: float):
         self.endpoint = endpoint
-        self.ttft_slack = ttft_slack
-        self.first_token_at = first_token_at
-        self.tpot_slack = tpot_slack
+        self.ttft_budget = ttft_budget
+        self.first_token_at = first_token_at  # time.monotonic() when its first token is expected
+        self.tpot_budget = tpot_budget
 
-    def exposure(self, now: float) -> float:
-        """The longest prefill that can start beside it `now` without making it miss an objective it still meets
-        (infinite when it has lost one already: nothing placed beside it changes that)."""
-        ttft, tpot = self.ttft_slack, self.tpot_slack
-        if ttft < 0.0 or tpot < 0.0:
-            return math.inf
-        return ttft if now < self.first_token_at and ttft < tpot else tpot
+
+class Ledger:
+    """The requests with objectives in flight on one endpoint.
+    stalled: prefill seconds placed there since the ledger was opened (it closes when its last entry goes);
+    tpot_budgets: the TPOT budgets, sorted, so that the requests a prefill would break are two bisections away;
+    pending: the entries with a TTFT objective that may still wait for their first token, sorted by TTFT budget
+    (every budget >= stalled: those a prefill pushed below it are gone)."""
+
+    __slots__ = ("pending", "stalled", "tpot_budgets")
+
+    def __init__(self) -> None:
+        self.stalled = 0.0
+        self.tpot_budgets: list[float] = []
+        self.pending: list[InFlight] = []
+
+    def add(self, f: InFlight) -> None:
+        """A request with its slacks as budgets on this ledger's clock (slack + stalled)."""
+        if f.tpot_budget != math.inf:
+            insort(self.tpot_budgets, f.tpot_budget)
+        if f.ttft_budget != math.inf:
+            insort(self.pending, f, key=_ttft_budget)
+
+    def remove(self, f: InFlight) -> None:
+        self.drop_tpot(f)
+        if f.ttft_budget != math.inf and f in self.pending:
+            self.pending.remove(f)
+
+    def broken(self, stall: float, now: float) -> int:
+        """The requests that a prefill of `stall` seconds placed here `now` makes miss an objective they still
+        meet."""
+        low, high = self.stalled, self.stalled + stall
+        budgets = self.tpot_budgets
+        count = bisect_left(budgets, high) - bisect_left(budgets, low)
+        for f in self.pending:  # held back in their first token (and not already counted for their decode)
+            if f.ttft_budget >= high:
+                break
+            if now < f.first_token_at and f.tpot_budget >= high:
+                count += 1
+        return count
 
     def stall(self, seconds: float, now: float) -> None:
-        """A prefill of `seconds` was placed beside it `now`."""
-        self.tpot_slack -= seconds
-        if now < self.first_token_at:
-            self.ttft_slack -= seconds
+        """A prefill of `seconds` is placed here `now`: every request here loses that much of its decode slack,
+        those waiting for their first token of their TTFT slack too; one whose TTFT slack it uses up is lost."""
+        self.stalled += seconds
+        pending = self.pending
+        gone = bisect_left(pending, self.stalled, key=_ttft_budget)
+        for f in pending[:gone]:
+            if now < f.first_token_at:
+                self.drop_tpot(f)
+        del pending[:gone]
+
+    def drop_tpot(self, f: InFlight) -> None:
+        if f.tpot_budget != math.inf:
+            budgets = self.tpot_budgets
+            del budgets[bisect_left(budgets, f.tpot_budget)]
+            f.tpot_budget = math.inf
+
+    def __bool__(self) -> bool:
+        return bool(self.tpot_budgets or self.pending)
+
+
+def _ttft_budget(f: InFlight) -> float:
+    return f.ttft_budget
 
 
 # The request's entry (None: it stated no usable objective, or it could not be predicted), for its completion.
@@ -88,7 +144,7 @@ IN_FLIGHT: StateKey[InFlight] = StateKey("slo-interference-in-flight")
 @register("slo-interference-filter")
 class SLOInterferenceFilter(Filter, PreRequest, ResponseComplete):
     consumes = PREDICTION_READS
-    produces = (PREDICTED_LATENCY, IN_FLIGHT)
+    produces = (PREDICTED_LATENCY, CACHED_TOKENS, IN_FLIGHT)
     # the entry and the stall must be in place before the next request of a burst is scheduled
     at_pick = True
 
@@ -96,10 +152,7 @@ class SLOInterferenceFilter(Filter, PreRequest, ResponseComplete):
         p = Parameters("slo-interference-filter", parameters)
         self.predictions = shared(p.get("pool", "default", str))
         p.done()
-        self.in_flight: dict[str, set[InFlight]] = {}  # endpoint name -> its entries; no empty sets
-        # endpoint name -> the least exposure of its entries when they last changed: a lower bound now (time only
-        # ends TTFT exposures), so the filter counts entries only where a prefill could break one
-        self.tightest: dict[str, float] = {}
+        self.ledgers: dict[str, Ledger] = {}  # endpoint name -> its requests in flight with objectives; none empty
 
     def prefill_seconds(
         self, cycle_state: CycleState, request: SchedulingRequest, endpoints: list[Endpoint]
@@ -107,57 +160,53 @@ class SLOInterferenceFilter(Filter, PreRequest, ResponseComplete):
         """The predicted prefill time of `request` on each of `endpoints` (its uncached prompt tokens at the pool's
         learnt rate)."""
         prompt = request.prompt_tokens_estimate
-        cached = self.predictions.cached_tokens
-        tokens = cached(cycle_state, request, endpoints) if cached is not None else [0] * len(endpoints)
+        tokens = self.predictions.cached(cycle_state, request, endpoints)
         rate = self.predictions.predictor.backlog.seconds_per_token
         return [(prompt - min(max(c, 0), prompt)) * rate for c in tokens]
 
     def filter(self, cycle_state: CycleState, request: SchedulingRequest, endpoints: list[Endpoint]) -> list[Endpoint]:
-        in_flight = self.in_flight
-        if len(endpoints) < 2 or not in_flight or not self.predictions.predictor.ttft_ready:
+        ledgers = self.ledgers
+        if len(endpoints) < 2 or not ledgers or not self.predictions.predictor.ttft_ready:
             return endpoints
-        # the endpoints where the prefill, with nothing of it cached, could break a request; the prefix match (a
-        # lookup per endpoint) and the count only for those
+        # the endpoints where the prefill, with nothing of it cached, would break a request; the prefix match (a
+        # lookup per endpoint) only for those
+        now = time.monotonic()
         worst = request.prompt_tokens_estimate * self.predictions.predictor.backlog.seconds_per_token
-        tightest = self.tightest
-        exposed = [i for i, e in enumerate(endpoints) if tightest.get(e.spec.name, math.inf) < worst]
+        exposed = [
+            i for i, e in enumerate(endpoints) if (ledger := ledgers.get(e.spec.name)) and ledger.broken(worst, now)
+        ]
         if not exposed:
             return endpoints
-        now = time.monotonic()
         broken = [0] * len(endpoints)
         stalls = self.prefill_seconds(cycle_state, request, [endpoints[i] for i in exposed])
         for i, stall in zip(exposed, stalls, strict=True):
-            broken[i] = sum(f.exposure(now) < stall for f in in_flight[endpoints[i].spec.name])
+            broken[i] = ledgers[endpoints[i].spec.name].broken(stall, now)
         fewest = min(broken)
         return [e for e, b in zip(endpoints, broken, strict=True) if b == fewest]
-
-    def _changed(self, name: str, now: float) -> None:
-        entries = self.in_flight.get(name)
-        if entries:
-            self.tightest[name] = min(f.exposure(now) for f in entries)
-        else:
-            self.in_flight.pop(name, None)
-            self.tightest.pop(name, None)
 
     def pre_request(self, request: SchedulingRequest, result: SchedulingResult) -> None:
         endpoint = result.primary
         name, cycle_state, now = endpoint.spec.name, result.cycle_state, time.monotonic()
-        entries = self.in_flight.get(name)
-        if entries:
-            stall = self.prefill_seconds(cycle_state, request, [endpoint])[0]
-            for f in entries:
-                f.stall(stall, now)
+        ledger = self.ledgers.get(name)
+        if ledger is not None:
+            ledger.stall(self.prefill_seconds(cycle_state, request, [endpoint])[0], now)
         entry = self._entry(request, cycle_state, endpoint, now)
-        if entry is not None:
-            self.in_flight.setdefault(name, set()).add(entry)
-            cycle_state.write(IN_FLIGHT, entry)
-        if entries or entry is not None:
-            self._changed(name, now)
+        if entry is None:
+            if ledger is not None and not ledger:
+                del self.ledgers[name]
+            return
+        if ledger is None:
+            ledger = self.ledgers[name] = Ledger()
+        entry.ttft_budget += ledger.stalled
+        entry.tpot_budget += ledger.stalled
+        ledger.add(entry)
+        cycle_state.write(IN_FLIGHT, entry)
 
     def _entry(
         self, request: SchedulingRequest, cycle_state: CycleState, endpoint: Endpoint, now: float
     ) -> InFlight | None:
-        """The request's own entry on `endpoint`, when it states an objective and it can be predicted there."""
+        """The request's own entry on `endpoint` (its slacks, not yet on the ledger's clock), when it states an
+        objective it can still meet there and it can be predicted."""
         ttft_objective = objective_seconds(request.headers, TTFT_HEADER)
         tpot_objective = objective_seconds(request.headers, TPOT_HEADER)
         output = request.max_tokens
@@ -170,15 +219,12 @@ class SLOInterferenceFilter(Filter, PreRequest, ResponseComplete):
             return None
         ttft, tpot = predicted[0]
         if tpot is None:  # TPOT still cold
-            if ttft_objective is None:
-                return None
             tpot_objective = None
-        return InFlight(
-            endpoint.spec.name,
-            math.inf if ttft_objective is None else ttft_objective - ttft,
-            now + ttft,
-            math.inf if tpot_objective is None else (tpot_objective - tpot) * (output - 1),
-        )
+        ttft_slack = math.inf if ttft_objective is None else ttft_objective - ttft
+        tpot_slack = math.inf if tpot_objective is None else (tpot_objective - tpot) * (output - 1)
+        if ttft_slack < 0.0 or tpot_slack < 0.0 or (ttft_slack == tpot_slack == math.inf):
+            return None  # lost already (nothing placed beside it changes that), or nothing to keep
+        return InFlight(endpoint.spec.name, ttft_slack, now + ttft, tpot_slack)
 
     def response_complete(
         self, request: SchedulingRequest, result: SchedulingResult, endpoint: Endpoint, response: ResponseInfo
@@ -187,7 +233,9 @@ class SLOInterferenceFilter(Filter, PreRequest, ResponseComplete):
         if entry is None:
             return
         result.cycle_state.write(IN_FLIGHT, None)
-        entries = self.in_flight.get(entry.endpoint)
-        if entries is not None:
-            entries.discard(entry)
-            self._changed(entry.endpoint, time.monotonic())
+        ledger = self.ledgers.get(entry.endpoint)
+        if ledger is None:
+            return
+        ledger.remove(entry)
+        if not ledger:
+            del self.ledgers[entry.endpoint]

@@ -39,7 +39,9 @@ def routed(plugin, request, to):
 
 
 def slacks(plugin, name):
-    return sorted(f.tpot_slack for f in plugin.in_flight.get(name, ()))
+    """The TPOT slacks of the requests in flight on endpoint `name`."""
+    ledger = plugin.ledgers.get(name)
+    return [b - ledger.stalled for b in ledger.tpot_budgets] if ledger else []
 
 
 def test_a_long_prefill_avoids_the_endpoint_whose_tight_tpot_decode_it_would_break(pool):
@@ -77,9 +79,8 @@ def test_when_every_candidate_breaks_some_the_fewest_broken_are_kept(pool):
     e0, e1, e2 = endpoint(0), endpoint(1), endpoint(2)
     for e in (e0, e0, e1, e2):
         routed(plugin, req(200, CHAT, max_tokens=30), e)
-    for _ in range(2):  # e2's chat has already lost its slack: no placement saves it, so it does not count
-        routed(plugin, req(6000), e2)
-    assert slacks(plugin, "e2")[0] < 0
+    routed(plugin, req(6000), e2)  # e2's chat lost its first token's slack: no placement saves it, it goes
+    assert "e2" not in plugin.ledgers
     assert plugin.filter(CycleState(), req(6000), [e0, e1, e2]) == [e2]
     assert plugin.filter(CycleState(), req(6000), [e0, e1]) == [e1]
 
@@ -90,19 +91,18 @@ def test_a_long_prefill_avoids_an_endpoint_where_a_request_waits_for_its_first_t
     e0, e1 = endpoint(0), endpoint(1)
     chat = req(200, {"x-slo-ttft-ms": "300", "x-slo-tpot-ms": "100"}, max_tokens=256)  # a loose TPOT objective
     routed(plugin, chat, e0)
-    (entry,) = plugin.in_flight["e0"]
-    ttft = shared(pool).get(CycleState(), chat, [e0], tpot=False)[0][0]
-    assert entry.ttft_slack == pytest.approx(0.3 - ttft)
+    ledger = plugin.ledgers["e0"]
+    (entry,) = ledger.pending
+    ttft, tpot = shared(pool).get(CycleState(), chat, [e0], tpot=True)[0]
+    assert entry.ttft_budget - ledger.stalled == pytest.approx(0.3 - ttft)
     rate = shared(pool).predictor.backlog.seconds_per_token
-    assert entry.ttft_slack < 3000 * rate < entry.tpot_slack
+    assert entry.ttft_budget - ledger.stalled < 3000 * rate < entry.tpot_budget - ledger.stalled
     assert plugin.filter(CycleState(), req(3000), [e0, e1]) == [e1]
     entry.first_token_at = 0.0  # its first token is out: only its decode can still be stalled
     assert plugin.filter(CycleState(), req(3000), [e0, e1]) == [e0, e1]
     routed(plugin, req(3000), e0)
-    assert entry.ttft_slack == pytest.approx(0.3 - ttft)  # charged to its decode only
-    assert entry.tpot_slack == pytest.approx(
-        (0.1 - shared(pool).get(CycleState(), chat, [e0], tpot=True)[0][1]) * 255 - 3000 * rate
-    )
+    assert ledger.pending == []  # charged to its decode only
+    assert slacks(plugin, "e0") == pytest.approx([(0.1 - tpot) * 255 - 3000 * rate])
 
 
 @pytest.mark.parametrize("status", ["200", "503", ""])  # served, an error status, a reset or cancelled client
@@ -118,17 +118,52 @@ def test_an_entry_is_released_when_its_request_ends_however_it_ended(pool, statu
         scheduler.on_picked(request, result)
         results.append(result)
     # the requests with objectives are tracked (the last one only for its TTFT: no max_tokens, no decode budget)
-    entries = [f for entries in plugin.in_flight.values() for f in entries]
-    assert len(entries) == 4 and sum(f.tpot_slack == float("inf") for f in entries) == 1
+    ledgers = plugin.ledgers.values()
+    assert sum(len(ledger.pending) for ledger in ledgers) == 4
+    assert sum(len(ledger.tpot_budgets) for ledger in ledgers) == 3
     for request, result in zip(requests, results, strict=True):
         scheduler.on_finished(request, result, result.primary, ResponseInfo(status))
         scheduler.on_finished(request, result, result.primary, ResponseInfo(status))  # a second call: no effect
-    assert plugin.in_flight == {} and plugin.tightest == {}
+    assert plugin.ledgers == {}
 
 
 def test_passes_every_candidate_while_cold(pool):
     plugin = build_plugin("slo-interference-filter", {"pool": pool})
     e0, e1 = endpoint(0), endpoint(1)
     routed(plugin, req(200, CHAT, max_tokens=30), e0)
-    assert plugin.in_flight == {}  # no predicted TPOT: no slack to keep
+    assert plugin.ledgers == {}  # nothing predicted: no slack to keep
     assert plugin.filter(CycleState(), req(6000), [e0, e1]) == [e0, e1]
+
+
+def test_the_ledger_counts_what_charging_every_request_one_by_one_would():
+    """Budgets on the endpoint's stall clock against slacks charged request by request, over random placements."""
+    import math
+    import random
+
+    from epp.scheduling.plugins.slo_interference_filter import InFlight, Ledger
+
+    rng = random.Random(7)
+    ledger, slacks, now = Ledger(), [], 100.0  # slacks: [ttft slack, first token at, tpot slack] per live request
+    for _ in range(400):
+        now += rng.random() * 0.05
+        if rng.random() < 0.4:  # a request with objectives arrives
+            ttft, tpot = rng.choice((rng.random() * 0.3, math.inf)), rng.choice((rng.random() * 2, math.inf))
+            if ttft == tpot == math.inf:
+                continue
+            f = InFlight("e", ttft + ledger.stalled, now + rng.random() * 0.2, tpot + ledger.stalled)
+            ledger.add(f)
+            slacks.append([ttft, f.first_token_at, tpot, f])
+        stall = rng.random() * 0.6
+        naive = sum(s[2] >= 0 and s[0] >= 0 and (s[2] < stall or (now < s[1] and s[0] < stall)) for s in slacks)
+        assert ledger.broken(stall, now) == naive
+        if rng.random() < 0.5:  # placed here: charge it
+            ledger.stall(stall, now)
+            for s in slacks:
+                s[2] -= stall
+                if now < s[1]:
+                    s[0] -= stall
+        if slacks and rng.random() < 0.2:  # one completes
+            ledger.remove(slacks.pop(rng.randrange(len(slacks)))[3])
+    while slacks:
+        ledger.remove(slacks.pop()[3])
+    assert not ledger
