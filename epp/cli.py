@@ -214,6 +214,7 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
             observer=metrics.flow_control_outcome,
             poll_interval=args.refresh_metrics_interval,  # a scrape may have shown room
         )
+        scraper.pending = lambda: flow_control.count  # a queued request waits for a page that shows room
     director = Director(datastore, scheduler, metrics, flow_control)
 
     def new_connection():  # the handlers of one connection share its body budget

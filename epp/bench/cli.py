@@ -94,7 +94,11 @@ def main(argv: list[str] | None = None) -> None:
     idle_cmd.add_argument("--endpoints", type=int, nargs="+", default=[8, 64, 256])
     idle_cmd.add_argument("--seconds", type=float, default=10.0, help="measuring window per pool size")
     idle_cmd.add_argument("--epp-arg", action="append", default=[], help="extra flag for the EPP (repeatable)")
-    idle_cmd.add_argument("--busy", action="store_true", help="pages show a running request: no endpoint is quiet")
+    idle_cmd.add_argument(
+        "--busy",
+        action="store_true",
+        help="pages show a running request and the quiet interval is off: scraping as under traffic",
+    )
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if args.command == "flood":
         asyncio.run(flood.flood(args.targets, args.overloads, args.duration, args.servers, args.out))

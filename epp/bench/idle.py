@@ -6,8 +6,9 @@ the limit). The EPP is started with a pool file over those endpoints and its def
 warm-up its CPU seconds are read from /proc over a window, beside the scrapes the pages' server actually answered
 (so a slower EPP that falls behind its interval shows up as fewer scrapes per endpoint, not as a saving).
 
-With `busy`, the page says one request is running on every endpoint: the cost of scraping a pool under load,
-where no endpoint is quiet and every one is scraped at the fast interval (epp/datalayer/scraper.py).
+With `busy`, the page says one request is running on every endpoint and the EPP's quiet interval is off: the cost
+of scraping a pool while this EPP has traffic, when every endpoint is scraped at the fast interval
+(epp/datalayer/scraper.py).
 """
 
 from __future__ import annotations
@@ -161,7 +162,10 @@ def measure(
                 endpoints = [{"name": f"ep-{i}", "address": "127.0.0.1", "port": base + i} for i in range(count)]
                 pool.write_text(yaml.safe_dump({"endpoints": endpoints}))
                 log = (workdir / f"epp-{count}.log").open("wb")
-                argv = epp_command(str(pool), "127.0.0.1", grpc, health, metrics, 0, epp_args or ())
+                extra = list(epp_args or ())
+                if busy:  # an idle interval at or below the refresh interval turns the quiet interval off
+                    extra.append("--refresh-metrics-idle-interval=1ms")
+                argv = epp_command(str(pool), "127.0.0.1", grpc, health, metrics, 0, extra)
                 epp = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
                 log.close()
                 wait_until_serving(epp, f"http://127.0.0.1:{metrics}/metrics", workdir / f"epp-{count}.log")

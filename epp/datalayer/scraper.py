@@ -1,15 +1,17 @@
 """One task per endpoint scrapes its Prometheus page (default every 50 ms, 1 s timeout, keep-alive) and parses it
 with the endpoint's engine spec.
 
-Quiet endpoints are scraped less often (`idle_interval`; the EPP's default is 5x `interval`, 250 ms): an endpoint is
-quiet when its last page showed no running and no waiting request, this EPP has nothing in flight to it, and no
-request reached this EPP within the last `idle_interval`. So any traffic, even one request every 200 ms, keeps every
+Endpoints are scraped less often while this EPP has no traffic of its own (`idle_interval`; the EPP's default is
+5x `interval`, 250 ms): an endpoint is quiet when this EPP has nothing in flight to it, no request of this EPP waits
+in flow control (`pending`), and no request reached this EPP within the last `idle_interval`. Pages are read only to
+route this EPP's requests, so while none arrive a busy pool (another client's load, or another EPP replica's) is not
+worth 20 pages a second per endpoint from this one, and any traffic, even one request every 200 ms, keeps every
 endpoint at `interval`: routing under load reads pages as fresh as with the quiet interval off. After a quiet spell,
 `wake()` (the request path calls it for every request) scrapes every waiting endpoint at once; the request that woke
 them is routed on pages up to `idle_interval` old rather than waiting for the new ones (measured on the 2-core host:
 all pages fresh 2 / 17-35 / 96-217 ms after a wake at 8 / 64 / 256 endpoints, which a wait would add to the first
-request after every spell). The cost: load another client put on a quiet endpoint in the last `idle_interval` is
-seen by that first request only. Measured with `epp-bench idle [--busy]`.
+request after every spell). The cost: load that appeared on an endpoint in the last `idle_interval` is seen by that
+first request only. Measured with `epp-bench idle [--busy]` and `epp-bench overhead`.
 
 A failed scrape never raises: the endpoint keeps its last metrics and becomes
 stale once no scrape succeeded within the staleness threshold (at once when the connection is refused). Each endpoint
@@ -22,6 +24,7 @@ import contextlib
 import logging
 import math
 import time
+from collections.abc import Callable
 
 from epp.datalayer.endpoint import Endpoint
 from epp.datalayer.metrics_client import MetricsClient, ScrapeError
@@ -55,6 +58,8 @@ class Scraper:
         self._tasks: dict[int, asyncio.Task] = {}
         self._idle_waits: set[asyncio.Future] = set()
         self._last_request = -math.inf  # time.monotonic() of the latest wake()
+        # requests this EPP holds that no endpoint has yet (flow control's queue): wired by the EPP's startup
+        self.pending: Callable[[], int] = _nothing_pending
         self.scrapes = 0
         self.failures = 0
 
@@ -132,14 +137,12 @@ class Scraper:
                     wait.set_result(None)
 
     def quiet(self, endpoint: Endpoint) -> bool:
-        m = endpoint.metrics
         return (
-            m is not None
+            endpoint.metrics is not None
             and not endpoint.stale
             and endpoint.in_flight_requests == 0
-            and m.running == 0
-            and m.waiting == 0
             and time.monotonic() - self._last_request >= self.idle_interval
+            and not self.pending()
         )
 
     async def _idle_wait(self, delay: float) -> None:
@@ -169,6 +172,10 @@ class Scraper:
                     await self._idle_wait(max(0.0, self.idle_interval - elapsed))
                 else:
                     await asyncio.sleep(max(0.0, self.interval - elapsed))
+
+
+def _nothing_pending() -> int:
+    return 0
 
 
 def _resolve(wait: asyncio.Future) -> None:

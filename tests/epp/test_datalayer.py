@@ -185,7 +185,7 @@ async def page_server(state: dict):
         await runner.cleanup()
 
 
-async def test_quiet_endpoints_are_scraped_slowly_until_a_request_arrives():
+async def test_endpoints_are_scraped_slowly_while_this_epp_has_no_traffic():
     IDLE = "vllm:num_requests_waiting 0\nvllm:num_requests_running 0\nvllm:kv_cache_usage_perc 0.0\n"
     state = {"page": IDLE, "scrapes": 0}
     scraper = Scraper(interval=0.01, timeout=0.5, staleness=2.0, idle_interval=0.3)
@@ -211,6 +211,13 @@ async def test_quiet_endpoints_are_scraped_slowly_until_a_request_arrives():
             await asyncio.sleep(0.2)  # no request for longer than the idle interval: quiet
             assert scraper.quiet(endpoint)
             endpoint.in_flight_requests = 1  # in flight from this EPP: not quiet even if the page says idle
+            assert not scraper.quiet(endpoint)
+            endpoint.in_flight_requests = 0
+            state["page"] = PAGE  # another client's load, but no request of this EPP: scraped slowly all the same
+            state["scrapes"] = 0
+            await asyncio.sleep(0.5)
+            assert endpoint.metrics.waiting == 3 and scraper.quiet(endpoint) and state["scrapes"] <= 3
+            scraper.pending = lambda: 1  # a request of this EPP waits in flow control for a page that shows room
             assert not scraper.quiet(endpoint)
         finally:
             await store.close()
