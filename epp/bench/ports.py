@@ -1,40 +1,75 @@
-"""Free loopback ports for processes the benchmarks and tests start."""
+"""Free loopback ports for processes the benchmarks and tests start.
+
+The ports come from below the kernel's ephemeral range (`ip_local_port_range`), not from bind(("", 0)): a port the
+kernel handed out that way and we released can be taken as the local port of any outgoing connection (a scraper, a
+client, Envoy's upstream pool) before the server we meant it for binds it, which failed a model server's start with
+EADDRINUSE in a test run while other processes were busy connecting. connect() never picks a port below that range.
+"""
 
 from __future__ import annotations
 
+import random
 import socket
+
+LOWEST_PORT = 10_000  # above the well-known and registered ports services on a developer's machine tend to hold
+MAX_TRIES = 1_000
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32_768  # Linux's default; other systems start theirs higher (49152)
+
+
+def _bindable(ports: range, held: list[socket.socket]) -> bool:
+    """Bind every port of `ports` (appending the sockets to `held`); False, with none of them held, if one is taken."""
+    start = len(held)
+    try:
+        for port in ports:
+            s = socket.socket()
+            held.append(s)
+            s.bind(("127.0.0.1", port))
+        return True
+    except OSError:
+        for s in held[start:]:
+            s.close()
+        del held[start:]
+        return False
+
+
+def _blocks(count: int, size: int) -> list[int]:
+    """`count` distinct starts of `size` consecutive free ports, the blocks held open together while chosen."""
+    high = _ephemeral_low() - size
+    held: list[socket.socket] = []
+    starts: list[int] = []
+    try:
+        for _ in range(MAX_TRIES):
+            if len(starts) == count:
+                return starts
+            if high <= LOWEST_PORT:  # no room below the ephemeral range: let the kernel choose
+                s = socket.socket()
+                held.append(s)
+                s.bind(("127.0.0.1", 0))
+                base = s.getsockname()[1]
+                if size == 1 or _bindable(range(base + 1, base + size), held):
+                    starts.append(base)
+                continue
+            base = random.randrange(LOWEST_PORT, high)
+            if _bindable(range(base, base + size), held):
+                starts.append(base)
+        raise RuntimeError(f"no {count} free blocks of {size} ports")
+    finally:
+        for s in held:
+            s.close()
 
 
 def free_ports(count: int) -> list[int]:
-    """Distinct free TCP ports on 127.0.0.1 (held open together so they differ, then released)."""
-    sockets = []
-    try:
-        for _ in range(count):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            sockets.append(s)
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
+    """Distinct free TCP ports on 127.0.0.1."""
+    return _blocks(count, 1)
 
 
 def free_port_block(count: int) -> int:
     """The first of `count` consecutive free ports (model-server replicas listen on port .. port+count-1)."""
-    for _ in range(200):
-        (base,) = free_ports(1)
-        if base + count >= 65535:
-            continue
-        sockets = []
-        try:
-            for port in range(base, base + count):
-                s = socket.socket()
-                s.bind(("127.0.0.1", port))
-                sockets.append(s)
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in sockets:
-                s.close()
-    raise RuntimeError("no block of free ports")
+    return _blocks(1, count)[0]

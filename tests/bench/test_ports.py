@@ -1,0 +1,25 @@
+"""Free ports come from below the ephemeral range, so no outgoing connection can take one before its server binds."""
+
+import socket
+
+from epp.bench.ports import _ephemeral_low, free_port_block, free_ports
+
+
+def test_free_ports_are_distinct_bindable_and_below_the_ephemeral_range():
+    ports = free_ports(12)
+    assert len(set(ports)) == 12
+    assert all(p < _ephemeral_low() for p in ports)
+    for port in ports:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+
+
+def test_a_port_block_is_consecutive_and_skips_a_taken_port():
+    base = free_port_block(4)
+    assert base + 4 <= _ephemeral_low()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", base + 2))
+        taken.listen()
+        for _ in range(20):  # never a block that holds the taken port
+            other = free_port_block(4)
+            assert not other <= base + 2 < other + 4
