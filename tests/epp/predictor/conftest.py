@@ -1,8 +1,19 @@
 """A pool-shaped synthetic latency model: TTFT and TPOT as the sim's step-time model would give them."""
 
+import itertools
 import random
 
-from epp.predictor import Features
+import pytest
+
+from epp.predictor import Features, shared
+
+_pools = itertools.count()
+
+
+@pytest.fixture
+def pool():
+    """A fresh shared predictor per test (the registry is process-wide)."""
+    return f"test-pool-{next(_pools)}"
 
 
 def true_ttft(f: Features) -> float:
@@ -32,3 +43,10 @@ def train(predictor, count: int = 300, noise: float = 0.03, seed: int = 0) -> No
     for _ in range(count):
         f = random_features(rng)
         predictor.observe(f, true_ttft(f) * (1 + noise * rng.gauss(0, 1)), true_tpot(f) * (1 + noise * rng.gauss(0, 1)))
+
+
+def trained(pool: str) -> None:
+    """The pool's shared predictor, past its cold start on the synthetic model."""
+    predictor = shared(pool).predictor
+    predictor.min_observations = 50
+    train(predictor)

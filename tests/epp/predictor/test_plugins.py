@@ -1,7 +1,5 @@
 """predicted-latency-scorer and slo-headroom-filter over a trained predictor (synthetic pool: conftest.true_ttft)."""
 
-import itertools
-
 import pytest
 
 from epp.predictor import shared
@@ -11,21 +9,7 @@ from epp.scheduling.plugins.predicted_latency_scorer import ROUTED_FEATURES
 from epp.scheduling.scheduler import Scheduler
 from epp.scheduling.types import CycleState, ResponseInfo, SchedulingRequest
 from tests.epp.helpers import endpoint
-from tests.epp.predictor.conftest import train
-
-_pools = itertools.count()
-
-
-@pytest.fixture
-def pool():
-    """A fresh shared predictor per test (the registry is process-wide)."""
-    return f"test-pool-{next(_pools)}"
-
-
-def trained(pool: str) -> None:
-    predictor = shared(pool).predictor
-    predictor.min_observations = 50
-    train(predictor)
+from tests.epp.predictor.conftest import train, trained
 
 
 def req(prompt_tokens=1000, headers=None, max_tokens=None, model="m"):

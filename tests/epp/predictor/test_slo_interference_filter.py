@@ -10,21 +10,10 @@ from epp.scheduling.framework import build_plugin
 from epp.scheduling.scheduler import Scheduler
 from epp.scheduling.types import CycleState, ResponseInfo, SchedulingRequest, SchedulingResult
 from tests.epp.helpers import endpoint
-from tests.epp.predictor.conftest import train
+from tests.epp.predictor.conftest import trained
 
 _pools = itertools.count()
 CHAT = {"x-slo-ttft-ms": "300", "x-slo-tpot-ms": "30"}
-
-
-@pytest.fixture
-def pool():
-    return f"interference-pool-{next(_pools)}"
-
-
-def trained(pool: str) -> None:
-    predictor = shared(pool).predictor
-    predictor.min_observations = 50
-    train(predictor)
 
 
 def req(prompt_tokens, headers=None, max_tokens=None):
