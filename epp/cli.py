@@ -46,6 +46,11 @@ log = logging.getLogger("epp")
 # less often until a request arrives (epp/datalayer/scraper.py): any traffic keeps the busy interval, so routing
 # under load reads pages as fresh as before, and an idle EPP scrapes 5x less (`epp-bench idle`).
 IDLE_INTERVAL_FACTOR = 5
+# How long a thread that runs Python (a long prompt's tokenizing and block hashing in a worker, the KV-event
+# subscriber) keeps the GIL before the event loop that answers Envoy gets it back; CPython's default is 5 ms, and a
+# wake-up of the loop behind such a thread could wait that long. Heterogeneous workload, 16 req/s on 8 sims, 4 pairs:
+# Envoy's arrival-to-upstream-send, medians, 16.9 -> 14.8 ms for 200-token prompts, 54.9 -> 49.7 ms for 6,000-token ones.
+GIL_SWITCH_INTERVAL_SECONDS = 0.0005
 
 
 def duration(text: str) -> float:
@@ -310,6 +315,7 @@ def main(argv: list[str] | None = None) -> None:
             loop.add_signal_handler(sig, stop.set)
         await serve(args, stop)
 
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_SECONDS)
     try:
         with contextlib.suppress(KeyboardInterrupt):
             uvloop.run(run())  # less per-callback overhead than asyncio's loop on the ext_proc path
