@@ -225,10 +225,13 @@ class LatencyPredictor:
                 waiting = running = in_flight
                 kv, adapter_missing = 0.0, missing
             else:
-                waiting, running = m.waiting, m.running
-                unseen_waiting, unseen_running = in_flight - running, in_flight - waiting
+                running, finished = m.running, e.in_flight_at_scrape - in_flight
+                waiting = m.waiting - finished if finished > 0 else m.waiting
+                unseen_waiting, unseen_running = in_flight - running, in_flight - m.waiting
                 if unseen_waiting > waiting:
                     waiting = unseen_waiting
+                if waiting < 0:
+                    waiting = 0
                 if unseen_running > running:
                     running = unseen_running
                 kv = m.kv_usage

@@ -111,6 +111,8 @@ def test_predict_endpoints_matches_one_at_a_time_predictions():
         )
         for i in range(6)
     ]
+    for e in endpoints[4:]:  # more of this EPP's requests finished since the scrape than it routed there
+        e.in_flight_at_scrape = e.in_flight_requests + 2
     cached = [0, 100, 3000, 0, 50, 10_000]
     predictor.routed(endpoints[1], 5000, 0, None, now=10.0)  # a prefill backlog on one of them
     batch = predictor.predict_endpoints(endpoints, 2000, cached, "a", now=10.1)
