@@ -107,10 +107,11 @@ PREDICTED_POOL = "decision-time"  # the shared predictor (epp.predictor.shared) 
 
 def predictor_config(pool: str = "default") -> str:
     """The default profile with the latency predictor: slo-headroom-filter (it passes every endpoint for a request
-    without objectives), slo-interference-filter (it keeps a prefill off the endpoints where it would push requests
-    decoding there past their TPOT objectives), then predicted-latency-filter (it drops the endpoints predicted slower than the fastest by
-    more than the predictor's own error), then the default scorers among what is left; no weight of its own. Both
-    read the shared predictor `pool`, which the filter trains from the responses the EPP sees streamed."""
+    without objectives), slo-interference-filter (it keeps a prefill off the endpoints where it would push the
+    requests in flight there past their TTFT / TPOT objectives), then predicted-latency-filter (it drops the
+    endpoints predicted slower than the fastest by more than the predictor's own error), then the default scorers
+    among what is left; no weight of its own. All three read the shared predictor `pool`, which
+    predicted-latency-filter trains from the responses the EPP sees streamed."""
     params = f"  parameters: {{pool: {pool}}}\n"
     filters = ("slo-headroom-filter", "slo-interference-filter", "predicted-latency-filter")
     return DEFAULT_CONFIG.replace(
