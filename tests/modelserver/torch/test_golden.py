@@ -1,5 +1,6 @@
 """Golden tests: our engine + torch executor produce Hugging Face transformers' greedy tokens, token for token —
-single and batched, with prefix-cache hits, chunked prefill, preemption, and LoRA (against merged weights)."""
+single and batched, with prefix-cache hits, chunked prefill, preemption, and LoRA (against merged weights). Both in
+float32, on the CPU and, where one is present, on a CUDA device (the reference runs on the same device)."""
 
 import asyncio
 import json
@@ -29,6 +30,17 @@ PROMPTS = [
 NEW_TOKENS = 10
 
 
+@pytest.fixture(
+    scope="module",
+    params=[
+        "cpu",
+        pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")),
+    ],
+)
+def device(request) -> torch.device:
+    return torch.device(request.param)
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("tiny"), lora_names=["sql"], seed=3)
@@ -39,7 +51,7 @@ def tokenizer(tiny):
     return load_tokenizer(tiny)
 
 
-def hf_greedy(model_dir, prompt_ids, lora_dir=None) -> list[int]:
+def hf_greedy(model_dir, prompt_ids, device, lora_dir=None) -> list[int]:
     model = transformers.LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     if lora_dir is not None:  # the reference for an adapter: merged weights W + scale * B @ A
         config = json.loads((lora_dir / "adapter_config.json").read_text())
@@ -51,16 +63,21 @@ def hf_greedy(model_dir, prompt_ids, lora_dir=None) -> list[int]:
                 target = key.replace("base_model.model.", "").replace(".lora_A.weight", ".weight")
                 state[target] += scale * (b @ a)
         model.load_state_dict(state)
+    model.to(device)
     with torch.no_grad():
         out = model.generate(
-            torch.tensor([prompt_ids]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0
+            torch.tensor([prompt_ids], device=device),
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
         )
     return out[0, len(prompt_ids) :].tolist()
 
 
-async def run_engine(model_dir, prompts, loras=None, **config):
+async def run_engine(model_dir, prompts, device, loras=None, **config):
     cfg = EngineConfig(**{"num_gpu_blocks": 256, "block_size": 16, "enable_lora": True, "max_loras": 2, **config})
-    model = load_model(model_dir, cfg.max_loras, cfg.max_lora_rank, torch.device("cpu"), torch.float32)
+    model = load_model(model_dir, cfg.max_loras, cfg.max_lora_rank, device, torch.float32)
     executor = TorchExecutor(model, cfg.block_size, cfg.num_gpu_blocks, eos_token_id=None)
     engine = AsyncEngine(
         cfg,
@@ -86,22 +103,22 @@ async def run_engine(model_dir, prompts, loras=None, **config):
         await engine.stop()
 
 
-def test_single_and_batched_match_transformers(tiny, tokenizer):
+def test_single_and_batched_match_transformers(tiny, tokenizer, device):
     prompts = [tokenizer.encode(p) for p in PROMPTS]
-    expected = [hf_greedy(tiny, ids) for ids in prompts]
-    (single,), _, _ = asyncio.run(run_engine(tiny, prompts[:1]))
+    expected = [hf_greedy(tiny, ids, device) for ids in prompts]
+    (single,), _, _ = asyncio.run(run_engine(tiny, prompts[:1], device))
     assert single[0] == expected[0]
-    batched, _, _ = asyncio.run(run_engine(tiny, prompts))
+    batched, _, _ = asyncio.run(run_engine(tiny, prompts, device))
     assert [tokens for tokens, _ in batched] == expected
 
 
-def test_prefix_cache_hits_skip_compute_and_match(tiny, tokenizer):
+def test_prefix_cache_hits_skip_compute_and_match(tiny, tokenizer, device):
     ids = tokenizer.encode(PROMPTS[3] * 2)
-    expected = hf_greedy(tiny, ids)
+    expected = hf_greedy(tiny, ids, device)
 
     async def twice():
         cfg = EngineConfig(num_gpu_blocks=128, block_size=16)
-        model = load_model(tiny, 1, 16, torch.device("cpu"), torch.float32)
+        model = load_model(tiny, 1, 16, device, torch.float32)
         executor = TorchExecutor(model, 16, 128, eos_token_id=None)
         engine = AsyncEngine(cfg, executor, model_name="tiny")
         await engine.start()
@@ -125,17 +142,17 @@ def test_prefix_cache_hits_skip_compute_and_match(tiny, tokenizer):
     assert warm_work == cold_work - warm_cached  # exactly the cached tokens were not computed again
 
 
-def test_chunked_prefill_matches(tiny, tokenizer):
+def test_chunked_prefill_matches(tiny, tokenizer, device):
     prompts = [tokenizer.encode(p) for p in PROMPTS[:2]]
-    expected = [hf_greedy(tiny, ids) for ids in prompts]
-    results, _, _ = asyncio.run(run_engine(tiny, prompts, max_num_batched_tokens=7))
+    expected = [hf_greedy(tiny, ids, device) for ids in prompts]
+    results, _, _ = asyncio.run(run_engine(tiny, prompts, device, max_num_batched_tokens=7))
     assert [tokens for tokens, _ in results] == expected
 
 
-def test_preemption_recompute_matches(tiny, tokenizer):
+def test_preemption_recompute_matches(tiny, tokenizer, device):
     prompts = [tokenizer.encode(p) for p in PROMPTS]
-    expected = [hf_greedy(tiny, ids) for ids in prompts]
-    results, engine, _ = asyncio.run(run_engine(tiny, prompts, num_gpu_blocks=14, block_size=4))
+    expected = [hf_greedy(tiny, ids, device) for ids in prompts]
+    results, engine, _ = asyncio.run(run_engine(tiny, prompts, device, num_gpu_blocks=14, block_size=4))
     preemptions = prometheus_logger(engine.stat_loggers).registry.get_sample_value(
         "vllm:num_preemptions_total", {"model_name": "tiny", "engine": "0"}
     )
@@ -143,24 +160,24 @@ def test_preemption_recompute_matches(tiny, tokenizer):
     assert [tokens for tokens, _ in results] == expected
 
 
-def test_lora_matches_merged_weights_in_a_mixed_batch(tiny, tokenizer):
+def test_lora_matches_merged_weights_in_a_mixed_batch(tiny, tokenizer, device):
     prompts = [tokenizer.encode(p) for p in PROMPTS[:3]]
     lora_dir = tiny / "loras" / "sql"
     expected = [
-        hf_greedy(tiny, prompts[0], lora_dir),
-        hf_greedy(tiny, prompts[1]),
-        hf_greedy(tiny, prompts[2], lora_dir),
+        hf_greedy(tiny, prompts[0], device, lora_dir),
+        hf_greedy(tiny, prompts[1], device),
+        hf_greedy(tiny, prompts[2], device, lora_dir),
     ]
-    assert expected[0] != hf_greedy(tiny, prompts[0])  # the adapter changes the output
-    results, _, _ = asyncio.run(run_engine(tiny, prompts, loras={0: "sql", 2: "sql"}))
+    assert expected[0] != hf_greedy(tiny, prompts[0], device)  # the adapter changes the output
+    results, _, _ = asyncio.run(run_engine(tiny, prompts, device, loras={0: "sql", 2: "sql"}))
     assert [tokens for tokens, _ in results] == expected
 
 
-def test_seeded_sampling_is_reproducible(tiny, tokenizer):
+def test_seeded_sampling_is_reproducible(device):
     from modelserver.engine.executor import ScheduledSequence
     from modelserver.torch.sampler import sample
 
-    logits = torch.randn(2, 50)
+    logits = torch.randn(2, 50, device=device)
     seqs = [
         ScheduledSequence("a", [1], 0, 1, [0], True, SamplingParams(temperature=0.9, top_p=0.8, top_k=20, seed=5), 0, 3)
         for _ in range(2)
