@@ -187,18 +187,17 @@ def missed_objectives(headers: dict[str, str], outcome: Outcome) -> str | None:
     return "+".join(missed)
 
 
-def met_slo(headers: dict[str, str], outcome: Outcome) -> bool | None:
-    """Whether a request met the objectives its headers state; None when it states none."""
+def judged(headers: dict[str, str], outcome: Outcome, kind: str = "") -> Outcome:
+    """The outcome with its class and its verdict against the objectives its headers state: met_slo (None when it
+    states none) and which it missed."""
     missed = missed_objectives(headers, outcome)
-    return None if missed is None else not missed
+    return outcome._replace(met_slo=None if missed is None else not missed, kind=kind, missed=missed or "")
 
 
 async def _one(
     session: aiohttp.ClientSession, url: str, body: dict, headers: dict[str, str], kind: str = ""
 ) -> Outcome:
-    outcome = await _send(session, url, body, headers)
-    missed = missed_objectives(headers, outcome)
-    return outcome._replace(met_slo=None if missed is None else not missed, kind=kind, missed=missed or "")
+    return judged(headers, await _send(session, url, body, headers), kind)
 
 
 async def _send(session: aiohttp.ClientSession, url: str, body: dict, headers: dict[str, str]) -> Outcome:

@@ -67,7 +67,7 @@ def test_workloads_are_seeded_and_shaped():
 
 
 def test_slo_workload_states_each_requests_objectives_and_goodput_counts_who_met_them():
-    from epp.bench.compare import Outcome, TargetResult, _from_outcomes, markdown, met_slo, missed_objectives
+    from epp.bench.compare import Outcome, TargetResult, _from_outcomes, judged, markdown, missed_objectives
     from epp.bench.workloads import load_workload, requests
 
     stream = requests(load_workload("slo-mixed"), "m", rate=20, duration=10, seed=3)
@@ -78,14 +78,15 @@ def test_slo_workload_states_each_requests_objectives_and_goodput_counts_who_met
         )
     assert by_objective == {("300", "50"): {64}, ("2000", "100"): {256}}
     chat = {"x-slo-ttft-ms": "300", "x-slo-tpot-ms": "50"}
-    assert met_slo(chat, Outcome(200, ttft=0.29, itl=0.049, output_tokens=64)) is True
-    assert met_slo(chat, Outcome(200, ttft=0.31, itl=0.01, output_tokens=64)) is False
-    assert met_slo(chat, Outcome(200, ttft=0.1, itl=0.051, output_tokens=64)) is False
-    assert met_slo(chat, Outcome(429)) is False
-    assert met_slo({}, Outcome(200, ttft=9.0)) is None
+    assert judged(chat, Outcome(200, ttft=0.29, itl=0.049, output_tokens=64)).met_slo is True
+    assert judged(chat, Outcome(200, ttft=0.31, itl=0.01, output_tokens=64)).met_slo is False
+    assert judged(chat, Outcome(200, ttft=0.1, itl=0.051, output_tokens=64)).met_slo is False
+    assert judged(chat, Outcome(429)).met_slo is False
+    assert judged({}, Outcome(200, ttft=9.0)).met_slo is None
     assert missed_objectives(chat, Outcome(200, ttft=0.31, itl=0.051, output_tokens=64)) == "ttft+tpot"
     assert missed_objectives(chat, Outcome(200, ttft=0.1, itl=0.051, output_tokens=64)) == "tpot"
     assert missed_objectives(chat, Outcome(503)) == "error"
+    assert judged(chat, Outcome(200, ttft=0.1, itl=0.051, output_tokens=64), "chat")[-2:] == ("chat", "tpot")
     by_class = TargetResult("by-class", 1.0)
     met = Outcome(200, 0.1, met_slo=True, kind="a")
     late = Outcome(200, 0.4, met_slo=False, kind="a", missed="ttft")
