@@ -9,9 +9,9 @@ import logging
 import torch
 
 from modelserver.engine.config import EngineConfig
-from modelserver.engine.executor import ScheduledBatch, StepOutput, load_loras
+from modelserver.engine.executor import ScheduledBatch, ScheduledSequence, StepOutput, load_loras
 from modelserver.torch.loader import load_lora_into_slot, load_model
-from modelserver.torch.model import StepInput, Transformer
+from modelserver.torch.model import AttentionGroup, StepInput, Transformer
 from modelserver.torch.sampler import sample
 
 log = logging.getLogger("modelserver.torch")
@@ -79,42 +79,57 @@ class TorchExecutor:
 
     def step(self, batch: ScheduledBatch) -> StepOutput:
         failed = load_loras(self, batch.new_lora_loads) if batch.new_lora_loads else {}
-        ids, positions, slots, loras = [], [], [], []
-        slices, contexts, starts, sample_rows, samplers = [], [], [], [], []
-        bs = self.block_size
-        for seq in batch.sequences:
-            begin = len(ids)
-            end_pos = seq.start + seq.num_new_tokens
-            table = torch.tensor(seq.block_table, dtype=torch.long)
-            context = torch.arange(end_pos)
-            context_slots = table[context // bs] * bs + context % bs
-            ids += seq.token_ids[seq.start : end_pos]
-            positions.append(torch.arange(seq.start, end_pos))
-            slots.append(context_slots[seq.start :])
-            loras += [seq.lora_slot] * seq.num_new_tokens
-            slices.append((begin, len(ids)))
-            contexts.append(context_slots.to(self.device))
-            starts.append(seq.start)
-            if seq.samples:
-                sample_rows.append(len(ids) - 1)
-                samplers.append(seq)
-        device = self.device
-        step = StepInput(
-            input_ids=torch.tensor(ids, dtype=torch.long, device=device),
-            positions=torch.cat(positions).to(device),
-            slot_mapping=torch.cat(slots).to(device),
-            lora_slots=torch.tensor(loras, dtype=torch.long, device=device),
-            seq_slices=slices,
-            seq_context_slots=contexts,
-            seq_starts=starts,
-            sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=device),
-        )
-        self.tokens_computed += len(ids)
+        step = self.prepare(batch.sequences)
+        self.tokens_computed += step.input_ids.shape[0]
         logits = self.model(step, self.kv_caches)
+        samplers = [seq for seq in batch.sequences if seq.samples]
         tokens, logprobs = sample(logits, samplers) if samplers else ([], [])
         picked, lps = iter(tokens), iter(logprobs)
         out = [(next(picked), next(lps)) if seq.samples else (None, None) for seq in batch.sequences]
         return StepOutput([t for t, _ in out], [lp for _, lp in out] if any(logprobs) else None, failed)
+
+    def prepare(self, sequences: list[ScheduledSequence]) -> StepInput:
+        """The step's tensors, built here once rather than in every layer."""
+        ids, positions, slots, sample_rows = [], [], [], []
+        lora_rows: dict[int, list[int]] = {}
+        decodes, prefills = [], []  # (first flat token, sequence)
+        bs = self.block_size
+        for seq in sequences:
+            begin, end_pos, table = len(ids), seq.start + seq.num_new_tokens, seq.block_table
+            ids += seq.token_ids[seq.start : end_pos]
+            positions += range(seq.start, end_pos)
+            slots += [table[pos // bs] * bs + pos % bs for pos in range(seq.start, end_pos)]
+            if seq.lora_slot:
+                lora_rows.setdefault(seq.lora_slot, []).extend(range(begin, len(ids)))
+            # one token per sequence attends unpadded; a prefill chunk padded to the decodes' single query would
+            # multiply their attention work by its length, so the chunks form a group of their own
+            (decodes if seq.num_new_tokens == 1 else prefills).append((begin, seq))
+            if seq.samples:
+                sample_rows.append(len(ids) - 1)
+        device, c = self.device, self.model.config
+        dtype = next(self.model.parameters()).dtype
+        attention = [
+            AttentionGroup.build(
+                [begin for begin, _ in group],
+                [seq.start for _, seq in group],
+                [seq.num_new_tokens for _, seq in group],
+                [seq.block_table for _, seq in group],
+                bs,
+                c.num_attention_heads // c.num_key_value_heads,
+                dtype,
+                device,
+            )
+            for group in (decodes, prefills)
+            if group
+        ]
+        return StepInput(
+            input_ids=torch.tensor(ids, dtype=torch.long, device=device),
+            positions=torch.tensor(positions, dtype=torch.long, device=device),
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+            lora_rows=[(slot, torch.tensor(rows, device=device)) for slot, rows in lora_rows.items()],
+            attention=attention,
+            sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=device),
+        )
 
     async def close(self) -> None:
         self.kv_caches = []

@@ -1,9 +1,11 @@
 """A decoder-only transformer (Llama / Qwen2 family) that reads and writes K/V in the engine's paged KV cache.
 
 One step runs the new tokens of every scheduled sequence, flattened: prefill chunks and decodes together. New K/V
-are written at each token's slot (block_table[pos // block_size] * block_size + pos % block_size); each sequence
-then attends over its gathered blocks with scaled_dot_product_attention and a causal mask offset by the tokens
-already cached, so a prefix-cache hit skips those tokens' compute entirely. Projections carry stacked LoRA slots
+are written at each token's slot (block_table[pos // block_size] * block_size + pos % block_size). Attention then
+runs once per layer for a whole group of sequences (the decodes; the prefill chunks), not once per sequence: the
+group's queries and its gathered context K/V are padded to its longest chunk and context, and one mask, built once
+per step, keeps each query to its own sequence's keys up to its position (a causal mask offset by the tokens
+already cached, so a prefix-cache hit skips those tokens' compute entirely). Projections carry stacked LoRA slots
 applied per token (shrink to rank r, then expand), so requests of different adapters share one pass.
 """
 
@@ -57,16 +59,55 @@ class ModelConfig:
 
 
 @dataclass
+class AttentionGroup:
+    """Sequences whose attention is one scaled_dot_product_attention call per layer: S sequences, each's new tokens
+    padded to the longest chunk N, over each's context (cached and new tokens) padded to the longest context C."""
+
+    query_rows: torch.Tensor  # [S, N] flat token of each query (padding repeats the sequence's first token)
+    token_rows: torch.Tensor  # [n] flat index of each real query
+    padded_rows: torch.Tensor  # [n] where that query sits among the S * N padded ones
+    context_slots: torch.Tensor  # [S, C] cache slot of each key position (padding: slot 0, masked out)
+    # [S, 1, G * N, C] additive, 0 where the query sees the key, -inf elsewhere; its rows are ordered (query head
+    # within a KV head's group of G, token), as Attention.attend lays out the queries
+    mask: torch.Tensor
+
+    @classmethod
+    def build(cls, first_rows, starts, lengths, block_tables, block_size, heads_per_kv, dtype, device):
+        """Per sequence: its first flat token, the position of that token, its number of new tokens, its blocks."""
+        first, start, new = torch.tensor(first_rows), torch.tensor(starts), torch.tensor(lengths)
+        end = start + new
+        # a multiple of 8 keys: CUDA's memory-efficient kernel otherwise pads a copy of the mask in every layer
+        max_new, max_context = int(new.max()), -(-int(end.max()) // 8) * 8
+        blocks = -(-max_context // block_size)
+        tables = torch.tensor([t[:blocks] + [0] * (blocks - len(t[:blocks])) for t in block_tables])
+        context_slots = (tables[:, :, None] * block_size + torch.arange(block_size)).flatten(1)[:, :max_context]
+        i = torch.arange(max_new)
+        real = i < new[:, None]  # [S, N]
+        query_rows = first[:, None] + torch.where(real, i, 0)
+        # query i of a sequence sits at position start + i and sees keys 0 .. start + i of its own context; a
+        # padding query (i >= new) sees the whole context, so that no row of the softmax is empty
+        key = torch.arange(max_context)
+        sees = (key <= (start[:, None] + i)[:, :, None]) & (key < end[:, None, None])  # [S, N, C]
+        mask = torch.zeros(sees.shape, dtype=dtype).masked_fill_(~sees, float("-inf"))
+        return cls(
+            query_rows=query_rows.to(device),
+            token_rows=query_rows[real].to(device),
+            padded_rows=real.flatten().nonzero().squeeze(1).to(device),
+            context_slots=context_slots.to(device),
+            mask=mask.repeat(1, heads_per_kv, 1).unsqueeze(1).to(device),
+        )
+
+
+@dataclass
 class StepInput:
-    """One step's flattened tokens and, per sequence, what to attend over."""
+    """One step's flattened tokens, its adapters' tokens and its attention groups: every tensor the layers share,
+    built once per step."""
 
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     slot_mapping: torch.Tensor  # [T] flat cache slots to write
-    lora_slots: torch.Tensor  # [T] LoRA slot per token (0 = none)
-    seq_slices: list[tuple[int, int]]  # per sequence: [begin, end) in the flat tokens
-    seq_context_slots: list[torch.Tensor]  # per sequence: flat cache slots of positions [0, context_len)
-    seq_starts: list[int]  # per sequence: position of its first new token
+    lora_rows: list[tuple[int, torch.Tensor]]  # per adapter slot in use (not 0): the flat indices of its tokens
+    attention: list[AttentionGroup]  # together they cover every flat token once
     sample_rows: torch.Tensor  # flat token index of the last token of each sequence that samples
 
 
@@ -93,10 +134,9 @@ class LoRALinear(nn.Module):
         self.lora_b = nn.Parameter(torch.zeros(max_loras + 1, out_features, max_rank), requires_grad=False)
         self.scaling = nn.Parameter(torch.zeros(max_loras + 1), requires_grad=False)
 
-    def forward(self, x: torch.Tensor, slots: torch.Tensor, active: list[int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora_rows: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
         y = self.base(x)
-        for slot in active:  # shrink then expand, one group of tokens per adapter slot
-            rows = (slots == slot).nonzero(as_tuple=True)[0]
+        for slot, rows in lora_rows:  # shrink then expand, one group of tokens per adapter slot
             shrunk = x[rows] @ self.lora_a[slot].T
             y.index_add_(0, rows, (shrunk @ self.lora_b[slot].T) * self.scaling[slot])
         return y
@@ -129,11 +169,11 @@ class Attention(nn.Module):
         self.v_proj = LoRALinear(c.hidden_size, self.kv_heads * self.head_dim, b, max_loras, max_rank)
         self.o_proj = LoRALinear(self.heads * self.head_dim, c.hidden_size, False, max_loras, max_rank)
 
-    def forward(self, x, cos, sin, step: StepInput, active, k_cache, v_cache) -> torch.Tensor:
+    def forward(self, x, cos, sin, step: StepInput, k_cache, v_cache) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x, step.lora_slots, active).view(t, self.heads, self.head_dim)
-        k = self.k_proj(x, step.lora_slots, active).view(t, self.kv_heads, self.head_dim)
-        v = self.v_proj(x, step.lora_slots, active).view(t, self.kv_heads, self.head_dim)
+        q = self.q_proj(x, step.lora_rows).view(t, self.heads, self.head_dim)
+        k = self.k_proj(x, step.lora_rows).view(t, self.kv_heads, self.head_dim)
+        v = self.v_proj(x, step.lora_rows).view(t, self.kv_heads, self.head_dim)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         flat_k = k_cache.view(-1, self.kv_heads, self.head_dim)
@@ -141,18 +181,23 @@ class Attention(nn.Module):
         flat_k[step.slot_mapping] = k.to(flat_k.dtype)
         flat_v[step.slot_mapping] = v.to(flat_v.dtype)
         out = torch.empty_like(q)
-        for (begin, end), context, start in zip(step.seq_slices, step.seq_context_slots, step.seq_starts, strict=True):
-            keys = flat_k[context].to(q.dtype).transpose(0, 1)  # [kv_heads, ctx, d]
-            values = flat_v[context].to(q.dtype).transpose(0, 1)
-            queries = q[begin:end].transpose(0, 1)  # [heads, n, d]
-            n, ctx = end - begin, context.shape[0]
-            # query i sits at position start + i and sees keys 0 .. start + i
-            mask = torch.arange(ctx, device=x.device)[None, :] <= (start + torch.arange(n, device=x.device))[:, None]
-            attended = F.scaled_dot_product_attention(
-                queries, keys, values, attn_mask=mask, enable_gqa=self.heads != self.kv_heads
-            )
-            out[begin:end] = attended.transpose(0, 1)
-        return self.o_proj(out.reshape(t, -1), step.lora_slots, active)
+        for group in step.attention:
+            out[group.token_rows] = self.attend(q, flat_k, flat_v, group)
+        return self.o_proj(out.view(t, -1), step.lora_rows)
+
+    def attend(self, q, flat_k, flat_v, group: AttentionGroup) -> torch.Tensor:
+        """The group's attention output [n, heads, head_dim], in the order of group.token_rows."""
+        (s, n), d, kv = group.query_rows.shape, self.head_dim, self.kv_heads
+        per_kv = self.heads // kv
+        # the query heads that share a KV head become more query rows of that head (queries [S, kv, G * N, d]):
+        # head counts then match without enable_gqa, which CUDA's kernels that take a mask (memory-efficient) and
+        # the CPU's flash kernel refuse, and each KV head is read once for its G query heads
+        queries = q[group.query_rows].view(s, n, kv, per_kv, d).permute(0, 2, 3, 1, 4).reshape(s, kv, per_kv * n, d)
+        keys = flat_k[group.context_slots].to(q.dtype).transpose(1, 2)  # [S, kv, C, d]
+        values = flat_v[group.context_slots].to(q.dtype).transpose(1, 2)
+        attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=group.mask)
+        attended = attended.view(s, kv, per_kv, n, d).permute(0, 3, 1, 2, 4).reshape(s * n, self.heads, d)
+        return attended[group.padded_rows]
 
 
 class MLP(nn.Module):
@@ -162,8 +207,8 @@ class MLP(nn.Module):
         self.up_proj = LoRALinear(c.hidden_size, c.intermediate_size, False, max_loras, max_rank)
         self.down_proj = LoRALinear(c.intermediate_size, c.hidden_size, False, max_loras, max_rank)
 
-    def forward(self, x, slots, active) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x, slots, active)) * self.up_proj(x, slots, active), slots, active)
+    def forward(self, x, lora_rows) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x, lora_rows)) * self.up_proj(x, lora_rows), lora_rows)
 
 
 class DecoderLayer(nn.Module):
@@ -174,9 +219,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
-    def forward(self, x, cos, sin, step, active, k_cache, v_cache) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, step, active, k_cache, v_cache)
-        return x + self.mlp(self.post_attention_layernorm(x), step.lora_slots, active)
+    def forward(self, x, cos, sin, step, k_cache, v_cache) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, step, k_cache, v_cache)
+        return x + self.mlp(self.post_attention_layernorm(x), step.lora_rows)
 
 
 class Transformer(nn.Module):
@@ -212,8 +257,7 @@ class Transformer(nn.Module):
         freqs = step.positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos().to(x.dtype)[:, None, :], emb.sin().to(x.dtype)[:, None, :]
-        active = [s for s in step.lora_slots.unique().tolist() if s != 0]
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, step, active, k_cache, v_cache)
+            x = layer(x, cos, sin, step, k_cache, v_cache)
         x = self.norm(x[step.sample_rows])
         return self.lm_head(x).float()

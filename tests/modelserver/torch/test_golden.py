@@ -189,3 +189,24 @@ def test_seeded_sampling_is_reproducible(device):
     (token,), (logprobs,) = sample(logits[:1], wants)
     assert token in logprobs and len(logprobs) == 3
     assert logprobs[token] == pytest.approx(float(torch.log_softmax(logits[0], -1).max()))
+
+
+def test_decodes_and_prefill_chunks_of_different_lengths_in_one_step_match(tiny, tokenizer, device, monkeypatch):
+    prompts = [tokenizer.encode(p) for p in (PROMPTS[1], PROMPTS[3] * 6, PROMPTS[0], PROMPTS[2])]
+    expected = [hf_greedy(tiny, ids, device) for ids in prompts]
+    steps, step = [], TorchExecutor.step
+
+    def recording_step(self, batch):
+        steps.append([(seq.start, seq.num_new_tokens) for seq in batch.sequences])
+        return step(self, batch)
+
+    monkeypatch.setattr(TorchExecutor, "step", recording_step)
+    results, _, _ = asyncio.run(run_engine(tiny, prompts, device, max_num_batched_tokens=24))
+    assert [tokens for tokens, _ in results] == expected
+    # the attention groups pad: some step holds a decode and prefill chunks of different lengths, one of them
+    # continuing its prompt (after tokens computed in earlier steps); some holds decodes of different contexts
+    assert any(
+        any(n == 1 for _, n in s) and len({n for _, n in s if n > 1}) >= 2 and any(b > 0 for b, n in s if n > 1)
+        for s in steps
+    )
+    assert any(len({b for b, n in s if n == 1}) >= 2 for s in steps)
