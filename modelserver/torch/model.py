@@ -16,6 +16,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+# The kernels scaled_dot_product_attention may choose, cuDNN attention left out: on an H200 (torch 2.11, cuDNN 9.19)
+# SDPA preferred it for these masked calls, and a 1B-shaped decode step took 19.8 ms at batch 32 (14.5 ms at batch 1)
+# against 14.7 ms (11.5 ms) with the memory-efficient kernel chosen otherwise. Flash stays: the CPU's fused kernel (on
+# CUDA it takes no mask, so it never runs here).
+SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 @dataclass
@@ -257,7 +264,8 @@ class Transformer(nn.Module):
         freqs = step.positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos().to(x.dtype)[:, None, :], emb.sin().to(x.dtype)[:, None, :]
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, step, k_cache, v_cache)
+        with sdpa_kernel(SDPA_BACKENDS):
+            for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+                x = layer(x, cos, sin, step, k_cache, v_cache)
         x = self.norm(x[step.sample_rows])
         return self.lm_head(x).float()
