@@ -2,6 +2,7 @@
 
 epp-bench overhead [--servers 4] [--sequential 400] [--concurrency 32] [--requests 2000] [--ext-proc-transport h2|grpcio]
                    [--out DIR]
+epp-bench handler-cpu [--requests 4000] [--batch 16] [--rounds 9]
 """
 
 from __future__ import annotations
@@ -12,7 +13,18 @@ import json
 import sys
 from pathlib import Path
 
-from epp.bench import chaos, compare, decision, flood, idle, kv_events, overhead, sim_capacity, tokenize
+from epp.bench import (
+    chaos,
+    compare,
+    decision,
+    flood,
+    handler_cpu,
+    idle,
+    kv_events,
+    overhead,
+    sim_capacity,
+    tokenize,
+)
 from epp.bench.workloads import WORKLOADS
 
 
@@ -28,6 +40,10 @@ def main(argv: list[str] | None = None) -> None:
     over.add_argument("--requests", type=int, default=2000, help="requests per throughput run")
     over.add_argument("--ext-proc-transport", choices=["h2", "grpcio"], default="h2", help="the EPP's gRPC server")
     over.add_argument("--out", type=Path, default=None, help="directory for overhead.json and overhead.md")
+    cpu = sub.add_parser("handler-cpu", help="the EPP's CPU per request in process: transport, handler, scheduling")
+    cpu.add_argument("--requests", type=int, default=4000, help="requests per round")
+    cpu.add_argument("--batch", type=int, default=16, help="requests per read (1: one at a time)")
+    cpu.add_argument("--rounds", type=int, default=9, help="the least round is reported")
     capacity = sub.add_parser("sim-capacity", help="how many sim servers one core carries at a request rate")
     capacity.add_argument("--replicas", type=int, default=16)
     capacity.add_argument("--rates", type=float, nargs="+", default=[16.0, 32.0, 64.0])
@@ -156,6 +172,8 @@ def main(argv: list[str] | None = None) -> None:
         print(idle.markdown(idle.measure(args.endpoints, args.seconds, epp_args=args.epp_arg, busy=args.busy)))
     if args.command == "sim-capacity":
         sim_capacity.main(args.replicas, args.rates, args.duration)
+    if args.command == "handler-cpu":
+        print(handler_cpu.measure(args.requests, args.batch, args.rounds).markdown())
     if args.command == "overhead":
         result = asyncio.run(
             overhead.measure(
