@@ -1,8 +1,10 @@
 """`epp-bench tokenize`: what exact tokens cost the EPP (precise-prefix-cache-scorer's `prepare`) at 1k, 8k and 64k
 prompt tokens, with the sim's built-in tokenizer: a chat request rendered through the chat template, tokenized and
-its blocks hashed (vLLM's SHA-256 chain), three ways: cold (nothing cached), a new question on a cached context
-(the per-prefix caches hit), and the same prompt again. Also the event loop's longest stall while 64k-token prompts
-are prepared in a worker thread (the scheduler's path for long prompts), against preparing them on the loop."""
+its blocks hashed (vLLM's SHA-256 chain) as far as some server holds them, four ways: cold (nothing cached) when a
+server holds the whole prompt (all of it is read) and when no server holds it (read up to its first block), a new
+question on a context a server holds (the per-prefix caches hit), and the same prompt again. Also the event loop's
+longest stall while held 64k-token prompts are prepared in a worker thread (the scheduler's path for long prompts),
+against preparing them on the loop."""
 
 from __future__ import annotations
 
@@ -13,8 +15,9 @@ import time
 
 from epp.datalayer.kv_events import KVBlockIndex
 from epp.scheduling.framework import build_plugin
-from epp.scheduling.plugins.precise_prefix_cache_scorer import PROMPT_BLOCK_HASHES
+from epp.scheduling.plugins.precise_prefix_cache_scorer import PROMPT_BLOCKS
 from epp.scheduling.types import CycleState, SchedulingRequest
+from protocol.kv_events import request_block_hashes
 from protocol.openai import prompt_text
 from protocol.tokenizer import load_tokenizer
 
@@ -27,12 +30,21 @@ def _context(tokens: int, rng: random.Random) -> str:
     return "".join(rng.choice(words) for _ in range(tokens))
 
 
+SERVER = "127.0.0.1:8000"
+
+
 def _scorer():
     scorer = build_plugin("precise-prefix-cache-scorer", {"hashSeed": "0"})
     index = KVBlockIndex()
-    index.saw("127.0.0.1:8000", "m")
+    index.saw(SERVER, "m")
     scorer.use_kv_index(index)
-    return scorer
+    return scorer, index
+
+
+def _hold(index: KVBlockIndex, scorer, request: SchedulingRequest) -> None:
+    """The server holds the whole prompt: its blocks as the server hashes them, in the index."""
+    ids = load_tokenizer(None).encode(scorer.tokenizer.prompt(request.payload))
+    index.store(SERVER, request_block_hashes(ids, 16, hash_seed="0"))
 
 
 def _request(context: str, question: str) -> SchedulingRequest:
@@ -48,7 +60,7 @@ def _prepare_ms(scorer, request: SchedulingRequest) -> float:
     start = time.perf_counter()
     scorer.prepare(state, request)
     elapsed = time.perf_counter() - start
-    assert state.read(PROMPT_BLOCK_HASHES)
+    assert state.read(PROMPT_BLOCKS).blocks
     return elapsed * 1000
 
 
@@ -57,11 +69,14 @@ def measure(repeats: int = 5) -> list[dict]:
     tokenizer = load_tokenizer(None)
     rows = []
     for size in SIZES:
-        cold, new_question, same, whole = [], [], [], []
+        cold, cold_new, new_question, same, whole = [], [], [], [], []
         for r in range(repeats):
             context = _context(size, rng)
-            scorer = _scorer()  # empty caches
             first = _request(context, f"question {r}: what is the capital of France?")
+            scorer, _ = _scorer()  # empty caches, a server that holds nothing
+            cold_new.append(_prepare_ms(scorer, first))
+            scorer, index = _scorer()
+            _hold(index, scorer, first)
             text = scorer.tokenizer.prompt(first.payload)
             start = time.perf_counter()
             tokens = tokenizer.encode(text)
@@ -74,6 +89,7 @@ def measure(repeats: int = 5) -> list[dict]:
                 "prompt_tokens": len(tokens),
                 "encode_whole_ms": statistics.median(whole),
                 "prepare_cold_ms": statistics.median(cold),
+                "prepare_cold_new_ms": statistics.median(cold_new),
                 "prepare_cached_context_ms": statistics.median(new_question),
                 "prepare_same_prompt_ms": statistics.median(same),
             }
@@ -82,10 +98,13 @@ def measure(repeats: int = 5) -> list[dict]:
 
 
 async def _loop_stall(in_thread: bool, prompts: int = 4) -> float:
-    """The event loop's longest gap between 1 ms ticks while `prompts` cold 64k-token prompts are prepared."""
-    scorer = _scorer()
+    """The event loop's longest gap between 1 ms ticks while `prompts` cold 64k-token prompts that a server holds
+    are prepared."""
+    scorer, index = _scorer()
     rng = random.Random(1)
     requests = [_request(_context(SIZES[-1], rng), "q") for _ in range(prompts)]
+    for request in requests:
+        _hold(index, scorer, request)
     stop, longest = False, 0.0
 
     async def ticker():
@@ -113,17 +132,19 @@ async def _loop_stall(in_thread: bool, prompts: int = 4) -> float:
 def main() -> None:
     rows = measure()
     print(
-        "| prompt tokens | encode whole (ms) | prepare cold (ms) | new question, cached context (ms) | same prompt (ms) |"
+        "| prompt tokens | encode whole (ms) | prepare cold, held (ms) | prepare cold, held by none (ms) "
+        "| new question, cached context (ms) | same prompt (ms) |"
     )
-    print("| ---: | ---: | ---: | ---: | ---: |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: |")
     for row in rows:
         print(
             f"| {row['prompt_tokens']} | {row['encode_whole_ms']:.2f} | {row['prepare_cold_ms']:.2f} | "
+            f"{row['prepare_cold_new_ms']:.2f} | "
             f"{row['prepare_cached_context_ms']:.2f} | {row['prepare_same_prompt_ms']:.2f} |"
         )
     on_loop = asyncio.run(_loop_stall(in_thread=False))
     threaded = asyncio.run(_loop_stall(in_thread=True))
     print(
-        f"\nevent loop's longest stall while 4 cold 64k-token prompts are prepared: {on_loop:.1f} ms on the loop, "
+        f"\nevent loop's longest stall while 4 cold held 64k-token prompts are prepared: {on_loop:.1f} ms on the loop, "
         f"{threaded:.1f} ms in a worker thread"
     )

@@ -152,6 +152,27 @@ class KVBlockIndex:
                 holders[block_hash] = next(iter(held))
         self._size -= 1
 
+    def extend_run(self, block_hashes: list[int], run: set[str] | None) -> tuple[int, set[str] | None]:
+        """How many of `block_hashes` (a prompt's next blocks, in order) the endpoints of `run` (those that hold
+        all the blocks before them; None: any endpoint) go on holding, and which endpoints hold them all. Each hash
+        chains its parent's, so no endpoint holds a longer prefix once the count falls short."""
+        holders = self._holders
+        for depth, block_hash in enumerate(block_hashes):
+            held = holders.get(block_hash)
+            if held is None:
+                return depth, run
+            if type(held) is str:
+                if run is not None and held not in run:
+                    return depth, run
+                if run is None or len(run) > 1:
+                    run = {held}
+            else:
+                narrowed = set(held) if run is None else run & held  # a copy: the subscriber changes the sets
+                if not narrowed:
+                    return depth, run
+                run = narrowed
+        return len(block_hashes), run
+
     def prefix_blocks(self, block_hashes: list[int], endpoints: list[str]) -> dict[str, int]:
         """For each endpoint, how many of the prompt's leading blocks it holds."""
         matched = dict.fromkeys(endpoints, 0)

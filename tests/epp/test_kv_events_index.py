@@ -144,6 +144,18 @@ async def test_an_endpoint_that_leaves_the_pool_loses_its_entries():
         await subscriber.close()
 
 
+def test_a_run_of_leading_blocks_is_followed_piece_by_piece_until_no_endpoint_holds_it():
+    index = KVBlockIndex()
+    index.store("a", [1, 2, 3, 4])
+    index.store("b", [1, 2, 5, 6])
+    assert index.extend_run([1, 2], None) == (2, {"a", "b"})
+    assert index.extend_run([5, 6, 7], {"a", "b"}) == (2, {"b"})  # b's run goes on, then nobody holds 7
+    assert index.extend_run([3, 5], {"a"}) == (1, {"a"})  # b holds 5 but not a's block 3 before it
+    assert index.extend_run([9], None) == (0, None)
+    full = index.prefix_blocks([1, 2, 5, 6, 7], ["a", "b"])
+    assert full == {"a": 2, "b": 4}
+
+
 def test_a_restarted_server_is_dropped_and_counted_apart_from_gaps():
     index = KVBlockIndex()
     subscriber = KVEventSubscriber(index, "tcp://127.0.0.1:*")

@@ -24,22 +24,41 @@ def builtin() -> PromptTokenizer:
     return PromptTokenizer(load_tokenizer(None), segment_chars=48)
 
 
+def encode(tokenizer: PromptTokenizer, prompt: str | list[int]) -> list[int]:
+    return [t for _, ids in tokenizer.pieces(prompt) for t in ids]
+
+
+def token_ids(tokenizer: PromptTokenizer, payload: dict) -> list[int] | None:
+    prompt = tokenizer.prompt(payload)
+    return None if prompt is None else encode(tokenizer, prompt)
+
+
 @settings(max_examples=400, deadline=None)
 @given(first=TEXT, second=TEXT, third=TEXT)
 def test_the_cached_segments_give_exactly_the_whole_text_s_tokens(builtin, first, second, third):
     whole = builtin.tokenizer.encode
     for text in (first + second, first + third, first + second + third, first + second):
-        assert builtin.encode(text) == whole(text)
+        assert encode(builtin, text) == whole(text)
 
 
 def test_a_shared_prefix_is_encoded_once(builtin):
     context = "You are a helpful assistant. Answer the question concisely and accurately. " * 40
     before = builtin.misses
-    builtin.encode(context + "What is the capital of France?")
+    encode(builtin, context + "What is the capital of France?")
     encoded_once = builtin.misses - before
     hits = builtin.hits
-    builtin.encode(context + "How many days are there in a year?")
+    encode(builtin, context + "How many days are there in a year?")
     assert builtin.misses - before <= encoded_once + 1 and builtin.hits - hits >= encoded_once - 1
+
+
+def test_pieces_are_encoded_only_when_read(builtin):
+    text = "a new prompt that nobody has sent before, " * 40
+    pieces = builtin.pieces(text)
+    before = builtin.misses
+    length, ids = next(pieces)
+    assert builtin.misses == before + 1  # one segment encoded, not the whole text
+    assert list(ids) == builtin.tokenizer.encode(text[:length])
+    assert sum(n for n, _ in builtin.pieces(text)) == len(text)
 
 
 def test_chat_and_completions_are_tokenized_as_the_model_server_does(builtin):
@@ -51,14 +70,14 @@ def test_chat_and_completions_are_tokenized_as_the_model_server_does(builtin):
         ],
     }
     server = builtin.tokenizer  # modelserver/api/server.py: encode(apply_chat_template(parsed.messages))
-    assert builtin.token_ids(chat) == server.encode(server.apply_chat_template(chat_messages(chat)))
-    assert builtin.token_ids({"model": "m", "prompt": "the quick brown fox " * 50}) == server.encode(
+    assert token_ids(builtin, chat) == server.encode(server.apply_chat_template(chat_messages(chat)))
+    assert token_ids(builtin, {"model": "m", "prompt": "the quick brown fox " * 50}) == server.encode(
         "the quick brown fox " * 50
     )
-    assert builtin.token_ids({"model": "m", "prompt": [5, 6, 7]}) == [5, 6, 7]
-    assert builtin.token_ids({"model": "m", "prompt": ["first prompt", "second"]}) == server.encode("first prompt")
-    assert builtin.token_ids({"model": "m", "messages": "not a list"}) is None
-    assert builtin.token_ids({"model": "m"}) is None
+    assert token_ids(builtin, {"model": "m", "prompt": [5, 6, 7]}) == [5, 6, 7]
+    assert token_ids(builtin, {"model": "m", "prompt": ["first prompt", "second"]}) == server.encode("first prompt")
+    assert token_ids(builtin, {"model": "m", "messages": "not a list"}) is None
+    assert token_ids(builtin, {"model": "m"}) is None
 
 
 def test_a_model_directory_s_tokenizer_and_chat_template_are_used(tmp_path):
@@ -90,5 +109,5 @@ def test_tokenizers_that_may_merge_across_a_cut_are_encoded_whole():
 def test_the_cache_is_bounded_in_tokens():
     tokenizer = PromptTokenizer(load_tokenizer(None), segment_chars=64, cache_tokens=200)
     for i in range(50):
-        tokenizer.encode(f"conversation {i}: " + "the weather today is sunny with a light breeze " * 10)
+        encode(tokenizer, f"conversation {i}: " + "the weather today is sunny with a light breeze " * 10)
     assert 0 < tokenizer.cached_tokens <= 200

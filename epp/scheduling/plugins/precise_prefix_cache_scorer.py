@@ -10,13 +10,18 @@ prompt's leading blocks an endpoint holds (`epp.datalayer.kv_events.KVBlockIndex
 (the approximate index) keeps scoring, so a pool that mixes both works with both scorers in the profile. The same
 load guard as prefix-cache-scorer (`epp.scheduling.load.guard_load`).
 
-Tokenizing and hashing run in `prepare` (PrepareData), before the cycle: in a worker thread when the part of the prompt
-the per-prefix cache does not hold is longer than `threadPromptChars` (the tokenizer releases the GIL), so a new
-64k-token prompt does not hold the event loop while a conversation's next turn does not pay for a thread hop. Block
+Tokenizing and hashing run in `prepare` (PrepareData), before the cycle, and only as far as the score needs: a
+segment at a time, up to the segment with the first block that no endpoint's run of leading blocks holds (blocks chain
+their parent's hash, so no later block can match); the rest of the prompt is neither tokenized nor hashed and its block count is
+estimated from its characters (the same denominator for every endpoint: the order of the scores is exact). A new
+6,000-token prompt costs its first segment instead of the whole prompt (epp/bench/tokenize.py). In a worker thread
+when the part of the prompt the per-prefix cache does not hold is longer than `threadPromptChars` and some endpoint
+holds the first segment's blocks (the tokenizer releases the GIL), so a 64k-token prompt that a server holds does
+not stall the event loop while a new prompt or a conversation's next turn does not pay for a thread hop. Block
 digests are cached per token prefix (`blockHashCacheBlocks`), so a prompt that extends an earlier one hashes only
 its new blocks.
 Reads: the request body (PrepareData), the KV-event index, the candidates' queue depths (load guard). Writes:
-PROMPT_BLOCK_HASHES.
+PROMPT_BLOCKS (the held leading blocks' hashes and the prompt's block count).
 
 Parameters: tokenizerDir (a local Hugging Face model directory with tokenizer.json and tokenizer_config.json; unset:
 the sim's built-in tokenizer), blockSize (0: the block size of the servers' events, else 16), hashSeed (the servers'
@@ -34,7 +39,8 @@ from __future__ import annotations
 import itertools
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 
 from epp.datalayer.endpoint import Endpoint
 from epp.datalayer.kv_events import KVBlockIndex
@@ -46,13 +52,24 @@ from epp.scheduling.types import CycleState, SchedulingRequest, StateKey
 from protocol.kv_events import HASH_ALGOS, block_hasher, external_block_hash, lora_extra_keys
 
 DEFAULT_BLOCK_SIZE = 16
-PROMPT_BLOCK_HASHES: StateKey[list[int]] = StateKey("prompt-block-hashes")  # the server's hashes of the prompt
+
+
+@dataclass(frozen=True, slots=True)
+class PromptBlocks:
+    """The prompt's blocks as far as the score needs them."""
+
+    hashes: list[int]  # the leading blocks' hashes (as KV events carry them) while some endpoint holds them all
+    blocks: int  # the prompt's full blocks: counted when all its tokens were read, else estimated (see prepare)
+
+
+PROMPT_BLOCKS: StateKey[PromptBlocks] = StateKey("prompt-blocks")
 
 
 class BlockHashCache:
     """vLLM block digests per token prefix: the key of block i chains Python's hash of the block's token ids onto
-    block i-1's key (cheap), so only blocks never seen before are hashed with SHA-256. Bounded, oldest insertion
-    first out (a prefix still in use that falls out is hashed again once); thread-safe."""
+    block i-1's key (cheap), so only blocks never seen before are hashed with SHA-256. Bounded: past `capacity`
+    the oldest tenth of the insertions go at once (a prefix still in use that falls out is hashed again once);
+    thread-safe."""
 
     def __init__(self, algo: str, hash_seed: str | None, capacity: int):
         self.hasher = block_hasher(algo, hash_seed)
@@ -60,34 +77,44 @@ class BlockHashCache:
         self._digests: dict[int, tuple[bytes, int]] = {}
         self._lock = threading.Lock()
 
-    def hashes(self, token_ids: Sequence[int], block_size: int, lora_name: str | None) -> list[int]:
+    def hashes(self, pieces: Iterable[Sequence[int]], block_size: int, lora_name: str | None) -> Iterator[list[int]]:
+        """For each piece of token ids that `pieces` yields (of any length), the hashes of the full blocks it
+        completes, in order; lazily: a caller that stops pulls no further piece and hashes no further block."""
         extra = lora_extra_keys(lora_name)
         key = hash((block_size, lora_name))
         parent: bytes | None = None
-        out: list[int] = []
-        append = out.append
         digests, hash_block = self._digests, self.hasher.hash_block
-        with self._lock:  # one acquisition per prompt: the loop and a worker thread rarely meet here
-            for start in range(0, len(token_ids) - block_size + 1, block_size):
-                block = tuple(token_ids[start : start + block_size])
+        pending: list[int] = []
+        for piece in pieces:
+            pending.extend(piece)
+            full = len(pending) - len(pending) % block_size
+            out: list[int] = []
+            for start in range(0, full, block_size):
+                block = tuple(pending[start : start + block_size])
                 key = hash((key, block))
                 known = digests.get(key)
                 if known is None:
                     digest = hash_block(parent, block, extra)
-                    known = digests[key] = (digest, external_block_hash(digest))
+                    known = (digest, external_block_hash(digest))
+                    self._remember(key, known)
                 parent = known[0]
-                append(known[1])
-            excess = len(digests) - self.capacity
-            if excess > 0:
-                for old in list(itertools.islice(digests, excess)):
+                out.append(known[1])
+            del pending[:full]
+            yield out
+
+    def _remember(self, key: int, known: tuple[bytes, int]) -> None:
+        with self._lock:
+            digests = self._digests
+            digests[key] = known
+            if len(digests) > self.capacity:
+                for old in list(itertools.islice(digests, len(digests) - self.capacity * 9 // 10)):
                     del digests[old]
-        return out
 
 
 @register("precise-prefix-cache-scorer")
 class PrecisePrefixCacheScorer(Scorer, PrepareData, KVEventsConsumer):
-    consumes = (*QUEUE_DEPTH_READS, QUEUE_DEPTHS, PROMPT_BLOCK_HASHES)
-    produces = (PROMPT_BLOCK_HASHES, QUEUE_DEPTHS)
+    consumes = (*QUEUE_DEPTH_READS, QUEUE_DEPTHS, PROMPT_BLOCKS)
+    produces = (PROMPT_BLOCKS, QUEUE_DEPTHS)
     requires_kv_events = True
 
     def __init__(self, parameters: dict | None):
@@ -119,35 +146,69 @@ class PrecisePrefixCacheScorer(Scorer, PrepareData, KVEventsConsumer):
 
     def in_thread(self, request: SchedulingRequest) -> bool:
         """A worker thread only for what is long to tokenize: a long prompt whose new part (what the per-prefix
-        cache does not hold) is itself over threadPromptChars; a long conversation's next turn stays on the loop."""
+        cache does not hold) is itself over threadPromptChars, and whose first segment's blocks some endpoint holds
+        through to the segment's end (read here, on the loop: the per-prefix caches keep it for `prepare`). A
+        prompt that no endpoint holds that far is read no further (see `prepare`): it costs one segment and stays
+        on the loop, as does a long conversation's next turn."""
         if len(request.prompt) <= self.thread_prompt_chars or not self._active(request):
             return False
         prompt = self.tokenizer.prompt(request.payload)
-        return isinstance(prompt, str) and self.tokenizer.uncached_chars(prompt) > self.thread_prompt_chars
+        if not isinstance(prompt, str) or self.tokenizer.uncached_chars(prompt) <= self.thread_prompt_chars:
+            return False
+        return not self.tokenizer.resumable or self._walk(request, prompt, pieces=1)[1]
 
     def prepare(self, cycle_state: CycleState, request: SchedulingRequest) -> None:
+        """Writes PROMPT_BLOCKS: the prompt is tokenized a segment at a time, and each segment's blocks hashed
+        and followed in the index, only until the segment with the first block that no endpoint's run holds
+        (KVBlockIndex.extend_run): no later block can match, so the rest is neither tokenized nor hashed (within
+        that segment, ~20 blocks at ~1.2 us each, the blocks after it are hashed: one index call per segment costs
+        less than one per block on a prompt held to its end). The block count is then estimated from the characters left at
+        the tokens per character of what was read; it is the same for every endpoint, so it scales the scores but
+        never reorders them. A prompt held to its end is read whole and counted exactly."""
         if not self._active(request):
             return
+        prompt = self.tokenizer.prompt(request.payload)
+        if prompt is not None:
+            cycle_state.write(PROMPT_BLOCKS, self._walk(request, prompt)[0])
+
+    def _walk(
+        self, request: SchedulingRequest, prompt: str | list[int], pieces: int | None = None
+    ) -> tuple[PromptBlocks, bool]:
+        """The prompt's blocks read up to the first one no endpoint's run holds, over at most `pieces` of the
+        tokenizer's pieces (None: all); and whether no such block was met."""
         index = self.index
-        token_ids = self.tokenizer.token_ids(request.payload)
-        if not token_ids:
-            return
         block_size = self.block_size or index.block_size or DEFAULT_BLOCK_SIZE
         models = index.base_models
         lora_name = None if not models or request.model in models else request.model
-        cycle_state.write(PROMPT_BLOCK_HASHES, self.block_hashes.hashes(token_ids, block_size, lora_name))
+        chars = tokens = 0
+
+        def read() -> Iterator[Sequence[int]]:
+            nonlocal chars, tokens
+            for length, ids in itertools.islice(self.tokenizer.pieces(prompt), pieces):
+                chars, tokens = chars + length, tokens + len(ids)
+                yield ids
+
+        hashes: list[int] = []
+        run: set[str] | None = None
+        for piece_hashes in self.block_hashes.hashes(read(), block_size, lora_name):
+            held, run = index.extend_run(piece_hashes, run)
+            hashes += piece_hashes[:held]
+            if held < len(piece_hashes):
+                estimate = round(tokens * len(prompt) / chars) // block_size
+                return PromptBlocks(hashes, max(estimate, len(hashes) + 1)), False
+        return PromptBlocks(hashes, tokens // block_size), True
 
     def score(
         self, cycle_state: CycleState, request: SchedulingRequest, endpoints: list[Endpoint]
     ) -> list[float] | None:
-        hashes = cycle_state.read(PROMPT_BLOCK_HASHES)
+        prompt_blocks = cycle_state.read(PROMPT_BLOCKS)
         index = self.index
-        if not hashes or index is None:
+        if prompt_blocks is None or not prompt_blocks.blocks or index is None:
             return None
         publishing = [e.hostport for e in endpoints if index.publishes(e.hostport)]
         if not publishing:
             return None
-        matched = index.prefix_blocks(hashes, publishing)
-        blocks = len(hashes)
+        matched = index.prefix_blocks(prompt_blocks.hashes, publishing)
+        blocks = prompt_blocks.blocks
         scores = [matched.get(e.hostport, 0) / blocks for e in endpoints]
         return guard_load(scores, cycle_state, endpoints, self.load_guard_gap)

@@ -63,7 +63,7 @@ from epp.scheduling.framework import (
     register,
 )
 from epp.scheduling.load import QUEUE_DEPTH_READS, QUEUE_DEPTHS, guard_load
-from epp.scheduling.plugins.precise_prefix_cache_scorer import PROMPT_BLOCK_HASHES
+from epp.scheduling.plugins.precise_prefix_cache_scorer import PROMPT_BLOCKS
 from epp.scheduling.types import CycleState, ResponseInfo, SchedulingRequest, SchedulingResult, StateKey
 
 CHARS_PER_TOKEN = 4
@@ -156,7 +156,7 @@ class PrefixCacheScorer(Scorer, PreRequest, ResponseComplete, PoolChanged, Prefi
         """Prompt tokens each of `endpoints` probably holds for `request` (the latency predictor's cache input);
         only the endpoints that were sent the prompt's first block are matched. Endpoints that publish KV events
         are answered from the KV-event index with the prompt's exact block hashes, when precise-prefix-cache-scorer
-        prepared them for this cycle."""
+        prepared them for this cycle (the held leading run, all a match needs)."""
         hashes = self.hashes(cycle_state, request, endpoints)
         holders = self._heads.get(hashes[0]) if hashes else None
         counts = [0] * len(endpoints)
@@ -166,11 +166,11 @@ class PrefixCacheScorer(Scorer, PreRequest, ResponseComplete, PoolChanged, Prefi
                 longest_prefix(hashes, held[e.spec.name]) * tokens_per_block if e.spec.name in holders else 0
                 for e in endpoints
             ]
-        index, exact = self._kv_index, cycle_state.read(PROMPT_BLOCK_HASHES)
-        if index is not None and exact:
+        index, exact = self._kv_index, cycle_state.read(PROMPT_BLOCKS)
+        if index is not None and exact is not None:
             publishing = [e.hostport for e in endpoints if index.publishes(e.hostport)]
             if publishing:
-                matched, block_size = index.prefix_blocks(exact, publishing), index.block_size or 16
+                matched, block_size = index.prefix_blocks(exact.hashes, publishing), index.block_size or 16
                 counts = [
                     matched[e.hostport] * block_size if e.hostport in matched else c
                     for e, c in zip(endpoints, counts, strict=True)

@@ -6,7 +6,7 @@ import asyncio
 
 from epp.datalayer.kv_events import KVBlockIndex
 from epp.scheduling.framework import build_plugin
-from epp.scheduling.plugins.precise_prefix_cache_scorer import PROMPT_BLOCK_HASHES
+from epp.scheduling.plugins.precise_prefix_cache_scorer import PROMPT_BLOCKS, PromptBlocks
 from epp.scheduling.plugins.prefix_cache_scorer import PREFIX_HASHES
 from epp.scheduling.scheduler import Scheduler
 from epp.scheduling.types import CycleState, ResponseInfo, SchedulingRequest, SchedulingResult
@@ -61,7 +61,7 @@ def test_the_prompt_s_hashes_are_the_server_s_and_score_the_held_prefix():
     index.store(pool[1].hostport, hashes[: len(hashes) // 2])  # it holds half (the rest was evicted)
     scorer = precise(index)
     cycle_state, req = prepared(scorer, payload)
-    assert cycle_state.read(PROMPT_BLOCK_HASHES) == hashes
+    assert cycle_state.read(PROMPT_BLOCKS) == PromptBlocks(hashes, len(hashes))  # held to its end: read whole
     scores = scorer.score(cycle_state, req, pool)
     assert scores == [1.0, (len(hashes) // 2) / len(hashes), 0.0]
     # another question on the same context: the context's blocks still match
@@ -75,11 +75,48 @@ def test_an_adapter_s_blocks_carry_its_name_and_the_block_size_comes_from_the_ev
     index.block_size = 32
     scorer = precise(index)
     payload = {"model": "my-adapter", "prompt": "the quick brown fox jumps over the lazy dog " * 20}
-    cycle_state, _ = prepared(scorer, payload)
     ids = load_tokenizer(None).encode(payload["prompt"])
-    assert cycle_state.read(PROMPT_BLOCK_HASHES) == request_block_hashes(
-        ids, 32, hash_seed=SEED, lora_name="my-adapter"
-    )
+    hashes = request_block_hashes(ids, 32, hash_seed=SEED, lora_name="my-adapter")
+    index.store("127.0.0.1:8000", hashes)
+    cycle_state, _ = prepared(scorer, payload)
+    assert cycle_state.read(PROMPT_BLOCKS).hashes == hashes
+
+
+def test_blocks_are_read_only_up_to_the_first_one_no_endpoint_s_run_holds():
+    """Hashing stops where every endpoint's run of leading blocks has ended: the matches are those of the whole
+    prompt's hashes, the rest is not tokenized, and the block count is estimated (here within 6 %)."""
+    pool = [endpoint(0), endpoint(1), endpoint(2)]
+    index = KVBlockIndex()
+    payload = {"model": "m", "prompt": "".join(f"line {i}: the weather today is sunny, " for i in range(400))}
+    hashes = server_hashes(payload)
+    assert len(hashes) > 100
+    for e in pool:
+        index.saw(e.hostport, "m")
+    index.store(pool[0].hostport, hashes[:12])
+    index.store(pool[1].hostport, hashes[:5] + hashes[6:40])  # it lost block 5: its run ends there
+    scorer = precise(index)
+    misses = scorer.tokenizer.misses
+    cycle_state, req = prepared(scorer, payload)
+    prompt_blocks = cycle_state.read(PROMPT_BLOCKS)
+    assert prompt_blocks.hashes == hashes[:12]
+    assert scorer.tokenizer.misses - misses < 5  # a few 1,024-character segments of the ~14,000
+    assert abs(prompt_blocks.blocks - len(hashes)) <= 0.1 * len(hashes)  # 300 against 317 (longer numbers later)
+    matched = [round(s * prompt_blocks.blocks) for s in scorer.score(cycle_state, req, pool)]
+    assert matched == [12, 5, 0] == [index.prefix_blocks(hashes, [e.hostport])[e.hostport] for e in pool]
+
+
+def test_a_long_prompt_no_endpoint_holds_is_read_on_the_loop_and_costs_one_segment():
+    index = KVBlockIndex()
+    index.saw(endpoint(0).hostport, "m")
+    scorer = precise(index, threadPromptChars=1000)
+    payload = {"model": "m", "prompt": "a prompt nobody has sent before, " * 400}
+    req = request(payload)
+    misses = scorer.tokenizer.misses
+    assert not scorer.in_thread(req)
+    cycle_state, _ = prepared(scorer, payload)
+    assert scorer.tokenizer.misses - misses == 1
+    assert cycle_state.read(PROMPT_BLOCKS).hashes == []
+    assert scorer.score(cycle_state, req, [endpoint(0)]) == [0.0]
 
 
 def test_nothing_is_tokenized_while_no_endpoint_publishes_and_the_load_guard_applies():
@@ -88,7 +125,7 @@ def test_nothing_is_tokenized_while_no_endpoint_publishes_and_the_load_guard_app
     scorer = precise(index, loadGuardQueueGap=16)
     payload = chat("What is the capital of France?")
     cycle_state, req = prepared(scorer, payload)
-    assert cycle_state.read(PROMPT_BLOCK_HASHES) is None and scorer.score(cycle_state, req, pool) is None
+    assert cycle_state.read(PROMPT_BLOCKS) is None and scorer.score(cycle_state, req, pool) is None
     index.saw(pool[0].hostport, "m")
     index.store(pool[0].hostport, server_hashes(payload))
     cycle_state, req = prepared(scorer, payload)
