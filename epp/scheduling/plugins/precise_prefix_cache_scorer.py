@@ -15,9 +15,9 @@ segment at a time, up to the segment with the first block that no endpoint's run
 their parent's hash, so no later block can match); the rest of the prompt is neither tokenized nor hashed and its block count is
 estimated from its characters (the same denominator for every endpoint: the order of the scores is exact). A new
 6,000-token prompt costs its first segment instead of the whole prompt (epp/bench/tokenize.py). In a worker thread
-when the part of the prompt the per-prefix cache does not hold is longer than `threadPromptChars` and some endpoint
-holds the first segment's blocks (the tokenizer releases the GIL), so a 64k-token prompt that a server holds does
-not stall the event loop while a new prompt or a conversation's next turn does not pay for a thread hop. Block
+when the part of the prompt the per-prefix cache does not hold is longer than `threadPromptChars` (the tokenizer
+releases the GIL), so a 64k-token prompt that a server holds does not stall the event loop while a conversation's
+next turn does not pay for a thread hop. Block
 digests are cached per token prefix (`blockHashCacheBlocks`), so a prompt that extends an earlier one hashes only
 its new blocks.
 Reads: the request body (PrepareData), the KV-event index, the candidates' queue depths (load guard). Writes:
@@ -146,36 +146,29 @@ class PrecisePrefixCacheScorer(Scorer, PrepareData, KVEventsConsumer):
 
     def in_thread(self, request: SchedulingRequest) -> bool:
         """A worker thread only for what is long to tokenize: a long prompt whose new part (what the per-prefix
-        cache does not hold) is itself over threadPromptChars, and whose first segment's blocks some endpoint holds
-        through to the segment's end (read here, on the loop: the per-prefix caches keep it for `prepare`). A
-        prompt that no endpoint holds that far is read no further (see `prepare`): it costs one segment and stays
-        on the loop, as does a long conversation's next turn."""
+        cache does not hold) is itself over threadPromptChars; a long conversation's next turn stays on the loop.
+        A new prompt that no endpoint holds now costs only its first segment, yet it keeps the thread hop: on the
+        loop, the heterogeneous benchmark's mean TTFT was worse (epp-predicted at 16/s: 230-253 ms in 4 runs
+        against 204 and 213 with the hop, and the predictor's TTFT error 21-28 % against 11-14 %), for a reason
+        not yet found."""
         if len(request.prompt) <= self.thread_prompt_chars or not self._active(request):
             return False
         prompt = self.tokenizer.prompt(request.payload)
-        if not isinstance(prompt, str) or self.tokenizer.uncached_chars(prompt) <= self.thread_prompt_chars:
-            return False
-        return not self.tokenizer.resumable or self._walk(request, prompt, pieces=1)[1]
+        return isinstance(prompt, str) and self.tokenizer.uncached_chars(prompt) > self.thread_prompt_chars
 
     def prepare(self, cycle_state: CycleState, request: SchedulingRequest) -> None:
         """Writes PROMPT_BLOCKS: the prompt is tokenized a segment at a time, and each segment's blocks hashed
         and followed in the index, only until the segment with the first block that no endpoint's run holds
-        (KVBlockIndex.extend_run): no later block can match, so the rest is neither tokenized nor hashed (within
-        that segment, ~20 blocks at ~1.2 us each, the blocks after it are hashed: one index call per segment costs
-        less than one per block on a prompt held to its end). The block count is then estimated from the characters left at
-        the tokens per character of what was read; it is the same for every endpoint, so it scales the scores but
-        never reorders them. A prompt held to its end is read whole and counted exactly."""
+        (KVBlockIndex.extend_run): no later block can match, so the rest is neither tokenized nor hashed (the
+        blocks after it within that segment are: ~20 at ~1.2 us each, where a call per block would cost more on
+        a prompt held to its end). The block count is then estimated from the characters left at the tokens per
+        character read; it is the same for every endpoint, so it scales the scores but never reorders them. A
+        prompt held to its end is read whole and counted exactly."""
         if not self._active(request):
             return
         prompt = self.tokenizer.prompt(request.payload)
-        if prompt is not None:
-            cycle_state.write(PROMPT_BLOCKS, self._walk(request, prompt)[0])
-
-    def _walk(
-        self, request: SchedulingRequest, prompt: str | list[int], pieces: int | None = None
-    ) -> tuple[PromptBlocks, bool]:
-        """The prompt's blocks read up to the first one no endpoint's run holds, over at most `pieces` of the
-        tokenizer's pieces (None: all); and whether no such block was met."""
+        if prompt is None:
+            return
         index = self.index
         block_size = self.block_size or index.block_size or DEFAULT_BLOCK_SIZE
         models = index.base_models
@@ -184,7 +177,7 @@ class PrecisePrefixCacheScorer(Scorer, PrepareData, KVEventsConsumer):
 
         def read() -> Iterator[Sequence[int]]:
             nonlocal chars, tokens
-            for length, ids in itertools.islice(self.tokenizer.pieces(prompt), pieces):
+            for length, ids in self.tokenizer.pieces(prompt):
                 chars, tokens = chars + length, tokens + len(ids)
                 yield ids
 
@@ -195,8 +188,9 @@ class PrecisePrefixCacheScorer(Scorer, PrepareData, KVEventsConsumer):
             hashes += piece_hashes[:held]
             if held < len(piece_hashes):
                 estimate = round(tokens * len(prompt) / chars) // block_size
-                return PromptBlocks(hashes, max(estimate, len(hashes) + 1)), False
-        return PromptBlocks(hashes, tokens // block_size), True
+                cycle_state.write(PROMPT_BLOCKS, PromptBlocks(hashes, max(estimate, len(hashes) + 1)))
+                return
+        cycle_state.write(PROMPT_BLOCKS, PromptBlocks(hashes, tokens // block_size))
 
     def score(
         self, cycle_state: CycleState, request: SchedulingRequest, endpoints: list[Endpoint]

@@ -105,16 +105,14 @@ def test_blocks_are_read_only_up_to_the_first_one_no_endpoint_s_run_holds():
     assert matched == [12, 5, 0] == [index.prefix_blocks(hashes, [e.hostport])[e.hostport] for e in pool]
 
 
-def test_a_long_prompt_no_endpoint_holds_is_read_on_the_loop_and_costs_one_segment():
+def test_a_long_prompt_no_endpoint_holds_costs_one_segment():
     index = KVBlockIndex()
     index.saw(endpoint(0).hostport, "m")
-    scorer = precise(index, threadPromptChars=1000)
+    scorer = precise(index)
     payload = {"model": "m", "prompt": "a prompt nobody has sent before, " * 400}
-    req = request(payload)
     misses = scorer.tokenizer.misses
-    assert not scorer.in_thread(req)
-    cycle_state, _ = prepared(scorer, payload)
-    assert scorer.tokenizer.misses - misses == 1
+    cycle_state, req = prepared(scorer, payload)
+    assert scorer.tokenizer.misses - misses == 1  # of 13 segments
     assert cycle_state.read(PROMPT_BLOCKS).hashes == []
     assert scorer.score(cycle_state, req, [endpoint(0)]) == [0.0]
 
