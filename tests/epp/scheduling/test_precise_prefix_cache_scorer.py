@@ -4,6 +4,9 @@ from the servers' cached_tokens."""
 
 import asyncio
 
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
 from epp.datalayer.kv_events import KVBlockIndex
 from epp.scheduling.framework import build_plugin
 from epp.scheduling.plugins.precise_prefix_cache_scorer import PROMPT_BLOCKS, PromptBlocks
@@ -208,3 +211,36 @@ def test_the_latency_predictor_s_cached_tokens_come_from_the_kv_index_for_publis
     approx.use_kv_index(index)
     cycle_state, req = prepared(precise(index), payload)
     assert approx.cached_tokens(cycle_state, req, pool) == [10 * 16, 0]
+
+
+WORDS = ["the", "weather", "today", "is", "sunny,", "line", "déjà", "vu", "🙂", "\n", "x" * 40, "42", "a-b"]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    words=st.lists(st.sampled_from(WORDS), min_size=1, max_size=1200),
+    runs=st.lists(st.tuples(st.integers(0, 200), st.integers(0, 200)), min_size=1, max_size=3),
+    chat_request=st.booleans(),
+)
+def test_reading_a_prompt_in_segments_matches_what_its_whole_hashes_match(words, runs, chat_request):
+    """Whatever the prompt (any length, segment boundaries anywhere, a chat template or not) and whatever runs of
+    its blocks the endpoints hold (a run, then a lost block, then more), each endpoint's matched blocks are those the
+    whole prompt's server hashes match."""
+    text = " ".join(words)
+    payload = chat(text) if chat_request else {"model": "m", "prompt": text}
+    hashes = server_hashes(payload)
+    pool = [endpoint(i) for i in range(len(runs))]
+    index = KVBlockIndex()
+    for e, (held, gap) in zip(pool, runs, strict=True):
+        index.saw(e.hostport, "m")
+        index.store(e.hostport, hashes[:held] + hashes[held + 1 : held + 1 + gap])
+    scorer = precise(index)
+    cycle_state, req = prepared(scorer, payload)
+    prompt_blocks = cycle_state.read(PROMPT_BLOCKS)
+    expected = index.prefix_blocks(hashes, [e.hostport for e in pool])
+    if not hashes:
+        assert prompt_blocks is None or not prompt_blocks.blocks
+        return
+    matched = [round(s * prompt_blocks.blocks) for s in scorer.score(cycle_state, req, pool)]
+    assert matched == [expected.get(e.hostport, 0) for e in pool]
+    assert prompt_blocks.hashes == hashes[: max(expected.values(), default=0)]
