@@ -38,7 +38,8 @@ class TorchExecutor:
         self.eos_token_id = eos_token_id
         self.device = next(model.parameters()).device
         c = model.config
-        dtype = next(model.parameters()).dtype
+        self.dtype = dtype = next(model.parameters()).dtype
+        self.heads_per_kv = c.num_attention_heads // c.num_key_value_heads
         shape = (num_gpu_blocks, block_size, c.num_key_value_heads, c.head_dim)
         self.kv_caches = [
             (torch.zeros(shape, dtype=dtype, device=self.device), torch.zeros(shape, dtype=dtype, device=self.device))
@@ -90,15 +91,13 @@ class TorchExecutor:
 
     def prepare(self, sequences: list[ScheduledSequence]) -> StepInput:
         """The step's tensors, built here once rather than in every layer."""
-        ids, positions, slots, sample_rows = [], [], [], []
+        ids, positions, sample_rows = [], [], []
         lora_rows: dict[int, list[int]] = {}
         decodes, prefills = [], []  # (first flat token, sequence)
-        bs = self.block_size
         for seq in sequences:
-            begin, end_pos, table = len(ids), seq.start + seq.num_new_tokens, seq.block_table
+            begin, end_pos = len(ids), seq.start + seq.num_new_tokens
             ids += seq.token_ids[seq.start : end_pos]
             positions += range(seq.start, end_pos)
-            slots += [table[pos // bs] * bs + pos % bs for pos in range(seq.start, end_pos)]
             if seq.lora_slot:
                 lora_rows.setdefault(seq.lora_slot, []).extend(range(begin, len(ids)))
             # one token per sequence attends unpadded; a prefill chunk padded to the decodes' single query would
@@ -106,18 +105,19 @@ class TorchExecutor:
             (decodes if seq.num_new_tokens == 1 else prefills).append((begin, seq))
             if seq.samples:
                 sample_rows.append(len(ids) - 1)
-        device, c = self.device, self.model.config
-        dtype = next(self.model.parameters()).dtype
+        device = self.device
+        slot_mapping = torch.empty(len(ids), dtype=torch.long)  # each group writes its new tokens' slots
         attention = [
             AttentionGroup.build(
                 [begin for begin, _ in group],
                 [seq.start for _, seq in group],
                 [seq.num_new_tokens for _, seq in group],
                 [seq.block_table for _, seq in group],
-                bs,
-                c.num_attention_heads // c.num_key_value_heads,
-                dtype,
+                self.block_size,
+                self.heads_per_kv,
+                self.dtype,
                 device,
+                slot_mapping,
             )
             for group in (decodes, prefills)
             if group
@@ -125,7 +125,7 @@ class TorchExecutor:
         return StepInput(
             input_ids=torch.tensor(ids, dtype=torch.long, device=device),
             positions=torch.tensor(positions, dtype=torch.long, device=device),
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+            slot_mapping=slot_mapping.to(device),
             lora_rows=[(slot, torch.tensor(rows, device=device)) for slot, rows in lora_rows.items()],
             attention=attention,
             sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=device),

@@ -79,29 +79,37 @@ class AttentionGroup:
     mask: torch.Tensor
 
     @classmethod
-    def build(cls, first_rows, starts, lengths, block_tables, block_size, heads_per_kv, dtype, device):
-        """Per sequence: its first flat token, the position of that token, its number of new tokens, its blocks."""
+    def build(cls, first_rows, starts, lengths, block_tables, block_size, heads_per_kv, dtype, device, slot_mapping):
+        """Per sequence: its first flat token, the position of that token, its number of new tokens, its blocks.
+        Also writes where each new token's K/V goes into `slot_mapping` (flat, on the CPU): the context slots of
+        the new tokens' positions."""
         first, start, new = torch.tensor(first_rows), torch.tensor(starts), torch.tensor(lengths)
         end = start + new
         # a multiple of 8 keys: CUDA's memory-efficient kernel otherwise pads a copy of the mask in every layer
         max_new, max_context = int(new.max()), -(-int(end.max()) // 8) * 8
         blocks = -(-max_context // block_size)
-        tables = torch.tensor([t[:blocks] + [0] * (blocks - len(t[:blocks])) for t in block_tables])
+        tables = torch.tensor([t[:blocks] + [0] * (blocks - len(t)) for t in block_tables])
         context_slots = (tables[:, :, None] * block_size + torch.arange(block_size)).flatten(1)[:, :max_context]
         i = torch.arange(max_new)
         real = i < new[:, None]  # [S, N]
-        query_rows = first[:, None] + torch.where(real, i, 0)
+        offset = torch.where(real, i, 0)
+        query_rows = first[:, None] + offset
+        token_rows = query_rows[real]
+        slot_mapping[token_rows] = context_slots.gather(1, start[:, None] + offset)[real]
         # query i of a sequence sits at position start + i and sees keys 0 .. start + i of its own context; a
-        # padding query (i >= new) sees the whole context, so that no row of the softmax is empty
-        key = torch.arange(max_context)
-        sees = (key <= (start[:, None] + i)[:, :, None]) & (key < end[:, None, None])  # [S, N, C]
-        mask = torch.zeros(sees.shape, dtype=dtype).masked_fill_(~sees, float("-inf"))
+        # padding query (i >= new) sees the whole context, so that no row of the softmax is empty. Built where the
+        # model runs: for a long prefill chunk it is the step's largest tensor (G x N x C), too big to build on the
+        # host and copy over every step.
+        key = torch.arange(max_context, device=device)
+        position = (start[:, None] + i).to(device)
+        sees = (key <= position[:, :, None]) & (key < end.to(device)[:, None, None])  # [S, N, C]
+        mask = torch.zeros(sees.shape, dtype=dtype, device=device).masked_fill_(~sees, float("-inf"))
         return cls(
             query_rows=query_rows.to(device),
-            token_rows=query_rows[real].to(device),
+            token_rows=token_rows.to(device),
             padded_rows=real.flatten().nonzero().squeeze(1).to(device),
             context_slots=context_slots.to(device),
-            mask=mask.repeat(1, heads_per_kv, 1).unsqueeze(1).to(device),
+            mask=mask.repeat(1, heads_per_kv, 1).unsqueeze(1),
         )
 
 
