@@ -90,23 +90,26 @@ class BlockHashCache:
             pending.extend(piece)
             full = len(pending) - len(pending) % block_size
             out: list[int] = []
+            new: dict[int, tuple[bytes, int]] = {}
             for start in range(0, full, block_size):
                 block = tuple(pending[start : start + block_size])
                 key = hash((key, block))
                 known = digests.get(key)
                 if known is None:
                     digest = hash_block(parent, block, extra)
-                    known = (digest, external_block_hash(digest))
-                    self._remember(key, known)
+                    known = new[key] = (digest, external_block_hash(digest))
                 parent = known[0]
                 out.append(known[1])
             del pending[:full]
+            if new:
+                self._remember(new)
             yield out
 
-    def _remember(self, key: int, known: tuple[bytes, int]) -> None:
+    def _remember(self, new: dict[int, tuple[bytes, int]]) -> None:
+        """One lock acquisition per piece: the loop and a worker thread rarely meet here."""
         with self._lock:
             digests = self._digests
-            digests[key] = known
+            digests.update(new)
             if len(digests) > self.capacity:
                 for old in list(itertools.islice(digests, len(digests) - self.capacity * 9 // 10)):
                     del digests[old]
