@@ -29,9 +29,10 @@ from epp.datalayer.kv_events import KVBlockIndex, KVEventSubscriber
 from epp.datalayer.pool_file import PoolFileError, PoolFileSource
 from epp.datalayer.scraper import Scraper
 from epp.flowcontrol import FlowControlConfig, FlowController
-from epp.grpc_h2 import ExtProcServer
+from epp.grpc_h2 import ExtProcServer, UnaryMethod
+from epp.handlers import accesslog
 from epp.handlers.extproc import DEFAULT_MAX_BODY_BYTES, BodyBudget, RequestStream
-from epp.handlers.grpcio import ExternalProcessor
+from epp.handlers.grpcio import ExternalProcessor, access_log_service
 from epp.health import HealthState
 from epp.leader import LeaseElector
 from epp.metrics import EPPMetrics
@@ -226,13 +227,17 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
         budget = BodyBudget(args.max_connection_body_bytes)
         return lambda reply: RequestStream(director, reply, budget, args.max_request_body_bytes)
 
+    export_access_log = accesslog.export_handler(director.on_access_log)
     if args.ext_proc_transport == "h2":
-        server = ExtProcServer(new_connection)
+        server = ExtProcServer(
+            new_connection, {accesslog.EXPORT_PATH: UnaryMethod(accesslog.ExportRequest, export_access_log)}
+        )
     else:
         server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 * 1024 * 1024)])
         pb_grpc.add_ExternalProcessorServicer_to_server(
             ExternalProcessor(lambda reply: RequestStream(director, reply, None, args.max_request_body_bytes)), server
         )
+        server.add_generic_rpc_handlers([access_log_service(export_access_log)])
         server.add_insecure_port(f"{args.bind_address}:{args.grpc_port}")
     health = HealthState()
     health_server = grpc.aio.server()

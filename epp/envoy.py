@@ -45,6 +45,7 @@ def render_bootstrap(
     admin_address: str | None = None,
     message_timeout: float = 10.0,
     more_epp_endpoints: Sequence[str] = (),
+    access_log_percent: int = 0,
 ) -> str:
     """The bootstrap YAML; `fallback_endpoints` are "host:port" strings of the pool (FailOpen routing);
     `more_epp_endpoints` ("host:port") are further EPP replicas beside epp_host:epp_port (round robin between them).
@@ -63,6 +64,12 @@ def render_bootstrap(
     Why not the EPP's own choice per request (ProcessingResponse.mode_override with allow_mode_override): Envoy
     ignores mode_override whenever the listener's request or response body mode is FULL_DUPLEX_STREAMED
     (ext_proc.cc, Filter::onReceiveMessage), and ours is: the EPP routes after reading the body.
+
+    `access_log_percent` (0 = none): the share of requests whose access-log record (request id, time from the
+    request sent upstream to the first response body byte) Envoy's OpenTelemetry access logger sends to the EPP,
+    batched, on its gRPC port (`epp.handlers.accesslog`): what the latency predictor learns TTFT from without the
+    response bodies passing through the EPP. Below 100 a runtime filter (runtime key ACCESS_LOG_RUNTIME_KEY)
+    samples them.
     """
     request_body_mode = request_body_mode or ("BUFFERED" if fail_open else "FULL_DUPLEX_STREAMED")
     if fail_open and request_body_mode == "FULL_DUPLEX_STREAMED":
@@ -76,6 +83,8 @@ def render_bootstrap(
     sampled = response_body_mode == "FULL_DUPLEX_STREAMED" and observed_responses_percent < 100
     if response_header_mode not in ("SEND", "SKIP"):
         raise ValueError("response_header_mode must be SEND or SKIP")
+    if not 0 <= access_log_percent <= 100:
+        raise ValueError("access_log_percent must be within 0..100")
     return string.Template(template.read_text()).substitute(
         BIND_ADDRESS=bind_address,
         LISTENER_PORT=listener_port,
@@ -94,7 +103,39 @@ def render_bootstrap(
         if sampled
         else "",
         FALLBACK_ENDPOINTS=_endpoints_yaml(fallback_endpoints),
+        ACCESS_LOG=_access_log(access_log_percent) if access_log_percent else "",
     )
+
+
+ACCESS_LOG_RUNTIME_KEY = "gateway.access_log_percent"
+# How long Envoy holds access-log records before sending them (or until 16 KiB of them): the predictor learns a
+# request's TTFT this much after its end at most.
+ACCESS_LOG_FLUSH_INTERVAL = "0.1s"
+
+
+def _access_log(percent: int) -> str:
+    """The HTTP connection manager's access log to the EPP (YAML lines after `stream_idle_timeout`)."""
+    sampled = f"""
+            filter:
+              runtime_filter:
+                runtime_key: {ACCESS_LOG_RUNTIME_KEY}
+                percent_sampled: {{numerator: {percent}, denominator: HUNDRED}}
+                use_independent_randomness: true"""
+    return f"""
+          access_log:
+          - name: envoy.access_loggers.open_telemetry{sampled if percent < 100 else ""}
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.access_loggers.open_telemetry.v3.OpenTelemetryAccessLogConfig
+              log_name: epp-timings
+              grpc_service: {{envoy_grpc: {{cluster_name: epp}}, timeout: 5s}}
+              buffer_flush_interval: {ACCESS_LOG_FLUSH_INTERVAL}
+              buffer_size_bytes: 16384
+              disable_builtin_labels: true
+              body: {{string_value: "%REQ(X-REQUEST-ID)%"}}
+              attributes:
+                values:
+                - key: ttft_us
+                  value: {{string_value: "%COMMON_DURATION(US_TX_BEG:US_RX_BODY_BEG:us)%"}}"""
 
 
 OBSERVED_RESPONSES_RUNTIME_KEY = "gateway.observed_responses_percent"

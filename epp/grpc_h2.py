@@ -1,4 +1,6 @@
-"""A lean gRPC-over-HTTP/2 server for the one RPC Envoy's ext_proc filter makes: ExternalProcessor/Process.
+"""A lean gRPC-over-HTTP/2 server for the RPCs Envoy makes to the EPP: ext_proc's ExternalProcessor/Process and,
+when the gateway sends its access log here, the unary methods given (OpenTelemetry's LogsService/Export:
+`epp.handlers.accesslog`).
 
 Why not grpcio: measured here (a do-nothing ext_proc servicer behind a real Envoy), grpcio aio
 spends ~0.8 ms of CPU per request, because its completion-queue poller thread hands every message to the event
@@ -6,8 +8,8 @@ loop through a wake-up socket and both threads take turns on the GIL. This trans
 read wakes it, each message goes straight to the request's handler (`epp.handlers.extproc.RequestStream`), and the
 answers of one read leave in one write.
 
-Scope: cleartext HTTP/2 with prior knowledge (what Envoy's gRPC client speaks), uncompressed gRPC messages, and
-only the Process method (any other path gets grpc-status UNIMPLEMENTED). Flow control is honoured both ways. For
+Scope: cleartext HTTP/2 with prior knowledge (what Envoy's gRPC client speaks), uncompressed gRPC messages, the
+Process method and the unary methods given (any other path gets grpc-status UNIMPLEMENTED). Flow control is honoured both ways. For
 TLS or reflection use the grpcio transport (`epp --ext-proc-transport grpcio`).
 """
 
@@ -19,10 +21,10 @@ import logging
 import struct
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError, Message
 from hpack import Decoder
 from hpack.exceptions import HPACKError
 
@@ -100,6 +102,25 @@ def status_trailers(code: int, message: str) -> bytes:
     return _literal(b"grpc-status", str(code).encode()) + _literal(b"grpc-message", text.encode())
 
 
+class UnaryMethod:
+    """A unary RPC served beside Process: its request message type and the function that answers one."""
+
+    __slots__ = ("answer", "request_type")
+    awaiting_reply = False  # (the handler interface: answered at once, nothing afterwards)
+
+    def __init__(self, request_type: type[Message], answer: Callable[[Message], Message]):
+        self.request_type, self.answer = request_type, answer
+
+    def handle(self, message: Message) -> list[Message]:
+        return [self.answer(message)]
+
+    def after_reply(self) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
+
+
 class _Stream:
     __slots__ = (
         "closed",
@@ -111,13 +132,15 @@ class _Stream:
         "message",
         "pending",
         "recv_unacked",
+        "request_type",
         "send_window",
     )
 
     def __init__(self, stream_id: int, send_window: int):
         self.id = stream_id
         self.send_window = send_window
-        self.handler = None  # the stream's handler once the headers named the Process method
+        self.handler = None  # the stream's handler once the headers named a method we serve
+        self.request_type: type[Message] = pb.ProcessingRequest  # what its messages are
         self.header_block = b""
         self.headers_sent = False
         self.closed = False  # our trailers are queued
@@ -130,9 +153,10 @@ class _Stream:
 class ExtProcConnection(asyncio.Protocol):
     """One HTTP/2 connection from Envoy; each stream is one HTTP request's ext_proc exchange."""
 
-    def __init__(self, new_handler: NewHandler, connections: set):
+    def __init__(self, new_handler: NewHandler, connections: set, unary: Mapping[bytes, UnaryMethod] | None = None):
         self.new_handler = new_handler
         self.connections = connections
+        self.unary = unary or {}
         self.transport: asyncio.Transport | None = None
         self.buffer = bytearray()
         self.preface_seen = False
@@ -336,6 +360,9 @@ class ExtProcConnection(asyncio.Protocol):
                 return
             if path == PROCESS_PATH:
                 stream.handler = self.new_handler(functools.partial(self._reply, stream))
+            elif path in self.unary:
+                stream.handler = method = self.unary[path]
+                stream.request_type = method.request_type
             else:
                 self._close_stream(stream, status_trailers(UNIMPLEMENTED, f"unknown method {path.decode('latin-1')}"))
                 return
@@ -396,11 +423,12 @@ class ExtProcConnection(asyncio.Protocol):
                 end = offset + 5 + length
                 if size < end:
                     break
+                request_type = stream.request_type
                 try:
                     with memoryview(data) as view:  # parsed in place: one copy less of a large body
-                        request = pb.ProcessingRequest.FromString(view[offset + 5 : end])
+                        request = request_type.FromString(view[offset + 5 : end])
                 except DecodeError:
-                    self._close_stream(stream, status_trailers(INVALID_ARGUMENT, "not a ProcessingRequest"))
+                    self._close_stream(stream, status_trailers(INVALID_ARGUMENT, f"not a {request_type.__name__}"))
                     return
                 offset = end
                 self._handle(stream, request)
@@ -420,7 +448,7 @@ class ExtProcConnection(asyncio.Protocol):
             self.out.append(frame(WINDOW_UPDATE, 0, stream_id, U32.pack(stream.recv_unacked)))
             stream.recv_unacked = 0
 
-    def _handle(self, stream: _Stream, request: pb.ProcessingRequest) -> None:
+    def _handle(self, stream: _Stream, request: Message) -> None:
         stream.handled = True
         handler = stream.handler
         try:
@@ -546,17 +574,22 @@ class ExtProcConnection(asyncio.Protocol):
 class ExtProcServer:
     """Listens for Envoy's ext_proc connections. `new_connection()` is called once per connection and returns that
     connection's `new_handler(reply)`, which makes one handler per stream (so the handlers of one connection can
-    share what is bounded per connection, e.g. the body bytes they buffer); the interface is in `epp.handlers`."""
+    share what is bounded per connection, e.g. the body bytes they buffer); the interface is in `epp.handlers`.
+    `unary` maps the paths of further unary methods ("/package.Service/Method") to what serves them."""
 
-    def __init__(self, new_connection: Callable[[], NewHandler]):
+    def __init__(self, new_connection: Callable[[], NewHandler], unary: Mapping[bytes, UnaryMethod] | None = None):
         self.new_connection = new_connection
+        self.unary = dict(unary or {})
         self.connections: set[ExtProcConnection] = set()
         self.server: asyncio.Server | None = None
 
     async def start(self, host: str, port: int) -> None:
         loop = asyncio.get_running_loop()
         self.server = await loop.create_server(
-            lambda: ExtProcConnection(self.new_connection(), self.connections), host, port, reuse_address=True
+            lambda: ExtProcConnection(self.new_connection(), self.connections, self.unary),
+            host,
+            port,
+            reuse_address=True,
         )
 
     @property

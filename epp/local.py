@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -49,6 +50,7 @@ class StackConfig:
     request_body_mode: str | None = None  # FULL_DUPLEX_STREAMED, or BUFFERED with FailOpen
     response_body_mode: str = "NONE"
     observed_responses_percent: int = 100  # of the requests, with FULL_DUPLEX_STREAMED (epp.envoy.render_bootstrap)
+    access_log_percent: int = 0  # of the requests whose access-log record goes to the EPP (render_bootstrap)
     separate_model_server_processes: bool = False  # one process per model server (so one can be killed)
     model: str = "sim-llama-8b"
     config_file: str | None = None
@@ -250,6 +252,7 @@ class LocalStack:
             request_body_mode=c.request_body_mode,
             response_body_mode=c.response_body_mode,
             observed_responses_percent=c.observed_responses_percent,
+            access_log_percent=c.access_log_percent,
             message_timeout=c.message_timeout,
             fallback_endpoints=[u.removeprefix("http://") for u in self.model_server_urls],
             more_epp_endpoints=[f"{c.host}:{grpc}" for grpc, _, _ in self.epp_ports[1:]],
@@ -367,6 +370,13 @@ class LocalStack:
             self._tmp = None
 
 
+def _percent(text: str, lowest: int) -> int:
+    value = int(text) if text.strip().isdecimal() else -1
+    if not lowest <= value <= 100:
+        raise argparse.ArgumentTypeError(f"{text!r}: a whole percentage within {lowest}..100")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="epp-local", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model-servers", type=int, default=4)
@@ -395,10 +405,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--observed-responses-percent",
-        type=int,
+        type=functools.partial(_percent, lowest=1),
         default=100,
         help="with --response-body-mode FULL_DUPLEX_STREAMED: the share of requests (1-100) whose response bodies\n"
         "go through the EPP; the others bypass it",
+    )
+    p.add_argument(
+        "--access-log-percent",
+        type=functools.partial(_percent, lowest=0),
+        default=0,
+        help="the share of requests (0-100) whose access-log record Envoy sends to the EPP: what\n"
+        "predicted-latency-scorer learns TTFT from without the response bodies (0: none)",
     )
     p.add_argument("--demo", action="store_true", help="send a mixed workload and show a live table")
     p.add_argument("--once", action="store_true", help="with --demo: exit after the workload")
@@ -451,6 +468,7 @@ async def run(args: argparse.Namespace, stop: asyncio.Event) -> int:
         fail_open=args.fail_open,
         response_body_mode=args.response_body_mode,
         observed_responses_percent=args.observed_responses_percent,
+        access_log_percent=args.access_log_percent,
         model=model,
         config_file=args.config_file,
         modelserver_args=modelserver_args,

@@ -53,7 +53,11 @@ EPP_TARGETS = {
     "epp-streamed": None,
     # the default profile plus the latency predictor, trained from the sample of responses the EPP sees streamed
     "epp-predicted": predictor_config(),
+    # the same, trained (TTFT only) from the gateway's access log of every request: no response body through the EPP
+    "epp-predicted-log": predictor_config(),
 }
+# Targets whose Envoy sends the EPP its access log (epp.envoy.render_bootstrap's access_log_percent).
+ACCESS_LOGGED = {"epp-predicted-log": 100}
 # Targets whose Envoy sends response bodies to the EPP, and the share of the requests it does it for
 # (epp.envoy.render_bootstrap's observed_responses_percent): epp-streamed shows what streaming every one costs.
 STREAMED_RESPONSES = {"epp-streamed": 100, "epp-predicted": OBSERVED_RESPONSES_PERCENT}
@@ -275,6 +279,7 @@ class Pool:
             pool_extra=self.pool_extra,
             response_body_mode="FULL_DUPLEX_STREAMED" if self.target in STREAMED_RESPONSES else "NONE",
             observed_responses_percent=STREAMED_RESPONSES.get(self.target, 100),
+            access_log_percent=ACCESS_LOGGED.get(self.target, 0),
             epp_replicas=3 if self.target == "epp-3-replicas" else 1,
         )
         self.stack = LocalStack(config)

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
-from epp.handlers import NewHandler
+from epp.handlers import NewHandler, accesslog
 
 log = logging.getLogger("epp.handlers.grpcio")
 
@@ -44,3 +45,17 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                     handler.after_reply()
         finally:
             handler.finish()
+
+
+def access_log_service(export: Callable) -> grpc.GenericRpcHandler:
+    """OpenTelemetry's LogsService/Export (the gateway's access log, `epp.handlers.accesslog`) on this server."""
+    return grpc.method_handlers_generic_handler(
+        "opentelemetry.proto.collector.logs.v1.LogsService",
+        {
+            "Export": grpc.unary_unary_rpc_method_handler(
+                lambda request, context: export(request),
+                request_deserializer=accesslog.ExportRequest.FromString,
+                response_serializer=lambda response: response.SerializeToString(),
+            )
+        },
+    )

@@ -16,6 +16,11 @@ Response path: `on_response_headers` (status, the endpoint that served), `on_res
 rewritten model's name turned back into the client's), `on_complete` when the request is over (in-flight
 accounting, the scheduler's response-complete hooks, metrics). `on_complete` runs exactly once per routed request,
 whatever ended it.
+Timings (the scheduler's response-timed hooks, which the latency predictor learns from) come from the first source
+that has them: the response body, when it streamed through the EPP (at `on_complete`), or the proxy's access log
+(`on_access_log`, shortly after the request ended). For the second, once the proxy has sent one log record, each
+streamed request waits in `awaiting_timings` from its pick until its record (or its own body's timings) came; that
+table is bounded in entries and age, so records that never come cost an observation, not memory.
 """
 
 from __future__ import annotations
@@ -29,13 +34,13 @@ import uuid
 from collections.abc import Awaitable
 
 from epp.datalayer.datastore import Datastore
-from epp.datalayer.endpoint import ModelRewrite, PoolState
+from epp.datalayer.endpoint import Endpoint, ModelRewrite, PoolState
 from epp.flowcontrol import DEFAULT_FLOW, FlowController, FlowControlRejected
 from epp.metrics import EPPMetrics
 from epp.requestcontrol.types import RequestContext, RoutingDecision
 from epp.scheduling.errors import SchedulingError
 from epp.scheduling.scheduler import Scheduler
-from epp.scheduling.types import CycleState, ResponseInfo, SchedulingRequest
+from epp.scheduling.types import CycleState, ResponseInfo, SchedulingRequest, SchedulingResult
 from protocol import extproc
 from protocol.openai import OpenAIError, model_not_found, prompt_text
 
@@ -45,6 +50,11 @@ _COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 _PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
 _CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 _USAGE_TAIL_BYTES = 4096
+# Streamed requests awaiting their access-log record: at most this many (the oldest go first; at 2,000 requests a
+# second a record comes well within the flush interval after the request ends) for at most this long (a response
+# that streams longer loses its observation).
+AWAITING_TIMINGS_LIMIT = 16_384
+AWAITING_TIMINGS_SECONDS = 600.0
 
 
 class Director:
@@ -61,6 +71,9 @@ class Director:
         self.scheduler = scheduler
         self.metrics = metrics
         self.flow_control = flow_control
+        # request id -> (picked at, request, result, pick); kept only once the proxy has sent an access-log record
+        self.awaiting_timings: dict[str, tuple[float, SchedulingRequest, SchedulingResult, Endpoint]] = {}
+        self.access_log_seen = False
 
     def new_request(self, headers: dict[str, str], subset: frozenset[str] | None) -> RequestContext:
         self.datastore.note_request()
@@ -207,6 +220,8 @@ class Director:
         ctx.in_flight_tokens = request.prompt_tokens_estimate
         endpoint.routed_total += 1
         ctx.routed_at = time.monotonic()
+        if ctx.streamed and self.access_log_seen and self.scheduler.wants_timings:
+            self._await_timings(request.request_id, (ctx.routed_at, request, result, endpoint))
         metrics.requests.labels(*ctx.labels).inc()
         metrics.running.labels(ctx.labels[0]).inc()
         if body is not None:
@@ -274,14 +289,17 @@ class Director:
             prompt_tokens=_usage(_PROMPT_TOKENS, tail),
             cached_tokens=_usage(_CACHED_TOKENS, tail),
         )
-        if ctx.streamed and ctx.first_chunk_at and ctx.status.startswith("2"):
-            response.ttft = ctx.first_chunk_at - ctx.routed_at
-            if output_tokens is not None and output_tokens > 1:
-                response.tpot = (now - ctx.first_chunk_at) / (output_tokens - 1)
         self.scheduler.on_finished(request, ctx.result, endpoint, response)
+        status = ctx.status
+        if ctx.streamed and ctx.first_chunk_at and status.startswith("2"):  # the body came through: its timings
+            self.awaiting_timings.pop(request.request_id, None)
+            ttft = ctx.first_chunk_at - ctx.routed_at
+            tpot = (now - ctx.first_chunk_at) / (output_tokens - 1) if output_tokens and output_tokens > 1 else None
+            self.scheduler.on_timed(request, ctx.result, endpoint, ttft, tpot)
+        elif not status.startswith("2"):  # a failure teaches no latency
+            self.awaiting_timings.pop(request.request_id, None)
         metrics = self.metrics
         metrics.running.labels(ctx.labels[0]).dec()
-        status = ctx.status
         if status.startswith("2"):  # a model server knows these names: from now on they are labels of their own
             metrics.model_served(ctx.model)
             metrics.model_served(ctx.target_model)
@@ -299,6 +317,26 @@ class Director:
                 log.debug(
                     "request %s was served by %s, not the pick %s", request.request_id, ctx.served, endpoint.hostport
                 )
+
+    # -- timings from the proxy's access log ----------------------------------------------------------------------
+    def _await_timings(self, request_id: str, entry: tuple) -> None:
+        awaiting = self.awaiting_timings
+        if request_id in awaiting:  # two requests in flight with one id: the log could not tell them apart
+            del awaiting[request_id]
+            return
+        awaiting[request_id] = entry
+        oldest = next(iter(awaiting))  # insertion order is age order
+        if len(awaiting) > AWAITING_TIMINGS_LIMIT or awaiting[oldest][0] < entry[0] - AWAITING_TIMINGS_SECONDS:
+            del awaiting[oldest]  # one out per one in: the table never passes its limit
+
+    def on_access_log(self, request_id: str, ttft: float) -> None:
+        """The proxy's access-log record of a finished request: `ttft` seconds from sending it to the model server
+        to the first byte of the response body (the first token of a streamed response)."""
+        self.access_log_seen = True
+        entry = self.awaiting_timings.pop(request_id, None)
+        if entry is not None:
+            _, request, result, endpoint = entry
+            self.scheduler.on_timed(request, result, endpoint, ttft, None)
 
 
 def _usage(pattern: re.Pattern[bytes], tail: bytes) -> int | None:

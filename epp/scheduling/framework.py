@@ -4,7 +4,7 @@ chooses; lifecycle hooks see the request after it was routed, when it finished, 
 A plugin is one class in one module of `epp.scheduling.plugins`, registered with `@register("type-name")`, built
 from its GIE-style `parameters` mapping at startup (invalid ones raise ConfigError there, never on the request
 path). It derives from `Plugin` and declares each extension point it implements by inheriting its base class
-(Filter, Scorer, Picker, PrepareData, PreRequest, ResponseComplete, PoolChanged; a prefix index also PrefixIndexStats,
+(Filter, Scorer, Picker, PrepareData, PreRequest, ResponseComplete, ResponseTimed, PoolChanged; a prefix index also PrefixIndexStats,
 which the EPP's metrics read, and KVEventsConsumer to read the KV-event index); the scheduler collects plugins by these types. It also declares the data it reads and writes (`consumes`, `produces`), which the scheduler
 checks at startup. All extension points run synchronously on the event loop (no I/O, no awaits), except PrepareData,
 which the director may run in a worker thread.
@@ -96,6 +96,18 @@ class ResponseComplete(Plugin):
         """The request is over (its ext_proc stream ended); `endpoint` is the one it was routed to."""
 
 
+class ResponseTimed(Plugin):
+    @abstractmethod
+    def response_timed(
+        self, request: SchedulingRequest, result: SchedulingResult, endpoint: Endpoint, ttft: float, tpot: float | None
+    ) -> None:
+        """How fast a routed, streamed response came, from the first source that saw it: seconds from the routing
+        answer to its first token (`ttft`) and mean seconds per later token (`tpot`, None when unknown). Sources: the
+        response body streamed through the EPP, at the request's end (both figures), or the proxy's access log,
+        shortly after it (TTFT only; `epp.handlers.accesslog`). At most once per request, and not for every request:
+        only those a source saw."""
+
+
 class PrepareData(Plugin):
     """Reads the request before its scheduling cycle and writes what the scorers need into the cycle state (GIE's
     PrepareData), e.g. the prompt's exact tokens. The one extension point that may be slow: when `in_thread` says
@@ -169,7 +181,7 @@ class LatencyPredictionStats(Plugin):
         """The scheduler hands over the profile's prefix index: predictions count what it expects cached."""
 
 
-EXTENSION_POINTS = (Filter, Scorer, Picker, PreRequest, ResponseComplete, PoolChanged, PrepareData)
+EXTENSION_POINTS = (Filter, Scorer, Picker, PreRequest, ResponseComplete, ResponseTimed, PoolChanged, PrepareData)
 
 
 def check_data_dependencies(profile: str, plugins: Iterable[Plugin]) -> None:

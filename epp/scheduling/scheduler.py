@@ -15,7 +15,7 @@ The config has GIE's shape:
     saturationDetector: {queueDepthThreshold: 5, kvCacheUtilThreshold: 0.8}
     flowControl: {...}            # and featureGates: [flowControl=false]; read by epp.flowcontrol
 
-Every plugin the profile refers to also gets the lifecycle hooks it implements (PreRequest, ResponseComplete,
+Every plugin the profile refers to also gets the lifecycle hooks it implements (PreRequest, ResponseComplete, ResponseTimed,
 PoolChanged); plugins listed under `plugins` but not in the profile get nothing. A profile without a picker gets
 `max-score-picker`. With no config at all, DEFAULT_CONFIG applies: queue-scorer 2,
 kv-cache-utilization-scorer 2, prefix-cache-scorer 3 and precise-prefix-cache-scorer 3 (each endpoint gets one of
@@ -50,6 +50,7 @@ from epp.scheduling.framework import (
     PrepareData,
     PreRequest,
     ResponseComplete,
+    ResponseTimed,
     Scorer,
     build_plugin,
     check_data_dependencies,
@@ -133,6 +134,7 @@ class Scheduler:
         self._at_pick = [p for p in plugins if isinstance(p, PreRequest) and p.at_pick]
         self._pre_request = [p for p in plugins if isinstance(p, PreRequest) and not p.at_pick]
         self._response_complete = [p for p in plugins if isinstance(p, ResponseComplete)]
+        self._response_timed = [p for p in plugins if isinstance(p, ResponseTimed)]
         self._pool_changed = [p for p in plugins if isinstance(p, PoolChanged)]
         self.prefix_index: PrefixIndexStats | None = next((p for p in plugins if isinstance(p, PrefixIndexStats)), None)
         self.latency_prediction: LatencyPredictionStats | None = next(
@@ -263,6 +265,18 @@ class Scheduler:
         """The request is over: ResponseComplete plugins see it with its scheduling result and how it went."""
         for p in self._response_complete:
             p.response_complete(request, result, endpoint, response)
+
+    @property
+    def wants_timings(self) -> bool:
+        """Whether a plugin reads responses' timings (the director then keeps what it needs to deliver them)."""
+        return bool(self._response_timed)
+
+    def on_timed(
+        self, request: SchedulingRequest, result: SchedulingResult, endpoint: Endpoint, ttft: float, tpot: float | None
+    ) -> None:
+        """A streamed response's timings are known: ResponseTimed plugins see them."""
+        for p in self._response_timed:
+            p.response_timed(request, result, endpoint, ttft, tpot)
 
     def on_pool_changed(self, endpoints: Sequence[Endpoint]) -> None:
         """Discovery added or removed endpoints: plugins drop what they keep for endpoints that are gone."""

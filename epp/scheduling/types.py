@@ -52,15 +52,10 @@ class CycleState:
 
 @dataclass(slots=True)
 class ResponseInfo:
-    """How a routed request's response went, as the EPP saw it (for ResponseComplete plugins).
-
-    `ttft`: seconds from the routing answer to the first response body chunk, and `tpot`: seconds per output token
-    after it (from the usage's completion_tokens); both None unless the response body streamed through the EPP
-    (Envoy's response_body_mode FULL_DUPLEX_STREAMED) and produced tokens."""
+    """How a routed request's response went, as the EPP saw it (for ResponseComplete plugins; its timings go to
+    ResponseTimed plugins). The usage's figures are None unless the response body streamed through the EPP."""
 
     status: str  # the HTTP status, "" when no response headers came through (a reset)
-    ttft: float | None = None
-    tpot: float | None = None
     output_tokens: int | None = None
     prompt_tokens: int | None = None  # the usage's prompt_tokens
     cached_tokens: int | None = None  # the usage's prompt_tokens_details.cached_tokens: the server's prefix hit

@@ -1,11 +1,13 @@
 """The director feeds the latency predictor: a streamed response's first body chunk gives its TTFT and the usage's
-completion_tokens its time per output token; a response that did not stream through the EPP teaches nothing."""
+completion_tokens its time per output token; or, without its body, the proxy's access-log record gives its TTFT; a
+response that is not streamed teaches nothing."""
 
 import json
 import time
 
 from epp.metrics import EPPMetrics
 from epp.predictor import shared
+from epp.requestcontrol import director as director_module
 from tests.epp.test_server import make_picker
 
 CONFIG = """\
@@ -103,3 +105,77 @@ def test_requests_with_objectives_leave_the_interference_filter_however_they_end
     for ctx in contexts:
         director.on_complete(ctx)
     assert plugin.ledgers == {}
+
+
+def routed(director, request_id: str, stream: bool = True):
+    ctx = director.new_request({":path": "/v1/completions", "x-request-id": request_id}, None)
+    payload = {"model": "m", "prompt": "hello " * 50, "max_tokens": 5, "stream": stream}
+    director.route(ctx, payload, json.dumps(payload).encode())
+    director.after_routed(ctx)
+    return ctx
+
+
+def ended(director, ctx, status: str = "200") -> None:
+    director.on_response_headers(ctx, status, None)
+    director.on_complete(ctx)
+
+
+def test_access_log_records_train_the_predictor_once_the_proxy_sends_them():
+    director = make_picker(config=CONFIG.replace("director-test", "director-log"))
+    predictor = shared("director-log").predictor
+    ended(director, routed(director, "before"))
+    director.on_access_log("before", 0.05)
+    assert predictor.observations == 0  # the proxy's first record: until then nothing waited for one
+    assert director.access_log_seen
+    for i in range(3):  # the record may come before the EPP sees the request end, or after
+        ctx = routed(director, f"r{i}")
+        if i % 2:
+            ended(director, ctx)
+        director.on_access_log(f"r{i}", 0.04)
+        director.on_access_log(f"r{i}", 0.04)  # a second record of the id: nothing left to learn
+        if not i % 2:
+            ended(director, ctx)
+    assert predictor.observations == 3
+    ended(director, routed(director, "unstreamed", stream=False))
+    ended(director, routed(director, "failed"), status="503")
+    director.on_access_log("unstreamed", 0.3)  # its first body byte came with its last token: not a TTFT
+    director.on_access_log("failed", 0.01)
+    director.on_access_log("unknown", 0.01)
+    assert predictor.observations == 3
+    assert director.awaiting_timings == {}
+
+
+def test_the_first_source_of_timings_wins_and_ambiguous_ids_teach_nothing():
+    director = make_picker(config=CONFIG.replace("director-test", "director-sources"))
+    predictor = shared("director-sources").predictor
+    director.on_access_log("-", 0.05)  # the proxy sends records
+    serve(director, stream=True, first_token_after=0.01)  # its body came through: learnt at its end
+    assert predictor.observations == 1 and director.awaiting_timings == {}
+    first, second = routed(director, "same"), routed(director, "same")  # one id, two requests in flight
+    assert "same" not in director.awaiting_timings
+    for ctx in (first, second):
+        ended(director, ctx)
+    director.on_access_log("same", 0.05)
+    assert predictor.observations == 1
+
+
+def test_requests_awaiting_a_record_are_bounded_in_number_and_age(monkeypatch):
+    monkeypatch.setattr(director_module, "AWAITING_TIMINGS_LIMIT", 4)
+    director = make_picker(config=CONFIG.replace("director-test", "director-bounded"))
+    director.on_access_log("-", 0.05)
+    for i in range(10):
+        ended(director, routed(director, f"r{i}"))  # no record ever comes
+    assert list(director.awaiting_timings) == ["r6", "r7", "r8", "r9"]
+    director.on_access_log("r9", 0.04)
+    monkeypatch.setattr(director_module, "AWAITING_TIMINGS_SECONDS", 0.0)
+    time.sleep(0.001)
+    ended(director, routed(director, "late"))  # within the limit, but the oldest has waited too long
+    assert list(director.awaiting_timings) == ["r7", "r8", "late"]
+    assert all(e.in_flight_requests == 0 for e in director.datastore.endpoints)
+
+
+def test_without_a_plugin_that_reads_timings_nothing_waits_for_them():
+    director = make_picker()  # the default profile: no predictor
+    director.on_access_log("-", 0.05)
+    ended(director, routed(director, "r"))
+    assert director.awaiting_timings == {}

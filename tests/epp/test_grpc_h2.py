@@ -9,14 +9,16 @@ import grpc
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
-from epp.grpc_h2 import GOAWAY, MAX_RECEIVE_FRAME, PREFACE, ExtProcServer, frame
+from epp.grpc_h2 import GOAWAY, MAX_RECEIVE_FRAME, PREFACE, ExtProcServer, UnaryMethod, frame
+from epp.handlers import accesslog
 from tests.epp.test_transports import PROCESS, EchoHandler, body, headers
 
 
 @pytest.fixture
 async def server():
     EchoHandler.log = []
-    server = ExtProcServer(lambda: EchoHandler)
+    export = UnaryMethod(accesslog.ExportRequest, accesslog.export_handler(lambda request_id, ttft: None))
+    server = ExtProcServer(lambda: EchoHandler, {accesslog.EXPORT_PATH: export})
     await server.start("127.0.0.1", 0)
     try:
         yield server
@@ -35,6 +37,11 @@ async def test_unknown_method_and_undecodable_message_get_grpc_errors(server):
         with pytest.raises(grpc.aio.AioRpcError) as failure:
             await garbage(b"\xff\xff\xff")
         assert failure.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        garbage = channel.unary_unary(accesslog.EXPORT_PATH.decode())
+        with pytest.raises(grpc.aio.AioRpcError) as failure:
+            await garbage(b"\xff\xff\xff")
+        assert failure.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "ExportLogsServiceRequest" in failure.value.details()
         # the connection is still good
         stub = pb_grpc.ExternalProcessorStub(channel)
         call = stub.Process()

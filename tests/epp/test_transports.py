@@ -1,7 +1,8 @@
 """One suite for both ext_proc transports (the lean `epp.grpc_h2` and grpcio's `epp.handlers.grpcio`), driven by
 grpcio's client: the handler interface of `epp.handlers` (answers now or later through `reply`, `after_reply`
 after each batch of answers, `finish` once however the stream ends), many concurrent streams, messages larger than
-every flow-control window in both directions, and errors that cost one stream only."""
+every flow-control window in both directions, errors that cost one stream only, and the access log's unary Export
+beside them."""
 
 import asyncio
 
@@ -11,8 +12,9 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
-from epp.grpc_h2 import ExtProcServer
-from epp.handlers.grpcio import ExternalProcessor
+from epp.grpc_h2 import ExtProcServer, UnaryMethod
+from epp.handlers import accesslog
+from epp.handlers.grpcio import ExternalProcessor, access_log_service
 
 PROCESS = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
 DEFER_SECONDS = 0.05
@@ -82,12 +84,19 @@ def body(data: bytes) -> pb.ProcessingRequest:
     return pb.ProcessingRequest(request_body=pb.HttpBody(body=data, end_of_stream=True))
 
 
+ACCESS_LOG_RECORDS: list[tuple[str, float]] = []
+EXPORT = accesslog.export_handler(lambda request_id, ttft: ACCESS_LOG_RECORDS.append((request_id, ttft)))
+
+
 @pytest.fixture(params=["h2", "grpcio"])
 async def port(request):
-    """The port of a transport serving EchoHandlers."""
+    """The port of a transport serving EchoHandlers and the access log's Export (into ACCESS_LOG_RECORDS)."""
     EchoHandler.log = []
+    ACCESS_LOG_RECORDS.clear()
     if request.param == "h2":
-        server = ExtProcServer(lambda: EchoHandler)
+        server = ExtProcServer(
+            lambda: EchoHandler, {accesslog.EXPORT_PATH: UnaryMethod(accesslog.ExportRequest, EXPORT)}
+        )
         await server.start("127.0.0.1", 0)
         try:
             yield server.port
@@ -96,6 +105,7 @@ async def port(request):
     else:
         server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
         pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(EchoHandler), server)
+        server.add_generic_rpc_handlers([access_log_service(EXPORT)])
         bound = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         try:
@@ -198,3 +208,30 @@ async def test_unknown_method_gets_unimplemented_and_the_connection_stays_good(p
         await call.write(headers())
         assert (await call.read()).HasField("request_headers")
         await call.done_writing()
+
+
+def access_log_export(*records: tuple[str, str]) -> bytes:
+    """An OTLP Export request as Envoy's OpenTelemetry access logger sends it: (body, ttft_us attribute) records."""
+    from opentelemetry.proto.common.v1 import common_pb2
+
+    request = accesslog.ExportRequest()
+    scope = getattr(request.resource_logs.add(), accesslog._SCOPES).add()
+    for request_id, ttft_us in records:
+        record = getattr(scope, accesslog._RECORDS).add(body=common_pb2.AnyValue(string_value=request_id))
+        record.attributes.add(key="other", value=common_pb2.AnyValue(string_value="x"))
+        record.attributes.add(key=accesslog.TTFT_ATTRIBUTE, value=common_pb2.AnyValue(string_value=ttft_us))
+    return request.SerializeToString()
+
+
+async def test_access_log_export_beside_ext_proc_streams_on_one_connection(port):
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        call = pb_grpc.ExternalProcessorStub(channel).Process()
+        await call.write(headers())
+        export = channel.unary_unary(accesslog.EXPORT_PATH.decode())
+        records = [("a", "1500"), ("b", "-"), ("", "10"), ("c", "0"), ("d", "²"), ("e", "9" * 40), ("f", "250000")]
+        answer = await export(access_log_export(*records))
+        assert answer == b""  # an empty ExportLogsServiceResponse: every record accepted
+        assert (await call.read()).HasField("request_headers")
+        await call.done_writing()
+        assert await call.code() == grpc.StatusCode.OK
+    assert ACCESS_LOG_RECORDS == [("a", 0.0015), ("f", 0.25)]  # the rest lack an id or a positive time in us

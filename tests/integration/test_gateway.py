@@ -233,3 +233,47 @@ async def test_a_sampled_share_of_responses_streams_through_the_epp(make_stack):
     observed = names.count("my-alias")
     assert names.count(MODEL) == 40 - observed
     assert 8 <= observed <= 32, observed  # Binomial(40, 0.5) falls outside with probability ~1e-4
+
+
+async def test_the_predictor_learns_from_the_gateways_access_log_without_response_bodies(make_stack):
+    """access_log_percent: Envoy's OpenTelemetry access logger sends the EPP each request's time from sending it
+    upstream to the first response body byte; the latency predictor learns streamed requests' TTFT from it while
+    no response body passes through the EPP (the rewrite the EPP would undo in a body it saw stays in place)."""
+    from epp.bench.decision import predictor_config
+
+    pool = {"rewrites": [{"model": "my-alias", "targets": [{"model": MODEL, "weight": 1}]}]}
+    stack = await make_stack(
+        servers=2, access_log_percent=100, config_text=predictor_config("access-log-test"), pool_extra=pool
+    )
+    body = {"model": "my-alias", "prompt": "hello there " * 20, "max_tokens": 3, "stream": True}
+    async with aiohttp.ClientSession() as session:
+
+        async def streamed() -> None:
+            async with session.post(f"{stack.gateway_url}/v1/completions", json=body) as r:
+                assert r.status == 200
+                events = [e[6:] for e in (await r.read()).decode().split("\n\n") if e]
+            assert {json.loads(e)["model"] for e in events[:-1]} == {MODEL}  # the body did not reach the EPP
+
+        async def learnt() -> float:
+            async with session.get(stack.epp_metrics_url) as r:
+                page = await r.text()
+            samples = [line for line in page.splitlines() if line.startswith(OBSERVATIONS)]
+            return float(samples[0].split()[-1]) if samples else 0.0
+
+        await streamed()
+        await asyncio.sleep(0.5)  # its record (Envoy flushes every 0.1 s) tells the EPP that records come
+        assert await learnt() == 0  # nothing waited for that one's
+        for _ in range(10):
+            await streamed()
+        for _ in range(50):
+            if await learnt() >= 10:
+                break
+            await asyncio.sleep(0.1)
+        assert await learnt() == 10
+        async with session.post(f"{stack.gateway_url}/v1/completions", json={**body, "stream": False}) as r:
+            assert r.status == 200
+        await asyncio.sleep(0.5)
+        assert await learnt() == 10  # a whole body's first byte comes with its last token: no TTFT to learn
+
+
+OBSERVATIONS = "inference_extension_latency_predictor_observations_total"

@@ -46,7 +46,7 @@ class PredictedLatencyFilter(Filter, PredictorFeed):
         self.confidence = float(p.get("confidence", 0.9, (int, float)))
         self.long_output_tokens = p.get("longOutputTokens", 256, int, minimum=1)
         p.done()
-        self.unseen_bodies = 0  # successful responses without a body through the EPP, while nothing was learnt
+        self.untimed_responses = 0  # successful responses without timings, while nothing was learnt
         if not 0.5 < self.confidence < 1:
             raise ConfigError(
                 f"predicted-latency-filter: parameter confidence must be in (0.5, 1), got {self.confidence!r}"

@@ -10,9 +10,11 @@ instead of being stretched to 0..1 as min-max would.
 Abstains (None) while the predictor is cold (too few observations or its windowed error above its bound): the
 other scorers then decide alone.
 Feeds the predictor too: when a request is routed (PreRequest, at the pick: a burst's next request sees its prefill
-in the backlog) its features on the picked endpoint are kept in the cycle state, and when it completes (ResponseComplete) the observed TTFT and time per output token train the model.
-The director observes them only for streamed responses whose body passes through the EPP (Envoy's
-response_body_mode FULL_DUPLEX_STREAMED): the first body chunk is the first token.
+in the backlog) its features on the picked endpoint are kept in the cycle state, and when its timings are known
+(ResponseTimed) they train the model. The director has them for streamed responses only, from the first of two
+sources: the gateway's access log (TTFT: Envoy's time from sending the request upstream to the first body byte
+back; `epp.handlers.accesslog`, a record per request, batched) or the body passing through the EPP (Envoy's
+response_body_mode FULL_DUPLEX_STREAMED, an ext_proc round trip per token: TTFT, and TPOT from the usage).
 Composition with the other scorers, by rule rather than by weight: the prediction is made from their signals (the
 queue, running requests, KV usage, in-flight tokens, the prefix match as cached tokens, the adapter loaded or
 not), so while it predicts it replaces those scorers for the request (`Scorer.replaces`: the scheduler skips them,
@@ -38,6 +40,7 @@ from epp.scheduling.framework import (
     PrefixIndexStats,
     PreRequest,
     ResponseComplete,
+    ResponseTimed,
     Scorer,
     register,
 )
@@ -46,20 +49,20 @@ from epp.scheduling.types import CycleState, ResponseInfo, SchedulingRequest, Sc
 ROUTED_FEATURES: StateKey[Features] = StateKey("predicted-latency-routed-features")
 OBSERVED: StateKey[bool] = StateKey("predicted-latency-observed")  # the predictor learnt from this request
 # Successful responses whose body never reached the EPP before it says that it cannot learn (once).
-UNSEEN_BODIES_WARNING = 100
+UNTIMED_RESPONSES_WARNING = 100
 
 log = logging.getLogger(__name__)
 
 
-class PredictorFeed(PreRequest, ResponseComplete, LatencyPredictionStats):
+class PredictorFeed(PreRequest, ResponseComplete, ResponseTimed, LatencyPredictionStats):
     """The hooks that train the pool's predictor, shared by the plugins that read it (this scorer and
     predicted-latency-filter): at the pick the request's features on its endpoint (and its prompt into the
-    endpoint's prefill backlog), at completion the observed TTFT and TPOT. With both plugins in one profile the
-    first one fed does it, once per request. Needs `self.predictions` and `self.unseen_bodies = 0`."""
+    endpoint's prefill backlog), then the observed TTFT and TPOT. With both plugins in one profile the first one fed
+    does it, once per request. Needs `self.predictions` and `self.untimed_responses = 0`."""
 
     at_pick = True  # the prompt joins the pick's prefill backlog before the next request of a burst is scheduled
     predictions: CandidatePredictions
-    unseen_bodies: int
+    untimed_responses: int
 
     def pre_request(self, request: SchedulingRequest, result: SchedulingResult) -> None:
         if result.cycle_state.read(ROUTED_FEATURES) is not None:
@@ -70,32 +73,35 @@ class PredictorFeed(PreRequest, ResponseComplete, LatencyPredictionStats):
         features = self.predictions.predictor.routed(endpoint, request.prompt_tokens_estimate, cached_tokens, adapter)
         result.cycle_state.write(ROUTED_FEATURES, features)
 
-    def response_complete(
-        self, request: SchedulingRequest, result: SchedulingResult, endpoint, response: ResponseInfo
+    def response_timed(
+        self, request: SchedulingRequest, result: SchedulingResult, endpoint, ttft: float, tpot: float | None
     ) -> None:
         if result.cycle_state.read(OBSERVED) is not None:
             return
         result.cycle_state.write(OBSERVED, True)
         features = result.cycle_state.read(ROUTED_FEATURES)
-        if response.ttft is None and response.output_tokens is None and response.status.startswith("2"):
-            self._body_not_seen()
-        if features is None or response.ttft is None or response.ttft <= 0:
-            return  # not routed by a prompt, not streamed through the EPP, or no token came
-        tpot = response.tpot if response.tpot is not None and response.tpot > 0 else None
-        self.predictions.predictor.observe(features, response.ttft, tpot)
+        if features is None or not ttft > 0:
+            return  # not routed by a prompt, or no time measured
+        self.predictions.predictor.observe(features, ttft, tpot if tpot is not None and tpot > 0 else None)
 
-    def _body_not_seen(self) -> None:
-        if self.predictions.predictor.observations or self.unseen_bodies > UNSEEN_BODIES_WARNING:
-            return
-        self.unseen_bodies += 1
-        if self.unseen_bodies == UNSEEN_BODIES_WARNING:
-            log.warning(
-                "%s: %d successful responses and none of their bodies reached the EPP: the latency predictor "
-                "learns only from responses streamed through it (Envoy ext_proc response_body_mode "
-                "FULL_DUPLEX_STREAMED) and abstains until then",
-                self.typed_name.type,
-                UNSEEN_BODIES_WARNING,
-            )
+    def response_complete(
+        self, request: SchedulingRequest, result: SchedulingResult, endpoint, response: ResponseInfo
+    ) -> None:
+        """Only to say, once, when successful responses come and no timings ever did."""
+        if (
+            response.status.startswith("2")
+            and self.untimed_responses <= UNTIMED_RESPONSES_WARNING
+            and not self.predictions.predictor.observations
+        ):
+            self.untimed_responses += 1
+            if self.untimed_responses == UNTIMED_RESPONSES_WARNING:
+                log.warning(
+                    "%s: %d successful responses and no timings of any: the latency predictor learns only from "
+                    "streamed responses whose timings reach the EPP (the gateway's OpenTelemetry access log sent to "
+                    "the EPP, or Envoy ext_proc response_body_mode FULL_DUPLEX_STREAMED) and abstains until then",
+                    self.typed_name.type,
+                    UNTIMED_RESPONSES_WARNING,
+                )
 
     @property
     def prediction_errors(self) -> tuple[float | None, float | None]:
@@ -129,7 +135,7 @@ class PredictedLatencyScorer(Scorer, PredictorFeed):
         self.predictions = shared(p.get("pool", "default", str))
         self.long_output_tokens = p.get("longOutputTokens", 256, int, minimum=1)
         p.done()
-        self.unseen_bodies = 0  # successful responses without a body through the EPP, while nothing was learnt
+        self.untimed_responses = 0  # successful responses without timings, while nothing was learnt
 
     def score(
         self, cycle_state: CycleState, request: SchedulingRequest, endpoints: list[Endpoint]

@@ -196,20 +196,37 @@ def test_an_adapter_not_loaded_on_the_pick_is_recorded_as_a_load(pool):
         assert result.cycle_state.read(ROUTED_FEATURES).adapter_loaded is loaded
 
 
-def test_scorer_says_once_that_no_response_body_reaches_it(pool, caplog):
-    from epp.scheduling.plugins.predicted_latency_scorer import UNSEEN_BODIES_WARNING
+def test_scorer_says_once_that_no_timings_reach_it(pool, caplog):
+    from epp.scheduling.plugins.predicted_latency_scorer import UNTIMED_RESPONSES_WARNING
     from epp.scheduling.types import ResponseInfo
 
     scorer = build_plugin("predicted-latency-scorer", {"pool": pool})
     scheduler = Scheduler.from_config(None)
     with caplog.at_level("WARNING"):
-        for _ in range(3 * UNSEEN_BODIES_WARNING):  # one request each (each is learnt from at most once)
+        for _ in range(UNTIMED_RESPONSES_WARNING - 1):
             result = scheduler.schedule(req(), [endpoint(0)])
             scorer.response_complete(req(), result, endpoint(0), ResponseInfo("200"))
-        result = scheduler.schedule(req(), [endpoint(0)])
-        scorer.response_complete(req(), result, endpoint(0), ResponseInfo("200", output_tokens=5))  # a body came
-    warnings = [r for r in caplog.records if "FULL_DUPLEX_STREAMED" in r.getMessage()]
+            scorer.response_complete(req(), result, endpoint(0), ResponseInfo("503"))  # failures do not count
+        assert not [r for r in caplog.records if "access log" in r.getMessage()]
+        for _ in range(3 * UNTIMED_RESPONSES_WARNING):
+            result = scheduler.schedule(req(), [endpoint(0)])
+            scorer.response_complete(req(), result, endpoint(0), ResponseInfo("200"))
+    warnings = [r for r in caplog.records if "access log" in r.getMessage()]
     assert len(warnings) == 1
+
+
+def test_no_warning_once_timings_came(pool, caplog):
+    from epp.scheduling.plugins.predicted_latency_scorer import UNTIMED_RESPONSES_WARNING
+    from epp.scheduling.types import ResponseInfo
+
+    scorer = build_plugin("predicted-latency-scorer", {"pool": pool})
+    scheduler = Scheduler.from_config(None)
+    trained(pool)
+    with caplog.at_level("WARNING"):
+        for _ in range(2 * UNTIMED_RESPONSES_WARNING):
+            result = scheduler.schedule(req(), [endpoint(0)])
+            scorer.response_complete(req(), result, endpoint(0), ResponseInfo("200"))
+    assert not [r for r in caplog.records if "access log" in r.getMessage()]
 
 
 def test_while_it_predicts_the_latency_scorer_replaces_the_scorers_whose_signals_it_models(pool):
@@ -283,6 +300,7 @@ def test_with_both_predictor_plugins_a_request_is_learnt_once(pool):
     result = scheduler.schedule(request, endpoints)
     scheduler.on_picked(request, result)
     scheduler.on_routed(request, result)
-    response = ResponseInfo(status="200", ttft=0.05, tpot=0.01, output_tokens=10)
-    scheduler.on_finished(request, result, result.primary, response)
+    scheduler.on_finished(request, result, result.primary, ResponseInfo(status="200", output_tokens=10))
+    scheduler.on_timed(request, result, result.primary, 0.05, 0.01)
+    scheduler.on_timed(request, result, result.primary, 0.05, None)  # a second source of the same request
     assert predictor.observations == observations + 1

@@ -1,0 +1,59 @@
+"""The access-log handler: Envoy's OpenTelemetry access logger (`envoy.access_loggers.open_telemetry`) sends the EPP
+a record of every finished request (the share `epp.envoy.render_bootstrap(access_log_percent=...)` samples), batched
+into OTLP LogsService/Export calls on the EPP's gRPC port; the records' timings teach the latency predictor
+(`epp.requestcontrol.director.Director.on_access_log`).
+
+Why from the access log: Envoy times the upstream exchange itself, so the EPP learns a response's time to first
+token without its body passing through the EPP, which costs an ext_proc round trip per token (a streamed response's
+first body byte is its first token). What it costs instead: one record per request, formatted by Envoy and sent in
+batches (one Export per flush interval or buffer size per Envoy worker), and parsed here; measured by `epp-bench
+overhead`'s access-log target. What it cannot give: time per output token (the record does not see the usage).
+
+The record, as our bootstrap formats it (epp/templates/envoy.yaml.tmpl; another gateway can send the same):
+* body: the request's x-request-id, which the EPP set on the routed request (`RoutingDecision.request_id`);
+* attribute `ttft_us`: microseconds from the first byte sent upstream to the first byte of the response body
+  (`%COMMON_DURATION(US_TX_BEG:US_RX_BODY_BEG:us)%`; "-" when no body came).
+Records without both, or with a time that is not a positive whole number of microseconds under an hour, are skipped.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from opentelemetry.proto.collector.logs.v1 import logs_service_pb2
+from opentelemetry.proto.logs.v1 import logs_pb2
+
+log = logging.getLogger("epp.handlers.accesslog")
+
+EXPORT_PATH = b"/opentelemetry.proto.collector.logs.v1.LogsService/Export"
+TTFT_ATTRIBUTE = "ttft_us"
+MAX_MICROSECONDS = 3_600_000_000
+# The field names of OTLP's nesting by number: older copies of the protos (the one xds-protos ships) call them
+# instrumentation_library_logs / logs, current ones scope_logs / log_records; the wire format is the same.
+_SCOPES = logs_pb2.ResourceLogs.DESCRIPTOR.fields_by_number[2].name
+_RECORDS = logs_pb2.ResourceLogs.DESCRIPTOR.fields_by_number[2].message_type.fields_by_number[2].name
+
+ExportRequest = logs_service_pb2.ExportLogsServiceRequest
+_ANSWER = logs_service_pb2.ExportLogsServiceResponse()
+
+
+def export_handler(on_record: Callable[[str, float], None]) -> Callable[[ExportRequest], object]:
+    """The Export method: each well-formed record becomes `on_record(request_id, ttft_seconds)`."""
+
+    def export(request: ExportRequest) -> logs_service_pb2.ExportLogsServiceResponse:
+        skipped = 0
+        for resource in request.resource_logs:
+            for scope in getattr(resource, _SCOPES):
+                for record in getattr(scope, _RECORDS):
+                    request_id = record.body.string_value
+                    ttft_us = next((a.value.string_value for a in record.attributes if a.key == TTFT_ATTRIBUTE), "")
+                    if request_id and ttft_us.isdecimal() and len(ttft_us) < 12 and 0 < int(ttft_us) < MAX_MICROSECONDS:
+                        on_record(request_id, int(ttft_us) / 1e6)
+                    else:
+                        skipped += 1
+        if skipped:
+            log.debug("skipped %d access-log records without a request id and a first-byte time", skipped)
+        return _ANSWER
+
+    return export
