@@ -31,6 +31,7 @@ BODY = {"model": "sim-llama-8b", "prompt": "Say hello to the benchmark.", "max_t
 PLAIN = "plain envoy"
 EPP = "envoy+epp"
 EPP_NO_FLOW_CONTROL = "envoy+epp (flowControl: {enabled: false})"
+EPP_ACCESS_LOG = "envoy+epp (access log to the EPP)"
 FLOOR_ONE_TRIP = "envoy+floor (request headers only)"
 FLOOR_HEADERS = "envoy+floor (headers only)"
 FLOOR_BODY = "envoy+floor (body streamed)"
@@ -159,12 +160,15 @@ async def _start_floor(
     return f"http://127.0.0.1:{listener}/v1/completions", {"envoy": envoy.process.pid, "processor": floor.pid}
 
 
-async def _start_epp_without_flow_control(stack: LocalStack, transport: str, opened: list) -> LocalStack:
+async def _start_epp_variant(
+    stack: LocalStack, transport: str, opened: list, name: str, config_text: str | None, access_log_percent: int = 0
+) -> LocalStack:
     """The stack's EPP build and Envoy bootstrap again, on ports of their own and over the stack's model servers,
-    with `flowControl: {enabled: false}`: flow control's cost is the difference to the stack's own EPP."""
+    with one difference: the EPP's config (`flowControl: {enabled: false}`: flow control's cost is the difference to
+    the stack's own EPP) or the access log Envoy sends the EPP (what learning TTFT from it costs both)."""
     grpc, health, metrics, listener, admin = free_ports(5)
     c = stack.config
-    off = LocalStack(
+    variant = LocalStack(
         StackConfig(
             model_servers=c.model_servers,
             base_port=c.base_port,
@@ -173,17 +177,18 @@ async def _start_epp_without_flow_control(stack: LocalStack, transport: str, ope
             metrics_port=metrics,
             listener_port=listener,
             admin_port=admin,
-            workdir=stack.workdir / "flow-control-off",
-            config_text=DEFAULT_CONFIG + "flowControl: {enabled: false}\n",
+            workdir=stack.workdir / name,
+            config_text=config_text,
+            access_log_percent=access_log_percent,
             epp_args=["--ext-proc-transport", transport],
         )
     )
-    off.workdir.mkdir(exist_ok=True)
-    opened.append(off)
-    off.start_epp()
-    off.start_envoy()
-    await asyncio.gather(off._wait_http("epp", off.epp_metrics_url, 60), off.envoy.wait_ready(60))
-    return off
+    variant.workdir.mkdir(exist_ok=True)
+    opened.append(variant)
+    variant.start_epp()
+    variant.start_envoy()
+    await asyncio.gather(variant._wait_http("epp", variant.epp_metrics_url, 60), variant.envoy.wait_ready(60))
+    return variant
 
 
 async def measure(
@@ -196,6 +201,7 @@ async def measure(
     transport: str = "h2",
     with_floor: bool = True,
     with_flow_control_off: bool = True,
+    with_access_log: bool = True,
 ) -> OverheadResult:
     """Every target in one run over one pool: sequential latency interleaved request by request, then throughput
     in alternating order. Each target has processes of its own (its Envoy, its processor or router), so their CPU
@@ -247,10 +253,19 @@ async def measure(
                 )
         targets[EPP] = f"{stack.gateway_url}/v1/completions"
         pids[EPP] = {"envoy": stack.envoy.process.pid, "epp": stack.processes["epp"].pid}
-        if with_flow_control_off:  # a second EPP and Envoy over the same servers, flow control off
-            off = await _start_epp_without_flow_control(stack, transport, opened)
-            targets[EPP_NO_FLOW_CONTROL] = f"{off.gateway_url}/v1/completions"
-            pids[EPP_NO_FLOW_CONTROL] = {"envoy": off.envoy.process.pid, "epp": off.processes["epp"].pid}
+        variants = {
+            EPP_NO_FLOW_CONTROL: ("flow-control-off", DEFAULT_CONFIG + "flowControl: {enabled: false}\n", 0)
+            if with_flow_control_off
+            else None,
+            # the default profile ignores the records (only a predictor profile learns from them): what receiving
+            # one per request costs Envoy and the EPP
+            EPP_ACCESS_LOG: ("access-log", None, 100) if with_access_log else None,
+        }
+        for target, variant in variants.items():  # a second EPP and Envoy over the same servers, one thing changed
+            if variant is not None:
+                other = await _start_epp_variant(stack, transport, opened, *variant)
+                targets[target] = f"{other.gateway_url}/v1/completions"
+                pids[target] = {"envoy": other.envoy.process.pid, "epp": other.processes["epp"].pid}
         for kind in ("sglang", "vllm") if with_peers else ():  # the Rust routers, when the [bench] extra installed them
             if peer_command(kind) is not None:
                 process, url = await start_router(
