@@ -45,7 +45,7 @@ def render_bootstrap(
     admin_address: str | None = None,
     message_timeout: float = 10.0,
     more_epp_endpoints: Sequence[str] = (),
-    access_log_percent: int = 0,
+    access_log_percent: int = 100,
 ) -> str:
     """The bootstrap YAML; `fallback_endpoints` are "host:port" strings of the pool (FailOpen routing);
     `more_epp_endpoints` ("host:port") are further EPP replicas beside epp_host:epp_port (round robin between them).
@@ -67,9 +67,9 @@ def render_bootstrap(
 
     `access_log_percent` (0 = none): the share of requests whose access-log record (request id, time from the
     request sent upstream to the first response body byte) Envoy's OpenTelemetry access logger sends to the EPP,
-    batched, on its gRPC port (`epp.handlers.accesslog`): what the latency predictor learns TTFT from without the
-    response bodies passing through the EPP. Below 100 a runtime filter (runtime key ACCESS_LOG_RUNTIME_KEY)
-    samples them.
+    batched, on its gRPC port (`epp.handlers.accesslog`): what the default profile's latency predictor learns TTFT
+    from without the response bodies passing through the EPP. Below 100 a runtime filter (runtime key
+    ACCESS_LOG_RUNTIME_KEY) samples them.
     """
     request_body_mode = request_body_mode or ("BUFFERED" if fail_open else "FULL_DUPLEX_STREAMED")
     if fail_open and request_body_mode == "FULL_DUPLEX_STREAMED":

@@ -50,7 +50,7 @@ class StackConfig:
     request_body_mode: str | None = None  # FULL_DUPLEX_STREAMED, or BUFFERED with FailOpen
     response_body_mode: str = "NONE"
     observed_responses_percent: int = 100  # of the requests, with FULL_DUPLEX_STREAMED (epp.envoy.render_bootstrap)
-    access_log_percent: int = 0  # of the requests whose access-log record goes to the EPP (render_bootstrap)
+    access_log_percent: int = 100  # of the requests whose access-log record goes to the EPP (render_bootstrap)
     separate_model_server_processes: bool = False  # one process per model server (so one can be killed)
     model: str = "sim-llama-8b"
     config_file: str | None = None
@@ -413,9 +413,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--access-log-percent",
         type=functools.partial(_percent, lowest=0),
-        default=0,
-        help="the share of requests (0-100) whose access-log record Envoy sends to the EPP: what\n"
-        "predicted-latency-scorer learns TTFT from without the response bodies (0: none)",
+        default=100,
+        help="the share of requests (0-100) whose access-log record Envoy sends to the EPP: what the latency\n"
+        "predictor learns TTFT from without the response bodies (0: none; then it learns from bodies only)",
     )
     p.add_argument("--demo", action="store_true", help="send a mixed workload and show a live table")
     p.add_argument("--once", action="store_true", help="with --demo: exit after the workload")

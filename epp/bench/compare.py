@@ -22,7 +22,6 @@ from typing import NamedTuple
 import aiohttp
 
 from epp.bench import inference_perf
-from epp.bench.decision import predictor_config
 from epp.bench.overhead import cpu_seconds, percentile
 from epp.bench.peers import peer_command, start_router
 from epp.bench.ports import free_port_block, free_ports
@@ -38,11 +37,21 @@ SINGLE_SCORER = """plugins:\n- type: {0}\nschedulingProfiles:\n- name: {0}\n  pl
 APPROXIMATE_CONFIG = DEFAULT_CONFIG.replace("- type: precise-prefix-cache-scorer\n", "").replace(
     "  - pluginRef: precise-prefix-cache-scorer\n    weight: 3\n", ""
 )
+# The default profile without the latency predictor's filters: its scorers alone
+_FILTERS = ("slo-headroom-filter", "slo-interference-filter", "predicted-latency-filter")
+SCORERS_ONLY_CONFIG = DEFAULT_CONFIG
+for _filter in _FILTERS:
+    SCORERS_ONLY_CONFIG = SCORERS_ONLY_CONFIG.replace(f"- type: {_filter}\n", "").replace(
+        f"  - pluginRef: {_filter}\n", ""
+    )
 # epp-predicted learns from this share of the responses: its predictor's memory (~500 observations, decay 0.998)
 # then spans ~2 minutes at 16 req/s, and streaming costs a quarter of what it costs for every response.
 OBSERVED_RESPONSES_PERCENT = 25
 EPP_TARGETS = {
-    "epp": None,  # the default profile: precise for endpoints that publish KV events (epp-local's servers do)
+    # the default profile: the latency predictor's filters, learning TTFT from the gateway's access log, then the
+    # scorers (precise for endpoints that publish KV events: epp-local's servers do)
+    "epp": None,
+    "epp-no-predictor": SCORERS_ONLY_CONFIG,  # the default profile's scorers alone (and no access log)
     "epp-approximate": APPROXIMATE_CONFIG,
     "epp-3-replicas": None,  # the default profile on 3 EPPs behind one Envoy (round robin), all fed the KV events
     "queue-only": SINGLE_SCORER.format("queue-scorer"),
@@ -51,13 +60,11 @@ EPP_TARGETS = {
     "lora-only": SINGLE_SCORER.format("lora-affinity-scorer"),
     # the default profile with the response bodies streamed through the EPP: what that costs, beside "epp"
     "epp-streamed": None,
-    # the default profile plus the latency predictor, trained from the sample of responses the EPP sees streamed
-    "epp-predicted": predictor_config(),
-    # the same, trained (TTFT only) from the gateway's access log of every request: no response body through the EPP
-    "epp-predicted-log": predictor_config(),
+    # the default profile learning from a sample of the response bodies too (TPOT, which the access log lacks)
+    "epp-predicted": None,
 }
-# Targets whose Envoy sends the EPP its access log (epp.envoy.render_bootstrap's access_log_percent).
-ACCESS_LOGGED = {"epp-predicted-log": 100}
+# Targets whose Envoy sends the EPP no access log (the others: every request's, the gateway's default).
+WITHOUT_ACCESS_LOG = {"epp-no-predictor"}
 # Targets whose Envoy sends response bodies to the EPP, and the share of the requests it does it for
 # (epp.envoy.render_bootstrap's observed_responses_percent): epp-streamed shows what streaming every one costs.
 STREAMED_RESPONSES = {"epp-streamed": 100, "epp-predicted": OBSERVED_RESPONSES_PERCENT}
@@ -279,7 +286,7 @@ class Pool:
             pool_extra=self.pool_extra,
             response_body_mode="FULL_DUPLEX_STREAMED" if self.target in STREAMED_RESPONSES else "NONE",
             observed_responses_percent=STREAMED_RESPONSES.get(self.target, 100),
-            access_log_percent=ACCESS_LOGGED.get(self.target, 0),
+            access_log_percent=0 if self.target in WITHOUT_ACCESS_LOG else 100,
             epp_replicas=3 if self.target == "epp-3-replicas" else 1,
         )
         self.stack = LocalStack(config)

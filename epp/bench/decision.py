@@ -106,17 +106,12 @@ PREDICTED_POOL = "decision-time"  # the shared predictor (epp.predictor.shared) 
 
 
 def predictor_config(pool: str = "default") -> str:
-    """The default profile with the latency predictor: slo-headroom-filter (it passes every endpoint for a request
-    without objectives), slo-interference-filter (it keeps a prefill off the endpoints where it would push the
-    requests in flight there past their TTFT / TPOT objectives), then predicted-latency-filter (it drops the
-    endpoints predicted slower than the fastest by more than the predictor's own error), then the default scorers
-    among what is left; no weight of its own. All three read the shared predictor `pool`, which
-    predicted-latency-filter trains from the responses the EPP sees streamed."""
-    params = f"  parameters: {{pool: {pool}}}\n"
-    filters = ("slo-headroom-filter", "slo-interference-filter", "predicted-latency-filter")
-    return DEFAULT_CONFIG.replace(
-        "- type: max-score-picker\n", "- type: max-score-picker\n" + "".join(f"- type: {f}\n{params}" for f in filters)
-    ).replace("  plugins:\n", "  plugins:\n" + "".join(f"  - pluginRef: {f}\n" for f in filters), 1)
+    """The default profile (DEFAULT_CONFIG: the latency predictor's three filters first, then the scorers) with its
+    filters reading the shared predictor `pool` (a test's own, so that tests do not train one another's)."""
+    config = DEFAULT_CONFIG
+    for name in ("slo-headroom-filter", "slo-interference-filter", "predicted-latency-filter"):
+        config = config.replace(f"- type: {name}\n", f"- type: {name}\n  parameters: {{pool: {pool}}}\n")
+    return config
 
 
 def trained_predictor(endpoints: list[Endpoint], seed: int = 0) -> LatencyPredictor:

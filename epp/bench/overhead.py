@@ -31,7 +31,7 @@ BODY = {"model": "sim-llama-8b", "prompt": "Say hello to the benchmark.", "max_t
 PLAIN = "plain envoy"
 EPP = "envoy+epp"
 EPP_NO_FLOW_CONTROL = "envoy+epp (flowControl: {enabled: false})"
-EPP_ACCESS_LOG = "envoy+epp (access log to the EPP)"
+EPP_NO_ACCESS_LOG = "envoy+epp (no access log)"
 FLOOR_ONE_TRIP = "envoy+floor (request headers only)"
 FLOOR_HEADERS = "envoy+floor (headers only)"
 FLOOR_BODY = "envoy+floor (body streamed)"
@@ -161,11 +161,12 @@ async def _start_floor(
 
 
 async def _start_epp_variant(
-    stack: LocalStack, transport: str, opened: list, name: str, config_text: str | None, access_log_percent: int = 0
+    stack: LocalStack, transport: str, opened: list, name: str, config_text: str | None, access_log_percent: int
 ) -> LocalStack:
     """The stack's EPP build and Envoy bootstrap again, on ports of their own and over the stack's model servers,
     with one difference: the EPP's config (`flowControl: {enabled: false}`: flow control's cost is the difference to
-    the stack's own EPP) or the access log Envoy sends the EPP (what learning TTFT from it costs both)."""
+    the stack's own EPP) or the share of requests whose access-log record Envoy sends the EPP (`access_log_percent`:
+    the stack's gateway sends every one)."""
     grpc, health, metrics, listener, admin = free_ports(5)
     c = stack.config
     variant = LocalStack(
@@ -201,7 +202,7 @@ async def measure(
     transport: str = "h2",
     with_floor: bool = True,
     with_flow_control_off: bool = True,
-    with_access_log: bool = True,
+    without_access_log: bool = True,
 ) -> OverheadResult:
     """Every target in one run over one pool: sequential latency interleaved request by request, then throughput
     in alternating order. Each target has processes of its own (its Envoy, its processor or router), so their CPU
@@ -254,12 +255,12 @@ async def measure(
         targets[EPP] = f"{stack.gateway_url}/v1/completions"
         pids[EPP] = {"envoy": stack.envoy.process.pid, "epp": stack.processes["epp"].pid}
         variants = {
-            EPP_NO_FLOW_CONTROL: ("flow-control-off", DEFAULT_CONFIG + "flowControl: {enabled: false}\n", 0)
+            EPP_NO_FLOW_CONTROL: ("flow-control-off", DEFAULT_CONFIG + "flowControl: {enabled: false}\n", 100)
             if with_flow_control_off
             else None,
-            # the default profile ignores the records (only a predictor profile learns from them): what receiving
-            # one per request costs Envoy and the EPP
-            EPP_ACCESS_LOG: ("access-log", None, 100) if with_access_log else None,
+            # the access-log records the gateway sends by default (the EPP learns nothing from them here: the
+            # responses are not streamed): what receiving one per request costs Envoy and the EPP
+            EPP_NO_ACCESS_LOG: ("no-access-log", None, 0) if without_access_log else None,
         }
         for target, variant in variants.items():  # a second EPP and Envoy over the same servers, one thing changed
             if variant is not None:

@@ -17,7 +17,9 @@ The config has GIE's shape:
 
 Every plugin the profile refers to also gets the lifecycle hooks it implements (PreRequest, ResponseComplete, ResponseTimed,
 PoolChanged); plugins listed under `plugins` but not in the profile get nothing. A profile without a picker gets
-`max-score-picker`. With no config at all, DEFAULT_CONFIG applies: queue-scorer 2,
+`max-score-picker`. With no config at all, DEFAULT_CONFIG applies: the latency predictor's filters
+(slo-headroom-filter, slo-interference-filter, predicted-latency-filter: each passes every endpoint until the
+predictor has learnt from timings the gateway sends, epp.handlers.accesslog), then queue-scorer 2,
 kv-cache-utilization-scorer 2, prefix-cache-scorer 3 and precise-prefix-cache-scorer 3 (each endpoint gets one of
 the two: the precise one for endpoints that publish KV events, the approximate one for the rest),
 lora-affinity-scorer 1 (neutral for base-model requests, so it only matters for adapters), in-flight-tokens-scorer 1 (a long prompt's prefill, which request counts miss) and
@@ -64,6 +66,9 @@ DEFAULT_CONFIG = """\
 apiVersion: inference.networking.x-k8s.io/v1alpha1
 kind: EndpointPickerConfig
 plugins:
+- type: slo-headroom-filter
+- type: slo-interference-filter
+- type: predicted-latency-filter
 - type: queue-scorer
 - type: kv-cache-utilization-scorer
 - type: prefix-cache-scorer
@@ -74,6 +79,9 @@ plugins:
 schedulingProfiles:
 - name: default
   plugins:
+  - pluginRef: slo-headroom-filter
+  - pluginRef: slo-interference-filter
+  - pluginRef: predicted-latency-filter
   - pluginRef: queue-scorer
     weight: 2
   - pluginRef: kv-cache-utilization-scorer

@@ -161,12 +161,12 @@ def test_overhead_smoke():
         overhead.FLOOR_HEADERS,
         overhead.FLOOR_BODY,
         overhead.EPP_NO_FLOW_CONTROL,
-        overhead.EPP_ACCESS_LOG,
+        overhead.EPP_NO_ACCESS_LOG,
     }
     assert result.throughput_ratio > 0 and result.latency_ms["envoy+epp"]["p50"] > 0
     assert set(result.flow_control_added_ms) == {"p50", "p99"} and "added latency of flow control" in result.markdown()
     assert result.cpu_ms_per_request[overhead.EPP_NO_FLOW_CONTROL]["epp"] > 0
-    assert result.cpu_ms_per_request[overhead.EPP_ACCESS_LOG]["envoy"] > 0
+    assert result.cpu_ms_per_request[overhead.EPP_NO_ACCESS_LOG]["envoy"] > 0
     # every target but plain Envoy has a processor of its own, whose CPU per request is measured
     assert result.cpu_ms_per_request[overhead.EPP]["epp"] > 0
     assert result.cpu_ms_per_request[overhead.FLOOR_BODY]["processor"] > 0

@@ -25,6 +25,16 @@ schedulingProfiles:
 """
 
 
+QUEUE_ONLY = """\
+plugins:
+- type: queue-scorer
+schedulingProfiles:
+- name: default
+  plugins:
+  - pluginRef: queue-scorer
+"""
+
+
 def serve(director, stream: bool, first_token_after: float, tokens: int = 5) -> None:
     ctx = director.new_request({":path": "/v1/completions"}, None)
     payload = {"model": "m", "prompt": "hello " * 50, "max_tokens": tokens, "stream": stream}
@@ -175,7 +185,7 @@ def test_requests_awaiting_a_record_are_bounded_in_number_and_age(monkeypatch):
 
 
 def test_without_a_plugin_that_reads_timings_nothing_waits_for_them():
-    director = make_picker()  # the default profile: no predictor
+    director = make_picker(config=QUEUE_ONLY)
     director.on_access_log("-", 0.05)
     ended(director, routed(director, "r"))
     assert director.awaiting_timings == {}

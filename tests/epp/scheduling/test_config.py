@@ -23,7 +23,11 @@ def test_defaults(text):
     scheduler = Scheduler.from_config(text)
     assert shape(scheduler) == (
         "default",
-        [],
+        [
+            ("slo-headroom-filter", "slo-headroom-filter"),
+            ("slo-interference-filter", "slo-interference-filter"),
+            ("predicted-latency-filter", "predicted-latency-filter"),
+        ],
         [
             ("queue-scorer", "queue-scorer", 2.0),
             ("kv-cache-utilization-scorer", "kv-cache-utilization-scorer", 2.0),
