@@ -16,11 +16,12 @@ Response path: `on_response_headers` (status, the endpoint that served), `on_res
 rewritten model's name turned back into the client's), `on_complete` when the request is over (in-flight
 accounting, the scheduler's response-complete hooks, metrics). `on_complete` runs exactly once per routed request,
 whatever ended it.
-Timings (the scheduler's response-timed hooks, which the latency predictor learns from) come from the first source
-that has them: the response body, when it streamed through the EPP (at `on_complete`), or the proxy's access log
-(`on_access_log`, shortly after the request ended). For the second, once the proxy has sent one log record, each
-streamed request waits in `awaiting_timings` from its pick until its record (or its own body's timings) came; that
-table is bounded in entries and age, so records that never come cost an observation, not memory.
+Timings (the scheduler's response-timed hooks, which the latency predictor learns from) come from the response
+body, when it streamed through the EPP (at `on_complete`), or else from the proxy's access log (`on_access_log`:
+Envoy writes a request's record when it ends and sends it within its flush interval). For the second, once the
+proxy has sent one record, each streamed request that ended without its body's timings waits in
+`awaiting_timings` for its record; that table is bounded in entries and age, so records that never come (a sampled
+access log, another replica's requests) cost an observation, not memory.
 """
 
 from __future__ import annotations
@@ -50,11 +51,12 @@ _COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 _PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
 _CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 _USAGE_TAIL_BYTES = 4096
-# Streamed requests awaiting their access-log record: at most this many (the oldest go first; at 2,000 requests a
-# second a record comes well within the flush interval after the request ends) for at most this long (a response
-# that streams longer loses its observation).
-AWAITING_TIMINGS_LIMIT = 16_384
-AWAITING_TIMINGS_SECONDS = 600.0
+# Ended requests awaiting their access-log record: at most this many (the oldest go first; ~7-9 KB each with their
+# scheduling results: a few tens of MB when records never come) for at most this long (a record comes within
+# Envoy's flush interval, 0.1 s in our bootstrap, or its export timeout, 5 s). 4,096 entries cover 2 s of ended
+# requests at 2,000 a second.
+AWAITING_TIMINGS_LIMIT = 4096
+AWAITING_TIMINGS_SECONDS = 10.0
 
 
 class Director:
@@ -71,7 +73,7 @@ class Director:
         self.scheduler = scheduler
         self.metrics = metrics
         self.flow_control = flow_control
-        # request id -> (picked at, request, result, pick); kept only once the proxy has sent an access-log record
+        # request id -> (ended at, request, result, pick); kept only once the proxy has sent an access-log record
         self.awaiting_timings: dict[str, tuple[float, SchedulingRequest, SchedulingResult, Endpoint]] = {}
         self.access_log_seen = False
 
@@ -220,8 +222,6 @@ class Director:
         ctx.in_flight_tokens = request.prompt_tokens_estimate
         endpoint.routed_total += 1
         ctx.routed_at = time.monotonic()
-        if ctx.streamed and self.access_log_seen and self.scheduler.wants_timings:
-            self._await_timings(request.request_id, (ctx.routed_at, request, result, endpoint))
         metrics.requests.labels(*ctx.labels).inc()
         metrics.running.labels(ctx.labels[0]).inc()
         if body is not None:
@@ -291,13 +291,13 @@ class Director:
         )
         self.scheduler.on_finished(request, ctx.result, endpoint, response)
         status = ctx.status
-        if ctx.streamed and ctx.first_chunk_at and status.startswith("2"):  # the body came through: its timings
-            self.awaiting_timings.pop(request.request_id, None)
-            ttft = ctx.first_chunk_at - ctx.routed_at
-            tpot = (now - ctx.first_chunk_at) / (output_tokens - 1) if output_tokens and output_tokens > 1 else None
-            self.scheduler.on_timed(request, ctx.result, endpoint, ttft, tpot)
-        elif not status.startswith("2"):  # a failure teaches no latency
-            self.awaiting_timings.pop(request.request_id, None)
+        if ctx.streamed and status.startswith("2"):  # (a failure teaches no latency)
+            if ctx.first_chunk_at:  # the body came through: its timings
+                ttft = ctx.first_chunk_at - ctx.routed_at
+                tpot = (now - ctx.first_chunk_at) / (output_tokens - 1) if output_tokens and output_tokens > 1 else None
+                self.scheduler.on_timed(request, ctx.result, endpoint, ttft, tpot)
+            elif self.access_log_seen and self.scheduler.wants_timings:
+                self._await_timings(request.request_id, (now, request, ctx.result, endpoint))
         metrics = self.metrics
         metrics.running.labels(ctx.labels[0]).dec()
         if status.startswith("2"):  # a model server knows these names: from now on they are labels of their own
@@ -321,7 +321,7 @@ class Director:
     # -- timings from the proxy's access log ----------------------------------------------------------------------
     def _await_timings(self, request_id: str, entry: tuple) -> None:
         awaiting = self.awaiting_timings
-        if request_id in awaiting:  # two requests in flight with one id: the log could not tell them apart
+        if request_id in awaiting:  # two requests with one id: their records could not be told apart
             del awaiting[request_id]
             return
         awaiting[request_id] = entry
@@ -330,8 +330,9 @@ class Director:
             del awaiting[oldest]  # one out per one in: the table never passes its limit
 
     def on_access_log(self, request_id: str, ttft: float) -> None:
-        """The proxy's access-log record of a finished request: `ttft` seconds from sending it to the model server
-        to the first byte of the response body (the first token of a streamed response)."""
+        """The proxy's access-log record of an ended request: `ttft` seconds from sending it to the model server
+        to the first byte of the response body (the first token of a streamed response). A record that comes before
+        the EPP saw its request end (not seen: Envoy sends it after a flush interval) teaches nothing."""
         self.access_log_seen = True
         entry = self.awaiting_timings.pop(request_id, None)
         if entry is not None:

@@ -137,15 +137,16 @@ def test_access_log_records_train_the_predictor_once_the_proxy_sends_them():
     director.on_access_log("before", 0.05)
     assert predictor.observations == 0  # the proxy's first record: until then nothing waited for one
     assert director.access_log_seen
-    for i in range(3):  # the record may come before the EPP sees the request end, or after
-        ctx = routed(director, f"r{i}")
-        if i % 2:
-            ended(director, ctx)
+    for i in range(3):
+        ended(director, routed(director, f"r{i}"))
         director.on_access_log(f"r{i}", 0.04)
         director.on_access_log(f"r{i}", 0.04)  # a second record of the id: nothing left to learn
-        if not i % 2:
-            ended(director, ctx)
     assert predictor.observations == 3
+    early = routed(director, "early")
+    director.on_access_log("early", 0.04)  # before the EPP saw its end (Envoy sends records after a flush interval)
+    ended(director, early)
+    assert predictor.observations == 3
+    director.awaiting_timings.clear()
     ended(director, routed(director, "unstreamed", stream=False))
     ended(director, routed(director, "failed"), status="503")
     director.on_access_log("unstreamed", 0.3)  # its first body byte came with its last token: not a TTFT
@@ -161,10 +162,10 @@ def test_the_first_source_of_timings_wins_and_ambiguous_ids_teach_nothing():
     director.on_access_log("-", 0.05)  # the proxy sends records
     serve(director, stream=True, first_token_after=0.01)  # its body came through: learnt at its end
     assert predictor.observations == 1 and director.awaiting_timings == {}
-    first, second = routed(director, "same"), routed(director, "same")  # one id, two requests in flight
-    assert "same" not in director.awaiting_timings
+    first, second = routed(director, "same"), routed(director, "same")  # one id, two requests
     for ctx in (first, second):
         ended(director, ctx)
+    assert "same" not in director.awaiting_timings
     director.on_access_log("same", 0.05)
     assert predictor.observations == 1
 
