@@ -106,9 +106,10 @@ PREDICTED_POOL = "decision-time"  # the shared predictor (epp.predictor.shared) 
 
 
 def predictor_config(pool: str = "default") -> str:
-    """The default profile (DEFAULT_CONFIG: the latency predictor's three filters first, then the scorers) with its
-    filters reading the shared predictor `pool` (a test's own, so that tests do not train one another's)."""
-    config = DEFAULT_CONFIG
+    """The default profile (DEFAULT_CONFIG: the latency predictor's three filters first, then its scorer and the
+    others) with its predictor plugins reading the shared predictor `pool` (a test's own, so that tests do not train
+    one another's)."""
+    config = DEFAULT_CONFIG.replace("parameters: {replaces: load}", f"parameters: {{pool: {pool}, replaces: load}}")
     for name in ("slo-headroom-filter", "slo-interference-filter", "predicted-latency-filter"):
         config = config.replace(f"- type: {name}\n", f"- type: {name}\n  parameters: {{pool: {pool}}}\n")
     return config

@@ -55,9 +55,9 @@ class Filter(Plugin):
 class Scorer(Plugin):
     # Plugin types whose signals this scorer's scores already contain (a latency prediction from the queue, the KV
     # usage, the prefix match, ...): for a request it scores (not None) the scheduler skips those scorers, so that
-    # nothing counts twice and no weight has to balance the two; when it abstains they decide. Such a scorer runs
-    # before the others of its profile.
-    replaces: ClassVar[tuple[str, ...]] = ()
+    # nothing counts twice; when it abstains they decide. Such a scorer runs before the others of its profile. A
+    # class default: an instance may set its own (predicted-latency-scorer's `replaces` parameter).
+    replaces: tuple[str, ...] = ()
 
     @abstractmethod
     def score(

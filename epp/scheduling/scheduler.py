@@ -19,7 +19,10 @@ Every plugin the profile refers to also gets the lifecycle hooks it implements (
 PoolChanged); plugins listed under `plugins` but not in the profile get nothing. A profile without a picker gets
 `max-score-picker`. With no config at all, DEFAULT_CONFIG applies: the latency predictor's filters
 (slo-headroom-filter, slo-interference-filter, predicted-latency-filter: each passes every endpoint until the
-predictor has learnt from timings the gateway sends, epp.handlers.accesslog), then queue-scorer 2,
+predictor has learnt from timings the gateway sends, epp.handlers.accesslog), then predicted-latency-scorer 5
+(`replaces: load`: once the predictor has learnt, it takes the place of the load scorers, queue, KV usage and
+in-flight tokens, with their summed weight; their request counts sent long prompts behind another long prompt's
+prefill), queue-scorer 2,
 kv-cache-utilization-scorer 2, prefix-cache-scorer 3 and precise-prefix-cache-scorer 3 (each endpoint gets one of
 the two: the precise one for endpoints that publish KV events, the approximate one for the rest),
 lora-affinity-scorer 1 (neutral for base-model requests, so it only matters for adapters), in-flight-tokens-scorer 1 (a long prompt's prefill, which request counts miss) and
@@ -69,6 +72,8 @@ plugins:
 - type: slo-headroom-filter
 - type: slo-interference-filter
 - type: predicted-latency-filter
+- type: predicted-latency-scorer
+  parameters: {replaces: load}
 - type: queue-scorer
 - type: kv-cache-utilization-scorer
 - type: prefix-cache-scorer
@@ -82,6 +87,8 @@ schedulingProfiles:
   - pluginRef: slo-headroom-filter
   - pluginRef: slo-interference-filter
   - pluginRef: predicted-latency-filter
+  - pluginRef: predicted-latency-scorer
+    weight: 5
   - pluginRef: queue-scorer
     weight: 2
   - pluginRef: kv-cache-utilization-scorer

@@ -341,7 +341,8 @@ def test_client_chosen_model_names_cannot_grow_the_metrics():
         )
         == 1
     )  # the first request, before any was served, counted under "other"
-    assert sum(len(series.children) for series in picker.metrics.series) < 20
+    # a few series per label set and per plugin of the profile, not one per name (500 of them)
+    assert sum(len(series.children) for series in picker.metrics.series) < 40
 
 
 def test_a_rewrite_header_cannot_widen_the_pools_model_allowlist():

@@ -21,7 +21,8 @@ predictor as predicted-latency-scorer does (`PredictorFeed`), so a profile needs
 Parameters: pool ("default"), confidence (0.9, in (0.5, 1)), longOutputTokens (256).
 Trade-offs: one band per request size for the whole pool; the scorers after it still weigh what the prediction
 already counted (their signals are its inputs) among the candidates it kept, which is where they are more exact
-than it is.
+than it is; the load scorers' request counts are not (a server prefilling a 6,000-token prompt shows no queue), so
+the default profile (`epp.scheduling.scheduler.DEFAULT_CONFIG`) has predicted-latency-scorer in their place.
 """
 
 from __future__ import annotations

@@ -15,13 +15,18 @@ in the backlog) its features on the picked endpoint are kept in the cycle state,
 sources: the gateway's access log (TTFT: Envoy's time from sending the request upstream to the first body byte
 back; `epp.handlers.accesslog`, a record per request, batched) or the body passing through the EPP (Envoy's
 response_body_mode FULL_DUPLEX_STREAMED, an ext_proc round trip per token: TTFT, and TPOT from the usage).
-Composition with the other scorers, by rule rather than by weight: the prediction is made from their signals (the
-queue, running requests, KV usage, in-flight tokens, the prefix match as cached tokens, the adapter loaded or
-not), so while it predicts it replaces those scorers for the request (`Scorer.replaces`: the scheduler skips them,
-and this scorer's weight does not matter); while it abstains (cold, or its windowed error above its bound) they
-decide as in a profile without it. Adding both would count a cache hit or a queue twice, and a weight to balance
-them would have to be tuned per workload.
-Parameters: pool ("default": which shared predictor), longOutputTokens (256).
+Composition with the other scorers: the prediction is made from their signals (the queue, running requests, KV
+usage, in-flight tokens, the prefix match as cached tokens, the adapter loaded or not), so while it predicts it
+replaces those scorers for the request (`Scorer.replaces`: the scheduler skips them); while it abstains (cold, or
+its windowed error above its bound) they decide as in a profile without it. `replaces: all` (the default) replaces
+every one of them, so this scorer decides alone and its weight does not matter: adding both would count a cache
+hit or a queue twice, and a weight to balance them would have to be tuned per workload. `replaces: load` replaces
+only the load scorers (LOAD_SCORERS), whose counts say nothing of the work each request brings (a server busy with
+a 6,000-token prefill shows no queue, one that was just sent a 200-token chat turn shows one): the prefix and LoRA
+scorers, exact about what they see, still add theirs, so its weight matters; the default profile
+(`epp.scheduling.scheduler.DEFAULT_CONFIG`) gives it the summed weights of the scorers it replaces there, the
+profile's own balance between load and those signals.
+Parameters: pool ("default": which shared predictor), longOutputTokens (256), replaces ("all" or "load").
 Trade-offs: it is only as good as the predictor's recent error (`LatencyPredictor.ttft_mape`, for the EPP's
 metrics); one model per pool assumes alike endpoints; a scorer added to the profile that it does not replace
 (one reading signals the predictor does not have) still adds to its score with the weights of the profile.
@@ -34,6 +39,7 @@ import logging
 from epp.datalayer.endpoint import Endpoint
 from epp.predictor import Features, shared
 from epp.predictor.candidates import CACHED_TOKENS, PREDICTED_LATENCY, PREDICTION_READS, CandidatePredictions
+from epp.scheduling.errors import ConfigError
 from epp.scheduling.framework import (
     LatencyPredictionStats,
     Parameters,
@@ -50,6 +56,15 @@ ROUTED_FEATURES: StateKey[Features] = StateKey("predicted-latency-routed-feature
 OBSERVED: StateKey[bool] = StateKey("predicted-latency-observed")  # the predictor learnt from this request
 # Successful responses whose body never reached the EPP before it says that it cannot learn (once).
 UNTIMED_RESPONSES_WARNING = 100
+# The scorers whose signals are the load of an endpoint, counted without the work each request brings; the others
+# the prediction reads (prefix match, LoRA adapter) are exact about what they see.
+LOAD_SCORERS = (
+    "queue-scorer",
+    "running-requests-size-scorer",
+    "kv-cache-utilization-scorer",
+    "in-flight-tokens-scorer",
+)
+EXACT_SCORERS = ("prefix-cache-scorer", "precise-prefix-cache-scorer", "lora-affinity-scorer")
 
 log = logging.getLogger(__name__)
 
@@ -120,21 +135,18 @@ class PredictorFeed(PreRequest, ResponseComplete, ResponseTimed, LatencyPredicti
 class PredictedLatencyScorer(Scorer, PredictorFeed):
     consumes = PREDICTION_READS
     produces = (PREDICTED_LATENCY, CACHED_TOKENS, ROUTED_FEATURES, OBSERVED)
-    replaces = (
-        "queue-scorer",
-        "running-requests-size-scorer",
-        "kv-cache-utilization-scorer",
-        "in-flight-tokens-scorer",
-        "prefix-cache-scorer",
-        "precise-prefix-cache-scorer",
-        "lora-affinity-scorer",
-    )
+    replaces = (*LOAD_SCORERS, *EXACT_SCORERS)
 
     def __init__(self, parameters: dict | None):
         p = Parameters("predicted-latency-scorer", parameters)
         self.predictions = shared(p.get("pool", "default", str))
         self.long_output_tokens = p.get("longOutputTokens", 256, int, minimum=1)
+        replaces = p.get("replaces", "all", str)
         p.done()
+        if replaces not in ("all", "load"):
+            raise ConfigError(f"predicted-latency-scorer: parameter replaces must be all or load, got {replaces!r}")
+        if replaces == "load":
+            self.replaces = LOAD_SCORERS
         self.untimed_responses = 0  # successful responses without timings, while nothing was learnt
 
     def score(

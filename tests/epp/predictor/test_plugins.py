@@ -1,7 +1,10 @@
 """predicted-latency-scorer and slo-headroom-filter over a trained predictor (synthetic pool: conftest.true_ttft)."""
 
+import time
+
 import pytest
 
+from epp.bench.decision import predictor_config
 from epp.predictor import shared
 from epp.scheduling.errors import ConfigError
 from epp.scheduling.framework import build_plugin
@@ -131,6 +134,7 @@ def test_filter_passes_everything_while_cold(pool):
         ("predicted-latency-scorer", {"longOutputTokens": 0}),
         ("predicted-latency-scorer", {"pool": 3}),
         ("predicted-latency-scorer", {"unknown": 1}),
+        ("predicted-latency-scorer", {"replaces": "prefix"}),
     ],
 )
 def test_bad_parameters_are_config_errors(plugin, parameters):
@@ -262,6 +266,75 @@ schedulingProfiles:
     assert [name.type for name in warm.raw_scores] == ["predicted-latency-scorer"]
     assert [name.type for name, _ in warm.timings] == ["predicted-latency-scorer", "max-score-picker"]
     assert warm.primary is endpoints[0]
+
+
+def test_replacing_only_the_load_scorers_leaves_the_prefix_and_lora_scorers_to_add_theirs(pool):
+    """`replaces: load`: warm, the queue scorer is skipped and the prefix scorer still runs (it abstains here: no
+    prompt blocks known); cold, the queue scorer decides as without it."""
+    config = f"""
+plugins:
+- type: queue-scorer
+- type: prefix-cache-scorer
+- type: predicted-latency-scorer
+  parameters: {{pool: {pool}, replaces: load}}
+schedulingProfiles:
+- name: default
+  plugins:
+  - pluginRef: queue-scorer
+  - pluginRef: prefix-cache-scorer
+  - pluginRef: predicted-latency-scorer
+"""
+    scheduler = Scheduler.from_config(config)
+    endpoints = pool_of_three(pool)
+    cold = scheduler.schedule(req(), endpoints)
+    assert [name.type for name in cold.raw_scores] == ["queue-scorer"]
+    trained(pool)
+    warm = scheduler.schedule(req(), endpoints)
+    assert [name.type for name, _ in warm.timings] == [
+        "predicted-latency-scorer",
+        "prefix-cache-scorer",
+        "max-score-picker",
+    ]
+    assert [name.type for name in warm.raw_scores] == ["predicted-latency-scorer"]
+
+
+def test_predicted_profile_sends_a_long_prompt_to_the_idle_server_not_to_one_still_busy_with_another(pool):
+    """The case that put 6,000-token prompts behind one another on the heterogeneous workload: in a burst, an idle
+    server was just sent a chat turn (lag-corrected: one waiting) while another has a long prompt not answered yet
+    (running, none waiting). Both pass the band; the queue scorer prefers the busy one, the prediction the idle
+    one. (Both backlogs have drained, so that the predictions do not change while the test runs.)"""
+    trained(pool)
+    predictor = shared(pool).predictor
+    idle = endpoint(0, in_flight=1, in_flight_tokens=200)  # a chat turn routed since the last scrape
+    busy = endpoint(1, running=1, in_flight=1, in_flight_tokens=4000)  # a long prompt not answered yet
+    for e in (idle, busy):
+        predictor.routed(e, e.in_flight_tokens, 0, None, now=time.monotonic() - 1.0)
+    endpoints, request = [idle, busy], req(prompt_tokens=6000, max_tokens=50)
+    load_scorers = f"""
+plugins:
+- type: predicted-latency-filter
+  parameters: {{pool: {pool}}}
+- type: queue-scorer
+- type: kv-cache-utilization-scorer
+- type: in-flight-tokens-scorer
+schedulingProfiles:
+- name: default
+  plugins:
+  - pluginRef: predicted-latency-filter
+  - {{pluginRef: queue-scorer, weight: 2}}
+  - {{pluginRef: kv-cache-utilization-scorer, weight: 2}}
+  - {{pluginRef: in-flight-tokens-scorer, weight: 1}}
+"""
+    # the band, then the load scorers as the default profile weighs them: by the counts (one queued on the idle one,
+    # none on the busy one)
+    assert Scheduler.from_config(load_scorers).schedule(request, endpoints).primary is busy
+    predicted = Scheduler.from_config(predictor_config(pool))
+    ttfts = [t for t, _ in shared(pool).get(CycleState(), request, endpoints, tpot=False)]
+    assert ttfts[0] < ttfts[1]
+    assert (
+        build_plugin("predicted-latency-filter", {"pool": pool}).filter(CycleState(), request, endpoints) == endpoints
+    )
+    assert predicted.schedule(request, endpoints).primary is idle
 
 
 def test_latency_filter_drops_only_what_the_prediction_tells_apart_beyond_its_error(pool):

@@ -29,6 +29,7 @@ def test_defaults(text):
             ("predicted-latency-filter", "predicted-latency-filter"),
         ],
         [
+            ("predicted-latency-scorer", "predicted-latency-scorer", 5.0),  # replaces the load scorers once warm
             ("queue-scorer", "queue-scorer", 2.0),
             ("kv-cache-utilization-scorer", "kv-cache-utilization-scorer", 2.0),
             ("prefix-cache-scorer", "prefix-cache-scorer", 3.0),
@@ -39,7 +40,7 @@ def test_defaults(text):
         ("max-score-picker", "max-score-picker"),
     )
     assert (scheduler.detector.queue_depth_threshold, scheduler.detector.kv_cache_util_threshold) == (5, 0.8)
-    assert scheduler.prefix_index is scheduler.profile.scorers[2][0]
+    assert scheduler.prefix_index is scheduler.profile.scorers[3][0]
 
 
 def test_named_instances_parameters_weights_and_saturation_thresholds():
