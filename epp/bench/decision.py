@@ -193,7 +193,7 @@ def main(sizes=(8, 32, 128), prompts=(1_000, 16_000, 220_000)) -> None:
     with_flow_control = functools.partial(measure_director, flow_control=True)
     for title, function in (
         ("scheduler", measure),
-        ("scheduler with the latency predictor (predictor_config: its three filters)", measure_predicted),
+        ("scheduler with the latency predictor trained (predictor_config: its filters and scorer)", measure_predicted),
         ("director (whole request path)", measure_director),
         ("director with flow control (its fast path: the pool has room)", with_flow_control),
     ):

@@ -47,7 +47,6 @@ class PredictedLatencyFilter(Filter, PredictorFeed):
         self.confidence = float(p.get("confidence", 0.9, (int, float)))
         self.long_output_tokens = p.get("longOutputTokens", 256, int, minimum=1)
         p.done()
-        self.untimed_responses = 0  # successful responses without timings, while nothing was learnt
         if not 0.5 < self.confidence < 1:
             raise ConfigError(
                 f"predicted-latency-filter: parameter confidence must be in (0.5, 1), got {self.confidence!r}"

@@ -73,11 +73,10 @@ class PredictorFeed(PreRequest, ResponseComplete, ResponseTimed, LatencyPredicti
     """The hooks that train the pool's predictor, shared by the plugins that read it (this scorer and
     predicted-latency-filter): at the pick the request's features on its endpoint (and its prompt into the
     endpoint's prefill backlog), then the observed TTFT and TPOT. With both plugins in one profile the first one fed
-    does it, once per request. Needs `self.predictions` and `self.untimed_responses = 0`."""
+    does it, once per request. Needs `self.predictions`."""
 
     at_pick = True  # the prompt joins the pick's prefill backlog before the next request of a burst is scheduled
     predictions: CandidatePredictions
-    untimed_responses: int
 
     def pre_request(self, request: SchedulingRequest, result: SchedulingResult) -> None:
         if result.cycle_state.read(ROUTED_FEATURES) is not None:
@@ -105,11 +104,11 @@ class PredictorFeed(PreRequest, ResponseComplete, ResponseTimed, LatencyPredicti
         """Only to say, once, when successful responses come and no timings ever did."""
         if (
             response.status.startswith("2")
-            and self.untimed_responses <= UNTIMED_RESPONSES_WARNING
+            and self.predictions.untimed_responses <= UNTIMED_RESPONSES_WARNING
             and not self.predictions.predictor.observations
         ):
-            self.untimed_responses += 1
-            if self.untimed_responses == UNTIMED_RESPONSES_WARNING:
+            self.predictions.untimed_responses += 1  # counted per pool: one warning however many plugins read it
+            if self.predictions.untimed_responses == UNTIMED_RESPONSES_WARNING:
                 log.warning(
                     "%s: %d successful responses and no timings of any: the latency predictor learns only from "
                     "streamed responses whose timings reach the EPP (the gateway's OpenTelemetry access log sent to "
@@ -147,7 +146,6 @@ class PredictedLatencyScorer(Scorer, PredictorFeed):
             raise ConfigError(f"predicted-latency-scorer: parameter replaces must be all or load, got {replaces!r}")
         if replaces == "load":
             self.replaces = LOAD_SCORERS
-        self.untimed_responses = 0  # successful responses without timings, while nothing was learnt
 
     def score(
         self, cycle_state: CycleState, request: SchedulingRequest, endpoints: list[Endpoint]

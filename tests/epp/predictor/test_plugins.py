@@ -205,6 +205,7 @@ def test_scorer_says_once_that_no_timings_reach_it(pool, caplog):
     from epp.scheduling.types import ResponseInfo
 
     scorer = build_plugin("predicted-latency-scorer", {"pool": pool})
+    latency_filter = build_plugin("predicted-latency-filter", {"pool": pool})  # the same pool: one warning for both
     scheduler = Scheduler.from_config(None)
     with caplog.at_level("WARNING"):
         for _ in range(UNTIMED_RESPONSES_WARNING - 1):
@@ -214,7 +215,8 @@ def test_scorer_says_once_that_no_timings_reach_it(pool, caplog):
         assert not [r for r in caplog.records if "access log" in r.getMessage()]
         for _ in range(3 * UNTIMED_RESPONSES_WARNING):
             result = scheduler.schedule(req(), [endpoint(0)])
-            scorer.response_complete(req(), result, endpoint(0), ResponseInfo("200"))
+            for plugin in (scorer, latency_filter):
+                plugin.response_complete(req(), result, endpoint(0), ResponseInfo("200"))
     warnings = [r for r in caplog.records if "access log" in r.getMessage()]
     assert len(warnings) == 1
 
