@@ -17,6 +17,8 @@ from pathlib import Path
 
 import aiohttp
 
+from epp.handlers.accesslog import TTFT_ATTRIBUTE
+
 TEMPLATES = Path(__file__).resolve().parent / "templates"  # package data: installed with the wheel
 TEMPLATE = TEMPLATES / "envoy.yaml.tmpl"
 BASELINE_TEMPLATE = TEMPLATES / "baseline-envoy.yaml.tmpl"
@@ -134,7 +136,7 @@ def _access_log(percent: int) -> str:
               body: {{string_value: "%REQ(X-REQUEST-ID)%"}}
               attributes:
                 values:
-                - key: ttft_us
+                - key: {TTFT_ATTRIBUTE}
                   value: {{string_value: "%COMMON_DURATION(US_TX_BEG:US_RX_BODY_BEG:us)%"}}"""
 
 

@@ -22,6 +22,7 @@ from typing import NamedTuple
 import aiohttp
 
 from epp.bench import inference_perf
+from epp.bench.decision import scorers_only_config
 from epp.bench.overhead import cpu_seconds, percentile
 from epp.bench.peers import peer_command, start_router
 from epp.bench.ports import free_port_block, free_ports
@@ -37,13 +38,6 @@ SINGLE_SCORER = """plugins:\n- type: {0}\nschedulingProfiles:\n- name: {0}\n  pl
 APPROXIMATE_CONFIG = DEFAULT_CONFIG.replace("- type: precise-prefix-cache-scorer\n", "").replace(
     "  - pluginRef: precise-prefix-cache-scorer\n    weight: 3\n", ""
 )
-# The default profile without the latency predictor's filters: its scorers alone
-_FILTERS = ("slo-headroom-filter", "slo-interference-filter", "predicted-latency-filter")
-SCORERS_ONLY_CONFIG = DEFAULT_CONFIG
-for _filter in _FILTERS:
-    SCORERS_ONLY_CONFIG = SCORERS_ONLY_CONFIG.replace(f"- type: {_filter}\n", "").replace(
-        f"  - pluginRef: {_filter}\n", ""
-    )
 # epp-predicted learns from this share of the responses: its predictor's memory (~500 observations, decay 0.998)
 # then spans ~2 minutes at 16 req/s, and streaming costs a quarter of what it costs for every response.
 OBSERVED_RESPONSES_PERCENT = 25
@@ -51,7 +45,7 @@ EPP_TARGETS = {
     # the default profile: the latency predictor's filters, learning TTFT from the gateway's access log, then the
     # scorers (precise for endpoints that publish KV events: epp-local's servers do)
     "epp": None,
-    "epp-no-predictor": SCORERS_ONLY_CONFIG,  # the default profile's scorers alone (and no access log)
+    "epp-no-predictor": scorers_only_config(),  # the default profile's scorers alone (and no access log)
     "epp-approximate": APPROXIMATE_CONFIG,
     "epp-3-replicas": None,  # the default profile on 3 EPPs behind one Envoy (round robin), all fed the KV events
     "queue-only": SINGLE_SCORER.format("queue-scorer"),

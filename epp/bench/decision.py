@@ -12,6 +12,8 @@ import random
 import time
 from collections import deque
 
+import yaml
+
 from epp.datalayer.datastore import Datastore
 from epp.datalayer.endpoint import Endpoint, EndpointSpec, PoolState
 from epp.flowcontrol import FlowControlConfig, FlowController
@@ -105,14 +107,30 @@ IN_FLIGHT_PER_ENDPOINT = 8
 PREDICTED_POOL = "decision-time"  # the shared predictor (epp.predictor.shared) the predicted profile reads here
 
 
+# The default profile's plugins that read the shared latency predictor (each has a `pool` parameter).
+PREDICTOR_PLUGINS = frozenset(
+    ("slo-headroom-filter", "slo-interference-filter", "predicted-latency-filter", "predicted-latency-scorer")
+)
+
+
 def predictor_config(pool: str = "default") -> str:
-    """The default profile (DEFAULT_CONFIG: the latency predictor's three filters first, then its scorer and the
-    others) with its predictor plugins reading the shared predictor `pool` (a test's own, so that tests do not train
-    one another's)."""
-    config = DEFAULT_CONFIG.replace("parameters: {replaces: load}", f"parameters: {{pool: {pool}, replaces: load}}")
-    for name in ("slo-headroom-filter", "slo-interference-filter", "predicted-latency-filter"):
-        config = config.replace(f"- type: {name}\n", f"- type: {name}\n  parameters: {{pool: {pool}}}\n")
-    return config
+    """The default profile (DEFAULT_CONFIG: the latency predictor's filters first, then its scorer and the others)
+    with its predictor plugins reading the shared predictor `pool` (a test's own, so that tests do not train one
+    another's)."""
+    config = yaml.safe_load(DEFAULT_CONFIG)
+    for plugin in config["plugins"]:
+        if plugin["type"] in PREDICTOR_PLUGINS:
+            plugin["parameters"] = {**plugin.get("parameters", {}), "pool": pool}
+    return yaml.safe_dump(config, sort_keys=False)
+
+
+def scorers_only_config() -> str:
+    """The default profile without the latency predictor's plugins: what it was before them."""
+    config = yaml.safe_load(DEFAULT_CONFIG)
+    config["plugins"] = [p for p in config["plugins"] if p["type"] not in PREDICTOR_PLUGINS]
+    for profile in config["schedulingProfiles"]:
+        profile["plugins"] = [p for p in profile["plugins"] if p["pluginRef"] not in PREDICTOR_PLUGINS]
+    return yaml.safe_dump(config, sort_keys=False)
 
 
 def trained_predictor(endpoints: list[Endpoint], seed: int = 0) -> LatencyPredictor:

@@ -254,19 +254,20 @@ async def measure(
                 )
         targets[EPP] = f"{stack.gateway_url}/v1/completions"
         pids[EPP] = {"envoy": stack.envoy.process.pid, "epp": stack.processes["epp"].pid}
-        variants = {
-            EPP_NO_FLOW_CONTROL: ("flow-control-off", DEFAULT_CONFIG + "flowControl: {enabled: false}\n", 100)
-            if with_flow_control_off
-            else None,
+        # a second EPP and Envoy over the same servers, one thing changed: (target, workdir, EPP config, access log %)
+        variants = []
+        if with_flow_control_off:
+            variants.append(
+                (EPP_NO_FLOW_CONTROL, "flow-control-off", DEFAULT_CONFIG + "flowControl: {enabled: false}\n", 100)
+            )
+        if without_access_log:
             # the access-log records the gateway sends by default (the EPP learns nothing from them here: the
             # responses are not streamed): what receiving one per request costs Envoy and the EPP
-            EPP_NO_ACCESS_LOG: ("no-access-log", None, 0) if without_access_log else None,
-        }
-        for target, variant in variants.items():  # a second EPP and Envoy over the same servers, one thing changed
-            if variant is not None:
-                other = await _start_epp_variant(stack, transport, opened, *variant)
-                targets[target] = f"{other.gateway_url}/v1/completions"
-                pids[target] = {"envoy": other.envoy.process.pid, "epp": other.processes["epp"].pid}
+            variants.append((EPP_NO_ACCESS_LOG, "no-access-log", None, 0))
+        for target, *variant in variants:
+            other = await _start_epp_variant(stack, transport, opened, *variant)
+            targets[target] = f"{other.gateway_url}/v1/completions"
+            pids[target] = {"envoy": other.envoy.process.pid, "epp": other.processes["epp"].pid}
         for kind in ("sglang", "vllm") if with_peers else ():  # the Rust routers, when the [bench] extra installed them
             if peer_command(kind) is not None:
                 process, url = await start_router(

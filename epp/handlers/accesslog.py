@@ -7,7 +7,7 @@ Why from the access log: Envoy times the upstream exchange itself, so the EPP le
 token without its body passing through the EPP, which costs an ext_proc round trip per token (a streamed response's
 first body byte is its first token). What it costs instead: one record per request, formatted by Envoy and sent in
 batches (one Export per flush interval or buffer size per Envoy worker), and parsed here; measured by `epp-bench
-overhead`'s access-log target. What it cannot give: time per output token (the record does not see the usage).
+overhead` beside a target without it. What it cannot give: time per output token (the record has no usage).
 
 The record, as our bootstrap formats it (epp/templates/envoy.yaml.tmpl; another gateway can send the same):
 * body: the request's x-request-id, which the EPP set on the routed request (`RoutingDecision.request_id`);
@@ -26,7 +26,8 @@ from opentelemetry.proto.logs.v1 import logs_pb2
 
 log = logging.getLogger("epp.handlers.accesslog")
 
-EXPORT_PATH = b"/opentelemetry.proto.collector.logs.v1.LogsService/Export"
+SERVICE, METHOD = "opentelemetry.proto.collector.logs.v1.LogsService", "Export"
+EXPORT_PATH = f"/{SERVICE}/{METHOD}".encode()
 TTFT_ATTRIBUTE = "ttft_us"
 MAX_MICROSECONDS = 3_600_000_000
 # The field names of OTLP's nesting by number: older copies of the protos (the one xds-protos ships) call them

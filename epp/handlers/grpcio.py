@@ -50,9 +50,9 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
 def access_log_service(export: Callable) -> grpc.GenericRpcHandler:
     """OpenTelemetry's LogsService/Export (the gateway's access log, `epp.handlers.accesslog`) on this server."""
     return grpc.method_handlers_generic_handler(
-        "opentelemetry.proto.collector.logs.v1.LogsService",
+        accesslog.SERVICE,
         {
-            "Export": grpc.unary_unary_rpc_method_handler(
+            accesslog.METHOD: grpc.unary_unary_rpc_method_handler(
                 lambda request, context: export(request),
                 request_deserializer=accesslog.ExportRequest.FromString,
                 response_serializer=lambda response: response.SerializeToString(),

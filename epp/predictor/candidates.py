@@ -50,7 +50,6 @@ class CandidatePredictions:
         self.predictor = predictor
         self.cached_tokens = cached_tokens
         self._adapters: set[str] = set()
-        self.untimed_responses = 0  # successful responses without timings while nothing was learnt (a warning)
 
     def adapter(self, model: str, endpoints: list[Endpoint]) -> str | None:
         """`model` when it is a LoRA adapter, None for a base-model request. An adapter is a name some endpoint

@@ -57,6 +57,8 @@ _USAGE_TAIL_BYTES = 4096
 # requests at 2,000 a second.
 AWAITING_TIMINGS_LIMIT = 4096
 AWAITING_TIMINGS_SECONDS = 10.0
+# Successful responses, with a plugin reading timings and none ever come from either source, before it says so (once).
+UNTIMED_RESPONSES_WARNING = 100
 
 
 class Director:
@@ -76,6 +78,7 @@ class Director:
         # request id -> (ended at, request, result, pick); kept only once the proxy has sent an access-log record
         self.awaiting_timings: dict[str, tuple[float, SchedulingRequest, SchedulingResult, Endpoint]] = {}
         self.access_log_seen = False
+        self.untimed_responses = 0  # successful responses while no timings ever came (-1: some did)
 
     def new_request(self, headers: dict[str, str], subset: frozenset[str] | None) -> RequestContext:
         self.datastore.note_request()
@@ -291,13 +294,15 @@ class Director:
         )
         self.scheduler.on_finished(request, ctx.result, endpoint, response)
         status = ctx.status
-        if ctx.streamed and status.startswith("2"):  # (a failure teaches no latency)
-            if ctx.first_chunk_at:  # the body came through: its timings
+        if status.startswith("2") and self.scheduler.wants_timings:  # (a failure teaches no latency)
+            if ctx.streamed and ctx.first_chunk_at:  # the body came through: its timings
                 ttft = ctx.first_chunk_at - ctx.routed_at
                 tpot = (now - ctx.first_chunk_at) / (output_tokens - 1) if output_tokens and output_tokens > 1 else None
-                self.scheduler.on_timed(request, ctx.result, endpoint, ttft, tpot)
-            elif self.access_log_seen and self.scheduler.wants_timings:
+                self._timed(request, ctx.result, endpoint, ttft, tpot)
+            elif ctx.streamed and self.access_log_seen:
                 self._await_timings(request.request_id, (now, request, ctx.result, endpoint))
+            elif self.untimed_responses >= 0:
+                self._untimed()
         metrics = self.metrics
         metrics.running.labels(ctx.labels[0]).dec()
         if status.startswith("2"):  # a model server knows these names: from now on they are labels of their own
@@ -337,7 +342,21 @@ class Director:
         entry = self.awaiting_timings.pop(request_id, None)
         if entry is not None:
             _, request, result, endpoint = entry
-            self.scheduler.on_timed(request, result, endpoint, ttft, None)
+            self._timed(request, result, endpoint, ttft, None)
+
+    def _timed(self, request, result, endpoint, ttft: float, tpot: float | None) -> None:
+        self.untimed_responses = -1
+        self.scheduler.on_timed(request, result, endpoint, ttft, tpot)
+
+    def _untimed(self) -> None:
+        self.untimed_responses += 1
+        if self.untimed_responses == UNTIMED_RESPONSES_WARNING:
+            log.warning(
+                "%d successful responses and no timings of any: the latency predictor learns only from streamed "
+                "responses whose timings reach the EPP (the gateway's OpenTelemetry access log sent to the EPP, or "
+                "Envoy ext_proc response_body_mode FULL_DUPLEX_STREAMED) and abstains until then",
+                UNTIMED_RESPONSES_WARNING,
+            )
 
 
 def _usage(pattern: re.Pattern[bytes], tail: bytes) -> int | None:

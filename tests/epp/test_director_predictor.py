@@ -190,3 +190,25 @@ def test_without_a_plugin_that_reads_timings_nothing_waits_for_them():
     director.on_access_log("-", 0.05)
     ended(director, routed(director, "r"))
     assert director.awaiting_timings == {}
+
+
+def test_says_once_that_no_timings_reach_it(caplog):
+    director = make_picker(config=CONFIG.replace("director-test", "director-untimed"))
+    with caplog.at_level("WARNING"):
+        for i in range(director_module.UNTIMED_RESPONSES_WARNING - 1):
+            ended(director, routed(director, f"ok{i}"))
+            ended(director, routed(director, f"failed{i}"), status="503")  # failures do not count
+        assert not [r for r in caplog.records if "access log" in r.getMessage()]
+        for i in range(3 * director_module.UNTIMED_RESPONSES_WARNING):
+            ended(director, routed(director, f"more{i}"))
+    warnings = [r for r in caplog.records if "access log" in r.getMessage()]
+    assert len(warnings) == 1
+
+
+def test_no_warning_once_timings_came(caplog):
+    director = make_picker(config=CONFIG.replace("director-test", "director-timed"))
+    serve(director, stream=True, first_token_after=0.0)  # the body came through: timings
+    with caplog.at_level("WARNING"):
+        for i in range(2 * director_module.UNTIMED_RESPONSES_WARNING):
+            ended(director, routed(director, f"r{i}", stream=False))
+    assert not [r for r in caplog.records if "access log" in r.getMessage()]

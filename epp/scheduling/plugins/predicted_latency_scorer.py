@@ -34,8 +34,6 @@ metrics); one model per pool assumes alike endpoints; a scorer added to the prof
 
 from __future__ import annotations
 
-import logging
-
 from epp.datalayer.endpoint import Endpoint
 from epp.predictor import Features, shared
 from epp.predictor.candidates import CACHED_TOKENS, PREDICTED_LATENCY, PREDICTION_READS, CandidatePredictions
@@ -45,17 +43,14 @@ from epp.scheduling.framework import (
     Parameters,
     PrefixIndexStats,
     PreRequest,
-    ResponseComplete,
     ResponseTimed,
     Scorer,
     register,
 )
-from epp.scheduling.types import CycleState, ResponseInfo, SchedulingRequest, SchedulingResult, StateKey
+from epp.scheduling.types import CycleState, SchedulingRequest, SchedulingResult, StateKey
 
 ROUTED_FEATURES: StateKey[Features] = StateKey("predicted-latency-routed-features")
 OBSERVED: StateKey[bool] = StateKey("predicted-latency-observed")  # the predictor learnt from this request
-# Successful responses whose body never reached the EPP before it says that it cannot learn (once).
-UNTIMED_RESPONSES_WARNING = 100
 # The scorers whose signals are the load of an endpoint, counted without the work each request brings; the others
 # the prediction reads (prefix match, LoRA adapter) are exact about what they see.
 LOAD_SCORERS = (
@@ -66,10 +61,8 @@ LOAD_SCORERS = (
 )
 EXACT_SCORERS = ("prefix-cache-scorer", "precise-prefix-cache-scorer", "lora-affinity-scorer")
 
-log = logging.getLogger(__name__)
 
-
-class PredictorFeed(PreRequest, ResponseComplete, ResponseTimed, LatencyPredictionStats):
+class PredictorFeed(PreRequest, ResponseTimed, LatencyPredictionStats):
     """The hooks that train the pool's predictor, shared by the plugins that read it (this scorer and
     predicted-latency-filter): at the pick the request's features on its endpoint (and its prompt into the
     endpoint's prefill backlog), then the observed TTFT and TPOT. With both plugins in one profile the first one fed
@@ -97,25 +90,6 @@ class PredictorFeed(PreRequest, ResponseComplete, ResponseTimed, LatencyPredicti
         if features is None or not ttft > 0:
             return  # not routed by a prompt, or no time measured
         self.predictions.predictor.observe(features, ttft, tpot if tpot is not None and tpot > 0 else None)
-
-    def response_complete(
-        self, request: SchedulingRequest, result: SchedulingResult, endpoint, response: ResponseInfo
-    ) -> None:
-        """Only to say, once, when successful responses come and no timings ever did."""
-        if (
-            response.status.startswith("2")
-            and self.predictions.untimed_responses <= UNTIMED_RESPONSES_WARNING
-            and not self.predictions.predictor.observations
-        ):
-            self.predictions.untimed_responses += 1  # counted per pool: one warning however many plugins read it
-            if self.predictions.untimed_responses == UNTIMED_RESPONSES_WARNING:
-                log.warning(
-                    "%s: %d successful responses and no timings of any: the latency predictor learns only from "
-                    "streamed responses whose timings reach the EPP (the gateway's OpenTelemetry access log sent to "
-                    "the EPP, or Envoy ext_proc response_body_mode FULL_DUPLEX_STREAMED) and abstains until then",
-                    self.typed_name.type,
-                    UNTIMED_RESPONSES_WARNING,
-                )
 
     @property
     def prediction_errors(self) -> tuple[float | None, float | None]:

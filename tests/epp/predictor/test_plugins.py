@@ -200,41 +200,6 @@ def test_an_adapter_not_loaded_on_the_pick_is_recorded_as_a_load(pool):
         assert result.cycle_state.read(ROUTED_FEATURES).adapter_loaded is loaded
 
 
-def test_scorer_says_once_that_no_timings_reach_it(pool, caplog):
-    from epp.scheduling.plugins.predicted_latency_scorer import UNTIMED_RESPONSES_WARNING
-    from epp.scheduling.types import ResponseInfo
-
-    scorer = build_plugin("predicted-latency-scorer", {"pool": pool})
-    latency_filter = build_plugin("predicted-latency-filter", {"pool": pool})  # the same pool: one warning for both
-    scheduler = Scheduler.from_config(None)
-    with caplog.at_level("WARNING"):
-        for _ in range(UNTIMED_RESPONSES_WARNING - 1):
-            result = scheduler.schedule(req(), [endpoint(0)])
-            scorer.response_complete(req(), result, endpoint(0), ResponseInfo("200"))
-            scorer.response_complete(req(), result, endpoint(0), ResponseInfo("503"))  # failures do not count
-        assert not [r for r in caplog.records if "access log" in r.getMessage()]
-        for _ in range(3 * UNTIMED_RESPONSES_WARNING):
-            result = scheduler.schedule(req(), [endpoint(0)])
-            for plugin in (scorer, latency_filter):
-                plugin.response_complete(req(), result, endpoint(0), ResponseInfo("200"))
-    warnings = [r for r in caplog.records if "access log" in r.getMessage()]
-    assert len(warnings) == 1
-
-
-def test_no_warning_once_timings_came(pool, caplog):
-    from epp.scheduling.plugins.predicted_latency_scorer import UNTIMED_RESPONSES_WARNING
-    from epp.scheduling.types import ResponseInfo
-
-    scorer = build_plugin("predicted-latency-scorer", {"pool": pool})
-    scheduler = Scheduler.from_config(None)
-    trained(pool)
-    with caplog.at_level("WARNING"):
-        for _ in range(2 * UNTIMED_RESPONSES_WARNING):
-            result = scheduler.schedule(req(), [endpoint(0)])
-            scorer.response_complete(req(), result, endpoint(0), ResponseInfo("200"))
-    assert not [r for r in caplog.records if "access log" in r.getMessage()]
-
-
 def test_while_it_predicts_the_latency_scorer_replaces_the_scorers_whose_signals_it_models(pool):
     """Default scorers plus the latency scorer: cold, they decide (the queue scorer prefers the idle endpoint 0);
     warm, only the prediction counts, whatever the weights, and no other scorer runs."""
