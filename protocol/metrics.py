@@ -107,6 +107,9 @@ class EngineSpec:
     kv_usage: tuple[MetricSpec, ...]
     lora_info: MetricSpec | None = None
     cache_info: MetricSpec | None = None
+    # Histograms of the gaps between a request's tokens, in seconds (optional): their `_sum` and `_count` series
+    # give the endpoint's mean inter-token latency between two scrapes (`Endpoint.inter_token_latency`).
+    inter_token_latency: tuple[MetricSpec, ...] = ()
 
 
 def _specs(*texts: str) -> tuple[MetricSpec, ...]:
@@ -123,12 +126,14 @@ ENGINES: dict[str, EngineSpec] = {
             kv_usage=_specs(VLLM_KV_CACHE_USAGE, VLLM_KV_CACHE_USAGE_V0),
             lora_info=MetricSpec(VLLM_LORA_REQUESTS_INFO),
             cache_info=MetricSpec(VLLM_CACHE_CONFIG_INFO),
+            inter_token_latency=_specs(VLLM_INTER_TOKEN_LATENCY_SECONDS, VLLM_TIME_PER_OUTPUT_TOKEN_SECONDS),
         ),
         EngineSpec(
             "sglang",
             waiting=_specs("sglang:num_queue_reqs"),
             running=_specs("sglang:num_running_reqs"),
             kv_usage=_specs("sglang:token_usage"),
+            inter_token_latency=_specs("sglang:inter_token_latency_seconds", "sglang:time_per_output_token_seconds"),
         ),
         EngineSpec(
             "trtllm-serve",
@@ -169,6 +174,9 @@ class EndpointMetrics:
     running_adapters: frozenset[str] = field(default_factory=frozenset)
     waiting_adapters: frozenset[str] = field(default_factory=frozenset)
     scraped_at: float = 0.0  # time.monotonic() of the scrape
+    # the inter-token latency histogram's totals since the server started (None: the engine publishes none)
+    inter_token_seconds: float | None = None
+    inter_tokens: float | None = None
 
 
 def _family_lines(page: str, name: str, out: list[str]) -> None:
@@ -268,6 +276,55 @@ def _series(page: str, spec: MetricSpec) -> list[tuple[dict[str, str], float]]:
     return series
 
 
+def _every_line(page: str, name: str, start: int, end: int) -> list[str]:
+    """The sample lines of exactly `name` that begin in page[start:end]."""
+    needle, size, lines = "\n" + name, len(page), []
+    at = page.find(needle, start, end)
+    while at != -1:
+        after = at + len(needle)
+        line_end = page.find("\n", after)
+        if line_end == -1:
+            line_end = size
+        if after < size and page[after] in "{ \t":
+            lines.append(page[at + 1 : line_end])
+        at = page.find(needle, line_end, end)
+    return lines
+
+
+def _metadata_line(page: str, start: int) -> int:
+    """Where the first `#` line after `start` begins (-1: none). `#` is looked for alone (a memchr) since a
+    search for "\n#" is ~20x slower; one inside a label value is passed over."""
+    hash_at = page.find("#", start)
+    while hash_at != -1 and page[hash_at - 1] != "\n":
+        hash_at = page.find("#", hash_at + 1)
+    return hash_at - 1 if hash_at != -1 else -1
+
+
+def _histogram_totals(page: str, alternatives: tuple[MetricSpec, ...]) -> tuple[float, float] | None:
+    """The `_sum` and `_count` of the first histogram family present, each summed over its matching series; None
+    when none is present. A histogram's series interleave (each one's buckets, count and sum in turn), so the
+    family's whole block is searched: from its first line to the next family's metadata (`# HELP`/`# TYPE`), not
+    the rest of the page (a search through a whole ~40 KB page costs ~15 us)."""
+    for spec in alternatives:
+        prefix = "\n" + spec.name + "_"
+        start = page.find(prefix)
+        while start != -1:
+            end = _metadata_line(page, start)
+            stop = len(page) if end == -1 else end
+            sums, counts = (
+                [
+                    v
+                    for _, labels, v in map(_parse_sample_line, _every_line(page, spec.name + suffix, start, stop))
+                    if spec.matches(labels)
+                ]
+                for suffix in ("_sum", "_count")
+            )
+            if counts:
+                return sum(sums), sum(counts)
+            start = -1 if end == -1 else page.find(prefix, end)  # another family of that prefix (`_created`)
+    return None
+
+
 def _first_present(page: str, alternatives: tuple[MetricSpec, ...]) -> list[float]:
     for spec in alternatives:  # the fallback (e.g. a deprecated name) is only searched when needed
         if series := _series(page, spec):
@@ -291,6 +348,7 @@ def parse_metrics(
         kv = _first_present(page, spec.kv_usage)
         cache_info = _series(page, spec.cache_info) if spec.cache_info else []
         lora_info = _series(page, spec.lora_info) if spec.lora_info else []
+        inter_token = _histogram_totals(page, spec.inter_token_latency)
     except ValueError as exc:
         raise MetricsParseError(str(exc)) from None
     missing = [
@@ -307,6 +365,8 @@ def parse_metrics(
         kv_usage=min(1.0, max(0.0, max(kv))),
         scraped_at=time.monotonic() if scraped_at is None else scraped_at,
     )
+    if inter_token is not None and all(0.0 <= v < math.inf for v in inter_token):
+        snapshot.inter_token_seconds, snapshot.inter_tokens = inter_token
     if cache_info:
         labels = cache_info[0][0]
         snapshot.block_size = _int_label(labels.get(LABEL_BLOCK_SIZE))

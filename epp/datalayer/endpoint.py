@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
+import bisect
+from collections import deque
 from dataclasses import dataclass, field
 
 from protocol.metrics import EndpointMetrics
+
+# The endpoint's inter-token latency totals are kept at most every INTER_TOKEN_SAMPLE_SECONDS for the last
+# INTER_TOKEN_SAMPLES samples (half a minute, ~4 KB an endpoint): enough to cover a request's decode, bounded.
+INTER_TOKEN_SAMPLE_SECONDS = 0.25
+INTER_TOKEN_SAMPLES = 120
+# A request's time per output token is read off its endpoint's totals only when samples span at least this share of
+# its decode and saw at least this many tokens: a shorter window says more about the scrapes than the request.
+INTER_TOKEN_MIN_COVER = 0.5
+INTER_TOKEN_MIN_TOKENS = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,11 +72,47 @@ class Endpoint:
     # running while others waited (its batch is full at that count; None until a scrape showed a waiting request).
     in_flight_at_scrape: int = 0
     batch_slots: int | None = None
+    # (scraped_at, inter-token seconds, inter-tokens): the engine's histogram totals over time (`inter_token_latency`)
+    inter_token_totals: deque[tuple[float, float, float]] = field(
+        default_factory=lambda: deque(maxlen=INTER_TOKEN_SAMPLES), repr=False
+    )
 
     @property
     def name(self) -> str:
         return self.spec.name
 
+    def record_inter_token_totals(self, at: float, seconds: float, tokens: float) -> None:
+        """Keep a scrape's inter-token latency totals, at most one sample per INTER_TOKEN_SAMPLE_SECONDS."""
+        totals = self.inter_token_totals
+        if totals:
+            last_at, _, last_tokens = totals[-1]
+            if tokens < last_tokens:
+                totals.clear()  # the server restarted: its totals began again
+            elif at - last_at < INTER_TOKEN_SAMPLE_SECONDS:
+                return
+        totals.append((at, seconds, tokens))
+
+    def inter_token_latency(self, start: float, end: float) -> float | None:
+        """The endpoint's mean gap between tokens from `start` to `end` (time.monotonic() seconds), from its totals
+        at the first sample in that span and the last one. Every request in an engine's batch gets one token per
+        step, so this is the time per output token of a request that decoded there then, seen from the server: no
+        response body needed. None when the samples cover too little of the span (INTER_TOKEN_MIN_COVER) or saw too
+        few tokens."""
+        totals = self.inter_token_totals
+        first = bisect.bisect_left(totals, start, key=_sample_time)
+        last = bisect.bisect_right(totals, end, key=_sample_time) - 1
+        if first >= last:
+            return None
+        (first_at, first_seconds, first_tokens), (last_at, last_seconds, last_tokens) = totals[first], totals[last]
+        tokens = last_tokens - first_tokens
+        if last_at - first_at < INTER_TOKEN_MIN_COVER * (end - start) or tokens < INTER_TOKEN_MIN_TOKENS:
+            return None
+        return (last_seconds - first_seconds) / tokens
+
     @property
     def hostport(self) -> str:
         return self.spec.hostport
+
+
+def _sample_time(sample: tuple[float, float, float]) -> float:
+    return sample[0]

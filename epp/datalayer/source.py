@@ -52,11 +52,14 @@ class Extractor(Protocol[Raw]):
 class PrometheusExtractor:
     """A Prometheus text page -> `endpoint.metrics` (queue, running, KV usage, LoRA adapters, cache config), read
     with the metric names of the endpoint's engine (`protocol.metrics.ENGINES`); also the EPP's in-flight count at
-    this scrape and the endpoint's batch slots once it is seen full (`Endpoint.batch_slots`)."""
+    this scrape, the endpoint's batch slots once it is seen full (`Endpoint.batch_slots`) and its inter-token
+    latency totals over time (`Endpoint.inter_token_latency`)."""
 
     def extract(self, raw: str, endpoint: Endpoint) -> None:
         metrics = endpoint.metrics = parse_metrics(raw, engine_spec(endpoint.spec.engine))
         endpoint.in_flight_at_scrape = endpoint.in_flight_requests
+        if metrics.inter_tokens is not None:
+            endpoint.record_inter_token_totals(metrics.scraped_at, metrics.inter_token_seconds, metrics.inter_tokens)
         slots = endpoint.batch_slots
         if metrics.waiting:
             if metrics.running > (slots or 0):

@@ -18,7 +18,8 @@ accounting, the scheduler's response-complete hooks, metrics). `on_complete` run
 whatever ended it.
 Timings (the scheduler's response-timed hooks, which the latency predictor learns from) come from the response
 body, when it streamed through the EPP (at `on_complete`), or else from the proxy's access log (`on_access_log`:
-Envoy writes a request's record when it ends and sends it within its flush interval). For the second, once the
+Envoy writes a request's record when it ends and sends it within its flush interval) for TTFT, with the time per
+output token from the endpoint's scraped inter-token latency over the request's decode. For the second, once the
 proxy has sent one record, each streamed request that ended without its body's timings waits in
 `awaiting_timings` for its record; that table is bounded in entries and age, so records that never come (a sampled
 access log, another replica's requests) cost an observation, not memory.
@@ -75,8 +76,9 @@ class Director:
         self.scheduler = scheduler
         self.metrics = metrics
         self.flow_control = flow_control
-        # request id -> (ended at, request, result, pick); kept only once the proxy has sent an access-log record
-        self.awaiting_timings: dict[str, tuple[float, SchedulingRequest, SchedulingResult, Endpoint]] = {}
+        # request id -> (ended at, routed at, request, result, pick); kept only once the proxy has sent an access-log
+        # record
+        self.awaiting_timings: dict[str, tuple[float, float, SchedulingRequest, SchedulingResult, Endpoint]] = {}
         self.access_log_seen = False
         self.untimed_responses = 0  # successful responses while no timings ever came (-1: some did)
 
@@ -300,7 +302,7 @@ class Director:
                 tpot = (now - ctx.first_chunk_at) / (output_tokens - 1) if output_tokens and output_tokens > 1 else None
                 self._timed(request, ctx.result, endpoint, ttft, tpot)
             elif ctx.streamed and self.access_log_seen:
-                self._await_timings(request.request_id, (now, request, ctx.result, endpoint))
+                self._await_timings(request.request_id, (now, ctx.routed_at, request, ctx.result, endpoint))
             elif self.untimed_responses >= 0:
                 self._untimed()
         metrics = self.metrics
@@ -336,13 +338,16 @@ class Director:
 
     def on_access_log(self, request_id: str, ttft: float) -> None:
         """The proxy's access-log record of an ended request: `ttft` seconds from sending it to the model server
-        to the first byte of the response body (the first token of a streamed response). A record that comes before
-        the EPP saw its request end (not seen: Envoy sends it after a flush interval) teaches nothing."""
+        to the first byte of the response body (the first token of a streamed response). Its time per output token
+        is the endpoint's own mean gap between tokens from then to the request's end (`Endpoint.inter_token_latency`,
+        None when the engine publishes no such histogram or the decode was too short to see in its scrapes). A
+        record that comes before the EPP saw its request end (not seen: Envoy sends it after a flush interval)
+        teaches nothing."""
         self.access_log_seen = True
         entry = self.awaiting_timings.pop(request_id, None)
         if entry is not None:
-            _, request, result, endpoint = entry
-            self._timed(request, result, endpoint, ttft, None)
+            ended, routed_at, request, result, endpoint = entry
+            self._timed(request, result, endpoint, ttft, endpoint.inter_token_latency(routed_at + ttft, ended))
 
     def _timed(self, request, result, endpoint, ttft: float, tpot: float | None) -> None:
         self.untimed_responses = -1

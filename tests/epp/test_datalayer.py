@@ -2,6 +2,8 @@
 
 import asyncio
 import contextlib
+import time
+from types import SimpleNamespace
 
 import pytest
 from aiohttp import web
@@ -43,6 +45,42 @@ def test_extractor_records_the_in_flight_count_at_the_scrape_and_learns_the_batc
         # every slot busy and nothing waiting: 4 was not its batch size (flow control never sends more than the
         # slots, so without this a low limit would hold for good)
         assert e.batch_slots == running + 1
+
+
+def test_inter_token_latency_over_a_span_comes_from_the_scraped_totals_inside_it():
+    endpoint = Endpoint(EndpointSpec("a", "127.0.0.1", 8000))
+    # one sample per 0.25 s at most: the 0.1 s one is dropped
+    for at, seconds, tokens in ((0.0, 0.0, 0), (0.1, 0.5, 50), (0.25, 1.0, 100), (0.5, 2.0, 150), (1.0, 4.0, 250)):
+        endpoint.record_inter_token_totals(at, seconds, tokens)
+    assert [s[0] for s in endpoint.inter_token_totals] == [0.0, 0.25, 0.5, 1.0]
+    # from the first sample in the span to the last: (4.0 - 1.0) s over 150 tokens
+    assert endpoint.inter_token_latency(0.2, 1.1) == pytest.approx(0.02)
+    assert endpoint.inter_token_latency(0.0, 0.5) == pytest.approx(2.0 / 150)
+    assert endpoint.inter_token_latency(0.6, 1.1) is None  # one sample inside: no span
+    assert endpoint.inter_token_latency(0.3, 3.0) is None  # samples cover 0.5 s of 2.7
+    endpoint.record_inter_token_totals(1.5, 4.0, 252)
+    assert endpoint.inter_token_latency(1.0, 1.5) is None  # 2 tokens say too little
+    endpoint.record_inter_token_totals(2.0, 0.1, 10)  # the server restarted: its totals began again
+    assert list(endpoint.inter_token_totals) == [(2.0, 0.1, 10)]
+
+
+def test_extractor_keeps_the_engines_inter_token_totals_bounded(monkeypatch):
+    import protocol.metrics
+    from epp.datalayer.endpoint import INTER_TOKEN_SAMPLE_SECONDS, INTER_TOKEN_SAMPLES
+
+    clock = [0.0]
+    monkeypatch.setattr(protocol.metrics, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    endpoint, extractor = Endpoint(EndpointSpec("a", "127.0.0.1", 8000)), PrometheusExtractor()
+    gauges = "vllm:num_requests_waiting 0\nvllm:num_requests_running 1\nvllm:kv_cache_usage_perc 0.1\n"
+    for i in range(3 * INTER_TOKEN_SAMPLES):
+        page = gauges + f"vllm:inter_token_latency_seconds_count {i}\nvllm:inter_token_latency_seconds_sum {i / 50}\n"
+        clock[0] = i * INTER_TOKEN_SAMPLE_SECONDS
+        extractor.extract(page, endpoint)
+    assert len(endpoint.inter_token_totals) == INTER_TOKEN_SAMPLES
+    end = (3 * INTER_TOKEN_SAMPLES - 1) * INTER_TOKEN_SAMPLE_SECONDS
+    assert endpoint.inter_token_latency(end - 10, end) == pytest.approx(0.02)
+    extractor.extract(gauges, endpoint)  # an engine without the histogram: nothing recorded, nothing lost
+    assert len(endpoint.inter_token_totals) == INTER_TOKEN_SAMPLES
 
 
 def test_parse_pool_file():
@@ -288,3 +326,47 @@ async def test_every_endpoint_source_follows_the_pool():
     store.note_request()
     await store.close()
     assert first.calls == second.calls == ["start a", "start b", "stop a", "wake", "stop b", "close"]
+
+
+async def test_a_requests_time_per_output_token_is_read_off_its_servers_scraped_histogram(tmp_path):
+    """Against a sim model server: for each streamed request, the endpoint's mean inter-token latency from the first
+    token to the end, read off scrapes every 50 ms, is within 15 % of the time per output token the client saw."""
+    import aiohttp
+
+    from modelserver.engine.sim import SimTiming
+    from tests.modelserver.conftest import MODEL, start_server
+
+    running, runner = await start_server(tmp_path, SimTiming(prefill_overhead=0.002, decode_base=0.015))
+    endpoint, extractor = Endpoint(EndpointSpec("s", "127.0.0.1", 1)), PrometheusExtractor()
+    try:
+        async with aiohttp.ClientSession() as session:
+
+            async def scrape() -> None:
+                while True:
+                    async with session.get(f"{running.url}/metrics") as r:
+                        extractor.extract(await r.text(), endpoint)
+                    await asyncio.sleep(0.05)
+
+            async def streamed(tokens: int) -> tuple[float, float]:
+                body = {"model": MODEL, "prompt": "hello", "max_tokens": tokens, "stream": True}
+                first = None
+                async with session.post(f"{running.url}/v1/completions", json=body) as r:
+                    async for line in r.content:
+                        if line.startswith(b"data: {") and first is None:
+                            first = time.monotonic()
+                end = time.monotonic()
+                seen = endpoint.inter_token_latency(first, end)
+                return (end - first) / (tokens - 1), seen
+
+            scraper = asyncio.create_task(scrape())
+            await asyncio.sleep(0.1)
+            pairs = []
+            for tokens in (40, 60, 80):  # four at a time, of different lengths
+                pairs += await asyncio.gather(*(streamed(tokens + 5 * i) for i in range(4)))
+            scraper.cancel()
+    finally:
+        await runner.cleanup()
+        await running.engine.stop()
+    errors = [abs(seen - client) / client for client, seen in pairs if seen is not None]
+    assert len(errors) >= 10, pairs
+    assert sum(errors) / len(errors) < 0.15, pairs

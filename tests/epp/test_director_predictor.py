@@ -1,9 +1,12 @@
 """The director feeds the latency predictor: a streamed response's first body chunk gives its TTFT and the usage's
-completion_tokens its time per output token; or, without its body, the proxy's access-log record gives its TTFT; a
-response that is not streamed teaches nothing."""
+completion_tokens its time per output token; or, without its body, the proxy's access-log record gives its TTFT
+and its server's scraped inter-token latency its time per output token; a response that is not streamed teaches
+nothing."""
 
 import json
 import time
+
+import pytest
 
 from epp.metrics import EPPMetrics
 from epp.predictor import shared
@@ -154,6 +157,27 @@ def test_access_log_records_train_the_predictor_once_the_proxy_sends_them():
     director.on_access_log("unknown", 0.01)
     assert predictor.observations == 3
     assert director.awaiting_timings == {}
+
+
+def test_an_access_logged_request_learns_its_time_per_output_token_from_its_servers_scrapes(monkeypatch):
+    """The record gives TTFT; the time per output token is the endpoint's scraped mean gap between tokens from the
+    first token to the request's end. Without such scrapes it learns TTFT alone."""
+    director = make_picker(config=CONFIG.replace("director-test", "director-itl"))
+    predictor = shared("director-itl").predictor
+    observed = []
+    monkeypatch.setattr(predictor, "observe", lambda features, ttft, tpot: observed.append((ttft, tpot)))
+    director.on_access_log("-", 0.05)  # the proxy sends records
+    ctx = routed(director, "r")
+    endpoint = ctx.endpoint
+    endpoint.record_inter_token_totals(ctx.routed_at + 0.01, 1.0, 100)
+    endpoint.record_inter_token_totals(ctx.routed_at + 0.3, 1.5, 120)
+    time.sleep(0.35)
+    ended(director, ctx)
+    director.on_access_log("r", 0.005)
+    assert observed == [(0.005, pytest.approx(0.5 / 20))]
+    ended(director, routed(director, "unscraped"))  # its decode has no samples of its own
+    director.on_access_log("unscraped", 0.005)
+    assert observed[1] == (0.005, None)
 
 
 def test_the_first_source_of_timings_wins_and_ambiguous_ids_teach_nothing():

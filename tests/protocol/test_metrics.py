@@ -40,9 +40,15 @@ def page(name: str) -> str:
                 # the newest series (largest timestamp) wins; names are trimmed, empty names dropped
                 running_adapters=frozenset({"sql-lora", "chat-lora"}),
                 waiting_adapters=frozenset({"code-lora"}),
+                inter_token_seconds=127.32,
+                inter_tokens=4.0,
             ),
         ),
-        ("vllm_v0.txt", None, dict(waiting=5, running=2, kv_usage=0.75, block_size=32, num_gpu_blocks=None)),
+        (
+            "vllm_v0.txt",
+            None,
+            dict(waiting=5, running=2, kv_usage=0.75, block_size=32, num_gpu_blocks=None, inter_tokens=None),
+        ),
         ("sglang.txt", "sglang", dict(waiting=2826, running=28, kv_usage=0.28, block_size=None, max_lora=None)),
         ("trtllm_serve.txt", "trtllm-serve", dict(waiting=4, running=12, kv_usage=0.62)),
         ("triton_trtllm.txt", "triton-tensorrt-llm", dict(waiting=9, running=6, kv_usage=0.4)),
@@ -76,6 +82,30 @@ def test_sums_data_parallel_engines_and_takes_max_kv():
     )
     snapshot = parse_metrics(text)
     assert (snapshot.waiting, snapshot.running, snapshot.kv_usage) == (5, 5, 0.7)
+
+
+def test_inter_token_totals_sum_every_series_of_the_first_histogram_present():
+    """A histogram's series interleave (buckets, count and sum of one, then the next): every one counts. The
+    deprecated name is read only when the current one is absent; a NaN total is left unknown."""
+    gauges = "vllm:num_requests_waiting 0\nvllm:num_requests_running 0\nvllm:kv_cache_usage_perc 0\n"
+    series = "".join(
+        f'{name}_bucket{{engine="{e}",le="+Inf"}} {count}\n{name}_count{{engine="{e}"}} {count}\n'
+        f'{name}_sum{{engine="{e}"}} {total}\n'
+        for name, e, count, total in (
+            ("vllm:inter_token_latency_seconds", 0, 10, 0.5),
+            ("vllm:time_per_output_token_seconds", 0, 99, 9.9),
+            ("vllm:inter_token_latency_seconds", 1, 30, 0.7),
+        )
+    )
+    snapshot = parse_metrics(gauges + series)
+    assert (snapshot.inter_token_seconds, snapshot.inter_tokens) == (pytest.approx(1.2), 40)
+    deprecated = parse_metrics(gauges + series.replace("vllm:inter_token_latency_seconds", "other"))
+    assert (deprecated.inter_token_seconds, deprecated.inter_tokens) == (pytest.approx(9.9), 99)
+    unknown = parse_metrics(
+        gauges + "vllm:inter_token_latency_seconds_count 3\nvllm:inter_token_latency_seconds_sum NaN\n"
+    )
+    assert (unknown.inter_token_seconds, unknown.inter_tokens) == (None, None)
+    assert parse_metrics(gauges).inter_tokens is None
 
 
 def test_family_prefix_is_not_confused_with_longer_names():
