@@ -13,7 +13,8 @@ Feeds the predictor too: when a request is routed (PreRequest, at the pick: a bu
 in the backlog) its features on the picked endpoint are kept in the cycle state, and when its timings are known
 (ResponseTimed) they train the model. The director has them for streamed responses only, from the first of two
 sources: the gateway's access log (TTFT: Envoy's time from sending the request upstream to the first body byte
-back; `epp.handlers.accesslog`, a record per request, batched) or the body passing through the EPP (Envoy's
+back; `epp.handlers.accesslog`, a record per request, batched; TPOT: the endpoint's scraped inter-token latency over
+the request's decode, `Endpoint.inter_token_latency`) or the body passing through the EPP (Envoy's
 response_body_mode FULL_DUPLEX_STREAMED, an ext_proc round trip per token: TTFT, and TPOT from the usage).
 Composition with the other scorers: the prediction is made from their signals (the queue, running requests, KV
 usage, in-flight tokens, the prefix match as cached tokens, the adapter loaded or not), so while it predicts it
