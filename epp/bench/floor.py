@@ -16,6 +16,7 @@ import asyncio
 import functools
 import itertools
 import signal
+import sys
 
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -26,7 +27,7 @@ from epp.handlers import Reply
 from protocol import extproc
 
 
-def _routing_response(endpoint: str) -> pb.ProcessingResponse:
+def routing_response(endpoint: str) -> pb.ProcessingResponse:
     header = base_pb2.HeaderValueOption(
         header=base_pb2.HeaderValue(key=extproc.DESTINATION_ENDPOINT_HEADER, raw_value=endpoint.encode()),
         append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
@@ -43,7 +44,10 @@ def _routing_response(endpoint: str) -> pb.ProcessingResponse:
     )
 
 
-_CONTINUE_RESPONSE_HEADERS = [pb.ProcessingResponse(response_headers=pb.HeadersResponse())]
+# The answers that never change (the native floor, epp/bench/floor_native.py, sends the same bytes)
+CONTINUE_RESPONSE_HEADERS = pb.ProcessingResponse(response_headers=pb.HeadersResponse())
+REQUEST_TRAILERS = pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
+RESPONSE_TRAILERS = pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
 
 
 class FloorHandler:
@@ -70,11 +74,11 @@ class FloorHandler:
                 )
             ]
         if kind == "response_headers":
-            return _CONTINUE_RESPONSE_HEADERS
+            return [CONTINUE_RESPONSE_HEADERS]
         if kind == "request_trailers":
-            return [pb.ProcessingResponse(request_trailers=pb.TrailersResponse())]
+            return [REQUEST_TRAILERS]
         if kind == "response_trailers":
-            return [pb.ProcessingResponse(response_trailers=pb.TrailersResponse())]
+            return [RESPONSE_TRAILERS]
         return []
 
     def after_reply(self) -> None:
@@ -85,7 +89,7 @@ class FloorHandler:
 
 
 async def serve(host: str, port: int, endpoints: list[str]) -> None:
-    answers = itertools.cycle([_routing_response(e) for e in endpoints])
+    answers = itertools.cycle([routing_response(e) for e in endpoints])
     new_handler = functools.partial(FloorHandler, answers)
     server = ExtProcServer(lambda: new_handler)
     await server.start(host, port)
@@ -96,6 +100,11 @@ async def serve(host: str, port: int, endpoints: list[str]) -> None:
     print("ready", flush=True)
     await stop.wait()
     await server.stop(0.5)
+
+
+def command(port: int, endpoints: list[str]) -> list[str]:
+    """The command line that runs this floor on `port`, routing to `endpoints` ("host:port") in turn."""
+    return [sys.executable, "-m", "epp.bench.floor", "--port", str(port), "--endpoints", ",".join(endpoints)]
 
 
 def main() -> None:
