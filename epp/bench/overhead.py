@@ -11,16 +11,18 @@ what flow control costs an unsaturated pool: the same build with `flowControl: {
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import statistics
 import subprocess
-import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import aiohttp
 
+from epp.bench import floor, floor_native
 from epp.bench.peers import peer_command, start_router
 from epp.bench.ports import free_port_block, free_ports
 from epp.envoy import EnvoyProcess, render_baseline, render_bootstrap, terminate
@@ -35,6 +37,16 @@ EPP_NO_ACCESS_LOG = "envoy+epp (no access log)"
 FLOOR_ONE_TRIP = "envoy+floor (request headers only)"
 FLOOR_HEADERS = "envoy+floor (headers only)"
 FLOOR_BODY = "envoy+floor (body streamed)"
+NATIVE_FLOOR_ONE_TRIP = "envoy+native floor (request headers only)"
+NATIVE_FLOOR_HEADERS = "envoy+native floor (headers only)"
+NATIVE_FLOOR_BODY = "envoy+native floor (body streamed)"
+# what each floor target asks of Envoy: (mode, request body mode, response header mode), "envoy+floor (mode)" with
+# the Python processor (epp/bench/floor.py), "envoy+native floor (mode)" with the C one (epp/bench/floor_native.c)
+FLOOR_MODES = (
+    ("request headers only", "NONE", "SKIP"),
+    ("headers only", "NONE", "SEND"),
+    ("body streamed", "FULL_DUPLEX_STREAMED", "SEND"),
+)
 
 
 def cpu_seconds(pid: int) -> float:
@@ -67,6 +79,7 @@ class OverheadResult:
     cpu_ms_per_request_loaded: dict[str, dict[str, float]] = field(default_factory=dict)
     host_load: tuple[float, float, float] = (0.0, 0.0, 0.0)
     wall_seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)  # targets left out, and why
 
     def markdown(self) -> str:
         plain = self.latency_ms.get(PLAIN)
@@ -99,6 +112,7 @@ class OverheadResult:
             )
         lines.append("CPU seconds over the run: " + ", ".join(f"{k} {v:.1f}" for k, v in self.cpu_seconds.items()))
         lines.append("host load (1/5/15 min) at the end: " + " ".join(f"{v:.2f}" for v in self.host_load))
+        lines += self.notes
         return "\n".join(lines)
 
 
@@ -126,20 +140,23 @@ async def _throughput(session: aiohttp.ClientSession, url: str, total: int, conc
 
 
 async def _start_floor(
-    stack: LocalStack, body_mode: str, response_header_mode: str, name: str, opened: list
+    stack: LocalStack,
+    body_mode: str,
+    response_header_mode: str,
+    name: str,
+    opened: list,
+    processor: Callable[[int, list[str]], list[str]],
+    endpoints: list[str],
 ) -> tuple[str, dict[str, int]]:
-    """An Envoy with our gateway bootstrap in front of the floor processor (epp/bench/floor.py); its URL and pids."""
+    """An Envoy with our gateway bootstrap in front of a floor processor, which routes to `endpoints` ("host:port")
+    in turn; its URL and pids. `processor(port, endpoints)` is the processor's command line: `epp.bench.floor.command`
+    or `epp.bench.floor_native.command` with its binary."""
     floor_port, listener, admin = free_ports(3)
-    endpoints = ",".join(u.removeprefix("http://") for u in stack.model_server_urls)
     log = (stack.workdir / f"{name}.log").open("wb")
-    floor = subprocess.Popen(
-        [sys.executable, "-m", "epp.bench.floor", "--port", str(floor_port), "--endpoints", endpoints],
-        stdout=subprocess.PIPE,
-        stderr=log,
-    )
+    process = subprocess.Popen(processor(floor_port, endpoints), stdout=subprocess.PIPE, stderr=log)
     log.close()
-    opened.append(floor)
-    if floor.stdout.readline().strip() != b"ready":
+    opened.append(process)
+    if process.stdout.readline().strip() != b"ready":
         raise RuntimeError(f"the floor processor did not start; see {stack.workdir / f'{name}.log'}")
     config = stack.workdir / f"{name}-envoy.yaml"
     config.write_text(
@@ -157,7 +174,7 @@ async def _start_floor(
     envoy.start()
     opened.append(envoy)
     await envoy.wait_ready()
-    return f"http://127.0.0.1:{listener}/v1/completions", {"envoy": envoy.process.pid, "processor": floor.pid}
+    return f"http://127.0.0.1:{listener}/v1/completions", {"envoy": envoy.process.pid, "processor": process.pid}
 
 
 async def _start_epp_variant(
@@ -243,15 +260,19 @@ async def measure(
         targets = {PLAIN: f"http://127.0.0.1:{plain_listener}/v1/completions"}
         pids: dict[str, dict[str, int]] = {PLAIN: {"envoy": plain.process.pid}}
         if with_floor:
-            floors = (
-                (FLOOR_ONE_TRIP, "NONE", "SKIP"),
-                (FLOOR_HEADERS, "NONE", "SEND"),
-                (FLOOR_BODY, "FULL_DUPLEX_STREAMED", "SEND"),
-            )
-            for index, (name, body_mode, response_mode) in enumerate(floors):
-                targets[name], pids[name] = await _start_floor(
-                    stack, body_mode, response_mode, f"floor-{index}", opened
-                )
+            processors = {"floor": floor.command}
+            native = floor_native.build(stack.workdir)
+            if native is None:
+                result.notes.append("no C compiler on PATH (cc or gcc): the native floor is left out")
+            else:
+                processors["native floor"] = functools.partial(floor_native.command, native)
+            pool = [u.removeprefix("http://") for u in stack.model_server_urls]
+            for label, processor in processors.items():
+                for index, (mode, body_mode, response_mode) in enumerate(FLOOR_MODES):
+                    name = f"envoy+{label} ({mode})"
+                    targets[name], pids[name] = await _start_floor(
+                        stack, body_mode, response_mode, f"{label.replace(' ', '-')}-{index}", opened, processor, pool
+                    )
         targets[EPP] = f"{stack.gateway_url}/v1/completions"
         pids[EPP] = {"envoy": stack.envoy.process.pid, "epp": stack.processes["epp"].pid}
         # a second EPP and Envoy over the same servers, one thing changed: (target, workdir, EPP config, access log %)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from epp.bench import compare, inference_perf, overhead
+from epp.bench import compare, floor_native, inference_perf, overhead
 
 
 def test_compare_smoke(tmp_path):
@@ -162,7 +162,14 @@ def test_overhead_smoke():
         overhead.FLOOR_BODY,
         overhead.EPP_NO_FLOW_CONTROL,
         overhead.EPP_NO_ACCESS_LOG,
+        # built when there is a C compiler, else left out with a note
+        *(
+            (overhead.NATIVE_FLOOR_ONE_TRIP, overhead.NATIVE_FLOOR_HEADERS, overhead.NATIVE_FLOOR_BODY)
+            if floor_native.compiler()
+            else ()
+        ),
     }
+    assert bool(result.notes) != bool(floor_native.compiler())
     assert result.throughput_ratio > 0 and result.latency_ms["envoy+epp"]["p50"] > 0
     assert set(result.flow_control_added_ms) == {"p50", "p99"} and "added latency of flow control" in result.markdown()
     assert result.cpu_ms_per_request[overhead.EPP_NO_FLOW_CONTROL]["epp"] > 0
