@@ -133,6 +133,8 @@ static void append(struct buf *b, const void *data, size_t len) {
 
 /* Drops the first `n` bytes. */
 static void consume(struct buf *b, size_t n) {
+    if (!n)
+        return;
     memmove(b->data, b->data + n, b->len - n);
     b->len -= n;
 }
@@ -158,7 +160,7 @@ static uint32_t be32(const unsigned char *p) {
 }
 
 static struct stream *find_stream(struct conn *c, uint32_t id) {
-    for (size_t i = c->nstreams; i-- > 0;) /* the newest streams are the busiest: search from the end */
+    for (size_t i = 0; i < c->nstreams; i++)
         if (c->streams[i]->id == id)
             return c->streams[i];
     return NULL;
