@@ -9,9 +9,10 @@ from dataclasses import dataclass, field
 from protocol.metrics import EndpointMetrics
 
 # The endpoint's inter-token latency totals are kept at most every INTER_TOKEN_SAMPLE_SECONDS for the last
-# INTER_TOKEN_SAMPLES samples (half a minute, ~4 KB an endpoint): enough to cover a request's decode, bounded.
-INTER_TOKEN_SAMPLE_SECONDS = 0.25
-INTER_TOKEN_SAMPLES = 120
+# INTER_TOKEN_SAMPLES samples (half a minute, ~26 KB an endpoint): a decode of 0.3 s or more has two samples inside
+# it, and one of up to half a minute is covered.
+INTER_TOKEN_SAMPLE_SECONDS = 0.1
+INTER_TOKEN_SAMPLES = 300
 # A request's time per output token is read off its endpoint's totals only when samples span at least this share of
 # its decode and saw at least this many tokens: a shorter window says more about the scrapes than the request.
 INTER_TOKEN_MIN_COVER = 0.5

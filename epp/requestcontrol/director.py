@@ -58,8 +58,11 @@ _USAGE_TAIL_BYTES = 4096
 # requests at 2,000 a second.
 AWAITING_TIMINGS_LIMIT = 4096
 AWAITING_TIMINGS_SECONDS = 10.0
-# Successful responses, with a plugin reading timings and none ever come from either source, before it says so (once).
+# Successful responses, with a plugin reading timings and none ever come from either source, before it says so (once),
+# and the least time since the first of them: at start-up, at 1,000 responses a second, 100 end before the proxy's
+# first access-log flush (0.1 s in our bootstrap).
 UNTIMED_RESPONSES_WARNING = 100
+UNTIMED_WARNING_SECONDS = 2.0
 
 
 class Director:
@@ -80,7 +83,8 @@ class Director:
         # record
         self.awaiting_timings: dict[str, tuple[float, float, SchedulingRequest, SchedulingResult, Endpoint]] = {}
         self.access_log_seen = False
-        self.untimed_responses = 0  # successful responses while no timings ever came (-1: some did)
+        self.untimed_responses = 0  # successful responses while no timings ever came (-1: some did, or it was said)
+        self.untimed_since = 0.0  # when the first of them ended
 
     def new_request(self, headers: dict[str, str], subset: frozenset[str] | None) -> RequestContext:
         self.datastore.note_request()
@@ -304,7 +308,7 @@ class Director:
             elif ctx.streamed and self.access_log_seen:
                 self._await_timings(request.request_id, (now, ctx.routed_at, request, ctx.result, endpoint))
             elif self.untimed_responses >= 0:
-                self._untimed()
+                self._untimed(now)
         metrics = self.metrics
         metrics.running.labels(ctx.labels[0]).dec()
         if status.startswith("2"):  # a model server knows these names: from now on they are labels of their own
@@ -353,15 +357,21 @@ class Director:
         self.untimed_responses = -1
         self.scheduler.on_timed(request, result, endpoint, ttft, tpot)
 
-    def _untimed(self) -> None:
+    def _untimed(self, now: float) -> None:
         self.untimed_responses += 1
-        if self.untimed_responses == UNTIMED_RESPONSES_WARNING:
+        if self.untimed_responses == 1:
+            self.untimed_since = now
+        elif (
+            self.untimed_responses >= UNTIMED_RESPONSES_WARNING and now - self.untimed_since >= UNTIMED_WARNING_SECONDS
+        ):
             log.warning(
-                "%d successful responses and no timings of any: the latency predictor learns only from streamed "
-                "responses whose timings reach the EPP (the gateway's OpenTelemetry access log sent to the EPP, or "
-                "Envoy ext_proc response_body_mode FULL_DUPLEX_STREAMED) and abstains until then",
-                UNTIMED_RESPONSES_WARNING,
+                "%d successful responses in %.0f s and no timings of any: the latency predictor learns only from "
+                "streamed responses whose timings reach the EPP (the gateway's OpenTelemetry access log sent to the "
+                "EPP, or Envoy ext_proc response_body_mode FULL_DUPLEX_STREAMED) and abstains until then",
+                self.untimed_responses,
+                now - self.untimed_since,
             )
+            self.untimed_responses = -1
 
 
 def _usage(pattern: re.Pattern[bytes], tail: bytes) -> int | None:

@@ -49,8 +49,8 @@ def test_extractor_records_the_in_flight_count_at_the_scrape_and_learns_the_batc
 
 def test_inter_token_latency_over_a_span_comes_from_the_scraped_totals_inside_it():
     endpoint = Endpoint(EndpointSpec("a", "127.0.0.1", 8000))
-    # one sample per 0.25 s at most: the 0.1 s one is dropped
-    for at, seconds, tokens in ((0.0, 0.0, 0), (0.1, 0.5, 50), (0.25, 1.0, 100), (0.5, 2.0, 150), (1.0, 4.0, 250)):
+    # one sample per INTER_TOKEN_SAMPLE_SECONDS at most: the one just after the first is dropped
+    for at, seconds, tokens in ((0.0, 0.0, 0), (0.05, 0.5, 50), (0.25, 1.0, 100), (0.5, 2.0, 150), (1.0, 4.0, 250)):
         endpoint.record_inter_token_totals(at, seconds, tokens)
     assert [s[0] for s in endpoint.inter_token_totals] == [0.0, 0.25, 0.5, 1.0]
     # from the first sample in the span to the last: (4.0 - 1.0) s over 150 tokens

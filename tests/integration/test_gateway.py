@@ -277,3 +277,44 @@ async def test_the_predictor_learns_from_the_gateways_access_log_without_respons
 
 
 OBSERVATIONS = "inference_extension_latency_predictor_observations_total"
+
+
+async def test_without_response_bodies_the_predictor_learns_time_per_output_token_from_the_servers(make_stack):
+    """The access log gives TTFT; the time per output token comes from the server's own inter-token latency
+    histogram, scraped over each request's decode: the predictor's TPOT error appears in the EPP's metrics with no
+    response body through the EPP."""
+    from epp.bench.decision import predictor_config
+
+    stack = await make_stack(
+        servers=1,
+        access_log_percent=100,
+        config_text=predictor_config("access-log-tpot"),
+        extra_modelserver_args=["--sim-decode-base", "0.01"],  # 60 tokens: a 0.6 s decode, 2-3 samples of it
+    )
+    body = {"model": MODEL, "prompt": "hello there " * 20, "max_tokens": 60, "stream": True}
+    async with aiohttp.ClientSession() as session:
+
+        async def streamed() -> None:
+            async with session.post(f"{stack.gateway_url}/v1/completions", json=body) as r:
+                assert r.status == 200
+                await r.read()
+
+        async def tpot_error() -> float | None:
+            async with session.get(stack.epp_metrics_url) as r:
+                page = await r.text()
+            samples = [line for line in page.splitlines() if line.startswith(MAPE + '{target="tpot"}')]
+            return float(samples[0].split()[-1]) if samples else None
+
+        await streamed()
+        await asyncio.sleep(0.5)  # its record tells the EPP that records come
+        for _ in range(4):
+            await asyncio.gather(*(streamed() for _ in range(4)))
+        for _ in range(50):
+            if await tpot_error() is not None:
+                break
+            await asyncio.sleep(0.1)
+        error = await tpot_error()
+        assert error is not None and error < 0.5, error
+
+
+MAPE = "inference_extension_latency_predictor_mape"
