@@ -348,9 +348,12 @@ def parse_metrics(
         kv = _first_present(page, spec.kv_usage)
         cache_info = _series(page, spec.cache_info) if spec.cache_info else []
         lora_info = _series(page, spec.lora_info) if spec.lora_info else []
-        inter_token = _histogram_totals(page, spec.inter_token_latency)
     except ValueError as exc:
         raise MetricsParseError(str(exc)) from None
+    try:
+        inter_token = _histogram_totals(page, spec.inter_token_latency)
+    except ValueError:  # only the latency predictor's TPOT reads it: unreadable is as if absent, not a bad page
+        inter_token = None
     missing = [
         alts[0].name for alts, v in ((spec.waiting, waiting), (spec.running, running), (spec.kv_usage, kv)) if not v
     ]

@@ -105,6 +105,8 @@ def test_inter_token_totals_sum_every_series_of_the_first_histogram_present():
         gauges + "vllm:inter_token_latency_seconds_count 3\nvllm:inter_token_latency_seconds_sum NaN\n"
     )
     assert (unknown.inter_token_seconds, unknown.inter_tokens) == (None, None)
+    malformed = parse_metrics(gauges + 'vllm:inter_token_latency_seconds_count{engine="0} 3\n')
+    assert (malformed.running, malformed.inter_tokens) == (0, None)  # the rest of the page still counts
     assert parse_metrics(gauges).inter_tokens is None
 
 
