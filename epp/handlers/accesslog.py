@@ -7,7 +7,8 @@ Why from the access log: Envoy times the upstream exchange itself, so the EPP le
 token without its body passing through the EPP, which costs an ext_proc round trip per token (a streamed response's
 first body byte is its first token). What it costs instead: one record per request, formatted by Envoy and sent in
 batches (one Export per flush interval or buffer size per Envoy worker), and parsed here; measured by `epp-bench
-overhead` beside a target without it. What it cannot give: time per output token (the record has no usage).
+overhead` beside a target without it. What it cannot give: time per output token (the record has no usage); the
+director reads that off the endpoint's scraped inter-token latency instead (`Endpoint.inter_token_latency`).
 
 The record, as our bootstrap formats it (epp/templates/envoy.yaml.tmpl; another gateway can send the same):
 * body: the request's x-request-id, which the EPP set on the routed request (`RoutingDecision.request_id`);
