@@ -81,6 +81,7 @@ plugins:
 - type: lora-affinity-scorer
 - type: in-flight-tokens-scorer
 - type: max-score-picker
+  parameters: {maxNumOfEndpoints: 3}
 schedulingProfiles:
 - name: default
   plugins:

@@ -103,7 +103,7 @@ def test_full_duplex_defers_headers_until_the_body_ends_and_streams_it_back_in_c
     assert "x-request-id" in headers
     assert head.request_headers.response.clear_route_cache
     destination = head.dynamic_metadata.fields["envoy.lb"].struct_value.fields["x-gateway-destination-endpoint"]
-    assert destination.string_value == headers["x-gateway-destination-endpoint"]
+    assert destination.string_value.split(",")[0] == headers["x-gateway-destination-endpoint"]  # then the fallback
     streamed = [c.request_body.response.body_mutation.streamed_response for c in chunks]
     assert all(len(s.body) <= 62_000 for s in streamed)
     assert b"".join(s.body for s in streamed) == body  # not re-serialized
@@ -219,10 +219,24 @@ def test_fallback_endpoints_travel_in_metadata_and_headers():
 
 
 def test_a_single_pick_sends_no_fallback_headers():
-    stream = new_stream(make_picker())
+    config = "plugins:\n- type: max-score-picker\nschedulingProfiles:\n- name: d\n  plugins:\n  - pluginRef: max-score-picker\n"
+    stream = new_stream(make_picker(config=config))
     stream.handle(headers_message(BASE_HEADERS))
     (head, *_) = stream.handle(body_message(b'{"model": "m", "prompt": "x"}'))
     assert not any("fallback" in name for name in set_headers(head))
+
+
+def test_the_default_profile_sends_two_fallbacks_for_the_gateways_retries():
+    """A server that died since the last scrape refuses the connection: the gateway retries on the fallbacks (with
+    none, the retry finds no destination and the request fails with 503)."""
+    endpoints = tuple(EndpointSpec(name, f"10.0.0.{i}", 8000) for i, name in enumerate("abcd", start=1))
+    stream = new_stream(make_picker(PoolState(endpoints=endpoints)))
+    stream.handle(headers_message(BASE_HEADERS))
+    (head, *_) = stream.handle(body_message(b'{"model": "m", "prompt": "x"}'))
+    headers = set_headers(head)
+    listed = head.dynamic_metadata.fields["envoy.lb"].struct_value.fields["x-gateway-destination-endpoint"].string_value
+    chosen = [headers[f"x-gateway-destination-endpoint{suffix}"] for suffix in ("", "-fallback-1", "-fallback-2")]
+    assert listed.split(",") == chosen and len(set(chosen)) == 3
 
 
 def test_response_path_reads_served_endpoint_and_usage():

@@ -2,7 +2,9 @@
 
 Reads: the weighted total score of each candidate.
 Parameters: maxNumOfEndpoints (default 1): how many endpoints to return, best first; the rest are fallbacks the
-proxy may try when the first fails (ties among them are ordered at random too).
+proxy may try when the first fails (ties among them are ordered at random too). The default profile asks for 3: the
+pick and the two fallbacks our Envoy bootstrap retries on (with one endpoint and no fallback, a request sent to a
+server that died since the last scrape fails).
 Trade-offs: deterministic apart from ties, so between two scrapes every request sees the same scores; the scorers'
 in-flight correction (requests routed since the last scrape count as queued) is what keeps a burst from herding
 onto the single best endpoint.
@@ -27,11 +29,21 @@ class MaxScorePicker(Picker):
     def pick(
         self, cycle_state: CycleState, request: SchedulingRequest, endpoints: list[Endpoint], scores: list[float]
     ) -> list[Endpoint]:
+        best = max(scores)
+        if scores.count(best) == 1:  # the common case, without a loop in Python
+            first = scores.index(best)
+        else:
+            first = random.choice([i for i, s in enumerate(scores) if s == best])
         if self.count == 1:
-            best = max(scores)
-            if scores.count(best) == 1:  # the common case, without a loop in Python
-                return [endpoints[scores.index(best)]]
-            return [random.choice([e for e, s in zip(endpoints, scores, strict=True) if s == best])]
-        tie_breaks = [random.random() for _ in endpoints]
-        keyed = sorted(zip(scores, tie_breaks, range(len(endpoints)), strict=True), reverse=True)
-        return [endpoints[i] for _, _, i in keyed[: self.count]]
+            return [endpoints[first]]
+        # the fallbacks: the rest best first, by one sort in C (stable: ties keep the order of a list that starts
+        # at a random place, so that equal endpoints share the retries)
+        size = len(endpoints)
+        start = random.randrange(size)
+        picked = [endpoints[first]]
+        for i in sorted([*range(start, size), *range(start)], key=scores.__getitem__, reverse=True):
+            if len(picked) == self.count:
+                break
+            if i != first:
+                picked.append(endpoints[i])
+        return picked
