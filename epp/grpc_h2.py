@@ -45,6 +45,7 @@ FRAME_HEADER = struct.Struct(">BHBBL")  # 24-bit length as (high byte, low 16 bi
 GRPC_PREFIX = struct.Struct(">BL")  # compressed flag, message length
 SETTING = struct.Struct(">HL")
 U32 = struct.Struct(">L")
+DATA_MESSAGE_HEADER = struct.Struct(">BHBBLBL")  # FRAME_HEADER then GRPC_PREFIX: a DATA frame of one whole message
 
 # Receive windows bound what a peer can push ahead of our parsing: per stream 4 MiB (a 1 MB body needs no window
 # update), per connection 64 MiB.
@@ -65,6 +66,7 @@ MAX_OUTBOUND_BYTES = 16 << 20  # unread answers (e.g. PING ACKs of a peer that n
 MAX_CONTROL_FRAMES_PER_SECOND = 1000  # PINGs and SETTINGS we must acknowledge (Envoy sends a few per minute)
 PREMATURE_RESETS = 100  # streams reset before their first message, once also over half of those opened (CVE-2023-44487)
 MAX_DECODED_BLOCKS = 64  # header blocks remembered per connection (ExtProcConnection._decode)
+SMALL_MESSAGE = 4096  # a message this short is parsed from a copy: cheaper than through a memoryview
 FIXED_PAYLOAD = {PRIORITY: 5, RST_STREAM: 4, PING: 8, WINDOW_UPDATE: 4}
 
 
@@ -213,19 +215,28 @@ class ExtProcConnection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         buffer = self.buffer
-        buffer += data
-        if not self.preface_seen:
-            if len(buffer) < len(PREFACE):
-                return
-            if buffer[: len(PREFACE)] != PREFACE:
-                self._fail(PROTOCOL_ERROR, "not an HTTP/2 client (prior knowledge) preface")
-                return
-            del buffer[: len(PREFACE)]
-            self.preface_seen = True
-        position, size = 0, len(buffer)
+        if buffer or not self.preface_seen:  # a frame (or the preface) began in an earlier read
+            buffer += data
+            if not self.preface_seen:
+                if len(buffer) < len(PREFACE):
+                    return
+                if buffer[: len(PREFACE)] != PREFACE:
+                    self._fail(PROTOCOL_ERROR, "not an HTTP/2 client (prior knowledge) preface")
+                    return
+                del buffer[: len(PREFACE)]
+                self.preface_seen = True
+            if len(buffer) >= 9:
+                high, low = FRAME_HEADER.unpack_from(buffer)[:2]
+                length = (high << 16) | low
+                if 9 + length > len(buffer) and length <= MAX_RECEIVE_FRAME:
+                    return  # still incomplete: a large frame is copied out once, when whole
+            data = bytes(buffer)
+            buffer.clear()
+        # Most reads hold whole frames: their payloads are sliced from the read itself (one copy each).
+        position, size = 0, len(data)
         unpack = FRAME_HEADER.unpack_from
         while size - position >= 9:
-            high, low, kind, flags, stream_id = unpack(buffer, position)
+            high, low, kind, flags, stream_id = unpack(data, position)
             length = (high << 16) | low
             if length > MAX_RECEIVE_FRAME:
                 self._fail(FRAME_SIZE_ERROR, f"a {length}-byte frame is over the advertised {MAX_RECEIVE_FRAME}")
@@ -233,10 +244,13 @@ class ExtProcConnection(asyncio.Protocol):
             end = position + 9 + length
             if end > size:
                 break
-            payload = bytes(buffer[position + 9 : end])
+            payload = data[position + 9 : end]
             position = end
             try:
-                self._on_frame(kind, flags, stream_id & 0x7FFFFFFF, payload)
+                if kind == DATA and stream_id and not self.continuation_of:  # most frames: no checks apply
+                    self._on_data(flags, stream_id & 0x7FFFFFFF, payload)
+                else:
+                    self._on_frame(kind, flags, stream_id & 0x7FFFFFFF, payload)
             except H2ConnectionError as exc:
                 self._fail(exc.code, str(exc))
                 return
@@ -245,7 +259,8 @@ class ExtProcConnection(asyncio.Protocol):
                 return
             if self.transport.is_closing():
                 return
-        del buffer[:position]
+        if position < size:
+            buffer += data[position:]
         self._write()
 
     def _write(self) -> None:
@@ -262,9 +277,6 @@ class ExtProcConnection(asyncio.Protocol):
 
     # -- frames --------------------------------------------------------------------------------------------------
     def _on_frame(self, kind: int, flags: int, stream_id: int, payload: bytes) -> None:
-        if kind == DATA and stream_id and not self.continuation_of:  # most frames: none of the checks below apply
-            self._on_data(flags, stream_id, payload)
-            return
         if self.continuation_of and kind != CONTINUATION:
             raise ValueError("expected CONTINUATION")
         size = FIXED_PAYLOAD.get(kind)
@@ -350,7 +362,11 @@ class ExtProcConnection(asyncio.Protocol):
         block, stream.header_block = stream.header_block, b""
         headers = self._decode(block)
         if stream.handler is None and not stream.headers_sent:  # the request's headers (else: trailers)
-            path = next((value for name, value in headers if name == b":path"), b"")
+            path = b""
+            for name, value in headers:  # (a loop, not a generator: it runs once per request)
+                if name == b":path":
+                    path = value
+                    break
             if len(self.streams) > MAX_CONCURRENT_STREAMS:
                 self.streams.pop(stream.id)
                 self.refused_streams += 1
@@ -425,8 +441,11 @@ class ExtProcConnection(asyncio.Protocol):
                     break
                 request_type = stream.request_type
                 try:
-                    with memoryview(data) as view:  # parsed in place: one copy less of a large body
-                        request = request_type.FromString(view[offset + 5 : end])
+                    if length < SMALL_MESSAGE:
+                        request = request_type.FromString(data[offset + 5 : end])
+                    else:
+                        with memoryview(data) as view:  # parsed in place: one copy less of a large body
+                            request = request_type.FromString(view[offset + 5 : end])
                 except DecodeError:
                     self._close_stream(stream, status_trailers(INVALID_ARGUMENT, f"not a {request_type.__name__}"))
                     return
@@ -503,19 +522,21 @@ class ExtProcConnection(asyncio.Protocol):
         if not stream.headers_sent:
             self.out.append(frame(HEADERS, END_HEADERS, stream.id, RESPONSE_HEADERS))
             stream.headers_sent = True
-        data = GRPC_PREFIX.pack(0, len(message)) + message
-        size = len(data)
+        size = 5 + len(message)
         if (
             not stream.pending
             and size <= stream.send_window
             and size <= self.send_window
             and size <= self.peer_max_frame
-        ):
-            self.out.append(frame(DATA, 0, stream.id, data))  # the common case: nothing queued, the windows allow
+        ):  # the common case: nothing queued, the windows allow; one header packs the frame's and the message's
+            self.out += (
+                DATA_MESSAGE_HEADER.pack(size >> 16, size & 0xFFFF, DATA, 0, stream.id, 0, len(message)),
+                message,
+            )
             stream.send_window -= size
             self.send_window -= size
             return
-        stream.pending.append(data)
+        stream.pending.append(GRPC_PREFIX.pack(0, len(message)) + message)
         self._flush(stream)
 
     def _end_of_requests(self, stream: _Stream) -> None:
