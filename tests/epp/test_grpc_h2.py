@@ -112,3 +112,67 @@ def test_header_blocks_are_decoded_once_while_the_hpack_table_stays_the_same():
     connection._decode(other)
     assert connection.decoded_blocks == {}
     assert connection._decode(encoder.encode(first)) == [(b":path", b"/a"), (b"x-new", b"1")]  # still in step
+
+
+class _RecordingTransport:
+    def __init__(self) -> None:
+        self.written = bytearray()
+
+    def write(self, data: bytes) -> None:
+        self.written += data
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+    def is_closing(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        pass
+
+
+def test_reads_split_anywhere_are_answered_as_one_read():
+    """Frames come whole in one read (parsed from the read itself) or split across reads (buffered until whole): the
+    answers are the same bytes either way."""
+    from hpack import Encoder
+
+    from epp.grpc_h2 import (
+        DATA,
+        END_HEADERS,
+        END_STREAM,
+        GRPC_PREFIX,
+        HEADERS,
+        SETTING,
+        SETTINGS,
+        SETTINGS_INITIAL_WINDOW_SIZE,
+        U32,
+        WINDOW_UPDATE,
+        ExtProcConnection,
+    )
+
+    encoder = Encoder()
+    # windows that let every answer out at once (the large echo too)
+    client = PREFACE + frame(SETTINGS, 0, 0, SETTING.pack(SETTINGS_INITIAL_WINDOW_SIZE, 1 << 20))
+    client += frame(WINDOW_UPDATE, 0, 0, U32.pack(1 << 20))
+    for stream_id, size in ((1, 10), (3, 70_000)):  # the second body spans several reads at every split below
+        block = encoder.encode([(":method", "POST"), (":path", PROCESS), ("content-type", "application/grpc")])
+        client += frame(HEADERS, END_HEADERS, stream_id, block)
+        for message in (headers(), body(b"x" * size)):
+            data = message.SerializeToString()
+            client += frame(DATA, 0, stream_id, GRPC_PREFIX.pack(0, len(data)) + data)
+        client += frame(DATA, END_STREAM, stream_id)
+
+    def answers(chunk: int) -> bytes:
+        EchoHandler.log = []
+        connection = ExtProcConnection(EchoHandler, set())
+        transport = _RecordingTransport()
+        connection.connection_made(transport)
+        for start in range(0, len(client), chunk):
+            connection.data_received(client[start : start + chunk])
+        assert not connection.streams and not connection.buffer
+        return bytes(transport.written)
+
+    whole = answers(len(client))
+    assert whole.count(b"grpc-status") == 2 and len(whole) > 70_000  # both streams answered, the large body echoed
+    for chunk in (1, 5, 9, 100, 16_384):
+        assert answers(chunk) == whole
