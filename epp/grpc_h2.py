@@ -246,11 +246,12 @@ class ExtProcConnection(asyncio.Protocol):
                 break
             payload = data[position + 9 : end]
             position = end
+            stream_id &= 0x7FFFFFFF  # (the reserved bit is ignored)
             try:
                 if kind == DATA and stream_id and not self.continuation_of:  # most frames: no checks apply
-                    self._on_data(flags, stream_id & 0x7FFFFFFF, payload)
+                    self._on_data(flags, stream_id, payload)
                 else:
-                    self._on_frame(kind, flags, stream_id & 0x7FFFFFFF, payload)
+                    self._on_frame(kind, flags, stream_id, payload)
             except H2ConnectionError as exc:
                 self._fail(exc.code, str(exc))
                 return

@@ -170,3 +170,8 @@ async def test_a_peer_that_never_reads_its_ping_acks_is_dropped(server):
     assert await asyncio.to_thread(flood)
     assert sum(c.transport.get_write_buffer_size() for c in server.connections) < 20 << 20
     assert await well_behaved_exchange(server.port) < 2.0
+
+
+async def test_data_on_stream_0_with_the_reserved_bit_set_is_still_on_stream_0(server):
+    assert await asyncio.to_thread(attack, server.port, frame(DATA, 0, 0x80000000, b"x")) == PROTOCOL_ERROR
+    assert await well_behaved_exchange(server.port) < 2.0
