@@ -154,12 +154,16 @@ def test_reads_split_anywhere_are_answered_as_one_read():
     # windows that let every answer out at once (the large echo too)
     client = PREFACE + frame(SETTINGS, 0, 0, SETTING.pack(SETTINGS_INITIAL_WINDOW_SIZE, 1 << 20))
     client += frame(WINDOW_UPDATE, 0, 0, U32.pack(1 << 20))
-    for stream_id, size in ((1, 10), (3, 70_000)):  # the second body spans several reads at every split below
+    # the second body spans several reads at every split below; the last two streams' messages span two frames each
+    for stream_id, size, frames in ((1, 10, 1), (3, 70_000, 1), (5, 100, 2), (7, 70_000, 2)):
         block = encoder.encode([(":method", "POST"), (":path", PROCESS), ("content-type", "application/grpc")])
         client += frame(HEADERS, END_HEADERS, stream_id, block)
         for message in (headers(), body(b"x" * size)):
             data = message.SerializeToString()
-            client += frame(DATA, 0, stream_id, GRPC_PREFIX.pack(0, len(data)) + data)
+            grpc_message = GRPC_PREFIX.pack(0, len(data)) + data
+            cut = len(grpc_message) // frames
+            for part in (grpc_message[:cut], grpc_message[cut:]) if frames == 2 else (grpc_message,):
+                client += frame(DATA, 0, stream_id, part)
         client += frame(DATA, END_STREAM, stream_id)
 
     def answers(chunk: int) -> bytes:
@@ -173,6 +177,6 @@ def test_reads_split_anywhere_are_answered_as_one_read():
         return bytes(transport.written)
 
     whole = answers(len(client))
-    assert whole.count(b"grpc-status") == 2 and len(whole) > 70_000  # both streams answered, the large body echoed
+    assert whole.count(b"grpc-status") == 4 and len(whole) > 140_000  # every stream answered, the large bodies echoed
     for chunk in (1, 5, 9, 100, 16_384):
         assert answers(chunk) == whole
