@@ -217,7 +217,7 @@ def load_json_body(body: bytes | str) -> dict[str, Any]:
     UTF-16, lone surrogates), so what is accepted, and each error's message, are the json module's."""
     try:
         payload = _JSON.decode(body)
-    except (msgspec.MsgspecError, RecursionError):
+    except Exception:  # msgspec's own errors, UnicodeDecodeError, RecursionError: the json module decides
         payload = _json_module_decode(body)
     if not isinstance(payload, dict):
         raise OpenAIError("request body must be a JSON object")
