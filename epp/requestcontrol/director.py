@@ -21,8 +21,10 @@ body, when it streamed through the EPP (at `on_complete`), or else from the prox
 Envoy writes a request's record when it ends and sends it within its flush interval) for TTFT, with the time per
 output token from the endpoint's scraped inter-token latency over the request's decode. For the second, once the
 proxy has sent one record, each streamed request that ended without its body's timings waits in
-`awaiting_timings` for its record; that table is bounded in entries and age, so records that never come (a sampled
-access log, another replica's requests) cost an observation, not memory.
+`awaiting_timings` for its record, and a record that comes first (under load the proxy's flush can beat the
+stream's end to the EPP) waits in `early_records` for its request's end; both tables are bounded in entries and age,
+so records that never come (a sampled access log) or never match (another replica's requests) cost an observation,
+not memory.
 """
 
 from __future__ import annotations
@@ -58,6 +60,10 @@ _USAGE_TAIL_BYTES = 4096
 # requests at 2,000 a second.
 AWAITING_TIMINGS_LIMIT = 4096
 AWAITING_TIMINGS_SECONDS = 10.0
+# Records that came before the EPP saw their request end (under load Envoy's flush can beat the ext_proc stream's end
+# to the EPP), kept as long: every record of a request the EPP is not waiting for lands here (one not streamed,
+# another replica's), so the age bound is short and the table holds ~100 B an entry.
+EARLY_RECORDS_SECONDS = 2.0
 # Successful responses, with a plugin reading timings and none ever come from either source, before it says so (once),
 # and the least time since the first of them: at start-up, at 1,000 responses a second, 100 end before the proxy's
 # first access-log flush (0.1 s in our bootstrap).
@@ -82,6 +88,7 @@ class Director:
         # request id -> (ended at, routed at, request, result, pick); kept only once the proxy has sent an access-log
         # record
         self.awaiting_timings: dict[str, tuple[float, float, SchedulingRequest, SchedulingResult, Endpoint]] = {}
+        self.early_records: dict[str, tuple[float, float]] = {}  # request id -> (arrived at, TTFT)
         self.access_log_seen = False
         self.untimed_responses = 0  # successful responses while no timings ever came (-1: some did, or it was said)
         self.untimed_since = 0.0  # when the first of them ended
@@ -306,7 +313,12 @@ class Director:
                 tpot = (now - ctx.first_chunk_at) / (output_tokens - 1) if output_tokens and output_tokens > 1 else None
                 self._timed(request, ctx.result, endpoint, ttft, tpot)
             elif ctx.streamed and self.access_log_seen:
-                self._await_timings(request.request_id, (now, ctx.routed_at, request, ctx.result, endpoint))
+                early = self.early_records.pop(request.request_id, None)
+                if early is None:
+                    entry = (now, ctx.routed_at, request, ctx.result, endpoint)
+                    _remember(self.awaiting_timings, request.request_id, entry, AWAITING_TIMINGS_SECONDS)
+                else:
+                    self._logged(early[1], now, ctx.routed_at, request, ctx.result, endpoint)
             elif self.untimed_responses >= 0:
                 self._untimed(now)
         metrics = self.metrics
@@ -330,28 +342,21 @@ class Director:
                 )
 
     # -- timings from the proxy's access log ----------------------------------------------------------------------
-    def _await_timings(self, request_id: str, entry: tuple) -> None:
-        awaiting = self.awaiting_timings
-        if request_id in awaiting:  # two requests with one id: their records could not be told apart
-            del awaiting[request_id]
-            return
-        awaiting[request_id] = entry
-        oldest = next(iter(awaiting))  # insertion order is age order
-        if len(awaiting) > AWAITING_TIMINGS_LIMIT or awaiting[oldest][0] < entry[0] - AWAITING_TIMINGS_SECONDS:
-            del awaiting[oldest]  # one out per one in: the table never passes its limit
-
     def on_access_log(self, request_id: str, ttft: float) -> None:
         """The proxy's access-log record of an ended request: `ttft` seconds from sending it to the model server
         to the first byte of the response body (the first token of a streamed response). Its time per output token
         is the endpoint's own mean gap between tokens from then to the request's end (`Endpoint.inter_token_latency`,
         None when the engine publishes no such histogram or the decode was too short to see in its scrapes). A
-        record that comes before the EPP saw its request end (not seen: Envoy sends it after a flush interval)
-        teaches nothing."""
+        record that comes before the EPP saw its request end waits for it in `early_records`."""
         self.access_log_seen = True
         entry = self.awaiting_timings.pop(request_id, None)
         if entry is not None:
-            ended, routed_at, request, result, endpoint = entry
-            self._timed(request, result, endpoint, ttft, endpoint.inter_token_latency(routed_at + ttft, ended))
+            self._logged(ttft, *entry)
+        elif self.scheduler.wants_timings:
+            _remember(self.early_records, request_id, (time.monotonic(), ttft), EARLY_RECORDS_SECONDS)
+
+    def _logged(self, ttft: float, ended: float, routed_at: float, request, result, endpoint: Endpoint) -> None:
+        self._timed(request, result, endpoint, ttft, endpoint.inter_token_latency(routed_at + ttft, ended))
 
     def _timed(self, request, result, endpoint, ttft: float, tpot: float | None) -> None:
         self.untimed_responses = -1
@@ -372,6 +377,18 @@ class Director:
                 now - self.untimed_since,
             )
             self.untimed_responses = -1
+
+
+def _remember(table: dict[str, tuple], request_id: str, entry: tuple, seconds: float) -> None:
+    """Keep `entry` (its first item the time it came) under `request_id` in a table bounded in size
+    (AWAITING_TIMINGS_LIMIT) and age (`seconds`); an id that comes twice is dropped: what it names is ambiguous."""
+    if request_id in table:
+        del table[request_id]
+        return
+    table[request_id] = entry
+    oldest = next(iter(table))  # insertion order is age order
+    if len(table) > AWAITING_TIMINGS_LIMIT or table[oldest][0] < entry[0] - seconds:
+        del table[oldest]  # one out per one in: the table never passes its limit
 
 
 def _usage(pattern: re.Pattern[bytes], tail: bytes) -> int | None:

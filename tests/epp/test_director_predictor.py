@@ -146,16 +146,17 @@ def test_access_log_records_train_the_predictor_once_the_proxy_sends_them():
         director.on_access_log(f"r{i}", 0.04)  # a second record of the id: nothing left to learn
     assert predictor.observations == 3
     early = routed(director, "early")
-    director.on_access_log("early", 0.04)  # before the EPP saw its end (Envoy sends records after a flush interval)
-    ended(director, early)
-    assert predictor.observations == 3
+    director.on_access_log("early", 0.04)  # before the EPP saw its end (under load the proxy's flush can win)
+    assert predictor.observations == 3 and "early" in director.early_records
+    ended(director, early)  # the record was waiting for it
+    assert predictor.observations == 4 and "early" not in director.early_records
     director.awaiting_timings.clear()
     ended(director, routed(director, "unstreamed", stream=False))
     ended(director, routed(director, "failed"), status="503")
     director.on_access_log("unstreamed", 0.3)  # its first body byte came with its last token: not a TTFT
     director.on_access_log("failed", 0.01)
     director.on_access_log("unknown", 0.01)
-    assert predictor.observations == 3
+    assert predictor.observations == 4
     assert director.awaiting_timings == {}
 
 
@@ -207,6 +208,14 @@ def test_requests_awaiting_a_record_are_bounded_in_number_and_age(monkeypatch):
     ended(director, routed(director, "late"))  # within the limit, but the oldest has waited too long
     assert list(director.awaiting_timings) == ["r7", "r8", "late"]
     assert all(e.in_flight_requests == 0 for e in director.datastore.endpoints)
+    for i in range(10):  # records of requests it does not wait for (yet): the same bounds
+        director.on_access_log(f"other{i}", 0.04)
+    assert list(director.early_records) == ["other6", "other7", "other8", "other9"]
+    monkeypatch.setattr(director_module, "EARLY_RECORDS_SECONDS", 0.0)
+    time.sleep(0.001)
+    director.on_access_log("other5", 0.04)
+    director.on_access_log("other6", 0.04)  # the oldest goes for each new one, whether by size or by age
+    assert list(director.early_records) == ["other8", "other9", "other5", "other6"]
 
 
 def test_without_a_plugin_that_reads_timings_nothing_waits_for_them():
