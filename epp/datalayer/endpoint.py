@@ -82,15 +82,16 @@ class Endpoint:
     def name(self) -> str:
         return self.spec.name
 
-    def record_inter_token_totals(self, at: float, seconds: float, tokens: float) -> None:
-        """Keep a scrape's inter-token latency totals, at most one sample per INTER_TOKEN_SAMPLE_SECONDS."""
+    def inter_token_sample_due(self, at: float) -> bool:
+        """Whether a scrape at `at` should add a sample: none for INTER_TOKEN_SAMPLE_SECONDS."""
         totals = self.inter_token_totals
-        if totals:
-            last_at, _, last_tokens = totals[-1]
-            if tokens < last_tokens:
-                totals.clear()  # the server restarted: its totals began again
-            elif at - last_at < INTER_TOKEN_SAMPLE_SECONDS:
-                return
+        return not totals or at - totals[-1][0] >= INTER_TOKEN_SAMPLE_SECONDS
+
+    def record_inter_token_totals(self, at: float, seconds: float, tokens: float) -> None:
+        """Keep a scrape's inter-token latency totals (its engine's histogram `_sum` and `_count`)."""
+        totals = self.inter_token_totals
+        if totals and tokens < totals[-1][2]:
+            totals.clear()  # the server restarted: its totals began again
         totals.append((at, seconds, tokens))
 
     def inter_token_latency(self, start: float, end: float) -> float | None:

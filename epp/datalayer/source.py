@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Protocol, TypeVar
 
 from epp.datalayer.endpoint import Endpoint, PoolState
-from protocol.metrics import engine_spec, parse_metrics
+from protocol.metrics import engine_spec, inter_token_totals, parse_metrics
 
 Raw = TypeVar("Raw", contravariant=True)
 
@@ -56,10 +56,17 @@ class PrometheusExtractor:
     latency totals over time (`Endpoint.inter_token_latency`)."""
 
     def extract(self, raw: str, endpoint: Endpoint) -> None:
-        metrics = endpoint.metrics = parse_metrics(raw, engine_spec(endpoint.spec.engine))
+        spec = engine_spec(endpoint.spec.engine)
+        previous = endpoint.metrics
+        metrics = endpoint.metrics = parse_metrics(raw, spec)
         endpoint.in_flight_at_scrape = endpoint.in_flight_requests
-        if metrics.inter_tokens is not None:
-            endpoint.record_inter_token_totals(metrics.scraped_at, metrics.inter_token_seconds, metrics.inter_tokens)
+        # tokens come only while requests run: an idle endpoint's totals stand still (the scrape after the last
+        # request ended still reads them), and a sample is kept at most every INTER_TOKEN_SAMPLE_SECONDS
+        busy = metrics.running or metrics.waiting or (previous is not None and (previous.running or previous.waiting))
+        if busy and endpoint.inter_token_sample_due(metrics.scraped_at):
+            totals = inter_token_totals(raw, spec)
+            if totals is not None:
+                endpoint.record_inter_token_totals(metrics.scraped_at, *totals)
         slots = endpoint.batch_slots
         if metrics.waiting:
             if metrics.running > (slots or 0):

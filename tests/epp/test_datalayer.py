@@ -49,10 +49,9 @@ def test_extractor_records_the_in_flight_count_at_the_scrape_and_learns_the_batc
 
 def test_inter_token_latency_over_a_span_comes_from_the_scraped_totals_inside_it():
     endpoint = Endpoint(EndpointSpec("a", "127.0.0.1", 8000))
-    # one sample per INTER_TOKEN_SAMPLE_SECONDS at most: the one just after the first is dropped
-    for at, seconds, tokens in ((0.0, 0.0, 0), (0.05, 0.5, 50), (0.25, 1.0, 100), (0.5, 2.0, 150), (1.0, 4.0, 250)):
+    for at, seconds, tokens in ((0.0, 0.0, 0), (0.25, 1.0, 100), (0.5, 2.0, 150), (1.0, 4.0, 250)):
         endpoint.record_inter_token_totals(at, seconds, tokens)
-    assert [s[0] for s in endpoint.inter_token_totals] == [0.0, 0.25, 0.5, 1.0]
+    assert endpoint.inter_token_sample_due(1.1) and not endpoint.inter_token_sample_due(1.05)
     # from the first sample in the span to the last: (4.0 - 1.0) s over 150 tokens
     assert endpoint.inter_token_latency(0.2, 1.1) == pytest.approx(0.02)
     assert endpoint.inter_token_latency(0.0, 0.5) == pytest.approx(2.0 / 150)
@@ -64,23 +63,44 @@ def test_inter_token_latency_over_a_span_comes_from_the_scraped_totals_inside_it
     assert list(endpoint.inter_token_totals) == [(2.0, 0.1, 10)]
 
 
-def test_extractor_keeps_the_engines_inter_token_totals_bounded(monkeypatch):
+def test_extractor_samples_the_inter_token_totals_while_busy_and_at_most_so_often(monkeypatch):
+    """Tokens come only while requests run: an idle endpoint's histogram is not read, except at the scrape after
+    its last request ended; a busy one's at most every INTER_TOKEN_SAMPLE_SECONDS, the last INTER_TOKEN_SAMPLES."""
     import protocol.metrics
-    from epp.datalayer.endpoint import INTER_TOKEN_SAMPLE_SECONDS, INTER_TOKEN_SAMPLES
+    from epp.datalayer.endpoint import INTER_TOKEN_SAMPLES
 
     clock = [0.0]
     monkeypatch.setattr(protocol.metrics, "time", SimpleNamespace(monotonic=lambda: clock[0]))
     endpoint, extractor = Endpoint(EndpointSpec("a", "127.0.0.1", 8000)), PrometheusExtractor()
-    gauges = "vllm:num_requests_waiting 0\nvllm:num_requests_running 1\nvllm:kv_cache_usage_perc 0.1\n"
+
+    def scrape(at: float, running: int, tokens: int) -> None:
+        clock[0] = at
+        extractor.extract(
+            f"vllm:num_requests_waiting 0\nvllm:num_requests_running {running}\nvllm:kv_cache_usage_perc 0.1\n"
+            f"vllm:inter_token_latency_seconds_count {tokens}\nvllm:inter_token_latency_seconds_sum {tokens / 50}\n",
+            endpoint,
+        )
+
+    scrape(0.0, 0, 0)
+    scrape(0.25, 0, 0)
+    assert not endpoint.inter_token_totals  # idle: not read
+    scrape(0.5, 1, 0)
+    scrape(0.55, 1, 5)  # not due: 0.05 s after the last sample
+    scrape(0.65, 1, 10)
+    scrape(0.8, 0, 15)  # the last request ended: read once more
+    scrape(1.0, 0, 15)
+    assert [(sample[0], sample[2]) for sample in endpoint.inter_token_totals] == [(0.5, 0), (0.65, 10), (0.8, 15)]
+    step = 0.125  # above INTER_TOKEN_SAMPLE_SECONDS, and exact in binary
     for i in range(3 * INTER_TOKEN_SAMPLES):
-        page = gauges + f"vllm:inter_token_latency_seconds_count {i}\nvllm:inter_token_latency_seconds_sum {i / 50}\n"
-        clock[0] = i * INTER_TOKEN_SAMPLE_SECONDS
-        extractor.extract(page, endpoint)
+        scrape(1.0 + (i + 1) * step, 1, 20 + i)
     assert len(endpoint.inter_token_totals) == INTER_TOKEN_SAMPLES
-    end = (3 * INTER_TOKEN_SAMPLES - 1) * INTER_TOKEN_SAMPLE_SECONDS
+    end = 1.0 + 3 * INTER_TOKEN_SAMPLES * step
     assert endpoint.inter_token_latency(end - 10, end) == pytest.approx(0.02)
-    extractor.extract(gauges, endpoint)  # an engine without the histogram: nothing recorded, nothing lost
-    assert len(endpoint.inter_token_totals) == INTER_TOKEN_SAMPLES
+    clock[0] = end + 1
+    extractor.extract(
+        "vllm:num_requests_waiting 0\nvllm:num_requests_running 1\nvllm:kv_cache_usage_perc 0\n", endpoint
+    )
+    assert len(endpoint.inter_token_totals) == INTER_TOKEN_SAMPLES  # an engine without the histogram: nothing lost
 
 
 def test_parse_pool_file():

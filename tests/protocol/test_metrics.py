@@ -14,6 +14,7 @@ from protocol.metrics import (
     MetricSpec,
     _parse_sample_line,
     engine_spec,
+    inter_token_totals,
     parse_metrics,
 )
 
@@ -40,14 +41,12 @@ def page(name: str) -> str:
                 # the newest series (largest timestamp) wins; names are trimmed, empty names dropped
                 running_adapters=frozenset({"sql-lora", "chat-lora"}),
                 waiting_adapters=frozenset({"code-lora"}),
-                inter_token_seconds=127.32,
-                inter_tokens=4.0,
             ),
         ),
         (
             "vllm_v0.txt",
             None,
-            dict(waiting=5, running=2, kv_usage=0.75, block_size=32, num_gpu_blocks=None, inter_tokens=None),
+            dict(waiting=5, running=2, kv_usage=0.75, block_size=32, num_gpu_blocks=None),
         ),
         ("sglang.txt", "sglang", dict(waiting=2826, running=28, kv_usage=0.28, block_size=None, max_lora=None)),
         ("trtllm_serve.txt", "trtllm-serve", dict(waiting=4, running=12, kv_usage=0.62)),
@@ -86,7 +85,7 @@ def test_sums_data_parallel_engines_and_takes_max_kv():
 
 def test_inter_token_totals_sum_every_series_of_the_first_histogram_present():
     """A histogram's series interleave (buckets, count and sum of one, then the next): every one counts. The
-    deprecated name is read only when the current one is absent; a NaN total is left unknown."""
+    deprecated name is read only when the current one is absent; a NaN total or a malformed line is unknown."""
     gauges = "vllm:num_requests_waiting 0\nvllm:num_requests_running 0\nvllm:kv_cache_usage_perc 0\n"
     series = "".join(
         f'{name}_bucket{{engine="{e}",le="+Inf"}} {count}\n{name}_count{{engine="{e}"}} {count}\n'
@@ -97,17 +96,15 @@ def test_inter_token_totals_sum_every_series_of_the_first_histogram_present():
             ("vllm:inter_token_latency_seconds", 1, 30, 0.7),
         )
     )
-    snapshot = parse_metrics(gauges + series)
-    assert (snapshot.inter_token_seconds, snapshot.inter_tokens) == (pytest.approx(1.2), 40)
-    deprecated = parse_metrics(gauges + series.replace("vllm:inter_token_latency_seconds", "other"))
-    assert (deprecated.inter_token_seconds, deprecated.inter_tokens) == (pytest.approx(9.9), 99)
-    unknown = parse_metrics(
-        gauges + "vllm:inter_token_latency_seconds_count 3\nvllm:inter_token_latency_seconds_sum NaN\n"
-    )
-    assert (unknown.inter_token_seconds, unknown.inter_tokens) == (None, None)
-    malformed = parse_metrics(gauges + 'vllm:inter_token_latency_seconds_count{engine="0} 3\n')
-    assert (malformed.running, malformed.inter_tokens) == (0, None)  # the rest of the page still counts
-    assert parse_metrics(gauges).inter_tokens is None
+    assert inter_token_totals(gauges + series) == (pytest.approx(1.2), 40)
+    deprecated = series.replace("vllm:inter_token_latency_seconds", "other")
+    assert inter_token_totals(gauges + deprecated) == (pytest.approx(9.9), 99)
+    nan = "vllm:inter_token_latency_seconds_count 3\nvllm:inter_token_latency_seconds_sum NaN\n"
+    assert inter_token_totals(gauges + nan) is None
+    assert inter_token_totals(gauges + 'vllm:inter_token_latency_seconds_count{engine="0} 3\n') is None
+    assert inter_token_totals(gauges) is None
+    assert inter_token_totals(page("vllm_v1.txt")) == (127.32, 4.0)
+    assert inter_token_totals(page("sglang.txt"), "sglang") is None  # that capture has no such histogram
 
 
 def test_family_prefix_is_not_confused_with_longer_names():
