@@ -131,7 +131,9 @@ class _NoScraper:
         return None
 
 
-class _CountingTransport:
+class CountingTransport:
+    """An asyncio transport that takes every write and only counts it: always writable, never closing."""
+
     def __init__(self) -> None:
         self.writes = 0
 
@@ -201,7 +203,7 @@ def measure(requests: int = 4000, batch: int = 16, rounds: int = 9) -> HandlerCp
     director = _director()
     budget = BodyBudget(1 << 30)
     connection = ExtProcConnection(lambda reply: RequestStream(director, reply, budget), set())
-    transport = _CountingTransport()
+    transport = CountingTransport()
     connection.connection_made(transport)
     # the client's preface, and a connection window no round uses up (Envoy returns it with WINDOW_UPDATEs)
     connection.data_received(

@@ -34,19 +34,19 @@ PLAIN = "plain envoy"
 EPP = "envoy+epp"
 EPP_NO_FLOW_CONTROL = "envoy+epp (flowControl: {enabled: false})"
 EPP_NO_ACCESS_LOG = "envoy+epp (no access log)"
-FLOOR_ONE_TRIP = "envoy+floor (request headers only)"
-FLOOR_HEADERS = "envoy+floor (headers only)"
-FLOOR_BODY = "envoy+floor (body streamed)"
-NATIVE_FLOOR_ONE_TRIP = "envoy+native floor (request headers only)"
-NATIVE_FLOOR_HEADERS = "envoy+native floor (headers only)"
-NATIVE_FLOOR_BODY = "envoy+native floor (body streamed)"
-# what each floor target asks of Envoy: (mode, request body mode, response header mode), "envoy+floor (mode)" with
-# the Python processor (epp/bench/floor.py), "envoy+native floor (mode)" with the C one (epp/bench/floor_native.c)
+# The floor processors: the Python one (epp/bench/floor.py) and the C one (epp/bench/floor_native.c)
+FLOOR, NATIVE_FLOOR = "floor", "native floor"
+# what each floor target asks of Envoy: (mode, request body mode, response header mode)
 FLOOR_MODES = (
     ("request headers only", "NONE", "SKIP"),
     ("headers only", "NONE", "SEND"),
     ("body streamed", "FULL_DUPLEX_STREAMED", "SEND"),
 )
+
+
+def floor_target(processor: str, mode: str) -> str:
+    """A floor target's name, e.g. "envoy+native floor (body streamed)"."""
+    return f"envoy+{processor} ({mode})"
 
 
 def cpu_seconds(pid: int) -> float:
@@ -260,16 +260,16 @@ async def measure(
         targets = {PLAIN: f"http://127.0.0.1:{plain_listener}/v1/completions"}
         pids: dict[str, dict[str, int]] = {PLAIN: {"envoy": plain.process.pid}}
         if with_floor:
-            processors = {"floor": floor.command}
+            processors = {FLOOR: floor.command}
             native = floor_native.build(stack.workdir)
             if native is None:
                 result.notes.append("no C compiler on PATH (cc or gcc): the native floor is left out")
             else:
-                processors["native floor"] = functools.partial(floor_native.command, native)
+                processors[NATIVE_FLOOR] = functools.partial(floor_native.command, native)
             pool = [u.removeprefix("http://") for u in stack.model_server_urls]
             for label, processor in processors.items():
                 for index, (mode, body_mode, response_mode) in enumerate(FLOOR_MODES):
-                    name = f"envoy+{label} ({mode})"
+                    name = floor_target(label, mode)
                     targets[name], pids[name] = await _start_floor(
                         stack, body_mode, response_mode, f"{label.replace(' ', '-')}-{index}", opened, processor, pool
                     )

@@ -26,7 +26,8 @@ prefill), queue-scorer 2,
 kv-cache-utilization-scorer 2, prefix-cache-scorer 3 and precise-prefix-cache-scorer 3 (each endpoint gets one of
 the two: the precise one for endpoints that publish KV events, the approximate one for the rest),
 lora-affinity-scorer 1 (neutral for base-model requests, so it only matters for adapters), in-flight-tokens-scorer 1 (a long prompt's prefill, which request counts miss) and
-max-score-picker. Every error in a config is a ConfigError at startup, including a plugin that consumes data
+max-score-picker with two fallbacks (maxNumOfEndpoints 3: the gateway retries on them when the pick refuses the
+connection). Every error in a config is a ConfigError at startup, including a plugin that consumes data
 nothing produces (framework.check_data_dependencies).
 """
 

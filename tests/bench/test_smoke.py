@@ -154,20 +154,15 @@ def test_overhead_smoke():
     result = asyncio.run(
         overhead.measure(servers=2, sequential=20, concurrency=4, concurrent_requests=40, with_peers=False)
     )
+    # the native floor is built when there is a C compiler, else left out with a note
+    processors = (overhead.FLOOR, overhead.NATIVE_FLOOR) if floor_native.compiler() else (overhead.FLOOR,)
+    floors = {overhead.floor_target(processor, mode) for processor in processors for mode, *_ in overhead.FLOOR_MODES}
     assert set(result.latency_ms) == {
         overhead.EPP,
         overhead.PLAIN,
-        overhead.FLOOR_ONE_TRIP,
-        overhead.FLOOR_HEADERS,
-        overhead.FLOOR_BODY,
         overhead.EPP_NO_FLOW_CONTROL,
         overhead.EPP_NO_ACCESS_LOG,
-        # built when there is a C compiler, else left out with a note
-        *(
-            (overhead.NATIVE_FLOOR_ONE_TRIP, overhead.NATIVE_FLOOR_HEADERS, overhead.NATIVE_FLOOR_BODY)
-            if floor_native.compiler()
-            else ()
-        ),
+        *floors,
     }
     assert bool(result.notes) != bool(floor_native.compiler())
     assert result.throughput_ratio > 0 and result.latency_ms["envoy+epp"]["p50"] > 0
@@ -176,7 +171,7 @@ def test_overhead_smoke():
     assert result.cpu_ms_per_request[overhead.EPP_NO_ACCESS_LOG]["envoy"] > 0
     # every target but plain Envoy has a processor of its own, whose CPU per request is measured
     assert result.cpu_ms_per_request[overhead.EPP]["epp"] > 0
-    assert result.cpu_ms_per_request[overhead.FLOOR_BODY]["processor"] > 0
+    assert result.cpu_ms_per_request[overhead.floor_target(overhead.FLOOR, "body streamed")]["processor"] > 0
     # the same over each target's own throughput phases, which are part of the whole run (clock ticks: may be 0 here)
     loaded = result.cpu_ms_per_request_loaded[overhead.EPP]["epp"]
     assert (

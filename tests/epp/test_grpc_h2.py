@@ -9,6 +9,7 @@ import grpc
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
+from epp.bench.handler_cpu import CountingTransport
 from epp.grpc_h2 import GOAWAY, MAX_RECEIVE_FRAME, PREFACE, ExtProcServer, UnaryMethod, frame
 from epp.handlers import accesslog
 from tests.epp.test_transports import PROCESS, EchoHandler, body, headers
@@ -114,21 +115,16 @@ def test_header_blocks_are_decoded_once_while_the_hpack_table_stays_the_same():
     assert connection._decode(encoder.encode(first)) == [(b":path", b"/a"), (b"x-new", b"1")]  # still in step
 
 
-class _RecordingTransport:
+class _RecordingTransport(CountingTransport):
+    """Keeps what it is written, too."""
+
     def __init__(self) -> None:
+        super().__init__()
         self.written = bytearray()
 
     def write(self, data: bytes) -> None:
+        super().write(data)
         self.written += data
-
-    def get_write_buffer_size(self) -> int:
-        return 0
-
-    def is_closing(self) -> bool:
-        return False
-
-    def close(self) -> None:
-        pass
 
 
 def test_reads_split_anywhere_are_answered_as_one_read():
