@@ -62,9 +62,24 @@ from epp.scheduling.framework import (
     check_data_dependencies,
 )
 from epp.scheduling.saturation import SaturationDetector, admit
-from epp.scheduling.types import CycleState, ResponseInfo, SchedulingRequest, SchedulingResult, StateKey, TypedName
+from epp.scheduling.types import (
+    CycleState,
+    ResponseInfo,
+    SchedulingRequest,
+    SchedulingResult,
+    StateKey,
+    TypedName,
+    add_best_scored,
+)
+from protocol import extproc
 
 log = logging.getLogger(__name__)
+
+# The endpoints a result carries when the candidates allow: the pick and the fallbacks the gateway retries on when the
+# pick refuses the connection (the protocol's fallback headers). A picker that returns fewer (one, by default) has its
+# list completed with the best-scored other candidates: without them a request sent to a server that died since the
+# last scrape fails with a 503 (`epp-bench chaos`, "model server killed"), whatever the profile.
+RESULT_ENDPOINTS = 1 + len(extproc.FALLBACK_ENDPOINT_HEADERS)
 
 DEFAULT_CONFIG = """\
 apiVersion: inference.networking.x-k8s.io/v1alpha1
@@ -264,6 +279,9 @@ class Scheduler:
         start = clock()
         picked = picker.pick(cycle_state, request, candidates, totals)
         timings.append((picker.typed_name, clock() - start))
+        if len(picked) < RESULT_ENDPOINTS and len(candidates) > len(picked):
+            picked = list(picked)
+            add_best_scored(picked, candidates, totals, RESULT_ENDPOINTS)
         return SchedulingResult(picked, self.profile.name, candidates, raw_scores, timings, cycle_state)
 
     def on_picked(self, request: SchedulingRequest, result: SchedulingResult) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -112,3 +113,18 @@ class SchedulingResult:
 def clamp_score(score: float) -> float:
     """A score in [0, 1]: above 1 counts as 1; below 0 and NaN (every comparison with NaN is false) as 0."""
     return score if 0.0 <= score <= 1.0 else (1.0 if score > 1.0 else 0.0)
+
+
+def add_best_scored(picked: list[Endpoint], endpoints: list[Endpoint], scores: list[float], count: int) -> None:
+    """Appends to `picked` the highest-scored of `endpoints` (scores in the same order) that it lacks, until it holds
+    `count`. One sort in C; ties keep the order of a list that starts at a random place, so that equal endpoints
+    share what comes after the pick (the proxy's retries)."""
+    size = len(endpoints)
+    start = random.randrange(size)
+    taken = {id(e) for e in picked}
+    for i in sorted([*range(start, size), *range(start)], key=scores.__getitem__, reverse=True):
+        if len(picked) >= count:
+            return
+        endpoint = endpoints[i]
+        if id(endpoint) not in taken:
+            picked.append(endpoint)

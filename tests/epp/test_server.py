@@ -218,11 +218,26 @@ def test_fallback_endpoints_travel_in_metadata_and_headers():
     assert set_headers(head)["x-gateway-destination-endpoint-fallback-2"] == listed.split(",")[1]
 
 
-def test_a_single_pick_sends_no_fallback_headers():
+def test_a_picker_of_one_endpoint_still_gets_the_gateways_fallbacks():
+    """The scheduler completes a shorter list with the best-scored other candidates, whatever the profile: a pick
+    that died since the last scrape then costs the request a retry, not a 503."""
     config = "plugins:\n- type: max-score-picker\nschedulingProfiles:\n- name: d\n  plugins:\n  - pluginRef: max-score-picker\n"
-    stream = new_stream(make_picker(config=config))
+    endpoints = tuple(EndpointSpec(name, f"10.0.0.{i}", 8000) for i, name in enumerate("abcd", start=1))
+    stream = new_stream(make_picker(PoolState(endpoints=endpoints), config=config))
     stream.handle(headers_message(BASE_HEADERS))
     (head, *_) = stream.handle(body_message(b'{"model": "m", "prompt": "x"}'))
+    headers = set_headers(head)
+    listed = head.dynamic_metadata.fields["envoy.lb"].struct_value.fields["x-gateway-destination-endpoint"].string_value
+    chosen = [headers[f"x-gateway-destination-endpoint{suffix}"] for suffix in ("", "-fallback-1", "-fallback-2")]
+    assert listed.split(",") == chosen and len(set(chosen)) == 3
+
+
+def test_a_single_candidate_sends_no_fallback_headers():
+    """Fallbacks come from the candidates the filters and the subset hint left: a pin stays a pin."""
+    stream = new_stream(make_picker())
+    stream.handle(headers_message(BASE_HEADERS, subset=["10.0.0.2:8000"]))
+    (head, *_) = stream.handle(body_message(b'{"model": "m", "prompt": "x"}'))
+    assert set_headers(head)["x-gateway-destination-endpoint"] == "10.0.0.2:8000"
     assert not any("fallback" in name for name in set_headers(head))
 
 

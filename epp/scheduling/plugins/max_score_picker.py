@@ -3,8 +3,8 @@
 Reads: the weighted total score of each candidate.
 Parameters: maxNumOfEndpoints (default 1): how many endpoints to return, best first; the rest are fallbacks the
 proxy may try when the first fails (ties among them are ordered at random too). The default profile asks for 3: the
-pick and the two fallbacks our Envoy bootstrap retries on (with one endpoint and no fallback, a request sent to a
-server that died since the last scrape fails).
+pick and the two fallbacks our Envoy bootstrap retries on; with fewer, the scheduler completes the list up to those
+three from the best-scored other candidates (`epp.scheduling.scheduler.RESULT_ENDPOINTS`).
 Trade-offs: deterministic apart from ties, so between two scrapes every request sees the same scores; the scorers'
 in-flight correction (requests routed since the last scrape count as queued) is what keeps a burst from herding
 onto the single best endpoint.
@@ -16,7 +16,7 @@ import random
 
 from epp.datalayer.endpoint import Endpoint
 from epp.scheduling.framework import Parameters, Picker, register
-from epp.scheduling.types import CycleState, SchedulingRequest
+from epp.scheduling.types import CycleState, SchedulingRequest, add_best_scored
 
 
 @register("max-score-picker")
@@ -34,16 +34,7 @@ class MaxScorePicker(Picker):
             first = scores.index(best)
         else:
             first = random.choice([i for i, s in enumerate(scores) if s == best])
-        if self.count == 1:
-            return [endpoints[first]]
-        # the fallbacks: the rest best first, by one sort in C (stable: ties keep the order of a list that starts
-        # at a random place, so that equal endpoints share the retries)
-        size = len(endpoints)
-        start = random.randrange(size)
         picked = [endpoints[first]]
-        for i in sorted([*range(start, size), *range(start)], key=scores.__getitem__, reverse=True):
-            if len(picked) == self.count:
-                break
-            if i != first:
-                picked.append(endpoints[i])
+        if self.count > 1:  # the fallbacks, best first
+            add_best_scored(picked, endpoints, scores, self.count)
         return picked

@@ -1,6 +1,6 @@
 """random-picker: a uniformly random endpoint, ignoring scores (a baseline, and what a plain Service gives).
 
-Parameters: maxNumOfEndpoints (default 1).
+Parameters: maxNumOfEndpoints (default 1; the scheduler adds fallbacks up to `RESULT_ENDPOINTS` by total score).
 """
 
 from __future__ import annotations

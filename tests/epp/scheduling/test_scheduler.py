@@ -101,6 +101,33 @@ def test_lora_requests_go_where_the_adapter_runs_base_model_requests_by_load():
     assert {scheduler.schedule(req(model="base"), pool).primary.name for _ in range(20)} == {"e1"}
 
 
+@pytest.mark.parametrize("picker", ["max-score-picker", "random-picker", "weighted-random-picker"])
+def test_a_picker_of_one_gets_the_best_scored_fallbacks(picker):
+    """The gateway retries on two fallbacks: whatever the picker returns first, the rest is completed by total score
+    (queue depths 4, 0, 2, 6 -> e1, e2, e0 after any pick)."""
+    config = f"""
+plugins: [{{type: queue-scorer}}, {{type: {picker}}}]
+schedulingProfiles: [{{name: p, plugins: [{{pluginRef: queue-scorer}}, {{pluginRef: {picker}}}]}}]
+"""
+    scheduler = Scheduler.from_config(config)
+    pool = [endpoint(0, waiting=4), endpoint(1, waiting=0), endpoint(2, waiting=2), endpoint(3, waiting=6)]
+    for _ in range(20):
+        picked = names(scheduler.schedule(req(), pool))
+        assert len(picked) == 3 and len(set(picked)) == 3
+        assert picked[1:] == [n for n in ("e1", "e2", "e0") if n != picked[0]][:2]
+
+
+def test_fallbacks_come_only_from_the_candidates():
+    scheduler = Scheduler.from_config(QUEUE_ONLY)
+    pool = [endpoint(i) for i in range(4)]
+    assert len(scheduler.schedule(req(), pool).endpoints) == 3
+    assert names(scheduler.schedule(req(subset=frozenset({"127.0.0.1:8001", "127.0.0.1:8003"})), pool)) in (
+        ["e1", "e3"],
+        ["e3", "e1"],
+    )
+    assert names(scheduler.schedule(req(), pool[:1])) == ["e0"]
+
+
 def test_result_scores_ordering_and_plugin_durations():
     config = """
 plugins:
