@@ -116,6 +116,9 @@ class UnaryMethod:
     def handle(self, message: Message) -> list[Message]:
         return [self.answer(message)]
 
+    def oversized(self, size: int) -> None:
+        return None
+
     def after_reply(self) -> None:
         pass
 
@@ -136,6 +139,7 @@ class _Stream:
         "recv_unacked",
         "request_type",
         "send_window",
+        "skip",
     )
 
     def __init__(self, stream_id: int, send_window: int):
@@ -147,6 +151,7 @@ class _Stream:
         self.headers_sent = False
         self.closed = False  # our trailers are queued
         self.message = bytearray()  # gRPC framing across DATA frames
+        self.skip = 0  # bytes still to come of a message the handler refused unread (see _refused_unread)
         self.pending: deque[bytes | tuple[bytes]] = deque()  # DATA payloads waiting for window; a tuple = trailers
         self.recv_unacked = 0
         self.handled = False  # a message reached the handler (a reset before that is "premature")
@@ -418,6 +423,10 @@ class ExtProcConnection(asyncio.Protocol):
         if stream is None or stream.closed:
             return  # a stream we already answered or the proxy reset
         if stream.handler is not None:
+            if stream.skip:
+                dropped = min(stream.skip, len(payload))
+                stream.skip -= dropped
+                payload = payload[dropped:]
             if self.partial_bytes + len(payload) > MAX_PARTIAL_BYTES:
                 self._close_stream(stream, status_trailers(RESOURCE_EXHAUSTED, "the connection holds too many bytes"))
                 return
@@ -439,6 +448,12 @@ class ExtProcConnection(asyncio.Protocol):
                     return
                 end = offset + 5 + length
                 if size < end:
+                    if offset + 5 > size - len(payload) and self._refused_unread(stream, length):
+                        # its length just arrived, and the handler needs none of it: it is dropped as it comes
+                        stream.skip = end - size
+                        offset = size
+                    if stream.closed:
+                        return  # (the handler failed)
                     break
                 request_type = stream.request_type
                 try:
@@ -451,6 +466,10 @@ class ExtProcConnection(asyncio.Protocol):
                     self._close_stream(stream, status_trailers(INVALID_ARGUMENT, f"not a {request_type.__name__}"))
                     return
                 offset = end
+                if data is message:  # parsed (copied): its bytes go before the handler makes more copies of them
+                    del message[:offset]
+                    self.partial_bytes -= offset
+                    offset, size = 0, len(message)
                 self._handle(stream, request)
                 if stream.closed:
                     return  # (closing dropped the stream's held bytes, the parsed ones included)
@@ -467,6 +486,25 @@ class ExtProcConnection(asyncio.Protocol):
         if stream.recv_unacked >= RECEIVE_WINDOW // 2:
             self.out.append(frame(WINDOW_UPDATE, 0, stream_id, U32.pack(stream.recv_unacked)))
             stream.recv_unacked = 0
+
+    def _refused_unread(self, stream: _Stream, length: int) -> bool:
+        """Whether the handler refuses a message of `length` bytes before it is buffered (its answers are sent):
+        a request body over the EPP's limit in one message (Envoy coalesces the chunks of a fast upload) would
+        otherwise be held three times over (here, parsed, as bytes) before the handler could refuse it."""
+        handler = stream.handler
+        try:
+            responses = handler.oversized(length)
+        except Exception as exc:  # as in _handle: a bug costs this request only
+            log.exception("ext_proc handler failed")
+            self._close_stream(stream, status_trailers(INTERNAL, f"EPP internal error: {type(exc).__name__}"))
+            return False
+        if responses is None:
+            return False
+        for response in responses:
+            self._send_message(stream, response.SerializeToString())
+        if responses:
+            self.after.append(handler)
+        return True
 
     def _handle(self, stream: _Stream, request: Message) -> None:
         stream.handled = True

@@ -81,6 +81,9 @@ class FloorHandler:
             return [RESPONSE_TRAILERS]
         return []
 
+    def oversized(self, size: int) -> None:
+        return None
+
     def after_reply(self) -> None:
         pass
 

@@ -9,6 +9,9 @@ drive the same way:
   `reply(answers)`, at most once per message it left unanswered; the transport sends them as they come;
 * `awaiting_reply` is true while the handler owes such an answer (a transport that reads and writes one stream in
   turns waits for it before reading the next message: the proxy sends nothing more before it has the answer);
+* `oversized(size)` is asked by a transport that reassembles messages from frames (`epp.grpc_h2`) before it buffers
+  one of `size` bytes: None to receive it, or the answers that refuse the request without it (the transport sends
+  them and drops the message as it arrives); grpcio hands over whole messages only, so it never asks;
 * `after_reply()` runs after each batch of answers (returned or replied) has been handed to the connection: work
   the proxy need not wait for;
 * `finish()` runs exactly once when the stream ends, however it ends (end of messages, reset, disconnect, error);
@@ -29,6 +32,8 @@ class ExtProcHandler(Protocol):
     awaiting_reply: bool
 
     def handle(self, message: pb.ProcessingRequest) -> list[pb.ProcessingResponse]: ...
+
+    def oversized(self, size: int) -> list[pb.ProcessingResponse] | None: ...
 
     def after_reply(self) -> None: ...
 

@@ -136,6 +136,9 @@ def served_endpoint(request: pb.ProcessingRequest) -> str | None:
 
 QUEUE_TIMEOUT_MARGIN_SECONDS = 2  # beyond the longest TTL: the 429 of an expired request reaches the proxy in time
 DEFAULT_MAX_BODY_BYTES = 32 << 20  # like the model servers' request size limit
+# What a request_body message holds besides its body chunk (the oneof's framing, the forwarded metadata): far less
+# than this, so a message longer than the body allowance by more than this carries a body over the limit.
+MESSAGE_ENVELOPE_BYTES = 1 << 20
 
 
 class BodyBudget:
@@ -249,15 +252,27 @@ class RequestStream:
             return []  # answer the headers once the body is complete
         return [pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=pb.CommonResponse()))]
 
+    def oversized(self, size: int) -> list[pb.ProcessingResponse] | None:
+        """The transport asks before it buffers a message of `size` bytes: one that can only hold a body chunk
+        over the limit is refused unread (Envoy may send a fast upload as one message), sparing the copies that
+        parsing it would make."""
+        if self.body_done or self.ctx is None:
+            return None
+        if size <= self.max_body_bytes - self.body_bytes + MESSAGE_ENVELOPE_BYTES:
+            return None
+        return self._refuse_body(self._too_large())
+
+    def _too_large(self) -> OpenAIError:
+        return OpenAIError(f"request body is larger than {self.max_body_bytes} bytes", 413)
+
     def _on_request_body(self, body: pb.HttpBody) -> list[pb.ProcessingResponse]:
         if self.body_done:
             return []  # answered already (413): the rest of the body is dropped
         chunk = body.body
         if chunk:
             size = len(chunk)
-            limit = self.max_body_bytes
-            if self.body_bytes + size > limit:
-                return self._refuse_body(OpenAIError(f"request body is larger than {limit} bytes", 413))
+            if self.body_bytes + size > self.max_body_bytes:
+                return self._refuse_body(self._too_large())
             if self.budget is not None and not self.budget.reserve(size):
                 return self._refuse_body(
                     OpenAIError("the gateway is buffering too many request bodies; retry later", 413)

@@ -176,3 +176,69 @@ def test_reads_split_anywhere_are_answered_as_one_read():
     assert whole.count(b"grpc-status") == 4 and len(whole) > 140_000  # every stream answered, the large bodies echoed
     for chunk in (1, 5, 9, 100, 16_384):
         assert answers(chunk) == whole
+
+
+def _client_sending(*messages: bytes, frame_size: int = 16_384) -> bytes:
+    """A client's bytes for one Process stream whose messages go out in DATA frames of `frame_size` (Envoy's)."""
+    from hpack import Encoder
+
+    from epp.grpc_h2 import DATA, END_HEADERS, END_STREAM, GRPC_PREFIX, HEADERS, SETTINGS
+
+    block = Encoder().encode([(":method", "POST"), (":path", PROCESS), ("content-type", "application/grpc")])
+    wire = b"".join(GRPC_PREFIX.pack(0, len(m)) + m for m in messages)
+    frames = b"".join(frame(DATA, 0, 1, wire[start : start + frame_size]) for start in range(0, len(wire), frame_size))
+    return PREFACE + frame(SETTINGS, 0, 0) + frame(HEADERS, END_HEADERS, 1, block) + frames + frame(DATA, END_STREAM, 1)
+
+
+def test_a_message_the_handler_refuses_by_its_length_is_dropped_as_it_arrives():
+    """A request body over the limit in one message (Envoy coalesces the chunks of a fast upload) is refused when its
+    length arrives: its bytes are never held, parsed or copied, and the stream's next message is read as usual."""
+    import tracemalloc
+
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+    from epp.grpc_h2 import ExtProcConnection
+
+    refusal = pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(body=b"too large"))
+
+    class Refusing(EchoHandler):
+        def oversized(self, size: int) -> list[pb.ProcessingResponse] | None:
+            self.log.append(f"oversized {size}")
+            return [refusal] if size > 1 << 20 else None
+
+    EchoHandler.log = []
+    big = body(b"x" * (40 << 20)).SerializeToString()
+    client = _client_sending(headers().SerializeToString(), big, body(b"after").SerializeToString())
+    reads = [client[start : start + (256 << 10)] for start in range(0, len(client), 256 << 10)]
+    del client
+    connection = ExtProcConnection(Refusing, set())
+    transport = _RecordingTransport()
+    connection.connection_made(transport)
+    tracemalloc.start()
+    try:
+        for data in reads:
+            connection.data_received(data)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 2 << 20  # not the 40 MB message: a read's frames, one at a time
+    assert Refusing.log.count(f"oversized {len(big)}") == 1 and Refusing.log.count("finish") == 1
+    assert b"too large" in transport.written and b"after" in transport.written  # the next message was echoed
+    assert not connection.streams and connection.partial_bytes == 0
+
+
+def test_a_message_over_several_frames_is_let_go_before_its_handler_runs():
+    """Once parsed, a message's bytes are no longer the transport's: the handler's copies do not come on top."""
+    from epp.grpc_h2 import ExtProcConnection
+
+    held = []
+
+    class Recording(EchoHandler):
+        def handle(self, message):
+            held.append(connection.partial_bytes)
+            return super().handle(message)
+
+    connection = ExtProcConnection(Recording, set())
+    connection.connection_made(_RecordingTransport())
+    connection.data_received(_client_sending(headers().SerializeToString(), body(b"x" * 100_000).SerializeToString()))
+    assert held == [0, 0]

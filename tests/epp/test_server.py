@@ -10,7 +10,7 @@ from google.protobuf import struct_pb2
 
 from epp.datalayer.datastore import Datastore
 from epp.datalayer.endpoint import EndpointSpec, ModelRewrite, PoolState
-from epp.handlers.extproc import BodyBudget, RequestStream
+from epp.handlers.extproc import MESSAGE_ENVELOPE_BYTES, BodyBudget, RequestStream
 from epp.metrics import EPPMetrics
 from epp.requestcontrol.director import Director
 from epp.scheduling.scheduler import Scheduler
@@ -315,6 +315,21 @@ def test_bodies_over_the_limit_are_413_and_their_buffer_is_released():
     assert "larger than 1000 bytes" in json.loads(response.immediate_response.body)["error"]["message"]
     assert stream.body_chunks == [] and stream.body_bytes == 0
     assert stream.handle(body_message(b"x" * 600, end=True)) == []  # the rest is dropped, not buffered
+
+
+def test_a_message_that_can_only_hold_a_body_over_the_limit_is_refused_unread():
+    picker = make_picker()
+    stream = new_stream(picker, max_body_bytes=1000)
+    assert stream.oversized(5 << 20) is None  # before the request headers: not a body chunk
+    stream.handle(headers_message(BASE_HEADERS))
+    assert stream.handle(body_message(b"x" * 600, end=False)) == []
+    assert stream.oversized(400 + MESSAGE_ENVELOPE_BYTES) is None  # the body in it may still fit: parsed, then judged
+    (response,) = stream.oversized(401 + MESSAGE_ENVELOPE_BYTES)
+    assert response.immediate_response.status.code == 413
+    assert "larger than 1000 bytes" in json.loads(response.immediate_response.body)["error"]["message"]
+    assert stream.body_chunks == [] and stream.body_bytes == 0
+    assert stream.oversized(5 << 20) is None  # answered: the rest of the body is dropped as usual
+    assert stream.handle(body_message(b"x" * 600, end=True)) == []
 
 
 def test_the_bodies_of_one_connection_share_a_budget():

@@ -62,6 +62,9 @@ class EchoHandler:
         self.log.append("replied")
         self.reply(answer)
 
+    def oversized(self, size: int) -> None:
+        return None
+
     def after_reply(self) -> None:
         self.log.append("after_reply")
 
