@@ -17,7 +17,7 @@ from pathlib import Path
 
 import aiohttp
 
-from epp.handlers.accesslog import TTFT_ATTRIBUTE
+from epp.handlers.accesslog import STATUS_ATTRIBUTE, TTFT_ATTRIBUTE, UPSTREAM_ATTRIBUTE
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"  # package data: installed with the wheel
 TEMPLATE = TEMPLATES / "envoy.yaml.tmpl"
@@ -42,7 +42,7 @@ def render_bootstrap(
     request_body_mode: str | None = None,
     response_body_mode: str = "NONE",
     observed_responses_percent: int = 100,
-    response_header_mode: str = "SEND",
+    response_header_mode: str | None = None,
     template: Path = TEMPLATE,
     admin_address: str | None = None,
     message_timeout: float = 10.0,
@@ -67,10 +67,16 @@ def render_bootstrap(
     ignores mode_override whenever the listener's request or response body mode is FULL_DUPLEX_STREAMED
     (ext_proc.cc, Filter::onReceiveMessage), and ours is: the EPP routes after reading the body.
 
+    `response_header_mode` (SEND or SKIP; default: SKIP when every request's access-log record comes to the EPP and
+    no response body goes through it, else SEND): whether Envoy sends the EPP each response's headers, which then
+    wait for its answer, a second ext_proc round trip per request on the response's critical path. What the EPP
+    reads there, the status and the endpoint that served, the access-log record carries too (a response body
+    streamed to the EPP needs the headers' answer: a rewritten model name changes the body's length).
+
     `access_log_percent` (0 = none): the share of requests whose access-log record (request id, time from the
-    request sent upstream to the first response body byte) Envoy's OpenTelemetry access logger sends to the EPP,
-    batched, on its gRPC port (`epp.handlers.accesslog`): what the default profile's latency predictor learns TTFT
-    from without the response bodies passing through the EPP. Below 100 a runtime filter (runtime key
+    request sent upstream to the first response body byte, status, the endpoint that served it) Envoy's
+    OpenTelemetry access logger sends to the EPP, batched, on its gRPC port (`epp.handlers.accesslog`): what the
+    default profile's latency predictor learns TTFT from without the response bodies passing through the EPP. Below 100 a runtime filter (runtime key
     ACCESS_LOG_RUNTIME_KEY) samples them.
     """
     request_body_mode = request_body_mode or ("BUFFERED" if fail_open else "FULL_DUPLEX_STREAMED")
@@ -83,6 +89,8 @@ def render_bootstrap(
     if not 1 <= observed_responses_percent <= 100:
         raise ValueError("observed_responses_percent must be within 1..100")
     sampled = response_body_mode == "FULL_DUPLEX_STREAMED" and observed_responses_percent < 100
+    if response_header_mode is None:
+        response_header_mode = "SKIP" if access_log_percent == 100 and response_body_mode == "NONE" else "SEND"
     if response_header_mode not in ("SEND", "SKIP"):
         raise ValueError("response_header_mode must be SEND or SKIP")
     if not 0 <= access_log_percent <= 100:
@@ -137,7 +145,11 @@ def _access_log(percent: int) -> str:
               attributes:
                 values:
                 - key: {TTFT_ATTRIBUTE}
-                  value: {{string_value: "%COMMON_DURATION(US_TX_BEG:US_RX_BODY_BEG:us)%"}}"""
+                  value: {{string_value: "%COMMON_DURATION(US_TX_BEG:US_RX_BODY_BEG:us)%"}}
+                - key: {STATUS_ATTRIBUTE}
+                  value: {{string_value: "%RESPONSE_CODE%"}}
+                - key: {UPSTREAM_ATTRIBUTE}
+                  value: {{string_value: "%UPSTREAM_HOST%"}}"""
 
 
 OBSERVED_RESPONSES_RUNTIME_KEY = "gateway.observed_responses_percent"

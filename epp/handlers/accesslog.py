@@ -13,8 +13,13 @@ director reads that off the endpoint's scraped inter-token latency instead (`End
 The record, as our bootstrap formats it (epp/templates/envoy.yaml.tmpl; another gateway can send the same):
 * body: the request's x-request-id, which the EPP set on the routed request (`RoutingDecision.request_id`);
 * attribute `ttft_us`: microseconds from the first byte sent upstream to the first byte of the response body
-  (`%COMMON_DURATION(US_TX_BEG:US_RX_BODY_BEG:us)%`; "-" when no body came).
-Records without both, or with a time that is not a positive whole number of microseconds under an hour, are skipped.
+  (`%COMMON_DURATION(US_TX_BEG:US_RX_BODY_BEG:us)%`; "-" when no body came);
+* attribute `status`: the response's HTTP status (`%RESPONSE_CODE%`; 0 when none was sent);
+* attribute `upstream`: the endpoint that served it, ip:port (`%UPSTREAM_HOST%`, the last try's; "-" when none).
+Status and endpoint are what the EPP learns at the response headers when the gateway sends them to it (ext_proc
+response_header_mode SEND); our bootstrap skips that round trip when every request's record comes here.
+A record without a request id is skipped; so is a time that is not a positive whole number of microseconds under an
+hour (the record's status and endpoint still count), and a status outside 100-599.
 """
 
 from __future__ import annotations
@@ -30,7 +35,10 @@ log = logging.getLogger("epp.handlers.accesslog")
 SERVICE, METHOD = "opentelemetry.proto.collector.logs.v1.LogsService", "Export"
 EXPORT_PATH = f"/{SERVICE}/{METHOD}".encode()
 TTFT_ATTRIBUTE = "ttft_us"
+STATUS_ATTRIBUTE = "status"
+UPSTREAM_ATTRIBUTE = "upstream"
 MAX_MICROSECONDS = 3_600_000_000
+MAX_HOSTPORT_CHARS = 262  # a bracketed IPv6 address and a port, with room to spare: longer is not an endpoint
 # The field names of OTLP's nesting by number: older copies of the protos (the one xds-protos ships) call them
 # instrumentation_library_logs / logs, current ones scope_logs / log_records; the wire format is the same.
 _SCOPES = logs_pb2.ResourceLogs.DESCRIPTOR.fields_by_number[2].name
@@ -40,8 +48,11 @@ ExportRequest = logs_service_pb2.ExportLogsServiceRequest
 _ANSWER = logs_service_pb2.ExportLogsServiceResponse()
 
 
-def export_handler(on_record: Callable[[str, float], None]) -> Callable[[ExportRequest], object]:
-    """The Export method: each well-formed record becomes `on_record(request_id, ttft_seconds)`."""
+def export_handler(
+    on_record: Callable[[str, float | None, str, str | None], None],
+) -> Callable[[ExportRequest], object]:
+    """The Export method: each record with a request id becomes `on_record(request_id, ttft_seconds or None, status
+    ("" when the record has none), served endpoint or None)`."""
 
     def export(request: ExportRequest) -> logs_service_pb2.ExportLogsServiceResponse:
         skipped = 0
@@ -49,13 +60,32 @@ def export_handler(on_record: Callable[[str, float], None]) -> Callable[[ExportR
             for scope in getattr(resource, _SCOPES):
                 for record in getattr(scope, _RECORDS):
                     request_id = record.body.string_value
-                    ttft_us = next((a.value.string_value for a in record.attributes if a.key == TTFT_ATTRIBUTE), "")
-                    if request_id and ttft_us.isdecimal() and len(ttft_us) < 12 and 0 < int(ttft_us) < MAX_MICROSECONDS:
-                        on_record(request_id, int(ttft_us) / 1e6)
-                    else:
+                    if not request_id:
                         skipped += 1
+                        continue
+                    ttft_us = status = upstream = ""
+                    for attribute in record.attributes:
+                        key = attribute.key
+                        if key == TTFT_ATTRIBUTE:
+                            ttft_us = attribute.value.string_value
+                        elif key == STATUS_ATTRIBUTE:
+                            status = attribute.value.string_value
+                        elif key == UPSTREAM_ATTRIBUTE:
+                            upstream = attribute.value.string_value
+                    ttft = (
+                        int(ttft_us) / 1e6
+                        if ttft_us.isdecimal() and len(ttft_us) < 12 and 0 < int(ttft_us) < MAX_MICROSECONDS
+                        else None
+                    )
+                    if not (len(status) == 3 and status.isascii() and status.isdecimal() and "100" <= status <= "599"):
+                        status = ""  # 0 (no response), or not a status: bounds the error metric's labels too
+                    served = upstream if upstream and upstream != "-" and len(upstream) <= MAX_HOSTPORT_CHARS else None
+                    if ttft is None and not status:
+                        skipped += 1
+                        continue
+                    on_record(request_id, ttft, status, served)
         if skipped:
-            log.debug("skipped %d access-log records without a request id and a first-byte time", skipped)
+            log.debug("skipped %d access-log records without a request id, a first-byte time or a status", skipped)
         return _ANSWER
 
     return export

@@ -12,19 +12,19 @@ raises 429 with retry-after when it expires or does not fit (503 when the pool h
 Without flow control, sheddable requests (priority < 0) get 429 while the pool is saturated and the rest go on.
 After the proxy has the answer, `after_routed` runs the scheduler's pre-request hooks (the prefix index records the
 pick) off the request's critical path.
-Response path: `on_response_headers` (status, the endpoint that served), `on_response_chunk` (the usage tail, and a
-rewritten model's name turned back into the client's), `on_complete` when the request is over (in-flight
-accounting, the scheduler's response-complete hooks, metrics). `on_complete` runs exactly once per routed request,
-whatever ended it.
-Timings (the scheduler's response-timed hooks, which the latency predictor learns from) come from the response
-body, when it streamed through the EPP (at `on_complete`), or else from the proxy's access log (`on_access_log`:
-Envoy writes a request's record when it ends and sends it within its flush interval) for TTFT, with the time per
-output token from the endpoint's scraped inter-token latency over the request's decode. For the second, once the
-proxy has sent one record, each streamed request that ended without its body's timings waits in
-`awaiting_timings` for its record, and a record that comes first (under load the proxy's flush can beat the
-stream's end to the EPP) waits in `early_records` for its request's end; both tables are bounded in entries and age,
-so records that never come (a sampled access log) or never match (another replica's requests) cost an observation,
-not memory.
+Response path: `on_response_headers` (status, the endpoint that served; when the proxy sends them: our bootstrap
+skips that round trip when its access log brings both), `on_response_chunk` (the usage tail, and a rewritten model's
+name turned back into the client's), `on_complete` when the request is over (in-flight accounting, the scheduler's
+response-complete hooks, metrics). `on_complete` runs exactly once per routed request, whatever ended it.
+The proxy's access log (`on_access_log`: Envoy writes a request's record when it ends and sends it within its
+flush interval) brings a request's status and served endpoint, and for a streamed response its TTFT. Timings (the
+scheduler's response-timed hooks, which the latency predictor learns from) come from the response body, when it
+streamed through the EPP (at `on_complete`), or else from that record, with the time per output token from the
+endpoint's scraped inter-token latency over the request's decode. Once the proxy has sent one record, each request
+that ended without its status or its timings waits in `awaiting_records` for its record, and a record that comes
+first (under load the proxy's flush can beat the stream's end to the EPP) waits in `early_records` for its
+request's end; both tables are bounded in entries and age, so records that never come (a sampled access log) or
+never match (another replica's requests) cost a request's status metrics or an observation, not memory.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from epp.metrics import EPPMetrics
 from epp.requestcontrol.types import RequestContext, RoutingDecision
 from epp.scheduling.errors import SchedulingError
 from epp.scheduling.scheduler import Scheduler
-from epp.scheduling.types import CycleState, ResponseInfo, SchedulingRequest, SchedulingResult
+from epp.scheduling.types import CycleState, ResponseInfo, SchedulingRequest
 from protocol import extproc
 from protocol.openai import OpenAIError, model_not_found, prompt_text
 
@@ -55,11 +55,14 @@ _PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
 _CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 _USAGE_TAIL_BYTES = 4096
 # Ended requests awaiting their access-log record: at most this many (the oldest go first; ~7-9 KB each with their
-# scheduling results: a few tens of MB when records never come) for at most this long (a record comes within
+# contexts and scheduling results: a few tens of MB when records never come) for at most this long (a record comes within
 # Envoy's flush interval, 0.1 s in our bootstrap, or its export timeout, 5 s). 4,096 entries cover 2 s of ended
 # requests at 2,000 a second.
-AWAITING_TIMINGS_LIMIT = 4096
-AWAITING_TIMINGS_SECONDS = 10.0
+AWAITING_RECORDS_LIMIT = 4096
+AWAITING_RECORDS_SECONDS = 10.0
+# Before the proxy's first record, only this many wait for theirs: a proxy that sends neither response headers nor
+# records (not our bootstrap) costs ~2 MB of requests waiting in vain, not the full table.
+UNCONFIRMED_AWAITING_LIMIT = 256
 # Records that came before the EPP saw their request end (under load Envoy's flush can beat the ext_proc stream's end
 # to the EPP), kept as long: every record of a request the EPP is not waiting for lands here (one not streamed,
 # another replica's), so the age bound is short and the table holds ~100 B an entry.
@@ -85,10 +88,11 @@ class Director:
         self.scheduler = scheduler
         self.metrics = metrics
         self.flow_control = flow_control
-        # request id -> (ended at, routed at, request, result, pick); kept only once the proxy has sent an access-log
-        # record
-        self.awaiting_timings: dict[str, tuple[float, float, SchedulingRequest, SchedulingResult, Endpoint]] = {}
-        self.early_records: dict[str, tuple[float, float]] = {}  # request id -> (arrived at, TTFT)
+        # request id -> (ended at, its context, the pick, its output tokens): ended requests waiting for their
+        # access-log record
+        self.awaiting_records: dict[str, tuple[float, RequestContext, Endpoint, int | None]] = {}
+        # request id -> (arrived at, TTFT, status, served endpoint): records that came before their request's end
+        self.early_records: dict[str, tuple[float, float | None, str, str | None]] = {}
         self.access_log_seen = False
         self.untimed_responses = 0  # successful responses while no timings ever came (-1: some did, or it was said)
         self.untimed_since = 0.0  # when the first of them ended
@@ -259,11 +263,12 @@ class Director:
 
     @staticmethod
     def _release_prompt_tokens(ctx: RequestContext) -> None:
-        """The endpoint has answered: its prompt is no longer work waiting there. in_flight_tokens stands for pending
-        prefill (in-flight-tokens-scorer, the predictor's feature); counted to the response's end (the stream stays
-        open to it with response_trailer_mode SEND), a conversation's own server looked busy with its long context
-        and lost its next turn: shared-prefix-multi-turn at 16/s, 4 runs, epp mean TTFT 56-87 ms, prefix hits
-        81-87 %, against 52-54 ms and 89-90 % while the count ended at the response headers."""
+        """The endpoint has answered (the response headers came), or the request is over: its prompt is no longer
+        work waiting there. in_flight_tokens stands for pending prefill (in-flight-tokens-scorer, the predictor's
+        feature). Before the predictor, counting it to the response's end lost a conversation its own server
+        (shared-prefix-multi-turn at 16/s: mean TTFT 56-87 ms and prefix hits 81-87 % against 52-54 ms and 89-90 %);
+        with the default profile's predictor, whose prefill backlog drains by itself, the two measured alike (2 runs
+        each: 49-50 ms and 89-90 % when our bootstrap skips the response headers, 49-51 ms and 89-90 % with them)."""
         if ctx.endpoint is not None and ctx.in_flight_tokens:
             ctx.endpoint.in_flight_tokens -= ctx.in_flight_tokens
             ctx.in_flight_tokens = 0
@@ -284,7 +289,10 @@ class Director:
         return chunk
 
     def on_complete(self, ctx: RequestContext) -> None:
-        """The request is over, whether or not its response came through the EPP."""
+        """The request is over, whether or not its response came through the EPP. What the proxy has not told yet
+        (its status and the endpoint that served, when it sent no response headers; a streamed response's TTFT)
+        comes with its access-log record, if the proxy sends them: the request then waits for it in
+        `awaiting_records`, and its outcome (status metrics, timings) is settled when it comes."""
         endpoint = ctx.endpoint
         request = ctx.request
         if endpoint is not None:  # first: flow control's next dispatch sees the slot this request frees
@@ -306,57 +314,90 @@ class Director:
             cached_tokens=_usage(_CACHED_TOKENS, tail),
         )
         self.scheduler.on_finished(request, ctx.result, endpoint, response)
-        status = ctx.status
-        if status.startswith("2") and self.scheduler.wants_timings:  # (a failure teaches no latency)
-            if ctx.streamed and ctx.first_chunk_at:  # the body came through: its timings
-                ttft = ctx.first_chunk_at - ctx.routed_at
-                tpot = (now - ctx.first_chunk_at) / (output_tokens - 1) if output_tokens and output_tokens > 1 else None
-                self._timed(request, ctx.result, endpoint, ttft, tpot)
-            elif ctx.streamed and self.access_log_seen:
-                early = self.early_records.pop(request.request_id, None)
-                if early is None:
-                    entry = (now, ctx.routed_at, request, ctx.result, endpoint)
-                    _remember(self.awaiting_timings, request.request_id, entry, AWAITING_TIMINGS_SECONDS)
-                else:
-                    self._logged(early[1], now, ctx.routed_at, request, ctx.result, endpoint)
-            elif self.untimed_responses >= 0:
-                self._untimed(now)
         metrics = self.metrics
         metrics.running.labels(ctx.labels[0]).dec()
+        status = ctx.status
+        wants_timings = ctx.streamed and status.startswith("2") and self.scheduler.wants_timings
+        if wants_timings and ctx.first_chunk_at:  # the body came through: its timings
+            ttft = ctx.first_chunk_at - ctx.routed_at
+            tpot = (now - ctx.first_chunk_at) / (output_tokens - 1) if output_tokens and output_tokens > 1 else None
+            self._timed(request, ctx.result, endpoint, ttft, tpot)
+        elif not status or (wants_timings and self.access_log_seen):
+            early = self.early_records.pop(request.request_id, None)
+            if early is None:
+                # until the proxy's first record (its first flush after the first request ends) no status is known
+                # to come that way: a few wait for it, so that a fresh EPP counts its first requests too
+                limit = AWAITING_RECORDS_LIMIT if self.access_log_seen else UNCONFIRMED_AWAITING_LIMIT
+                _remember(
+                    self.awaiting_records,
+                    request.request_id,
+                    (now, ctx, endpoint, output_tokens),
+                    AWAITING_RECORDS_SECONDS,
+                    limit,
+                )
+            else:
+                self._settle(ctx, endpoint, now, output_tokens, *early[1:])
+            return
+        self._settle(ctx, endpoint, now, output_tokens, None, "", None)
+
+    def _settle(
+        self,
+        ctx: RequestContext,
+        endpoint: Endpoint,
+        ended: float,
+        output_tokens: int | None,
+        ttft: float | None,
+        status: str,
+        served: str | None,
+    ) -> None:
+        """An ended request's outcome: the status and served endpoint (the response headers', else the access-log
+        record's), the record's TTFT (with the endpoint's inter-token latency over its decode) for a streamed
+        response whose body did not come through, and the metrics that depend on them."""
+        status, served = ctx.status or status, ctx.served or served
+        request, result = ctx.request, ctx.result
+        if status.startswith("2") and self.scheduler.wants_timings and not ctx.first_chunk_at:
+            if ctx.streamed and ttft is not None:
+                self._timed(request, result, endpoint, ttft, endpoint.inter_token_latency(ctx.routed_at + ttft, ended))
+            elif self.untimed_responses >= 0:
+                self._untimed(ended)
+        metrics = self.metrics
         if status.startswith("2"):  # a model server knows these names: from now on they are labels of their own
             metrics.model_served(ctx.model)
             metrics.model_served(ctx.target_model)
             declared = self.datastore.state.models
             ctx.labels = (metrics.model_label(ctx.model, declared), metrics.model_label(ctx.target_model, declared))
-            metrics.duration.labels(*ctx.labels).observe(now - ctx.routed_at)
+            metrics.duration.labels(*ctx.labels).observe(ended - ctx.routed_at)
         elif status:
             metrics.errors.labels(*ctx.labels, status[:3]).inc()
         if output_tokens is not None:
             metrics.output_tokens.labels(*ctx.labels).observe(output_tokens)
-        if ctx.served:
-            picked = ctx.served == endpoint.hostport
+        if served:
+            picked = served == endpoint.hostport
             metrics.served.labels("pick" if picked else "other").inc()
             if not picked:
-                log.debug(
-                    "request %s was served by %s, not the pick %s", request.request_id, ctx.served, endpoint.hostport
-                )
+                log.debug("request %s was served by %s, not the pick %s", request.request_id, served, endpoint.hostport)
 
-    # -- timings from the proxy's access log ----------------------------------------------------------------------
-    def on_access_log(self, request_id: str, ttft: float) -> None:
+    # -- outcomes from the proxy's access log -------------------------------------------------------------------
+    def on_access_log(self, request_id: str, ttft: float | None, status: str, served: str | None) -> None:
         """The proxy's access-log record of an ended request: `ttft` seconds from sending it to the model server
-        to the first byte of the response body (the first token of a streamed response). Its time per output token
-        is the endpoint's own mean gap between tokens from then to the request's end (`Endpoint.inter_token_latency`,
-        None when the engine publishes no such histogram or the decode was too short to see in its scrapes). A
-        record that comes before the EPP saw its request end waits for it in `early_records`."""
+        to the first byte of the response body (the first token of a streamed response; None when no body came),
+        its status ("" when the record has none) and the endpoint that served it. Its time per output token is the
+        endpoint's own mean gap between tokens from then to the request's end (`Endpoint.inter_token_latency`, None
+        when the engine publishes no such histogram or the decode was too short to see in its scrapes). A record
+        that comes before the EPP saw its request end waits for it in `early_records`."""
         self.access_log_seen = True
-        entry = self.awaiting_timings.pop(request_id, None)
+        entry = self.awaiting_records.pop(request_id, None)
         if entry is not None:
-            self._logged(ttft, *entry)
-        elif self.scheduler.wants_timings:
-            _remember(self.early_records, request_id, (time.monotonic(), ttft), EARLY_RECORDS_SECONDS)
-
-    def _logged(self, ttft: float, ended: float, routed_at: float, request, result, endpoint: Endpoint) -> None:
-        self._timed(request, result, endpoint, ttft, endpoint.inter_token_latency(routed_at + ttft, ended))
+            ended, ctx, endpoint, output_tokens = entry
+            self._settle(ctx, endpoint, ended, output_tokens, ttft, status, served)
+        else:
+            _remember(
+                self.early_records,
+                request_id,
+                (time.monotonic(), ttft, status, served),
+                EARLY_RECORDS_SECONDS,
+                AWAITING_RECORDS_LIMIT,
+            )
 
     def _timed(self, request, result, endpoint, ttft: float, tpot: float | None) -> None:
         self.untimed_responses = -1
@@ -379,16 +420,16 @@ class Director:
             self.untimed_responses = -1
 
 
-def _remember(table: dict[str, tuple], request_id: str, entry: tuple, seconds: float) -> None:
-    """Keep `entry` (its first item the time it came) under `request_id` in a table bounded in size
-    (AWAITING_TIMINGS_LIMIT) and age (`seconds`); an id that comes twice is dropped: what it names is ambiguous."""
+def _remember(table: dict[str, tuple], request_id: str, entry: tuple, seconds: float, limit: int) -> None:
+    """Keep `entry` (its first item the time it came) under `request_id` in a table bounded in size (`limit`) and
+    age (`seconds`); an id that comes twice is dropped: what it names is ambiguous."""
     if request_id in table:
         del table[request_id]
         return
     table[request_id] = entry
     oldest = next(iter(table))  # insertion order is age order
-    if len(table) > AWAITING_TIMINGS_LIMIT or table[oldest][0] < entry[0] - seconds:
-        del table[oldest]  # one out per one in: the table never passes its limit
+    if len(table) > limit or table[oldest][0] < entry[0] - seconds:
+        del table[oldest]  # one out per one in: the table never passes its limit (which only ever grows)
 
 
 def _usage(pattern: re.Pattern[bytes], tail: bytes) -> int | None:

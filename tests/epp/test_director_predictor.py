@@ -137,27 +137,29 @@ def test_access_log_records_train_the_predictor_once_the_proxy_sends_them():
     director = make_picker(config=CONFIG.replace("director-test", "director-log"))
     predictor = shared("director-log").predictor
     ended(director, routed(director, "before"))
-    director.on_access_log("before", 0.05)
+    director.on_access_log("before", 0.05, "200", None)
     assert predictor.observations == 0  # the proxy's first record: until then nothing waited for one
     assert director.access_log_seen
     for i in range(3):
         ended(director, routed(director, f"r{i}"))
-        director.on_access_log(f"r{i}", 0.04)
-        director.on_access_log(f"r{i}", 0.04)  # a second record of the id: nothing left to learn
+        director.on_access_log(f"r{i}", 0.04, "200", None)
+        director.on_access_log(f"r{i}", 0.04, "200", None)  # a second record of the id: nothing left to learn
     assert predictor.observations == 3
     early = routed(director, "early")
-    director.on_access_log("early", 0.04)  # before the EPP saw its end (under load the proxy's flush can win)
+    director.on_access_log(
+        "early", 0.04, "200", None
+    )  # before the EPP saw its end (under load the proxy's flush can win)
     assert predictor.observations == 3 and "early" in director.early_records
     ended(director, early)  # the record was waiting for it
     assert predictor.observations == 4 and "early" not in director.early_records
-    director.awaiting_timings.clear()
+    director.awaiting_records.clear()
     ended(director, routed(director, "unstreamed", stream=False))
     ended(director, routed(director, "failed"), status="503")
-    director.on_access_log("unstreamed", 0.3)  # its first body byte came with its last token: not a TTFT
-    director.on_access_log("failed", 0.01)
-    director.on_access_log("unknown", 0.01)
+    director.on_access_log("unstreamed", 0.3, "200", None)  # its first body byte came with its last token: not a TTFT
+    director.on_access_log("failed", 0.01, "200", None)
+    director.on_access_log("unknown", 0.01, "200", None)
     assert predictor.observations == 4
-    assert director.awaiting_timings == {}
+    assert director.awaiting_records == {}
 
 
 def test_an_access_logged_request_learns_its_time_per_output_token_from_its_servers_scrapes(monkeypatch):
@@ -167,62 +169,62 @@ def test_an_access_logged_request_learns_its_time_per_output_token_from_its_serv
     predictor = shared("director-itl").predictor
     observed = []
     monkeypatch.setattr(predictor, "observe", lambda features, ttft, tpot: observed.append((ttft, tpot)))
-    director.on_access_log("-", 0.05)  # the proxy sends records
+    director.on_access_log("-", 0.05, "200", None)  # the proxy sends records
     ctx = routed(director, "r")
     endpoint = ctx.endpoint
     endpoint.record_inter_token_totals(ctx.routed_at + 0.01, 1.0, 100)
     endpoint.record_inter_token_totals(ctx.routed_at + 0.3, 1.5, 120)
     time.sleep(0.35)
     ended(director, ctx)
-    director.on_access_log("r", 0.005)
+    director.on_access_log("r", 0.005, "200", None)
     assert observed == [(0.005, pytest.approx(0.5 / 20))]
     ended(director, routed(director, "unscraped"))  # its decode has no samples of its own
-    director.on_access_log("unscraped", 0.005)
+    director.on_access_log("unscraped", 0.005, "200", None)
     assert observed[1] == (0.005, None)
 
 
 def test_the_first_source_of_timings_wins_and_ambiguous_ids_teach_nothing():
     director = make_picker(config=CONFIG.replace("director-test", "director-sources"))
     predictor = shared("director-sources").predictor
-    director.on_access_log("-", 0.05)  # the proxy sends records
+    director.on_access_log("-", 0.05, "200", None)  # the proxy sends records
     serve(director, stream=True, first_token_after=0.01)  # its body came through: learnt at its end
-    assert predictor.observations == 1 and director.awaiting_timings == {}
+    assert predictor.observations == 1 and director.awaiting_records == {}
     first, second = routed(director, "same"), routed(director, "same")  # one id, two requests
     for ctx in (first, second):
         ended(director, ctx)
-    assert "same" not in director.awaiting_timings
-    director.on_access_log("same", 0.05)
+    assert "same" not in director.awaiting_records
+    director.on_access_log("same", 0.05, "200", None)
     assert predictor.observations == 1
 
 
 def test_requests_awaiting_a_record_are_bounded_in_number_and_age(monkeypatch):
-    monkeypatch.setattr(director_module, "AWAITING_TIMINGS_LIMIT", 4)
+    monkeypatch.setattr(director_module, "AWAITING_RECORDS_LIMIT", 4)
     director = make_picker(config=CONFIG.replace("director-test", "director-bounded"))
-    director.on_access_log("-", 0.05)
+    director.on_access_log("-", 0.05, "200", None)
     for i in range(10):
         ended(director, routed(director, f"r{i}"))  # no record ever comes
-    assert list(director.awaiting_timings) == ["r6", "r7", "r8", "r9"]
-    director.on_access_log("r9", 0.04)
-    monkeypatch.setattr(director_module, "AWAITING_TIMINGS_SECONDS", 0.0)
+    assert list(director.awaiting_records) == ["r6", "r7", "r8", "r9"]
+    director.on_access_log("r9", 0.04, "200", None)
+    monkeypatch.setattr(director_module, "AWAITING_RECORDS_SECONDS", 0.0)
     time.sleep(0.001)
     ended(director, routed(director, "late"))  # within the limit, but the oldest has waited too long
-    assert list(director.awaiting_timings) == ["r7", "r8", "late"]
+    assert list(director.awaiting_records) == ["r7", "r8", "late"]
     assert all(e.in_flight_requests == 0 for e in director.datastore.endpoints)
     for i in range(10):  # records of requests it does not wait for (yet): the same bounds
-        director.on_access_log(f"other{i}", 0.04)
+        director.on_access_log(f"other{i}", 0.04, "200", None)
     assert list(director.early_records) == ["other6", "other7", "other8", "other9"]
     monkeypatch.setattr(director_module, "EARLY_RECORDS_SECONDS", 0.0)
     time.sleep(0.001)
-    director.on_access_log("other5", 0.04)
-    director.on_access_log("other6", 0.04)  # the oldest goes for each new one, whether by size or by age
+    director.on_access_log("other5", 0.04, "200", None)
+    director.on_access_log("other6", 0.04, "200", None)  # the oldest goes for each new one, whether by size or by age
     assert list(director.early_records) == ["other8", "other9", "other5", "other6"]
 
 
 def test_without_a_plugin_that_reads_timings_nothing_waits_for_them():
     director = make_picker(config=QUEUE_ONLY)
-    director.on_access_log("-", 0.05)
+    director.on_access_log("-", 0.05, "200", None)
     ended(director, routed(director, "r"))
-    assert director.awaiting_timings == {}
+    assert director.awaiting_records == {}
 
 
 def test_says_once_that_no_timings_reach_it(caplog, monkeypatch):
@@ -250,3 +252,53 @@ def test_no_warning_once_timings_came(caplog):
         for i in range(2 * director_module.UNTIMED_RESPONSES_WARNING):
             ended(director, routed(director, f"r{i}", stream=False))
     assert not [r for r in caplog.records if "access log" in r.getMessage()]
+
+
+def test_without_response_headers_the_access_log_record_brings_status_and_served_endpoint():
+    """Our bootstrap skips the response-headers round trip when the access log brings every request's record: an
+    ended request's status metrics and timings wait for its record, or take one that came first."""
+    director = make_picker(config=CONFIG.replace("director-test", "director-skip"))
+    predictor = shared("director-skip").predictor
+    metrics = director.metrics
+    first = routed(director, "first")
+    director.on_complete(first)  # before the proxy's first record: it waits for one all the same
+    assert list(director.awaiting_records) == ["first"]
+    director.on_access_log("first", 0.05, "200", first.result.primary.hostport)  # the proxy sends records
+    assert director.access_log_seen and director.awaiting_records == {}
+    assert {key: child.value for key, child in metrics.served.children.items()} == {("pick",): 1.0}
+    metrics.served.children.clear()
+    ok = routed(director, "ok")
+    pick = ok.endpoint.hostport
+    director.on_complete(ok)  # no response headers came
+    assert "ok" in director.awaiting_records and predictor.observations == 1
+    director.on_access_log("ok", 0.04, "200", pick)
+    assert predictor.observations == 2 and director.awaiting_records == {}
+    failed = routed(director, "failed")
+    director.on_access_log("failed", None, "503", "10.9.9.9:8000")  # its record came before its end
+    director.on_complete(failed)
+    assert predictor.observations == 2 and "failed" not in director.early_records
+    assert {key[-1]: child.value for key, child in metrics.errors.children.items()} == {"503": 1.0}
+    assert {key: child.value for key, child in metrics.served.children.items()} == {("pick",): 1.0, ("other",): 1.0}
+    assert sum(sum(child.counts) for child in metrics.duration.children.values()) == 2  # "first" and "ok"
+
+
+def test_without_a_plugin_that_reads_timings_a_request_still_waits_for_its_status():
+    director = make_picker(config=QUEUE_ONLY)
+    director.on_access_log("-", 0.05, "200", None)
+    ctx = routed(director, "r")
+    pick = ctx.endpoint.hostport
+    director.on_complete(ctx)
+    assert list(director.awaiting_records) == ["r"]
+    director.on_access_log("r", None, "200", pick)
+    assert director.awaiting_records == {}
+    assert {key: child.value for key, child in director.metrics.served.children.items()} == {("pick",): 1.0}
+
+
+def test_before_the_proxys_first_record_few_requests_wait_for_one(monkeypatch):
+    """A proxy that sends neither response headers nor access-log records costs a small table, not the full one."""
+    monkeypatch.setattr(director_module, "UNCONFIRMED_AWAITING_LIMIT", 2)
+    director = make_picker(config=QUEUE_ONLY)
+    for i in range(5):
+        director.on_complete(routed(director, f"r{i}"))
+    assert list(director.awaiting_records) == ["r3", "r4"]
+    assert all(e.in_flight_requests == 0 for e in director.datastore.endpoints)

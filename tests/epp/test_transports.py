@@ -87,8 +87,8 @@ def body(data: bytes) -> pb.ProcessingRequest:
     return pb.ProcessingRequest(request_body=pb.HttpBody(body=data, end_of_stream=True))
 
 
-ACCESS_LOG_RECORDS: list[tuple[str, float]] = []
-EXPORT = accesslog.export_handler(lambda request_id, ttft: ACCESS_LOG_RECORDS.append((request_id, ttft)))
+ACCESS_LOG_RECORDS: list[tuple] = []
+EXPORT = accesslog.export_handler(lambda *record: ACCESS_LOG_RECORDS.append(record))
 
 
 @pytest.fixture(params=["h2", "grpcio"])
@@ -213,16 +213,19 @@ async def test_unknown_method_gets_unimplemented_and_the_connection_stays_good(p
         await call.done_writing()
 
 
-def access_log_export(*records: tuple[str, str]) -> bytes:
-    """An OTLP Export request as Envoy's OpenTelemetry access logger sends it: (body, ttft_us attribute) records."""
+def access_log_export(*records: tuple[str, ...]) -> bytes:
+    """An OTLP Export request as Envoy's OpenTelemetry access logger sends it: (body, ttft_us[, status[, upstream]])
+    attribute records."""
     from opentelemetry.proto.common.v1 import common_pb2
 
     request = accesslog.ExportRequest()
     scope = getattr(request.resource_logs.add(), accesslog._SCOPES).add()
-    for request_id, ttft_us in records:
+    keys = (accesslog.TTFT_ATTRIBUTE, accesslog.STATUS_ATTRIBUTE, accesslog.UPSTREAM_ATTRIBUTE)
+    for request_id, *values in records:
         record = getattr(scope, accesslog._RECORDS).add(body=common_pb2.AnyValue(string_value=request_id))
         record.attributes.add(key="other", value=common_pb2.AnyValue(string_value="x"))
-        record.attributes.add(key=accesslog.TTFT_ATTRIBUTE, value=common_pb2.AnyValue(string_value=ttft_us))
+        for key, value in zip(keys, values, strict=False):
+            record.attributes.add(key=key, value=common_pb2.AnyValue(string_value=value))
     return request.SerializeToString()
 
 
@@ -231,10 +234,29 @@ async def test_access_log_export_beside_ext_proc_streams_on_one_connection(port)
         call = pb_grpc.ExternalProcessorStub(channel).Process()
         await call.write(headers())
         export = channel.unary_unary(accesslog.EXPORT_PATH.decode())
-        records = [("a", "1500"), ("b", "-"), ("", "10"), ("c", "0"), ("d", "²"), ("e", "9" * 40), ("f", "250000")]
+        records = [
+            ("a", "1500"),
+            ("b", "-"),
+            ("", "10", "200"),
+            ("c", "0"),
+            ("d", "²"),
+            ("e", "9" * 40),
+            ("f", "250000", "200", "10.0.0.1:8000"),
+            ("g", "-", "503", "-"),  # no body came: its status still counts
+            ("h", "-", "20x", "10.0.0.1:8000"),
+            ("j", "-", "٢٠٠"),  # digits, but not a status
+            ("k", "-", "700"),
+            ("i", "1000", "0", "-"),  # the client went away before a response
+        ]
         answer = await export(access_log_export(*records))
         assert answer == b""  # an empty ExportLogsServiceResponse: every record accepted
         assert (await call.read()).HasField("request_headers")
         await call.done_writing()
         assert await call.code() == grpc.StatusCode.OK
-    assert ACCESS_LOG_RECORDS == [("a", 0.0015), ("f", 0.25)]  # the rest lack an id or a positive time in us
+    # the rest lack an id, or both a positive time in us and a three-digit status
+    assert ACCESS_LOG_RECORDS == [
+        ("a", 0.0015, "", None),
+        ("f", 0.25, "200", "10.0.0.1:8000"),
+        ("g", None, "503", None),
+        ("i", 0.001, "", None),
+    ]
