@@ -68,7 +68,8 @@ def render_bootstrap(
     (ext_proc.cc, Filter::onReceiveMessage), and ours is: the EPP routes after reading the body.
 
     `response_header_mode` (SEND or SKIP; default: SKIP when every request's access-log record comes to the EPP and
-    no response body goes through it, else SEND): whether Envoy sends the EPP each response's headers, which then
+    no response body goes through it, else SEND; several EPP replicas behind one Envoy each get a share of the
+    records, so there each replica keeps its requests' response headers): whether Envoy sends the EPP each response's headers, which then
     wait for its answer, a second ext_proc round trip per request on the response's critical path. What the EPP
     reads there, the status and the endpoint that served, the access-log record carries too (a response body
     streamed to the EPP needs the headers' answer: a rewritten model name changes the body's length).
@@ -90,7 +91,8 @@ def render_bootstrap(
         raise ValueError("observed_responses_percent must be within 1..100")
     sampled = response_body_mode == "FULL_DUPLEX_STREAMED" and observed_responses_percent < 100
     if response_header_mode is None:
-        response_header_mode = "SKIP" if access_log_percent == 100 and response_body_mode == "NONE" else "SEND"
+        every_record = access_log_percent == 100 and not more_epp_endpoints
+        response_header_mode = "SKIP" if every_record and response_body_mode == "NONE" else "SEND"
     if response_header_mode not in ("SEND", "SKIP"):
         raise ValueError("response_header_mode must be SEND or SKIP")
     if not 0 <= access_log_percent <= 100:
