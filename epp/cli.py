@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import re
@@ -293,6 +294,11 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
             len(datastore.endpoints),
         )
         print(f"epp ready on {args.bind_address}:{args.grpc_port}", flush=True)
+        # What start-up built (modules, protobuf descriptors, the scheduler and its plugins) lives as long as the
+        # process: frozen, a full collection no longer walks it. Unfrozen, each took 42-48 ms, a stall of every
+        # request on the loop (epp-bench chaos, model-name flood: worst well-behaved latency 32-60 ms); frozen 0.6 ms.
+        gc.collect()
+        gc.freeze()
         await stop.wait()
     finally:
         for task in tasks:
