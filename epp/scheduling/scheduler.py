@@ -26,8 +26,8 @@ prefill), queue-scorer 2,
 kv-cache-utilization-scorer 2, prefix-cache-scorer 3 and precise-prefix-cache-scorer 3 (each endpoint gets one of
 the two: the precise one for endpoints that publish KV events, the approximate one for the rest),
 lora-affinity-scorer 1 (neutral for base-model requests, so it only matters for adapters), in-flight-tokens-scorer 1 (a long prompt's prefill, which request counts miss) and
-max-score-picker with two fallbacks (maxNumOfEndpoints 3: the gateway retries on them when the pick refuses the
-connection). Every error in a config is a ConfigError at startup, including a plugin that consumes data
+max-score-picker, whose pick the scheduler follows with two fallbacks (RESULT_ENDPOINTS, for any profile: the
+gateway retries on them when the pick refuses the connection). Every error in a config is a ConfigError at startup, including a plugin that consumes data
 nothing produces (framework.check_data_dependencies).
 """
 
@@ -97,7 +97,6 @@ plugins:
 - type: lora-affinity-scorer
 - type: in-flight-tokens-scorer
 - type: max-score-picker
-  parameters: {maxNumOfEndpoints: 3}
 schedulingProfiles:
 - name: default
   plugins:

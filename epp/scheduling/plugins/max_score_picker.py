@@ -2,9 +2,9 @@
 
 Reads: the weighted total score of each candidate.
 Parameters: maxNumOfEndpoints (default 1): how many endpoints to return, best first; the rest are fallbacks the
-proxy may try when the first fails (ties among them are ordered at random too). The default profile asks for 3: the
-pick and the two fallbacks our Envoy bootstrap retries on; with fewer, the scheduler completes the list up to those
-three from the best-scored other candidates (`epp.scheduling.scheduler.RESULT_ENDPOINTS`).
+proxy may try when the first fails (ties among them are ordered at random too). With fewer than the pick and the two
+fallbacks our Envoy bootstrap retries on, the scheduler completes the list from the best-scored other candidates
+(`epp.scheduling.scheduler.RESULT_ENDPOINTS`), the same way.
 Trade-offs: deterministic apart from ties, so between two scrapes every request sees the same scores; the scorers'
 in-flight correction (requests routed since the last scrape count as queued) is what keeps a burst from herding
 onto the single best endpoint.

@@ -1,6 +1,7 @@
 """weighted-random-picker: random, with probability proportional to score (all equal when every score is 0).
 
-Parameters: maxNumOfEndpoints (default 1; the scheduler adds fallbacks up to `RESULT_ENDPOINTS` by total score), drawn without replacement.
+Parameters: maxNumOfEndpoints (default 1), drawn without replacement; the scheduler adds fallbacks up to
+`RESULT_ENDPOINTS` by total score.
 Trade-offs: spreads load more than max-score (no herding on the single best) at the cost of sometimes choosing a
 worse endpoint; useful when several EPP replicas decide on the same stale scrape.
 """
