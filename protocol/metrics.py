@@ -12,7 +12,9 @@ import functools
 import math
 import re
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from urllib.parse import quote
 
 # vLLM V1 names (vLLM's V1 metrics design), also served by our reference model server.
 VLLM_NUM_REQUESTS_WAITING = "vllm:num_requests_waiting"
@@ -110,6 +112,20 @@ class EngineSpec:
     # Histograms of the gaps between a request's tokens, in seconds (optional; `inter_token_totals`): their `_sum`
     # and `_count` series give the endpoint's mean inter-token latency between two scrapes.
     inter_token_latency: tuple[MetricSpec, ...] = ()
+
+    def sample_names(self) -> tuple[str, ...]:
+        """Every sample name `parse_metrics` and `inter_token_totals` read for this engine, alternatives included."""
+        gauges = (*self.waiting, *self.running, *self.kv_usage, self.lora_info, self.cache_info)
+        names = [spec.name for spec in gauges if spec is not None]
+        names += [spec.name + suffix for spec in self.inter_token_latency for suffix in ("_sum", "_count")]
+        return tuple(dict.fromkeys(names))
+
+
+def sample_filter_query(names: Iterable[str]) -> str:
+    """The query that asks a Prometheus client library's exposition for only these samples: `name[]` once per
+    name, what prometheus_client's WSGI/ASGI apps (vLLM's and SGLang's /metrics) restrict their output by. A server
+    that ignores it sends the whole page, which parses the same."""
+    return "&".join("name%5B%5D=" + quote(name, safe="") for name in names)
 
 
 def _specs(*texts: str) -> tuple[MetricSpec, ...]:

@@ -115,6 +115,11 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="pages show a running request and the quiet interval is off: scraping as under traffic",
     )
+    idle_cmd.add_argument(
+        "--whole-pages",
+        action="store_true",
+        help="the page server ignores the scraper's sample filter (name[]) and sends whole pages",
+    )
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if args.command == "flood":
         asyncio.run(flood.flood(args.targets, args.overloads, args.duration, args.servers, args.out))
@@ -169,7 +174,13 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "chaos":
         print(chaos.markdown(asyncio.run(chaos.run(seconds=args.seconds))))
     if args.command == "idle":
-        print(idle.markdown(idle.measure(args.endpoints, args.seconds, epp_args=args.epp_arg, busy=args.busy)))
+        print(
+            idle.markdown(
+                idle.measure(
+                    args.endpoints, args.seconds, epp_args=args.epp_arg, busy=args.busy, whole_pages=args.whole_pages
+                )
+            )
+        )
     if args.command == "sim-capacity":
         sim_capacity.main(args.replicas, args.rates, args.duration)
     if args.command == "handler-cpu":

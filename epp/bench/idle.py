@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import os
 import re
 import signal
@@ -32,6 +33,7 @@ import yaml
 from epp.bench.overhead import cpu_seconds
 from epp.bench.ports import free_port_block, free_ports
 from epp.local import epp_command, wait_until_serving
+from protocol.metrics import DEFAULT_ENGINE, ENGINES, sample_filter_query
 
 
 @dataclass
@@ -56,10 +58,11 @@ class IdleResult:
 
 
 class _PageProtocol(asyncio.Protocol):
-    """Answers every GET on a keep-alive connection with the same page; counts them."""
+    """Answers each GET on a keep-alive connection with the page captured for its target (the whole page for any
+    target when only that was captured: a server that ignores the sample filter); counts them."""
 
-    def __init__(self, response: bytes, counter: list[int]):
-        self.response = response
+    def __init__(self, responses: dict[bytes, bytes], counter: list[int]):
+        self.responses = responses
         self.counter = counter
         self.buffer = b""
 
@@ -69,19 +72,28 @@ class _PageProtocol(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         self.buffer += data
         while (end := self.buffer.find(b"\r\n\r\n")) >= 0:
+            target = self.buffer.split(b" ", 2)[1]
             self.buffer = self.buffer[end + 4 :]
             self.counter[0] += 1
-            self.transport.write(self.response)
+            responses = self.responses
+            self.transport.write(responses.get(target) or responses.get(b"*") or NOT_FOUND)
 
 
-async def _serve(page: bytes, host: str, base_port: int, count: int) -> None:
-    response = (
+NOT_FOUND = b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n"
+
+
+def _response(page: bytes) -> bytes:
+    return (
         b"HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: %d\r\n\r\n" % len(page) + page
     )
+
+
+async def _serve(pages: dict[str, str], host: str, base_port: int, count: int) -> None:
+    responses = {target.encode(): _response(page.encode()) for target, page in pages.items()}
     counter = [0]
     loop = asyncio.get_running_loop()
     servers = [
-        await loop.create_server(lambda: _PageProtocol(response, counter), host, base_port + i) for i in range(count)
+        await loop.create_server(lambda: _PageProtocol(responses, counter), host, base_port + i) for i in range(count)
     ]
     stop = asyncio.Event()
     loop.add_signal_handler(signal.SIGUSR1, lambda: print(counter[0], flush=True))
@@ -92,8 +104,12 @@ async def _serve(page: bytes, host: str, base_port: int, count: int) -> None:
         server.close()
 
 
-def capture_sim_page(workdir: Path) -> bytes:
-    """The /metrics page of a freshly started sim model server (one request served, so every family has samples)."""
+FILTERED_TARGET = f"/metrics?{sample_filter_query(ENGINES[DEFAULT_ENGINE].sample_names())}"  # what the EPP asks for
+
+
+def capture_sim_pages(workdir: Path) -> dict[str, str]:
+    """The /metrics page of a freshly started sim model server (one request served, so every family has samples),
+    whole and as the EPP's scraper asks for it (`FILTERED_TARGET`), by target."""
     (port,) = free_ports(1)
     log = (workdir / "modelserver.log").open("wb")
     process = subprocess.Popen(
@@ -115,7 +131,10 @@ def capture_sim_page(workdir: Path) -> bytes:
         body = b'{"model": "sim-llama-8b", "prompt": "hello", "max_tokens": 2}'
         request = urllib.request.Request(f"{url}/v1/completions", body, {"Content-Type": "application/json"})
         urllib.request.urlopen(request, timeout=30).read()
-        return urllib.request.urlopen(f"{url}/metrics", timeout=5).read()
+        return {
+            target: urllib.request.urlopen(f"{url}{target}", timeout=5).read().decode()
+            for target in ("/metrics", FILTERED_TARGET)
+        }
     finally:
         process.terminate()
         process.wait(10)
@@ -137,26 +156,39 @@ def measure(
     epp_args: list[str] | None = None,
     progress=print,
     busy: bool = False,
+    whole_pages: bool = False,
 ) -> list[IdleResult]:
+    """`whole_pages`: the page server ignores the scraper's sample filter and sends every scrape the whole page,
+    as a server without prometheus_client's `name[]` support would (and as every scrape was before the filter)."""
     results = []
     with tempfile.TemporaryDirectory(prefix="epp-idle-") as tmp:
         workdir = Path(tmp)
-        page = capture_sim_page(workdir)
+        pages = capture_sim_pages(workdir)
         if busy:
-            page = re.sub(rb"^(vllm:num_requests_running\S*) 0\.0$", rb"\1 1.0", page, flags=re.M)
-        (workdir / "page.txt").write_bytes(page)
-        progress(f"sim /metrics page: {len(page)} bytes")
+            pages = {
+                target: re.sub(r"^(vllm:num_requests_running\S*) 0\.0$", r"\1 1.0", page, flags=re.M)
+                for target, page in pages.items()
+            }
+        if whole_pages:
+            pages = {"*": pages["/metrics"]}
+        (workdir / "pages.json").write_text(json.dumps(pages))
+        progress(
+            "sim /metrics page: "
+            + ", ".join(
+                f"{len(page)} bytes {'whole' if '?' not in target else 'filtered'}" for target, page in pages.items()
+            )
+        )
         for count in counts:
             base = free_port_block(count)
             grpc, health, metrics = free_ports(3)
-            pages = subprocess.Popen(
-                [sys.executable, "-m", "epp.bench.idle", "serve", str(workdir / "page.txt"), str(base), str(count)],
+            server = subprocess.Popen(
+                [sys.executable, "-m", "epp.bench.idle", "serve", str(workdir / "pages.json"), str(base), str(count)],
                 stdout=subprocess.PIPE,
                 text=True,
             )
             epp = None
             try:
-                if _read_line(pages, 30) != "ready":
+                if _read_line(server, 30) != "ready":
                     raise RuntimeError("page server failed")
                 pool = workdir / f"pool-{count}.yaml"
                 endpoints = [{"name": f"ep-{i}", "address": "127.0.0.1", "port": base + i} for i in range(count)]
@@ -172,12 +204,12 @@ def measure(
                 time.sleep(warmup)  # counted from the EPP serving (its start-up, slow on a loaded host, is not idle)
                 if epp.poll() is not None:
                     raise RuntimeError(f"epp exited; see {workdir / f'epp-{count}.log'}")
-                pages.send_signal(signal.SIGUSR1)
-                scrapes_before = int(_read_line(pages, 5))
+                server.send_signal(signal.SIGUSR1)
+                scrapes_before = int(_read_line(server, 5))
                 cpu_before, started = cpu_seconds(epp.pid), time.monotonic()
                 time.sleep(seconds)
-                pages.send_signal(signal.SIGUSR1)
-                scrapes = int(_read_line(pages, 5)) - scrapes_before
+                server.send_signal(signal.SIGUSR1)
+                scrapes = int(_read_line(server, 5)) - scrapes_before
                 elapsed = time.monotonic() - started
                 cpu = cpu_seconds(epp.pid) - cpu_before
                 result = IdleResult(count, elapsed, cpu, scrapes, 0.0)
@@ -189,7 +221,7 @@ def measure(
                     f"{result.interval_ms:.0f} ms"
                 )
             finally:
-                for process in (epp, pages):
+                for process in (epp, server):
                     if process is not None and process.poll() is None:
                         process.terminate()
                         with contextlib.suppress(subprocess.TimeoutExpired):
@@ -214,12 +246,12 @@ def markdown(results: list[IdleResult]) -> str:
 def _main() -> None:
     parser = argparse.ArgumentParser(prog="python -m epp.bench.idle")
     sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="(internal) serve one page on COUNT consecutive ports")
-    serve.add_argument("page", type=Path)
+    serve = sub.add_parser("serve", help="(internal) serve the pages (JSON: target -> page) on COUNT consecutive ports")
+    serve.add_argument("pages", type=Path)
     serve.add_argument("base_port", type=int)
     serve.add_argument("count", type=int)
     args = parser.parse_args()
-    asyncio.run(_serve(args.page.read_bytes(), "127.0.0.1", args.base_port, args.count))
+    asyncio.run(_serve(json.loads(args.pages.read_text()), "127.0.0.1", args.base_port, args.count))
 
 
 if __name__ == "__main__":

@@ -25,6 +25,14 @@ class ScrapeError(Exception):
     """The server answered, but not with a metrics page we can read."""
 
 
+class HTTPStatusError(ScrapeError):
+    """The server answered with a status other than 200."""
+
+    def __init__(self, status: int):
+        super().__init__(f"HTTP {status}")
+        self.status = status
+
+
 class _Connection(asyncio.Protocol):
     """One kept-alive connection; one response awaited at a time (`request`), parsed as its bytes arrive."""
 
@@ -180,7 +188,7 @@ def _expire(waiter: asyncio.Future) -> None:
 
 class MetricsClient:
     def __init__(self, host: str, port: int, path: str = "/metrics", timeout: float = 1.0):
-        self.host, self.port, self.timeout = host, port, timeout
+        self.host, self.port, self.path, self.timeout = host, port, path, timeout
         self._request = (
             f"GET {path} HTTP/1.1\r\nHost: {host}:{port}\r\nUser-Agent: epp-scraper\r\nAccept: text/plain\r\n\r\n"
         ).encode()
@@ -196,7 +204,7 @@ class MetricsClient:
             self.close()  # the connection's state is unknown
             raise
         if status != b"200":
-            raise ScrapeError(f"HTTP {status.decode()}")
+            raise HTTPStatusError(int(status))
         return body.decode()
 
     async def _get(self, deadline: float) -> tuple[bytes, bytes | bytearray]:

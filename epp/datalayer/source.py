@@ -10,7 +10,8 @@ scheduler reads. A new signal plugs in as one more source (and its extractor), w
   `scraper.Scraper` (Prometheus pages, polled), `kv_events.KVEventSubscriber` (KV-cache events, pushed).
 * `Extractor` — what an endpoint source hands its raw data to: it updates the endpoint's attributes (the ones the
   scheduling plugins declare in `consumes`) or an index the plugins read. `PrometheusExtractor` parses a metrics
-  page with the endpoint's engine's metric names into `Endpoint.metrics`.
+  page with the endpoint's engine's metric names into `Endpoint.metrics`; as a `PageExtractor` it names the samples
+  it reads, and the scraper asks the server for only those.
 """
 
 from __future__ import annotations
@@ -49,11 +50,21 @@ class Extractor(Protocol[Raw]):
         ...
 
 
+class PageExtractor(Extractor[str], Protocol):
+    def sample_names(self, endpoint: Endpoint) -> tuple[str, ...] | None:
+        """The Prometheus samples `extract` reads from this endpoint's page (None: the whole page)."""
+        ...
+
+
 class PrometheusExtractor:
     """A Prometheus text page -> `endpoint.metrics` (queue, running, KV usage, LoRA adapters, cache config), read
     with the metric names of the endpoint's engine (`protocol.metrics.ENGINES`); also the EPP's in-flight count at
     this scrape, the endpoint's batch slots once it is seen full (`Endpoint.batch_slots`) and its inter-token
     latency totals over time (`Endpoint.inter_token_latency`)."""
+
+    def sample_names(self, endpoint: Endpoint) -> tuple[str, ...]:
+        """The samples `extract` reads from this endpoint's page: the scraper asks for only these."""
+        return engine_spec(endpoint.spec.engine).sample_names()
 
     def extract(self, raw: str, endpoint: Endpoint) -> None:
         spec = engine_spec(endpoint.spec.engine)

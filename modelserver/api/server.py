@@ -147,7 +147,8 @@ class ModelServer:
         return web.json_response({"version": VERSION})
 
     async def metrics(self, request: web.Request) -> web.Response:
-        body = prometheus_logger(self.engine.stat_loggers).render()
+        names = request.query.getall("name[]", None)  # only these samples, as vLLM's prometheus_client app serves
+        body = prometheus_logger(self.engine.stat_loggers).render(frozenset(names) if names is not None else None)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def models(self, request: web.Request) -> web.Response:

@@ -10,8 +10,13 @@ def test_idle_and_busy_pools_are_scraped_at_their_intervals():
     assert 12 <= result.scrapes_per_endpoint_per_second <= 24, result
     (quiet,) = idle.measure([3], seconds=2.0, warmup=1.5, progress=lambda _: None)
     assert 2 <= quiet.scrapes_per_endpoint_per_second <= 5, quiet  # quiet endpoints: every 250 ms by default
-    (always,) = idle.measure(
-        [3], seconds=1.5, warmup=1.5, progress=lambda _: None, epp_args=["--refresh-metrics-idle-interval", "50ms"]
+    (always,) = idle.measure(  # and from a page server that sends whole pages to the filtered scrapes
+        [3],
+        seconds=1.5,
+        warmup=1.5,
+        progress=lambda _: None,
+        epp_args=["--refresh-metrics-idle-interval", "50ms"],
+        whole_pages=True,
     )
     assert always.scrapes_per_endpoint_per_second >= 12, always  # the idle interval turned off
     assert 0 < result.epp_cpu_seconds < result.seconds

@@ -13,6 +13,7 @@ from epp.datalayer.endpoint import Endpoint, EndpointSpec, PoolState
 from epp.datalayer.pool_file import PoolFileError, PoolFileSource, parse_pool
 from epp.datalayer.scraper import Scraper
 from epp.datalayer.source import PrometheusExtractor
+from protocol.metrics import ENGINES
 from tests.conftest import free_ports
 
 PAGE = "vllm:num_requests_waiting 3\nvllm:num_requests_running 1\nvllm:kv_cache_usage_perc 0.5\n"
@@ -241,6 +242,66 @@ async def page_server(state: dict):
         yield port
     finally:
         await runner.cleanup()
+
+
+FILTERED = "vllm:num_requests_waiting 2\nvllm:num_requests_running 1\nvllm:kv_cache_usage_perc 0.25\n"
+
+
+@pytest.mark.parametrize(
+    "server, reads_whole",
+    [
+        ("filters", False),  # prometheus_client's exposition (vLLM, SGLang): only the samples asked for
+        ("ignores", False),  # the whole page to any query: it reads the same
+        ("refuses", True),  # 400 for a query it does not know
+        ("misreads", True),  # a 200 without the gauges asked for
+        ("fails", False),  # 503 with or without the query: not the filter's fault, so no change
+    ],
+)
+async def test_the_scraper_asks_for_only_the_samples_it_reads_and_reads_whole_pages_where_it_must(
+    server, reads_whole, caplog
+):
+    caplog.set_level("INFO", logger="epp.scraper")
+    asked = []
+
+    async def metrics(request):
+        names = request.query.getall("name[]", None)
+        asked.append(names)
+        if server == "fails":
+            return web.Response(status=503)
+        if names is None or server == "ignores":
+            return web.Response(text=PAGE)
+        return {
+            "filters": web.Response(text=FILTERED),
+            "refuses": web.Response(status=400, text="unknown parameter"),
+            "misreads": web.Response(text="# nothing here\n"),
+        }[server]
+
+    port = free_ports(1)[0]
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    scraper = Scraper(interval=0.01, timeout=0.5, staleness=5.0)
+    endpoint = Endpoint(EndpointSpec("e", "127.0.0.1", port))
+    try:
+        for _ in range(3):
+            await scraper.scrape_once(endpoint)
+    finally:
+        await scraper.close()
+        await runner.cleanup()
+    wanted = list(ENGINES["vllm"].sample_names())
+    assert asked[0] == wanted  # the first scrape asks for the samples parse_metrics reads, alternatives included
+    if server == "fails":
+        assert endpoint.stale and asked == [wanted, wanted, wanted]
+        return
+    assert not endpoint.stale
+    assert endpoint.metrics.waiting == (2 if server == "filters" else 3)
+    if reads_whole:  # one retry of the whole page, then whole pages only
+        assert asked == [wanted, None, None, None]
+        assert "its whole page is read instead" in caplog.text
+    else:
+        assert asked == [wanted] * 3
 
 
 async def test_endpoints_are_scraped_slowly_while_this_epp_has_no_traffic():

@@ -9,6 +9,7 @@ import pytest
 from openai import AsyncOpenAI
 
 from modelserver.metrics import prometheus_logger
+from protocol.metrics import ENGINES, parse_metrics, sample_filter_query
 from tests.modelserver.conftest import MODEL
 
 
@@ -196,3 +197,18 @@ async def test_non_streaming_disconnect_aborts_too(model_server):
         await asyncio.sleep(0.02)
     assert engine.num_unfinished == 0
     assert await metric(model_server, "vllm:request_success_total", finished_reason="abort") == 1
+
+
+async def test_metrics_page_serves_only_the_samples_named_in_the_query(model_server):
+    """`?name[]=...` as prometheus_client's exposition (vLLM's /metrics) reads it: what the EPP's scraper sends."""
+    names = ENGINES["vllm"].sample_names()
+    async with aiohttp.ClientSession() as session:
+        async with session.get(f"{model_server.url}/metrics?{sample_filter_query(names)}") as response:
+            assert response.status == 200
+            page = await response.text()
+        async with session.get(f"{model_server.url}/metrics") as response:
+            whole = await response.text()
+    read = {line.split("{")[0].split(" ")[0] for line in page.splitlines() if line and not line.startswith("#")}
+    assert read and read <= set(names)
+    assert len(page) < len(whole) / 10
+    assert parse_metrics(page, scraped_at=0.0) == parse_metrics(whole, scraped_at=0.0)

@@ -11,7 +11,13 @@ from modelserver.engine.engine import AsyncEngine
 from modelserver.engine.request import SamplingParams
 from modelserver.engine.sim import SimExecutor, SimTiming
 from modelserver.metrics import LoggingStatLogger, PrometheusStatLogger, prometheus_logger
-from protocol.metrics import parse_metrics
+from protocol.metrics import (
+    ENGINES,
+    VLLM_KV_CACHE_USAGE,
+    VLLM_TIME_TO_FIRST_TOKEN_SECONDS,
+    inter_token_totals,
+    parse_metrics,
+)
 
 FILLER = list(range(100, 164))
 
@@ -255,7 +261,20 @@ async def test_hidden_v0_metrics_only_when_asked():
         await hidden.stop()
 
 
-async def test_fast_page_equals_prometheus_client_exposition():
+EPP_SAMPLES = frozenset(ENGINES["vllm"].sample_names())
+
+
+@pytest.mark.parametrize(
+    "names",
+    [
+        None,
+        EPP_SAMPLES,  # what the EPP's scraper asks for
+        frozenset({VLLM_TIME_TO_FIRST_TOKEN_SECONDS + "_bucket", VLLM_KV_CACHE_USAGE, "vllm:no_such_metric"}),
+        frozenset({""}),  # `?name[]=` asks for nothing
+    ],
+    ids=["whole", "epp", "buckets-and-unknown", "nothing"],
+)
+async def test_fast_page_equals_prometheus_client_exposition(names):
     from prometheus_client.parser import text_string_to_metric_families
 
     eng = engine(enable_lora=True)
@@ -267,9 +286,14 @@ async def test_fast_page_equals_prometheus_client_exposition():
             families = text_string_to_metric_families(text)
             return sorted((s.name, tuple(sorted(s.labels.items())), s.value) for f in families for s in f.samples)
 
-        assert samples(prometheus_logger(eng.stat_loggers).render().decode()) == samples(
-            generate_latest(registry(eng)).decode()
-        )
+        reference = registry(eng) if names is None else registry(eng).restricted_registry(names)
+        page = prometheus_logger(eng.stat_loggers).render(names).decode()
+        assert samples(page) == samples(generate_latest(reference).decode())
+        if names is EPP_SAMPLES:  # the few samples read the same as the whole page
+            whole = prometheus_logger(eng.stat_loggers).render().decode()
+            assert len(page) < len(whole) / 10
+            assert parse_metrics(page, scraped_at=0.0) == parse_metrics(whole, scraped_at=0.0)
+            assert inter_token_totals(page) == inter_token_totals(whole) != (0.0, 0.0)
     finally:
         await eng.stop()
 
