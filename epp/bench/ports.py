@@ -10,9 +10,18 @@ from __future__ import annotations
 
 import random
 import socket
+from collections import deque
 
 LOWEST_PORT = 10_000  # above the well-known and registered ports services on a developer's machine tend to hold
 MAX_TRIES = 1_000
+# Ports handed out here are free but not yet bound: the next call must not hand them out again (an EPP's ports inside
+# the block its page server was about to bind failed `epp-bench idle`'s start). The recent blocks are enough: by then
+# the earlier ones are bound or given up.
+_handed_out: deque[range] = deque(maxlen=64)
+
+
+def _handed_out_overlaps(ports: range) -> bool:
+    return any(ports.start < r.stop and r.start < ports.stop for r in _handed_out)
 
 
 def _ephemeral_low() -> int:
@@ -47,6 +56,7 @@ def _blocks(count: int, size: int) -> list[int]:
     try:
         for _ in range(MAX_TRIES):
             if len(starts) == count:
+                _handed_out.extend(range(start, start + size) for start in starts)
                 return starts
             if high <= LOWEST_PORT:  # no room below the ephemeral range: let the kernel choose
                 s = socket.socket()
@@ -57,7 +67,7 @@ def _blocks(count: int, size: int) -> list[int]:
                     starts.append(base)
                 continue
             base = random.randrange(LOWEST_PORT, high)
-            if _bindable(range(base, base + size), held):
+            if not _handed_out_overlaps(range(base, base + size)) and _bindable(range(base, base + size), held):
                 starts.append(base)
         raise RuntimeError(f"no {count} free blocks of {size} ports")
     finally:

@@ -2,6 +2,7 @@
 
 import socket
 
+from epp.bench import ports
 from epp.bench.ports import _ephemeral_low, free_port_block, free_ports
 
 
@@ -23,3 +24,11 @@ def test_a_port_block_is_consecutive_and_skips_a_taken_port():
         for _ in range(20):  # never a block that holds the taken port
             other = free_port_block(4)
             assert not other <= base + 2 < other + 4
+
+
+def test_ports_handed_out_but_not_yet_bound_are_not_handed_out_again(monkeypatch):
+    block = range(base := free_port_block(256), base + 256)  # a page server about to bind 256 ports
+    picks = iter([block.start + 7, block.stop - 3, block.stop + 1000])  # random first lands inside the block
+    monkeypatch.setattr(ports.random, "randrange", lambda low, high: next(picks))
+    (port,) = free_ports(1)  # an EPP's port, chosen before that server binds
+    assert port == block.stop + 1000
