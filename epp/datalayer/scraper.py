@@ -19,8 +19,8 @@ keeps one HTTP/1.1 connection (`metrics_client.MetricsClient`).
 A scrape asks for only the samples the extractor reads (`name[]` parameters, which prometheus_client's exposition,
 hence vLLM's and SGLang's /metrics, honours): ~1 KB instead of a ~28 KB page of histograms, less to send, read and
 search on both sides. A server that ignores the parameters sends its whole page, which reads the same; one that
-refuses them (a 4xx status) or answers without the samples read is read whole from then on, once its whole page
-reads."""
+refuses them (a status below 500 other than 200) or answers without the samples read is read whole from then on,
+once its whole page reads; a 5xx is the server's trouble, not the filter's."""
 
 from __future__ import annotations
 
@@ -89,7 +89,7 @@ class Scraper:
         try:
             self.extractor.extract(await client.get(), endpoint)
         except (HTTPStatusError, MetricsParseError) as exc:
-            refused = isinstance(exc, HTTPStatusError) and 400 <= exc.status < 500
+            refused = isinstance(exc, HTTPStatusError) and exc.status < 500  # 3xx (not followed) or 4xx
             misread = isinstance(exc, MetricsParseError) and not isinstance(exc, InvalidMetricsError)
             if client.path == self.path or not (refused or misread):
                 raise

@@ -253,6 +253,7 @@ FILTERED = "vllm:num_requests_waiting 2\nvllm:num_requests_running 1\nvllm:kv_ca
         ("filters", False),  # prometheus_client's exposition (vLLM, SGLang): only the samples asked for
         ("ignores", False),  # the whole page to any query: it reads the same
         ("refuses", True),  # 400 for a query it does not know
+        ("redirects", True),  # a redirect for the query (the scraper follows none)
         ("misreads", True),  # a 200 without the gauges asked for
         ("fails", False),  # 503 with or without the query: not the filter's fault, so no change
     ],
@@ -273,6 +274,7 @@ async def test_the_scraper_asks_for_only_the_samples_it_reads_and_reads_whole_pa
         return {
             "filters": web.Response(text=FILTERED),
             "refuses": web.Response(status=400, text="unknown parameter"),
+            "redirects": web.Response(status=307, headers={"Location": "/metrics/"}),
             "misreads": web.Response(text="# nothing here\n"),
         }[server]
 
