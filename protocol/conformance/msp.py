@@ -41,6 +41,7 @@ from protocol.metrics import (
     MetricSpec,
     engine_spec,
     parse_metrics,
+    sample_filter_query,
 )
 
 suite = Suite("ModelServerProtocol")
@@ -309,6 +310,32 @@ async def metrics_gauges(t: Target) -> None:
         expect(kind == "gauge", f"{present[0].name} has TYPE {kind}, not gauge")
     kv = [v for _, v in _samples(text, present[0])]
     expect(all(0.0 <= v <= 1.0 for v in kv), f"KV usage {kv} is not a fraction in [0, 1]")
+
+
+@suite.check(
+    "metrics-sample-filter",
+    SHOULD,
+    "/metrics?name[]=... serves only the samples named (prometheus_client's exposition does): what the EPP asks for",
+)
+async def metrics_sample_filter(t: Target) -> None:
+    names = engine_spec(t.engine).sample_names()
+    async with t.session.get(f"{t.url}/metrics?{sample_filter_query(names)}") as r:
+        status, text = r.status, await r.text()
+    expect(status == 200, f"/metrics with name[] parameters answered {status}: the EPP falls back to whole pages")
+    try:
+        parse_metrics(text, t.engine)
+    except MetricsParseError as exc:
+        raise CheckFailed(f"the filtered page does not read ({exc}): the EPP falls back to whole pages") from None
+    try:
+        served = {s.name for f in text_string_to_metric_families(text) for s in f.samples}
+    except ValueError as exc:
+        raise CheckFailed(f"the filtered page is not valid Prometheus text: {exc}") from None
+    extra = sorted(served - set(names))
+    expect(
+        not extra,
+        f"{len(extra)} samples not asked for (e.g. {extra[0] if extra else ''}): name[] is ignored, so every scrape"
+        f" carries the whole page ({len(text)} bytes)",
+    )
 
 
 @suite.check(

@@ -135,14 +135,14 @@ def test_our_server_conforms(our_server, tmp_path):
     )
     assert result.returncode == 0, result.stdout + result.stderr
     lines = [line for line in result.stdout.splitlines() if line.startswith(("PASS", "FAIL", "SKIP"))]
-    assert len(lines) == 23 and all(line.startswith("PASS") for line in lines), result.stdout
+    assert len(lines) == 24 and all(line.startswith("PASS") for line in lines), result.stdout
     parsed = yaml.safe_load(report.read_text())
     assert parsed["kind"] == "ConformanceReport" and parsed["GatewayAPIInferenceExtensionVersion"].startswith("v")
     assert parsed["implementation"]["project"] == "llm-routing-reference"
     profile = parsed["profiles"][0]
     assert profile["name"] == "ModelServerProtocol"
     assert profile["core"] == {"result": "success", "statistics": {"Failed": 0, "Passed": 14, "Skipped": 0}}
-    assert profile["extended"]["statistics"]["Passed"] == 9
+    assert profile["extended"]["statistics"]["Passed"] == 10
 
 
 def test_pytest_plugin_runs_every_check_with_the_servers_adapters(sim_server):
@@ -173,7 +173,7 @@ def test_pytest_plugin_runs_every_check_with_the_servers_adapters(sim_server):
         timeout=240,
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "23 passed" in result.stdout and "skipped" not in result.stdout, result.stdout
+    assert "24 passed" in result.stdout and "skipped" not in result.stdout, result.stdout
     assert time.monotonic() - started < 60
 
 
@@ -248,6 +248,43 @@ async def test_a_broken_server_fails_must_checks():
         Outcome.SKIP,
         "the server lists no LoRA adapter in /v1/models and none was given (--lora-adapter)",
     )
+
+
+GAUGES = "vllm:num_requests_waiting 0\nvllm:num_requests_running 0\nvllm:kv_cache_usage_perc 0.5\n"
+
+
+@pytest.mark.parametrize(
+    "answer, outcome, message",
+    [
+        (web.Response(text=GAUGES), "PASS", ""),
+        (web.Response(text=GAUGES + "vllm:prompt_tokens_total 9\n"), "FAIL", "name[] is ignored"),
+        (web.Response(status=400), "FAIL", "answered 400: the EPP falls back to whole pages"),
+        (web.Response(text="# nothing\n"), "FAIL", "the filtered page does not read"),
+    ],
+    ids=["filters", "ignores", "refuses", "misreads"],
+)
+async def test_the_sample_filter_check_tells_what_the_epps_scrapes_will_get(answer, outcome, message):
+    import aiohttp
+
+    from protocol.conformance.msp import Target, suite
+
+    async def metrics(request):
+        return answer if "name[]" in request.query else web.Response(text=GAUGES + "vllm:prompt_tokens_total 9\n")
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    (port,) = free_ports(1)
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        async with aiohttp.ClientSession() as session:
+            (result,) = await suite.run(
+                Target(f"http://127.0.0.1:{port}", "m", session=session), {"metrics-sample-filter"}
+            )
+    finally:
+        await runner.cleanup()
+    assert result.outcome.name == outcome and message in (result.message or ""), result
 
 
 async def broken_kv_publisher() -> tuple[web.AppRunner, zmq.Socket, str, str]:
