@@ -67,18 +67,18 @@ def render_bootstrap(
     ignores mode_override whenever the listener's request or response body mode is FULL_DUPLEX_STREAMED
     (ext_proc.cc, Filter::onReceiveMessage), and ours is: the EPP routes after reading the body.
 
-    `response_header_mode` (SEND or SKIP; default: SKIP when every request's access-log record comes to the EPP and
-    no response body goes through it, else SEND; several EPP replicas behind one Envoy each get a share of the
-    records, so there each replica keeps its requests' response headers): whether Envoy sends the EPP each response's headers, which then
-    wait for its answer, a second ext_proc round trip per request on the response's critical path. What the EPP
-    reads there, the status and the endpoint that served, the access-log record carries too (a response body
-    streamed to the EPP needs the headers' answer: a rewritten model name changes the body's length).
+    `response_header_mode` (SEND or SKIP; default: SKIP when every request's access-log record comes to the EPP and no
+    response body goes through it, else SEND; several EPP replicas behind one Envoy each get a share of the records, so
+    there each replica keeps its requests' response headers): whether Envoy sends the EPP each response's headers, which
+    then wait for its answer, a second ext_proc round trip per request on the response's critical path. What the EPP
+    reads there, the status and the endpoint that served, the access-log record carries too (a response body streamed to
+    the EPP needs the headers' answer: a rewritten model name changes the body's length).
 
-    `access_log_percent` (0 = none): the share of requests whose access-log record (request id, time from the
-    request sent upstream to the first response body byte, status, the endpoint that served it) Envoy's
-    OpenTelemetry access logger sends to the EPP, batched, on its gRPC port (`epp.handlers.accesslog`): what the
-    default profile's latency predictor learns TTFT from without the response bodies passing through the EPP. Below 100 a runtime filter (runtime key
-    ACCESS_LOG_RUNTIME_KEY) samples them.
+    `access_log_percent` (0 = none): the share of requests whose access-log record (request id, time from the request
+    sent upstream to the first response body byte, status, the endpoint that served it) Envoy's OpenTelemetry access
+    logger sends to the EPP, batched, on its gRPC port (`epp.handlers.accesslog`): what the default profile's latency
+    predictor learns TTFT from without the response bodies passing through the EPP. Below 100 a runtime filter (runtime
+    key ACCESS_LOG_RUNTIME_KEY) samples them.
     """
     request_body_mode = request_body_mode or ("BUFFERED" if fail_open else "FULL_DUPLEX_STREAMED")
     if fail_open and request_body_mode == "FULL_DUPLEX_STREAMED":

@@ -141,11 +141,13 @@ class _HistogramText:
                 if not (buckets or count or total):
                     continue
             out.append(header)
-            cumulative = 0
-            for prefix, bucket_count in zip(prefixes, h.counts, strict=True):
-                cumulative += bucket_count
-                if buckets:
+            if buckets:
+                cumulative = 0
+                for prefix, bucket_count in zip(prefixes, h.counts, strict=True):
+                    cumulative += bucket_count
                     out.append(f"{prefix}{cumulative}.0\n")
+            else:
+                cumulative = sum(h.counts)
             if count:
                 out.append(f"{count_prefix}{cumulative}.0\n")
             if total:

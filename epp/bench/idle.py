@@ -75,8 +75,7 @@ class _PageProtocol(asyncio.Protocol):
             target = self.buffer.split(b" ", 2)[1]
             self.buffer = self.buffer[end + 4 :]
             self.counter[0] += 1
-            responses = self.responses
-            self.transport.write(responses.get(target) or responses.get(b"*") or NOT_FOUND)
+            self.transport.write(self.responses.get(target) or self.responses.get(b"*") or NOT_FOUND)
 
 
 NOT_FOUND = b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n"

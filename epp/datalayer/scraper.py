@@ -71,11 +71,11 @@ class Scraper:
     def _client(self, endpoint: Endpoint) -> MetricsClient:
         client = self._clients.get(id(endpoint))
         if client is None:
-            spec = endpoint.spec
-            client = self._clients[id(endpoint)] = MetricsClient(
-                spec.address, spec.port, self._filtered_path(endpoint), self.timeout
-            )
+            client = self._clients[id(endpoint)] = self._new_client(endpoint, self._filtered_path(endpoint))
         return client
+
+    def _new_client(self, endpoint: Endpoint, path: str) -> MetricsClient:
+        return MetricsClient(endpoint.spec.address, endpoint.spec.port, path, self.timeout)
 
     def _filtered_path(self, endpoint: Endpoint) -> str:
         """The page's path asking for only the samples the extractor reads (`sample_filter_query`)."""
@@ -95,8 +95,7 @@ class Scraper:
                 raise
             # The server refused the sample filter, or answered it without what we read: if its whole page reads,
             # this endpoint is read whole from now on; if not, the filter was not the fault.
-            spec = endpoint.spec
-            whole = MetricsClient(spec.address, spec.port, self.path, self.timeout)
+            whole = self._new_client(endpoint, self.path)
             try:
                 self.extractor.extract(await whole.get(), endpoint)
             except Exception:

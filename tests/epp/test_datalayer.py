@@ -225,16 +225,11 @@ async def test_scraper_updates_marks_stale_and_recovers():
 
 
 @contextlib.asynccontextmanager
-async def page_server(state: dict):
-    """A /metrics server answering `state["page"]` and counting scrapes in `state["scrapes"]`; its port."""
+async def metrics_server(handler):
+    """A server answering GET /metrics with `handler`; its port."""
     port = free_ports(1)[0]
-
-    async def metrics(request):
-        state["scrapes"] = state.get("scrapes", 0) + 1
-        return web.Response(text=state["page"])
-
     app = web.Application()
-    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/metrics", handler)
     runner = web.AppRunner(app)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", port).start()
@@ -242,6 +237,18 @@ async def page_server(state: dict):
         yield port
     finally:
         await runner.cleanup()
+
+
+@contextlib.asynccontextmanager
+async def page_server(state: dict):
+    """A /metrics server answering `state["page"]` and counting scrapes in `state["scrapes"]`; its port."""
+
+    async def metrics(request):
+        state["scrapes"] = state.get("scrapes", 0) + 1
+        return web.Response(text=state["page"])
+
+    async with metrics_server(metrics) as port:
+        yield port
 
 
 FILTERED = "vllm:num_requests_waiting 2\nvllm:num_requests_running 1\nvllm:kv_cache_usage_perc 0.25\n"
@@ -278,20 +285,14 @@ async def test_the_scraper_asks_for_only_the_samples_it_reads_and_reads_whole_pa
             "misreads": web.Response(text="# nothing here\n"),
         }[server]
 
-    port = free_ports(1)[0]
-    app = web.Application()
-    app.router.add_get("/metrics", metrics)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
     scraper = Scraper(interval=0.01, timeout=0.5, staleness=5.0)
-    endpoint = Endpoint(EndpointSpec("e", "127.0.0.1", port))
-    try:
-        for _ in range(3):
-            await scraper.scrape_once(endpoint)
-    finally:
-        await scraper.close()
-        await runner.cleanup()
+    async with metrics_server(metrics) as port:
+        endpoint = Endpoint(EndpointSpec("e", "127.0.0.1", port))
+        try:
+            for _ in range(3):
+                await scraper.scrape_once(endpoint)
+        finally:
+            await scraper.close()
     wanted = list(ENGINES["vllm"].sample_names())
     assert asked[0] == wanted  # the first scrape asks for the samples parse_metrics reads, alternatives included
     if server == "fails":
