@@ -9,6 +9,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import math
 import signal
 import sys
 from dataclasses import fields, replace
@@ -81,18 +82,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     sim = p.add_argument_group("sim backend timing (seconds)")
     for f in fields(SimTiming):
-        if f.name != "seed":
+        if f.name not in ("seed", "speed"):
             sim.add_argument(f"--sim-{f.name.replace('_', '-')}", type=float, default=f.default)
+    sim.add_argument(
+        "--sim-speed",
+        type=float,
+        nargs="+",
+        default=[1.0],
+        metavar="SPEED",
+        help="each replica's GPU speed relative to the defaults' (step times divided by it), cycled over --replicas: "
+        "`1 0.5` makes every other replica half as fast, a pool mixing two GPU generations",
+    )
     sim.add_argument("--sim-zero-delay", action="store_true", help="all modelled times 0 (overhead benchmarks)")
     p.add_argument("-v", "--verbose", action="store_true")
     return p
 
 
-def _sim_timing(args: argparse.Namespace) -> SimTiming:
+def _sim_timing(args: argparse.Namespace, index: int) -> SimTiming:
+    """Replica `index`'s timing: its own seed and its speed from --sim-speed."""
     if args.sim_zero_delay:
         return SimTiming.zero()
-    values = {f.name: getattr(args, f"sim_{f.name}") for f in fields(SimTiming) if f.name != "seed"}
-    return SimTiming(**values, seed=args.seed)
+    values = {f.name: getattr(args, f"sim_{f.name}") for f in fields(SimTiming) if f.name not in ("seed", "speed")}
+    return SimTiming(**values, seed=args.seed + index, speed=args.sim_speed[index % len(args.sim_speed)])
 
 
 def _offset_port(endpoint: str | None, index: int) -> str | None:
@@ -140,8 +151,7 @@ def build_engine(args: argparse.Namespace, index: int, tokenizer) -> AsyncEngine
         executor = TorchExecutor.from_args(args, config)
         config.num_gpu_blocks = executor.num_gpu_blocks
     else:
-        timing = _sim_timing(args)
-        timing.seed = args.seed + index
+        timing = _sim_timing(args, index)
         executor = SimExecutor(timing, config.block_size, config.num_gpu_blocks, tokenizer.filler_token_ids())
     return AsyncEngine(
         config,
@@ -202,6 +212,8 @@ def main(argv: list[str] | None = None) -> None:
     args.served_model_name = args.served_model_name or args.model
     if args.replicas < 1:
         raise SystemExit("--replicas must be >= 1")
+    if not all(math.isfinite(speed) and speed > 0 for speed in args.sim_speed):
+        raise SystemExit(f"--sim-speed: every speed must be a finite number > 0, got {args.sim_speed}")
     if args.backend == "torch":  # the sim reads no adapter files; the torch executor needs them at the first use
         for name, path in args.lora_modules:
             missing = [

@@ -124,7 +124,7 @@ def requests(
                     },
                 )
             )
-    elif name in ("heterogeneous", "slo-mixed"):
+    elif name in ("heterogeneous", "slo-mixed", "mixed-gpus"):
         entries, shares = spec["mix"], [m["share"] for m in spec["mix"]]
         for t in times:
             kind = rng.choices(entries, shares)[0]

@@ -4,7 +4,8 @@ timing model, so a pool of dozens of "GPUs" fits on one small machine and every 
 Step time = prefill_overhead (when the step prefills) + uncached prefill tokens x prefill_time_per_token
           + decode_base + decode_per_seq x decode sequences (when the step decodes)
           + lora_load_time per adapter loaded into a slot (+ lora_cold_load_time when it was not among the
-            max_cpu_loras adapters in host memory), all times (1 + jitter x N(0, 1)) when jitter is set.
+            max_cpu_loras adapters in host memory), all times (1 + jitter x N(0, 1)) when jitter is set,
+            and divided by speed (a pool mixing GPU generations: 0.5 for one half as fast as the defaults).
 Defaults approximate an 8B model on one H100 (bf16): ~12 ms inter-token latency at low batch rising to ~25 ms at
 256 sequences, ~0.1 ms per uncached prompt token (~10k prefill tokens/s), LoRA load ~20 ms from host memory and
 ~70 ms from storage.
@@ -13,6 +14,7 @@ Defaults approximate an 8B model on one H100 (bf16): ~12 ms inter-token latency 
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 from dataclasses import dataclass, fields
 
@@ -28,12 +30,17 @@ class SimTiming:
     lora_load_time: float = 0.02  # seconds to load an adapter into a GPU slot
     lora_cold_load_time: float = 0.05  # extra seconds when the adapter is not in host memory (--max-cpu-loras)
     jitter: float = 0.0  # relative standard deviation of the step time
+    speed: float = 1.0  # relative to the defaults' GPU: every step time is divided by it
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.speed) and self.speed > 0):
+            raise ValueError(f"SimTiming: speed must be a finite number > 0, got {self.speed!r}")
 
     @classmethod
     def zero(cls) -> SimTiming:
         """No modelled time at all: for measuring the software's own overhead."""
-        return cls(**{f.name: 0.0 for f in fields(cls) if f.name != "seed"})
+        return cls(**{f.name: 0.0 for f in fields(cls) if f.name not in ("seed", "speed")})
 
     def step_time(self, batch: ScheduledBatch, rng: random.Random) -> float:
         num_decode_seqs = batch.num_decode_tokens
@@ -44,7 +51,7 @@ class SimTiming:
             seconds += self.decode_base + self.decode_per_seq * num_decode_seqs
         if self.jitter:
             seconds *= max(0.0, 1.0 + self.jitter * rng.gauss(0.0, 1.0))
-        return seconds
+        return seconds / self.speed
 
 
 class SimExecutor:

@@ -56,7 +56,7 @@ def test_closed_loop_smoke(tmp_path):
 def test_workloads_are_seeded_and_shaped():
     from epp.bench.workloads import load_workload, requests
 
-    for name in ("shared-prefix", "multi-lora", "heterogeneous", "long-prompt", "slo-mixed"):
+    for name in ("shared-prefix", "multi-lora", "heterogeneous", "long-prompt", "slo-mixed", "mixed-gpus"):
         spec = load_workload(name)
         first, again = requests(spec, "m", rate=5, duration=4, seed=1), requests(spec, "m", rate=5, duration=4, seed=1)
         assert first == again and first

@@ -45,6 +45,29 @@ def test_zero_timing_is_free_and_jitter_is_seeded():
     assert first[0] != SimTiming().step_time(batch, random.Random(7))
 
 
+def test_speed_divides_every_step_time_and_must_be_positive():
+    batch = ScheduledBatch([], num_uncached_prefill_tokens=1000, num_decode_tokens=4)
+    rng = random.Random(0)
+    half = SimTiming(speed=0.5).step_time(batch, rng)
+    assert half == pytest.approx(2 * SimTiming().step_time(batch, rng))
+    assert SimTiming(speed=2.0).step_time(batch, rng) == pytest.approx(SimTiming().step_time(batch, rng) / 2)
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="speed"):
+            SimTiming(speed=bad)
+
+
+def test_cli_gives_each_replica_its_speed_in_turn():
+    from modelserver.cli import _sim_timing, build_parser, main
+
+    args = build_parser().parse_args(["--replicas", "5", "--sim-speed", "1", "0.5"])
+    assert [_sim_timing(args, i).speed for i in range(5)] == [1.0, 0.5, 1.0, 0.5, 1.0]
+    assert [_sim_timing(args, i).seed for i in range(3)] == [0, 1, 2]
+    assert _sim_timing(build_parser().parse_args([]), 3).speed == 1.0
+    for bad in ("0", "-2", "nan", "inf"):
+        with pytest.raises(SystemExit, match="--sim-speed"):
+            main(["--sim-speed", "1", bad])
+
+
 async def test_tokens_are_deterministic_filler_and_only_for_sampling_sequences():
     executor = SimExecutor(SimTiming.zero(), 16, 64, filler_token_ids=[5, 6, 7])
     params = SamplingParams()
