@@ -12,8 +12,9 @@ On the sim pool (`python -m epp.bench.prediction --phase 30`, 4 servers, one run
 seed) the TTFT MAPE at 24 clients went from 19.1 % to 7.2 % when routed by the prediction (--route predicted),
 and from 29.9 % to 28.5 % with random routing, where requests keep landing behind long prefills that no feature
 can rule out.
-Trade-offs: the queue assumes first-come-first-served prefill at one rate for the whole pool, and knows only this
-EPP's traffic (several EPP replicas or direct clients each see part of it; the scraped counts still see all).
+Trade-offs: the queue assumes first-come-first-served prefill at one rate for the whole pool, scaled per endpoint by
+how much slower it has proved than the pool (`calibration.py`), and knows only this EPP's traffic (several EPP
+replicas or direct clients each see part of it; the scraped counts still see all).
 """
 
 from __future__ import annotations
@@ -30,18 +31,19 @@ class PrefillBacklog:
         # endpoint name -> (tokens, time.monotonic() then); read directly by LatencyPredictor.predict_endpoints
         self.queues: dict[str, tuple[float, float]] = {}
 
-    def tokens(self, name: str, now: float) -> float:
-        """Prefill tokens still queued on endpoint `name` at `now`."""
+    def tokens(self, name: str, now: float, slowness: float = 1.0) -> float:
+        """Prefill tokens still queued on endpoint `name` at `now`, draining at the pool's rate divided by the
+        endpoint's `slowness` (its TTFT factor, calibration.py)."""
         queue = self.queues.get(name)
         if queue is None:
             return 0.0
         tokens, then = queue
-        left = tokens - (now - then) / self.seconds_per_token
+        left = tokens - (now - then) / (self.seconds_per_token * slowness)
         return left if left > 0.0 else 0.0
 
-    def add(self, name: str, tokens: float, now: float) -> float:
+    def add(self, name: str, tokens: float, now: float, slowness: float = 1.0) -> float:
         """Queue a request's uncached prompt tokens on `name`; returns what was queued ahead of them."""
-        ahead = self.tokens(name, now)
+        ahead = self.tokens(name, now, slowness)
         queues = self.queues
         if name not in queues and len(queues) >= MAX_IDLE_ENTRIES:
             for drained in [n for n in queues if self.tokens(n, now) == 0.0]:
@@ -49,8 +51,9 @@ class PrefillBacklog:
         queues[name] = (ahead + tokens, now)
         return ahead
 
-    def learn(self, uncached_tokens: int, ahead: float, ttft: float) -> None:
-        """One completed request: a rate sample when it had a long prompt and found (almost) nothing ahead."""
+    def learn(self, uncached_tokens: int, ahead: float, ttft: float, slowness: float = 1.0) -> None:
+        """One completed request: a rate sample when it had a long prompt and found (almost) nothing ahead; its
+        TTFT divided by its endpoint's `slowness`, so that the rate is the pool's."""
         if uncached_tokens >= LONG_PROMPT_TOKENS and ahead <= 0.1 * uncached_tokens:
-            sample = ttft / uncached_tokens
+            sample = ttft / slowness / uncached_tokens
             self.seconds_per_token += RATE_WEIGHT * (sample - self.seconds_per_token)

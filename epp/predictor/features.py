@@ -28,6 +28,7 @@ class Features:
     cached_tokens: int  # of those, the part expected in the endpoint's prefix cache (the prefix scorer's match)
     adapter_loaded: bool = True  # the request's LoRA adapter runs there (always True for a base-model request)
     backlog_tokens: float = 0.0  # prefill tokens queued there ahead of this request, probably not done yet (backlog.py)
+    endpoint: str = ""  # its name: the observation calibrates that endpoint's factors (calibration.py)
 
     def __post_init__(self) -> None:
         if not 0 <= self.cached_tokens <= self.prompt_tokens:
@@ -47,9 +48,13 @@ def endpoint_features(
     cached = min(max(cached_tokens, 0), prompt_tokens)
     waiting, running, tokens = queue_depth(endpoint), running_requests(endpoint), endpoint.in_flight_tokens
     if m is None:
-        return Features(waiting, running, 0.0, tokens, prompt_tokens, cached, adapter is None, backlog_tokens)
+        return Features(
+            waiting, running, 0.0, tokens, prompt_tokens, cached, adapter is None, backlog_tokens, endpoint.spec.name
+        )
     loaded = adapter is None or adapter in m.running_adapters
-    return Features(waiting, running, m.kv_usage, tokens, prompt_tokens, cached, loaded, backlog_tokens)
+    return Features(
+        waiting, running, m.kv_usage, tokens, prompt_tokens, cached, loaded, backlog_tokens, endpoint.spec.name
+    )
 
 
 # The raw measurements of one (request, endpoint) pair, in this order: a row of `matrix`'s input. `vector` reads

@@ -29,11 +29,14 @@ scorers, exact about what they see, still add theirs, so its weight matters; the
 profile's own balance between load and those signals.
 Parameters: pool ("default": which shared predictor), longOutputTokens (256), replaces ("all" or "load").
 Trade-offs: it is only as good as the predictor's recent error (`LatencyPredictor.ttft_mape`, for the EPP's
-metrics); one model per pool assumes alike endpoints; a scorer added to the profile that it does not replace
+metrics); one model per pool, scaled per endpoint by a learnt factor (epp/predictor/calibration.py), assumes
+endpoints that differ only in speed; a scorer added to the profile that it does not replace
 (one reading signals the predictor does not have) still adds to its score with the weights of the profile.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 from epp.datalayer.endpoint import Endpoint
 from epp.predictor import Features, shared
@@ -42,6 +45,7 @@ from epp.scheduling.errors import ConfigError
 from epp.scheduling.framework import (
     LatencyPredictionStats,
     Parameters,
+    PoolChanged,
     PrefixIndexStats,
     PreRequest,
     ResponseTimed,
@@ -63,10 +67,11 @@ LOAD_SCORERS = (
 EXACT_SCORERS = ("prefix-cache-scorer", "precise-prefix-cache-scorer", "lora-affinity-scorer")
 
 
-class PredictorFeed(PreRequest, ResponseTimed, LatencyPredictionStats):
+class PredictorFeed(PreRequest, ResponseTimed, PoolChanged, LatencyPredictionStats):
     """The hooks that train the pool's predictor, shared by the plugins that read it (this scorer and
     predicted-latency-filter): at the pick the request's features on its endpoint (and its prompt into the
-    endpoint's prefill backlog), then the observed TTFT and TPOT. With both plugins in one profile the first one fed
+    endpoint's prefill backlog), then the observed TTFT and TPOT; a departed endpoint's calibration goes with the
+    pool change. With both plugins in one profile the first one fed
     does it, once per request. Needs `self.predictions`."""
 
     at_pick = True  # the prompt joins the pick's prefill backlog before the next request of a burst is scheduled
@@ -91,6 +96,9 @@ class PredictorFeed(PreRequest, ResponseTimed, LatencyPredictionStats):
         if features is None or not ttft > 0:
             return  # not routed by a prompt, or no time measured
         self.predictions.predictor.observe(features, ttft, tpot if tpot is not None and tpot > 0 else None)
+
+    def pool_changed(self, endpoints: Sequence[Endpoint]) -> None:
+        self.predictions.predictor.calibration.forget({e.spec.name for e in endpoints})
 
     @property
     def prediction_errors(self) -> tuple[float | None, float | None]:

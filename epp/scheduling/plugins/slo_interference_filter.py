@@ -14,7 +14,7 @@ Reads: the request headers `x-slo-ttft-ms` / `x-slo-tpot-ms` (slo-headroom-filte
 pool's latency predictor (`epp.predictor.shared(pool)`): the request's predicted TTFT and TPOT on the endpoint it
 was routed to, the prefix match (cached tokens, `CandidatePredictions.cached_tokens`, which predicted-latency-filter
 or -scorer wires; without them every prompt counts as uncached) and the learnt prefill rate (seconds per uncached
-prompt token, `PrefillBacklog.seconds_per_token`).
+prompt token on the endpoint, `LatencyPredictor.prefill_seconds_per_token`).
 State, per endpoint (`Ledger`): each request in flight there that stated objectives, with its slacks: objective -
 predicted TTFT there at routing (and when its first token is expected: routing + predicted TTFT), and (TPOT objective
 - predicted TPOT) x (max_tokens - 1), the decode time it may lose to stalls and still meet its mean time per output
@@ -41,7 +41,7 @@ from already includes the stalls typical of the traffic it was learnt from, so t
 can count twice); and a request waiting for its first token is held back by one chunk of a later prefill, not all
 of it (the engine's chunk size is not known here), so the whole prefill is an upper bound. Both err towards keeping
 long prefills apart. Only this EPP's requests are known (several EPP replicas each protect their own); the stall is
-the prefill's time at the pool's learnt rate, whatever the batch there.
+the prefill's time at the learnt rate (the pool's, scaled by the endpoint's calibration), whatever the batch there.
 """
 
 from __future__ import annotations
@@ -157,12 +157,12 @@ class SLOInterferenceFilter(Filter, PreRequest, ResponseComplete):
     def prefill_seconds(
         self, cycle_state: CycleState, request: SchedulingRequest, endpoints: list[Endpoint]
     ) -> list[float]:
-        """The predicted prefill time of `request` on each of `endpoints` (its uncached prompt tokens at the pool's
-        learnt rate)."""
+        """The predicted prefill time of `request` on each of `endpoints` (its uncached prompt tokens at the
+        endpoint's learnt rate)."""
         prompt = request.prompt_tokens_estimate
         tokens = self.predictions.cached(cycle_state, request, endpoints)
-        rate = self.predictions.predictor.backlog.seconds_per_token
-        return [(prompt - min(max(c, 0), prompt)) * rate for c in tokens]
+        rate = self.predictions.predictor.prefill_seconds_per_token
+        return [(prompt - min(max(c, 0), prompt)) * rate(e.spec.name) for e, c in zip(endpoints, tokens, strict=True)]
 
     def filter(self, cycle_state: CycleState, request: SchedulingRequest, endpoints: list[Endpoint]) -> list[Endpoint]:
         ledgers = self.ledgers
@@ -171,9 +171,11 @@ class SLOInterferenceFilter(Filter, PreRequest, ResponseComplete):
         # the endpoints where the prefill, with nothing of it cached, would break a request; the prefix match (a
         # lookup per endpoint) only for those
         now = time.monotonic()
-        worst = request.prompt_tokens_estimate * self.predictions.predictor.backlog.seconds_per_token
+        prompt, rate = request.prompt_tokens_estimate, self.predictions.predictor.prefill_seconds_per_token
         exposed = [
-            i for i, e in enumerate(endpoints) if (ledger := ledgers.get(e.spec.name)) and ledger.broken(worst, now)
+            i
+            for i, e in enumerate(endpoints)
+            if (ledger := ledgers.get(e.spec.name)) and ledger.broken(prompt * rate(e.spec.name), now)
         ]
         if not exposed:
             return endpoints

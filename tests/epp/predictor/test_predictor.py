@@ -70,7 +70,7 @@ def test_routed_records_the_backlog_ahead_and_adds_the_uncached_prompt():
     predictor = LatencyPredictor()
     e = endpoint(0, running=1, in_flight_tokens=300)
     first = predictor.routed(e, 3000, 1000, None, now=5.0)
-    assert first == Features(0, 1, 0.0, 300, 3000, 1000, True, 0.0)
+    assert first == Features(0, 1, 0.0, 300, 3000, 1000, True, 0.0, "e0")
     second = predictor.routed(e, 100, 0, None, now=5.0)
     assert second.backlog_tokens == 2000
     per_token = predictor.backlog.seconds_per_token
@@ -89,11 +89,12 @@ def test_endpoint_features_read_the_lag_corrected_load_and_the_adapter():
         prompt_tokens=500,
         cached_tokens=500,
         adapter_loaded=False,
+        endpoint="e0",
     )
     assert endpoint_features(e, 500, 0, "sql").adapter_loaded and endpoint_features(e, 500, 0, None).adapter_loaded
     never_scraped = endpoint(1, in_flight=2, in_flight_tokens=40)
     never_scraped.metrics = None
-    assert endpoint_features(never_scraped, 10, 0, None) == Features(2, 2, 0.0, 40, 10, 0, True)
+    assert endpoint_features(never_scraped, 10, 0, None) == Features(2, 2, 0.0, 40, 10, 0, True, endpoint="e1")
 
 
 def test_predict_endpoints_matches_one_at_a_time_predictions():
@@ -114,11 +115,16 @@ def test_predict_endpoints_matches_one_at_a_time_predictions():
     for e in endpoints[4:]:  # more of this EPP's requests finished since the scrape than it routed there
         e.in_flight_at_scrape = e.in_flight_requests + 2
     cached = [0, 100, 3000, 0, 50, 10_000]
+    for e, ratio in ((endpoints[1], 2.0), (endpoints[2], 0.5)):  # calibrated slower and faster than the pool
+        for _ in range(200):
+            predictor.calibration.learn(e.name, 0, ratio)
+            predictor.calibration.learn(e.name, 1, 1 / ratio)
     predictor.routed(endpoints[1], 5000, 0, None, now=10.0)  # a prefill backlog on one of them
     batch = predictor.predict_endpoints(endpoints, 2000, cached, "a", now=10.1)
     assert batch[1][0] > batch[0][0] + 0.1
     for e, c, (ttft, tpot) in zip(endpoints, cached, batch, strict=True):
-        f = endpoint_features(e, 2000, c, "a", predictor.backlog.tokens(e.name, 10.1))
+        backlog = predictor.backlog.tokens(e.name, 10.1, predictor.calibration.ttft(e.name))
+        f = endpoint_features(e, 2000, c, "a", backlog)
         assert ttft == pytest.approx(predictor.predict_ttft(f)) and tpot == pytest.approx(predictor.predict_tpot(f))
 
 
