@@ -180,14 +180,15 @@ class LatencyPredictor:
             features.prompt_tokens - features.cached_tokens, features.backlog_tokens, ttft, calibration.ttft(name)
         )
         x = vector(features)
-        residual = self.ttft.learn(x, ttft, features.prompt_tokens, calibration.ttft(name))
-        if residual is not None and name:
-            calibration.learn(name, 0, residual)
+        for index, target, y in ((0, self.ttft, ttft), (1, self.tpot, tpot)):
+            if y is None:
+                continue
+            calibrating = bool(name) and target.model.count >= self.min_observations
+            residual = target.learn(x, y, features.prompt_tokens, calibration.factor(name, index))
+            if calibrating and residual is not None:
+                calibration.learn(name, index, residual)
         self.ttft_ready = self._ready(self.ttft)
         if tpot is not None:
-            residual = self.tpot.learn(x, tpot, features.prompt_tokens, calibration.tpot(name))
-            if residual is not None and name:
-                calibration.learn(name, 1, residual)
             self.tpot_ready = self._ready(self.tpot)
 
     def _ready(self, target: _Target) -> bool:
@@ -238,7 +239,7 @@ class LatencyPredictor:
             name = e.spec.name
             entry = calibrated.get(name)
             slowness = 1.0 if entry is None else entry[2]
-            add_factors((1.0, 1.0) if entry is None else entry[2:])
+            add_factors((1.0, 1.0) if entry is None else entry[2:4])
             queue = queues.get(name)
             backlog = 0.0
             if queue is not None:

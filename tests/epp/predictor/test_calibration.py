@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 
 from epp.predictor import Features, LatencyPredictor, shared
-from epp.predictor.calibration import MAX_ENDPOINTS, EndpointCalibration
+from epp.predictor.calibration import MAX_ENDPOINTS, PRIOR, EndpointCalibration
 from epp.scheduling.plugins.predicted_latency_scorer import PredictedLatencyScorer
 from tests.epp.helpers import endpoint
 from tests.epp.predictor.conftest import random_features, true_tpot, true_ttft
@@ -33,6 +33,28 @@ def test_a_factor_is_the_weighted_geometric_mean_of_its_ratios_and_stays_bounded
     assert c.ttft("d") == pytest.approx(100.0)
     with pytest.raises(ValueError, match="weight"):
         EndpointCalibration(weight=0.0)
+
+
+def test_a_new_endpoint_is_calibrated_within_a_few_requests():
+    c = EndpointCalibration()
+    c.learn("a", 0, 2.0)
+    assert c.ttft("a") == pytest.approx(2 ** (1 / (1 + PRIOR)))  # one request against PRIOR of ratio 1
+    for _ in range(11):
+        c.learn("a", 0, 2.0)
+    assert c.ttft("a") == pytest.approx(2 ** (12 / (12 + PRIOR)))
+
+
+def test_calibration_starts_once_the_model_has_learnt_enough():
+    predictor = LatencyPredictor(min_observations=50)
+    rng = random.Random(2)
+    for _ in range(50):
+        f = replace(random_features(rng), endpoint="slow")
+        predictor.observe(f, 2 * true_ttft(f), 2 * true_tpot(f))
+    assert predictor.calibration.factors == {}
+    predictor.observe(Features(0, 0, 0.0, 0, 200, 0, endpoint="slow"), 0.1, 0.02)
+    assert set(predictor.calibration.factors) == {"slow"}
+    predictor.observe(Features(0, 0, 0.0, 0, 200, 0), 0.1, 0.02)  # recorded without an endpoint: no entry
+    assert set(predictor.calibration.factors) == {"slow"}
 
 
 def test_entries_are_bounded_and_go_with_the_pool():
