@@ -161,7 +161,16 @@ class _PoolCollector:
                 "Completed requests the latency predictor learnt from.",
             )
             observations.add_metric([], prediction.observations)
-            yield from (error, observations)
+            factor = GaugeMetricFamily(
+                "inference_extension_latency_predictor_endpoint_factor",
+                "How many times the pool model's prediction an endpoint's latencies come out (above 1: slower than "
+                "the pool), by target.",
+                labels=["model_server_pod", "target"],
+            )
+            for name, factors in prediction.endpoint_factors.items():
+                for target, value in zip(("ttft", "tpot"), factors, strict=True):
+                    factor.add_metric([name, target], value)
+            yield from (error, observations, factor)
 
 
 class _FlowControlCollector:

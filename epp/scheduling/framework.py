@@ -176,6 +176,12 @@ class LatencyPredictionStats(Plugin):
     def observations(self) -> int:
         """Completed requests the predictor learnt from."""
 
+    @property
+    @abstractmethod
+    def endpoint_factors(self) -> dict[str, tuple[float, float]]:
+        """Endpoint name -> how many times the pool model's TTFT and TPOT its latencies come out (1: as the pool;
+        2: twice as slow), for the endpoints it has calibrated."""
+
     @abstractmethod
     def use_prefix_index(self, index: PrefixIndexStats) -> None:
         """The scheduler hands over the profile's prefix index: predictions count what it expects cached."""

@@ -70,6 +70,16 @@ def test_streamed_responses_train_the_predictor_and_others_do_not():
         latency_prediction=lambda: director.scheduler.latency_prediction,
     )
     assert metrics.registry.get_sample_value("inference_extension_latency_predictor_observations_total") == before + 3
+    for name in ("e0", "e1"):
+        predictor.calibration.learn(name, 0, 2.0)
+    factors = {
+        labels["model_server_pod"]: value
+        for metric in metrics.registry.collect()
+        if metric.name == "inference_extension_latency_predictor_endpoint_factor"
+        for labels, value in ((s.labels, s.value) for s in metric.samples)
+        if labels["target"] == "ttft"
+    }
+    assert set(factors) >= {"e0", "e1"} and factors["e0"] == predictor.calibration.ttft("e0") > 1.0
     assert all(e.in_flight_requests == 0 for e in director.datastore.endpoints)
 
 

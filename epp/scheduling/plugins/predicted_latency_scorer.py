@@ -109,6 +109,10 @@ class PredictorFeed(PreRequest, ResponseTimed, PoolChanged, LatencyPredictionSta
     def observations(self) -> int:
         return self.predictions.predictor.observations
 
+    @property
+    def endpoint_factors(self) -> dict[str, tuple[float, float]]:
+        return {name: (entry[2], entry[3]) for name, entry in self.predictions.predictor.calibration.factors.items()}
+
     def use_prefix_index(self, index: PrefixIndexStats) -> None:
         self.predictions.cached_tokens = index.cached_tokens
 
