@@ -20,7 +20,9 @@ A scrape asks for only the samples the extractor reads (`name[]` parameters, whi
 hence vLLM's and SGLang's /metrics, honours): ~1 KB instead of a ~28 KB page of histograms, less to send, read and
 search on both sides. A server that ignores the parameters sends its whole page, which reads the same; one that
 refuses them (a status below 500 other than 200) or answers without the samples read is read whole from then on,
-once its whole page reads; a 5xx is the server's trouble, not the filter's."""
+once its whole page reads; a 5xx is the server's trouble, not the filter's. When the whole page does not read
+either (no page at that path: a 404 to both), the whole page is tried again only every WHOLE_PAGE_RETRY seconds, so
+a misconfigured server costs one request per scrape, not two."""
 
 from __future__ import annotations
 
@@ -35,6 +37,8 @@ from epp.datalayer.endpoint import Endpoint
 from epp.datalayer.metrics_client import HTTPStatusError, MetricsClient, ScrapeError
 from epp.datalayer.source import PageExtractor, PrometheusExtractor
 from protocol.metrics import InvalidMetricsError, MetricsParseError, sample_filter_query
+
+WHOLE_PAGE_RETRY = 10.0  # seconds before a server whose filtered and whole pages both failed gets a whole-page try
 
 log = logging.getLogger("epp.scraper")
 
@@ -61,6 +65,8 @@ class Scraper:
         self.path = path
         self._clients: dict[int, MetricsClient] = {}
         self._tasks: dict[int, asyncio.Task] = {}
+        # endpoint id -> time.monotonic() before which its whole page is not tried again (both pages failed)
+        self._whole_page_retry: dict[int, float] = {}
         self._idle_waits: set[asyncio.Future] = set()
         self._last_request = -math.inf  # time.monotonic() of the latest wake()
         # requests this EPP holds that no endpoint has yet (flow control's queue): wired by the EPP's startup
@@ -93,6 +99,9 @@ class Scraper:
             misread = isinstance(exc, MetricsParseError) and not isinstance(exc, InvalidMetricsError)
             if client.path == self.path or not (refused or misread):
                 raise
+            now = time.monotonic()
+            if now < self._whole_page_retry.get(id(endpoint), -math.inf):
+                raise
             # The server refused the sample filter, or answered it without what we read: if its whole page reads,
             # this endpoint is read whole from now on; if not, the filter was not the fault.
             whole = self._new_client(endpoint, self.path)
@@ -100,7 +109,9 @@ class Scraper:
                 self.extractor.extract(await whole.get(), endpoint)
             except Exception:
                 whole.close()
+                self._whole_page_retry[id(endpoint)] = now + WHOLE_PAGE_RETRY
                 raise exc from None
+            self._whole_page_retry.pop(id(endpoint), None)
             client.close()
             self._clients[id(endpoint)] = whole
             log.info("endpoint %s answered a filtered page with %s: its whole page is read instead", endpoint.name, exc)
@@ -115,6 +126,7 @@ class Scraper:
         client = self._clients.pop(id(endpoint), None)
         if client is not None:
             client.close()
+        self._whole_page_retry.pop(id(endpoint), None)
         endpoint.stale = True
 
     async def close(self) -> None:
@@ -126,6 +138,7 @@ class Scraper:
         for client in self._clients.values():
             client.close()
         self._clients.clear()
+        self._whole_page_retry.clear()
 
     async def scrape_once(self, endpoint: Endpoint) -> bool:
         """One scrape; True when it succeeded. Updates the endpoint in place."""

@@ -263,6 +263,7 @@ FILTERED = "vllm:num_requests_waiting 2\nvllm:num_requests_running 1\nvllm:kv_ca
         ("redirects", True),  # a redirect for the query (the scraper follows none)
         ("misreads", True),  # a 200 without the gauges asked for
         ("fails", False),  # 503 with or without the query: not the filter's fault, so no change
+        ("missing", False),  # 404 with or without it (no page at that path): the whole page tried once
     ],
 )
 async def test_the_scraper_asks_for_only_the_samples_it_reads_and_reads_whole_pages_where_it_must(
@@ -274,8 +275,8 @@ async def test_the_scraper_asks_for_only_the_samples_it_reads_and_reads_whole_pa
     async def metrics(request):
         names = request.query.getall("name[]", None)
         asked.append(names)
-        if server == "fails":
-            return web.Response(status=503)
+        if server in ("fails", "missing"):
+            return web.Response(status=503 if server == "fails" else 404)
         if names is None or server == "ignores":
             return web.Response(text=PAGE)
         return {
@@ -298,6 +299,9 @@ async def test_the_scraper_asks_for_only_the_samples_it_reads_and_reads_whole_pa
     if server == "fails":
         assert endpoint.stale and asked == [wanted, wanted, wanted]
         return
+    if server == "missing":  # one whole-page try, then not again within WHOLE_PAGE_RETRY
+        assert endpoint.stale and asked == [wanted, None, wanted, wanted]
+        return
     assert not endpoint.stale
     assert endpoint.metrics.waiting == (2 if server == "filters" else 3)
     if reads_whole:  # one retry of the whole page, then whole pages only
@@ -305,6 +309,29 @@ async def test_the_scraper_asks_for_only_the_samples_it_reads_and_reads_whole_pa
         assert "its whole page is read instead" in caplog.text
     else:
         assert asked == [wanted] * 3
+
+
+async def test_a_server_without_a_page_gets_a_whole_page_try_again_after_the_retry_interval(monkeypatch):
+    import epp.datalayer.scraper as scraper_module
+
+    asked = []
+
+    async def missing(request):
+        asked.append(request.query.getall("name[]", None) is None)
+        return web.Response(status=404)
+
+    monkeypatch.setattr(scraper_module, "WHOLE_PAGE_RETRY", 0.05)
+    scraper = Scraper(interval=0.01, timeout=0.5, staleness=5.0)
+    async with metrics_server(missing) as port:
+        endpoint = Endpoint(EndpointSpec("e", "127.0.0.1", port))
+        try:
+            for _ in range(2):
+                assert not await scraper.scrape_once(endpoint)
+            await asyncio.sleep(0.06)
+            assert not await scraper.scrape_once(endpoint)
+        finally:
+            await scraper.close()
+    assert asked == [False, True, False, False, True]  # True: the whole page
 
 
 async def test_endpoints_are_scraped_slowly_while_this_epp_has_no_traffic():
