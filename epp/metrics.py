@@ -161,16 +161,15 @@ class _PoolCollector:
                 "Completed requests the latency predictor learnt from.",
             )
             observations.add_metric([], prediction.observations)
-            factor = GaugeMetricFamily(
-                "inference_extension_latency_predictor_endpoint_factor",
-                "How many times the pool model's prediction an endpoint's latencies come out (above 1: slower than "
-                "the pool), by target.",
-                labels=["model_server_pod", "target"],
+            slowness = GaugeMetricFamily(
+                "inference_extension_latency_predictor_endpoint_slowness",
+                "An endpoint's measured prefill time per token over the pool's (above 1: slower); its TTFT predictions "
+                "are scaled by it.",
+                labels=["model_server_pod"],
             )
-            for name, factors in prediction.endpoint_factors.items():
-                for target, value in zip(("ttft", "tpot"), factors, strict=True):
-                    factor.add_metric([name, target], value)
-            yield from (error, observations, factor)
+            for name, value in prediction.endpoint_slowness.items():
+                slowness.add_metric([name], value)
+            yield from (error, observations, slowness)
 
 
 class _FlowControlCollector:

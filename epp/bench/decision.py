@@ -134,11 +134,11 @@ def scorers_only_config() -> str:
 
 
 def trained_predictor(endpoints: list[Endpoint], seed: int = 0) -> LatencyPredictor:
-    """A predictor that is ready (past its cold start) with every endpoint calibrated, trained on latencies drawn
-    from a linear model of the features: what matters here is the cost of predicting, not the figures."""
+    """A predictor that is ready (past its cold start) with a prefill rate for every endpoint, trained on latencies
+    drawn from a linear model of the features: what matters here is the cost of predicting, not the figures."""
     rng = random.Random(seed)
     predictor = LatencyPredictor()
-    while not (predictor.ttft_ready and predictor.tpot_ready and len(predictor.calibration.factors) == len(endpoints)):
+    while not (predictor.ttft_ready and predictor.tpot_ready and len(predictor.backlog.rates) == len(endpoints)):
         f = endpoint_features(rng.choice(endpoints), rng.randrange(50, 6000), 0, None)
         ttft = 0.02 + 1e-4 * f.prompt_tokens + 0.01 * f.waiting + 0.002 * f.running
         predictor.observe(f, ttft, 0.012 + 5e-5 * f.running)

@@ -4,7 +4,7 @@ In-flight prompt tokens count a long prompt until its request finishes, long aft
 queue is up to 50 ms old and says nothing of prompt lengths. A request that lands behind a 5,000-token prefill
 waits for it, one that lands after it does not, and that difference is most of a short request's TTFT error. So
 each endpoint gets a fluid queue: every request routed there adds its uncached prompt tokens, and the queue drains
-at the pool's prefill rate while it is not empty. The rate is learnt from the requests that found their endpoint's
+at the prefill rate while it is not empty. The rate is learnt from the requests that found their endpoint's
 queue empty and had a long prompt (their TTFT is almost all their own prefill): an exponentially weighted mean of
 seconds per token, starting from 0.1 ms (an 8B model on one H100; only a prior, replaced within ~20 such requests).
 
@@ -12,38 +12,67 @@ On the sim pool (`python -m epp.bench.prediction --phase 30`, 4 servers, one run
 seed) the TTFT MAPE at 24 clients went from 19.1 % to 7.2 % when routed by the prediction (--route predicted),
 and from 29.9 % to 28.5 % with random routing, where requests keep landing behind long prefills that no feature
 can rule out.
-Trade-offs: the queue assumes first-come-first-served prefill at one rate for the whole pool, scaled per endpoint by
-how much slower it has proved than the pool (`calibration.py`), and knows only this EPP's traffic (several EPP
-replicas or direct clients each see part of it; the scraped counts still see all).
+Endpoints of different speeds (an InferencePool selecting pods on two GPU generations): each endpoint also keeps
+its own rate from the samples it served (their mean, with the pool's rate as one sample, then the weighted mean),
+its queue drains at it, and its `slowness`, its rate over the mean of the endpoints' own rates (steadier than the
+pool's recent samples, which follow wherever the last long prompts went), scales the predictions there: the
+predictor learns in units of that mean and multiplies back. Only such clean
+samples teach it: a long prompt that found nothing ahead measures the GPU, while a ratio of observed to predicted
+latency also measures whatever the model misses about an endpoint's traffic, and an endpoint that a high factor
+keeps requests from keeps it (tried: such a factor per endpoint spread the multi-lora workload's requests 2 to 117
+per server, where the pool's model alone spread them 53 to 63). Without long prompts every endpoint runs at the
+pool's rate.
+Trade-offs: the queue assumes first-come-first-served prefill at the endpoint's rate, and knows only this EPP's
+traffic (several EPP replicas or direct clients each see part of it; the scraped counts still see all). One
+slowness scales a whole TTFT prediction, the decode steps a short prompt waits for included: a GPU generation is
+slower at both, though not always by the same factor.
 """
 
 from __future__ import annotations
 
 DEFAULT_SECONDS_PER_TOKEN = 1e-4
 LONG_PROMPT_TOKENS = 1000  # rate samples: own prefill long enough that fixed per-step costs are a small part
-RATE_WEIGHT = 0.1  # of each new sample in the mean
+RATE_WEIGHT = 0.1  # of each new sample in the mean (an endpoint's: once it has 1 / RATE_WEIGHT - 1 samples)
 MAX_IDLE_ENTRIES = 4096  # endpoints whose queue has drained are forgotten beyond this many entries
+MAX_RATES = 4096  # endpoints with a rate of their own (the oldest goes first beyond it; `forget` at pool changes)
 
 
 class PrefillBacklog:
     def __init__(self) -> None:
-        self.seconds_per_token = DEFAULT_SECONDS_PER_TOKEN
+        self.seconds_per_token = DEFAULT_SECONDS_PER_TOKEN  # the pool's
         # endpoint name -> (tokens, time.monotonic() then); read directly by LatencyPredictor.predict_endpoints
         self.queues: dict[str, tuple[float, float]] = {}
+        # endpoint name -> [its seconds per token, samples learnt]; read directly by predict_endpoints
+        self.rates: dict[str, list[float]] = {}
+        self._rates_sum = 0.0  # of the endpoints' own rates
 
-    def tokens(self, name: str, now: float, slowness: float = 1.0) -> float:
-        """Prefill tokens still queued on endpoint `name` at `now`, draining at the pool's rate divided by the
-        endpoint's `slowness` (its TTFT factor, calibration.py)."""
+    def rate(self, name: str) -> float:
+        """Seconds per uncached prompt token on endpoint `name` (the pool's until it has a sample)."""
+        entry = self.rates.get(name)
+        return self.seconds_per_token if entry is None else entry[0]
+
+    @property
+    def reference(self) -> float:
+        """The mean of the endpoints' own rates (the pool's rate while none has one)."""
+        return self._rates_sum / len(self.rates) if self.rates else self.seconds_per_token
+
+    def slowness(self, name: str) -> float:
+        """Endpoint `name`'s prefill time per token over the reference (1 until it has a sample)."""
+        entry = self.rates.get(name)
+        return 1.0 if entry is None else entry[0] / self.reference
+
+    def tokens(self, name: str, now: float) -> float:
+        """Prefill tokens still queued on endpoint `name` at `now`."""
         queue = self.queues.get(name)
         if queue is None:
             return 0.0
         tokens, then = queue
-        left = tokens - (now - then) / (self.seconds_per_token * slowness)
+        left = tokens - (now - then) / self.rate(name)
         return left if left > 0.0 else 0.0
 
-    def add(self, name: str, tokens: float, now: float, slowness: float = 1.0) -> float:
+    def add(self, name: str, tokens: float, now: float) -> float:
         """Queue a request's uncached prompt tokens on `name`; returns what was queued ahead of them."""
-        ahead = self.tokens(name, now, slowness)
+        ahead = self.tokens(name, now)
         queues = self.queues
         if name not in queues and len(queues) >= MAX_IDLE_ENTRIES:
             for drained in [n for n in queues if self.tokens(n, now) == 0.0]:
@@ -51,9 +80,28 @@ class PrefillBacklog:
         queues[name] = (ahead + tokens, now)
         return ahead
 
-    def learn(self, uncached_tokens: int, ahead: float, ttft: float, slowness: float = 1.0) -> None:
-        """One completed request: a rate sample when it had a long prompt and found (almost) nothing ahead; its
-        TTFT divided by its endpoint's `slowness`, so that the rate is the pool's."""
-        if uncached_tokens >= LONG_PROMPT_TOKENS and ahead <= 0.1 * uncached_tokens:
-            sample = ttft / slowness / uncached_tokens
-            self.seconds_per_token += RATE_WEIGHT * (sample - self.seconds_per_token)
+    def learn(self, name: str, uncached_tokens: int, ahead: float, ttft: float) -> None:
+        """One completed request on endpoint `name` (\"\" when unknown): a rate sample, for the pool and the
+        endpoint, when it had a long prompt and found (almost) nothing ahead."""
+        if uncached_tokens < LONG_PROMPT_TOKENS or ahead > 0.1 * uncached_tokens:
+            return
+        sample = ttft / uncached_tokens
+        if name:
+            rates = self.rates
+            entry = rates.get(name)
+            if entry is None:
+                if len(rates) >= MAX_RATES:
+                    self._rates_sum -= rates.pop(next(iter(rates)))[0]
+                entry = rates[name] = [self.seconds_per_token, 0]
+                self._rates_sum += entry[0]
+            entry[1] += 1
+            change = max(RATE_WEIGHT, 1.0 / (entry[1] + 1)) * (sample - entry[0])
+            entry[0] += change
+            self._rates_sum += change
+        self.seconds_per_token += RATE_WEIGHT * (sample - self.seconds_per_token)
+
+    def forget(self, keep: set[str]) -> None:
+        """Drop the rates of endpoints not in `keep` (the pool's members now): one that comes back is measured
+        again."""
+        for name in [n for n in self.rates if n not in keep]:
+            self._rates_sum -= self.rates.pop(name)[0]

@@ -28,7 +28,7 @@ class Features:
     cached_tokens: int  # of those, the part expected in the endpoint's prefix cache (the prefix scorer's match)
     adapter_loaded: bool = True  # the request's LoRA adapter runs there (always True for a base-model request)
     backlog_tokens: float = 0.0  # prefill tokens queued there ahead of this request, probably not done yet (backlog.py)
-    endpoint: str = ""  # its name: the observation calibrates that endpoint's factors (calibration.py)
+    endpoint: str = ""  # its name: a long prompt's observation measures that endpoint's prefill rate (backlog.py)
 
     def __post_init__(self) -> None:
         if not 0 <= self.cached_tokens <= self.prompt_tokens:

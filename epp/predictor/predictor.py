@@ -11,22 +11,22 @@ predictor `epp.predictor.shared(pool).predictor`:
 `cached_tokens` is the prefix scorer's match on that endpoint (`PrefixCacheScorer.cached_tokens`), `adapter` the
 request's LoRA adapter or None. Everything is synchronous and bounded: `routed` costs ~2 us; `observe` is O(n^2)
 for n = 13 inputs plus an O(n^3) re-solve every `refit_every` observations, ~40 us amortised for both targets
-(a 2-core dev box, pure Python); the state is two n x n systems, two error windows, one backlog entry and one
-calibration entry per endpoint.
+(a 2-core dev box, pure Python); the state is two n x n systems, two error windows and one backlog entry and one
+prefill rate per endpoint.
 
 Model: one weighted online ridge regression per target (`OnlineRidge`, coefficients >= 0) on `features.vector`. Each observation is
 weighted by 1 / y^2, so the fit minimises squared *relative* error, which is what MAPE scores and what routing
 needs: a 40 ms error matters on a 50 ms TTFT, not on a 2 s one. Forgetting (decay 0.998, ~500 observations of
-memory) follows drift in the workload and the servers. Each endpoint's predictions are the model's times that
-endpoint's factor per target (`EndpointCalibration`), learnt from how far its own requests came out from the
-model's: a pool of two GPU generations gets one model and a factor per endpoint.
+memory) follows drift in the workload and the servers. An endpoint's TTFT is the model's times its slowness, its
+prefill time per token measured on its own long prompts over the endpoints' mean (`PrefillBacklog.slowness`; the
+model learns each TTFT divided by it): a pool of two GPU generations gets one model, scaled per endpoint.
 
 Cold start: each target reports no prediction (None) until it has `min_observations` and its error over the last
 `window` observations, measured before learning from each one (prequential), is at most `max_mape`. The plugins
 then abstain and the other scorers decide. A target that later degrades past `max_mape` goes quiet again.
 
-Trade-offs: one model for the whole pool assumes endpoints that differ only by a factor (a slower GPU stretches
-every step alike; a different model or parallelism may not); a linear model in
+Trade-offs: one model for the whole pool assumes endpoints that differ only in prefill speed, if at all (TPOT is not
+scaled per endpoint: its features see the batch, not the GPU); a linear model in
 these inputs captures prefill and decode cost and queueing ahead, not their saturation knees; TPOT is predicted
 from the state at routing time, not from what arrives during decoding.
 """
@@ -41,7 +41,6 @@ import numpy as np
 
 from epp.datalayer.endpoint import Endpoint
 from epp.predictor.backlog import PrefillBacklog
-from epp.predictor.calibration import EndpointCalibration
 from epp.predictor.features import RAW, SIZE, Features, endpoint_features, matrix, vector
 from epp.predictor.ridge import OnlineRidge
 
@@ -100,15 +99,11 @@ class _Target:
         self.ratios = _Ratios(window)
         self.ratios_by_size: dict[int, _Ratios] = {}
 
-    def learn(self, x: list[float], y: float, prompt_tokens: int, factor: float = 1.0) -> float | None:
+    def learn(self, x: list[float], y: float, prompt_tokens: int, slowness: float = 1.0) -> None:
         """One observation `y` of inputs `x`, of a request with `prompt_tokens` (its size class), on an endpoint
-        whose calibration `factor` scales the model's predictions there. Returns y / the model's own prediction
-        (what the endpoint's factor learns from), None before the first fit."""
-        residual = None
+        whose `slowness` scales the model's predictions there: the model learns y / slowness."""
         if self.model.coefficients is not None:  # before the first fit there is no prediction to score
-            base = self.model.predict(x)
-            residual = y / max(base, self.floor)
-            predicted = max(base * factor, self.floor)
+            predicted = max(self.model.predict(x) * slowness, self.floor)
             self.errors.append(abs(predicted - y) / y)
             ratio = y / predicted
             self.ratios.add(ratio)
@@ -117,8 +112,8 @@ class _Target:
             if by_size is None:
                 by_size = self.ratios_by_size[size] = _Ratios(self.window)
             by_size.add(ratio)
+        y /= slowness
         self.model.add(x, y, 1.0 / max(y, self.floor) ** 2)
-        return residual
 
     def ratio_quantile(self, q: float, prompt_tokens: int | None = None) -> float:
         """The q-quantile of observed / predicted over the window (1.0 before any): a prediction times this is
@@ -156,7 +151,6 @@ class LatencyPredictor:
         self.tpot = _Target(TPOT_FLOOR, window, decay, refit_every)
         self.ttft_ready = self.tpot_ready = False
         self.backlog = PrefillBacklog()
-        self.calibration = EndpointCalibration()
         # (the fitted coefficients it was built from, SIZE x k matrix, floors): see _coefficients
         self._matrix: tuple[tuple, np.ndarray, np.ndarray] | None = None
 
@@ -167,28 +161,22 @@ class LatencyPredictor:
         prompt tokens join the endpoint's prefill backlog."""
         now = time.monotonic() if now is None else now
         uncached = prompt_tokens - min(max(cached_tokens, 0), prompt_tokens)
-        name = endpoint.spec.name
-        ahead = self.backlog.add(name, uncached, now, self.calibration.ttft(name))
+        ahead = self.backlog.add(endpoint.spec.name, uncached, now)
         return endpoint_features(endpoint, prompt_tokens, cached_tokens, adapter, ahead)
 
     def observe(self, features: Features, ttft: float, tpot: float | None) -> None:
         """Learn from one completed request: seconds to its first token and mean seconds per later token."""
         if not (math.isfinite(ttft) and ttft > 0.0) or (tpot is not None and not (math.isfinite(tpot) and tpot > 0)):
             raise ValueError(f"observed latencies must be finite and positive, got ttft={ttft!r} tpot={tpot!r}")
-        calibration, name = self.calibration, features.endpoint
-        self.backlog.learn(
-            features.prompt_tokens - features.cached_tokens, features.backlog_tokens, ttft, calibration.ttft(name)
-        )
+        backlog, name = self.backlog, features.endpoint
+        # the slowness the prediction was scored with: before this request's own sample
+        slowness = backlog.slowness(name)
+        backlog.learn(name, features.prompt_tokens - features.cached_tokens, features.backlog_tokens, ttft)
         x = vector(features)
-        for index, target, y in ((0, self.ttft, ttft), (1, self.tpot, tpot)):
-            if y is None:
-                continue
-            calibrating = bool(name) and target.model.count >= self.min_observations
-            residual = target.learn(x, y, features.prompt_tokens, calibration.factor(name, index))
-            if calibrating and residual is not None:
-                calibration.learn(name, index, residual)
+        self.ttft.learn(x, ttft, features.prompt_tokens, slowness)
         self.ttft_ready = self._ready(self.ttft)
         if tpot is not None:
+            self.tpot.learn(x, tpot, features.prompt_tokens)
             self.tpot_ready = self._ready(self.tpot)
 
     def _ready(self, target: _Target) -> bool:
@@ -199,13 +187,13 @@ class LatencyPredictor:
         """Seconds to the first token, or None during cold start."""
         if not self.ttft_ready:
             return None
-        return max(self.ttft.model.predict(vector(features)) * self.calibration.ttft(features.endpoint), TTFT_FLOOR)
+        return max(self.ttft.model.predict(vector(features)) * self.backlog.slowness(features.endpoint), TTFT_FLOOR)
 
     def predict_tpot(self, features: Features) -> float | None:
         """Mean seconds per output token after the first, or None during cold start."""
         if not self.tpot_ready:
             return None
-        return max(self.tpot.model.predict(vector(features)) * self.calibration.tpot(features.endpoint), TPOT_FLOOR)
+        return max(self.tpot.model.predict(vector(features)), TPOT_FLOOR)
 
     def predict_endpoints(
         self,
@@ -226,24 +214,28 @@ class LatencyPredictor:
         now = time.monotonic() if now is None else now
         with_tpot = tpot and self.tpot_ready
         coefficients, floors = self._coefficients(with_tpot)
-        queues, seconds_per_token = self.backlog.queues, self.backlog.seconds_per_token
-        calibrated = self.calibration.factors
+        prefill = self.backlog
+        queues, rates, seconds_per_token = prefill.queues, prefill.rates, prefill.seconds_per_token
+        reference = prefill.reference
         missing = 1.0 if adapter is not None else 0.0  # for an endpoint without metrics
         rows: list[float] = []
         extend = rows.extend
-        factors: list[float] = []  # each endpoint's TTFT and TPOT factors
-        add_factors = factors.extend
-        # queue_depth / running_requests (epp.scheduling.load), PrefillBacklog.tokens and EndpointCalibration's
-        # lookups, inlined: this loop is the per-candidate cost of the predictor
+        slowness: list[float] = []  # each endpoint's (PrefillBacklog.slowness)
+        # queue_depth / running_requests (epp.scheduling.load), PrefillBacklog.tokens and .rate, inlined: this loop
+        # is the per-candidate cost of the predictor
         for e, cached in zip(endpoints, cached_tokens, strict=True):
             name = e.spec.name
-            entry = calibrated.get(name)
-            slowness = 1.0 if entry is None else entry[2]
-            add_factors((1.0, 1.0) if entry is None else entry[2:4])
+            rate = rates.get(name)
+            if rate is None:
+                rate = seconds_per_token
+                slowness.append(1.0)
+            else:
+                rate = rate[0]
+                slowness.append(rate / reference)
             queue = queues.get(name)
             backlog = 0.0
             if queue is not None:
-                backlog = queue[0] - (now - queue[1]) / (seconds_per_token * slowness)
+                backlog = queue[0] - (now - queue[1]) / rate
                 if backlog < 0.0:
                     backlog = 0.0
             uncached = prompt_tokens - (0 if cached < 0 else prompt_tokens if cached > prompt_tokens else cached)
@@ -267,16 +259,16 @@ class LatencyPredictor:
             backlogged = 1.0 if backlog else 0.0
             extend((waiting, running, kv, e.in_flight_tokens, uncached, adapter_missing, backlog, busy, backlogged))
         raw = np.fromiter(rows, float, len(rows)).reshape(-1, len(RAW))
-        scale = np.fromiter(factors, float, len(factors)).reshape(-1, 2)[:, : len(floors)]
-        predicted = np.maximum(matrix(raw) @ coefficients * scale, floors)
+        predicted = matrix(raw) @ coefficients
+        predicted[:, 0] *= np.fromiter(slowness, float, len(slowness))
+        predicted = np.maximum(predicted, floors, out=predicted)
         if not with_tpot:
             return [(t, None) for t in predicted[:, 0].tolist()]
         return list(zip(predicted[:, 0].tolist(), predicted[:, 1].tolist(), strict=True))
 
     def prefill_seconds_per_token(self, name: str) -> float:
-        """The learnt prefill time of an uncached prompt token on endpoint `name` (the pool's rate times the
-        endpoint's TTFT factor)."""
-        return self.backlog.seconds_per_token * self.calibration.ttft(name)
+        """The learnt prefill time of an uncached prompt token on endpoint `name`."""
+        return self.backlog.rate(name)
 
     def _coefficients(self, with_tpot: bool) -> tuple[np.ndarray, np.ndarray]:
         """The coefficients as a SIZE x k matrix (TTFT, then TPOT when asked) and their floors, rebuilt only when a

@@ -178,9 +178,9 @@ class LatencyPredictionStats(Plugin):
 
     @property
     @abstractmethod
-    def endpoint_factors(self) -> dict[str, tuple[float, float]]:
-        """Endpoint name -> how many times the pool model's TTFT and TPOT its latencies come out (1: as the pool;
-        2: twice as slow), for the endpoints it has calibrated."""
+    def endpoint_slowness(self) -> dict[str, float]:
+        """Endpoint name -> its prefill time per token over the pool's (2: half as fast), for the endpoints it has
+        measured."""
 
     @abstractmethod
     def use_prefix_index(self, index: PrefixIndexStats) -> None:

@@ -70,16 +70,17 @@ def test_streamed_responses_train_the_predictor_and_others_do_not():
         latency_prediction=lambda: director.scheduler.latency_prediction,
     )
     assert metrics.registry.get_sample_value("inference_extension_latency_predictor_observations_total") == before + 3
-    for name in ("e0", "e1"):
-        predictor.calibration.learn(name, 0, 2.0)
-    factors = {
-        labels["model_server_pod"]: value
+    per_token = predictor.backlog.seconds_per_token
+    for _ in range(30):  # long prompts alone: e0 takes twice as long per token as e1
+        predictor.backlog.learn("e0", 5000, 0.0, 5000 * 2 * per_token)
+        predictor.backlog.learn("e1", 5000, 0.0, 5000 * per_token)
+    slowness = {
+        s.labels["model_server_pod"]: s.value
         for metric in metrics.registry.collect()
-        if metric.name == "inference_extension_latency_predictor_endpoint_factor"
-        for labels, value in ((s.labels, s.value) for s in metric.samples)
-        if labels["target"] == "ttft"
+        if metric.name == "inference_extension_latency_predictor_endpoint_slowness"
+        for s in metric.samples
     }
-    assert set(factors) >= {"e0", "e1"} and factors["e0"] == predictor.calibration.ttft("e0") > 1.0
+    assert slowness["e0"] / slowness["e1"] == pytest.approx(2.0, rel=0.05)
     assert all(e.in_flight_requests == 0 for e in director.datastore.endpoints)
 
 

@@ -29,8 +29,8 @@ scorers, exact about what they see, still add theirs, so its weight matters; the
 profile's own balance between load and those signals.
 Parameters: pool ("default": which shared predictor), longOutputTokens (256), replaces ("all" or "load").
 Trade-offs: it is only as good as the predictor's recent error (`LatencyPredictor.ttft_mape`, for the EPP's
-metrics); one model per pool, scaled per endpoint by a learnt factor (epp/predictor/calibration.py), assumes
-endpoints that differ only in speed; a scorer added to the profile that it does not replace
+metrics); one model per pool, its TTFT scaled per endpoint by the prefill speed measured there
+(`PrefillBacklog.slowness`), assumes endpoints that differ only in speed; a scorer added to the profile that it does not replace
 (one reading signals the predictor does not have) still adds to its score with the weights of the profile.
 """
 
@@ -70,7 +70,7 @@ EXACT_SCORERS = ("prefix-cache-scorer", "precise-prefix-cache-scorer", "lora-aff
 class PredictorFeed(PreRequest, ResponseTimed, PoolChanged, LatencyPredictionStats):
     """The hooks that train the pool's predictor, shared by the plugins that read it (this scorer and
     predicted-latency-filter): at the pick the request's features on its endpoint (and its prompt into the
-    endpoint's prefill backlog), then the observed TTFT and TPOT; a departed endpoint's calibration goes with the
+    endpoint's prefill backlog), then the observed TTFT and TPOT; a departed endpoint's prefill rate goes with the
     pool change. With both plugins in one profile the first one fed
     does it, once per request. Needs `self.predictions`."""
 
@@ -98,7 +98,7 @@ class PredictorFeed(PreRequest, ResponseTimed, PoolChanged, LatencyPredictionSta
         self.predictions.predictor.observe(features, ttft, tpot if tpot is not None and tpot > 0 else None)
 
     def pool_changed(self, endpoints: Sequence[Endpoint]) -> None:
-        self.predictions.predictor.calibration.forget({e.spec.name for e in endpoints})
+        self.predictions.predictor.backlog.forget({e.spec.name for e in endpoints})
 
     @property
     def prediction_errors(self) -> tuple[float | None, float | None]:
@@ -110,8 +110,9 @@ class PredictorFeed(PreRequest, ResponseTimed, PoolChanged, LatencyPredictionSta
         return self.predictions.predictor.observations
 
     @property
-    def endpoint_factors(self) -> dict[str, tuple[float, float]]:
-        return {name: (entry[2], entry[3]) for name, entry in self.predictions.predictor.calibration.factors.items()}
+    def endpoint_slowness(self) -> dict[str, float]:
+        backlog = self.predictions.predictor.backlog
+        return {name: backlog.slowness(name) for name in backlog.rates}
 
     def use_prefix_index(self, index: PrefixIndexStats) -> None:
         self.predictions.cached_tokens = index.cached_tokens

@@ -41,7 +41,7 @@ from already includes the stalls typical of the traffic it was learnt from, so t
 can count twice); and a request waiting for its first token is held back by one chunk of a later prefill, not all
 of it (the engine's chunk size is not known here), so the whole prefill is an upper bound. Both err towards keeping
 long prefills apart. Only this EPP's requests are known (several EPP replicas each protect their own); the stall is
-the prefill's time at the learnt rate (the pool's, scaled by the endpoint's calibration), whatever the batch there.
+the prefill's time at the endpoint's learnt rate, whatever the batch there.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 import math
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -115,16 +116,16 @@ def test_predict_endpoints_matches_one_at_a_time_predictions():
     for e in endpoints[4:]:  # more of this EPP's requests finished since the scrape than it routed there
         e.in_flight_at_scrape = e.in_flight_requests + 2
     cached = [0, 100, 3000, 0, 50, 10_000]
-    for e, ratio in ((endpoints[1], 2.0), (endpoints[2], 0.5)):  # calibrated slower and faster than the pool
-        for _ in range(200):
-            predictor.calibration.learn(e.name, 0, ratio)
-            predictor.calibration.learn(e.name, 1, 1 / ratio)
+    per_token = predictor.backlog.seconds_per_token
+    for _ in range(30):  # long prompts alone: endpoints 1 and 2 measured slower and faster than the pool
+        for e, slowness in ((endpoints[1], 2.0), (endpoints[2], 0.5), (endpoints[3], 1.0)):
+            predictor.backlog.learn(e.name, 5000, 0.0, 5000 * slowness * per_token)
+    assert predictor.backlog.slowness(endpoints[1].name) > 1.2 > 0.8 > predictor.backlog.slowness(endpoints[2].name)
     predictor.routed(endpoints[1], 5000, 0, None, now=10.0)  # a prefill backlog on one of them
     batch = predictor.predict_endpoints(endpoints, 2000, cached, "a", now=10.1)
     assert batch[1][0] > batch[0][0] + 0.1
     for e, c, (ttft, tpot) in zip(endpoints, cached, batch, strict=True):
-        backlog = predictor.backlog.tokens(e.name, 10.1, predictor.calibration.ttft(e.name))
-        f = endpoint_features(e, 2000, c, "a", backlog)
+        f = endpoint_features(e, 2000, c, "a", predictor.backlog.tokens(e.name, 10.1))
         assert ttft == pytest.approx(predictor.predict_ttft(f)) and tpot == pytest.approx(predictor.predict_tpot(f))
 
 
@@ -142,3 +143,23 @@ def test_error_ratios_are_kept_per_prompt_size_class():
     assert long_band < 1.05 < pool_band < short_band
     assert target.ratio_quantile(0.9, 150) == target.ratio_quantile(0.9, 200)  # one class: 128-255 tokens
     assert target.ratio_quantile(0.9, 60_000) == target.ratio_quantile(0.9)  # a size not seen: pool-wide
+
+
+def test_each_endpoint_learns_its_own_prefill_rate_from_long_prompts_that_found_nothing_ahead():
+    predictor = LatencyPredictor(min_observations=50)
+    rng = random.Random(7)
+    speeds = {"fast-0": 1.0, "slow-0": 0.5, "fast-1": 1.0, "slow-1": 0.5}  # every other endpoint half as fast
+    for _ in range(2000):
+        name = rng.choice(list(speeds))
+        f = replace(random_features(rng), endpoint=name)
+        noise = 1 + 0.03 * rng.gauss(0, 1)
+        predictor.observe(f, true_ttft(f) / speeds[name] * noise, true_tpot(f) * noise)
+    backlog = predictor.backlog
+    assert backlog.slowness("slow-0") / backlog.slowness("fast-0") == pytest.approx(2.0, rel=0.1)
+    f = Features(1, 4, 0.2, 3000, 5000, 1000)
+    for name, speed in speeds.items():
+        assert predictor.predict_ttft(replace(f, endpoint=name)) == pytest.approx(true_ttft(f) / speed, rel=0.15)
+    assert predictor.ttft_mape < 0.1  # the pool's model alone: ~33 %
+    assert predictor.predict_ttft(replace(f, endpoint="new")) == predictor.predict_ttft(f)  # not measured: the pool's
+    assert predictor.prefill_seconds_per_token("slow-1") == backlog.rates["slow-1"][0]
+    assert predictor.prefill_seconds_per_token("new") == backlog.seconds_per_token
