@@ -163,8 +163,8 @@ class _PoolCollector:
             observations.add_metric([], prediction.observations)
             slowness = GaugeMetricFamily(
                 "inference_extension_latency_predictor_endpoint_slowness",
-                "An endpoint's measured prefill time per token over the pool's (above 1: slower); its TTFT predictions "
-                "are scaled by it.",
+                "An endpoint's measured prefill time per token over the mean of the measured endpoints' (above 1: "
+                "slower); its TTFT predictions are scaled by it.",
                 labels=["model_server_pod"],
             )
             for name, value in prediction.endpoint_slowness.items():

@@ -44,7 +44,7 @@ class PrefillBacklog:
         self.queues: dict[str, tuple[float, float]] = {}
         # endpoint name -> [its seconds per token, samples learnt]; read directly by predict_endpoints
         self.rates: dict[str, list[float]] = {}
-        self._rates_sum = 0.0  # of the endpoints' own rates
+        self._reference: float | None = None  # the mean of the rates, until they change
 
     def rate(self, name: str) -> float:
         """Seconds per uncached prompt token on endpoint `name` (the pool's until it has a sample)."""
@@ -54,12 +54,24 @@ class PrefillBacklog:
     @property
     def reference(self) -> float:
         """The mean of the endpoints' own rates (the pool's rate while none has one)."""
-        return self._rates_sum / len(self.rates) if self.rates else self.seconds_per_token
+        if self._reference is None:
+            rates = self.rates
+            self._reference = sum(e[0] for e in rates.values()) / len(rates) if rates else self.seconds_per_token
+        return self._reference
 
     def slowness(self, name: str) -> float:
         """Endpoint `name`'s prefill time per token over the reference (1 until it has a sample)."""
         entry = self.rates.get(name)
         return 1.0 if entry is None else entry[0] / self.reference
+
+    def measured_slowness(self) -> dict[str, float]:
+        """Every measured endpoint's slowness. Safe from another thread (the metrics scrape's): list() copies
+        the rates in one C call under the GIL, so the event loop adding one meanwhile cannot break the reading."""
+        rates = list(self.rates.items())
+        if not rates:
+            return {}
+        reference = sum(entry[0] for _, entry in rates) / len(rates)
+        return {name: entry[0] / reference for name, entry in rates}
 
     def tokens(self, name: str, now: float) -> float:
         """Prefill tokens still queued on endpoint `name` at `now`."""
@@ -91,17 +103,16 @@ class PrefillBacklog:
             entry = rates.get(name)
             if entry is None:
                 if len(rates) >= MAX_RATES:
-                    self._rates_sum -= rates.pop(next(iter(rates)))[0]
+                    del rates[next(iter(rates))]
                 entry = rates[name] = [self.seconds_per_token, 0]
-                self._rates_sum += entry[0]
             entry[1] += 1
-            change = max(RATE_WEIGHT, 1.0 / (entry[1] + 1)) * (sample - entry[0])
-            entry[0] += change
-            self._rates_sum += change
+            entry[0] += max(RATE_WEIGHT, 1.0 / (entry[1] + 1)) * (sample - entry[0])
+            self._reference = None
         self.seconds_per_token += RATE_WEIGHT * (sample - self.seconds_per_token)
 
     def forget(self, keep: set[str]) -> None:
         """Drop the rates of endpoints not in `keep` (the pool's members now): one that comes back is measured
         again."""
         for name in [n for n in self.rates if n not in keep]:
-            self._rates_sum -= self.rates.pop(name)[0]
+            del self.rates[name]
+        self._reference = None

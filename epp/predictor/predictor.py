@@ -266,10 +266,6 @@ class LatencyPredictor:
             return [(t, None) for t in predicted[:, 0].tolist()]
         return list(zip(predicted[:, 0].tolist(), predicted[:, 1].tolist(), strict=True))
 
-    def prefill_seconds_per_token(self, name: str) -> float:
-        """The learnt prefill time of an uncached prompt token on endpoint `name`."""
-        return self.backlog.rate(name)
-
     def _coefficients(self, with_tpot: bool) -> tuple[np.ndarray, np.ndarray]:
         """The coefficients as a SIZE x k matrix (TTFT, then TPOT when asked) and their floors, rebuilt only when a
         model was refitted."""

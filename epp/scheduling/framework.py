@@ -179,8 +179,8 @@ class LatencyPredictionStats(Plugin):
     @property
     @abstractmethod
     def endpoint_slowness(self) -> dict[str, float]:
-        """Endpoint name -> its prefill time per token over the pool's (2: half as fast), for the endpoints it has
-        measured."""
+        """Endpoint name -> its prefill time per token over the mean of the measured endpoints' (2: half as fast as
+        the mean), for the endpoints it has measured."""
 
     @abstractmethod
     def use_prefix_index(self, index: PrefixIndexStats) -> None:

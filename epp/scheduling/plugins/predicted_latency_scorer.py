@@ -111,11 +111,7 @@ class PredictorFeed(PreRequest, ResponseTimed, PoolChanged, LatencyPredictionSta
 
     @property
     def endpoint_slowness(self) -> dict[str, float]:
-        backlog = self.predictions.predictor.backlog
-        # Read from the metrics scrape's thread: list() copies the dict in one C call under the GIL, so the event
-        # loop adding an endpoint meanwhile cannot break the iteration.
-        rates, reference = list(backlog.rates.items()), backlog.reference
-        return {name: entry[0] / reference for name, entry in rates}
+        return self.predictions.predictor.backlog.measured_slowness()
 
     def use_prefix_index(self, index: PrefixIndexStats) -> None:
         self.predictions.cached_tokens = index.cached_tokens

@@ -14,7 +14,7 @@ Reads: the request headers `x-slo-ttft-ms` / `x-slo-tpot-ms` (slo-headroom-filte
 pool's latency predictor (`epp.predictor.shared(pool)`): the request's predicted TTFT and TPOT on the endpoint it
 was routed to, the prefix match (cached tokens, `CandidatePredictions.cached_tokens`, which predicted-latency-filter
 or -scorer wires; without them every prompt counts as uncached) and the learnt prefill rate (seconds per uncached
-prompt token on the endpoint, `LatencyPredictor.prefill_seconds_per_token`).
+prompt token on the endpoint, `PrefillBacklog.rate`).
 State, per endpoint (`Ledger`): each request in flight there that stated objectives, with its slacks: objective -
 predicted TTFT there at routing (and when its first token is expected: routing + predicted TTFT), and (TPOT objective
 - predicted TPOT) x (max_tokens - 1), the decode time it may lose to stalls and still meet its mean time per output
@@ -161,7 +161,7 @@ class SLOInterferenceFilter(Filter, PreRequest, ResponseComplete):
         endpoint's learnt rate)."""
         prompt = request.prompt_tokens_estimate
         tokens = self.predictions.cached(cycle_state, request, endpoints)
-        rate = self.predictions.predictor.prefill_seconds_per_token
+        rate = self.predictions.predictor.backlog.rate
         return [(prompt - min(max(c, 0), prompt)) * rate(e.spec.name) for e, c in zip(endpoints, tokens, strict=True)]
 
     def filter(self, cycle_state: CycleState, request: SchedulingRequest, endpoints: list[Endpoint]) -> list[Endpoint]:
@@ -171,7 +171,7 @@ class SLOInterferenceFilter(Filter, PreRequest, ResponseComplete):
         # the endpoints where the prefill, with nothing of it cached, would break a request; the prefix match (a
         # lookup per endpoint) only for those
         now = time.monotonic()
-        prompt, rate = request.prompt_tokens_estimate, self.predictions.predictor.prefill_seconds_per_token
+        prompt, rate = request.prompt_tokens_estimate, self.predictions.predictor.backlog.rate
         exposed = [
             i
             for i, e in enumerate(endpoints)

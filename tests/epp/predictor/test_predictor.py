@@ -161,5 +161,5 @@ def test_each_endpoint_learns_its_own_prefill_rate_from_long_prompts_that_found_
         assert predictor.predict_ttft(replace(f, endpoint=name)) == pytest.approx(true_ttft(f) / speed, rel=0.15)
     assert predictor.ttft_mape < 0.1  # the pool's model alone: ~33 %
     assert predictor.predict_ttft(replace(f, endpoint="new")) == predictor.predict_ttft(f)  # not measured: the pool's
-    assert predictor.prefill_seconds_per_token("slow-1") == backlog.rates["slow-1"][0]
-    assert predictor.prefill_seconds_per_token("new") == backlog.seconds_per_token
+    assert backlog.rate("slow-1") == backlog.rates["slow-1"][0]
+    assert backlog.rate("new") == backlog.seconds_per_token
