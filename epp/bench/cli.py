@@ -2,7 +2,7 @@
 
 epp-bench overhead [--servers 4] [--sequential 400] [--concurrency 32] [--requests 2000] [--ext-proc-transport h2|grpcio]
                    [--out DIR]
-epp-bench handler-cpu [--requests 4000] [--batch 16] [--rounds 9]
+epp-bench handler-cpu [--requests 4000] [--batch 16] [--rounds 9] [--streamed]
 """
 
 from __future__ import annotations
@@ -44,6 +44,9 @@ def main(argv: list[str] | None = None) -> None:
     cpu.add_argument("--requests", type=int, default=4000, help="requests per round")
     cpu.add_argument("--batch", type=int, default=16, help="requests per read (1: one at a time)")
     cpu.add_argument("--rounds", type=int, default=9, help="the least round is reported")
+    cpu.add_argument(
+        "--streamed", action="store_true", help='"stream": true requests: their access-log records train the predictor'
+    )
     capacity = sub.add_parser("sim-capacity", help="how many sim servers one core carries at a request rate")
     capacity.add_argument("--replicas", type=int, default=16)
     capacity.add_argument("--rates", type=float, nargs="+", default=[16.0, 32.0, 64.0])
@@ -184,7 +187,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "sim-capacity":
         sim_capacity.main(args.replicas, args.rates, args.duration)
     if args.command == "handler-cpu":
-        print(handler_cpu.measure(args.requests, args.batch, args.rounds).markdown())
+        print(handler_cpu.measure(args.requests, args.batch, args.rounds, args.streamed).markdown())
     if args.command == "overhead":
         result = asyncio.run(
             overhead.measure(

@@ -25,7 +25,7 @@ hour (the record's status and endpoint still count), and a status outside 100-59
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from opentelemetry.proto.collector.logs.v1 import logs_service_pb2
 from opentelemetry.proto.logs.v1 import logs_pb2
@@ -89,3 +89,19 @@ def export_handler(
         return _ANSWER
 
     return export
+
+
+def export_request(records: Iterable[tuple[str, ...]]) -> ExportRequest:
+    """An Export call's request as our bootstrap's logger formats it: one record per (request id, ttft_us[, status[,
+    upstream]]), the attributes as strings (what `export_handler` reads; the benchmarks and tests send it)."""
+    request = ExportRequest()
+    scope = getattr(request.resource_logs.add(), _SCOPES).add()
+    keys = (TTFT_ATTRIBUTE, STATUS_ATTRIBUTE, UPSTREAM_ATTRIBUTE)
+    for request_id, *values in records:
+        record = getattr(scope, _RECORDS).add()
+        record.body.string_value = request_id
+        for key, value in zip(keys, values, strict=False):
+            attribute = record.attributes.add()
+            attribute.key = key
+            attribute.value.string_value = value
+    return request

@@ -8,13 +8,21 @@ def test_every_request_is_routed_answered_and_closed():
     assert result.requests == 64
     assert result.routed == 2 * 64  # every request of both rounds reached an endpoint
     assert result.open_streams == 0  # each stream ended at its RST_STREAM (the director heard the end)
-    # one at a time, two answers Envoy waits for, each its own write: the routing and the response headers'
-    assert result.writes_per_request == 2
+    # one at a time, the one answer Envoy waits for in its own write (no response headers: the access log has them)
+    assert result.writes_per_request == 1
     assert all(us > 0 for us in result.rounds)
-    assert "2.00 writes per request" in result.markdown()
+    assert result.learnt == 0  # whole responses: their time to the first byte is not a TTFT
+    assert "1.00 writes per request" in result.markdown()
 
 
 def test_a_read_of_many_requests_is_answered_in_one_write():
     result = handler_cpu.measure(requests=64, batch=16, rounds=1)
     assert result.routed == 64 and result.open_streams == 0
-    assert result.writes_per_request == 2 / 16  # a write per read: the 16 routings, then the 16 response headers'
+    assert result.writes_per_request == 1 / 16  # a write per read: the 16 routings
+
+
+def test_streamed_requests_access_log_records_teach_the_latency_predictor():
+    result = handler_cpu.measure(requests=256, batch=16, rounds=2, streamed=True)
+    assert result.routed == 2 * 256 and result.open_streams == 0
+    assert result.learnt == 2 * 256  # every request's record, matched to its request by id
+    assert "256 streamed requests" in result.markdown() and "learnt from 512 access-log records" in result.markdown()

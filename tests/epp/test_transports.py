@@ -215,17 +215,13 @@ async def test_unknown_method_gets_unimplemented_and_the_connection_stays_good(p
 
 def access_log_export(*records: tuple[str, ...]) -> bytes:
     """An OTLP Export request as Envoy's OpenTelemetry access logger sends it: (body, ttft_us[, status[, upstream]])
-    attribute records."""
-    from opentelemetry.proto.common.v1 import common_pb2
-
-    request = accesslog.ExportRequest()
-    scope = getattr(request.resource_logs.add(), accesslog._SCOPES).add()
-    keys = (accesslog.TTFT_ATTRIBUTE, accesslog.STATUS_ATTRIBUTE, accesslog.UPSTREAM_ATTRIBUTE)
-    for request_id, *values in records:
-        record = getattr(scope, accesslog._RECORDS).add(body=common_pb2.AnyValue(string_value=request_id))
-        record.attributes.add(key="other", value=common_pb2.AnyValue(string_value="x"))
-        for key, value in zip(keys, values, strict=False):
-            record.attributes.add(key=key, value=common_pb2.AnyValue(string_value=value))
+    attribute records, each with an attribute the EPP does not read first."""
+    request = accesslog.export_request(records)
+    for record in getattr(getattr(request.resource_logs[0], accesslog._SCOPES)[0], accesslog._RECORDS):
+        read = [(a.key, a.value.string_value) for a in record.attributes]
+        del record.attributes[:]
+        for key, value in [("other", "x"), *read]:
+            record.attributes.add(key=key).value.string_value = value
     return request.SerializeToString()
 
 

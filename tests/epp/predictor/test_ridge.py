@@ -1,7 +1,9 @@
 import random
 
+import numpy as np
 import pytest
 
+from epp.predictor import ridge
 from epp.predictor.ridge import OnlineRidge
 
 
@@ -74,3 +76,44 @@ def test_nonnegative_fit_matches_the_unconstrained_one_when_it_is_nonnegative_an
     for x, y in points:
         free2.add(x[:2], y)
     assert c[:2] == pytest.approx(free2.coefficients, abs=1e-6)
+
+
+def test_a_nonnegative_refit_started_from_the_previous_fit_finds_the_same_minimum_in_fewer_solves(monkeypatch):
+    """The refit starts its active set from the previous coefficients; the problem has one minimum (A is positive
+    definite), so the start may change the number of solves, never the answer."""
+    solves = []
+    solve = np.linalg.solve
+    monkeypatch.setattr(ridge.np.linalg, "solve", lambda a, b: solves.append(len(b)) or solve(a, b))
+    rng = np.random.default_rng(0)
+    warm_solves = cold_solves = 0
+    for _ in range(300):
+        n = int(rng.integers(1, 14))
+        m = rng.normal(size=(n, n))
+        b = rng.normal(size=n)
+        previous = ridge._nonnegative_solve(m @ m.T + 0.01 * np.eye(n), b)
+        m += 0.05 * rng.normal(size=(n, n))  # the normal equations move a little between refits
+        a, b = m @ m.T + 0.01 * np.eye(n), b + 0.05 * rng.normal(size=n)
+        solves.clear()
+        cold = ridge._nonnegative_solve(a, b)
+        cold_solves += len(solves)
+        solves.clear()
+        warm = ridge._nonnegative_solve(a, b, tuple(previous))
+        warm_solves += len(solves)
+        assert warm.min() >= 0.0
+        assert warm == pytest.approx(cold, abs=1e-9)
+    assert warm_solves < cold_solves / 2
+
+
+def test_online_refits_start_from_the_previous_coefficients_and_match_a_fit_from_scratch():
+    rng = random.Random(5)
+    model = OnlineRidge(6, decay=0.99, refit_every=8, nonnegative=True)
+    for step in range(400):
+        x = tuple(rng.uniform(0.0, 5.0) * (rng.random() < 0.7) for _ in range(6))
+        drift = 1.0 if step < 200 else -1.0  # an input's effect turns negative half way: its coefficient binds
+        model.add(x, 0.5 * x[0] + drift * x[1] + 2.0 * x[2] + rng.gauss(0.0, 0.1))
+        if model.count % 8 == 0:
+            fitted = model.coefficients
+            model.coefficients = None  # the same normal equations solved from scratch
+            model.refit()
+            assert fitted == pytest.approx(model.coefficients, abs=1e-9)
+    assert model.coefficients[1] == 0.0 and min(model.coefficients) >= 0.0
