@@ -1,6 +1,6 @@
 """`epp-bench`: benchmarks of the EPP on a local sim pool.
 
-epp-bench overhead [--servers 4] [--sequential 400] [--concurrency 32] [--requests 2000] [--ext-proc-transport h2|grpcio]
+epp-bench overhead [--servers 4] [--sequential 400] [--concurrency 32] [--requests 2000] [--ext-proc-transport h2|grpcio] [--streamed]
                    [--out DIR]
 epp-bench handler-cpu [--requests 4000] [--batch 16] [--rounds 9] [--streamed]
 """
@@ -40,6 +40,9 @@ def main(argv: list[str] | None = None) -> None:
     over.add_argument("--requests", type=int, default=2000, help="requests per throughput run")
     over.add_argument("--ext-proc-transport", choices=["h2", "grpcio"], default="h2", help="the EPP's gRPC server")
     over.add_argument("--out", type=Path, default=None, help="directory for overhead.json and overhead.md")
+    over.add_argument(
+        "--streamed", action="store_true", help='"stream": true requests: their access-log records train the predictor'
+    )
     cpu = sub.add_parser("handler-cpu", help="the EPP's CPU per request in process: transport, handler, scheduling")
     cpu.add_argument("--requests", type=int, default=4000, help="requests per round")
     cpu.add_argument("--batch", type=int, default=16, help="requests per read (1: one at a time)")
@@ -191,7 +194,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "overhead":
         result = asyncio.run(
             overhead.measure(
-                args.servers, args.sequential, args.concurrency, args.requests, transport=args.ext_proc_transport
+                args.servers,
+                args.sequential,
+                args.concurrency,
+                args.requests,
+                transport=args.ext_proc_transport,
+                streamed=args.streamed,
             )
         )
         report = result.markdown()

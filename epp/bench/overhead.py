@@ -68,6 +68,7 @@ class OverheadResult:
     sequential_requests: int
     concurrency: int
     concurrent_requests: int
+    streamed: bool = False  # the requests asked for streamed responses
     latency_ms: dict[str, dict[str, float]] = field(default_factory=dict)  # target -> p50/p99/mean
     added_latency_ms: dict[str, float] = field(default_factory=dict)
     flow_control_added_ms: dict[str, float] = field(default_factory=dict)  # EPP - EPP without flow control
@@ -102,6 +103,8 @@ class OverheadResult:
                 f"{rps / self.throughput_rps[PLAIN]:.2f} | {cpu} | {loaded} |"
             )
         lines.append("")
+        if self.streamed:
+            lines.append('requests: `"stream": true` (their access-log records teach the EPP\'s latency predictor)')
         lines.append(
             f"added latency of the EPP (ext_proc transport {self.transport}): p50 {self.added_latency_ms['p50']:+.2f} ms, "
             f"p99 {self.added_latency_ms['p99']:+.2f} ms; throughput ratio EPP/plain {self.throughput_ratio:.2f}"
@@ -117,23 +120,25 @@ class OverheadResult:
         return "\n".join(lines)
 
 
-async def _one(session: aiohttp.ClientSession, url: str) -> float:
+async def _one(session: aiohttp.ClientSession, url: str, body: dict = BODY) -> float:
     started = time.perf_counter()
-    async with session.post(url, json=BODY) as response:
+    async with session.post(url, json=body) as response:
         await response.read()
         if response.status != 200:
             raise RuntimeError(f"{url}: HTTP {response.status}")
     return time.perf_counter() - started
 
 
-async def _throughput(session: aiohttp.ClientSession, url: str, total: int, concurrency: int) -> float:
+async def _throughput(
+    session: aiohttp.ClientSession, url: str, total: int, concurrency: int, body: dict = BODY
+) -> float:
     remaining = total
 
     async def worker() -> None:
         nonlocal remaining
         while remaining > 0:
             remaining -= 1
-            await _one(session, url)
+            await _one(session, url, body)
 
     started = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -221,10 +226,14 @@ async def measure(
     with_floor: bool = True,
     with_flow_control_off: bool = True,
     without_access_log: bool = True,
+    streamed: bool = False,
 ) -> OverheadResult:
     """Every target in one run over one pool: sequential latency interleaved request by request, then throughput
     in alternating order. Each target has processes of its own (its Envoy, its processor or router), so their CPU
-    divided by the target's requests is its cost per request; the model servers are shared."""
+    divided by the target's requests is its cost per request; the model servers are shared. `streamed`: every
+    request asks for a streamed response (`"stream": true`, as chat clients do), whose access-log records teach the
+    EPP's latency predictor, which then predicts for every request: what a live EPP pays per streamed request."""
+    body = {**BODY, "stream": True} if streamed else BODY
     base = free_port_block(servers)
     grpc, health, metrics, listener, admin, plain_listener, plain_admin = free_ports(7)
     stack = LocalStack(
@@ -241,7 +250,7 @@ async def measure(
             epp_args=["--ext-proc-transport", transport],
         )
     )
-    result = OverheadResult(transport, servers, sequential, concurrency, concurrent_requests)
+    result = OverheadResult(transport, servers, sequential, concurrency, concurrent_requests, streamed)
     started_at = time.monotonic()
     await stack.start()
     opened: list = []
@@ -305,11 +314,11 @@ async def measure(
         async with aiohttp.ClientSession(connector=connector) as session:
             for url in targets.values():  # warm up connections and caches
                 for _ in range(50):
-                    await _one(session, url)
+                    await _one(session, url, body)
             latencies: dict[str, list[float]] = {name: [] for name in targets}
             for _ in range(sequential):
                 for name, url in targets.items():
-                    latencies[name].append(await _one(session, url))
+                    latencies[name].append(await _one(session, url, body))
             for name, values in latencies.items():
                 result.latency_ms[name] = {
                     "p50": percentile(values, 0.5) * 1e3,
@@ -322,7 +331,9 @@ async def measure(
             for order in (list(targets), list(reversed(targets))):
                 for name in order:
                     phase_start = {k: cpu_seconds(p) for k, p in pids[name].items()}
-                    rates[name].append(await _throughput(session, targets[name], concurrent_requests, concurrency))
+                    rates[name].append(
+                        await _throughput(session, targets[name], concurrent_requests, concurrency, body)
+                    )
                     requests[name] += concurrent_requests
                     for k, p in pids[name].items():
                         loaded_cpu[name, k] += cpu_seconds(p) - phase_start[k]
