@@ -12,7 +12,12 @@ predictor `epp.predictor.shared(pool).predictor`:
 request's LoRA adapter or None. Everything is synchronous and bounded: `routed` costs ~2 us; `observe` is O(n^2)
 for n = 13 inputs plus an O(n^3) re-solve every `refit_every` observations, ~40 us amortised for both targets
 (a 2-core dev box, pure Python); the state is two n x n systems, two error windows and one backlog entry and one
-prefill rate per endpoint.
+prefill rate per endpoint. The models learn from about `max_learn_rate` observations a second at most (200): above
+it, from every k-th, k set from the rate over the last quarter of a second (records come in the proxy's flushes,
+every 100 ms). At a thousand streamed requests a second
+consecutive observations repeat each other, and learning from every one was the larger part of what the predictor
+cost each request (`epp-bench handler-cpu --streamed`, `epp-bench overhead --streamed`); the prefill rates
+(`PrefillBacklog.learn`) still see every observation, their clean samples being rare.
 
 Model: one weighted online ridge regression per target (`OnlineRidge`, coefficients >= 0) on `features.vector`. Each observation is
 weighted by 1 / y^2, so the fit minimises squared *relative* error, which is what MAPE scores and what routing
@@ -53,6 +58,9 @@ TPOT_FLOOR = 0.0005
 # the requests, 25 % of their responses sampled) takes minutes to fill a window, and a few of its own ratios already
 # bound its error better than the pool-wide ones, which the other classes make.
 SIZE_CLASS_MIN = 10
+# The span over which the rate of observations sets how many the models learn from (LatencyPredictor._learns):
+# a few of the proxy's access-log flushes (100 ms apart), short enough that a burst is sampled within it.
+LEARN_RATE_WINDOW = 0.25
 
 
 def size_class(prompt_tokens: int) -> int:
@@ -134,7 +142,8 @@ class _Target:
 
 class LatencyPredictor:
     """Parameters: min_observations (100), max_mape (0.5: predictions are withheld while the windowed error is
-    worse), window (200 observations for the error), decay (0.998 per observation), refit_every (8)."""
+    worse), window (200 observations for the error), decay (0.998 per observation), refit_every (8), max_learn_rate
+    (about 200 observations a second learnt at most)."""
 
     def __init__(
         self,
@@ -143,10 +152,15 @@ class LatencyPredictor:
         window: int = 200,
         decay: float = 0.998,
         refit_every: int = 8,
+        max_learn_rate: float = 200.0,
     ):
-        if min_observations < 1 or max_mape <= 0 or window < 1:
-            raise ValueError("LatencyPredictor: min_observations >= 1, max_mape > 0 and window >= 1 required")
-        self.min_observations, self.max_mape = min_observations, max_mape
+        if min_observations < 1 or max_mape <= 0 or window < 1 or not max_learn_rate > 0:
+            raise ValueError(
+                "LatencyPredictor: min_observations >= 1, max_mape > 0, window >= 1 and max_learn_rate > 0 required"
+            )
+        self.min_observations, self.max_mape, self.max_learn_rate = min_observations, max_mape, max_learn_rate
+        self._learn_stride = 1  # learn from every k-th observation (see _learns)
+        self._seen, self._seen_since = 0, -math.inf  # observations since, and when the window began
         self.ttft = _Target(TTFT_FLOOR, window, decay, refit_every)
         self.tpot = _Target(TPOT_FLOOR, window, decay, refit_every)
         self.ttft_ready = self.tpot_ready = False
@@ -164,7 +178,7 @@ class LatencyPredictor:
         ahead = self.backlog.add(endpoint.spec.name, uncached, now)
         return endpoint_features(endpoint, prompt_tokens, cached_tokens, adapter, ahead)
 
-    def observe(self, features: Features, ttft: float, tpot: float | None) -> None:
+    def observe(self, features: Features, ttft: float, tpot: float | None, now: float | None = None) -> None:
         """Learn from one completed request: seconds to its first token and mean seconds per later token."""
         if not (math.isfinite(ttft) and ttft > 0.0) or (tpot is not None and not (math.isfinite(tpot) and tpot > 0)):
             raise ValueError(f"observed latencies must be finite and positive, got ttft={ttft!r} tpot={tpot!r}")
@@ -172,12 +186,25 @@ class LatencyPredictor:
         # the slowness the prediction was scored with: before this request's own sample
         slowness = backlog.slowness(name)
         backlog.learn(name, features.prompt_tokens - features.cached_tokens, features.backlog_tokens, ttft)
+        if not self._learns(time.monotonic() if now is None else now):
+            return
         x = vector(features)
         self.ttft.learn(x, ttft, features.prompt_tokens, slowness)
         self.ttft_ready = self._ready(self.ttft)
         if tpot is not None:
             self.tpot.learn(x, tpot, features.prompt_tokens)
             self.tpot_ready = self._ready(self.tpot)
+
+    def _learns(self, now: float) -> bool:
+        """Whether the models learn from this observation: all of them up to about max_learn_rate a second; above
+        it every k-th, k = the rate over the last LEARN_RATE_WINDOW over max_learn_rate, rounded."""
+        elapsed = now - self._seen_since
+        if elapsed >= LEARN_RATE_WINDOW:
+            if self._seen_since > -math.inf:
+                self._learn_stride = max(1, round(self._seen / elapsed / self.max_learn_rate))
+            self._seen, self._seen_since = 0, now
+        self._seen += 1
+        return self._seen % self._learn_stride == 0
 
     def _ready(self, target: _Target) -> bool:
         mape = target.mape

@@ -163,3 +163,39 @@ def test_each_endpoint_learns_its_own_prefill_rate_from_long_prompts_that_found_
     assert predictor.predict_ttft(replace(f, endpoint="new")) == predictor.predict_ttft(f)  # not measured: the pool's
     assert backlog.rate("slow-1") == backlog.rates["slow-1"][0]
     assert backlog.rate("new") == backlog.seconds_per_token
+
+
+def test_about_max_learn_rate_observations_a_second_are_learnt_at_most():
+    predictor = LatencyPredictor(min_observations=50, max_learn_rate=200)
+    rng = random.Random(11)
+    now = 1000.0
+
+    def observe(count: int, interval: float) -> int:
+        nonlocal now
+        before = predictor.observations
+        for _ in range(count):
+            f = random_features(rng)
+            predictor.observe(f, true_ttft(f), true_tpot(f), now=now)
+            now += interval
+        return predictor.observations - before
+
+    assert observe(1000, 0.01) == 1000  # 100 a second: every one
+    observe(4000, 0.0005)  # 2,000 a second for 2 s: the stride follows within a quarter of a second
+    assert observe(4000, 0.0005) == pytest.approx(400, abs=2)  # 2 s more: every 10th, 200 a second
+    f = Features(1, 4, 0.2, 3000, 5000, 1000)
+    assert predictor.predict_ttft(f) == pytest.approx(true_ttft(f), rel=0.05)
+    observe(200, 0.01)  # back to 100 a second: the stride falls back within a quarter of a second
+    assert observe(200, 0.01) == 200
+
+
+def test_the_prefill_rates_learn_from_observations_the_models_skip():
+    predictor = LatencyPredictor(max_learn_rate=1)
+    f = Features(0, 0, 0.0, 0, 4000, 0, endpoint="e")  # a long prompt with nothing ahead: a clean prefill sample
+    for i in range(20):
+        predictor.observe(f, 0.4 + 0.01 * (i % 2), None, now=float(i) / 100)  # 100 a second, 1 learnt a second
+    assert predictor.backlog.rates["e"][1] == 20  # every sample counted
+    assert predictor.observations == 20  # (the first quarter of a second learns at the starting stride, 1)
+    for i in range(200):
+        predictor.observe(f, 0.4, None, now=1.0 + i / 100)
+    assert predictor.backlog.rates["e"][1] == 220
+    assert predictor.observations < 20 + 200 // 10
