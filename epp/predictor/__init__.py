@@ -8,7 +8,7 @@ from epp.predictor.candidates import CandidatePredictions
 from epp.predictor.features import Features, endpoint_features
 from epp.predictor.predictor import LatencyPredictor
 
-__all__ = ["CandidatePredictions", "Features", "LatencyPredictor", "endpoint_features", "shared"]
+__all__ = ["CandidatePredictions", "Features", "LatencyPredictor", "endpoint_features", "forget", "shared"]
 
 _SHARED: dict[str, CandidatePredictions] = {}
 
@@ -22,3 +22,9 @@ def shared(pool: str = "default") -> CandidatePredictions:
     if candidates is None:
         candidates = _SHARED[pool] = CandidatePredictions(LatencyPredictor())
     return candidates
+
+
+def forget(pool: str = "default") -> None:
+    """Drop `pool`'s predictions: the next `shared(pool)` starts a predictor that has learnt nothing (a benchmark
+    that builds an EPP's scheduler in a process that may have built one before)."""
+    _SHARED.pop(pool, None)
