@@ -266,4 +266,3 @@ def measure(requests: int = 4000, batch: int = 16, rounds: int = 9, streamed: bo
     )
     predictor.forget()  # leaves no trained predictor behind for the process's next scheduler
     return result
-
