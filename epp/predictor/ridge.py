@@ -81,8 +81,9 @@ def _nonnegative_solve(a: np.ndarray, b: np.ndarray, start: tuple[float, ...] | 
     starting from the feasible point `start` (its positive coefficients are the first free set) or from 0. A is
     positive definite, so the minimum is unique: the start changes how many solves it takes, not the answer."""
     n = len(b)
-    c = np.zeros(n) if start is None else np.maximum(np.array(start, dtype=float), 0.0)
-    free = c > 0.0
+    c = np.zeros(n) if start is None else np.array(start, dtype=float)
+    free = (c > 0.0) & np.isfinite(c)  # a coefficient that is not a finite number starts bound
+    c[~free] = 0.0
     for _ in range(3 * n):
         while free.any():  # solve on the free inputs; move towards it until one would turn negative, bind it
             idx = np.flatnonzero(free)

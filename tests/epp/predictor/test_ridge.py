@@ -102,6 +102,9 @@ def test_a_nonnegative_refit_started_from_the_previous_fit_finds_the_same_minimu
         assert warm.min() >= 0.0
         assert warm == pytest.approx(cold, abs=1e-9)
     assert warm_solves < cold_solves / 2
+    # a start that is no point (NaN, negative, infinite) gives the same minimum
+    bad = (float("nan"), -1.0, float("inf"), *([0.5] * (len(b) - 3)))[: len(b)]
+    assert ridge._nonnegative_solve(a, b, bad) == pytest.approx(ridge._nonnegative_solve(a, b), abs=1e-9)
 
 
 def test_online_refits_start_from_the_previous_coefficients_and_match_a_fit_from_scratch():
