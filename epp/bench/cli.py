@@ -1,7 +1,7 @@
 """`epp-bench`: benchmarks of the EPP on a local sim pool.
 
-epp-bench overhead [--servers 4] [--sequential 400] [--concurrency 32] [--requests 2000] [--ext-proc-transport h2|grpcio] [--streamed]
-                   [--out DIR]
+epp-bench overhead [--servers 4] [--sequential 400] [--concurrency 32] [--requests 2000] [--ext-proc-transport h2|grpcio]
+                   [--streamed] [--out DIR]
 epp-bench handler-cpu [--requests 4000] [--batch 16] [--rounds 9] [--streamed]
 """
 

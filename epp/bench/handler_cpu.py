@@ -6,10 +6,11 @@ read, RST_STREAM in a second (the response headers are not sent: the access log 
 its access-log record, in an OpenTelemetry Export call on a connection of its own that carries a read's worth of
 records, as Envoy batches them. Those frames go to the h2 transport (`epp.grpc_h2.ExtProcConnection`) with the EPP's
 handler, director, default scheduler and flow control over four endpoints, and the access-log handler; the answers
-go to a transport that only counts them. The records' times train the latency predictor, so after the first round
-its plugins predict for every request, and each record costs what learning from it costs, as in a live EPP. The figure is CPU time per request, the least of several rounds: on a shared
-machine noise only adds, and the overhead bench's whole-process figures spread by +-10 % between identical runs,
-which hides any single change worth a few microseconds. `batch` hands that many requests' frames over in each read,
+go to a transport that only counts them. With `--streamed` the records' times train the latency predictor, so
+after the first round its plugins predict for every request and each record costs what learning from it costs, as
+in a live EPP. The figure is CPU time per request, the least of several rounds: on a shared machine noise only
+adds, and the overhead bench's whole-process figures spread by +-10 % between identical runs, which hides any
+single change worth a few microseconds. `batch` hands that many requests' frames over in each read,
 as at concurrency 32.
 
     epp-bench handler-cpu [--requests 4000] [--batch 16] [--rounds 9] [--streamed]
@@ -67,6 +68,8 @@ GRPC_REQUEST_HEADERS = [
     ("x-forwarded-for", "192.0.2.2"),
 ]
 CANCEL = 0x8
+EXPORT_HEADERS = [(k, accesslog.EXPORT_PATH.decode() if k == ":path" else v) for k, v in GRPC_REQUEST_HEADERS]
+TTFT_US = (1800, 2100, 2500, 1900, 2300)  # what the records report: any positive times train the predictor
 
 
 def _headers(pairs: list[tuple[str, str]]) -> pb.HttpHeaders:
@@ -198,10 +201,6 @@ def _director() -> Director:
     return Director(datastore, scheduler, metrics, flow_control)
 
 
-EXPORT_HEADERS = [(k, accesslog.EXPORT_PATH.decode() if k == ":path" else v) for k, v in GRPC_REQUEST_HEADERS]
-TTFT_US = (1800, 2100, 2500, 1900, 2300)  # what the records report: any positive times train the predictor
-
-
 def measure(requests: int = 4000, batch: int = 16, rounds: int = 9, streamed: bool = False) -> HandlerCpuResult:
     """Runs on the caller's thread; needs no event loop (no request waits in flow control: the pool has room).
     `streamed`: the requests ask for a streamed response (`"stream": true`, as chat clients do), whose access-log
@@ -210,9 +209,13 @@ def measure(requests: int = 4000, batch: int = 16, rounds: int = 9, streamed: bo
     director = _director()
     budget = BodyBudget(1 << 30)
     transport, log_transport = CountingTransport(), CountingTransport()
-    connection = ExtProcConnection(lambda reply: RequestStream(director, reply, budget), set())
+
+    def new_stream(reply):
+        return RequestStream(director, reply, budget)
+
+    connection = ExtProcConnection(new_stream, set())
     export = UnaryMethod(accesslog.ExportRequest, accesslog.export_handler(director.on_access_log))
-    log_connection = ExtProcConnection(connection.new_handler, set(), {accesslog.EXPORT_PATH: export})
+    log_connection = ExtProcConnection(new_stream, set(), {accesslog.EXPORT_PATH: export})
     for conn, sink in ((connection, transport), (log_connection, log_transport)):
         conn.connection_made(sink)
         # the client's preface, and a connection window no round uses up (Envoy returns it with WINDOW_UPDATEs)

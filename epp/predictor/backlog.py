@@ -20,8 +20,8 @@ predictor learns in units of that mean and multiplies back. Only such clean
 samples teach it: a long prompt that found nothing ahead measures the GPU, while a ratio of observed to predicted
 latency also measures whatever the model misses about an endpoint's traffic, and an endpoint that a high factor
 keeps requests from keeps it (tried: such a factor per endpoint spread the multi-lora workload's requests 0 to 117
-per server in two runs, where the pool's model alone spread them 53 to 63). Without long prompts every endpoint runs at the
-pool's rate.
+per server in two runs, where the pool's model alone spread them 53 to 63). Without long prompts every endpoint runs
+at the pool's rate.
 Trade-offs: the queue assumes first-come-first-served prefill at the endpoint's rate, and knows only this EPP's
 traffic (several EPP replicas or direct clients each see part of it; the scraped counts still see all). One
 slowness scales a whole TTFT prediction, the decode steps a short prompt waits for included: a GPU generation is

@@ -14,10 +14,10 @@ for n = 13 inputs plus an O(n^3) re-solve every `refit_every` observations, ~40 
 (a 2-core dev box, pure Python); the state is two n x n systems, two error windows and one backlog entry and one
 prefill rate per endpoint. The models learn from about `max_learn_rate` observations a second at most (200): above
 it, from every k-th, k set from the rate over the last quarter of a second (records come in the proxy's flushes,
-every 100 ms); a burst after a quiet spell is learnt whole for its first quarter of a second. At a thousand streamed requests a second
-consecutive observations repeat each other, and learning from every one was the larger part of what the predictor
-cost each request (`epp-bench handler-cpu --streamed`, `epp-bench overhead --streamed`); the prefill rates
-(`PrefillBacklog.learn`) still see every observation, their clean samples being rare.
+every 100 ms); a burst after a quiet spell is learnt whole for its first quarter of a second. At a thousand
+streamed requests a second consecutive observations repeat each other, and learning from every one was the larger
+part of what the predictor cost each request (`epp-bench handler-cpu --streamed`, `epp-bench overhead --streamed`);
+the prefill rates (`PrefillBacklog.learn`) still see every observation, their clean samples being rare.
 
 Model: one weighted online ridge regression per target (`OnlineRidge`, coefficients >= 0) on `features.vector`. Each observation is
 weighted by 1 / y^2, so the fit minimises squared *relative* error, which is what MAPE scores and what routing

@@ -78,8 +78,9 @@ class OnlineRidge:
 
 def _nonnegative_solve(a: np.ndarray, b: np.ndarray, start: tuple[float, ...] | None = None) -> np.ndarray:
     """argmin over c >= 0 of c'Ac/2 - b'c for a positive definite A (least squares from its normal equations),
-    starting from the feasible point `start` (its positive coefficients are the first free set) or from 0. A is
-    positive definite, so the minimum is unique: the start changes how many solves it takes, not the answer."""
+    starting from `start` (its finite positive coefficients are the first free set, the others start at 0) or from
+    0. A is positive definite, so the minimum is unique: the start changes how many solves it takes, not the
+    answer."""
     n = len(b)
     c = np.zeros(n) if start is None else np.array(start, dtype=float)
     free = (c > 0.0) & np.isfinite(c)  # a coefficient that is not a finite number starts bound
