@@ -1,9 +1,9 @@
 """Decision time per request against pool size and prompt length, with a warm prefix index (every endpoint has
 served 200 earlier prompts): the scheduler alone (default profile: filters, scorers, picker, and recording the
-pick), the scheduler with the latency predictor in the profile (`predictor_config`: a trained predictor, every
-request carrying a TTFT objective so that the SLO filter does its work too), and the whole request path of the
-director (`epp.requestcontrol.director`: model, objective, admission, scheduling, accounting and metrics;
-recording the pick; completion)."""
+pick), the scheduler with its latency predictor trained (the same default profile, every request carrying a TTFT
+objective so that the SLO filter does its work too), and the whole request path of the director
+(`epp.requestcontrol.director`: model, objective, admission, scheduling, accounting and metrics; recording the pick;
+completion)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from epp.datalayer.datastore import Datastore
 from epp.datalayer.endpoint import Endpoint, EndpointSpec, PoolState
 from epp.flowcontrol import FlowControlConfig, FlowController
 from epp.metrics import EPPMetrics
-from epp.predictor import LatencyPredictor, endpoint_features, shared
+from epp.predictor import CandidatePredictions, LatencyPredictor, endpoint_features
 from epp.requestcontrol.director import Director
 from epp.scheduling.scheduler import DEFAULT_CONFIG, Scheduler
 from epp.scheduling.types import ResponseInfo, SchedulingRequest, SchedulingResult
@@ -104,24 +104,12 @@ def measure_director(
 
 
 IN_FLIGHT_PER_ENDPOINT = 8
-PREDICTED_POOL = "decision-time"  # the shared predictor (epp.predictor.shared) the predicted profile reads here
 
 
-# The default profile's plugins that read the shared latency predictor (each has a `pool` parameter).
+# The default profile's plugins that read the scheduler's latency predictor.
 PREDICTOR_PLUGINS = frozenset(
     ("slo-headroom-filter", "slo-interference-filter", "predicted-latency-filter", "predicted-latency-scorer")
 )
-
-
-def predictor_config(pool: str = "default") -> str:
-    """The default profile (DEFAULT_CONFIG: the latency predictor's filters first, then its scorer and the others)
-    with its predictor plugins reading the shared predictor `pool` (a test's own, so that tests do not train one
-    another's)."""
-    config = yaml.safe_load(DEFAULT_CONFIG)
-    for plugin in config["plugins"]:
-        if plugin["type"] in PREDICTOR_PLUGINS:
-            plugin["parameters"] = {**plugin.get("parameters", {}), "pool": pool}
-    return yaml.safe_dump(config, sort_keys=False)
 
 
 def scorers_only_config() -> str:
@@ -155,16 +143,15 @@ def measure(
     predictor: LatencyPredictor | None = None,
     max_tokens: int | None = None,
 ) -> float:
-    """Median microseconds per schedule() + on_picked() + on_routed() with the profile `config` (None: the default); `headers`
-    and `max_tokens` go with every request; `predictor` (when given) is the shared predictor PREDICTED_POOL the config
-    reads. The requests stay in flight until IN_FLIGHT_PER_ENDPOINT per endpoint are (then the oldest completes,
-    outside the timed decision), as in a busy pool: what plugins keep per in-flight request is then its usual size."""
+    """Median microseconds per schedule() + on_picked() + on_routed() with the profile `config` (None: the
+    default); `headers` and `max_tokens` go with every request; `predictor` (when given) is the latency predictor
+    the profile's plugins read. The requests stay in flight until IN_FLIGHT_PER_ENDPOINT per endpoint are (then the
+    oldest completes, outside the timed decision), as in a busy pool: what plugins keep per in-flight request is then
+    its usual size."""
     rng = random.Random(seed)
     endpoints = _pool(size, rng)
-    scheduler = Scheduler.from_config(config)
-    if predictor is not None:
-        candidates = shared(PREDICTED_POOL)
-        candidates.predictor, candidates.cached_tokens = predictor, scheduler.prefix_index.cached_tokens
+    given = CandidatePredictions(predictor) if predictor is not None else None
+    scheduler = Scheduler.from_config(config, given)
     system = "".join(rng.choice("abcdefghij ") for _ in range(prompt_bytes))
     for i in range(200):  # warm the prefix index
         request = SchedulingRequest(f"w{i}", "m", system[: prompt_bytes // 2] + str(i))
@@ -193,14 +180,13 @@ def measure(
 
 
 def measure_predicted(size: int, prompt_bytes: int, repeats: int = 300, seed: int = 0) -> float:
-    """`measure` with the predictor in the profile (`predictor_config`), trained, and TTFT and TPOT objectives on
-    every request (slo-interference-filter keeps each one in flight until it completes)."""
+    """`measure` with the default profile's latency predictor trained, and TTFT and TPOT objectives on every
+    request (slo-interference-filter keeps each one in flight until it completes)."""
     return measure(
         size,
         prompt_bytes,
         repeats,
         seed,
-        config=predictor_config(PREDICTED_POOL),
         headers={"x-slo-ttft-ms": "500", "x-slo-tpot-ms": "50"},
         predictor=trained_predictor(_pool(size, random.Random(seed))),
         max_tokens=64,
@@ -211,7 +197,7 @@ def main(sizes=(8, 32, 128), prompts=(1_000, 16_000, 220_000)) -> None:
     with_flow_control = functools.partial(measure_director, flow_control=True)
     for title, function in (
         ("scheduler", measure),
-        ("scheduler with the latency predictor trained (predictor_config: its filters and scorer)", measure_predicted),
+        ("scheduler with the latency predictor trained (its filters and scorer predict)", measure_predicted),
         ("director (whole request path)", measure_director),
         ("director with flow control (its fast path: the pool has room)", with_flow_control),
     ):

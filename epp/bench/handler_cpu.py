@@ -27,7 +27,6 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from hpack import Encoder
 
-from epp import predictor
 from epp.datalayer.datastore import Datastore
 from epp.datalayer.endpoint import EndpointSpec, PoolState
 from epp.flowcontrol import FlowControlConfig, FlowController
@@ -174,8 +173,7 @@ class HandlerCpuResult:
 
 
 def _director() -> Director:
-    """A fresh EPP's director: its latency predictor (the process's, `epp.predictor.shared`) has learnt nothing."""
-    predictor.forget()
+    """A fresh EPP's director: its scheduler's latency predictor has learnt nothing."""
     scheduler = Scheduler.from_config(DEFAULT_CONFIG)
     datastore = Datastore([_NoScraper()], scheduler.on_pool_changed)
     datastore.apply(
@@ -267,5 +265,4 @@ def measure(requests: int = 4000, batch: int = 16, rounds: int = 9, streamed: bo
         streamed=streamed,
         learnt=stats.observations if (stats := director.scheduler.latency_prediction) is not None else 0,
     )
-    predictor.forget()  # leaves no trained predictor behind for the process's next scheduler
     return result

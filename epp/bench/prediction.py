@@ -6,18 +6,19 @@ straight at the servers (no EPP, no Envoy): 20 % ~5,000-token prompts, the rest 
 concurrent clients stepping through `--concurrency` (one phase each). Each request goes to a random server
 (`--route random`, the default); or, once the predictor is ready, to the one with the lowest predicted TTFT
 (`--route predicted`, what the predicted-latency scorer alone would do); or where the EPP's scheduler sends it,
-with its default profile (`--route epp-default`) or with the predictor plugins added (`--route epp-predicted`;
-they abstain during cold start). For every
-request it records the features at send time (`LatencyPredictor.routed`, with this driver's own in-flight prompt
-tokens per server standing in for the EPP's) and the prediction made then, then the TTFT and TPOT observed on the
-response stream, which the predictor learns from (`observe`), as the director will.
+with its default profile, whose predictor plugins read either a predictor of the scheduler's own, which learns
+nothing here (`--route epp-default`: they abstain, the other scorers decide), or the one this driver trains
+(`--route epp-predicted`; they abstain during its cold start). For every request it records the features at send
+time (`LatencyPredictor.routed`, with this driver's own in-flight prompt tokens per server standing in for the
+EPP's) and the prediction made then, then the TTFT and TPOT observed on the response stream, which the predictor
+learns from (`observe`), as the director will.
 
 Reported per phase, over the requests sent after the phase's first quarter (steady load) while the predictor was
 ready: the mean absolute percentage error of the predictions made at send time, and the predictor's own windowed
-MAPE; then the scheduler's decision time at 32 endpoints with the predicted-latency scorer and SLO filter added to
-the default profile, using the trained predictor. Random routing is the harder test: it keeps sending short
-requests behind long prefills, whose progress no feature sees exactly; routing by the prediction avoids most of
-those, and its error is the one that matters for the decisions actually made.
+MAPE; then the scheduler's decision time at 32 endpoints with the default profile reading the trained predictor.
+Random routing is the harder test: it keeps sending short requests behind long prefills, whose progress no feature
+sees exactly; routing by the prediction avoids most of those, and its error is the one that matters for the
+decisions actually made.
 """
 
 from __future__ import annotations
@@ -38,14 +39,13 @@ from epp.bench.ports import free_port_block
 from epp.bench.workloads import _text
 from epp.datalayer.endpoint import Endpoint, EndpointSpec
 from epp.local import LocalStack, StackConfig
-from epp.predictor import shared
+from epp.predictor import CandidatePredictions
 from epp.predictor.features import Features
 from epp.predictor.predictor import LatencyPredictor
 from protocol.metrics import MetricsParseError, parse_metrics
 
 MODEL = "sim-llama-8b"
 CHARS_PER_TOKEN = 4  # the EPP's prompt-token estimate (len(prompt) // 4) is what the director will record
-EVALUATE_POOL = "evaluate"  # the shared predictor (epp.predictor.shared) --route epp-predicted reads
 MIX = ((0.8, 200, 96), (0.2, 5000, 128))  # (share, prompt tokens, output tokens)
 
 
@@ -129,14 +129,12 @@ def _router(route: str, predictor: LatencyPredictor, endpoints: list[Endpoint], 
         return lambda request_id, prompt, tokens, output: routed(rng.choice(endpoints), tokens)
     if route == "predicted":
         return lambda request_id, prompt, tokens, output: routed(_pick(rng, endpoints, predictor, tokens), tokens)
-    from epp.bench.decision import predictor_config
     from epp.scheduling.plugins.predicted_latency_scorer import ROUTED_FEATURES
     from epp.scheduling.scheduler import Scheduler
     from epp.scheduling.types import SchedulingRequest
 
-    scheduler = Scheduler.from_config(None if route == "epp-default" else predictor_config(EVALUATE_POOL))
-    candidates = shared(EVALUATE_POOL)
-    candidates.predictor, candidates.cached_tokens = predictor, scheduler.prefix_index.cached_tokens
+    # the default profile, its latency predictor its own (epp-default) or `predictor` (epp-predicted)
+    scheduler = Scheduler.from_config(None, None if route == "epp-default" else CandidatePredictions(predictor))
 
     def route_by_scheduler(request_id: str, prompt: str, tokens: int, output: int) -> tuple[Endpoint, Features]:
         request = SchedulingRequest(request_id, MODEL, prompt, tokens, max_tokens=output)
@@ -159,8 +157,8 @@ async def drive(
 ) -> list[Sample]:
     """Run the phases against already started servers; every completed request is observed by `predictor`.
     `route`: "random"; "predicted" (the lowest predicted TTFT once the predictor is ready, random before);
-    "epp-default" (the EPP's default profile); "epp-predicted" (that profile plus the SLO filter and the
-    predicted-latency scorer, reading `predictor`: `epp.bench.decision.predictor_config`)."""
+    "epp-default" (the EPP's default profile, with a latency predictor of its own); "epp-predicted" (that profile
+    with its predictor plugins reading `predictor`)."""
     rng = random.Random(seed)
     hostports = [u.removeprefix("http://").rpartition(":") for u in urls]
     endpoints = [Endpoint(EndpointSpec(f"ms-{i}", host, int(port))) for i, (host, _, port) in enumerate(hostports)]
@@ -234,16 +232,15 @@ def phase_report(samples: list[Sample], phase: int, concurrency: int, phase_seco
 
 
 def decision_time(predictor: LatencyPredictor, size: int = 32, repeats: int = 300) -> float:
-    """Median microseconds of schedule() + on_routed() at `size` endpoints with the predictor in the profile
-    (`epp.bench.decision.predictor_config`), reading `predictor`, with the prefix scorer's match wired in as the
-    director does (every request carries a TTFT objective, so the filter does its work too)."""
+    """Median microseconds of schedule() + on_routed() at `size` endpoints with the default profile's predictor
+    plugins reading `predictor`, with the prefix scorer's match wired in as the director does (every request carries
+    a TTFT objective, so the filter does its work too)."""
     from epp.bench import decision
 
     return decision.measure(
         size,
         4000,
         repeats,
-        config=decision.predictor_config(decision.PREDICTED_POOL),
         headers={"x-slo-ttft-ms": "500"},
         predictor=predictor,
     )

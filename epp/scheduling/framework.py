@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 
 from epp.datalayer.endpoint import Endpoint, EndpointSpec
 from epp.datalayer.kv_events import KVBlockIndex
+from epp.predictor import CandidatePredictions, LatencyPredictor
 from epp.scheduling.errors import ConfigError
 from epp.scheduling.types import CycleState, ResponseInfo, SchedulingRequest, SchedulingResult, StateKey, TypedName
 from protocol.metrics import EndpointMetrics
@@ -182,9 +183,20 @@ class LatencyPredictionStats(Plugin):
         """Endpoint name -> its prefill time per token over the mean of the measured endpoints' (2: half as fast as
         the mean), for the endpoints it has measured."""
 
-    @abstractmethod
-    def use_prefix_index(self, index: PrefixIndexStats) -> None:
-        """The scheduler hands over the profile's prefix index: predictions count what it expects cached."""
+
+class LatencyPredictionReader(Plugin):
+    """Reads the latency predictor's predictions (`epp.predictor.CandidatePredictions`). A scheduler has one
+    predictor and hands it to every plugin of its profile that reads one (`use_predictions`): what one plugin feeds,
+    the others read, and no two schedulers share one. A plugin built alone reads a predictor of its own."""
+
+    predictions: CandidatePredictions
+
+    def own_predictor(self) -> None:
+        """Start with a predictor of its own (called by the plugin's constructor)."""
+        self.predictions = CandidatePredictions(LatencyPredictor())
+
+    def use_predictions(self, predictions: CandidatePredictions) -> None:
+        self.predictions = predictions
 
 
 EXTENSION_POINTS = (Filter, Scorer, Picker, PreRequest, ResponseComplete, ResponseTimed, PoolChanged, PrepareData)

@@ -43,10 +43,12 @@ import yaml
 
 from epp.datalayer.endpoint import Endpoint
 from epp.datalayer.kv_events import KVBlockIndex
+from epp.predictor import CandidatePredictions
 from epp.scheduling.errors import ConfigError, NoEndpointError
 from epp.scheduling.framework import (
     Filter,
     KVEventsConsumer,
+    LatencyPredictionReader,
     LatencyPredictionStats,
     Picker,
     Plugin,
@@ -150,7 +152,12 @@ class Scheduler:
     on_routed once the proxy has its answer and on_finished when the request is over; discovery calls on_pool_changed. The profile's plugins are
     checked (check_data_dependencies) and listed in the log at startup."""
 
-    def __init__(self, profile: Profile, detector: SaturationDetector | None = None):
+    def __init__(
+        self,
+        profile: Profile,
+        detector: SaturationDetector | None = None,
+        predictions: CandidatePredictions | None = None,
+    ):
         self.profile = profile
         self.detector = detector or SaturationDetector()
         plugins = profile.plugins
@@ -170,12 +177,21 @@ class Scheduler:
         self.latency_prediction: LatencyPredictionStats | None = next(
             (p for p in plugins if isinstance(p, LatencyPredictionStats)), None
         )
-        if self.latency_prediction is not None and self.prefix_index is not None:
-            self.latency_prediction.use_prefix_index(self.prefix_index)
+        # One latency predictor for every plugin of the profile that reads one (`predictions`, when given, is one
+        # trained elsewhere); its predictions count what the prefix index expects cached.
+        readers = [p for p in plugins if isinstance(p, LatencyPredictionReader)]
+        if predictions is None and readers:
+            predictions = readers[0].predictions
+        self.predictions = predictions
+        for p in readers:
+            p.use_predictions(predictions)
+        if predictions is not None and self.prefix_index is not None:
+            predictions.cached_tokens = self.prefix_index.cached_tokens
 
     @classmethod
-    def from_config(cls, config_text: str | None = None) -> Scheduler:
-        """Build from EndpointPickerConfig YAML (None or "" -> DEFAULT_CONFIG). Raises ConfigError."""
+    def from_config(cls, config_text: str | None = None, predictions: CandidatePredictions | None = None) -> Scheduler:
+        """Build from EndpointPickerConfig YAML (None or "" -> DEFAULT_CONFIG); its plugins read `predictions` when
+        given (a latency predictor trained elsewhere). Raises ConfigError."""
         try:
             config = yaml.safe_load(config_text or DEFAULT_CONFIG)
         except yaml.YAMLError as exc:
@@ -193,7 +209,7 @@ class Scheduler:
             )
         plugins = _build_plugins(config.get("plugins"))
         profile = _build_profile(config.get("schedulingProfiles"), plugins)
-        return cls(profile, SaturationDetector.from_config(config.get("saturationDetector")))
+        return cls(profile, SaturationDetector.from_config(config.get("saturationDetector")), predictions)
 
     def admit(self, request: SchedulingRequest, endpoints: Sequence[Endpoint]) -> None:
         """Raise ShedError (429) for a sheddable request while the pool is saturated."""

@@ -9,14 +9,12 @@ import time
 import pytest
 
 from epp.metrics import EPPMetrics
-from epp.predictor import shared
 from epp.requestcontrol import director as director_module
 from tests.epp.test_server import make_picker
 
 CONFIG = """\
 plugins:
 - type: predicted-latency-scorer
-  parameters: {pool: director-test}
 - type: queue-scorer
 - type: prefix-cache-scorer
 schedulingProfiles:
@@ -53,7 +51,7 @@ def serve(director, stream: bool, first_token_after: float, tokens: int = 5) -> 
 
 def test_streamed_responses_train_the_predictor_and_others_do_not():
     director = make_picker(config=CONFIG)
-    predictions = shared("director-test")
+    predictions = director.scheduler.predictions
     predictor = predictions.predictor
     # the scheduler handed the predictor the profile's prefix index: its expected cached tokens count
     assert predictions.cached_tokens == director.scheduler.prefix_index.cached_tokens
@@ -87,8 +85,8 @@ def test_streamed_responses_train_the_predictor_and_others_do_not():
 def test_a_bursts_next_request_sees_the_prefill_routed_before_it():
     """Requests of one burst are all scheduled before the proxy gets any answer (after_routed comes later): each
     one's prompt joins its pick's prefill backlog at the pick, so the next one's prediction counts it."""
-    director = make_picker(config=CONFIG.replace("director-test", "director-burst"))
-    backlog = shared("director-burst").predictor.backlog
+    director = make_picker(config=CONFIG)
+    backlog = director.scheduler.predictions.predictor.backlog
     contexts = []
     for _ in range(3):
         ctx = director.new_request({":path": "/v1/completions"}, None)
@@ -106,11 +104,10 @@ def test_a_bursts_next_request_sees_the_prefill_routed_before_it():
 def test_requests_with_objectives_leave_the_interference_filter_however_they_end():
     """slo-interference-filter keeps each request with objectives in flight per endpoint; the director's completion
     (once per routed request) releases it whether it was served, failed with a status or was reset."""
-    from epp.bench.decision import predictor_config
     from tests.epp.predictor.conftest import train
 
-    director = make_picker(config=predictor_config("director-interference"))
-    predictor = shared("director-interference").predictor
+    director = make_picker()
+    predictor = director.scheduler.predictions.predictor
     predictor.min_observations = 50
     train(predictor)
     plugin = next(f for f in director.scheduler.profile.filters if f.typed_name.type == "slo-interference-filter")
@@ -145,8 +142,8 @@ def ended(director, ctx, status: str = "200") -> None:
 
 
 def test_access_log_records_train_the_predictor_once_the_proxy_sends_them():
-    director = make_picker(config=CONFIG.replace("director-test", "director-log"))
-    predictor = shared("director-log").predictor
+    director = make_picker(config=CONFIG)
+    predictor = director.scheduler.predictions.predictor
     ended(director, routed(director, "before"))
     director.on_access_log("before", 0.05, "200", None)
     assert predictor.observations == 0  # the proxy's first record: until then nothing waited for one
@@ -176,8 +173,8 @@ def test_access_log_records_train_the_predictor_once_the_proxy_sends_them():
 def test_an_access_logged_request_learns_its_time_per_output_token_from_its_servers_scrapes(monkeypatch):
     """The record gives TTFT; the time per output token is the endpoint's scraped mean gap between tokens from the
     first token to the request's end. Without such scrapes it learns TTFT alone."""
-    director = make_picker(config=CONFIG.replace("director-test", "director-itl"))
-    predictor = shared("director-itl").predictor
+    director = make_picker(config=CONFIG)
+    predictor = director.scheduler.predictions.predictor
     observed = []
     monkeypatch.setattr(predictor, "observe", lambda features, ttft, tpot: observed.append((ttft, tpot)))
     director.on_access_log("-", 0.05, "200", None)  # the proxy sends records
@@ -195,8 +192,8 @@ def test_an_access_logged_request_learns_its_time_per_output_token_from_its_serv
 
 
 def test_the_first_source_of_timings_wins_and_ambiguous_ids_teach_nothing():
-    director = make_picker(config=CONFIG.replace("director-test", "director-sources"))
-    predictor = shared("director-sources").predictor
+    director = make_picker(config=CONFIG)
+    predictor = director.scheduler.predictions.predictor
     director.on_access_log("-", 0.05, "200", None)  # the proxy sends records
     serve(director, stream=True, first_token_after=0.01)  # its body came through: learnt at its end
     assert predictor.observations == 1 and director.awaiting_records == {}
@@ -210,7 +207,7 @@ def test_the_first_source_of_timings_wins_and_ambiguous_ids_teach_nothing():
 
 def test_requests_awaiting_a_record_are_bounded_in_number_and_age(monkeypatch):
     monkeypatch.setattr(director_module, "AWAITING_RECORDS_LIMIT", 4)
-    director = make_picker(config=CONFIG.replace("director-test", "director-bounded"))
+    director = make_picker(config=CONFIG)
     director.on_access_log("-", 0.05, "200", None)
     for i in range(10):
         ended(director, routed(director, f"r{i}"))  # no record ever comes
@@ -242,7 +239,7 @@ def test_says_once_that_no_timings_reach_it(caplog, monkeypatch):
     """Once UNTIMED_RESPONSES_WARNING successful responses have ended over at least UNTIMED_WARNING_SECONDS: a burst
     at start-up that ends before the proxy's first access-log flush is not reason enough."""
     monkeypatch.setattr(director_module, "UNTIMED_WARNING_SECONDS", 0.2)
-    director = make_picker(config=CONFIG.replace("director-test", "director-untimed"))
+    director = make_picker(config=CONFIG)
     said = lambda: [r for r in caplog.records if "access log" in r.getMessage()]  # noqa: E731
     with caplog.at_level("WARNING"):
         for i in range(director_module.UNTIMED_RESPONSES_WARNING - 1):
@@ -257,7 +254,7 @@ def test_says_once_that_no_timings_reach_it(caplog, monkeypatch):
 
 
 def test_no_warning_once_timings_came(caplog):
-    director = make_picker(config=CONFIG.replace("director-test", "director-timed"))
+    director = make_picker(config=CONFIG)
     serve(director, stream=True, first_token_after=0.0)  # the body came through: timings
     with caplog.at_level("WARNING"):
         for i in range(2 * director_module.UNTIMED_RESPONSES_WARNING):
@@ -268,8 +265,8 @@ def test_no_warning_once_timings_came(caplog):
 def test_without_response_headers_the_access_log_record_brings_status_and_served_endpoint():
     """Our bootstrap skips the response-headers round trip when the access log brings every request's record: an
     ended request's status metrics and timings wait for its record, or take one that came first."""
-    director = make_picker(config=CONFIG.replace("director-test", "director-skip"))
-    predictor = shared("director-skip").predictor
+    director = make_picker(config=CONFIG)
+    predictor = director.scheduler.predictions.predictor
     metrics = director.metrics
     first = routed(director, "first")
     director.on_complete(first)  # before the proxy's first record: it waits for one all the same

@@ -240,12 +240,8 @@ async def test_the_predictor_learns_from_the_gateways_access_log_without_respons
     """access_log_percent: Envoy's OpenTelemetry access logger sends the EPP each request's time from sending it
     upstream to the first response body byte; the latency predictor learns streamed requests' TTFT from it while
     no response body passes through the EPP (the rewrite the EPP would undo in a body it saw stays in place)."""
-    from epp.bench.decision import predictor_config
-
     pool = {"rewrites": [{"model": "my-alias", "targets": [{"model": MODEL, "weight": 1}]}]}
-    stack = await make_stack(
-        servers=2, access_log_percent=100, config_text=predictor_config("access-log-test"), pool_extra=pool
-    )
+    stack = await make_stack(servers=2, access_log_percent=100, pool_extra=pool)
     body = {"model": "my-alias", "prompt": "hello there " * 20, "max_tokens": 3, "stream": True}
     async with aiohttp.ClientSession() as session:
 
@@ -299,12 +295,9 @@ async def test_without_response_bodies_the_predictor_learns_time_per_output_toke
     """The access log gives TTFT; the time per output token comes from the server's own inter-token latency
     histogram, scraped over each request's decode: the predictor's TPOT error appears in the EPP's metrics with no
     response body through the EPP."""
-    from epp.bench.decision import predictor_config
-
     stack = await make_stack(
         servers=1,
         access_log_percent=100,
-        config_text=predictor_config("access-log-tpot"),
         extra_modelserver_args=["--sim-decode-base", "0.01"],  # 60 tokens: a 0.6 s decode, 2-3 samples of it
     )
     body = {"model": MODEL, "prompt": "hello there " * 20, "max_tokens": 60, "stream": True}

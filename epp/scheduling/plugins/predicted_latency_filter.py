@@ -1,7 +1,7 @@
 """predicted-latency-filter: drop the endpoints that are predicted slower than the fastest by more than the
 predictor's own error, and let the profile's scorers choose among the rest.
 
-Reads: the pool's latency predictor (`epp.predictor.shared(pool)`), as predicted-latency-scorer does: predicted TTFT
+Reads: the scheduler's latency predictor (`LatencyPredictionReader`), as predicted-latency-scorer does: predicted TTFT
 of the request on each candidate (and TPOT for a long answer, `max_tokens` at least `longOutputTokens`), and the
 predictor's recent ratios observed / predicted (`_Target.ratio_quantile`) for requests of this one's size (prompt
 tokens between the same powers of two; pool-wide until that class has a few).
@@ -18,7 +18,7 @@ loaded, a queue); what it can (a candidate behind a 6,000-token prefill when oth
 So it composes with them by a rule and with no weight: as the predictor's error shrinks, the band narrows and the
 prediction decides more; while it is cold (or its windowed error above its bound) every candidate passes. Feeds the
 predictor as predicted-latency-scorer does (`PredictorFeed`), so a profile needs only one of the two.
-Parameters: pool ("default"), confidence (0.9, in (0.5, 1)), longOutputTokens (256).
+Parameters: confidence (0.9, in (0.5, 1)), longOutputTokens (256).
 Trade-offs: one band per request size for the whole pool; the scorers after it still weigh what the prediction
 already counted (their signals are its inputs) among the candidates it kept, which is where they are more exact
 than it is; the load scorers' request counts are not (a server prefilling a 6,000-token prompt shows no queue), so
@@ -28,7 +28,6 @@ the default profile (`epp.scheduling.scheduler.DEFAULT_CONFIG`) has predicted-la
 from __future__ import annotations
 
 from epp.datalayer.endpoint import Endpoint
-from epp.predictor import shared
 from epp.predictor.candidates import CACHED_TOKENS, PREDICTED_LATENCY, PREDICTION_READS
 from epp.scheduling.errors import ConfigError
 from epp.scheduling.framework import Filter, Parameters, register
@@ -43,7 +42,7 @@ class PredictedLatencyFilter(Filter, PredictorFeed):
 
     def __init__(self, parameters: dict | None):
         p = Parameters("predicted-latency-filter", parameters)
-        self.predictions = shared(p.get("pool", "default", str))
+        self.own_predictor()
         self.confidence = float(p.get("confidence", 0.9, (int, float)))
         self.long_output_tokens = p.get("longOutputTokens", 256, int, minimum=1)
         p.done()

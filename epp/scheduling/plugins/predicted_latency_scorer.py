@@ -1,6 +1,6 @@
 """predicted-latency-scorer: prefer the endpoint predicted to answer this request soonest (GIE/llm-d's name).
 
-Reads: the pool's latency predictor (`epp.predictor.shared(pool)`): predicted TTFT of this request on each
+Reads: the scheduler's latency predictor (`LatencyPredictionReader`): predicted TTFT of this request on each
 candidate from its scraped load, this EPP's in-flight tokens and prefill backlog there, the request's prompt
 tokens and the part the profile's prefix index expects cached there (none without one), and whether its LoRA adapter is loaded; `max_tokens` of the request. For a long answer (`max_tokens` at
 least `longOutputTokens`) the cost is the predicted end-to-end time, TTFT + TPOT x max_tokens, so that a decode
@@ -27,7 +27,7 @@ a 6,000-token prefill shows no queue, one that was just sent a 200-token chat tu
 scorers, exact about what they see, still add theirs, so its weight matters; the default profile
 (`epp.scheduling.scheduler.DEFAULT_CONFIG`) gives it the summed weights of the scorers it replaces there, the
 profile's own balance between load and those signals.
-Parameters: pool ("default": which shared predictor), longOutputTokens (256), replaces ("all" or "load").
+Parameters: longOutputTokens (256), replaces ("all" or "load").
 Trade-offs: it is only as good as the predictor's recent error (`LatencyPredictor.ttft_mape`, for the EPP's
 metrics); one model per pool, its TTFT scaled per endpoint by the prefill speed measured there
 (`PrefillBacklog.slowness`), assumes endpoints that differ only in speed; a scorer added to the profile that it does not replace
@@ -39,14 +39,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from epp.datalayer.endpoint import Endpoint
-from epp.predictor import Features, shared
-from epp.predictor.candidates import CACHED_TOKENS, PREDICTED_LATENCY, PREDICTION_READS, CandidatePredictions
+from epp.predictor import Features
+from epp.predictor.candidates import CACHED_TOKENS, PREDICTED_LATENCY, PREDICTION_READS
 from epp.scheduling.errors import ConfigError
 from epp.scheduling.framework import (
+    LatencyPredictionReader,
     LatencyPredictionStats,
     Parameters,
     PoolChanged,
-    PrefixIndexStats,
     PreRequest,
     ResponseTimed,
     Scorer,
@@ -67,15 +67,13 @@ LOAD_SCORERS = (
 EXACT_SCORERS = ("prefix-cache-scorer", "precise-prefix-cache-scorer", "lora-affinity-scorer")
 
 
-class PredictorFeed(PreRequest, ResponseTimed, PoolChanged, LatencyPredictionStats):
-    """The hooks that train the pool's predictor, shared by the plugins that read it (this scorer and
+class PredictorFeed(LatencyPredictionReader, PreRequest, ResponseTimed, PoolChanged, LatencyPredictionStats):
+    """The hooks that train the predictor, shared by the plugins that read it (this scorer and
     predicted-latency-filter): at the pick the request's features on its endpoint (and its prompt into the
     endpoint's prefill backlog), then the observed TTFT and TPOT; a departed endpoint's prefill rate goes with the
-    pool change. With both plugins in one profile the first one fed
-    does it, once per request. Needs `self.predictions`."""
+    pool change. With both plugins in one profile the first one fed does it, once per request."""
 
     at_pick = True  # the prompt joins the pick's prefill backlog before the next request of a burst is scheduled
-    predictions: CandidatePredictions
 
     def pre_request(self, request: SchedulingRequest, result: SchedulingResult) -> None:
         if result.cycle_state.read(ROUTED_FEATURES) is not None:
@@ -113,9 +111,6 @@ class PredictorFeed(PreRequest, ResponseTimed, PoolChanged, LatencyPredictionSta
     def endpoint_slowness(self) -> dict[str, float]:
         return self.predictions.predictor.backlog.measured_slowness()
 
-    def use_prefix_index(self, index: PrefixIndexStats) -> None:
-        self.predictions.cached_tokens = index.cached_tokens
-
 
 @register("predicted-latency-scorer")
 class PredictedLatencyScorer(Scorer, PredictorFeed):
@@ -125,7 +120,7 @@ class PredictedLatencyScorer(Scorer, PredictorFeed):
 
     def __init__(self, parameters: dict | None):
         p = Parameters("predicted-latency-scorer", parameters)
-        self.predictions = shared(p.get("pool", "default", str))
+        self.own_predictor()
         self.long_output_tokens = p.get("longOutputTokens", 256, int, minimum=1)
         replaces = p.get("replaces", "all", str)
         p.done()

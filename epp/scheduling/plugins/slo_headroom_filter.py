@@ -1,7 +1,7 @@
 """slo-headroom-filter: a request that states latency objectives goes to an endpoint predicted to meet them.
 
 Reads: the request headers `x-slo-ttft-ms` and `x-slo-tpot-ms` (GIE/llm-d's names; milliseconds, either or both)
-and the pool's latency predictor (`epp.predictor.shared(pool)`), as predicted-latency-scorer does.
+and the scheduler's latency predictor (`LatencyPredictionReader`), as predicted-latency-scorer does.
 Keeps the candidates predicted to meet the objectives with the headroom the predictor's own recent error calls
 for: a candidate qualifies when prediction x margin is within the objective, where the margin is the `confidence`
 quantile of observed / predicted over the predictor's recent window for requests of this one's size
@@ -13,7 +13,7 @@ ratio), so the request is still served as well as the pool can; shedding it inst
 Passes every candidate through when the request states no objective, when a header is not a positive number (an
 objective the client got wrong is no reason to fail its request), and while the predictor is cold; a TPOT objective
 is ignored while TPOT is cold.
-Parameters: pool ("default"), confidence (0.9, in (0, 1)): the share of qualifying requests that should meet their
+Parameters: confidence (0.9, in (0, 1)): the share of qualifying requests that should meet their
 objectives (a statement of the service level wanted, not a fitted weight).
 Trade-offs: a high confidence sends SLO traffic to the emptiest endpoints only; filtering acts before scoring, so
 among the endpoints that qualify the scorers (latency, prefix, load) still choose, which keeps cache affinity for
@@ -25,10 +25,9 @@ from __future__ import annotations
 import math
 
 from epp.datalayer.endpoint import Endpoint
-from epp.predictor import shared
 from epp.predictor.candidates import CACHED_TOKENS, PREDICTED_LATENCY, PREDICTION_READS
 from epp.scheduling.errors import ConfigError
-from epp.scheduling.framework import Filter, Parameters, register
+from epp.scheduling.framework import Filter, LatencyPredictionReader, Parameters, register
 from epp.scheduling.types import CycleState, SchedulingRequest
 
 TTFT_HEADER = "x-slo-ttft-ms"
@@ -48,13 +47,13 @@ def objective_seconds(headers: dict[str, str], name: str) -> float | None:
 
 
 @register("slo-headroom-filter")
-class SLOHeadroomFilter(Filter):
+class SLOHeadroomFilter(Filter, LatencyPredictionReader):
     consumes = PREDICTION_READS
     produces = (PREDICTED_LATENCY, CACHED_TOKENS)
 
     def __init__(self, parameters: dict | None):
         p = Parameters("slo-headroom-filter", parameters)
-        self.predictions = shared(p.get("pool", "default", str))
+        self.own_predictor()
         self.confidence = float(p.get("confidence", 0.9, (int, float)))
         p.done()
         if not 0 < self.confidence < 1:

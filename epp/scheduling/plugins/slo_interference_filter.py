@@ -11,7 +11,7 @@ s) stretches the decode of the chat turns whose 50 ms per-token objective leaves
 holds back the first token of a chat turn routed there a moment before it (300 ms objective, ~100 ms predicted).
 
 Reads: the request headers `x-slo-ttft-ms` / `x-slo-tpot-ms` (slo-headroom-filter's) and its `max_tokens`; the
-pool's latency predictor (`epp.predictor.shared(pool)`): the request's predicted TTFT and TPOT on the endpoint it
+scheduler's latency predictor (`LatencyPredictionReader`): the request's predicted TTFT and TPOT on the endpoint it
 was routed to, the prefix match (cached tokens, `CandidatePredictions.cached_tokens`, which predicted-latency-filter
 or -scorer wires; without them every prompt counts as uncached) and the learnt prefill rate (seconds per uncached
 prompt token on the endpoint, `PrefillBacklog.rate`).
@@ -34,7 +34,7 @@ Cost: the slacks are budgets on a per-endpoint clock of the prefill time placed 
 addition whatever the requests in flight, and counting the requests it breaks is two bisections of the sorted TPOT
 budgets plus a look at the few waiting for their first token; the prefix match only on the endpoints where the
 prefill, with nothing cached, would break one.
-Parameters: pool ("default").
+Parameters: none.
 Trade-offs: a request that missed its TTFT objective through a prefill placed beside it is dropped, but one that
 missed it otherwise (the prediction was wrong) is still protected for its decode. The predicted TPOT an entry starts
 from already includes the stalls typical of the traffic it was learnt from, so the slack is conservative (a stall
@@ -51,9 +51,15 @@ import time
 from bisect import bisect_left, insort
 
 from epp.datalayer.endpoint import Endpoint
-from epp.predictor import shared
 from epp.predictor.candidates import CACHED_TOKENS, PREDICTED_LATENCY, PREDICTION_READS
-from epp.scheduling.framework import Filter, Parameters, PreRequest, ResponseComplete, register
+from epp.scheduling.framework import (
+    Filter,
+    LatencyPredictionReader,
+    Parameters,
+    PreRequest,
+    ResponseComplete,
+    register,
+)
 from epp.scheduling.plugins.slo_headroom_filter import TPOT_HEADER, TTFT_HEADER, objective_seconds
 from epp.scheduling.types import CycleState, ResponseInfo, SchedulingRequest, SchedulingResult, StateKey
 
@@ -142,7 +148,7 @@ IN_FLIGHT: StateKey[InFlight] = StateKey("slo-interference-in-flight")
 
 
 @register("slo-interference-filter")
-class SLOInterferenceFilter(Filter, PreRequest, ResponseComplete):
+class SLOInterferenceFilter(Filter, LatencyPredictionReader, PreRequest, ResponseComplete):
     consumes = PREDICTION_READS
     produces = (PREDICTED_LATENCY, CACHED_TOKENS, IN_FLIGHT)
     # the entry and the stall must be in place before the next request of a burst is scheduled
@@ -150,7 +156,7 @@ class SLOInterferenceFilter(Filter, PreRequest, ResponseComplete):
 
     def __init__(self, parameters: dict | None):
         p = Parameters("slo-interference-filter", parameters)
-        self.predictions = shared(p.get("pool", "default", str))
+        self.own_predictor()
         p.done()
         self.ledgers: dict[str, Ledger] = {}  # endpoint name -> its requests in flight with objectives; none empty
 

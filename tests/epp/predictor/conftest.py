@@ -1,19 +1,25 @@
 """A pool-shaped synthetic latency model: TTFT and TPOT as the sim's step-time model would give them."""
 
-import itertools
 import random
 
 import pytest
 
-from epp.predictor import Features, shared
-
-_pools = itertools.count()
+from epp.predictor import CandidatePredictions, Features, LatencyPredictor
+from epp.scheduling.framework import LatencyPredictionReader, build_plugin
 
 
 @pytest.fixture
-def pool():
-    """A fresh shared predictor per test (the registry is process-wide)."""
-    return f"test-pool-{next(_pools)}"
+def predictions() -> CandidatePredictions:
+    """A latency predictor of the test's own, as a scheduler hands its plugins (`Scheduler.predictions`)."""
+    return CandidatePredictions(LatencyPredictor())
+
+
+def reading(plugin_type: str, predictions: CandidatePredictions, parameters: dict | None = None):
+    """The plugin built from `parameters`, reading `predictions` as a scheduler would hand them over."""
+    plugin = build_plugin(plugin_type, parameters)
+    assert isinstance(plugin, LatencyPredictionReader)
+    plugin.use_predictions(predictions)
+    return plugin
 
 
 def true_ttft(f: Features) -> float:
@@ -45,8 +51,8 @@ def train(predictor, count: int = 300, noise: float = 0.03, seed: int = 0) -> No
         predictor.observe(f, true_ttft(f) * (1 + noise * rng.gauss(0, 1)), true_tpot(f) * (1 + noise * rng.gauss(0, 1)))
 
 
-def trained(pool: str) -> None:
-    """The pool's shared predictor, past its cold start on the synthetic model."""
-    predictor = shared(pool).predictor
+def trained(predictions: CandidatePredictions) -> None:
+    """`predictions`' predictor, past its cold start on the synthetic model."""
+    predictor = predictions.predictor
     predictor.min_observations = 50
     train(predictor)

@@ -4,82 +4,78 @@ import time
 
 import pytest
 
-from epp.bench.decision import predictor_config
-from epp.predictor import shared
 from epp.scheduling.errors import ConfigError
-from epp.scheduling.framework import build_plugin
+from epp.scheduling.framework import LatencyPredictionReader, build_plugin
 from epp.scheduling.plugins.predicted_latency_scorer import ROUTED_FEATURES
 from epp.scheduling.scheduler import Scheduler
 from epp.scheduling.types import CycleState, ResponseInfo, SchedulingRequest
 from tests.epp.helpers import endpoint
-from tests.epp.predictor.conftest import train, trained
+from tests.epp.predictor.conftest import reading, train, trained
 
 
 def req(prompt_tokens=1000, headers=None, max_tokens=None, model="m"):
     return SchedulingRequest("r", model, "", prompt_tokens, headers=headers or {}, max_tokens=max_tokens)
 
 
-def pool_of_three(pool):
+def pool_of_three(predictions):
     """Idle; a long prompt just routed there (still in its prefill backlog); no queue but a big decode batch."""
     endpoints = [
         endpoint(0),
         endpoint(1, in_flight=1, in_flight_tokens=6000, waiting=1),
         endpoint(2, running=15, in_flight=15, in_flight_tokens=3000),
     ]
-    shared(pool).predictor.routed(endpoints[1], 6000, 0, None)
+    predictions.predictor.routed(endpoints[1], 6000, 0, None)
     return endpoints
 
 
-def test_scorer_abstains_while_cold(pool):
-    scorer = build_plugin("predicted-latency-scorer", {"pool": pool})
-    assert scorer.score(CycleState(), req(), pool_of_three(pool)) is None
+def test_scorer_abstains_while_cold(predictions):
+    scorer = reading("predicted-latency-scorer", predictions)
+    assert scorer.score(CycleState(), req(), pool_of_three(predictions)) is None
 
 
-def test_scorer_prefers_the_fastest_predicted_endpoint(pool):
-    trained(pool)
-    scorer = build_plugin("predicted-latency-scorer", {"pool": pool})
-    endpoints, request, cycle = pool_of_three(pool), req(), CycleState()
+def test_scorer_prefers_the_fastest_predicted_endpoint(predictions):
+    trained(predictions)
+    scorer = reading("predicted-latency-scorer", predictions)
+    endpoints, request, cycle = pool_of_three(predictions), req(), CycleState()
     scores = scorer.score(cycle, request, endpoints)
     ttfts = [
-        t for t, _ in shared(pool).get(cycle, request, endpoints, tpot=False)
+        t for t, _ in predictions.get(cycle, request, endpoints, tpot=False)
     ]  # the same cycle: what the scorer used
     assert scores[0] == 1.0 and all(0 < s < 1 for s in scores[1:])
     assert scores == pytest.approx([min(ttfts) / t for t in ttfts])
     assert ttfts[1] > 0.6  # ~6,000 tokens ahead at 0.1 ms each (and the waiting one) are learnt
 
 
-def test_scorer_counts_tpot_for_long_outputs(pool):
-    trained(pool)
-    scorer = build_plugin("predicted-latency-scorer", {"pool": pool, "longOutputTokens": 100})
+def test_scorer_counts_tpot_for_long_outputs(predictions):
+    trained(predictions)
+    scorer = reading("predicted-latency-scorer", predictions, {"longOutputTokens": 100})
     # TTFT: 0 is a little better (no tokens in flight); TPOT: 0 has a 15-request decode batch, 1 none
     endpoints = [endpoint(0, running=15, in_flight=15, in_flight_tokens=0), endpoint(1, in_flight_tokens=200)]
     assert scorer.score(CycleState(), req(max_tokens=50), endpoints)[0] == 1.0  # short answer: TTFT decides
-    costs = [t + p * 5000 for t, p in shared(pool).get(CycleState(), req(), endpoints, tpot=True)]
+    costs = [t + p * 5000 for t, p in predictions.get(CycleState(), req(), endpoints, tpot=True)]
     long = scorer.score(CycleState(), req(max_tokens=5000), endpoints)
     assert long == pytest.approx([min(costs) / c for c in costs])
     assert long[1] == 1.0
 
 
-def test_cached_tokens_lower_the_prediction(pool):
-    trained(pool)
-    candidates = shared(pool)
+def test_cached_tokens_lower_the_prediction(predictions):
+    trained(predictions)
+    candidates = predictions
     endpoints = [endpoint(0), endpoint(1)]
     candidates.cached_tokens = lambda cycle_state, request, endpoints: [
         4000 if e.name == "e1" else 0 for e in endpoints
     ]
-    scores = build_plugin("predicted-latency-scorer", {"pool": pool}).score(
-        CycleState(), req(prompt_tokens=5000), endpoints
-    )
+    scores = reading("predicted-latency-scorer", predictions).score(CycleState(), req(prompt_tokens=5000), endpoints)
     assert scores[1] == 1.0 and scores[0] < 0.5
 
 
-def test_filter_keeps_endpoints_predicted_to_meet_the_objective_with_the_error_margin(pool):
-    trained(pool)
-    f = build_plugin("slo-headroom-filter", {"pool": pool, "confidence": 0.9})
-    margin = shared(pool).predictor.ttft.ratio_quantile(0.9)  # observed / predicted, 90th percentile
+def test_filter_keeps_endpoints_predicted_to_meet_the_objective_with_the_error_margin(predictions):
+    trained(predictions)
+    f = reading("slo-headroom-filter", predictions, {"confidence": 0.9})
+    margin = predictions.predictor.ttft.ratio_quantile(0.9)  # observed / predicted, 90th percentile
     assert 1.0 < margin < 1.2  # the synthetic pool's noise is 3 %
-    endpoints = pool_of_three(pool)
-    ttfts = [t for t, _ in shared(pool).get(CycleState(), req(), endpoints, tpot=False)]
+    endpoints = pool_of_three(predictions)
+    ttfts = [t for t, _ in predictions.get(CycleState(), req(), endpoints, tpot=False)]
     slo_ms = max(ttfts[0], ttfts[2]) * margin * 1e3 * 1.001  # 0 and 2 meet it with the margin, 1 does not
     assert f.filter(CycleState(), req(headers={"x-slo-ttft-ms": f"{slo_ms:.4f}"}), endpoints) == [
         endpoints[0],
@@ -91,8 +87,8 @@ def test_filter_keeps_endpoints_predicted_to_meet_the_objective_with_the_error_m
     assert f.filter(CycleState(), req(headers={"x-slo-ttft-ms": tight}), endpoints) == [endpoints[0]]
 
 
-def test_the_margin_follows_the_predictor_error(pool):
-    predictor = shared(pool).predictor
+def test_the_margin_follows_the_predictor_error(predictions):
+    predictor = predictions.predictor
     train(predictor, noise=0.01)
     tight = predictor.ttft.ratio_quantile(0.9)
     train(predictor, count=300, noise=0.3, seed=1)  # the pool becomes noisier: the window fills with larger errors
@@ -100,28 +96,27 @@ def test_the_margin_follows_the_predictor_error(pool):
     assert predictor.ttft.ratio_quantile(0.5) < predictor.ttft.ratio_quantile(0.9)
 
 
-def test_filter_checks_tpot_objectives(pool):
-    trained(pool)
-    f = build_plugin("slo-headroom-filter", {"pool": pool})
-    endpoints = pool_of_three(pool)
-    tpots = [p for _, p in shared(pool).get(CycleState(), req(), endpoints, tpot=True)]
+def test_filter_checks_tpot_objectives(predictions):
+    trained(predictions)
+    f = reading("slo-headroom-filter", predictions)
+    endpoints = pool_of_three(predictions)
+    tpots = [p for _, p in predictions.get(CycleState(), req(), endpoints, tpot=True)]
     limit = f"{(tpots[0] + tpots[2]) / 2 * 1e3:.4f}"  # the 15-request decode batch of endpoint 2 misses it
     assert endpoints[2] not in f.filter(CycleState(), req(headers={"x-slo-tpot-ms": limit}), endpoints)
 
 
 @pytest.mark.parametrize("headers", [{}, {"x-slo-ttft-ms": "abc"}, {"x-slo-ttft-ms": "-5"}, {"x-slo-tpot-ms": "nan"}])
-def test_filter_passes_everything_without_a_usable_objective(pool, headers):
-    trained(pool)
-    endpoints = pool_of_three(pool)
+def test_filter_passes_everything_without_a_usable_objective(predictions, headers):
+    trained(predictions)
+    endpoints = pool_of_three(predictions)
     assert (
-        build_plugin("slo-headroom-filter", {"pool": pool}).filter(CycleState(), req(headers=headers), endpoints)
-        == endpoints
+        reading("slo-headroom-filter", predictions).filter(CycleState(), req(headers=headers), endpoints) == endpoints
     )
 
 
-def test_filter_passes_everything_while_cold(pool):
-    endpoints = pool_of_three(pool)
-    f = build_plugin("slo-headroom-filter", {"pool": pool})
+def test_filter_passes_everything_while_cold(predictions):
+    endpoints = pool_of_three(predictions)
+    f = reading("slo-headroom-filter", predictions)
     assert f.filter(CycleState(), req(headers={"x-slo-ttft-ms": "1"}), endpoints) == endpoints
 
 
@@ -132,7 +127,7 @@ def test_filter_passes_everything_while_cold(pool):
         ("slo-headroom-filter", {"confidence": 0}),
         ("slo-headroom-filter", {"headroom": 0.2}),
         ("predicted-latency-scorer", {"longOutputTokens": 0}),
-        ("predicted-latency-scorer", {"pool": 3}),
+        ("predicted-latency-scorer", {"pool": "default"}),  # one predictor per scheduler: no pool to name
         ("predicted-latency-scorer", {"unknown": 1}),
         ("predicted-latency-scorer", {"replaces": "prefix"}),
     ],
@@ -142,24 +137,25 @@ def test_bad_parameters_are_config_errors(plugin, parameters):
         build_plugin(plugin, parameters)
 
 
-def profile_of(pool: str, *plugins: str) -> Scheduler:
-    """A scheduler whose one profile runs these predictor plugins, in order, all on `pool`'s predictor."""
-    declared = "".join(f"- type: {p}\n  parameters: {{pool: {pool}}}\n" for p in plugins)
+def profile_of(predictions, *plugins: str) -> Scheduler:
+    """A scheduler whose one profile runs these predictor plugins, in order, all reading `predictions`."""
+    declared = "".join(f"- type: {p}\n" for p in plugins)
     refs = "".join(f"  - pluginRef: {p}\n" for p in plugins)
-    return Scheduler.from_config(f"plugins:\n{declared}schedulingProfiles:\n- name: default\n  plugins:\n{refs}")
+    config = f"plugins:\n{declared}schedulingProfiles:\n- name: default\n  plugins:\n{refs}"
+    return Scheduler.from_config(config, predictions)
 
 
-def test_profile_with_both_plugins_routes_to_the_fastest(pool):
-    trained(pool)
-    scheduler = profile_of(pool, "slo-headroom-filter", "predicted-latency-scorer")
-    endpoints = pool_of_three(pool)
+def test_profile_with_both_plugins_routes_to_the_fastest(predictions):
+    trained(predictions)
+    scheduler = profile_of(predictions, "slo-headroom-filter", "predicted-latency-scorer")
+    endpoints = pool_of_three(predictions)
     result = scheduler.schedule(req(headers={"x-slo-ttft-ms": "10000"}), endpoints)
     assert result.primary is endpoints[0]
 
 
-def test_predictions_are_shared_within_a_cycle_and_renewed_in_the_next(pool):
-    trained(pool)
-    candidates = shared(pool)
+def test_predictions_are_shared_within_a_cycle_and_renewed_in_the_next(predictions):
+    trained(predictions)
+    candidates = predictions
     endpoints, request, cycle = [endpoint(0), endpoint(1)], req(prompt_tokens=3000), CycleState()
     first = candidates.get(cycle, request, endpoints, tpot=True)
     candidates.predictor.routed(endpoints[1], 5000, 0, None)
@@ -171,9 +167,9 @@ def test_predictions_are_shared_within_a_cycle_and_renewed_in_the_next(pool):
     assert again[0][0] == pytest.approx(first[0][0], rel=1e-3) and again[1][0] > first[1][0] + 0.1
 
 
-def test_tpot_is_predicted_only_for_a_reader_that_needs_it(pool):
-    trained(pool)
-    candidates = shared(pool)
+def test_tpot_is_predicted_only_for_a_reader_that_needs_it(predictions):
+    trained(predictions)
+    candidates = predictions
     endpoints, request, cycle = [endpoint(0), endpoint(1)], req(prompt_tokens=3000), CycleState()
     ttft_only = candidates.get(cycle, request, endpoints, tpot=False)
     assert all(tpot is None for _, tpot in ttft_only)
@@ -182,11 +178,11 @@ def test_tpot_is_predicted_only_for_a_reader_that_needs_it(pool):
     assert [t for t, _ in both] == pytest.approx([t for t, _ in ttft_only])
 
 
-def test_an_adapter_not_loaded_on_the_pick_is_recorded_as_a_load(pool):
+def test_an_adapter_not_loaded_on_the_pick_is_recorded_as_a_load(predictions):
     """The pick lacks the adapter another candidate runs: its features say the adapter must be loaded there, and
     still do once no endpoint reports it (the name is remembered as an adapter's); a base-model request's do not."""
-    trained(pool)
-    scorer = build_plugin("predicted-latency-scorer", {"pool": pool})
+    trained(predictions)
+    scorer = reading("predicted-latency-scorer", predictions)
     holder, other = endpoint(0, running_adapters=("sql-lora",)), endpoint(1)
     scheduler = Scheduler.from_config(None)
     for model, endpoints, loaded in (
@@ -200,15 +196,14 @@ def test_an_adapter_not_loaded_on_the_pick_is_recorded_as_a_load(pool):
         assert result.cycle_state.read(ROUTED_FEATURES).adapter_loaded is loaded
 
 
-def test_while_it_predicts_the_latency_scorer_replaces_the_scorers_whose_signals_it_models(pool):
+def test_while_it_predicts_the_latency_scorer_replaces_the_scorers_whose_signals_it_models(predictions):
     """Default scorers plus the latency scorer: cold, they decide (the queue scorer prefers the idle endpoint 0);
     warm, only the prediction counts, whatever the weights, and no other scorer runs."""
-    config = f"""
+    config = """
 plugins:
 - type: queue-scorer
 - type: prefix-cache-scorer
 - type: predicted-latency-scorer
-  parameters: {{pool: {pool}}}
 schedulingProfiles:
 - name: default
   plugins:
@@ -217,9 +212,9 @@ schedulingProfiles:
   - pluginRef: prefix-cache-scorer
   - pluginRef: predicted-latency-scorer
 """
-    scheduler = Scheduler.from_config(config)
+    scheduler = Scheduler.from_config(config, predictions)
     assert scheduler.profile.scorers[0][0].typed_name.type == "predicted-latency-scorer"  # runs first
-    endpoints = pool_of_three(pool)
+    endpoints = pool_of_three(predictions)
     cold = scheduler.schedule(req(), endpoints)
     assert [name.type for name, _ in cold.timings] == [
         "predicted-latency-scorer",
@@ -228,22 +223,22 @@ schedulingProfiles:
         "max-score-picker",
     ]
     assert [name.type for name in cold.raw_scores] == ["queue-scorer"]  # the others abstained
-    trained(pool)
+    trained(predictions)
     warm = scheduler.schedule(req(), endpoints)
     assert [name.type for name in warm.raw_scores] == ["predicted-latency-scorer"]
     assert [name.type for name, _ in warm.timings] == ["predicted-latency-scorer", "max-score-picker"]
     assert warm.primary is endpoints[0]
 
 
-def test_replacing_only_the_load_scorers_leaves_the_prefix_and_lora_scorers_to_add_theirs(pool):
+def test_replacing_only_the_load_scorers_leaves_the_prefix_and_lora_scorers_to_add_theirs(predictions):
     """`replaces: load`: warm, the queue scorer is skipped and the prefix scorer still runs (it abstains here: no
     prompt blocks known); cold, the queue scorer decides as without it."""
-    config = f"""
+    config = """
 plugins:
 - type: queue-scorer
 - type: prefix-cache-scorer
 - type: predicted-latency-scorer
-  parameters: {{pool: {pool}, replaces: load}}
+  parameters: {replaces: load}
 schedulingProfiles:
 - name: default
   plugins:
@@ -251,11 +246,11 @@ schedulingProfiles:
   - pluginRef: prefix-cache-scorer
   - pluginRef: predicted-latency-scorer
 """
-    scheduler = Scheduler.from_config(config)
-    endpoints = pool_of_three(pool)
+    scheduler = Scheduler.from_config(config, predictions)
+    endpoints = pool_of_three(predictions)
     cold = scheduler.schedule(req(), endpoints)
     assert [name.type for name in cold.raw_scores] == ["queue-scorer"]
-    trained(pool)
+    trained(predictions)
     warm = scheduler.schedule(req(), endpoints)
     assert [name.type for name, _ in warm.timings] == [
         "predicted-latency-scorer",
@@ -265,22 +260,21 @@ schedulingProfiles:
     assert [name.type for name in warm.raw_scores] == ["predicted-latency-scorer"]
 
 
-def test_predicted_profile_sends_a_long_prompt_to_the_idle_server_not_to_one_still_busy_with_another(pool):
+def test_predicted_profile_sends_a_long_prompt_to_the_idle_server_not_to_one_still_busy_with_another(predictions):
     """The case that put 6,000-token prompts behind one another on the heterogeneous workload: in a burst, an idle
     server was just sent a chat turn (lag-corrected: one waiting) while another has a long prompt not answered yet
     (running, none waiting). Both pass the band; the queue scorer prefers the busy one, the prediction the idle
     one. (Both backlogs have drained, so that the predictions do not change while the test runs.)"""
-    trained(pool)
-    predictor = shared(pool).predictor
+    trained(predictions)
+    predictor = predictions.predictor
     idle = endpoint(0, in_flight=1, in_flight_tokens=200)  # a chat turn routed since the last scrape
     busy = endpoint(1, running=1, in_flight=1, in_flight_tokens=4000)  # a long prompt not answered yet
     for e in (idle, busy):
         predictor.routed(e, e.in_flight_tokens, 0, None, now=time.monotonic() - 1.0)
     endpoints, request = [idle, busy], req(prompt_tokens=6000, max_tokens=50)
-    load_scorers = f"""
+    load_scorers = """
 plugins:
 - type: predicted-latency-filter
-  parameters: {{pool: {pool}}}
 - type: queue-scorer
 - type: kv-cache-utilization-scorer
 - type: in-flight-tokens-scorer
@@ -288,41 +282,39 @@ schedulingProfiles:
 - name: default
   plugins:
   - pluginRef: predicted-latency-filter
-  - {{pluginRef: queue-scorer, weight: 2}}
-  - {{pluginRef: kv-cache-utilization-scorer, weight: 2}}
-  - {{pluginRef: in-flight-tokens-scorer, weight: 1}}
+  - {pluginRef: queue-scorer, weight: 2}
+  - {pluginRef: kv-cache-utilization-scorer, weight: 2}
+  - {pluginRef: in-flight-tokens-scorer, weight: 1}
 """
     # the band, then the load scorers as the default profile weighs them: by the counts (one queued on the idle one,
     # none on the busy one)
-    assert Scheduler.from_config(load_scorers).schedule(request, endpoints).primary is busy
-    predicted = Scheduler.from_config(predictor_config(pool))
-    ttfts = [t for t, _ in shared(pool).get(CycleState(), request, endpoints, tpot=False)]
+    assert Scheduler.from_config(load_scorers, predictions).schedule(request, endpoints).primary is busy
+    predicted = Scheduler.from_config(None, predictions)
+    ttfts = [t for t, _ in predictions.get(CycleState(), request, endpoints, tpot=False)]
     assert ttfts[0] < ttfts[1]
-    assert (
-        build_plugin("predicted-latency-filter", {"pool": pool}).filter(CycleState(), request, endpoints) == endpoints
-    )
+    assert reading("predicted-latency-filter", predictions).filter(CycleState(), request, endpoints) == endpoints
     assert predicted.schedule(request, endpoints).primary is idle
 
 
-def test_latency_filter_drops_only_what_the_prediction_tells_apart_beyond_its_error(pool):
-    endpoints = pool_of_three(pool)
-    f = build_plugin("predicted-latency-filter", {"pool": pool})
+def test_latency_filter_drops_only_what_the_prediction_tells_apart_beyond_its_error(predictions):
+    endpoints = pool_of_three(predictions)
+    f = reading("predicted-latency-filter", predictions)
     assert f.filter(CycleState(), req(), endpoints) == endpoints  # cold: everything passes
-    trained(pool)
-    target = shared(pool).predictor.ttft
+    trained(predictions)
+    target = predictions.predictor.ttft
     band = target.ratio_quantile(0.9) / target.ratio_quantile(0.1)
     assert 1.0 < band < 1.3  # the synthetic pool's noise is 3 %
-    ttfts = [t for t, _ in shared(pool).get(CycleState(), req(), endpoints, tpot=False)]
+    ttfts = [t for t, _ in predictions.get(CycleState(), req(), endpoints, tpot=False)]
     kept = f.filter(CycleState(), req(), endpoints)
     assert kept == [e for e, t in zip(endpoints, ttfts, strict=True) if t <= min(ttfts) * band]
     assert endpoints[0] in kept and endpoints[1] not in kept  # 1 has a 6,000-token prefill ahead
 
 
-def test_latency_filter_for_a_long_answer_keeps_the_fastest_ttft_then_the_fastest_tpot_among_them(pool):
-    trained(pool)
-    f = build_plugin("predicted-latency-filter", {"pool": pool, "longOutputTokens": 100})
+def test_latency_filter_for_a_long_answer_keeps_the_fastest_ttft_then_the_fastest_tpot_among_them(predictions):
+    trained(predictions)
+    f = reading("predicted-latency-filter", predictions, {"longOutputTokens": 100})
     # 3: the same TTFT as 0 (nothing queued), but a 15-request decode batch: a slower TPOT (synthetic pool)
-    idle, backlogged, _ = pool_of_three(pool)
+    idle, backlogged, _ = pool_of_three(predictions)
     batch = endpoint(3, running=15, in_flight=15)
     endpoints = [idle, backlogged, batch]
     assert f.filter(CycleState(), req(max_tokens=50), endpoints) == [idle, batch]  # a short answer: TTFT alone
@@ -330,11 +322,11 @@ def test_latency_filter_for_a_long_answer_keeps_the_fastest_ttft_then_the_fastes
     assert f.filter(CycleState(), req(max_tokens=500), endpoints) == [idle]
 
 
-def test_with_both_predictor_plugins_a_request_is_learnt_once(pool):
-    trained(pool)
-    scheduler = profile_of(pool, "predicted-latency-filter", "predicted-latency-scorer")
-    endpoints = pool_of_three(pool)
-    predictor = shared(pool).predictor
+def test_with_both_predictor_plugins_a_request_is_learnt_once(predictions):
+    trained(predictions)
+    scheduler = profile_of(predictions, "predicted-latency-filter", "predicted-latency-scorer")
+    endpoints = pool_of_three(predictions)
+    predictor = predictions.predictor
     observations = predictor.observations
     request = req()
     result = scheduler.schedule(request, endpoints)
@@ -344,3 +336,47 @@ def test_with_both_predictor_plugins_a_request_is_learnt_once(pool):
     scheduler.on_timed(request, result, result.primary, 0.05, 0.01)
     scheduler.on_timed(request, result, result.primary, 0.05, None)  # a second source of the same request
     assert predictor.observations == observations + 1
+
+
+def test_a_scheduler_has_one_predictor_for_its_plugins_and_shares_it_with_no_other_scheduler(predictions):
+    config = """
+plugins:
+- type: slo-headroom-filter
+- type: predicted-latency-filter
+- type: predicted-latency-scorer
+- type: prefix-cache-scorer
+schedulingProfiles:
+- name: default
+  plugins:
+  - pluginRef: slo-headroom-filter
+  - pluginRef: predicted-latency-filter
+  - pluginRef: predicted-latency-scorer
+  - pluginRef: prefix-cache-scorer
+"""
+    scheduler = Scheduler.from_config(config)
+    readers = [p for p in scheduler.profile.plugins if isinstance(p, LatencyPredictionReader)]
+    assert len(readers) == 3 and all(p.predictions is scheduler.predictions for p in readers)
+    # it counts what the profile's prefix index expects cached
+    assert scheduler.predictions.cached_tokens == scheduler.prefix_index.cached_tokens
+    # what one scheduler's plugins learn, another built from the same config does not see
+    other = Scheduler.from_config(config)
+    assert other.predictions is not scheduler.predictions
+    request = req()
+    result = scheduler.schedule(request, [endpoint(0), endpoint(1)])
+    scheduler.on_picked(request, result)
+    scheduler.on_timed(request, result, result.primary, 0.05, 0.01)
+    assert scheduler.predictions.predictor.observations == 1
+    assert other.predictions.predictor.observations == 0
+    # one trained elsewhere, when given; none for a profile without a reader
+    assert Scheduler.from_config(config, predictions).predictions is predictions
+    assert all(
+        p.predictions is predictions
+        for p in Scheduler.from_config(config, predictions).profile.plugins
+        if isinstance(p, LatencyPredictionReader)
+    )
+    assert (
+        Scheduler.from_config(
+            "plugins: [{type: queue-scorer}]\nschedulingProfiles: [{name: q, plugins: [{pluginRef: queue-scorer}]}]"
+        ).predictions
+        is None
+    )

@@ -1,18 +1,12 @@
 """slo-interference-filter over a trained predictor (synthetic pool: conftest.true_ttft / true_tpot)."""
 
-import itertools
-
 import pytest
 
-from epp.bench.decision import predictor_config
-from epp.predictor import shared
-from epp.scheduling.framework import build_plugin
 from epp.scheduling.scheduler import Scheduler
 from epp.scheduling.types import CycleState, ResponseInfo, SchedulingRequest, SchedulingResult
 from tests.epp.helpers import endpoint
-from tests.epp.predictor.conftest import trained
+from tests.epp.predictor.conftest import reading, trained
 
-_pools = itertools.count()
 CHAT = {"x-slo-ttft-ms": "300", "x-slo-tpot-ms": "30"}
 
 
@@ -33,38 +27,38 @@ def slacks(plugin, name):
     return [b - ledger.stalled for b in ledger.tpot_budgets] if ledger else []
 
 
-def test_a_long_prefill_avoids_the_endpoint_whose_tight_tpot_decode_it_would_break(pool):
-    trained(pool)
-    plugin = build_plugin("slo-interference-filter", {"pool": pool})
+def test_a_long_prefill_avoids_the_endpoint_whose_tight_tpot_decode_it_would_break(predictions):
+    trained(predictions)
+    plugin = reading("slo-interference-filter", predictions)
     e0, e1 = endpoint(0), endpoint(1)
     chat = req(200, CHAT, max_tokens=30)
     routed(plugin, chat, e0)
-    tpot = shared(pool).get(CycleState(), chat, [e0], tpot=True)[0][1]
+    tpot = predictions.get(CycleState(), chat, [e0], tpot=True)[0][1]
     # the decode time it may lose and still average 30 ms per token: less than a 6,000-token prefill takes
     assert slacks(plugin, "e0") == pytest.approx([(0.030 - tpot) * 29])
-    rate = shared(pool).predictor.backlog.seconds_per_token
+    rate = predictions.predictor.backlog.seconds_per_token
     assert 200 * rate < slacks(plugin, "e0")[0] < 6000 * rate
     assert plugin.filter(CycleState(), req(6000), [e0, e1]) == [e1]
     assert plugin.filter(CycleState(), req(200), [e0, e1]) == [e0, e1]  # a short prefill breaks nothing
 
 
-def test_every_later_prefill_on_the_endpoint_takes_its_time_off_the_slack(pool):
-    trained(pool)
-    plugin = build_plugin("slo-interference-filter", {"pool": pool})
+def test_every_later_prefill_on_the_endpoint_takes_its_time_off_the_slack(predictions):
+    trained(predictions)
+    plugin = reading("slo-interference-filter", predictions)
     e0 = endpoint(0)
     routed(plugin, req(200, {"x-slo-tpot-ms": "100"}, max_tokens=256), e0)
     before = slacks(plugin, "e0")[0]
     routed(plugin, req(3000), e0)  # no objective of its own: it still stalls the decode there
-    rate = shared(pool).predictor.backlog.seconds_per_token
+    rate = predictions.predictor.backlog.seconds_per_token
     assert slacks(plugin, "e0") == pytest.approx([before - 3000 * rate])
-    shared(pool).cached_tokens = lambda cycle_state, request, endpoints: [2000] * len(endpoints)
+    predictions.cached_tokens = lambda cycle_state, request, endpoints: [2000] * len(endpoints)
     routed(plugin, req(3000), e0)  # only the uncached part is prefilled
     assert slacks(plugin, "e0") == pytest.approx([before - 4000 * rate])
 
 
-def test_when_every_candidate_breaks_some_the_fewest_broken_are_kept(pool):
-    trained(pool)
-    plugin = build_plugin("slo-interference-filter", {"pool": pool})
+def test_when_every_candidate_breaks_some_the_fewest_broken_are_kept(predictions):
+    trained(predictions)
+    plugin = reading("slo-interference-filter", predictions)
     e0, e1, e2 = endpoint(0), endpoint(1), endpoint(2)
     for e in (e0, e0, e1, e2):
         routed(plugin, req(200, CHAT, max_tokens=30), e)
@@ -74,17 +68,19 @@ def test_when_every_candidate_breaks_some_the_fewest_broken_are_kept(pool):
     assert plugin.filter(CycleState(), req(6000), [e0, e1]) == [e1]
 
 
-def test_a_long_prefill_avoids_an_endpoint_where_a_request_waits_for_its_first_token_within_a_tight_objective(pool):
-    trained(pool)
-    plugin = build_plugin("slo-interference-filter", {"pool": pool})
+def test_a_long_prefill_avoids_an_endpoint_where_a_request_waits_for_its_first_token_within_a_tight_objective(
+    predictions,
+):
+    trained(predictions)
+    plugin = reading("slo-interference-filter", predictions)
     e0, e1 = endpoint(0), endpoint(1)
     chat = req(200, {"x-slo-ttft-ms": "300", "x-slo-tpot-ms": "100"}, max_tokens=256)  # a loose TPOT objective
     routed(plugin, chat, e0)
     ledger = plugin.ledgers["e0"]
     (entry,) = ledger.pending
-    ttft, tpot = shared(pool).get(CycleState(), chat, [e0], tpot=True)[0]
+    ttft, tpot = predictions.get(CycleState(), chat, [e0], tpot=True)[0]
     assert entry.ttft_budget - ledger.stalled == pytest.approx(0.3 - ttft)
-    rate = shared(pool).predictor.backlog.seconds_per_token
+    rate = predictions.predictor.backlog.seconds_per_token
     assert entry.ttft_budget - ledger.stalled < 3000 * rate < entry.tpot_budget - ledger.stalled
     assert plugin.filter(CycleState(), req(3000), [e0, e1]) == [e1]
     entry.first_token_at = 0.0  # its first token is out: only its decode can still be stalled
@@ -95,9 +91,9 @@ def test_a_long_prefill_avoids_an_endpoint_where_a_request_waits_for_its_first_t
 
 
 @pytest.mark.parametrize("status", ["200", "503", ""])  # served, an error status, a reset or cancelled client
-def test_an_entry_is_released_when_its_request_ends_however_it_ended(pool, status):
-    trained(pool)
-    scheduler = Scheduler.from_config(predictor_config(pool))
+def test_an_entry_is_released_when_its_request_ends_however_it_ended(predictions, status):
+    trained(predictions)
+    scheduler = Scheduler.from_config(None, predictions)
     plugin = next(f for f in scheduler.profile.filters if f.typed_name.type == "slo-interference-filter")
     endpoints = [endpoint(0), endpoint(1)]
     requests = [req(200, CHAT, max_tokens=30) for _ in range(3)] + [req(200, max_tokens=30), req(200, CHAT)]
@@ -116,8 +112,8 @@ def test_an_entry_is_released_when_its_request_ends_however_it_ended(pool, statu
     assert plugin.ledgers == {}
 
 
-def test_passes_every_candidate_while_cold(pool):
-    plugin = build_plugin("slo-interference-filter", {"pool": pool})
+def test_passes_every_candidate_while_cold(predictions):
+    plugin = reading("slo-interference-filter", predictions)
     e0, e1 = endpoint(0), endpoint(1)
     routed(plugin, req(200, CHAT, max_tokens=30), e0)
     assert plugin.ledgers == {}  # nothing predicted: no slack to keep
