@@ -253,12 +253,12 @@ class LatencyPredictor:
         # is the per-candidate cost of the predictor
         for e, cached in zip(endpoints, cached_tokens, strict=True):
             name = e.spec.name
-            rate = rates.get(name)
-            if rate is None:
+            measured = rates.get(name)  # [seconds per token, samples] once measured there
+            if measured is None:
                 rate = seconds_per_token
                 slowness.append(1.0)
             else:
-                rate = rate[0]
+                rate = measured[0]
                 slowness.append(rate / reference)
             queue = queues.get(name)
             backlog = 0.0

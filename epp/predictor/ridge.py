@@ -22,6 +22,8 @@ one of 8 sim servers).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 
@@ -44,7 +46,7 @@ class OnlineRidge:
         self.coefficients: tuple[float, ...] | None = None  # None until the first fit
         self.count = 0
 
-    def add(self, x: tuple[float, ...], y: float, weight: float = 1.0) -> None:
+    def add(self, x: Sequence[float], y: float, weight: float = 1.0) -> None:
         decay, a, b = self.decay, self._a, self._b
         for i, xi in enumerate(x):
             row, wxi = a[i], weight * xi
@@ -68,7 +70,7 @@ class OnlineRidge:
         c = _nonnegative_solve(a, b, self.coefficients) if self.nonnegative else np.linalg.solve(a, b)
         self.coefficients = tuple(c.tolist())
 
-    def predict(self, x: tuple[float, ...]) -> float:
+    def predict(self, x: Sequence[float]) -> float:
         """c . x; 0.0 before the first fit."""
         c = self.coefficients
         if c is None:
