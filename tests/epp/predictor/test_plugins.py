@@ -138,7 +138,8 @@ def test_bad_parameters_are_config_errors(plugin, parameters):
 
 
 def profile_of(predictions, *plugins: str) -> Scheduler:
-    """A scheduler whose one profile runs these predictor plugins, in order, all reading `predictions`."""
+    """A scheduler whose one profile runs these plugins, in order, the predictor's reading `predictions` (None: the
+    scheduler's own)."""
     declared = "".join(f"- type: {p}\n" for p in plugins)
     refs = "".join(f"  - pluginRef: {p}\n" for p in plugins)
     config = f"plugins:\n{declared}schedulingProfiles:\n- name: default\n  plugins:\n{refs}"
@@ -339,27 +340,14 @@ def test_with_both_predictor_plugins_a_request_is_learnt_once(predictions):
 
 
 def test_a_scheduler_has_one_predictor_for_its_plugins_and_shares_it_with_no_other_scheduler(predictions):
-    config = """
-plugins:
-- type: slo-headroom-filter
-- type: predicted-latency-filter
-- type: predicted-latency-scorer
-- type: prefix-cache-scorer
-schedulingProfiles:
-- name: default
-  plugins:
-  - pluginRef: slo-headroom-filter
-  - pluginRef: predicted-latency-filter
-  - pluginRef: predicted-latency-scorer
-  - pluginRef: prefix-cache-scorer
-"""
-    scheduler = Scheduler.from_config(config)
+    plugins = ("slo-headroom-filter", "predicted-latency-filter", "predicted-latency-scorer", "prefix-cache-scorer")
+    scheduler = profile_of(None, *plugins)
     readers = [p for p in scheduler.profile.plugins if isinstance(p, LatencyPredictionReader)]
     assert len(readers) == 3 and all(p.predictions is scheduler.predictions for p in readers)
     # it counts what the profile's prefix index expects cached
     assert scheduler.predictions.cached_tokens == scheduler.prefix_index.cached_tokens
     # what one scheduler's plugins learn, another built from the same config does not see
-    other = Scheduler.from_config(config)
+    other = profile_of(None, *plugins)
     assert other.predictions is not scheduler.predictions
     request = req()
     result = scheduler.schedule(request, [endpoint(0), endpoint(1)])
@@ -367,16 +355,8 @@ schedulingProfiles:
     scheduler.on_timed(request, result, result.primary, 0.05, 0.01)
     assert scheduler.predictions.predictor.observations == 1
     assert other.predictions.predictor.observations == 0
-    # one trained elsewhere, when given; none for a profile without a reader
-    assert Scheduler.from_config(config, predictions).predictions is predictions
-    assert all(
-        p.predictions is predictions
-        for p in Scheduler.from_config(config, predictions).profile.plugins
-        if isinstance(p, LatencyPredictionReader)
-    )
-    assert (
-        Scheduler.from_config(
-            "plugins: [{type: queue-scorer}]\nschedulingProfiles: [{name: q, plugins: [{pluginRef: queue-scorer}]}]"
-        ).predictions
-        is None
-    )
+    # one trained elsewhere, when given, is the one every reader reads; a profile without readers has none
+    given = profile_of(predictions, *plugins)
+    assert given.predictions is predictions
+    assert all(p.predictions is predictions for p in given.profile.plugins if isinstance(p, LatencyPredictionReader))
+    assert profile_of(None, "queue-scorer").predictions is None
