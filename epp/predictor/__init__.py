@@ -1,6 +1,6 @@
 """Predicted latency: an online model of TTFT and time per output token (`predictor.py` says which two calls the
-request path makes). A scheduler owns one per `pool` its profile's plugins name (`Scheduler.predictions`): the
-predictor plugins' hooks feed it and the scheduling plugins read it (`predicted-latency-scorer`,
+request path makes). A scheduler owns one (`Scheduler.predictions`) for the plugins of its profile that read it:
+the predictor plugins' hooks feed it and the scheduling plugins read it (`predicted-latency-scorer`,
 `predicted-latency-filter`, `slo-headroom-filter`, `slo-interference-filter`)."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The pool's latency predictor: TTFT and time per output token (TPOT) of a request on an endpoint, learnt online.
 
-The two calls the request path makes, on a scheduler's predictor (`Scheduler.predictions[pool].predictor`): the
+The two calls the request path makes, on a scheduler's predictor (`Scheduler.predictions.predictor`): the
 predictor plugins' hooks make both (`PredictorFeed`, run by the scheduler as the director reports the request's
 progress); the scheduling plugins only predict.
   (a) at routing time, for the endpoint it picked (its prompt goes into that endpoint's prefill backlog):

@@ -12,8 +12,8 @@ holds back the first token of a chat turn routed there a moment before it (300 m
 
 Reads: the request headers `x-slo-ttft-ms` / `x-slo-tpot-ms` (slo-headroom-filter's) and its `max_tokens`; the
 scheduler's latency predictor (`LatencyPredictionReader`): the request's predicted TTFT and TPOT on the endpoint it
-was routed to, the prefix match (cached tokens, `CandidatePredictions.cached_tokens`, which predicted-latency-filter
-or -scorer wires; without them every prompt counts as uncached) and the learnt prefill rate (seconds per uncached
+was routed to, the prefix match (cached tokens, `CandidatePredictions.cached_tokens`, which the scheduler wires to
+its profile's prefix index; without one every prompt counts as uncached) and the learnt prefill rate (seconds per uncached
 prompt token on the endpoint, `PrefillBacklog.rate`).
 State, per endpoint (`Ledger`): each request in flight there that stated objectives, with its slacks: objective -
 predicted TTFT there at routing (and when its first token is expected: routing + predicted TTFT), and (TPOT objective
