@@ -187,6 +187,7 @@ def test_decision_time_smoke():
     from epp.bench import decision
 
     assert 0 < decision.measure(8, 1000, repeats=20) < 50_000
+    assert 0 < decision.measure_predicted(8, 1000, repeats=20) < 50_000  # a trained predictor handed to the scheduler
     assert 0 < decision.measure_director(8, 1000, repeats=20) < 50_000
 
 
