@@ -211,7 +211,7 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
         lambda: scheduler.prefix_index,
         lambda: flow_control,
         lambda: detector.saturation(datastore.endpoints),
-        lambda: scheduler.latency_prediction,
+        lambda: scheduler.latency_predictor,
         lambda: subscriber,
     )
     if flow_config.enabled:

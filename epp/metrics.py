@@ -16,7 +16,8 @@ from prometheus_client.utils import floatToGoString
 from epp.datalayer.endpoint import Endpoint
 from epp.datalayer.kv_events import LAG_BUCKETS, KVEventSubscriber
 from epp.flowcontrol import FlowController
-from epp.scheduling.framework import LatencyPredictionStats, PrefixIndexStats
+from epp.predictor import LatencyPredictor
+from epp.scheduling.framework import PrefixIndexStats
 from epp.scheduling.load import queue_depth
 
 DURATION_BUCKETS = (0.005, 0.025, 0.05, 0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 1.25, 1.5, 2, 3, 4, 5, 6, 8, 10, 15, 20, 30,
@@ -101,12 +102,12 @@ class _PoolCollector:
         pool_name: str,
         endpoints: Callable[[], list[Endpoint]],
         prefix_index: Callable[[], PrefixIndexStats | None],
-        latency_prediction: Callable[[], LatencyPredictionStats | None],
+        latency_predictor: Callable[[], LatencyPredictor | None],
     ):
         self.pool_name = pool_name
         self.endpoints = endpoints
         self.prefix_index = prefix_index
-        self.latency_prediction = latency_prediction
+        self.latency_predictor = latency_predictor
 
     def collect(self):
         endpoints = self.endpoints()
@@ -145,29 +146,28 @@ class _PoolCollector:
             )
             ratio.add_metric([], index.hit_ratio)
             yield from (size, ratio)
-        prediction = self.latency_prediction()
-        if prediction is not None:
-            ttft_error, tpot_error = prediction.prediction_errors
+        predictor = self.latency_predictor()
+        if predictor is not None:
             error = GaugeMetricFamily(
                 "inference_extension_latency_predictor_mape",
                 "Mean absolute percentage error of the latency predictions over the recent window, by target.",
                 labels=["target"],
             )
-            for target, value in (("ttft", ttft_error), ("tpot", tpot_error)):
+            for target, value in (("ttft", predictor.ttft_mape), ("tpot", predictor.tpot_mape)):
                 if value is not None:
                     error.add_metric([target], value)
             observations = CounterMetricFamily(
                 "inference_extension_latency_predictor_observations",
                 "Completed requests the latency predictor learnt from.",
             )
-            observations.add_metric([], prediction.observations)
+            observations.add_metric([], predictor.observations)
             slowness = GaugeMetricFamily(
                 "inference_extension_latency_predictor_endpoint_slowness",
                 "An endpoint's measured prefill time per token over the mean of the measured endpoints' (above 1: "
                 "slower); its TTFT predictions are scaled by it.",
                 labels=["model_server_pod"],
             )
-            for name, value in prediction.endpoint_slowness.items():
+            for name, value in predictor.backlog.measured_slowness().items():
                 slowness.add_metric([name], value)
             yield from (error, observations, slowness)
 
@@ -296,7 +296,7 @@ class EPPMetrics:
         prefix_index: Callable[[], PrefixIndexStats | None],
         flow_control: Callable[[], FlowController | None] = lambda: None,
         saturation: Callable[[], float] = lambda: 0.0,
-        latency_prediction: Callable[[], LatencyPredictionStats | None] = lambda: None,
+        latency_predictor: Callable[[], LatencyPredictor | None] = lambda: None,
         kv_events: Callable[[], KVEventSubscriber | None] = lambda: None,
     ):
         self.pool_name = pool_name
@@ -382,7 +382,7 @@ class EPPMetrics:
             self.queue_duration,
         )
         reg.register(_SeriesCollector(series))
-        reg.register(_PoolCollector(pool_name, endpoints, prefix_index, latency_prediction))
+        reg.register(_PoolCollector(pool_name, endpoints, prefix_index, latency_predictor))
         reg.register(_FlowControlCollector(self, flow_control, saturation))
         reg.register(_KVEventsCollector(kv_events))
         self._served_models: set[str] = set()

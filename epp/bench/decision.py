@@ -20,6 +20,8 @@ from epp.flowcontrol import FlowControlConfig, FlowController
 from epp.metrics import EPPMetrics
 from epp.predictor import CandidatePredictions, LatencyPredictor, endpoint_features
 from epp.requestcontrol.director import Director
+from epp.scheduling import plugins  # noqa: F401  (registers the built-in plugins, which scorers_only_config reads)
+from epp.scheduling.framework import PLUGIN_TYPES, LatencyPredictionReader
 from epp.scheduling.scheduler import DEFAULT_CONFIG, Scheduler
 from epp.scheduling.types import ResponseInfo, SchedulingRequest, SchedulingResult
 from protocol.metrics import EndpointMetrics
@@ -106,18 +108,14 @@ def measure_director(
 IN_FLIGHT_PER_ENDPOINT = 8
 
 
-# The default profile's plugins that read the scheduler's latency predictor.
-PREDICTOR_PLUGINS = frozenset(
-    ("slo-headroom-filter", "slo-interference-filter", "predicted-latency-filter", "predicted-latency-scorer")
-)
-
-
 def scorers_only_config() -> str:
-    """The default profile without the latency predictor's plugins: what it was before them."""
+    """The default profile without the latency predictor's plugins (LatencyPredictionReader): what it was before
+    them."""
+    readers = {name for name, cls in PLUGIN_TYPES.items() if issubclass(cls, LatencyPredictionReader)}
     config = yaml.safe_load(DEFAULT_CONFIG)
-    config["plugins"] = [p for p in config["plugins"] if p["type"] not in PREDICTOR_PLUGINS]
+    config["plugins"] = [p for p in config["plugins"] if p["type"] not in readers]
     for profile in config["schedulingProfiles"]:
-        profile["plugins"] = [p for p in profile["plugins"] if p["pluginRef"] not in PREDICTOR_PLUGINS]
+        profile["plugins"] = [p for p in profile["plugins"] if p["pluginRef"] not in readers]
     return yaml.safe_dump(config, sort_keys=False)
 
 

@@ -263,6 +263,6 @@ def measure(requests: int = 4000, batch: int = 16, rounds: int = 9, streamed: bo
         routed=sum(e.routed_total for e in director.datastore.endpoints),
         open_streams=len(connection.streams),
         streamed=streamed,
-        learnt=stats.observations if (stats := director.scheduler.latency_prediction) is not None else 0,
+        learnt=predictor.observations if (predictor := director.scheduler.latency_predictor) is not None else 0,
     )
     return result

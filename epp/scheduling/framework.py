@@ -163,31 +163,11 @@ class PrefixIndexStats(Plugin):
         """Share of the routed prompts' blocks found on the chosen endpoint."""
 
 
-class LatencyPredictionStats(Plugin):
-    """A latency predictor whose error the EPP exports (inference_extension_latency_predictor_*)."""
-
-    @property
-    @abstractmethod
-    def prediction_errors(self) -> tuple[float | None, float | None]:
-        """Mean absolute percentage error of the TTFT and the TPOT predictions over the recent window (None: not
-        known yet)."""
-
-    @property
-    @abstractmethod
-    def observations(self) -> int:
-        """Completed requests the predictor learnt from."""
-
-    @property
-    @abstractmethod
-    def endpoint_slowness(self) -> dict[str, float]:
-        """Endpoint name -> its prefill time per token over the mean of the measured endpoints' (2: half as fast as
-        the mean), for the endpoints it has measured."""
-
-
 class LatencyPredictionReader(Plugin):
     """Reads the latency predictor's predictions (`epp.predictor.CandidatePredictions`). A scheduler has one
-    predictor and hands it to every plugin of its profile that reads one (`use_predictions`): what one plugin feeds,
-    the others read, and no two schedulers share one. A plugin built alone reads a predictor of its own."""
+    predictor and hands it to every plugin of its profile that reads one (`use_predictions`): what one plugin feeds
+    (a reader that is also ResponseTimed learns from the responses), the others read, and no two schedulers share
+    one. A plugin built alone reads a predictor of its own."""
 
     predictions: CandidatePredictions
 

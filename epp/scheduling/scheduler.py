@@ -43,13 +43,12 @@ import yaml
 
 from epp.datalayer.endpoint import Endpoint
 from epp.datalayer.kv_events import KVBlockIndex
-from epp.predictor import CandidatePredictions
+from epp.predictor import CandidatePredictions, LatencyPredictor
 from epp.scheduling.errors import ConfigError, NoEndpointError
 from epp.scheduling.framework import (
     Filter,
     KVEventsConsumer,
     LatencyPredictionReader,
-    LatencyPredictionStats,
     Picker,
     Plugin,
     PoolChanged,
@@ -174,9 +173,6 @@ class Scheduler:
         self._response_timed = [p for p in plugins if isinstance(p, ResponseTimed)]
         self._pool_changed = [p for p in plugins if isinstance(p, PoolChanged)]
         self.prefix_index: PrefixIndexStats | None = next((p for p in plugins if isinstance(p, PrefixIndexStats)), None)
-        self.latency_prediction: LatencyPredictionStats | None = next(
-            (p for p in plugins if isinstance(p, LatencyPredictionStats)), None
-        )
         # One latency predictor for every plugin of the profile that reads one (`predictions`, when given, is one
         # trained elsewhere); its predictions count what the prefix index expects cached.
         readers = [p for p in plugins if isinstance(p, LatencyPredictionReader)]
@@ -185,6 +181,7 @@ class Scheduler:
         self.predictions = predictions
         for p in readers:
             p.use_predictions(predictions)
+        self._trains_predictor = any(isinstance(p, ResponseTimed) for p in readers)
         if predictions is not None and self.prefix_index is not None:
             predictions.cached_tokens = self.prefix_index.cached_tokens
 
@@ -210,6 +207,12 @@ class Scheduler:
         plugins = _build_plugins(config.get("plugins"))
         profile = _build_profile(config.get("schedulingProfiles"), plugins)
         return cls(profile, SaturationDetector.from_config(config.get("saturationDetector")), predictions)
+
+    @property
+    def latency_predictor(self) -> LatencyPredictor | None:
+        """The predictor the profile trains (one of its readers learns from the responses' timings), whose error
+        the EPP exports; None when no plugin trains one."""
+        return self.predictions.predictor if self._trains_predictor else None
 
     def admit(self, request: SchedulingRequest, endpoints: Sequence[Endpoint]) -> None:
         """Raise ShedError (429) for a sheddable request while the pool is saturated."""

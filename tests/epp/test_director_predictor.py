@@ -65,7 +65,7 @@ def test_streamed_responses_train_the_predictor_and_others_do_not():
         "pool",
         lambda: director.datastore.endpoints,
         lambda: None,
-        latency_prediction=lambda: director.scheduler.latency_prediction,
+        latency_predictor=lambda: director.scheduler.latency_predictor,
     )
     assert metrics.registry.get_sample_value("inference_extension_latency_predictor_observations_total") == before + 3
     per_token = predictor.backlog.seconds_per_token

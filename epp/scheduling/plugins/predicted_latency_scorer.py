@@ -44,7 +44,6 @@ from epp.predictor.candidates import CACHED_TOKENS, PREDICTED_LATENCY, PREDICTIO
 from epp.scheduling.errors import ConfigError
 from epp.scheduling.framework import (
     LatencyPredictionReader,
-    LatencyPredictionStats,
     Parameters,
     PoolChanged,
     PreRequest,
@@ -67,7 +66,7 @@ LOAD_SCORERS = (
 EXACT_SCORERS = ("prefix-cache-scorer", "precise-prefix-cache-scorer", "lora-affinity-scorer")
 
 
-class PredictorFeed(LatencyPredictionReader, PreRequest, ResponseTimed, PoolChanged, LatencyPredictionStats):
+class PredictorFeed(LatencyPredictionReader, PreRequest, ResponseTimed, PoolChanged):
     """The hooks that train the predictor, shared by the plugins that read it (this scorer and
     predicted-latency-filter): at the pick the request's features on its endpoint (and its prompt into the
     endpoint's prefill backlog), then the observed TTFT and TPOT; a departed endpoint's prefill rate goes with the
@@ -97,19 +96,6 @@ class PredictorFeed(LatencyPredictionReader, PreRequest, ResponseTimed, PoolChan
 
     def pool_changed(self, endpoints: Sequence[Endpoint]) -> None:
         self.predictions.predictor.backlog.forget({e.spec.name for e in endpoints})
-
-    @property
-    def prediction_errors(self) -> tuple[float | None, float | None]:
-        predictor = self.predictions.predictor
-        return predictor.ttft_mape, predictor.tpot_mape
-
-    @property
-    def observations(self) -> int:
-        return self.predictions.predictor.observations
-
-    @property
-    def endpoint_slowness(self) -> dict[str, float]:
-        return self.predictions.predictor.backlog.measured_slowness()
 
 
 @register("predicted-latency-scorer")
