@@ -171,6 +171,10 @@ class ExtProcConnection(asyncio.Protocol):
         self.decoder = Decoder()
         self.decoded_blocks: dict[bytes, list] = {}  # see _decode
         self.out: list[bytes] = []
+        # stream id -> where in `out` its trailers wait for this read's write: Envoy ends each ext_proc stream with
+        # END_STREAM and RST_STREAM in one write (it does not wait for our trailers), so a reset in the same read
+        # drops them, and a read that only ends streams needs no write
+        self.unsent_trailers: dict[int, int] = {}
         self.after: list = []  # handlers whose after_reply runs once this read's answers are written
         self.send_window = DEFAULT_WINDOW
         self.peer_initial_window = DEFAULT_WINDOW
@@ -216,6 +220,7 @@ class ExtProcConnection(asyncio.Protocol):
         self.out.append(frame(GOAWAY, 0, 0, U32.pack(self.last_stream_id) + U32.pack(code)))
         transport.write(b"".join(self.out))  # what was already answered, then the GOAWAY
         self.out.clear()
+        self.unsent_trailers.clear()
         transport.close()
 
     def data_received(self, data: bytes) -> None:
@@ -271,8 +276,11 @@ class ExtProcConnection(asyncio.Protocol):
 
     def _write(self) -> None:
         if self.out:
-            self.transport.write(b"".join(self.out))
+            data = b"".join(self.out)
             self.out.clear()
+            self.unsent_trailers.clear()
+            if data:
+                self.transport.write(data)
             if self.transport.get_write_buffer_size() > MAX_OUTBOUND_BYTES:
                 self._fail(ENHANCE_YOUR_CALM, "the peer does not read its answers")
                 return
@@ -324,6 +332,9 @@ class ExtProcConnection(asyncio.Protocol):
                 self.out.append(frame(PING, ACK, 0, payload))
         elif kind == RST_STREAM:
             stream = self.streams.pop(stream_id, None)
+            unsent = self.unsent_trailers.pop(stream_id, None)
+            if unsent is not None:
+                self.out[unsent] = b""
             if stream is not None:
                 if not stream.handled:
                     self.premature_resets += 1
@@ -614,6 +625,7 @@ class ExtProcConnection(asyncio.Protocol):
         while pending:
             item = pending[0]
             if isinstance(item, tuple):
+                self.unsent_trailers[stream.id] = len(out)
                 out.append(frame(HEADERS, END_HEADERS | END_STREAM, stream.id, item[0]))
                 pending.popleft()
                 self.streams.pop(stream.id, None)

@@ -2,7 +2,8 @@
 
 One request is what Envoy sends for it with our default bootstrap (modelled on a capture of the overhead bench's
 client): over ext_proc, a HEADERS frame and three DATA frames (request headers, the body, the end of the body) in one
-read, RST_STREAM in a second (the response headers are not sent: the access log brings status and endpoint); then
+read, the stream's END_STREAM and RST_STREAM in a second (the response headers are not sent: the access log brings
+status and endpoint; Envoy resets the stream as it ends it, without waiting for trailers); then
 its access-log record, in an OpenTelemetry Export call on a connection of its own that carries a read's worth of
 records, as Envoy batches them. Those frames go to the h2 transport (`epp.grpc_h2.ExtProcConnection`) with the EPP's
 handler, director, default scheduler and flow control over four endpoints, and the access-log handler; the answers
@@ -235,7 +236,7 @@ def measure(requests: int = 4000, batch: int = 16, rounds: int = 9, streamed: bo
                     frame(HEADERS, END_HEADERS, stream_id, block)
                     + b"".join(frame(DATA, 0, stream_id, _grpc(m)) for m in _request_messages(request_id, body))
                 )
-                ended.append(frame(RST_STREAM, 0, stream_id, U32.pack(CANCEL)))
+                ended.append(frame(DATA, END_STREAM, stream_id) + frame(RST_STREAM, 0, stream_id, U32.pack(CANCEL)))
                 records.append((request_id, str(TTFT_US[stream_id % len(TTFT_US)]), "200", served))
                 stream_id += 2
             export_message = accesslog.export_request(records).SerializeToString()

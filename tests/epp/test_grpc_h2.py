@@ -242,3 +242,30 @@ def test_a_message_over_several_frames_is_let_go_before_its_handler_runs():
     connection.connection_made(_RecordingTransport())
     connection.data_received(_client_sending(headers().SerializeToString(), body(b"x" * 100_000).SerializeToString()))
     assert held == [0, 0]
+
+
+def test_a_stream_the_proxy_ends_and_resets_in_one_read_costs_no_write():
+    """Envoy ends each ext_proc stream with END_STREAM and RST_STREAM together (it does not wait for the server's
+    trailers): trailers queued for a stream reset in the same read are dropped, so that read needs no write; a
+    stream only half-closed still gets its OK trailers."""
+    from epp.grpc_h2 import DATA, END_STREAM, RST_STREAM, U32, ExtProcConnection
+
+    EchoHandler.log = []
+    connection = ExtProcConnection(EchoHandler, set())
+    transport = _RecordingTransport()
+    connection.connection_made(transport)
+    opened = _client_sending(headers().SerializeToString())
+    connection.data_received(opened[: -len(frame(DATA, END_STREAM, 1))])  # the stream's message, not its end
+    answered, writes = len(transport.written), transport.writes
+    connection.data_received(frame(DATA, END_STREAM, 1) + frame(RST_STREAM, 0, 1, U32.pack(0x8)))
+    assert transport.writes == writes and len(transport.written) == answered
+    assert not connection.streams and EchoHandler.log.count("finish") == 1
+
+    EchoHandler.log = []
+    connection = ExtProcConnection(EchoHandler, set())
+    transport = _RecordingTransport()
+    connection.connection_made(transport)
+    connection.data_received(opened)  # half-closed only: the trailers go out
+    assert transport.written.count(b"grpc-status") == 1 and not connection.streams
+    connection.data_received(frame(RST_STREAM, 0, 1, U32.pack(0x8)))  # a reset after they went: nothing to drop
+    assert transport.written.count(b"grpc-status") == 1
