@@ -140,12 +140,13 @@ def measure(
     headers: dict[str, str] | None = None,
     predictor: LatencyPredictor | None = None,
     max_tokens: int | None = None,
+    streamed: bool = False,
 ) -> float:
     """Median microseconds per schedule() + on_picked() + on_routed() with the profile `config` (None: the
-    default); `headers` and `max_tokens` go with every request; `predictor` (when given) is the latency predictor
-    the profile's plugins read. The requests stay in flight until IN_FLIGHT_PER_ENDPOINT per endpoint are (then the
-    oldest completes, outside the timed decision), as in a busy pool: what plugins keep per in-flight request is then
-    its usual size."""
+    default); `headers`, `max_tokens` and `streamed` go with every request; `predictor` (when given) is the latency
+    predictor the profile's plugins read. The requests stay in flight until IN_FLIGHT_PER_ENDPOINT per endpoint are
+    (then the oldest completes, outside the timed decision), as in a busy pool: what plugins keep per in-flight
+    request is then its usual size."""
     rng = random.Random(seed)
     endpoints = _pool(size, rng)
     given = CandidatePredictions(predictor) if predictor is not None else None
@@ -161,7 +162,7 @@ def measure(
     for i in range(repeats):
         prompt = system + str(i)
         request = SchedulingRequest(
-            f"r{i}", "m", prompt, len(prompt) // 4, headers=headers or {}, max_tokens=max_tokens
+            f"r{i}", "m", prompt, len(prompt) // 4, headers=headers or {}, max_tokens=max_tokens, streamed=streamed
         )
         started = time.perf_counter()
         result = scheduler.schedule(request, endpoints)
@@ -179,7 +180,8 @@ def measure(
 
 def measure_predicted(size: int, prompt_bytes: int, repeats: int = 300, seed: int = 0) -> float:
     """`measure` with the default profile's latency predictor trained, and TTFT and TPOT objectives on every
-    request (slo-interference-filter keeps each one in flight until it completes)."""
+    request (slo-interference-filter keeps each one in flight until it completes), each streamed (its features are
+    kept for the predictor to learn from)."""
     return measure(
         size,
         prompt_bytes,
@@ -188,6 +190,7 @@ def measure_predicted(size: int, prompt_bytes: int, repeats: int = 300, seed: in
         headers={"x-slo-ttft-ms": "500", "x-slo-tpot-ms": "50"},
         predictor=trained_predictor(_pool(size, random.Random(seed))),
         max_tokens=64,
+        streamed=True,
     )
 
 

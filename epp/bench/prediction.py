@@ -137,7 +137,7 @@ def _router(route: str, predictor: LatencyPredictor, endpoints: list[Endpoint], 
     scheduler = Scheduler.from_config(None, None if route == "epp-default" else CandidatePredictions(predictor))
 
     def route_by_scheduler(request_id: str, prompt: str, tokens: int, output: int) -> tuple[Endpoint, Features]:
-        request = SchedulingRequest(request_id, MODEL, prompt, tokens, max_tokens=output)
+        request = SchedulingRequest(request_id, MODEL, prompt, tokens, max_tokens=output, streamed=True)  # timed
         result = scheduler.schedule(request, endpoints)
         scheduler.on_picked(request, result)
         scheduler.on_routed(request, result)

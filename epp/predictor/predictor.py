@@ -170,14 +170,21 @@ class LatencyPredictor:
         self._matrix: tuple[tuple, np.ndarray, np.ndarray] | None = None
 
     def routed(
-        self, endpoint: Endpoint, prompt_tokens: int, cached_tokens: int, adapter: str | None, now: float | None = None
-    ) -> Features:
-        """A request goes to `endpoint`: its features there now (to hand back to `observe`), and its uncached
-        prompt tokens join the endpoint's prefill backlog."""
+        self,
+        endpoint: Endpoint,
+        prompt_tokens: int,
+        cached_tokens: int,
+        adapter: str | None,
+        now: float | None = None,
+        timed: bool = True,
+    ) -> Features | None:
+        """A request goes to `endpoint`: its uncached prompt tokens join the endpoint's prefill backlog, and its
+        features there now are returned, to hand back to `observe`; None when the request will not be `timed` (a
+        response that is not streamed has no TTFT to learn from, so nothing would read them)."""
         now = time.monotonic() if now is None else now
         uncached = prompt_tokens - min(max(cached_tokens, 0), prompt_tokens)
         ahead = self.backlog.add(endpoint.spec.name, uncached, now)
-        return endpoint_features(endpoint, prompt_tokens, cached_tokens, adapter, ahead)
+        return endpoint_features(endpoint, prompt_tokens, cached_tokens, adapter, ahead) if timed else None
 
     def observe(self, features: Features, ttft: float, tpot: float | None, now: float | None = None) -> None:
         """Learn from one completed request: seconds to its first token and mean seconds per later token."""

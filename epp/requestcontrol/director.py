@@ -208,6 +208,7 @@ class Director:
             objective=objective,
             fairness_id=headers.get(extproc.FAIRNESS_ID_HEADER),
             max_tokens=_max_tokens(payload),
+            streamed=ctx.streamed,
             payload=payload,
             headers=headers,
             subset=ctx.subset,

@@ -76,6 +76,7 @@ class SchedulingRequest:
     headers: dict[str, str] = field(default_factory=dict)
     subset: frozenset[str] | None = None  # allowed "ip:port" from the proxy's subset hint; None = no hint
     max_tokens: int | None = None  # the body's max_tokens / max_completion_tokens, when it gives one
+    streamed: bool = False  # the body asks for a streamed response: only its timings can come back (a TTFT)
     payload: dict[str, Any] | None = None  # the parsed JSON body (PrepareData plugins tokenize it)
 
 

@@ -31,14 +31,14 @@ from epp.datalayer.endpoint import Endpoint
 from epp.predictor.candidates import CACHED_TOKENS, PREDICTED_LATENCY, PREDICTION_READS
 from epp.scheduling.errors import ConfigError
 from epp.scheduling.framework import Filter, Parameters, register
-from epp.scheduling.plugins.predicted_latency_scorer import OBSERVED, ROUTED_FEATURES, PredictorFeed
+from epp.scheduling.plugins.predicted_latency_scorer import FED, OBSERVED, ROUTED_FEATURES, PredictorFeed
 from epp.scheduling.types import CycleState, SchedulingRequest
 
 
 @register("predicted-latency-filter")
 class PredictedLatencyFilter(Filter, PredictorFeed):
     consumes = PREDICTION_READS
-    produces = (PREDICTED_LATENCY, CACHED_TOKENS, ROUTED_FEATURES, OBSERVED)
+    produces = (PREDICTED_LATENCY, CACHED_TOKENS, ROUTED_FEATURES, FED, OBSERVED)
 
     def __init__(self, parameters: dict | None):
         p = Parameters("predicted-latency-filter", parameters)

@@ -11,7 +11,8 @@ Abstains (None) while the predictor is cold (too few observations or its windowe
 other scorers then decide alone.
 Feeds the predictor too: when a request is routed (PreRequest, at the pick: a burst's next request sees its prefill
 in the backlog) its features on the picked endpoint are kept in the cycle state, and when its timings are known
-(ResponseTimed) they train the model. The director has them for streamed responses only, from the first of two
+(ResponseTimed) they train the model. The director has them for streamed responses only (so only a streamed
+request's features are kept; every request's prefill joins the backlog), from the first of two
 sources: the gateway's access log (TTFT: Envoy's time from sending the request upstream to the first body byte
 back; `epp.handlers.accesslog`, a record per request, batched; TPOT: the endpoint's scraped inter-token latency over
 the request's decode, `Endpoint.inter_token_latency`) or the body passing through the EPP (Envoy's
@@ -53,7 +54,8 @@ from epp.scheduling.framework import (
 )
 from epp.scheduling.types import CycleState, SchedulingRequest, SchedulingResult, StateKey
 
-ROUTED_FEATURES: StateKey[Features] = StateKey("predicted-latency-routed-features")
+ROUTED_FEATURES: StateKey[Features] = StateKey("predicted-latency-routed-features")  # a streamed request's
+FED: StateKey[bool] = StateKey("predicted-latency-fed")  # the request's prompt joined its endpoint's prefill backlog
 OBSERVED: StateKey[bool] = StateKey("predicted-latency-observed")  # the predictor learnt from this request
 # The scorers whose signals are the load of an endpoint, counted without the work each request brings; the others
 # the prediction reads (prefix match, LoRA adapter) are exact about what they see.
@@ -75,13 +77,19 @@ class PredictorFeed(LatencyPredictionReader, PreRequest, ResponseTimed, PoolChan
     at_pick = True  # the prompt joins the pick's prefill backlog before the next request of a burst is scheduled
 
     def pre_request(self, request: SchedulingRequest, result: SchedulingResult) -> None:
-        if result.cycle_state.read(ROUTED_FEATURES) is not None:
+        cycle_state = result.cycle_state
+        if cycle_state.read(FED):
             return  # fed by the profile's other predictor plugin
+        cycle_state.write(FED, True)
         endpoint = result.primary
-        cached_tokens = self.predictions.cached(result.cycle_state, request, [endpoint])[0]
-        adapter = self.predictions.adapter(request.model, result.candidates or [endpoint])
-        features = self.predictions.predictor.routed(endpoint, request.prompt_tokens_estimate, cached_tokens, adapter)
-        result.cycle_state.write(ROUTED_FEATURES, features)
+        predictions = self.predictions
+        cached_tokens = predictions.cached(cycle_state, request, [endpoint])[0]
+        if not request.streamed:  # no timings will come back: only its prefill joins the backlog
+            predictions.predictor.routed(endpoint, request.prompt_tokens_estimate, cached_tokens, None, timed=False)
+            return
+        adapter = predictions.adapter(request.model, result.candidates or [endpoint])
+        features = predictions.predictor.routed(endpoint, request.prompt_tokens_estimate, cached_tokens, adapter)
+        cycle_state.write(ROUTED_FEATURES, features)
 
     def response_timed(
         self, request: SchedulingRequest, result: SchedulingResult, endpoint, ttft: float, tpot: float | None
@@ -101,7 +109,7 @@ class PredictorFeed(LatencyPredictionReader, PreRequest, ResponseTimed, PoolChan
 @register("predicted-latency-scorer")
 class PredictedLatencyScorer(Scorer, PredictorFeed):
     consumes = PREDICTION_READS
-    produces = (PREDICTED_LATENCY, CACHED_TOKENS, ROUTED_FEATURES, OBSERVED)
+    produces = (PREDICTED_LATENCY, CACHED_TOKENS, ROUTED_FEATURES, FED, OBSERVED)
     replaces = (*LOAD_SCORERS, *EXACT_SCORERS)
 
     def __init__(self, parameters: dict | None):

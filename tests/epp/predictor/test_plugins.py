@@ -8,13 +8,16 @@ from epp.scheduling.errors import ConfigError
 from epp.scheduling.framework import LatencyPredictionReader, build_plugin
 from epp.scheduling.plugins.predicted_latency_scorer import ROUTED_FEATURES
 from epp.scheduling.scheduler import Scheduler
-from epp.scheduling.types import CycleState, ResponseInfo, SchedulingRequest
+from epp.scheduling.types import CycleState, ResponseInfo, SchedulingRequest, SchedulingResult
 from tests.epp.helpers import endpoint
 from tests.epp.predictor.conftest import reading, train, trained
 
 
-def req(prompt_tokens=1000, headers=None, max_tokens=None, model="m"):
-    return SchedulingRequest("r", model, "", prompt_tokens, headers=headers or {}, max_tokens=max_tokens)
+def req(prompt_tokens=1000, headers=None, max_tokens=None, model="m", streamed=True):
+    """A request whose timings come back (streamed) unless `streamed` says otherwise."""
+    return SchedulingRequest(
+        "r", model, "", prompt_tokens, headers=headers or {}, max_tokens=max_tokens, streamed=streamed
+    )
 
 
 def pool_of_three(predictions):
@@ -195,6 +198,21 @@ def test_an_adapter_not_loaded_on_the_pick_is_recorded_as_a_load(predictions):
         result.endpoints = [other]
         scorer.pre_request(req(model=model), result)
         assert result.cycle_state.read(ROUTED_FEATURES).adapter_loaded is loaded
+
+
+def test_a_request_whose_timings_cannot_come_back_joins_the_backlog_without_features(predictions):
+    """A response that is not streamed has no TTFT to learn from: its prompt still joins the pick's prefill backlog
+    (the next request sees it), once per request however many predictor plugins the profile has, but no features
+    are kept for it."""
+    filter_, scorer = (reading(t, predictions) for t in ("predicted-latency-filter", "predicted-latency-scorer"))
+    backlog = predictions.predictor.backlog
+    pick = endpoint(0)
+    for streamed, queued in ((False, 2000), (True, 4000)):
+        result = SchedulingResult([pick], candidates=[pick], cycle_state=CycleState())
+        for plugin in (filter_, scorer):
+            plugin.pre_request(req(prompt_tokens=2000, streamed=streamed), result)
+        assert backlog.tokens(pick.spec.name, time.monotonic()) == pytest.approx(queued, rel=0.01)
+        assert (result.cycle_state.read(ROUTED_FEATURES) is not None) is streamed
 
 
 def test_while_it_predicts_the_latency_scorer_replaces_the_scorers_whose_signals_it_models(predictions):
