@@ -47,12 +47,15 @@ import numpy as np
 
 from epp.datalayer.endpoint import Endpoint
 from epp.predictor.backlog import PrefillBacklog
-from epp.predictor.features import RAW, SIZE, Features, endpoint_features, matrix, vector
+from epp.predictor.features import RAW, SIZE, Features, endpoint_features, factors, matrix, predict_rows, vector
 from epp.predictor.ridge import OnlineRidge
 
 # Latencies below these floors are weighted as if they were the floor: it bounds one tiny observation's weight.
 TTFT_FLOOR = 0.001
 TPOT_FLOOR = 0.0005
+# Up to this many candidates, predict_endpoints does the model's arithmetic in Python: numpy's fixed cost per call
+# is larger below it (measured: see predict_endpoints).
+FEW_CANDIDATES = 8
 
 
 # Ratios a size class needs before its own quantiles replace the pool-wide ones: few, since a rare class (20 % of
@@ -166,8 +169,8 @@ class LatencyPredictor:
         self.tpot = _Target(TPOT_FLOOR, window, decay, refit_every)
         self.ttft_ready = self.tpot_ready = False
         self.backlog = PrefillBacklog()
-        # (the fitted coefficients it was built from, SIZE x k matrix, floors): see _coefficients
-        self._matrix: tuple[tuple, np.ndarray, np.ndarray] | None = None
+        # (the fitted coefficients it was built from, SIZE x k matrix, floors, each column's factors): _coefficients
+        self._matrix: tuple[tuple, np.ndarray, np.ndarray, tuple[tuple[float, ...], ...]] | None = None
 
     def routed(
         self,
@@ -242,19 +245,22 @@ class LatencyPredictor:
         """(TTFT, TPOT or None) of one request on each endpoint: what `predict_*` would say of the features
         `routed` would record there, in one pass (the scheduling plugins' path); None during TTFT's cold start.
         TPOT is None too when `tpot` is False (nobody reads it) or TPOT is cold.
-        Cost: one Python loop gathering the raw measurements (RAW), then one feature matrix and one matrix product
-        for all candidates (~25 us at 32 endpoints on a 2-core dev box, instead of ~90 us row by row)."""
+        Cost: one Python loop gathering the raw measurements (RAW), then for more than FEW_CANDIDATES one feature
+        matrix and one matrix product for all of them (~25 us at 32 endpoints on a 2-core dev box, instead of ~90 us
+        row by row), for fewer the same arithmetic in Python (`predict_rows`: at 4 endpoints ~1 us against numpy's
+        fixed ~10 us)."""
         if not self.ttft_ready:
             return None
         now = time.monotonic() if now is None else now
         with_tpot = tpot and self.tpot_ready
-        coefficients, floors = self._coefficients(with_tpot)
+        coefficients, floors, columns = self._coefficients(with_tpot)
         prefill = self.backlog
         queues, rates, seconds_per_token = prefill.queues, prefill.rates, prefill.seconds_per_token
         reference = prefill.reference
         missing = 1.0 if adapter is not None else 0.0  # for an endpoint without metrics
-        rows: list[float] = []
-        extend = rows.extend
+        few = len(endpoints) <= FEW_CANDIDATES
+        rows: list = []  # the raw measurements: a row per candidate when few, else flat for numpy
+        add = rows.append if few else rows.extend
         slowness: list[float] = []  # each endpoint's (PrefillBacklog.slowness)
         # queue_depth / running_requests (epp.scheduling.load), PrefillBacklog.tokens and .rate, inlined: this loop
         # is the per-candidate cost of the predictor
@@ -292,7 +298,12 @@ class LatencyPredictor:
                 adapter_missing = 0.0 if adapter is None or adapter in m.running_adapters else 1.0
             busy = 1.0 if running or waiting else 0.0
             backlogged = 1.0 if backlog else 0.0
-            extend((waiting, running, kv, e.in_flight_tokens, uncached, adapter_missing, backlog, busy, backlogged))
+            add((waiting, running, kv, e.in_flight_tokens, uncached, adapter_missing, backlog, busy, backlogged))
+        if few:
+            ttft = [max(t * s, TTFT_FLOOR) for t, s in zip(predict_rows(rows, columns[0]), slowness, strict=True)]
+            if not with_tpot:
+                return [(t, None) for t in ttft]
+            return list(zip(ttft, [max(t, TPOT_FLOOR) for t in predict_rows(rows, columns[1])], strict=True))
         raw = np.fromiter(rows, float, len(rows)).reshape(-1, len(RAW))
         predicted = matrix(raw) @ coefficients
         predicted[:, 0] *= np.fromiter(slowness, float, len(slowness))
@@ -301,16 +312,17 @@ class LatencyPredictor:
             return [(t, None) for t in predicted[:, 0].tolist()]
         return list(zip(predicted[:, 0].tolist(), predicted[:, 1].tolist(), strict=True))
 
-    def _coefficients(self, with_tpot: bool) -> tuple[np.ndarray, np.ndarray]:
-        """The coefficients as a SIZE x k matrix (TTFT, then TPOT when asked) and their floors, rebuilt only when a
-        model was refitted."""
+    def _coefficients(self, with_tpot: bool) -> tuple[np.ndarray, np.ndarray, tuple[tuple[float, ...], ...]]:
+        """The coefficients as a SIZE x k matrix (TTFT, then TPOT when asked), their floors and each column as
+        `factors` for `predict_rows`, rebuilt only when a model was refitted."""
         fitted = (self.ttft.model.coefficients, self.tpot.model.coefficients if with_tpot else None)
         cached = self._matrix
         if cached is None or cached[0][0] is not fitted[0] or cached[0][1] is not fitted[1]:
             columns = [fitted[0]] if fitted[1] is None else list(fitted)
             floors = [TTFT_FLOOR, TPOT_FLOOR][: len(columns)]
-            cached = self._matrix = (fitted, np.array(columns, dtype=float).T, np.array(floors))
-        return cached[1], cached[2]
+            folded = tuple(factors(c) for c in columns)
+            cached = self._matrix = (fitted, np.array(columns, dtype=float).T, np.array(floors), folded)
+        return cached[1], cached[2], cached[3]
 
     @property
     def ttft_mape(self) -> float | None:

@@ -5,6 +5,7 @@ from dataclasses import replace
 import pytest
 
 from epp.predictor import Features, LatencyPredictor, endpoint_features
+from epp.predictor import predictor as predictor_module
 from tests.epp.helpers import endpoint
 from tests.epp.predictor.conftest import random_features, train, true_tpot, true_ttft
 
@@ -98,7 +99,11 @@ def test_endpoint_features_read_the_lag_corrected_load_and_the_adapter():
     assert endpoint_features(never_scraped, 10, 0, None) == Features(2, 2, 0.0, 40, 10, 0, True, endpoint="e1")
 
 
-def test_predict_endpoints_matches_one_at_a_time_predictions():
+@pytest.mark.parametrize("few_candidates", [0, 6], ids=["numpy", "python"])
+def test_predict_endpoints_matches_one_at_a_time_predictions(few_candidates, monkeypatch):
+    """Both ways of predicting for all candidates at once (numpy's matrix product, or the same arithmetic in Python
+    for a few) say what one-at-a-time predictions from the recorded features would."""
+    monkeypatch.setattr(predictor_module, "FEW_CANDIDATES", few_candidates)
     predictor = LatencyPredictor(min_observations=50)
     train(predictor)
     endpoints = [
@@ -124,9 +129,11 @@ def test_predict_endpoints_matches_one_at_a_time_predictions():
     predictor.routed(endpoints[1], 5000, 0, None, now=10.0)  # a prefill backlog on one of them
     batch = predictor.predict_endpoints(endpoints, 2000, cached, "a", now=10.1)
     assert batch[1][0] > batch[0][0] + 0.1
-    for e, c, (ttft, tpot) in zip(endpoints, cached, batch, strict=True):
+    ttft_only = predictor.predict_endpoints(endpoints, 2000, cached, "a", now=10.1, tpot=False)
+    for e, c, (ttft, tpot), (alone, none) in zip(endpoints, cached, batch, ttft_only, strict=True):
         f = endpoint_features(e, 2000, c, "a", predictor.backlog.tokens(e.name, 10.1))
         assert ttft == pytest.approx(predictor.predict_ttft(f)) and tpot == pytest.approx(predictor.predict_tpot(f))
+        assert alone == pytest.approx(ttft) and none is None
 
 
 def test_error_ratios_are_kept_per_prompt_size_class():
