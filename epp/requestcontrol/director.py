@@ -55,7 +55,7 @@ _PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
 _CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 _USAGE_TAIL_BYTES = 4096
 # Ended requests awaiting their access-log record: at most this many (the oldest go first; ~7-9 KB each with their
-# contexts and scheduling results: a few tens of MB when records never come) for at most this long (a record comes
+# contexts and, for a streamed request, its scheduling result: a few tens of MB when records never come) for at most this long (a record comes
 # within Envoy's flush interval, 0.1 s in our bootstrap, or its export timeout, 5 s). 4,096 entries cover 2 s of
 # ended requests at 2,000 a second.
 AWAITING_RECORDS_LIMIT = 4096
@@ -315,6 +315,8 @@ class Director:
             cached_tokens=_usage(_CACHED_TOKENS, tail),
         )
         self.scheduler.on_finished(request, ctx.result, endpoint, response)
+        if not ctx.streamed:  # from here on only a streamed response's timings read what its scheduling left
+            ctx.result = None  # (most of what a request awaiting its access-log record would hold, for ~0.1 s)
         metrics = self.metrics
         metrics.running.labels(ctx.labels[0]).dec()
         status = ctx.status

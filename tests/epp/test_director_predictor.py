@@ -310,3 +310,20 @@ def test_before_the_proxys_first_record_few_requests_wait_for_one(monkeypatch):
         director.on_complete(routed(director, f"r{i}"))
     assert list(director.awaiting_records) == ["r3", "r4"]
     assert all(e.in_flight_requests == 0 for e in director.datastore.endpoints)
+
+
+def test_an_ended_request_keeps_its_scheduling_result_only_while_its_timings_may_come():
+    """What a request's scheduling cycle left (candidates, scores, cycle state) is read after its end only to learn
+    a streamed response's timings: a request that is not streamed lets it go as it ends, though it may wait for its
+    access-log record (its status) for up to the proxy's flush interval."""
+    director = make_picker(config=CONFIG)
+    predictor = director.scheduler.predictions.predictor
+    director.on_access_log("-", 0.05, "200", None)  # the proxy sends records
+    for request_id, stream in (("plain", False), ("streamed", True)):
+        ctx = routed(director, request_id, stream=stream)
+        director.on_complete(ctx)  # no response headers came: its status comes with its record
+        assert director.awaiting_records[request_id][1] is ctx
+        assert (ctx.result is not None) is stream
+    director.on_access_log("plain", None, "200", None)
+    director.on_access_log("streamed", 0.01, "200", None)
+    assert director.awaiting_records == {} and predictor.observations == 1
