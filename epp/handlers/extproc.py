@@ -108,6 +108,8 @@ def immediate_response(error: OpenAIError) -> pb.ProcessingResponse:
 
 def subset_hint(request: pb.ProcessingRequest) -> frozenset[str] | None:
     """The proxy's allowed endpoints, from metadata_context; None when there is no hint."""
+    if not request.HasField("metadata_context"):  # (most proxies send none: no wrappers built to find out)
+        return None
     namespace = request.metadata_context.filter_metadata.get(extproc.SUBSET_HINT_NAMESPACE)
     if namespace is None or extproc.SUBSET_HINT_KEY not in namespace.fields:
         return None
@@ -327,7 +329,7 @@ class RequestStream:
         self.rewrite_back = self.response_full_duplex and self.director.rewrites_response(self.ctx)
         body = decision.body
         head = pb.ProcessingResponse()
-        head.MergeFrom(_routing_answer(tuple(e.hostport for e in decision.endpoints), headers_phase))
+        head.MergeFrom(_routing_answer(tuple([e.spec.hostport for e in decision.endpoints]), headers_phase))
         common = head.request_headers.response if headers_phase else head.request_body.response
         set_headers = common.header_mutation.set_headers
         _add_header(set_headers, extproc.REQUEST_ID_HEADER, decision.request_id)

@@ -120,12 +120,15 @@ def add_best_scored(picked: list[Endpoint], endpoints: list[Endpoint], scores: l
     """Appends to `picked` the highest-scored of `endpoints` (scores in the same order) that it lacks, until it holds
     `count`. One sort in C; ties keep the order of a list that starts at a random place, so that equal endpoints
     share what comes after the pick (the proxy's retries)."""
+    if len(picked) >= count:
+        return
     size = len(endpoints)
     start = random.randrange(size)
-    taken = {id(e) for e in picked}
-    for i in sorted([*range(start, size), *range(start)], key=scores.__getitem__, reverse=True):
-        if len(picked) >= count:
-            return
+    order = [*range(start, size), *range(start)]
+    order.sort(key=scores.__getitem__, reverse=True)  # stable: ties stay in the rotated order
+    for i in order:
         endpoint = endpoints[i]
-        if id(endpoint) not in taken:
+        if endpoint not in picked:  # (a few at most; endpoints compare by identity)
             picked.append(endpoint)
+            if len(picked) >= count:
+                return
