@@ -55,9 +55,9 @@ _PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
 _CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 _USAGE_TAIL_BYTES = 4096
 # Ended requests awaiting their access-log record: at most this many (the oldest go first; ~7-9 KB each with their
-# contexts and, for a streamed request, its scheduling result: a few tens of MB when records never come) for at most this long (a record comes
-# within Envoy's flush interval, 0.1 s in our bootstrap, or its export timeout, 5 s). 4,096 entries cover 2 s of
-# ended requests at 2,000 a second.
+# contexts and, for a request whose timings are learnt, its scheduling result: a few tens of MB when records never
+# come) for at most this long (a record comes within Envoy's flush interval, 0.1 s in our bootstrap, or its export
+# timeout, 5 s). 4,096 entries cover 2 s of ended requests at 2,000 a second.
 AWAITING_RECORDS_LIMIT = 4096
 AWAITING_RECORDS_SECONDS = 10.0
 # Before the proxy's first record, only this many wait for theirs: a proxy that sends neither response headers nor
@@ -315,7 +315,7 @@ class Director:
             cached_tokens=_usage(_CACHED_TOKENS, tail),
         )
         self.scheduler.on_finished(request, ctx.result, endpoint, response)
-        if not ctx.streamed:  # from here on only a streamed response's timings read what its scheduling left
+        if not (ctx.streamed and self.scheduler.wants_timings):  # from here on only timings read the result
             ctx.result = None  # (most of what a request awaiting its access-log record would hold, for ~0.1 s)
         metrics = self.metrics
         metrics.running.labels(ctx.labels[0]).dec()

@@ -54,7 +54,8 @@ from epp.scheduling.framework import (
 )
 from epp.scheduling.types import CycleState, SchedulingRequest, SchedulingResult, StateKey
 
-ROUTED_FEATURES: StateKey[Features] = StateKey("predicted-latency-routed-features")  # a streamed request's
+# A streamed request's features at its pick (only its timings come back to learn from).
+ROUTED_FEATURES: StateKey[Features] = StateKey("predicted-latency-routed-features")
 FED: StateKey[bool] = StateKey("predicted-latency-fed")  # the request's prompt joined its endpoint's prefill backlog
 OBSERVED: StateKey[bool] = StateKey("predicted-latency-observed")  # the predictor learnt from this request
 # The scorers whose signals are the load of an endpoint, counted without the work each request brings; the others
@@ -84,12 +85,13 @@ class PredictorFeed(LatencyPredictionReader, PreRequest, ResponseTimed, PoolChan
         endpoint = result.primary
         predictions = self.predictions
         cached_tokens = predictions.cached(cycle_state, request, [endpoint])[0]
-        if not request.streamed:  # no timings will come back: only its prefill joins the backlog
-            predictions.predictor.routed(endpoint, request.prompt_tokens_estimate, cached_tokens, None, timed=False)
-            return
-        adapter = predictions.adapter(request.model, result.candidates or [endpoint])
-        features = predictions.predictor.routed(endpoint, request.prompt_tokens_estimate, cached_tokens, adapter)
-        cycle_state.write(ROUTED_FEATURES, features)
+        timed = request.streamed  # only a streamed response's timings come back: only its features are read
+        adapter = predictions.adapter(request.model, result.candidates or [endpoint]) if timed else None
+        features = predictions.predictor.routed(
+            endpoint, request.prompt_tokens_estimate, cached_tokens, adapter, timed=timed
+        )
+        if features is not None:
+            cycle_state.write(ROUTED_FEATURES, features)
 
     def response_timed(
         self, request: SchedulingRequest, result: SchedulingResult, endpoint, ttft: float, tpot: float | None
