@@ -251,8 +251,7 @@ async def test_the_predictor_learns_from_the_gateways_access_log_without_respons
                 events = [e[6:] for e in (await r.read()).decode().split("\n\n") if e]
             assert {json.loads(e)["model"] for e in events[:-1]} == {MODEL}  # the body did not reach the EPP
 
-        await until_access_log_records_teach(stack, session, streamed)
-        learnt = await observations(stack, session)
+        learnt = await until_access_log_records_teach(stack, session, streamed)
         for _ in range(10):
             await streamed()
         for _ in range(100):
@@ -277,15 +276,25 @@ async def observations(stack: LocalStack, session: aiohttp.ClientSession) -> flo
     return float(samples[0].split()[-1]) if samples else 0.0
 
 
-async def until_access_log_records_teach(stack: LocalStack, session: aiohttp.ClientSession, streamed) -> None:
+async def until_access_log_records_teach(stack: LocalStack, session: aiohttp.ClientSession, streamed) -> float:
     """Streamed requests until one has taught the predictor: the first record only tells the EPP that records come
-    (Envoy flushes every 0.1 s; later under load), and requests that end before then wait for none."""
+    (Envoy flushes every 0.1 s; later under load), and requests that end before then wait for none. Returns the
+    observations once they have settled: a record of these requests that comes late (a loaded machine) still
+    teaches, and must not count as one of the caller's."""
     for _ in range(40):
         await streamed()
         await asyncio.sleep(0.2)
         if await observations(stack, session) > 0:
-            return
-    raise AssertionError("no access-log record taught the predictor")
+            break
+    else:
+        raise AssertionError("no access-log record taught the predictor")
+    learnt = await observations(stack, session)
+    for _ in range(10):
+        await asyncio.sleep(1.0)
+        learnt, previous = await observations(stack, session), learnt
+        if learnt == previous:
+            return learnt
+    raise AssertionError("the predictor's observations never settled")
 
 
 OBSERVATIONS = "inference_extension_latency_predictor_observations_total"
