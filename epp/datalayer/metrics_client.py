@@ -19,6 +19,7 @@ import asyncio
 MAX_BODY_BYTES = 16 << 20  # a Prometheus page is tens of KB; anything this large is not one
 MAX_HEAD_BYTES = 64 << 10  # the status line and headers
 MAX_CHUNK_LINE_BYTES = 4096  # a chunk-size line (hex size and extensions) or a trailer line
+HEX_DIGITS = b"0123456789abcdefABCDEF"
 
 
 class ScrapeError(Exception):
@@ -142,8 +143,11 @@ class _Connection(asyncio.Protocol):
         if headers.get(b"transfer-encoding") == b"chunked":
             self.chunked = True
         elif b"content-length" in headers:
-            self.length = int(headers[b"content-length"])
-            if not 0 <= self.length <= MAX_BODY_BYTES:
+            length = headers[b"content-length"]
+            if not length.isdigit():  # int() would also take a sign, spaces and underscores
+                raise ScrapeError(f"malformed Content-Length: {length[:40]!r}")
+            self.length = int(length)
+            if self.length > MAX_BODY_BYTES:
                 raise ScrapeError(f"a {self.length}-byte metrics page")
         else:
             self.keep_alive = False  # read to the close
@@ -163,7 +167,7 @@ class _Connection(asyncio.Protocol):
                     return b"".join(self.chunks)
                 position = line_end + 2
                 continue
-            size = int(bytes(buffer[position:line_end]).split(b";", 1)[0], 16)
+            size = _chunk_size(bytes(buffer[position:line_end]))
             if size == 0:
                 self.in_trailers = True
                 position = line_end + 2
@@ -179,6 +183,15 @@ class _Connection(asyncio.Protocol):
             position = start + size + 2
         self.position = position
         return None
+
+
+def _chunk_size(line: bytes) -> int:
+    """A chunk-size line's size: hex digits only (RFC 9112's 1*HEXDIG), then any extensions. int() alone would take a
+    sign, and a negative size moved the parse back into bytes already read: a server could loop it forever."""
+    digits = line.split(b";", 1)[0].rstrip(b" \t")
+    if not digits or digits.strip(HEX_DIGITS):
+        raise ScrapeError(f"malformed chunk size: {line[:40]!r}")
+    return int(digits, 16)
 
 
 def _expire(waiter: asyncio.Future) -> None:
