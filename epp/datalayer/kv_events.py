@@ -45,6 +45,13 @@ from protocol.kv_events import (
 
 # Bounds (seconds) of the delay histogram from a batch's step to its application in the index.
 LAG_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0, 5.0)
+# The largest message taken from a publisher or a replay socket (zmq drops a longer one, and its connection, before
+# buffering it): a step's batch is KBs to ~1 MB (a block's hash and token ids per block stored), and the subscriber
+# binds on every interface by default.
+MAX_MESSAGE_BYTES = 16 << 20
+# At most this many batches are asked of a replay socket (twice vLLM's default replay buffer, buffer_steps 10,000):
+# a larger gap could not be closed anyway, and what is replayed is held until it is all there.
+MAX_REPLAYED_BATCHES = 20_000
 
 log = logging.getLogger(__name__)
 
@@ -216,6 +223,7 @@ class KVEventSubscriber:
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.SUBSCRIBE, b"kv@")
         self._sub.setsockopt(zmq.LINGER, 0)
+        self._sub.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         self._connect = connect_port_offset is not None
         self.connect_port_offset = connect_port_offset
         self._bound: str | None = None
@@ -306,7 +314,12 @@ class KVEventSubscriber:
                     self.bad_messages += 1  # one bad publisher must not stop the others' events
                     log.debug("ignoring a malformed KV event message: %s", exc)
                     continue
-                self._receive(parsed[0], parsed[1], int.from_bytes(seq_bytes, "big"), batch)
+                try:
+                    self._receive(parsed[0], parsed[1], int.from_bytes(seq_bytes, "big"), batch)
+                except Exception:  # a bug costs this batch (and the endpoint's sync), not every server's events
+                    log.exception("KV events: applying a batch from %s failed", parsed[0])
+                    self.index.clear(parsed[0])
+                    self._next_seq.pop(parsed[0], None)
 
     def _receive(self, endpoint: str, model: str, seq: int, batch: IndexedBatch) -> None:
         expected = self._next_seq.get(endpoint)
@@ -350,11 +363,16 @@ class KVEventSubscriber:
         still buffers will do: a suffix of its history adds no block it evicted, it only misses older ones."""
         if self.replay_port_offset is None:
             return False
+        if until - start > MAX_REPLAYED_BATCHES:
+            if whole:
+                return False
+            start = until - MAX_REPLAYED_BATCHES
         host, _, port = endpoint.rpartition(":")
         address = f"tcp://{host}:{int(port) + self.replay_port_offset}"
         decode = msgspec.msgpack.Decoder(IndexedBatch).decode
         socket = self._ctx.socket(zmq.DEALER)
         socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         try:
             socket.connect(address)
             socket.send_multipart((b"", start.to_bytes(8, "big")))
@@ -369,11 +387,14 @@ class KVEventSubscriber:
                 if len(frames) != 3 or frames[1] == END_SEQ:
                     break
                 seq = int.from_bytes(frames[1], "big")
-                if seq < until:
-                    replayed.append((seq, decode(frames[2])))
-            if not whole and replayed:
-                start = replayed[0][0]
-            if not replayed or [seq for seq, _ in replayed] != list(range(start, until)):
+                if seq >= until:
+                    continue
+                # consecutive from `start` (or, for a late joiner's history, from wherever its buffer begins)
+                expected = replayed[-1][0] + 1 if replayed else start
+                if seq != expected and (whole or replayed or seq < start):
+                    return False
+                replayed.append((seq, decode(frames[2])))
+            if not replayed or replayed[-1][0] != until - 1:
                 return False  # the server's buffer no longer holds them all
             for seq, batch in replayed:
                 self._apply(endpoint, seq, batch)

@@ -7,7 +7,7 @@ import msgspec
 import zmq
 
 from epp.datalayer.endpoint import Endpoint, EndpointSpec
-from epp.datalayer.kv_events import IndexedBatch, KVBlockIndex, KVEventSubscriber
+from epp.datalayer.kv_events import MAX_MESSAGE_BYTES, IndexedBatch, KVBlockIndex, KVEventSubscriber
 from modelserver.engine.config import EngineConfig
 from modelserver.engine.engine import AsyncEngine
 from modelserver.engine.kv_events import ZmqEventPublisher
@@ -113,6 +113,35 @@ def test_malformed_messages_are_counted_and_do_not_stop_the_subscriber():
         while index.size == 0 and time.monotonic() < deadline:
             time.sleep(0.01)
         assert subscriber.bad_messages == 2 and index.prefix_blocks([9], ["x:1"]) == {"x:1": 1}
+        # a bug applying one batch costs that batch (and that server's entries), not the subscriber's thread
+        apply, failed = subscriber._apply, []
+
+        def broken(*args):
+            failed.append(args)
+            raise RuntimeError("a bug")
+
+        subscriber._apply = broken
+        pub.send_multipart([b"kv@x:1@m", (1).to_bytes(8, "big"), msgspec.msgpack.encode(good)])
+        while not failed and time.monotonic() < deadline + 3:
+            time.sleep(0.01)
+        subscriber._apply = apply
+        pub.send_multipart([b"kv@y:1@m", (0).to_bytes(8, "big"), msgspec.msgpack.encode(good)])
+        while index.prefix_blocks([9], ["y:1"]) != {"y:1": 1} and time.monotonic() < deadline + 6:
+            time.sleep(0.01)
+        assert failed and index.prefix_blocks([9], ["x:1", "y:1"]) == {"x:1": 0, "y:1": 1}
+        # a message over MAX_MESSAGE_BYTES is dropped (with its sender's connection) unread; the others go on
+        big = KVEventBatch(0.0, [BlockStored([5], None, list(range(16)), 16, None, "GPU")])
+        oversized, bad = msgspec.msgpack.encode(big) + b"\0" * MAX_MESSAGE_BYTES, subscriber.bad_messages
+        pub.send_multipart([b"kv@z:1@m", (0).to_bytes(8, "big"), oversized])
+        other = ctx.socket(zmq.PUB)
+        other.connect(subscriber.endpoint)
+        time.sleep(0.3)
+        other.send_multipart([b"kv@w:1@m", (0).to_bytes(8, "big"), msgspec.msgpack.encode(big)])
+        while index.prefix_blocks([5], ["w:1"]) != {"w:1": 1} and time.monotonic() < deadline + 9:
+            time.sleep(0.01)
+        other.close(linger=0)
+        assert index.prefix_blocks([5], ["w:1", "z:1"]) == {"w:1": 1, "z:1": 0}
+        assert subscriber.bad_messages == bad  # never received, so never decoded
     finally:
         pub.close(linger=0)
         ctx.term()
@@ -237,6 +266,45 @@ def test_a_late_subscriber_fetches_what_the_server_still_buffers():
         server.join(timeout=5)
         assert subscriber.replays == 1 and subscriber.gaps == 0
         assert [index.prefix_blocks([h], [endpoint])[endpoint] for h in range(1, 7)] == [0, 0, 1, 1, 1, 1]
+    finally:
+        router.close(linger=0)
+        ctx.term()
+        subscriber.shutdown()
+
+
+def test_a_replay_socket_that_sends_garbage_or_a_sequence_far_ahead_costs_that_endpoint_only():
+    """A malformed batch from a replay socket, or a sequence number ~2^62 ahead (a gap no buffer could close), is a
+    gap for that server: counted, its entries dropped, nothing held for the range, and the subscriber goes on."""
+    index = KVBlockIndex()
+    subscriber = KVEventSubscriber(index, "tcp://127.0.0.1:*", replay_port_offset=0, replay_timeout=2.0)
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    endpoint = f"127.0.0.1:{router.bind_to_random_port('tcp://127.0.0.1')}"
+    stored = KVEventBatch(time.time(), [BlockStored([1], None, [0] * 16, 16, None, "GPU")])
+    asked = []
+
+    def serve_replays(count: int):  # garbage first, then the batch asked for (and nothing after it)
+        for payload in (b"\xc1garbage", msgspec.msgpack.encode(stored))[:count]:
+            client, _, start = router.recv_multipart()
+            asked.append(int.from_bytes(start, "big"))
+            router.send_multipart([client, b"", start, payload])
+            router.send_multipart([client, b"", (-1).to_bytes(8, "big", signed=True), b""])
+
+    try:
+        import threading
+
+        server = threading.Thread(target=serve_replays, args=(2,))
+        server.start()
+        subscriber._receive(endpoint, "m", 0, wire(stored))
+        subscriber._receive(endpoint, "m", 2, wire(stored))  # batch 1 lost; its replay is garbage
+        assert subscriber.gaps == 1 and asked == [1]
+        started = time.monotonic()
+        subscriber._receive(endpoint, "m", 1 << 62, wire(stored))  # no replay asked: far over any buffer
+        assert time.monotonic() - started < 1.0 and subscriber.gaps == 2 and asked == [1]
+        subscriber._receive(endpoint, "m", (1 << 62) + 3, wire(stored))  # the replay holds 1 << 62 + 1 only
+        server.join(timeout=5)
+        assert subscriber.gaps == 3 and asked == [1, (1 << 62) + 1]
+        assert index.prefix_blocks([1], [endpoint]) == {endpoint: 1}  # relearnt from the batch that came
     finally:
         router.close(linger=0)
         ctx.term()
