@@ -41,7 +41,7 @@ def test_no_fit_before_data_and_state_stays_fixed_size():
     assert model.coefficients is None
     for i in range(1000):
         model.add((1.0, float(i % 7), 0.0, 0.0), 1.0)  # two inputs never vary: the ridge term keeps it solvable
-    assert len(model._a) == 4 and all(len(row) == 4 for row in model._a)
+    assert model._a.shape == (4, 4) and model._b.shape == (4,)
     assert model.predict((1.0, 3.0, 0.0, 0.0)) == pytest.approx(1.0, rel=1e-3)
 
 
@@ -120,3 +120,23 @@ def test_online_refits_start_from_the_previous_coefficients_and_match_a_fit_from
             model.refit()
             assert fitted == pytest.approx(model.coefficients, abs=1e-9)
     assert model.coefficients[1] == 0.0 and min(model.coefficients) >= 0.0
+
+
+def test_the_decay_kept_as_one_scale_matches_every_observation_decayed_in_turn():
+    """A decay of 0.5 folds the scale into the kept equations every ~330 observations: the fit after 1,000 is the
+    weighted least squares of every observation weighted by 0.5 per later one."""
+    rng = random.Random(6)
+    model = OnlineRidge(3, decay=0.5, ridge=1e-6, refit_every=1000)
+    rows = []
+    for _ in range(1000):
+        x, weight = (1.0, rng.random(), rng.random() * 3), rng.uniform(0.5, 2.0)
+        y = 1.0 + 2.0 * x[1] + 0.5 * x[2] + rng.gauss(0.0, 0.3)  # noisy: the weights decide the fit
+        rows.append((x, y, weight))
+        model.add(x, y, weight)
+    a, b = np.zeros((3, 3)), np.zeros(3)
+    for age, (x, y, weight) in enumerate(reversed(rows)):
+        a += 0.5**age * weight * np.outer(x, x)
+        b += 0.5**age * weight * y * np.asarray(x)
+    a += 1e-6 * np.trace(a) / 3 * np.eye(3)
+    assert model._scale >= ridge.FOLD_SCALE_BELOW
+    assert model.coefficients == pytest.approx(tuple(np.linalg.solve(a, b)), rel=1e-9)
