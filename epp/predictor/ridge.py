@@ -5,9 +5,10 @@ them: O(n^2) numbers for n inputs, whatever the number of observations. They are
 arrays with one scale s for both: an observation multiplies s by d and adds w / s x x^T to A' (one outer product),
 instead of multiplying every entry by d; the solution of A c = b is that of A' c = b', so a refit reads A' and b'
 as they are (the ridge term is relative to A's trace). s is folded into A' and b' before it would underflow. Every
-`refit_every` observations the coefficients are re-solved. Measured on 2,000 of the predictor's own observations
-(13 inputs, refit every 8), per observation, add and refit: 15.3 us with A as nested lists, its upper triangle
-updated entry by entry and decayed, and turned into an array at each refit; 9.2 us now. Unlike recursive least squares
+`refit_every` observations the coefficients are re-solved. Measured on ~2,000 observations the predictor recorded in
+`epp-bench handler-cpu --streamed` (13 inputs, refit every 8), per observation, add and refit: 15.9-17.5 us with A
+as nested lists, its upper triangle updated entry by entry and decayed, and made an array at each refit; 10.9-11.8
+us now (two runs each). Unlike recursive least squares
 with forgetting, which updates the inverse and whose covariance winds up along directions the data stops
 exciting, the ridge term here is added at each solve, so the solve is always well posed.
 
