@@ -397,6 +397,11 @@ class FlowController:
         if not self.count or not self.has_room(self.in_flight):
             return 0
         item = self._next()
+        while item is not None and item.future is not None and item.future.cancelled():
+            # its waiter went away and has not yet taken it out of its queue: not a dispatch (the slot would never
+            # come back, since that waiter gives back only a turn it was given)
+            self._finish(item, EVICTED_CANCELLED)
+            item = self._next()
         if item is None:
             return 0
         self._finish(item, DISPATCHED)

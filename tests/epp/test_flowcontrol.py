@@ -138,6 +138,27 @@ async def test_ttl_expiry_and_cancellation_each_end_in_one_outcome():
     assert fc.observer == {(0, "a", EVICTED_TTL): 1, (0, "b", EVICTED_CANCELLED): 1}
 
 
+async def test_a_waiter_cancelled_before_the_slot_came_is_not_dispatched_into_it():
+    """A client goes away (its waiter's task is cancelled) and, before that task runs again, a slot frees: the
+    slot goes to the next request, not to the one that left, whose task then gives back only a turn it was given
+    (dispatching it leaked the slot for good: the pool looked one request fuller from then on)."""
+    fc, pool = controller()
+    order: list[str] = []
+    leaving = asyncio.create_task(queue(fc, order, 0, "a"))
+    staying = asyncio.create_task(queue(fc, order, 0, "b"))
+    await asyncio.sleep(0)
+    leaving.cancel()  # its clean-up runs at its next step, after the pump below
+    pool.slots = 1
+    assert fc.pump() == 1
+    with pytest.raises(asyncio.CancelledError):
+        await leaving
+    await staying
+    assert order == ["0/b"] and fc.in_flight == 1 and fc.count == 0
+    fc.complete()
+    assert fc.in_flight == 0
+    assert fc.observer == {(0, "a", EVICTED_CANCELLED): 1, (0, "b", DISPATCHED): 1}
+
+
 async def test_capacity_displaces_the_noisy_flow_never_the_quiet_one():
     fc, pool = controller(maxRequests=4)
     order: list[str] = []
