@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import math
-from collections.abc import Awaitable
 
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
@@ -238,6 +237,8 @@ class RequestStream:
 
     # -- request path ------------------------------------------------------------------------------------------
     def _on_request_headers(self, message: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+        if self.ctx is not None:  # one request per stream: a second one would leave the first in flight for good
+            return [self._reject(OpenAIError("request headers came twice on one ext_proc stream", 400))]
         headers: dict[str, str] = {}
         for h in message.request_headers.headers.headers:
             raw = h.raw_value  # each read of a field builds a new Python object: read once
@@ -270,6 +271,9 @@ class RequestStream:
     def _on_request_body(self, body: pb.HttpBody) -> list[pb.ProcessingResponse]:
         if self.body_done:
             return []  # answered already (413): the rest of the body is dropped
+        if self.ctx is None:
+            self.body_done = True
+            return [self._reject(OpenAIError("a request body came before its headers on the ext_proc stream", 400))]
         chunk = body.body
         if chunk:
             size = len(chunk)
@@ -310,17 +314,22 @@ class RequestStream:
             return [immediate_response(error)]
         if isinstance(decision, RoutingDecision):
             return self._answers(decision, headers_phase)
-        self.pending = asyncio.ensure_future(self._answer_later(decision, headers_phase))
+        # the director's wait is the task itself, so that cancelling it (the stream ended) ends the wait even before
+        # it began, rather than a task around it that would drop it unstarted
+        waiting = self.pending = asyncio.ensure_future(decision)
+        waiting.add_done_callback(functools.partial(self._answer_later, headers_phase=headers_phase))
         # the request waits in flow control: the proxy is told to wait for the answer as long as it may take
         # (Envoy's ext_proc max_message_timeout bounds it; the template sets it above the longest TTL)
         return [_wait_answer(math.ceil(self.director.longest_wait or 0) + QUEUE_TIMEOUT_MARGIN_SECONDS)]
 
-    async def _answer_later(self, decision: Awaitable[RoutingDecision], headers_phase: bool) -> None:
+    def _answer_later(self, waiting: asyncio.Future[RoutingDecision], headers_phase: bool) -> None:
+        if waiting is not self.pending or waiting.cancelled():
+            return  # the stream ended first (finish): nobody to answer
+        self.pending = None
         try:
-            answers = self._answers(await decision, headers_phase)
+            answers = self._answers(waiting.result(), headers_phase)
         except OpenAIError as error:
             answers = [immediate_response(error)]
-        self.pending = None
         answers, self.held = answers + self.held, []
         self.reply(answers)
 
