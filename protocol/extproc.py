@@ -19,6 +19,10 @@ SERVED_ENDPOINT_KEY = "x-gateway-destination-endpoint-served"
 
 # Request headers the EPP reads.
 REQUEST_ID_HEADER = "x-request-id"
+# The longest x-request-id the EPP keeps as the request's id (a UUID is 36 characters); a longer one is replaced by
+# the EPP's own on the routed request, and an access-log record with one is not read: the ids key tables that
+# wait for records, and a client's header or a sender of records may be up to the proxy's header limit (60 KB).
+MAX_REQUEST_ID_CHARS = 256
 OBJECTIVE_HEADER = "x-gateway-inference-objective"
 FAIRNESS_ID_HEADER = "x-gateway-inference-fairness-id"
 MODEL_NAME_REWRITE_HEADER = "x-gateway-model-name-rewrite"

@@ -18,8 +18,9 @@ The record, as our bootstrap formats it (epp/templates/envoy.yaml.tmpl; another 
 * attribute `upstream`: the endpoint that served it, ip:port (`%UPSTREAM_HOST%`, the last try's; "-" when none).
 Status and endpoint are what the EPP learns at the response headers when the gateway sends them to it (ext_proc
 response_header_mode SEND); our bootstrap skips that round trip when every request's record comes here.
-A record without a request id is skipped; so is a time that is not a positive whole number of microseconds under an
-hour (the record's status and endpoint still count), and a status outside 100-599.
+A record without a request id (or with one longer than the EPP keeps, `MAX_REQUEST_ID_CHARS`) is skipped; so is a
+time that is not a positive whole number of microseconds under an hour (the record's status and endpoint still
+count), and a status outside 100-599.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from collections.abc import Callable, Iterable
 
 from opentelemetry.proto.collector.logs.v1 import logs_service_pb2
 from opentelemetry.proto.logs.v1 import logs_pb2
+
+from protocol.extproc import MAX_REQUEST_ID_CHARS
 
 log = logging.getLogger("epp.handlers.accesslog")
 
@@ -60,7 +63,7 @@ def export_handler(
             for scope in getattr(resource, _SCOPES):
                 for record in getattr(scope, _RECORDS):
                     request_id = record.body.string_value
-                    if not request_id:
+                    if not request_id or len(request_id) > MAX_REQUEST_ID_CHARS:  # not an id the EPP gave
                         skipped += 1
                         continue
                     ttft_us = status = upstream = ""

@@ -199,8 +199,11 @@ class Director:
         headers = ctx.headers
         objective = headers.get(extproc.OBJECTIVE_HEADER)
         prompt = prompt_text(payload) if payload is not None else ""
+        request_id = headers.get(extproc.REQUEST_ID_HEADER)
+        if not request_id or len(request_id) > extproc.MAX_REQUEST_ID_CHARS:
+            request_id = str(uuid.uuid4())
         return SchedulingRequest(
-            request_id=headers.get(extproc.REQUEST_ID_HEADER) or str(uuid.uuid4()),
+            request_id=request_id,
             model=ctx.target_model,
             prompt=prompt,
             prompt_tokens_estimate=len(prompt) // 4,

@@ -115,6 +115,18 @@ def test_full_duplex_defers_headers_until_the_body_ends_and_streams_it_back_in_c
     assert endpoint.in_flight_requests == 0
 
 
+@pytest.mark.parametrize("request_id, kept", [("client-id-1", True), ("x" * 256, True), ("x" * 257, False)])
+def test_a_clients_request_id_is_kept_unless_it_is_too_long_to_key_on(request_id, kept):
+    """The routed request carries the id the EPP keys its records on: the client's, unless it is longer than
+    MAX_REQUEST_ID_CHARS (a header can be up to the proxy's limit), then the EPP's own."""
+    stream = new_stream(make_picker())
+    stream.handle(headers_message({**BASE_HEADERS, "x-request-id": request_id}))
+    (head, *_) = stream.handle(body_message(b'{"model": "m", "prompt": "hello"}'))
+    sent = set_headers(head)["x-request-id"]
+    assert (sent == request_id) is kept and sent == stream.ctx.request.request_id and len(sent) <= 256
+    stream.finish()
+
+
 def test_buffered_mode_answers_headers_at_once_and_routes_in_the_body_response():
     stream = new_stream(make_picker())
     (first,) = stream.handle(headers_message(BASE_HEADERS, mode=BUFFERED))

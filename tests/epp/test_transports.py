@@ -243,6 +243,7 @@ async def test_access_log_export_beside_ext_proc_streams_on_one_connection(port)
             ("j", "-", "٢٠٠"),  # digits, but not a status
             ("k", "-", "700"),
             ("i", "1000", "0", "-"),  # the client went away before a response
+            ("x" * 257, "1000", "200"),  # longer than any id the EPP gives a request
         ]
         answer = await export(access_log_export(*records))
         assert answer == b""  # an empty ExportLogsServiceResponse: every record accepted
