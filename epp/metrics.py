@@ -271,6 +271,11 @@ class _KVEventsCollector:
             ("inference_extension_kv_events_replays", "Sequence gaps closed by a replay from the server.", sub.replays),
             ("inference_extension_kv_events_restarts", "Servers whose sequence started over.", sub.restarts),
             ("inference_extension_kv_events_bad_messages", "Malformed KV event messages ignored.", sub.bad_messages),
+            (
+                "inference_extension_kv_events_outside_pool_messages",
+                "KV event messages from servers not in the pool, ignored.",
+                sub.outside_pool,
+            ),
         )
         for name, doc, value in counters:
             family = CounterMetricFamily(name, doc)

@@ -5,8 +5,9 @@ were stored so a memory cap can drop an endpoint's oldest entries first. `KVEven
 (`epp --kv-events-port`, default 5557 on all interfaces, as llm-d's EPP) that every server connects to (or, with
 `--kv-events-connect-port-offset`, connects to each server's bound publisher: several EPP replicas then all get
 every server's events, since vLLM publishes to one endpoint only), and applies each batch to the index on its own thread.
-Endpoints are identified by the topic `kv@<address:port>@<model>`, matched to the pool's endpoints by address:port;
-an endpoint that has published is scored by precise-prefix-cache-scorer, the others keep the approximate index.
+Endpoints are identified by the topic `kv@<address:port>@<model>`, matched to the pool's endpoints by address:port
+(messages from any other sender are counted and ignored); an endpoint that has published is scored by
+precise-prefix-cache-scorer, the others keep the approximate index.
 
 Gaps: sequence numbers per topic must be consecutive. On a gap, with a replay endpoint known for the server
 (`replay_port_offset`: the server's replay ROUTER listens on its serving port + offset, vLLM's `replay_endpoint`),
@@ -52,6 +53,8 @@ MAX_MESSAGE_BYTES = 16 << 20
 # At most this many batches are asked of a replay socket (twice vLLM's default replay buffer, buffer_steps 10,000):
 # a larger gap could not be closed anyway, and what is replayed is held until it is all there.
 MAX_REPLAYED_BATCHES = 20_000
+# Senders outside the pool warned about once each (then only counted), at most this many.
+MAX_WARNED_ENDPOINTS = 64
 
 log = logging.getLogger(__name__)
 
@@ -241,6 +244,12 @@ class KVEventSubscriber:
         self.restarts = 0
         self.replays = 0  # gaps closed by a replay
         self.bad_messages = 0
+        # Only the pool's servers are indexed: the SUB socket binds on every interface, and an entry per topic
+        # (a sequence number, a model) for any address:port a sender names would grow without bound. Replaced whole
+        # on the loop (start/stop) and read by the receiver thread.
+        self._pool: frozenset[str] = frozenset()
+        self.outside_pool = 0  # messages from servers not in the pool, ignored
+        self._warned: set[str] = set()
         self.lag_buckets = [0] * (len(LAG_BUCKETS) + 1)  # per bound of LAG_BUCKETS, then +Inf (not cumulative)
         self.lag_sum = 0.0
         self._stop = threading.Event()
@@ -257,10 +266,12 @@ class KVEventSubscriber:
         return f"tcp://{endpoint.spec.address}:{endpoint.spec.port + self.connect_port_offset}"
 
     def start(self, endpoint: Endpoint) -> None:
+        self._pool = self._pool | {endpoint.hostport}
         if self._connect:  # servers that bind (vLLM's `tcp://*:5557`): connect to each one's publisher
             self._targets.append((True, self.publisher(endpoint)))
 
     def stop(self, endpoint: Endpoint) -> None:
+        self._pool = self._pool - {endpoint.hostport}
         self._forget.append(endpoint.hostport)  # the receiver thread owns the index: it clears it there
         if self._connect:
             self._targets.append((False, self.publisher(endpoint)))
@@ -307,6 +318,9 @@ class KVEventSubscriber:
                             raise ValueError("not a kv@<address:port>@<model> topic")
                         if len(topics) < 65536:  # bounded: topics are per server
                             topics[topic_bytes] = parsed
+                    if parsed[0] not in self._pool:
+                        self._outside_pool(parsed[0])
+                        continue
                     if len(seq_bytes) != 8:
                         raise ValueError("not an 8-byte sequence number")
                     batch = decode(payload)
@@ -320,6 +334,16 @@ class KVEventSubscriber:
                     log.exception("KV events: applying a batch from %s failed", parsed[0])
                     self.index.clear(parsed[0])
                     self._next_seq.pop(parsed[0], None)
+
+    def _outside_pool(self, endpoint: str) -> None:
+        self.outside_pool += 1
+        if endpoint not in self._warned and len(self._warned) < MAX_WARNED_ENDPOINTS:
+            self._warned.add(endpoint)
+            log.warning(
+                "KV events from %s, which is not in the pool, are ignored (a topic names the address:port the pool "
+                "lists for its server: kv@<address:port>@<model>)",
+                endpoint,
+            )
 
     def _receive(self, endpoint: str, model: str, seq: int, batch: IndexedBatch) -> None:
         expected = self._next_seq.get(endpoint)

@@ -28,6 +28,13 @@ def wire(batch: KVEventBatch) -> IndexedBatch:
     return msgspec.msgpack.decode(msgspec.msgpack.encode(batch), type=IndexedBatch)
 
 
+def in_pool(subscriber: KVEventSubscriber, *hostports: str) -> None:
+    """The pool's servers, as discovery starts them: the subscriber indexes only these."""
+    for hostport in hostports:
+        address, _, port = hostport.rpartition(":")
+        subscriber.start(Endpoint(EndpointSpec(hostport, address, int(port))))
+
+
 async def wait_for(condition, timeout: float = 3.0) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -38,6 +45,7 @@ async def wait_for(condition, timeout: float = 3.0) -> None:
 async def test_the_index_follows_each_server_s_cache_through_evictions():
     index = KVBlockIndex()
     subscriber = KVEventSubscriber(index, "tcp://127.0.0.1:*")
+    in_pool(subscriber, "127.0.0.1:8000", "127.0.0.1:8001")
     # servers connect to the EPP's bound socket (no '*' in their endpoint), as llm-d points vLLM at its EPP
     config = KVEventsConfig.from_json(f'{{"enable_kv_cache_events": true, "endpoint": "{subscriber.endpoint}"}}')
     engines = []
@@ -100,6 +108,7 @@ def test_a_gap_or_a_restart_drops_that_endpoint_only_and_resyncs():
 def test_malformed_messages_are_counted_and_do_not_stop_the_subscriber():
     index = KVBlockIndex()
     subscriber = KVEventSubscriber(index, "tcp://127.0.0.1:*")
+    in_pool(subscriber, "x:1", "y:1", "z:1", "w:1")
     ctx = zmq.Context()
     pub = ctx.socket(zmq.PUB)
     pub.connect(subscriber.endpoint)
@@ -307,5 +316,36 @@ def test_a_replay_socket_that_sends_garbage_or_a_sequence_far_ahead_costs_that_e
         assert index.prefix_blocks([1], [endpoint]) == {endpoint: 1}  # relearnt from the batch that came
     finally:
         router.close(linger=0)
+        ctx.term()
+        subscriber.shutdown()
+
+
+def test_only_the_pools_servers_are_indexed_and_a_server_that_leaves_is_forgotten():
+    """The subscriber binds on every interface: a sender naming any other address:port (or a server after it
+    left the pool) is counted and ignored, so what it keeps per server is bounded by the pool."""
+    index = KVBlockIndex()
+    subscriber = KVEventSubscriber(index, "tcp://127.0.0.1:*")
+    in_pool(subscriber, "10.0.0.1:8000")
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.connect(subscriber.endpoint)
+    time.sleep(0.3)
+    batch = msgspec.msgpack.encode(KVEventBatch(0.0, [BlockStored([9], None, list(range(16)), 16, None, "GPU")]))
+    try:
+        for n in range(200):  # a sender making up servers
+            pub.send_multipart([f"kv@10.9.{n // 250}.{n % 250}:8000@m".encode(), (0).to_bytes(8, "big"), batch])
+        pub.send_multipart([b"kv@10.0.0.1:8000@m", (0).to_bytes(8, "big"), batch])
+        deadline = time.monotonic() + 3
+        while not index.publishes("10.0.0.1:8000") and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert subscriber.outside_pool == 200 and index.prefix_blocks([9], ["10.0.0.1:8000"]) == {"10.0.0.1:8000": 1}
+        assert index.size == 1 and len(subscriber._next_seq) == 1
+        subscriber.stop(Endpoint(EndpointSpec("gone", "10.0.0.1", 8000)))
+        pub.send_multipart([b"kv@10.0.0.1:8000@m", (1).to_bytes(8, "big"), batch])
+        while subscriber.outside_pool == 200 and time.monotonic() < deadline + 3:
+            time.sleep(0.01)
+        assert subscriber.outside_pool == 201 and index.size == 0 and not index.publishes("10.0.0.1:8000")
+    finally:
+        pub.close(linger=0)
         ctx.term()
         subscriber.shutdown()
