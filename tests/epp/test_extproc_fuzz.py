@@ -63,14 +63,28 @@ def messages(draw) -> pb.ProcessingRequest:
     return pb.ProcessingRequest(response_trailers=pb.HttpTrailers())
 
 
+# An access-log record: one of the requests' ids (x-request-id "r" in HEADERS) or another, its time and status.
+records = st.tuples(
+    st.sampled_from(("r", "other")),
+    st.sampled_from((None, 0.002, 30.0)),
+    st.sampled_from(("", "200", "503")),
+    st.sampled_from((None, "127.0.0.1:8000", "10.9.9.9:1")),
+)
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    st.lists(st.tuples(st.lists(messages(), max_size=8), st.booleans()), min_size=1, max_size=6),
+    st.lists(
+        st.tuples(st.lists(messages(), max_size=8), st.booleans(), st.lists(records, max_size=2)),
+        min_size=1,
+        max_size=6,
+    ),
     st.sampled_from((None, 1, 2)),
 )
 def test_any_message_order_is_answered_and_leaves_no_accounting_behind(streams, room):
     """`room`: the requests the pool takes at once (None: always room); the others wait in flow control, and a
-    stream that ends while its request waits takes it out of the queue."""
+    stream that ends while its request waits takes it out of the queue. Access-log records come at any point,
+    for these requests or others, before or after their request's end."""
     asyncio.run(_exchange(streams, room))
 
 
@@ -80,7 +94,7 @@ async def _exchange(streams, room: int | None) -> None:
         director.flow_control.has_room = lambda in_flight: in_flight < room
     budget = BodyBudget(1 << 20)
     handlers = []
-    for sequence, ends_at_once in streams:
+    for sequence, ends_at_once, logged in streams:
         handler = RequestStream(director, lambda answers: None, budget, max_body_bytes=200)
         handlers.append(handler)
         for message in sequence:
@@ -89,6 +103,8 @@ async def _exchange(streams, room: int | None) -> None:
             handler.after_reply()
         if ends_at_once:
             handler.finish()
+        for record in logged:
+            director.on_access_log(*record)
         await asyncio.sleep(0)  # a request that waited may be dispatched now
     for handler in handlers:
         handler.finish()
