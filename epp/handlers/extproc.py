@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import math
 
 from envoy.config.core.v3 import base_pb2
@@ -36,6 +37,8 @@ FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
 OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 CONTINUE_AND_REPLACE = pb.CommonResponse.CONTINUE_AND_REPLACE
 EXT_PROC_ATTRIBUTES = "envoy.filters.http.ext_proc"  # the key Envoy files CEL attributes under
+
+log = logging.getLogger(__name__)
 
 
 def _header(key: str, value: str) -> base_pb2.HeaderValueOption:
@@ -330,6 +333,9 @@ class RequestStream:
             answers = self._answers(waiting.result(), headers_phase)
         except OpenAIError as error:
             answers = [immediate_response(error)]
+        except Exception:  # a bug costs this request a 500, not an answer the proxy waits for until its timeout
+            log.exception("routing a request that waited in flow control failed")
+            answers = [immediate_response(OpenAIError("EPP internal error", 500))]
         answers, self.held = answers + self.held, []
         self.reply(answers)
 

@@ -200,3 +200,26 @@ async def test_flow_control_metrics_by_band_and_flow_with_bounded_fairness_label
         stream.finish()
     await asyncio.sleep(0)
     assert director.flow_control.count == 0
+
+
+async def test_a_bug_routing_a_request_that_waited_answers_500_and_frees_its_turn():
+    """The answer of a request that waited comes from a callback: a bug there must still answer the proxy (a 500),
+    which would otherwise wait for it until its message timeout."""
+    director, room, _ = setup(slots=0)
+    replies: list = []
+    stream, (wait,) = start(director, replies, "a")
+    assert wait.HasField("override_message_timeout")
+    await asyncio.sleep(0)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug")
+
+    director._schedule = broken
+    room.slots = 1
+    director.flow_control.pump()
+    for _ in range(3):
+        await asyncio.sleep(0)
+    ((answer,),) = replies
+    assert answer.immediate_response.status.code == 500 and not stream.awaiting_reply
+    stream.finish()
+    assert director.flow_control.in_flight == 0 and director.flow_control.count == 0
