@@ -224,16 +224,23 @@ def _unescape(raw: str) -> str:
     return _UNESCAPE.sub(lambda m: "\n" if m.group(1) == "n" else m.group(1), raw) if "\\" in raw else raw
 
 
-@functools.lru_cache(maxsize=1024)
+MAX_CACHED_LINE_CHARS = 4096
+
+
 def _parse_sample_line(line: str) -> tuple[str, dict[str, str], float]:
     """Parse one sample line of the text format (`name{labels} value [timestamp]`); ValueError if malformed.
 
     prometheus_client's own sample parser walks labels a character at a time (~100 us for vLLM's 13-label
     cache_config_info line here); this is ~5x faster and is property-tested against it. Cached: most lines the
     scrapers read are the same from one page to the next (the info gauges always, the load gauges while an endpoint
-    is idle), and a hit costs a hash of the line instead of ~17 us for the info lines. Callers must not change
-    the returned labels.
+    is idle), and a hit costs a hash of the line instead of ~17 us for the info lines. Only lines up to
+    MAX_CACHED_LINE_CHARS are cached (vLLM's longest is ~600): a page's lines are its server's choice, and 1,024
+    cached lines of megabytes each would be gigabytes. Callers must not change the returned labels.
     """
+    return _parse_cached(line) if len(line) <= MAX_CACHED_LINE_CHARS else _parse_line(line)
+
+
+def _parse_line(line: str) -> tuple[str, dict[str, str], float]:
     labels: dict[str, str] = {}
     brace = line.find("{")
     if brace == -1:
@@ -258,6 +265,9 @@ def _parse_sample_line(line: str) -> tuple[str, dict[str, str], float]:
     if not 1 <= len(value) <= 2:
         raise ValueError(f"expected a value and an optional timestamp: {line[:200]!r}")
     return name, labels, float(value[0])
+
+
+_parse_cached = functools.lru_cache(maxsize=1024)(_parse_line)
 
 
 def _int_label(value: str | None) -> int | None:

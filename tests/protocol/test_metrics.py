@@ -83,6 +83,22 @@ def test_sums_data_parallel_engines_and_takes_max_kv():
     assert (snapshot.waiting, snapshot.running, snapshot.kv_usage) == (5, 5, 0.7)
 
 
+def test_lines_as_long_as_a_server_likes_are_read_but_not_kept():
+    """The parse cache keeps only lines of vLLM's sizes: a server's page of megabyte lines, new on every scrape,
+    must not fill it with gigabytes."""
+    from protocol import metrics
+
+    huge = "x" * (1 << 20)
+    before = metrics._parse_cached.cache_info().currsize
+    for n in range(3):
+        text = (
+            f'vllm:num_requests_waiting{{engine="{n}{huge}"}} 2\nvllm:num_requests_running{{engine="0"}} 1\n'
+            'vllm:kv_cache_usage_perc{engine="0"} 0.2\n'
+        )
+        assert parse_metrics(text).waiting == 2
+    assert metrics._parse_cached.cache_info().currsize <= before + 2  # the two short lines; none of the three long
+
+
 def test_inter_token_totals_sum_every_series_of_the_first_histogram_present():
     """A histogram's series interleave (buckets, count and sum of one, then the next): every one counts. The
     deprecated name is read only when the current one is absent; a NaN total or a malformed line is unknown."""
