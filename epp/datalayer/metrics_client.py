@@ -15,11 +15,12 @@ asks for compression.
 from __future__ import annotations
 
 import asyncio
+import string
 
 MAX_BODY_BYTES = 16 << 20  # a Prometheus page is tens of KB; anything this large is not one
 MAX_HEAD_BYTES = 64 << 10  # the status line and headers
 MAX_CHUNK_LINE_BYTES = 4096  # a chunk-size line (hex size and extensions) or a trailer line
-HEX_DIGITS = b"0123456789abcdefABCDEF"
+HEX_DIGITS = string.hexdigits.encode()
 
 
 class ScrapeError(Exception):

@@ -318,12 +318,13 @@ class Director:
             cached_tokens=_usage(_CACHED_TOKENS, tail),
         )
         self.scheduler.on_finished(request, ctx.result, endpoint, response)
-        if not (ctx.streamed and self.scheduler.wants_timings):  # from here on only timings read the result
+        timed = ctx.streamed and self.scheduler.wants_timings  # a streamed response's timings are learnt
+        if not timed:  # from here on only timings read the result
             ctx.result = None  # (most of what a request awaiting its access-log record would hold, for ~0.1 s)
         metrics = self.metrics
         metrics.running.labels(ctx.labels[0]).dec()
         status = ctx.status
-        wants_timings = ctx.streamed and status.startswith("2") and self.scheduler.wants_timings
+        wants_timings = timed and status.startswith("2")
         if wants_timings and ctx.first_chunk_at:  # the body came through: its timings
             ttft = ctx.first_chunk_at - ctx.routed_at
             tpot = (now - ctx.first_chunk_at) / (output_tokens - 1) if output_tokens and output_tokens > 1 else None
