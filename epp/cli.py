@@ -30,9 +30,9 @@ from epp.datalayer.kv_events import KVBlockIndex, KVEventSubscriber
 from epp.datalayer.pool_file import PoolFileError, PoolFileSource
 from epp.datalayer.scraper import Scraper
 from epp.flowcontrol import FlowControlConfig, FlowController
-from epp.grpc_h2 import ExtProcServer, UnaryMethod
-from epp.handlers import accesslog
-from epp.handlers.extproc import DEFAULT_MAX_BODY_BYTES, BodyBudget, RequestStream
+from epp.grpc_h2 import MAX_CONNECTIONS, ExtProcServer, UnaryMethod
+from epp.handlers import ByteBudget, Reply, accesslog
+from epp.handlers.extproc import DEFAULT_MAX_BODY_BYTES, RequestStream
 from epp.handlers.grpcio import ExternalProcessor, access_log_service
 from epp.health import HealthState
 from epp.leader import LeaseElector
@@ -123,10 +123,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="larger request bodies are answered 413 (the model servers' default limit)",
     )
     p.add_argument(
-        "--max-connection-body-bytes",
+        "--max-buffered-body-bytes",
         type=int,
         default=8 * DEFAULT_MAX_BODY_BYTES,
-        help="request body bytes all streams of one ext_proc connection may buffer at once; over it, 413",
+        help="request body bytes all ext_proc streams together may buffer at once; over it, 413",
+    )
+    p.add_argument(
+        "--max-ext-proc-connections",
+        type=int,
+        default=MAX_CONNECTIONS,
+        help="open connections the h2 transport accepts (ext_proc and access log together); beyond them a new "
+        "connection gets GOAWAY",
     )
     p.add_argument(
         "--kv-events-port",
@@ -205,6 +212,8 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     pool_name = args.pool_name or Path(args.pool_file).stem
     detector = scheduler.detector
     flow_control = None
+    server = None
+    body_budget = ByteBudget(args.max_buffered_body_bytes)
     metrics = EPPMetrics(
         pool_name,
         lambda: datastore.endpoints,
@@ -213,6 +222,8 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
         lambda: detector.saturation(datastore.endpoints),
         lambda: scheduler.latency_predictor,
         lambda: subscriber,
+        lambda: server if isinstance(server, ExtProcServer) else None,
+        lambda: body_budget,
     )
     if flow_config.enabled:
         flow_control = FlowController(
@@ -224,20 +235,19 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
         scraper.pending = lambda: flow_control.count  # a queued request waits for a page that shows room
     director = Director(datastore, scheduler, metrics, flow_control)
 
-    def new_connection():  # the handlers of one connection share its body budget
-        budget = BodyBudget(args.max_connection_body_bytes)
-        return lambda reply: RequestStream(director, reply, budget, args.max_request_body_bytes)
+    def new_stream(reply: Reply) -> RequestStream:
+        return RequestStream(director, reply, body_budget, args.max_request_body_bytes)
 
     export_access_log = accesslog.export_handler(director.on_access_log)
     if args.ext_proc_transport == "h2":
         server = ExtProcServer(
-            new_connection, {accesslog.EXPORT_PATH: UnaryMethod(accesslog.ExportRequest, export_access_log)}
+            new_stream,
+            {accesslog.EXPORT_PATH: UnaryMethod(accesslog.ExportRequest, export_access_log)},
+            args.max_ext_proc_connections,
         )
     else:
         server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 * 1024 * 1024)])
-        pb_grpc.add_ExternalProcessorServicer_to_server(
-            ExternalProcessor(lambda reply: RequestStream(director, reply, None, args.max_request_body_bytes)), server
-        )
+        pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(new_stream), server)
         server.add_generic_rpc_handlers([access_log_service(export_access_log)])
         server.add_insecure_port(f"{args.bind_address}:{args.grpc_port}")
     health = HealthState()

@@ -28,7 +28,7 @@ from google.protobuf.message import DecodeError, Message
 from hpack import Decoder
 from hpack.exceptions import HPACKError
 
-from epp.handlers import NewHandler
+from epp.handlers import ByteBudget, NewHandler
 
 log = logging.getLogger("epp.grpc_h2")
 
@@ -61,11 +61,18 @@ MAX_WINDOW = (1 << 31) - 1
 MAX_CONCURRENT_STREAMS = 1024  # advertised; a stream beyond it is refused (RST_STREAM REFUSED_STREAM)
 REFUSED_STREAMS_TOLERATED = 100  # a proxy may race its SETTINGS; one that keeps opening streams beyond gets GOAWAY
 MAX_HEADER_BLOCK = 64 << 10  # HEADERS + CONTINUATION of one block (Envoy's default max_request_headers_kb is 60)
-MAX_PARTIAL_BYTES = 4 * MAX_MESSAGE  # incomplete messages all streams of one connection may hold together
+MAX_PARTIAL_BYTES = 4 * MAX_MESSAGE  # incomplete messages all streams of all connections may hold together
+# Any number of peers may connect, and what one connection holds beyond the shared budgets (a frame in progress, a
+# header block, its cache of decoded blocks, answers it has not read) is bounded per connection: the number of
+# connections is bounded too. Envoy opens about one per worker thread, per EPP replica, for ext_proc and the access
+# log each.
+MAX_CONNECTIONS = 1024
+REFUSED_LINGER_SECONDS = 1.0
 MAX_OUTBOUND_BYTES = 16 << 20  # unread answers (e.g. PING ACKs of a peer that never reads): it is not a proxy
 MAX_CONTROL_FRAMES_PER_SECOND = 1000  # PINGs and SETTINGS we must acknowledge (Envoy sends a few per minute)
 PREMATURE_RESETS = 100  # streams reset before their first message, once also over half of those opened (CVE-2023-44487)
 MAX_DECODED_BLOCKS = 64  # header blocks remembered per connection (ExtProcConnection._decode)
+MAX_DECODED_BLOCK_BYTES = 1024  # only blocks this short are remembered (Envoy's for a new stream: a byte per field)
 SMALL_MESSAGE = 4096  # a message this short is parsed from a copy: cheaper than through a memoryview
 FIXED_PAYLOAD = {PRIORITY: 5, RST_STREAM: 4, PING: 8, WINDOW_UPDATE: 4}
 
@@ -160,13 +167,15 @@ class _Stream:
 class ExtProcConnection(asyncio.Protocol):
     """One HTTP/2 connection from Envoy; each stream is one HTTP request's ext_proc exchange."""
 
-    def __init__(self, new_handler: NewHandler, connections: set, unary: Mapping[bytes, UnaryMethod] | None = None):
-        self.new_handler = new_handler
-        self.connections = connections
-        self.unary = unary or {}
+    def __init__(self, server: ExtProcServer):
+        self.server = server
+        self.new_handler = server.new_handler
+        self.unary = server.unary
+        self.partial = server.partial  # gRPC messages not yet complete, of all streams of all connections
         self.transport: asyncio.Transport | None = None
         self.buffer = bytearray()
         self.preface_seen = False
+        self.refused = False  # over the server's connection limit (ExtProcServer.refuse)
         self.streams: dict[int, _Stream] = {}
         self.decoder = Decoder()
         self.decoded_blocks: dict[bytes, list] = {}  # see _decode
@@ -184,13 +193,17 @@ class ExtProcConnection(asyncio.Protocol):
         self.continuation_flags = 0
         self.last_stream_id = 0
         self.opened = self.premature_resets = self.refused_streams = 0
-        self.partial_bytes = 0  # gRPC messages of all streams not yet complete
         self.control_frames, self.control_window_start = 0, time.monotonic()
 
     # -- connection ----------------------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:
         self.transport = transport
-        self.connections.add(self)
+        server = self.server
+        if len(server.connections) >= server.max_connections:
+            self.refused = True
+            server.refuse(transport)
+            return
+        server.connections.add(self)
         settings = (
             SETTING.pack(SETTINGS_MAX_CONCURRENT_STREAMS, MAX_CONCURRENT_STREAMS)
             + SETTING.pack(SETTINGS_INITIAL_WINDOW_SIZE, RECEIVE_WINDOW)
@@ -202,7 +215,7 @@ class ExtProcConnection(asyncio.Protocol):
         )
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.connections.discard(self)
+        self.server.connections.discard(self)
         streams, self.streams = self.streams, {}
         for stream in streams.values():
             self._finish(stream)
@@ -226,6 +239,8 @@ class ExtProcConnection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         buffer = self.buffer
         if buffer or not self.preface_seen:  # a frame (or the preface) began in an earlier read
+            if self.refused:
+                return  # read and dropped: closing a socket with unread bytes would reset it, GOAWAY unread
             buffer += data
             if not self.preface_seen:
                 if len(buffer) < len(PREFACE):
@@ -415,6 +430,8 @@ class ExtProcConnection(asyncio.Protocol):
         before = (len(entries), entries[0] if entries else None, table.maxsize)
         headers = self.decoder.decode(block, raw=True)  # always decoded on a miss: it keeps the table in step
         if len(entries) == before[0] and (entries[0] if entries else None) is before[1] and table.maxsize == before[2]:
+            if len(block) > MAX_DECODED_BLOCK_BYTES:
+                return headers
             if len(self.decoded_blocks) >= MAX_DECODED_BLOCKS:
                 self.decoded_blocks.clear()
             self.decoded_blocks[block] = headers
@@ -438,13 +455,16 @@ class ExtProcConnection(asyncio.Protocol):
                 dropped = min(stream.skip, len(payload))
                 stream.skip -= dropped
                 payload = payload[dropped:]
-            if self.partial_bytes + len(payload) > MAX_PARTIAL_BYTES:
-                self._close_stream(stream, status_trailers(RESOURCE_EXHAUSTED, "the connection holds too many bytes"))
+            partial = self.partial
+            if partial.held + len(payload) > partial.limit:
+                self._close_stream(
+                    stream, status_trailers(RESOURCE_EXHAUSTED, "the EPP holds too many partial messages")
+                )
                 return
             message = stream.message
             if message:  # the rest of a message that began in an earlier frame
                 message += payload
-                self.partial_bytes += len(payload)
+                partial.held += len(payload)
                 data = message
             else:  # most frames carry whole messages: parsed straight from the frame
                 data = payload
@@ -479,17 +499,17 @@ class ExtProcConnection(asyncio.Protocol):
                 offset = end
                 if data is message:  # parsed (copied): its bytes go before the handler makes more copies of them
                     del message[:offset]
-                    self.partial_bytes -= offset
+                    partial.held -= offset
                     offset, size = 0, len(message)
                 self._handle(stream, request)
                 if stream.closed:
                     return  # (closing dropped the stream's held bytes, the parsed ones included)
             if data is message:
                 del message[:offset]
-                self.partial_bytes -= offset
+                partial.held -= offset
             elif offset < size:  # a message that goes on in the next frame
                 message += data[offset:]
-                self.partial_bytes += size - offset
+                partial.held += size - offset
         if flags & END_STREAM:
             self._end_of_requests(stream)
             return
@@ -606,7 +626,7 @@ class ExtProcConnection(asyncio.Protocol):
         self._flush(stream)
 
     def _drop_message(self, stream: _Stream) -> None:
-        self.partial_bytes -= len(stream.message)
+        self.partial.held -= len(stream.message)
         stream.message = bytearray()
 
     def _finish(self, stream: _Stream) -> None:
@@ -644,25 +664,44 @@ class ExtProcConnection(asyncio.Protocol):
 
 
 class ExtProcServer:
-    """Listens for Envoy's ext_proc connections. `new_connection()` is called once per connection and returns that
-    connection's `new_handler(reply)`, which makes one handler per stream (so the handlers of one connection can
-    share what is bounded per connection, e.g. the body bytes they buffer); the interface is in `epp.handlers`.
-    `unary` maps the paths of further unary methods ("/package.Service/Method") to what serves them."""
+    """Listens for Envoy's ext_proc connections. `new_handler(reply)` makes one handler per stream (the interface is
+    in `epp.handlers`); `unary` maps the paths of further unary methods ("/package.Service/Method") to what serves
+    them. Its connections share one budget for the messages they reassemble, and there are at most
+    `max_connections` of them: a peer that connects beyond gets SETTINGS and GOAWAY (ENHANCE_YOUR_CALM)."""
 
-    def __init__(self, new_connection: Callable[[], NewHandler], unary: Mapping[bytes, UnaryMethod] | None = None):
-        self.new_connection = new_connection
+    def __init__(
+        self,
+        new_handler: NewHandler,
+        unary: Mapping[bytes, UnaryMethod] | None = None,
+        max_connections: int = MAX_CONNECTIONS,
+    ):
+        self.new_handler = new_handler
         self.unary = dict(unary or {})
+        self.max_connections = max_connections
+        self.partial = ByteBudget(MAX_PARTIAL_BYTES)
         self.connections: set[ExtProcConnection] = set()
+        self.refused_connections = 0
         self.server: asyncio.Server | None = None
 
     async def start(self, host: str, port: int) -> None:
         loop = asyncio.get_running_loop()
-        self.server = await loop.create_server(
-            lambda: ExtProcConnection(self.new_connection(), self.connections, self.unary),
-            host,
-            port,
-            reuse_address=True,
-        )
+        self.server = await loop.create_server(lambda: ExtProcConnection(self), host, port, reuse_address=True)
+
+    def refuse(self, transport: asyncio.Transport) -> None:
+        """A connection over the limit: told why (our first frame must be SETTINGS) before it sent anything, its
+        half closed, and what it sends dropped until it closes or REFUSED_LINGER_SECONDS have passed. Logged at the
+        first and at every thousandth: a peer that keeps reconnecting must not flood the log."""
+        transport.write(frame(SETTINGS, 0, 0) + frame(GOAWAY, 0, 0, U32.pack(0) + U32.pack(ENHANCE_YOUR_CALM)))
+        if transport.can_write_eof():
+            transport.write_eof()
+        asyncio.get_running_loop().call_later(REFUSED_LINGER_SECONDS, transport.close)
+        if self.refused_connections % 1000 == 0:
+            log.warning(
+                "refused an ext_proc connection: %d are open (--max-ext-proc-connections); %d refused so far",
+                len(self.connections),
+                self.refused_connections + 1,
+            )
+        self.refused_connections += 1
 
     @property
     def port(self) -> int:

@@ -16,6 +16,8 @@ from prometheus_client.utils import floatToGoString
 from epp.datalayer.endpoint import Endpoint
 from epp.datalayer.kv_events import LAG_BUCKETS, KVEventSubscriber
 from epp.flowcontrol import FlowController
+from epp.grpc_h2 import ExtProcServer
+from epp.handlers import ByteBudget
 from epp.predictor import LatencyPredictor
 from epp.scheduling.framework import PrefixIndexStats
 from epp.scheduling.load import queue_depth
@@ -293,6 +295,42 @@ class _KVEventsCollector:
         yield lag
 
 
+class _ExtProcCollector:
+    """The ext_proc transport's shared bounds (epp/grpc_h2.py, epp/handlers), read when Prometheus scrapes."""
+
+    def __init__(self, server: Callable[[], ExtProcServer | None], body_budget: Callable[[], ByteBudget | None]):
+        self.server = server
+        self.body_budget = body_budget
+
+    def collect(self):
+        budget = self.body_budget()
+        if budget is not None:
+            body = GaugeMetricFamily(
+                "inference_extension_ext_proc_buffered_body_bytes",
+                "Request body bytes all ext_proc streams buffer now (--max-buffered-body-bytes bounds them).",
+            )
+            body.add_metric([], budget.held)
+            yield body
+        server = self.server()
+        if server is None:  # (the grpcio transport)
+            return
+        connections = GaugeMetricFamily(
+            "inference_extension_ext_proc_connections", "Open connections to the ext_proc port (h2 transport)."
+        )
+        connections.add_metric([], len(server.connections))
+        refused = CounterMetricFamily(
+            "inference_extension_ext_proc_refused_connections",
+            "Connections refused over --max-ext-proc-connections.",
+        )
+        refused.add_metric([], server.refused_connections)
+        partial = GaugeMetricFamily(
+            "inference_extension_ext_proc_partial_message_bytes",
+            "Bytes of gRPC messages not yet complete that all connections hold now.",
+        )
+        partial.add_metric([], server.partial.held)
+        yield from (connections, refused, partial)
+
+
 class EPPMetrics:
     def __init__(
         self,
@@ -303,6 +341,8 @@ class EPPMetrics:
         saturation: Callable[[], float] = lambda: 0.0,
         latency_predictor: Callable[[], LatencyPredictor | None] = lambda: None,
         kv_events: Callable[[], KVEventSubscriber | None] = lambda: None,
+        ext_proc_server: Callable[[], ExtProcServer | None] = lambda: None,
+        body_budget: Callable[[], ByteBudget | None] = lambda: None,
     ):
         self.pool_name = pool_name
         self.endpoints = endpoints
@@ -390,6 +430,7 @@ class EPPMetrics:
         reg.register(_PoolCollector(pool_name, endpoints, prefix_index, latency_predictor))
         reg.register(_FlowControlCollector(self, flow_control, saturation))
         reg.register(_KVEventsCollector(kv_events))
+        reg.register(_ExtProcCollector(ext_proc_server, body_budget))
         self._served_models: set[str] = set()
         self._fairness_ids: set[str] = set()
 

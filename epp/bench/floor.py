@@ -94,7 +94,7 @@ class FloorHandler:
 async def serve(host: str, port: int, endpoints: list[str]) -> None:
     answers = itertools.cycle([routing_response(e) for e in endpoints])
     new_handler = functools.partial(FloorHandler, answers)
-    server = ExtProcServer(lambda: new_handler)
+    server = ExtProcServer(new_handler)
     await server.start(host, port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -44,11 +44,12 @@ from epp.grpc_h2 import (
     U32,
     WINDOW_UPDATE,
     ExtProcConnection,
+    ExtProcServer,
     UnaryMethod,
     frame,
 )
-from epp.handlers import accesslog
-from epp.handlers.extproc import BodyBudget, RequestStream
+from epp.handlers import ByteBudget, accesslog
+from epp.handlers.extproc import RequestStream
 from epp.metrics import EPPMetrics
 from epp.requestcontrol.director import Director
 from epp.scheduling.scheduler import DEFAULT_CONFIG, Scheduler
@@ -206,15 +207,15 @@ def measure(requests: int = 4000, batch: int = 16, rounds: int = 9, streamed: bo
     records teach the latency predictor (a whole response's time to its first byte is not a TTFT: not learnt)."""
     body = json.dumps({**REQUEST, "stream": True} if streamed else REQUEST).encode()
     director = _director()
-    budget = BodyBudget(1 << 30)
+    budget = ByteBudget(1 << 30)
     transport, log_transport = CountingTransport(), CountingTransport()
 
     def new_stream(reply):
         return RequestStream(director, reply, budget)
 
-    connection = ExtProcConnection(new_stream, set())
+    connection = ExtProcConnection(ExtProcServer(new_stream))
     export = UnaryMethod(accesslog.ExportRequest, accesslog.export_handler(director.on_access_log))
-    log_connection = ExtProcConnection(new_stream, set(), {accesslog.EXPORT_PATH: export})
+    log_connection = ExtProcConnection(ExtProcServer(new_stream, {accesslog.EXPORT_PATH: export}))
     for conn, sink in ((connection, transport), (log_connection, log_transport)):
         conn.connection_made(sink)
         # the client's preface, and a connection window no round uses up (Envoy returns it with WINDOW_UPDATEs)

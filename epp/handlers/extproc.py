@@ -27,7 +27,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import duration_pb2
 
-from epp.handlers import Reply
+from epp.handlers import ByteBudget, Reply
 from epp.requestcontrol.director import Director
 from epp.requestcontrol.types import RequestContext, RoutingDecision
 from protocol import extproc
@@ -145,26 +145,6 @@ DEFAULT_MAX_BODY_BYTES = 32 << 20  # like the model servers' request size limit
 MESSAGE_ENVELOPE_BYTES = 1 << 20
 
 
-class BodyBudget:
-    """Body bytes the requests of one ext_proc connection may hold at once (their bodies are buffered until they
-    end): a request whose chunk would go over it is answered 413, the others go on."""
-
-    __slots__ = ("held", "limit")
-
-    def __init__(self, limit: int):
-        self.limit = limit
-        self.held = 0
-
-    def reserve(self, size: int) -> bool:
-        if self.held + size > self.limit:
-            return False
-        self.held += size
-        return True
-
-    def release(self, size: int) -> None:
-        self.held -= size
-
-
 class RequestStream:
     """The ext_proc state machine of one stream (one HTTP request); see `epp.handlers` for the interface."""
 
@@ -190,7 +170,7 @@ class RequestStream:
         self,
         director: Director,
         reply: Reply,
-        budget: BodyBudget | None = None,
+        budget: ByteBudget | None = None,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     ):
         self.director = director
@@ -199,7 +179,7 @@ class RequestStream:
         self.max_body_bytes = max_body_bytes
         self.ctx: RequestContext | None = None
         self.body_chunks: list[bytes] = []
-        self.body_bytes = 0  # buffered now (reserved from the connection's budget)
+        self.body_bytes = 0  # buffered now (reserved from the EPP's body budget)
         self.body_done = False
         self.full_duplex = False
         self.response_full_duplex = False

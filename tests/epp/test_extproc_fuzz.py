@@ -13,7 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from epp.bench.handler_cpu import _director
-from epp.handlers.extproc import BodyBudget, RequestStream
+from epp.handlers import ByteBudget
+from epp.handlers.extproc import RequestStream
 from protocol import extproc
 
 BODY = json.dumps({"model": "sim-llama-8b", "prompt": "Say hello. " * 8, "max_tokens": 4}).encode()
@@ -92,7 +93,7 @@ async def _exchange(streams, room: int | None) -> None:
     director = _director()
     if room is not None:
         director.flow_control.has_room = lambda in_flight: in_flight < room
-    budget = BodyBudget(1 << 20)
+    budget = ByteBudget(1 << 20)
     handlers = []
     for sequence, ends_at_once, logged in streams:
         handler = RequestStream(director, lambda answers: None, budget, max_body_bytes=200)

@@ -8,10 +8,12 @@ import struct
 import grpc
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from prometheus_client import generate_latest
 
 from epp.bench.handler_cpu import CountingTransport
 from epp.grpc_h2 import GOAWAY, MAX_RECEIVE_FRAME, PREFACE, ExtProcServer, UnaryMethod, frame
-from epp.handlers import accesslog
+from epp.handlers import ByteBudget, accesslog
+from epp.metrics import EPPMetrics
 from tests.epp.test_transports import PROCESS, EchoHandler, body, headers
 
 
@@ -19,7 +21,7 @@ from tests.epp.test_transports import PROCESS, EchoHandler, body, headers
 async def server():
     EchoHandler.log = []
     export = UnaryMethod(accesslog.ExportRequest, accesslog.export_handler(lambda request_id, ttft: None))
-    server = ExtProcServer(lambda: EchoHandler, {accesslog.EXPORT_PATH: export})
+    server = ExtProcServer(EchoHandler, {accesslog.EXPORT_PATH: export})
     await server.start("127.0.0.1", 0)
     try:
         yield server
@@ -99,7 +101,7 @@ def test_header_blocks_are_decoded_once_while_the_hpack_table_stays_the_same():
 
     from epp.grpc_h2 import ExtProcConnection
 
-    connection = ExtProcConnection(lambda reply: None, set())
+    connection = ExtProcConnection(ExtProcServer(lambda reply: None))
     encoder = Encoder()
     first = [(":path", "/a"), ("x-new", "1")]
     block = encoder.encode(first)  # inserts x-new: a block that changes the table is never remembered
@@ -164,7 +166,7 @@ def test_reads_split_anywhere_are_answered_as_one_read():
 
     def answers(chunk: int) -> bytes:
         EchoHandler.log = []
-        connection = ExtProcConnection(EchoHandler, set())
+        connection = ExtProcConnection(ExtProcServer(EchoHandler))
         transport = _RecordingTransport()
         connection.connection_made(transport)
         for start in range(0, len(client), chunk):
@@ -211,7 +213,7 @@ def test_a_message_the_handler_refuses_by_its_length_is_dropped_as_it_arrives():
     client = _client_sending(headers().SerializeToString(), big, body(b"after").SerializeToString())
     reads = [client[start : start + (256 << 10)] for start in range(0, len(client), 256 << 10)]
     del client
-    connection = ExtProcConnection(Refusing, set())
+    connection = ExtProcConnection(ExtProcServer(Refusing))
     transport = _RecordingTransport()
     connection.connection_made(transport)
     tracemalloc.start()
@@ -224,7 +226,7 @@ def test_a_message_the_handler_refuses_by_its_length_is_dropped_as_it_arrives():
     assert peak < 2 << 20  # not the 40 MB message: a read's frames, one at a time
     assert Refusing.log.count(f"oversized {len(big)}") == 1 and Refusing.log.count("finish") == 1
     assert b"too large" in transport.written and b"after" in transport.written  # the next message was echoed
-    assert not connection.streams and connection.partial_bytes == 0
+    assert not connection.streams and connection.partial.held == 0
 
 
 def test_a_message_over_several_frames_is_let_go_before_its_handler_runs():
@@ -235,10 +237,10 @@ def test_a_message_over_several_frames_is_let_go_before_its_handler_runs():
 
     class Recording(EchoHandler):
         def handle(self, message):
-            held.append(connection.partial_bytes)
+            held.append(connection.partial.held)
             return super().handle(message)
 
-    connection = ExtProcConnection(Recording, set())
+    connection = ExtProcConnection(ExtProcServer(Recording))
     connection.connection_made(_RecordingTransport())
     connection.data_received(_client_sending(headers().SerializeToString(), body(b"x" * 100_000).SerializeToString()))
     assert held == [0, 0]
@@ -251,7 +253,7 @@ def test_a_stream_the_proxy_ends_and_resets_in_one_read_costs_no_write():
     from epp.grpc_h2 import DATA, END_STREAM, RST_STREAM, U32, ExtProcConnection
 
     EchoHandler.log = []
-    connection = ExtProcConnection(EchoHandler, set())
+    connection = ExtProcConnection(ExtProcServer(EchoHandler))
     transport = _RecordingTransport()
     connection.connection_made(transport)
     opened = _client_sending(headers().SerializeToString())
@@ -262,10 +264,94 @@ def test_a_stream_the_proxy_ends_and_resets_in_one_read_costs_no_write():
     assert not connection.streams and EchoHandler.log.count("finish") == 1
 
     EchoHandler.log = []
-    connection = ExtProcConnection(EchoHandler, set())
+    connection = ExtProcConnection(ExtProcServer(EchoHandler))
     transport = _RecordingTransport()
     connection.connection_made(transport)
     connection.data_received(opened)  # half-closed only: the trailers go out
     assert transport.written.count(b"grpc-status") == 1 and not connection.streams
     connection.data_received(frame(RST_STREAM, 0, 1, U32.pack(0x8)))  # a reset after they went: nothing to drop
     assert transport.written.count(b"grpc-status") == 1
+
+
+def test_the_connections_of_one_server_share_one_budget_for_partial_messages():
+    """Any number of peers may connect: what they reassemble is bounded for the server, not per connection. The
+    connection whose message would go over the budget loses that stream (RESOURCE_EXHAUSTED); the other's goes on."""
+    from epp.grpc_h2 import ExtProcConnection
+
+    EchoHandler.log = []
+    server = ExtProcServer(EchoHandler)
+    server.partial.limit = 80_000  # more than one 60 KB message, less than two
+    first, second = ExtProcConnection(server), ExtProcConnection(server)
+    sinks = _RecordingTransport(), _RecordingTransport()
+    message = body(b"x" * 60_000).SerializeToString()
+    wires = [_client_sending(headers().SerializeToString(), message) for _ in range(2)]
+    held_after = len(wires[0]) - 5_000  # the whole headers message, and most of the body's
+    for connection, sink, wire in zip((first, second), sinks, wires, strict=True):
+        connection.connection_made(sink)
+        connection.data_received(wire[:held_after])
+    assert 40_000 < server.partial.held <= 80_000
+    assert b"the EPP holds too many partial messages" in sinks[1].written  # the second would have gone over
+    assert not second.streams and "finish" in EchoHandler.log
+    first.data_received(wires[0][held_after:])  # the first one's body is whole: echoed, and its bytes let go
+    assert sinks[0].written.count(b"x" * 1000) >= 50 and not first.streams
+    assert server.partial.held == 0
+
+
+def test_header_blocks_too_long_to_be_common_are_not_remembered():
+    from hpack import Encoder
+
+    from epp.grpc_h2 import MAX_DECODED_BLOCK_BYTES, ExtProcConnection
+
+    connection = ExtProcConnection(ExtProcServer(lambda reply: None))
+    encoder = Encoder()
+    fields = [(":path", "/a"), ("x-long", "v" * MAX_DECODED_BLOCK_BYTES)]
+    connection._decode(encoder.encode(fields))
+    again = encoder.encode(fields, huffman=False)  # indexed now: the block leaves the table as it is
+    assert connection._decode(again) == [(b":path", b"/a"), (b"x-long", b"v" * MAX_DECODED_BLOCK_BYTES)]
+    assert len(again) <= MAX_DECODED_BLOCK_BYTES and again in connection.decoded_blocks
+    literal = encoder.encode([(":path", "/a"), ("x-long", "w" * MAX_DECODED_BLOCK_BYTES, True)], huffman=False)
+    assert len(literal) > MAX_DECODED_BLOCK_BYTES  # never indexed: the table stays, but the block is not kept
+    connection._decode(literal)
+    assert literal not in connection.decoded_blocks
+
+
+async def test_connections_over_the_limit_get_goaway_and_the_count_comes_back():
+    server = ExtProcServer(EchoHandler, max_connections=2)
+    await server.start("127.0.0.1", 0)
+    loop = asyncio.get_running_loop()
+    try:
+        held = []
+        for _ in range(2):
+            _, writer = await asyncio.open_connection("127.0.0.1", server.port)
+            writer.write(PREFACE + frame(4, 0, 0))
+            held.append(writer)
+        while len(server.connections) < 2:
+            await asyncio.sleep(0.01)
+        received = await loop.run_in_executor(None, _raw_exchange, server.port, PREFACE + frame(4, 0, 0))
+        assert received[3] == 4 and _goaway_code(received) == 0xB  # SETTINGS first, then ENHANCE_YOUR_CALM
+        assert server.refused_connections == 1 and len(server.connections) == 2
+        body_budget = ByteBudget(100)
+        body_budget.reserve(40)
+        metrics = EPPMetrics(
+            "pool", list, lambda: None, ext_proc_server=lambda: server, body_budget=lambda: body_budget
+        )
+        page = generate_latest(metrics.registry).decode()
+        for line in (
+            "inference_extension_ext_proc_connections 2.0",
+            "inference_extension_ext_proc_refused_connections_total 1.0",
+            "inference_extension_ext_proc_partial_message_bytes 0.0",
+            "inference_extension_ext_proc_buffered_body_bytes 40.0",
+        ):
+            assert line in page.splitlines()
+        held.pop().close()
+        while len(server.connections) > 1:
+            await asyncio.sleep(0.01)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:  # served again
+            call = pb_grpc.ExternalProcessorStub(channel).Process()
+            await call.write(headers())
+            assert (await call.read()).HasField("request_headers")
+            await call.done_writing()
+        for writer in held:
+            writer.close()
+    finally:
+        await server.stop(grace=0.2)

@@ -19,6 +19,7 @@ from epp.grpc_h2 import (
     GRPC_PREFIX,
     HEADERS,
     MAX_CONCURRENT_STREAMS,
+    MAX_DECODED_BLOCK_BYTES,
     MAX_DECODED_BLOCKS,
     MAX_HEADER_BLOCK,
     MAX_PARTIAL_BYTES,
@@ -34,6 +35,7 @@ from epp.grpc_h2 import (
     U32,
     WINDOW_UPDATE,
     ExtProcConnection,
+    ExtProcServer,
     UnaryMethod,
     frame,
 )
@@ -157,15 +159,16 @@ def test_no_byte_stream_raises_or_breaks_the_connections_bounds(client):
     wire, cuts = client
     EchoHandler.log = []
     export = UnaryMethod(accesslog.ExportRequest, accesslog.export_handler(lambda *record: None))
-    connection = ExtProcConnection(EchoHandler, set(), {accesslog.EXPORT_PATH: export})
+    connection = ExtProcConnection(ExtProcServer(EchoHandler, {accesslog.EXPORT_PATH: export}))
     transport = CountingTransport()
     connection.connection_made(transport)
     for start, end in zip([0, *cuts], [*cuts, len(wire)], strict=True):
         connection.data_received(wire[start:end])  # never raises: a violation ends the connection with GOAWAY
         assert len(connection.streams) <= MAX_CONCURRENT_STREAMS
-        assert 0 <= connection.partial_bytes <= MAX_PARTIAL_BYTES
+        assert 0 <= connection.partial.held <= MAX_PARTIAL_BYTES
         assert len(connection.buffer) <= 9 + MAX_RECEIVE_FRAME
         assert all(len(s.header_block) <= MAX_HEADER_BLOCK for s in connection.streams.values())
         assert len(connection.decoded_blocks) <= MAX_DECODED_BLOCKS
+        assert all(len(block) <= MAX_DECODED_BLOCK_BYTES for block in connection.decoded_blocks)
     connection.connection_lost(None)
     assert not connection.streams

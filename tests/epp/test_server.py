@@ -10,7 +10,8 @@ from google.protobuf import struct_pb2
 
 from epp.datalayer.datastore import Datastore
 from epp.datalayer.endpoint import EndpointSpec, ModelRewrite, PoolState
-from epp.handlers.extproc import MESSAGE_ENVELOPE_BYTES, BodyBudget, RequestStream
+from epp.handlers import ByteBudget
+from epp.handlers.extproc import MESSAGE_ENVELOPE_BYTES, RequestStream
 from epp.metrics import EPPMetrics
 from epp.requestcontrol.director import Director
 from epp.scheduling.scheduler import Scheduler
@@ -46,7 +47,7 @@ def make_picker(state: PoolState | None = None, config: str | None = None) -> Di
     return Director(datastore, scheduler, EPPMetrics("pool", lambda: datastore.endpoints, lambda: None))
 
 
-def new_stream(director: Director, budget: BodyBudget | None = None, **limits) -> RequestStream:
+def new_stream(director: Director, budget: ByteBudget | None = None, **limits) -> RequestStream:
     return RequestStream(
         director, lambda answers: pytest.fail(f"unexpected deferred answer {answers}"), budget, **limits
     )
@@ -339,7 +340,7 @@ def test_a_message_that_can_only_hold_a_body_over_the_limit_is_refused_unread():
 
 def test_the_bodies_of_one_connection_share_a_budget():
     picker = make_picker()
-    budget = BodyBudget(1500)
+    budget = ByteBudget(1500)
     first, second = new_stream(picker, budget), new_stream(picker, budget)
     for stream in (first, second):
         stream.handle(headers_message(BASE_HEADERS))

@@ -97,9 +97,7 @@ async def port(request):
     EchoHandler.log = []
     ACCESS_LOG_RECORDS.clear()
     if request.param == "h2":
-        server = ExtProcServer(
-            lambda: EchoHandler, {accesslog.EXPORT_PATH: UnaryMethod(accesslog.ExportRequest, EXPORT)}
-        )
+        server = ExtProcServer(EchoHandler, {accesslog.EXPORT_PATH: UnaryMethod(accesslog.ExportRequest, EXPORT)})
         await server.start("127.0.0.1", 0)
         try:
             yield server.port
