@@ -10,6 +10,7 @@ import gc
 import logging
 import os
 import re
+import resource
 import signal
 import socket
 import sys
@@ -320,6 +321,17 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
         await datastore.close()
 
 
+def raise_open_files_limit() -> int:
+    """The soft limit on open files raised to the hard one, as Go's runtime does for GIE's EPP: the connections it
+    accepts (up to --max-ext-proc-connections) and the ones it opens (a scrape and a KV-event socket per endpoint)
+    must not hit a distribution's default soft limit of 1,024. Returns the limit in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     if bool(args.pool_file) == bool(args.pool_name):
@@ -337,6 +349,13 @@ def main(argv: list[str] | None = None) -> None:
         await serve(args, stop)
 
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_SECONDS)
+    open_files = raise_open_files_limit()
+    if open_files != resource.RLIM_INFINITY and open_files < args.max_ext_proc_connections + 256:
+        log.warning(
+            "open files are limited to %d: fewer than --max-ext-proc-connections (%d) and the EPP's own sockets",
+            open_files,
+            args.max_ext_proc_connections,
+        )
     try:
         with contextlib.suppress(KeyboardInterrupt):
             uvloop.run(run())  # less per-callback overhead than asyncio's loop on the ext_proc path

@@ -29,7 +29,20 @@ import aiohttp
 from hpack import Encoder
 
 from epp.bench.ports import free_port_block, free_ports
-from epp.grpc_h2 import CONTINUATION, DATA, GOAWAY, HEADERS, PING, PREFACE, RST_STREAM, SETTINGS, WINDOW_UPDATE, frame
+from epp.grpc_h2 import (
+    CONTINUATION,
+    DATA,
+    ENHANCE_YOUR_CALM,
+    GOAWAY,
+    HEADERS,
+    MAX_CONNECTIONS,
+    PING,
+    PREFACE,
+    RST_STREAM,
+    SETTINGS,
+    WINDOW_UPDATE,
+    frame,
+)
 from epp.local import LocalStack, StackConfig
 
 MODEL = "sim-llama-8b"
@@ -134,13 +147,9 @@ def _until_goaway(s: socket.socket, seconds: float = 10.0) -> int | None:
         if not data:
             return -1
         buffer += data
-        while len(buffer) >= 9:
-            length = int.from_bytes(buffer[:3], "big")
-            if len(buffer) < 9 + length:
-                break
-            if buffer[3] == GOAWAY:
-                return struct.unpack(">L", buffer[13:17])[0]
-            buffer = buffer[9 + length :]
+        code = _goaway_in(buffer)
+        if code is not None:
+            return code
     return None
 
 
@@ -166,6 +175,36 @@ def stream_flood(port: int, count: int) -> tuple[int, int]:
         _send_all(s, b"".join(frame(HEADERS, 0x4, 2 * i + 1, encoder.encode(REQUEST_HEADERS)) for i in range(count)))
         code = _until_goaway(s)
     return count, count if code is not None else 0
+
+
+def connection_flood(port: int, count: int, hold: float) -> tuple[int, int]:
+    """`count` connections opened and held for `hold` seconds, beyond the EPP's connection limit; answered
+    correctly: each one accepted while under the limit, or refused with GOAWAY ENHANCE_YOUR_CALM once over it."""
+    sockets, refused = [], 0
+    try:
+        for _ in range(count):
+            sockets.append(_raw_h2(port))
+        time.sleep(0.5)
+        for s in sockets:
+            s.setblocking(False)
+            with contextlib.suppress(BlockingIOError, ConnectionResetError):
+                refused += _goaway_in(s.recv(1 << 16)) == ENHANCE_YOUR_CALM
+        time.sleep(hold)
+    finally:
+        for s in sockets:
+            s.close()
+    accepted = count - refused
+    return count, count if accepted <= MAX_CONNECTIONS else 0
+
+
+def _goaway_in(received: bytes) -> int | None:
+    position = 0
+    while position + 9 <= len(received):
+        length = int.from_bytes(received[position : position + 3], "big")
+        if received[position + 3] == GOAWAY:
+            return struct.unpack(">L", received[position + 13 : position + 17])[0]
+        position += 9 + length
+    return None
 
 
 def _grpc_message(payload: bytes) -> bytes:
@@ -329,6 +368,8 @@ async def run(
             for i in range(2000)
         )
         await under("HTTP/2: rapid reset (2,000)", lambda: thread(h2_attack, grpc, resets))
+        flood = MAX_CONNECTIONS + 100
+        await under(f"connection flood ({flood:,})", lambda: thread(connection_flood, grpc, flood, seconds / 2))
         await under("HTTP/2: 1-byte WINDOW_UPDATE", lambda: thread(h2_attack, grpc, frame(WINDOW_UPDATE, 0, 0, b"\1")))
         await under("model-name flood (2,000 names)", lambda: model_name_flood(url, stack.epp_metrics_url, 2000))
 
