@@ -68,6 +68,7 @@ MAX_PARTIAL_BYTES = 4 * MAX_MESSAGE  # incomplete messages all streams of all co
 # log each.
 MAX_CONNECTIONS = 1024
 REFUSED_LINGER_SECONDS = 1.0
+PREFACE_TIMEOUT_SECONDS = 10.0  # a connection that has not sent the client preface by then gives its place back
 MAX_OUTBOUND_BYTES = 16 << 20  # unread answers (e.g. PING ACKs of a peer that never reads): it is not a proxy
 MAX_CONTROL_FRAMES_PER_SECOND = 1000  # PINGs and SETTINGS we must acknowledge (Envoy sends a few per minute)
 PREMATURE_RESETS = 100  # streams reset before their first message, once also over half of those opened (CVE-2023-44487)
@@ -176,6 +177,7 @@ class ExtProcConnection(asyncio.Protocol):
         self.buffer = bytearray()
         self.preface_seen = False
         self.refused = False  # over the server's connection limit (ExtProcServer.refuse)
+        self.preface_timer: asyncio.TimerHandle | None = None
         self.streams: dict[int, _Stream] = {}
         self.decoder = Decoder()
         self.decoded_blocks: dict[bytes, list] = {}  # see _decode
@@ -204,6 +206,8 @@ class ExtProcConnection(asyncio.Protocol):
             server.refuse(transport)
             return
         server.connections.add(self)
+        if server.loop is not None:  # (a connection driven by hand, as in the handler benchmark, has no timer)
+            self.preface_timer = server.loop.call_later(PREFACE_TIMEOUT_SECONDS, self._preface_overdue)
         settings = (
             SETTING.pack(SETTINGS_MAX_CONCURRENT_STREAMS, MAX_CONCURRENT_STREAMS)
             + SETTING.pack(SETTINGS_INITIAL_WINDOW_SIZE, RECEIVE_WINDOW)
@@ -214,7 +218,13 @@ class ExtProcConnection(asyncio.Protocol):
             + frame(WINDOW_UPDATE, 0, 0, U32.pack(CONNECTION_RECEIVE_WINDOW - DEFAULT_WINDOW))
         )
 
+    def _preface_overdue(self) -> None:
+        if not self.preface_seen and not self.transport.is_closing():
+            self._fail(PROTOCOL_ERROR, f"no client preface in {PREFACE_TIMEOUT_SECONDS:.0f} s")
+
     def connection_lost(self, exc: Exception | None) -> None:
+        if self.preface_timer is not None:
+            self.preface_timer.cancel()
         self.server.connections.discard(self)
         streams, self.streams = self.streams, {}
         for stream in streams.values():
@@ -250,6 +260,8 @@ class ExtProcConnection(asyncio.Protocol):
                     return
                 del buffer[: len(PREFACE)]
                 self.preface_seen = True
+                if self.preface_timer is not None:
+                    self.preface_timer.cancel()
             if len(buffer) >= 9:
                 high, low = FRAME_HEADER.unpack_from(buffer)[:2]
                 length = (high << 16) | low
@@ -682,10 +694,11 @@ class ExtProcServer:
         self.connections: set[ExtProcConnection] = set()
         self.refused_connections = 0
         self.server: asyncio.Server | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
 
     async def start(self, host: str, port: int) -> None:
-        loop = asyncio.get_running_loop()
-        self.server = await loop.create_server(lambda: ExtProcConnection(self), host, port, reuse_address=True)
+        self.loop = asyncio.get_running_loop()
+        self.server = await self.loop.create_server(lambda: ExtProcConnection(self), host, port, reuse_address=True)
 
     def refuse(self, transport: asyncio.Transport) -> None:
         """A connection over the limit: told why (our first frame must be SETTINGS) before it sent anything, its
@@ -694,7 +707,7 @@ class ExtProcServer:
         transport.write(frame(SETTINGS, 0, 0) + frame(GOAWAY, 0, 0, U32.pack(0) + U32.pack(ENHANCE_YOUR_CALM)))
         if transport.can_write_eof():
             transport.write_eof()
-        asyncio.get_running_loop().call_later(REFUSED_LINGER_SECONDS, transport.close)
+        self.loop.call_later(REFUSED_LINGER_SECONDS, transport.close)
         if self.refused_connections % 1000 == 0:
             log.warning(
                 "refused an ext_proc connection: %d are open (--max-ext-proc-connections); %d refused so far",

@@ -355,3 +355,26 @@ async def test_connections_over_the_limit_get_goaway_and_the_count_comes_back():
             writer.close()
     finally:
         await server.stop(grace=0.2)
+
+
+async def test_a_connection_that_sends_no_preface_gives_its_place_back(monkeypatch):
+    monkeypatch.setattr("epp.grpc_h2.PREFACE_TIMEOUT_SECONDS", 0.2)
+    server = ExtProcServer(EchoHandler, max_connections=1)
+    await server.start("127.0.0.1", 0)
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        received = await asyncio.wait_for(reader.read(), 5)  # read until the server closes
+        assert _goaway_code(received) == 0x1  # PROTOCOL_ERROR: no preface in time
+        writer.close()
+        while server.connections:
+            await asyncio.sleep(0.01)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:  # the place is free again
+            call = pb_grpc.ExternalProcessorStub(channel).Process()
+            await call.write(headers())
+            assert (await call.read()).HasField("request_headers")
+            await asyncio.sleep(0.4)  # past the timeout: a connection that sent its preface stays
+            await call.write(body(b"still here"))
+            assert (await call.read()).request_body.response.body_mutation.body == b"still here"
+            await call.done_writing()
+    finally:
+        await server.stop(grace=0.2)
