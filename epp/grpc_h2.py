@@ -73,7 +73,7 @@ MAX_OUTBOUND_BYTES = 16 << 20  # unread answers (e.g. PING ACKs of a peer that n
 MAX_CONTROL_FRAMES_PER_SECOND = 1000  # PINGs and SETTINGS we must acknowledge (Envoy sends a few per minute)
 PREMATURE_RESETS = 100  # streams reset before their first message, once also over half of those opened (CVE-2023-44487)
 MAX_DECODED_BLOCKS = 64  # header blocks remembered per connection (ExtProcConnection._decode)
-MAX_DECODED_BLOCK_BYTES = 1024  # only blocks this short are remembered (Envoy's for a new stream: a byte per field)
+MAX_DECODED_BLOCK_BYTES = 1024  # only blocks this short are remembered (Envoy 1.40's for a new stream: 46 bytes)
 SMALL_MESSAGE = 4096  # a message this short is parsed from a copy: cheaper than through a memoryview
 FIXED_PAYLOAD = {PRIORITY: 5, RST_STREAM: 4, PING: 8, WINDOW_UPDATE: 4}
 
