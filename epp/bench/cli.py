@@ -2,7 +2,7 @@
 
 epp-bench overhead [--servers 4] [--sequential 400] [--concurrency 32] [--requests 2000] [--ext-proc-transport h2|grpcio]
                    [--streamed] [--out DIR]
-epp-bench handler-cpu [--requests 4000] [--batch 16] [--rounds 9] [--streamed]
+epp-bench handler-cpu [--requests 4000] [--batch 16] [--rounds 9] [--streamed] [--config-file FILE]
 """
 
 from __future__ import annotations
@@ -49,6 +49,9 @@ def main(argv: list[str] | None = None) -> None:
     cpu.add_argument("--rounds", type=int, default=9, help="the least round is reported")
     cpu.add_argument(
         "--streamed", action="store_true", help='"stream": true requests: their access-log records train the predictor'
+    )
+    cpu.add_argument(
+        "--config-file", type=Path, default=None, help="the EPP's EndpointPickerConfig (default: its default profile)"
     )
     capacity = sub.add_parser("sim-capacity", help="how many sim servers one core carries at a request rate")
     capacity.add_argument("--replicas", type=int, default=16)
@@ -190,7 +193,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "sim-capacity":
         sim_capacity.main(args.replicas, args.rates, args.duration)
     if args.command == "handler-cpu":
-        print(handler_cpu.measure(args.requests, args.batch, args.rounds, args.streamed).markdown())
+        config = args.config_file.read_text() if args.config_file else handler_cpu.DEFAULT_CONFIG
+        print(handler_cpu.measure(args.requests, args.batch, args.rounds, args.streamed, config).markdown())
     if args.command == "overhead":
         result = asyncio.run(
             overhead.measure(

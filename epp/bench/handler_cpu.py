@@ -14,7 +14,7 @@ adds, and the overhead bench's whole-process figures spread by +-10 % between id
 single change worth a few microseconds. `batch` hands that many requests' frames over in each read,
 as at concurrency 32.
 
-    epp-bench handler-cpu [--requests 4000] [--batch 16] [--rounds 9] [--streamed]
+    epp-bench handler-cpu [--requests 4000] [--batch 16] [--rounds 9] [--streamed] [--config-file FILE]
 """
 
 from __future__ import annotations
@@ -174,9 +174,9 @@ class HandlerCpuResult:
         )
 
 
-def _director() -> Director:
-    """A fresh EPP's director: its scheduler's latency predictor has learnt nothing."""
-    scheduler = Scheduler.from_config(DEFAULT_CONFIG)
+def _director(config: str = DEFAULT_CONFIG) -> Director:
+    """A fresh EPP's director with `config` (an EndpointPickerConfig): its latency predictor has learnt nothing."""
+    scheduler = Scheduler.from_config(config)
     datastore = Datastore([_NoScraper()], scheduler.on_pool_changed)
     datastore.apply(
         PoolState(endpoints=tuple(EndpointSpec(f"sim-{i}", "127.0.0.1", 8000 + i) for i in range(ENDPOINTS)))
@@ -193,7 +193,7 @@ def _director() -> Director:
         lambda: None,
     )
     flow_control = FlowController(
-        FlowControlConfig.from_text(DEFAULT_CONFIG),
+        FlowControlConfig.from_text(config),
         lambda in_flight: detector.has_room(datastore.endpoints, in_flight),
         observer=metrics.flow_control_outcome,
         poll_interval=0.05,
@@ -201,12 +201,14 @@ def _director() -> Director:
     return Director(datastore, scheduler, metrics, flow_control)
 
 
-def measure(requests: int = 4000, batch: int = 16, rounds: int = 9, streamed: bool = False) -> HandlerCpuResult:
+def measure(
+    requests: int = 4000, batch: int = 16, rounds: int = 9, streamed: bool = False, config: str = DEFAULT_CONFIG
+) -> HandlerCpuResult:
     """Runs on the caller's thread; needs no event loop (no request waits in flow control: the pool has room).
     `streamed`: the requests ask for a streamed response (`"stream": true`, as chat clients do), whose access-log
     records teach the latency predictor (a whole response's time to its first byte is not a TTFT: not learnt)."""
     body = json.dumps({**REQUEST, "stream": True} if streamed else REQUEST).encode()
-    director = _director()
+    director = _director(config)
     budget = ByteBudget(1 << 30)
     transport, log_transport = CountingTransport(), CountingTransport()
 

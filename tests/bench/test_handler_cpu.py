@@ -26,3 +26,27 @@ def test_streamed_requests_access_log_records_teach_the_latency_predictor():
     assert result.routed == 2 * 256 and result.open_streams == 0
     assert result.learnt == 2 * 256  # every request's record, matched to its request by id
     assert "256 streamed requests" in result.markdown() and "learnt from 512 access-log records" in result.markdown()
+
+
+def test_another_profile_is_measured_with_its_own_plugins(tmp_path, monkeypatch):
+    """`--config-file`: the handler path with another EndpointPickerConfig (here one scorer), the rest the same."""
+    from epp.bench import cli
+
+    config = tmp_path / "queue-only.yaml"
+    config.write_text(
+        "apiVersion: inference.networking.x-k8s.io/v1alpha1\nkind: EndpointPickerConfig\nplugins:\n"
+        "- type: queue-scorer\n- type: max-score-picker\nschedulingProfiles:\n- name: default\n  plugins:\n"
+        "  - pluginRef: queue-scorer\n  - pluginRef: max-score-picker\n"
+    )
+    made = []
+    real = handler_cpu._director
+
+    def recording(text):
+        made.append(real(text))
+        return made[-1]
+
+    monkeypatch.setattr(handler_cpu, "_director", recording)
+    cli.main(["handler-cpu", "--requests", "32", "--rounds", "1", "--config-file", str(config)])
+    plugins = made[0].metrics.plugin_duration.children
+    assert {key[2] for key in plugins} == {"queue-scorer", "max-score-picker"}
+    assert sum(e.routed_total for e in made[0].datastore.endpoints) == 32
