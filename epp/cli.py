@@ -20,7 +20,6 @@ import grpc
 import uvloop
 import zmq
 from aiohttp import web
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2_grpc
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -34,7 +33,7 @@ from epp.flowcontrol import FlowControlConfig, FlowController
 from epp.grpc_h2 import MAX_CONNECTIONS, ExtProcServer, UnaryMethod
 from epp.handlers import ByteBudget, Reply, accesslog
 from epp.handlers.extproc import DEFAULT_MAX_BODY_BYTES, RequestStream
-from epp.handlers.grpcio import ExternalProcessor, access_log_service
+from epp.handlers.grpcio import access_log_service, ext_proc_service
 from epp.health import HealthState
 from epp.leader import LeaseElector
 from epp.metrics import EPPMetrics
@@ -248,8 +247,7 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
         )
     else:
         server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 * 1024 * 1024)])
-        pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(new_stream), server)
-        server.add_generic_rpc_handlers([access_log_service(export_access_log)])
+        server.add_generic_rpc_handlers([ext_proc_service(new_stream), access_log_service(export_access_log)])
         server.add_insecure_port(f"{args.bind_address}:{args.grpc_port}")
     health = HealthState()
     health_server = grpc.aio.server()

@@ -121,8 +121,8 @@ class UnaryMethod:
     def __init__(self, request_type: type[Message], answer: Callable[[Message], Message]):
         self.request_type, self.answer = request_type, answer
 
-    def handle(self, message: Message) -> list[Message]:
-        return [self.answer(message)]
+    def handle(self, message: Message) -> list[bytes]:
+        return [self.answer(message).SerializeToString()]
 
     def oversized(self, size: int) -> None:
         return None
@@ -544,7 +544,7 @@ class ExtProcConnection(asyncio.Protocol):
         if responses is None:
             return False
         for response in responses:
-            self._send_message(stream, response.SerializeToString())
+            self._send_message(stream, response)
         if responses:
             self.after.append(handler)
         return True
@@ -559,16 +559,16 @@ class ExtProcConnection(asyncio.Protocol):
             self._close_stream(stream, status_trailers(INTERNAL, f"EPP internal error: {type(exc).__name__}"))
             return
         for response in responses:
-            self._send_message(stream, response.SerializeToString())
+            self._send_message(stream, response)
         if responses:
             self.after.append(handler)
 
-    def _reply(self, stream: _Stream, responses: list[pb.ProcessingResponse]) -> None:
+    def _reply(self, stream: _Stream, responses: list[bytes]) -> None:
         """A handler's deferred answers (a request that waited in flow control): sent at once."""
         if stream.closed or stream.handler is None or self.transport is None or self.transport.is_closing():
             return
         for response in responses:
-            self._send_message(stream, response.SerializeToString())
+            self._send_message(stream, response)
         if responses:
             self.after.append(stream.handler)
         self._write()

@@ -24,6 +24,7 @@ from google.protobuf import struct_pb2
 
 from epp.grpc_h2 import ExtProcServer
 from epp.handlers import Reply
+from epp.handlers.extproc import streamed_chunk
 from protocol import extproc
 
 
@@ -45,9 +46,9 @@ def routing_response(endpoint: str) -> pb.ProcessingResponse:
 
 
 # The answers that never change (the native floor, epp/bench/floor_native.py, sends the same bytes)
-CONTINUE_RESPONSE_HEADERS = pb.ProcessingResponse(response_headers=pb.HeadersResponse())
-REQUEST_TRAILERS = pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
-RESPONSE_TRAILERS = pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
+CONTINUE_RESPONSE_HEADERS = pb.ProcessingResponse(response_headers=pb.HeadersResponse()).SerializeToString()
+REQUEST_TRAILERS = pb.ProcessingResponse(request_trailers=pb.TrailersResponse()).SerializeToString()
+RESPONSE_TRAILERS = pb.ProcessingResponse(response_trailers=pb.TrailersResponse()).SerializeToString()
 
 
 class FloorHandler:
@@ -59,20 +60,13 @@ class FloorHandler:
     def __init__(self, answers: itertools.cycle, reply: Reply):
         self.answers = answers
 
-    def handle(self, message: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+    def handle(self, message: pb.ProcessingRequest) -> list[bytes]:
         kind = message.WhichOneof("request")
         if kind == "request_headers":
             return [next(self.answers)]
         if kind == "request_body":
             body = message.request_body
-            streamed = pb.StreamedBodyResponse(body=body.body, end_of_stream=body.end_of_stream)
-            return [
-                pb.ProcessingResponse(
-                    request_body=pb.BodyResponse(
-                        response=pb.CommonResponse(body_mutation=pb.BodyMutation(streamed_response=streamed))
-                    )
-                )
-            ]
+            return [streamed_chunk("request", body.body, body.end_of_stream)]
         if kind == "response_headers":
             return [CONTINUE_RESPONSE_HEADERS]
         if kind == "request_trailers":
@@ -92,7 +86,7 @@ class FloorHandler:
 
 
 async def serve(host: str, port: int, endpoints: list[str]) -> None:
-    answers = itertools.cycle([routing_response(e) for e in endpoints])
+    answers = itertools.cycle([routing_response(e).SerializeToString() for e in endpoints])
     new_handler = functools.partial(FloorHandler, answers)
     server = ExtProcServer(new_handler)
     await server.start(host, port)

@@ -43,7 +43,7 @@ def command(binary: Path, port: int, endpoints: list[str]) -> list[str]:
         ("--request-trailers", floor.REQUEST_TRAILERS),
         ("--response-trailers", floor.RESPONSE_TRAILERS),
     ):
-        argv += [option, answer.SerializeToString().hex()]
+        argv += [option, answer.hex()]
     for endpoint in endpoints:
         argv += ["--route", floor.routing_response(endpoint).SerializeToString().hex()]
     return argv

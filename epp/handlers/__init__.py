@@ -4,7 +4,8 @@
 The ext_proc handler interface, which both gRPC transports (`epp.grpc_h2`, the lean one; `epp.handlers.grpcio`)
 drive the same way:
 * per ext_proc stream (one HTTP request) the transport makes one handler: `new_handler(reply)`;
-* `handle(message)` takes one ProcessingRequest and returns the answers to send now, in order (possibly none);
+* `handle(message)` takes one ProcessingRequest and returns the answers to send now, in order (possibly none), each
+  a serialized ProcessingResponse (the handler composes them from cached bytes: `epp.handlers.wire`);
 * an answer the handler cannot give at once (a request waiting in flow control) it gives later by calling
   `reply(answers)`, at most once per message it left unanswered; the transport sends them as they come;
 * `awaiting_reply` is true while the handler owes such an answer (a transport that reads and writes one stream in
@@ -25,15 +26,15 @@ from typing import Protocol
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-Reply = Callable[[list[pb.ProcessingResponse]], None]
+Reply = Callable[[list[bytes]], None]  # serialized ProcessingResponses
 
 
 class ExtProcHandler(Protocol):
     awaiting_reply: bool
 
-    def handle(self, message: pb.ProcessingRequest) -> list[pb.ProcessingResponse]: ...
+    def handle(self, message: pb.ProcessingRequest) -> list[bytes]: ...
 
-    def oversized(self, size: int) -> list[pb.ProcessingResponse] | None: ...
+    def oversized(self, size: int) -> list[bytes] | None: ...
 
     def after_reply(self) -> None: ...
 

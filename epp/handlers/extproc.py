@@ -27,7 +27,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import duration_pb2
 
-from epp.handlers import ByteBudget, Reply
+from epp.handlers import ByteBudget, Reply, wire
 from epp.requestcontrol.director import Director
 from epp.requestcontrol.types import RequestContext, RoutingDecision
 from protocol import extproc
@@ -51,10 +51,10 @@ MAX_CACHED_ROUTING_ANSWERS = 4096  # bounds _routing_answer (pools have at most 
 
 
 @functools.lru_cache(maxsize=MAX_CACHED_ROUTING_ANSWERS)
-def _routing_answer(hostports: tuple[str, ...], headers_phase: bool) -> pb.ProcessingResponse:
-    """What every answer routing to these endpoints shares, built once per list and merged into each answer (protobuf
-    copies it in C: a third of building it field by field, measured): the destination header, the fallback headers,
-    clear_route_cache and the dynamic metadata. The header carries the primary only: Envoy's ORIGINAL_DST cluster
+def _routing_answer(hostports: tuple[str, ...], headers_phase: bool) -> bytes:
+    """What every answer routing to these endpoints shares, serialized once per list and followed in each answer by
+    the request's own fields (`epp.handlers.wire`): the destination header, the fallback headers, clear_route_cache
+    and the dynamic metadata. The header carries the primary only: Envoy's ORIGINAL_DST cluster
     reads one ip:port. The fallbacks are in the metadata's comma list (the protocol) and, for our Envoy bootstrap's
     retries, one per header."""
     answer = pb.ProcessingResponse()
@@ -69,32 +69,68 @@ def _routing_answer(hostports: tuple[str, ...], headers_phase: bool) -> pb.Proce
     answer.dynamic_metadata.get_or_create_struct(extproc.DESTINATION_ENDPOINT_NAMESPACE)[
         extproc.DESTINATION_ENDPOINT_KEY
     ] = ",".join(hostports)
-    return answer
+    return answer.SerializeToString()
 
 
-def _add_header(set_headers, key: str, value: str) -> None:
-    option = set_headers.add(append_action=OVERWRITE)
-    option.header.key = key
-    option.header.raw_value = value.encode()
+# The keys of the fields the per-request answers are composed of (epp.handlers.wire), by message.
+_ANSWER_TO = {phase: wire.key(pb.ProcessingResponse, phase) for phase in ("request_headers", "request_body")}
+_COMMON = wire.key(pb.BodyResponse, "response")  # (HeadersResponse's is the same field)
+_HEADER_MUTATION = wire.key(pb.CommonResponse, "header_mutation")
+_STATUS = wire.key(pb.CommonResponse, "status")
+_BODY_MUTATION = wire.key(pb.CommonResponse, "body_mutation")
+_SET_HEADER = wire.key(pb.HeaderMutation, "set_headers")
+_OPTION_HEADER = wire.key(base_pb2.HeaderValueOption, "header")
+_OVERWRITE = wire.key(base_pb2.HeaderValueOption, "append_action") + wire.varint(OVERWRITE)
+_HEADER_KEY, _RAW_VALUE = wire.key(base_pb2.HeaderValue, "key"), wire.key(base_pb2.HeaderValue, "raw_value")
+_WHOLE_BODY = wire.key(pb.BodyMutation, "body")
+_REPLACE = _STATUS + wire.varint(CONTINUE_AND_REPLACE)
+_REQUEST_ID_KEY = wire.field(_HEADER_KEY, extproc.REQUEST_ID_HEADER.encode())
+_CONTENT_LENGTH_KEY = wire.field(_HEADER_KEY, b"content-length")
 
 
-# The response path's answers are the same for every request: built once.
-_RESPONSE_HEADERS_ANSWER = pb.ProcessingResponse(response_headers=pb.HeadersResponse(response=pb.CommonResponse()))
+def _set_header(named: bytes, value: bytes) -> bytes:
+    """A HeaderMutation's set_headers entry (OVERWRITE_IF_EXISTS_OR_ADD); `named` is the header's key field."""
+    return wire.field(_SET_HEADER, wire.field(_OPTION_HEADER, named + wire.field(_RAW_VALUE, value)) + _OVERWRITE)
+
+
+def streamed_chunk(direction: str, chunk: bytes, last: bool) -> bytes:
+    """The answer that sends `chunk` of the request's ("request") or the response's ("response") streamed body on
+    (FULL_DUPLEX_STREAMED), `last` with end_of_stream. Built through attribute paths: one per streamed token, and
+    protobuf's C code nests it faster than composing its four levels by hand (1.1 against 1.8 µs)."""
+    answer = pb.ProcessingResponse()
+    to_body = answer.request_body if direction == "request" else answer.response_body
+    streamed = to_body.response.body_mutation.streamed_response
+    streamed.body = chunk
+    streamed.end_of_stream = last
+    return answer.SerializeToString()
+
+
+# The answers that are the same for every request: serialized once.
+_REQUEST_HEADERS_CONTINUE = pb.ProcessingResponse(
+    request_headers=pb.HeadersResponse(response=pb.CommonResponse())
+).SerializeToString()
+_REQUEST_TRAILERS_ANSWER = pb.ProcessingResponse(request_trailers=pb.TrailersResponse()).SerializeToString()
+_RESPONSE_HEADERS_ANSWER = pb.ProcessingResponse(
+    response_headers=pb.HeadersResponse(response=pb.CommonResponse())
+).SerializeToString()
 _RESPONSE_HEADERS_REFRAMED = pb.ProcessingResponse(  # the body will change length: let the proxy re-frame it
     response_headers=pb.HeadersResponse(
         response=pb.CommonResponse(header_mutation=pb.HeaderMutation(remove_headers=["content-length"]))
     )
-)
-_RESPONSE_TRAILERS_ANSWER = pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
+).SerializeToString()
+_RESPONSE_BODY_CONTINUE = pb.ProcessingResponse(
+    response_body=pb.BodyResponse(response=pb.CommonResponse())
+).SerializeToString()
+_RESPONSE_TRAILERS_ANSWER = pb.ProcessingResponse(response_trailers=pb.TrailersResponse()).SerializeToString()
 
 
 @functools.lru_cache(maxsize=16)
-def _wait_answer(seconds: int) -> pb.ProcessingResponse:
+def _wait_answer(seconds: int) -> bytes:
     """The answer to a request queued in flow control: wait `seconds` for its routing. One per TTL setting."""
-    return pb.ProcessingResponse(override_message_timeout=duration_pb2.Duration(seconds=seconds))
+    return pb.ProcessingResponse(override_message_timeout=duration_pb2.Duration(seconds=seconds)).SerializeToString()
 
 
-def immediate_response(error: OpenAIError) -> pb.ProcessingResponse:
+def immediate_response(error: OpenAIError) -> bytes:
     return pb.ProcessingResponse(
         immediate_response=pb.ImmediateResponse(
             status=http_status_pb2.HttpStatus(code=error.status),
@@ -105,7 +141,7 @@ def immediate_response(error: OpenAIError) -> pb.ProcessingResponse:
             body=error.to_json(),
             details=error.message[:200],
         )
-    )
+    ).SerializeToString()
 
 
 def subset_hint(request: pb.ProcessingRequest) -> frozenset[str] | None:
@@ -186,7 +222,7 @@ class RequestStream:
         self.rewrite_back = False
         self.routed = False  # answered with a destination: after_reply hands the pick to the director's hooks
         self.pending: asyncio.Future | None = None  # a routing the director queued, answered through reply
-        self.held: list[pb.ProcessingResponse] = []  # answers to later messages, sent after the deferred one
+        self.held: list[bytes] = []  # answers to later messages, sent after the deferred one
         self.completed = False
 
     @property
@@ -194,13 +230,13 @@ class RequestStream:
         return self.pending is not None
 
     # -- dispatch ----------------------------------------------------------------------------------------------
-    def handle(self, message: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+    def handle(self, message: pb.ProcessingRequest) -> list[bytes]:
         if self.pending is not None:  # answers go out in order: this message's wait behind the deferred one
             self.held.extend(self._handle(message))
             return []
         return self._handle(message)
 
-    def _handle(self, message: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+    def _handle(self, message: pb.ProcessingRequest) -> list[bytes]:
         kind = message.WhichOneof("request")
         if kind == "request_body":
             return self._on_request_body(message.request_body)
@@ -212,14 +248,14 @@ class RequestStream:
             return self._on_response_body(message.response_body)
         if kind == "request_trailers":
             out = [] if self.body_done else self._on_request_body(pb.HttpBody(end_of_stream=True))
-            return [*out, pb.ProcessingResponse(request_trailers=pb.TrailersResponse())]
+            return [*out, _REQUEST_TRAILERS_ANSWER]
         if kind == "response_trailers":  # the response is over
             self._complete()
             return [_RESPONSE_TRAILERS_ANSWER]
         return []
 
     # -- request path ------------------------------------------------------------------------------------------
-    def _on_request_headers(self, message: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+    def _on_request_headers(self, message: pb.ProcessingRequest) -> list[bytes]:
         if self.ctx is not None:  # one request per stream: a second one would leave the first in flight for good
             return [self._reject(OpenAIError("request headers came twice on one ext_proc stream", 400))]
         headers: dict[str, str] = {}
@@ -236,9 +272,9 @@ class RequestStream:
             return self._route(None, None, headers_phase=True)
         if self.full_duplex:
             return []  # answer the headers once the body is complete
-        return [pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=pb.CommonResponse()))]
+        return [_REQUEST_HEADERS_CONTINUE]
 
-    def oversized(self, size: int) -> list[pb.ProcessingResponse] | None:
+    def oversized(self, size: int) -> list[bytes] | None:
         """The transport asks before it buffers a message of `size` bytes: one that can only hold a body chunk
         over the limit is refused unread (Envoy may send a fast upload as one message), sparing the copies that
         parsing it would make."""
@@ -251,7 +287,7 @@ class RequestStream:
     def _too_large(self) -> OpenAIError:
         return OpenAIError(f"request body is larger than {self.max_body_bytes} bytes", 413)
 
-    def _on_request_body(self, body: pb.HttpBody) -> list[pb.ProcessingResponse]:
+    def _on_request_body(self, body: pb.HttpBody) -> list[bytes]:
         if self.body_done:
             return []  # answered already (413): the rest of the body is dropped
         if self.ctx is None:
@@ -285,12 +321,12 @@ class RequestStream:
             self.budget.release(self.body_bytes)
         self.body_bytes = 0
 
-    def _refuse_body(self, error: OpenAIError) -> list[pb.ProcessingResponse]:
+    def _refuse_body(self, error: OpenAIError) -> list[bytes]:
         self.body_done = True
         self._release_body()
         return [self._reject(error)]
 
-    def _route(self, payload: dict | None, raw: bytes | None, headers_phase: bool) -> list[pb.ProcessingResponse]:
+    def _route(self, payload: dict | None, raw: bytes | None, headers_phase: bool) -> list[bytes]:
         try:
             decision = self.director.route(self.ctx, payload, raw)
         except OpenAIError as error:
@@ -319,41 +355,39 @@ class RequestStream:
         answers, self.held = answers + self.held, []
         self.reply(answers)
 
-    def _answers(self, decision: RoutingDecision, headers_phase: bool) -> list[pb.ProcessingResponse]:
+    def _answers(self, decision: RoutingDecision, headers_phase: bool) -> list[bytes]:
         self.routed = True
         self.rewrite_back = self.response_full_duplex and self.director.rewrites_response(self.ctx)
         body = decision.body
-        head = pb.ProcessingResponse()
-        head.MergeFrom(_routing_answer(tuple([e.spec.hostport for e in decision.endpoints]), headers_phase))
-        common = head.request_headers.response if headers_phase else head.request_body.response
-        set_headers = common.header_mutation.set_headers
-        _add_header(set_headers, extproc.REQUEST_ID_HEADER, decision.request_id)
+        set_headers = _set_header(_REQUEST_ID_KEY, decision.request_id.encode())
         if body is not None:
-            _add_header(set_headers, "content-length", str(len(body)))
-        if not headers_phase:  # BUFFERED: the body response carries the routing (and a rewritten body)
-            if decision.body_changed:
-                common.status = CONTINUE_AND_REPLACE
-                common.body_mutation.body = body
-            return [head]
-        if body is None:
+            set_headers += _set_header(_CONTENT_LENGTH_KEY, str(len(body)).encode())
+        common = [wire.field(_HEADER_MUTATION, set_headers)]
+        if not headers_phase and decision.body_changed:  # BUFFERED: the body response carries the rewritten body
+            common += (_REPLACE + wire.nesting((_BODY_MUTATION, _WHOLE_BODY), len(body)), body)
+        phase = _ANSWER_TO["request_headers" if headers_phase else "request_body"]
+        head = b"".join(
+            (
+                _routing_answer(tuple([e.spec.hostport for e in decision.endpoints]), headers_phase),
+                wire.nesting((phase, _COMMON), sum(map(len, common))),
+                *common,
+            )
+        )
+        if not headers_phase or body is None:
             return [head]
         size = extproc.MAX_BODY_CHUNK_BYTES
-        answers = [head]
-        for start in range(0, len(body), size) or (0,):
-            answer = pb.ProcessingResponse()  # filled by attribute paths: cheaper than nested constructors
-            streamed = answer.request_body.response.body_mutation.streamed_response
-            streamed.body = body[start : start + size]
-            streamed.end_of_stream = start + size >= len(body)
-            answers.append(answer)
-        return answers
+        return [head] + [
+            streamed_chunk("request", body[start : start + size], start + size >= len(body))
+            for start in range(0, len(body), size) or (0,)
+        ]
 
-    def _reject(self, error: OpenAIError) -> pb.ProcessingResponse:
+    def _reject(self, error: OpenAIError) -> bytes:
         if self.ctx is not None:
             self.director.record_error(self.ctx, error)
         return immediate_response(error)
 
     # -- response path -----------------------------------------------------------------------------------------
-    def _on_response_headers(self, message: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+    def _on_response_headers(self, message: pb.ProcessingRequest) -> list[bytes]:
         status = ""
         for h in message.response_headers.headers.headers:
             if h.key == ":status":
@@ -363,19 +397,13 @@ class RequestStream:
             self.director.on_response_headers(self.ctx, status, served_endpoint(message))
         return [_RESPONSE_HEADERS_REFRAMED if self.rewrite_back else _RESPONSE_HEADERS_ANSWER]
 
-    def _on_response_body(self, body: pb.HttpBody) -> list[pb.ProcessingResponse]:
+    def _on_response_body(self, body: pb.HttpBody) -> list[bytes]:
         chunk = body.body
         if self.ctx is not None:
             chunk = self.director.on_response_chunk(self.ctx, chunk, self.rewrite_back)
-        answer = pb.ProcessingResponse()
         if not self.response_full_duplex:
-            answer.response_body.response.SetInParent()
-            return [answer]
-        # One answer per streamed token: filled through attribute paths, ~6x cheaper than nested constructors.
-        streamed = answer.response_body.response.body_mutation.streamed_response
-        streamed.body = chunk
-        streamed.end_of_stream = body.end_of_stream
-        return [answer]
+            return [_RESPONSE_BODY_CONTINUE]
+        return [streamed_chunk("response", chunk, body.end_of_stream)]  # one answer per streamed token
 
     def after_reply(self) -> None:
         """Work the proxy need not wait for: the director's after-routing hooks, once the answer is on its way."""

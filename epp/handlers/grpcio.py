@@ -8,14 +8,26 @@ import logging
 from collections.abc import Callable
 
 import grpc
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from epp.handlers import NewHandler, accesslog
 
 log = logging.getLogger("epp.handlers.grpcio")
 
 
-class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
+def ext_proc_service(new_handler: NewHandler) -> grpc.GenericRpcHandler:
+    """ExternalProcessor/Process on this server; the handlers' answers are serialized already (sent as they are)."""
+    return grpc.method_handlers_generic_handler(
+        "envoy.service.ext_proc.v3.ExternalProcessor",
+        {
+            "Process": grpc.stream_stream_rpc_method_handler(
+                ExternalProcessor(new_handler).Process, request_deserializer=pb.ProcessingRequest.FromString
+            )
+        },
+    )
+
+
+class ExternalProcessor:
     def __init__(self, new_handler: NewHandler):
         self.new_handler = new_handler
 

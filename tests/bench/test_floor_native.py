@@ -42,9 +42,8 @@ def processor(binary):
 
 
 def test_answers_as_the_python_floor(processor):
-    python_floor = floor.FloorHandler(
-        itertools.cycle([floor.routing_response("10.0.0.1:8000"), floor.routing_response("10.0.0.2:8000")]), None
-    )
+    routes = [floor.routing_response(e).SerializeToString() for e in ("10.0.0.1:8000", "10.0.0.2:8000")]
+    python_floor = floor.FloorHandler(itertools.cycle(routes), None)
     requests = [
         pb.ProcessingRequest(request_headers=pb.HttpHeaders()),
         pb.ProcessingRequest(request_body=pb.HttpBody(body=b"x" * 300_000)),  # over a frame, a window, 2 MB total
@@ -62,14 +61,13 @@ def test_answers_as_the_python_floor(processor):
     before = pb.ProcessingRequest(
         metadata_context={"filter_metadata": {"envoy.lb": {}}}, observability_mode=True
     ).SerializeToString()
-    expected = [m.SerializeToString() for r in requests for m in python_floor.handle(r)]
+    expected = [m for r in requests for m in python_floor.handle(r)]
     with grpc.insecure_channel(f"127.0.0.1:{processor}") as channel:
         process = channel.stream_stream(PROCESS, request_serializer=bytes, response_deserializer=bytes)
         assert list(process(iter(before + r.SerializeToString() for r in requests))) == expected
         # 32 streams at once on the one connection, each answered in turn over the two endpoints
         calls = [process(iter([requests[0].SerializeToString()])) for _ in range(32)]
         answers = [next(iter(call)) for call in calls]
-        routes = [floor.routing_response(e).SerializeToString() for e in ("10.0.0.1:8000", "10.0.0.2:8000")]
         assert sorted(answers) == sorted(routes * 16)
         # a call to another method (the gateway's access log) sends no ext_proc request: UNIMPLEMENTED
         export = channel.unary_unary(

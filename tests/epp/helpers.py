@@ -1,6 +1,9 @@
-"""Endpoints with given metrics, for scheduler and server tests."""
+"""Endpoints with given metrics, for scheduler and server tests; the ext_proc handler with parsed answers."""
+
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from epp.datalayer.endpoint import Endpoint, EndpointSpec
+from epp.handlers.extproc import RequestStream
 from protocol.metrics import EndpointMetrics
 
 
@@ -35,3 +38,22 @@ def endpoint(
         in_flight_requests=in_flight,
         in_flight_tokens=in_flight_tokens,
     )
+
+
+class ParsedStream(RequestStream):
+    """The ext_proc handler with its answers parsed, for assertions on their fields (the transports get the bytes)."""
+
+    def __init__(self, director, reply, *args, **kwargs):
+        super().__init__(director, lambda answers: reply(parsed(answers)), *args, **kwargs)
+
+    def handle(self, message: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+        return parsed(super().handle(message))
+
+    def oversized(self, size: int) -> list[pb.ProcessingResponse] | None:
+        answers = super().oversized(size)
+        return None if answers is None else parsed(answers)
+
+
+def parsed(answers: list[bytes]) -> list[pb.ProcessingResponse]:
+    assert all(type(a) is bytes for a in answers)
+    return [pb.ProcessingResponse.FromString(a) for a in answers]

@@ -11,9 +11,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from epp.datalayer.endpoint import PoolState
 from epp.flowcontrol import DISPATCHED, EVICTED_CANCELLED, FlowControlConfig, FlowController
-from epp.handlers.extproc import RequestStream
 from epp.metrics import MAX_FAIRNESS_ID_LABELS, OTHER_FLOW, EPPMetrics
 from protocol.metrics import EndpointMetrics
+from tests.epp.helpers import ParsedStream
 from tests.epp.test_server import BASE_HEADERS, body_message, headers_message, make_picker
 
 
@@ -35,8 +35,8 @@ def setup(slots: int):
     return director, room, outcomes
 
 
-def start(director, replies: list, tenant: str, objective: str | None = None) -> tuple[RequestStream, list]:
-    stream = RequestStream(director, replies.append)
+def start(director, replies: list, tenant: str, objective: str | None = None) -> tuple[ParsedStream, list]:
+    stream = ParsedStream(director, replies.append)
     headers = {**BASE_HEADERS, "x-gateway-inference-fairness-id": tenant}
     if objective:
         headers["x-gateway-inference-objective"] = objective

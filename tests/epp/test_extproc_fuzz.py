@@ -100,7 +100,7 @@ async def _exchange(streams, room: int | None) -> None:
         handlers.append(handler)
         for message in sequence:
             answers = handler.handle(message)  # never raises
-            assert all(isinstance(a, pb.ProcessingResponse) for a in answers)
+            assert all(pb.ProcessingResponse.FromString(a) is not None for a in answers)  # bytes of answers
             handler.after_reply()
         if ends_at_once:
             handler.finish()

@@ -201,10 +201,10 @@ def test_a_message_the_handler_refuses_by_its_length_is_dropped_as_it_arrives():
 
     from epp.grpc_h2 import ExtProcConnection
 
-    refusal = pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(body=b"too large"))
+    refusal = pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(body=b"too large")).SerializeToString()
 
     class Refusing(EchoHandler):
-        def oversized(self, size: int) -> list[pb.ProcessingResponse] | None:
+        def oversized(self, size: int) -> list[bytes] | None:
             self.log.append(f"oversized {size}")
             return [refusal] if size > 1 << 20 else None
 

@@ -11,11 +11,12 @@ from google.protobuf import struct_pb2
 from epp.datalayer.datastore import Datastore
 from epp.datalayer.endpoint import EndpointSpec, ModelRewrite, PoolState
 from epp.handlers import ByteBudget
-from epp.handlers.extproc import MESSAGE_ENVELOPE_BYTES, RequestStream
+from epp.handlers.extproc import MESSAGE_ENVELOPE_BYTES
 from epp.metrics import EPPMetrics
 from epp.requestcontrol.director import Director
 from epp.scheduling.scheduler import Scheduler
 from protocol.metrics import EndpointMetrics
+from tests.epp.helpers import ParsedStream
 
 FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
 BUFFERED = processing_mode_pb2.ProcessingMode.BUFFERED
@@ -47,8 +48,8 @@ def make_picker(state: PoolState | None = None, config: str | None = None) -> Di
     return Director(datastore, scheduler, EPPMetrics("pool", lambda: datastore.endpoints, lambda: None))
 
 
-def new_stream(director: Director, budget: ByteBudget | None = None, **limits) -> RequestStream:
-    return RequestStream(
+def new_stream(director: Director, budget: ByteBudget | None = None, **limits) -> ParsedStream:
+    return ParsedStream(
         director, lambda answers: pytest.fail(f"unexpected deferred answer {answers}"), budget, **limits
     )
 
@@ -356,7 +357,7 @@ def test_the_bodies_of_one_connection_share_a_budget():
     assert not responses[0].HasField("immediate_response") and budget.held == 0
 
 
-def finish_with_status(stream: RequestStream, status: bytes) -> None:
+def finish_with_status(stream: ParsedStream, status: bytes) -> None:
     headers = base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=":status", raw_value=status)])
     stream.handle(pb.ProcessingRequest(response_headers=pb.HttpHeaders(headers=headers)))
     stream.finish()

@@ -14,7 +14,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from epp.grpc_h2 import ExtProcServer, UnaryMethod
 from epp.handlers import accesslog
-from epp.handlers.grpcio import ExternalProcessor, access_log_service
+from epp.handlers.grpcio import access_log_service, ext_proc_service
 
 PROCESS = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
 DEFER_SECONDS = 0.05
@@ -35,7 +35,7 @@ class EchoHandler:
     def awaiting_reply(self) -> bool:
         return self.later is not None
 
-    def handle(self, message: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+    def handle(self, message: pb.ProcessingRequest) -> list[bytes]:
         self.seen += 1
         if message.HasField("request_headers"):
             names = {h.key for h in message.request_headers.headers.headers}
@@ -45,7 +45,7 @@ class EchoHandler:
             common.header_mutation.set_headers.append(
                 base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key="x-seen", raw_value=str(self.seen).encode()))
             )
-            answer = [pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common))]
+            answer = [pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common)).SerializeToString()]
             if "x-defer" in names:
                 self.later = asyncio.get_running_loop().call_later(DEFER_SECONDS, self._answer_later, answer)
                 return []
@@ -53,11 +53,13 @@ class EchoHandler:
         if message.HasField("request_body"):
             mutation = pb.BodyMutation(body=message.request_body.body)
             return [
-                pb.ProcessingResponse(request_body=pb.BodyResponse(response=pb.CommonResponse(body_mutation=mutation)))
+                pb.ProcessingResponse(
+                    request_body=pb.BodyResponse(response=pb.CommonResponse(body_mutation=mutation))
+                ).SerializeToString()
             ]
         return []
 
-    def _answer_later(self, answer: list[pb.ProcessingResponse]) -> None:
+    def _answer_later(self, answer: list[bytes]) -> None:
         self.later = None
         self.log.append("replied")
         self.reply(answer)
@@ -105,7 +107,7 @@ async def port(request):
             await server.stop(grace=0.2)
     else:
         server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
-        pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(EchoHandler), server)
+        server.add_generic_rpc_handlers([ext_proc_service(EchoHandler)])
         server.add_generic_rpc_handlers([access_log_service(EXPORT)])
         bound = server.add_insecure_port("127.0.0.1:0")
         await server.start()
