@@ -2,7 +2,7 @@
 
 epp-bench overhead [--servers 4] [--sequential 400] [--concurrency 32] [--requests 2000] [--ext-proc-transport h2|grpcio]
                    [--streamed] [--out DIR]
-epp-bench handler-cpu [--requests 4000] [--batch 16] [--rounds 9] [--streamed] [--config-file FILE]
+epp-bench handler-cpu [--requests 4000] [--batch 16] [--rounds 9] [--streamed] [--config-file FILE] [--instructions]
 """
 
 from __future__ import annotations
@@ -52,6 +52,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     cpu.add_argument(
         "--config-file", type=Path, default=None, help="the EPP's EndpointPickerConfig (default: its default profile)"
+    )
+    cpu.add_argument(
+        "--instructions",
+        action="store_true",
+        help="count instructions per request under valgrind's callgrind (exact and repeatable) instead of CPU time",
     )
     capacity = sub.add_parser("sim-capacity", help="how many sim servers one core carries at a request rate")
     capacity.add_argument("--replicas", type=int, default=16)
@@ -193,8 +198,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "sim-capacity":
         sim_capacity.main(args.replicas, args.rates, args.duration)
     if args.command == "handler-cpu":
-        config = args.config_file.read_text() if args.config_file else handler_cpu.DEFAULT_CONFIG
-        print(handler_cpu.measure(args.requests, args.batch, args.rounds, args.streamed, config).markdown())
+        if args.instructions:
+            per_request = handler_cpu.instructions(args.requests, args.batch, args.streamed, args.config_file)
+            print(f"EPP handler path: {per_request:,.0f} instructions per request (callgrind)")
+        else:
+            config = args.config_file.read_text() if args.config_file else handler_cpu.DEFAULT_CONFIG
+            print(handler_cpu.measure(args.requests, args.batch, args.rounds, args.streamed, config).markdown())
     if args.command == "overhead":
         result = asyncio.run(
             overhead.measure(

@@ -1,5 +1,9 @@
 """`epp-bench handler-cpu`: Envoy's frames for each request drive the whole request path in process."""
 
+import shutil
+
+import pytest
+
 from epp.bench import handler_cpu
 
 
@@ -50,3 +54,9 @@ def test_another_profile_is_measured_with_its_own_plugins(tmp_path, monkeypatch)
     plugins = made[0].metrics.plugin_duration.children
     assert {key[2] for key in plugins} == {"queue-scorer", "max-score-picker"}
     assert sum(e.routed_total for e in made[0].datastore.endpoints) == 32
+
+
+@pytest.mark.skipif(shutil.which("valgrind") is None, reason="valgrind is not installed")
+def test_instructions_per_request_are_counted_under_callgrind():
+    per_request = handler_cpu.instructions(requests=32)
+    assert 100_000 < per_request < 20_000_000  # ~1 M on x86-64 with the default profile
