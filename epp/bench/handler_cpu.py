@@ -214,10 +214,10 @@ def instructions(
     requests: int = 1600, batch: int = 16, streamed: bool = False, config_file: Path | None = None
 ) -> float:
     """Instructions per request of the same path, counted by valgrind's callgrind: exact and repeatable, where CPU
-    time on a shared host spreads by several µs between identical runs, so that a change worth 1 % shows (three runs
-    of one build, 1,600 requests: within 0.7 %). Two processes run it, for WARM_UP_REQUESTS and for as many more as
-    `requests`; the difference over `requests` leaves out start-up and the first requests' one-off work (caches
-    filling). Needs valgrind on PATH; about a minute."""
+    time on a shared host spreads by several µs between identical runs, so that a change worth 1 % shows (two runs
+    of one build, 1,600 requests: 981.9 and 980.9 thousand). Two processes run it, for WARM_UP_REQUESTS and for as
+    many more as `requests`; the difference over `requests` leaves out start-up and the first requests' one-off work
+    (caches filling). Needs valgrind on PATH; about a minute."""
     if shutil.which("valgrind") is None:
         raise RuntimeError("valgrind is not on PATH (Debian: apt-get install valgrind)")
     first, more = WARM_UP_REQUESTS // batch * batch, requests // batch * batch  # (whole reads, as `measure` sends)
@@ -228,10 +228,16 @@ def instructions(
             *(["--streamed"] if streamed else []),
             *(["--config-file", str(config_file)] if config_file else []),
         ]
-        # the same hashes and the same random choices (ties between endpoints) in every run
-        script = f"import random; random.seed(0); from epp.bench.cli import main; main({arguments!r})"
+        # the same hashes and random choices (ties between endpoints) in every run; start-up frozen out of the
+        # collector's full collections, as the EPP does once it is ready (epp/cli.py)
+        script = (
+            "import gc, random; random.seed(0); from epp.bench.cli import main; gc.collect(); gc.freeze(); "
+            f"main({arguments!r})"
+        )
         command = ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", sys.executable, "-c", script]
-        environment = {**os.environ, "PYTHONHASHSEED": "0"}
+        # one thread each for numpy's BLAS and the tokenizers' pool: idle worker threads spin, and their spinning
+        # counted as many instructions as the difference between two identical runs (20 M)
+        environment = {**os.environ, "PYTHONHASHSEED": "0", "OPENBLAS_NUM_THREADS": "1", "RAYON_NUM_THREADS": "1"}
         run = subprocess.run(command, capture_output=True, text=True, check=True, env=environment)
         counts.append(int(re.search(r"Collected : (\d+)", run.stderr).group(1)))
     return (counts[1] - counts[0]) / more

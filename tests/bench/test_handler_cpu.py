@@ -59,4 +59,4 @@ def test_another_profile_is_measured_with_its_own_plugins(tmp_path, monkeypatch)
 @pytest.mark.skipif(shutil.which("valgrind") is None, reason="valgrind is not installed")
 def test_instructions_per_request_are_counted_under_callgrind():
     per_request = handler_cpu.instructions(requests=32)
-    assert 100_000 < per_request < 20_000_000  # ~1 M on x86-64 with the default profile
+    assert 300_000 < per_request < 5_000_000  # ~1 M on x86-64 with the default profile
