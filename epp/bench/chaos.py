@@ -147,7 +147,7 @@ def _until_goaway(s: socket.socket, seconds: float = 10.0) -> int | None:
         if not data:
             return -1
         buffer += data
-        code = _goaway_in(buffer)
+        code = goaway_code(buffer)
         if code is not None:
             return code
     return None
@@ -188,7 +188,7 @@ def connection_flood(port: int, count: int, hold: float) -> tuple[int, int]:
         for s in sockets:
             s.setblocking(False)
             with contextlib.suppress(BlockingIOError, ConnectionResetError):
-                refused += _goaway_in(s.recv(1 << 16)) == ENHANCE_YOUR_CALM
+                refused += goaway_code(s.recv(1 << 16)) == ENHANCE_YOUR_CALM
         time.sleep(hold)
     finally:
         for s in sockets:
@@ -197,7 +197,8 @@ def connection_flood(port: int, count: int, hold: float) -> tuple[int, int]:
     return count, count if accepted <= MAX_CONNECTIONS else 0
 
 
-def _goaway_in(received: bytes) -> int | None:
+def goaway_code(received: bytes) -> int | None:
+    """The code of the first GOAWAY among the whole frames of `received` (a server's bytes); None without one."""
     position = 0
     while position + 9 <= len(received):
         length = int.from_bytes(received[position : position + 3], "big")

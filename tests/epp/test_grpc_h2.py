@@ -10,8 +10,9 @@ import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from prometheus_client import generate_latest
 
+from epp.bench.chaos import goaway_code
 from epp.bench.handler_cpu import CountingTransport
-from epp.grpc_h2 import GOAWAY, MAX_RECEIVE_FRAME, PREFACE, ExtProcServer, UnaryMethod, frame
+from epp.grpc_h2 import MAX_RECEIVE_FRAME, PREFACE, ExtProcServer, UnaryMethod, frame
 from epp.handlers import ByteBudget, accesslog
 from epp.metrics import EPPMetrics
 from tests.epp.test_transports import PROCESS, EchoHandler, body, headers
@@ -62,23 +63,13 @@ def _raw_exchange(port: int, data: bytes) -> bytes:
         return received
 
 
-def _goaway_code(received: bytes) -> int | None:
-    position = 0
-    while position + 9 <= len(received):
-        length = int.from_bytes(received[position : position + 3], "big")
-        if received[position + 3] == GOAWAY:
-            return struct.unpack(">L", received[position + 13 : position + 17])[0]
-        position += 9 + length
-    return None
-
-
 async def test_not_http2_and_oversized_frames_close_the_connection(server):
     loop = asyncio.get_running_loop()
     received = await loop.run_in_executor(None, _raw_exchange, server.port, b"POST / HTTP/1.1\r\nHost: x\r\n\r\n" * 2)
-    assert _goaway_code(received) == 0x1  # PROTOCOL_ERROR
+    assert goaway_code(received) == 0x1  # PROTOCOL_ERROR
     oversized = PREFACE + frame(4, 0, 0) + struct.pack(">L", MAX_RECEIVE_FRAME + 1)[1:] + b"\x00\x00\x00\x00\x00\x01"
     received = await loop.run_in_executor(None, _raw_exchange, server.port, oversized)
-    assert _goaway_code(received) == 0x6  # FRAME_SIZE_ERROR
+    assert goaway_code(received) == 0x6  # FRAME_SIZE_ERROR
 
 
 async def test_stop_sends_goaway_and_lets_open_streams_finish(server):
@@ -328,7 +319,7 @@ async def test_connections_over_the_limit_get_goaway_and_the_count_comes_back():
         while len(server.connections) < 2:
             await asyncio.sleep(0.01)
         received = await loop.run_in_executor(None, _raw_exchange, server.port, PREFACE + frame(4, 0, 0))
-        assert received[3] == 4 and _goaway_code(received) == 0xB  # SETTINGS first, then ENHANCE_YOUR_CALM
+        assert received[3] == 4 and goaway_code(received) == 0xB  # SETTINGS first, then ENHANCE_YOUR_CALM
         assert server.refused_connections == 1 and len(server.connections) == 2
         body_budget = ByteBudget(100)
         body_budget.reserve(40)
@@ -364,7 +355,7 @@ async def test_a_connection_that_sends_no_preface_gives_its_place_back(monkeypat
     try:
         reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
         received = await asyncio.wait_for(reader.read(), 5)  # read until the server closes
-        assert _goaway_code(received) == 0x1  # PROTOCOL_ERROR: no preface in time
+        assert goaway_code(received) == 0x1  # PROTOCOL_ERROR: no preface in time
         writer.close()
         while server.connections:
             await asyncio.sleep(0.01)
