@@ -54,9 +54,9 @@ MAX_CACHED_ROUTING_ANSWERS = 4096  # bounds _routing_answer (pools have at most 
 def _routing_answer(hostports: tuple[str, ...], headers_phase: bool) -> bytes:
     """What every answer routing to these endpoints shares, serialized once per list and followed in each answer by
     the request's own fields (`epp.handlers.wire`): the destination header, the fallback headers, clear_route_cache
-    and the dynamic metadata. The header carries the primary only: Envoy's ORIGINAL_DST cluster
-    reads one ip:port. The fallbacks are in the metadata's comma list (the protocol) and, for our Envoy bootstrap's
-    retries, one per header."""
+    and the dynamic metadata. The header carries the primary only: Envoy's ORIGINAL_DST cluster reads one ip:port.
+    The fallbacks are in the metadata's comma list (the protocol) and, for our Envoy bootstrap's retries, one per
+    header."""
     answer = pb.ProcessingResponse()
     common = answer.request_headers.response if headers_phase else answer.request_body.response
     common.clear_route_cache = True
