@@ -21,6 +21,7 @@ from epp.handlers import ByteBudget
 from epp.predictor import LatencyPredictor
 from epp.scheduling.framework import PrefixIndexStats
 from epp.scheduling.load import queue_depth
+from epp.scheduling.types import TypedName
 
 DURATION_BUCKETS = (0.005, 0.025, 0.05, 0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 1.25, 1.5, 2, 3, 4, 5, 6, 8, 10, 15, 20, 30,
                     45, 60, 120, 180, 240, 300, 360, 480, 600, 900, 1200, 1800, 2700, 3600)  # fmt: skip
@@ -401,6 +402,7 @@ class EPPMetrics:
             ["extension_point", "plugin_type", "plugin_name"],
             SCHEDULER_BUCKETS,
         )
+        self.plugin_durations: dict[TypedName, _Buckets] = {}  # plugin_duration's series by plugin, looked up once
         self.served = _Series(
             "counter",
             "inference_extension_served_endpoint_reports",

@@ -237,8 +237,12 @@ class Director:
         result = self.scheduler.schedule(request, endpoints, cycle_state)
         self.scheduler.on_picked(request, result)
         metrics.scheduler_e2e.labels().observe(time.perf_counter() - started)
+        durations = metrics.plugin_durations
         for name, seconds in result.timings:
-            metrics.plugin_duration.labels("scheduler", name.type, name.name).observe(seconds)
+            series = durations.get(name)
+            if series is None:
+                series = durations[name] = metrics.plugin_duration.labels("scheduler", name.type, name.name)
+            series.observe(seconds)
         ctx.request, ctx.result = request, result
         endpoint = ctx.endpoint = result.primary
         endpoint.in_flight_requests += 1
