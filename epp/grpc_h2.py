@@ -22,6 +22,7 @@ import struct
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
+from operator import attrgetter
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf.message import DecodeError, Message
@@ -70,6 +71,12 @@ MAX_CONNECTIONS = 1024
 REFUSED_LINGER_SECONDS = 1.0
 PREFACE_TIMEOUT_SECONDS = 10.0  # a connection that has not sent the client preface by then gives its place back
 MAX_OUTBOUND_BYTES = 16 << 20  # unread answers (e.g. PING ACKs of a peer that never reads): it is not a proxy
+# Unread answers of all connections together: a peer may open huge flow-control windows and read nothing, and 1,024
+# connections at MAX_OUTBOUND_BYTES each would be 16 GiB. Over it, the connections holding the most are aborted.
+MAX_SHARED_OUTBOUND_BYTES = 256 << 20
+# A connection's unread answers are counted when it writes and when its socket drains below the low-water mark
+# (resume_writing); one that drained without going over this high-water mark is counted at most this much too high.
+WRITE_HIGH_WATER_BYTES = 64 << 10
 MAX_CONTROL_FRAMES_PER_SECOND = 1000  # PINGs and SETTINGS we must acknowledge (Envoy sends a few per minute)
 PREMATURE_RESETS = 100  # streams reset before their first message, once also over half of those opened (CVE-2023-44487)
 MAX_DECODED_BLOCKS = 64  # header blocks remembered per connection (ExtProcConnection._decode)
@@ -173,6 +180,8 @@ class ExtProcConnection(asyncio.Protocol):
         self.new_handler = server.new_handler
         self.unary = server.unary
         self.partial = server.partial  # gRPC messages not yet complete, of all streams of all connections
+        self.outbound = server.outbound  # answers written that the peers have not read yet, of all connections
+        self.backlog = 0  # this connection's part of them, as last seen
         self.transport: asyncio.Transport | None = None
         self.buffer = bytearray()
         self.preface_seen = False
@@ -206,6 +215,7 @@ class ExtProcConnection(asyncio.Protocol):
             server.refuse(transport)
             return
         server.connections.add(self)
+        transport.set_write_buffer_limits(high=WRITE_HIGH_WATER_BYTES)
         if server.loop is not None:  # (a connection driven by hand, as in the handler benchmark, has no timer)
             self.preface_timer = server.loop.call_later(PREFACE_TIMEOUT_SECONDS, self._preface_overdue)
         settings = (
@@ -226,6 +236,8 @@ class ExtProcConnection(asyncio.Protocol):
         if self.preface_timer is not None:
             self.preface_timer.cancel()
         self.server.connections.discard(self)
+        self.outbound.held -= self.backlog
+        self.backlog = 0
         streams, self.streams = self.streams, {}
         for stream in streams.values():
             self._finish(stream)
@@ -308,13 +320,28 @@ class ExtProcConnection(asyncio.Protocol):
             self.unsent_trailers.clear()
             if data:
                 self.transport.write(data)
-            if self.transport.get_write_buffer_size() > MAX_OUTBOUND_BYTES:
+            if self._count_backlog() > MAX_OUTBOUND_BYTES:
                 self._fail(ENHANCE_YOUR_CALM, "the peer does not read its answers")
                 return
+            if self.outbound.held > self.outbound.limit:
+                self.server.shed_outbound()
+                if self.transport.is_closing():
+                    return
         if self.after:
             after, self.after = self.after, []
             for handler in after:
                 handler.after_reply()
+
+    def _count_backlog(self) -> int:
+        """This connection's unread answers now, brought up to date in the EPP-wide count."""
+        size = self.transport.get_write_buffer_size()
+        self.outbound.held += size - self.backlog
+        self.backlog = size
+        return size
+
+    def resume_writing(self) -> None:
+        """The transport's buffer drained below its low-water mark: the peer reads again."""
+        self._count_backlog()
 
     # -- frames --------------------------------------------------------------------------------------------------
     def _on_frame(self, kind: int, flags: int, stream_id: int, payload: bytes) -> None:
@@ -691,6 +718,8 @@ class ExtProcServer:
         self.unary = dict(unary or {})
         self.max_connections = max_connections
         self.partial = ByteBudget(MAX_PARTIAL_BYTES)
+        self.outbound = ByteBudget(MAX_SHARED_OUTBOUND_BYTES)  # held: the connections' backlogs as last counted
+        self.shed_connections = 0
         self.connections: set[ExtProcConnection] = set()
         self.refused_connections = 0
         self.server: asyncio.Server | None = None
@@ -715,6 +744,24 @@ class ExtProcServer:
                 self.refused_connections + 1,
             )
         self.refused_connections += 1
+
+    def shed_outbound(self) -> None:
+        """The connections' unread answers are over the EPP-wide budget: the connections that hold the most are
+        aborted until the rest fit (a GOAWAY would wait behind their backlog, unread). A proxy reads its answers
+        as they come, so its backlog is small beside a peer's that reads nothing."""
+        for connection in sorted(self.connections, key=attrgetter("backlog"), reverse=True):
+            if self.outbound.held <= self.outbound.limit:
+                break
+            log.warning(
+                "aborting an ext_proc connection holding %d bytes of unread answers: all connections hold %d, over %d",
+                connection.backlog,
+                self.outbound.held,
+                self.outbound.limit,
+            )
+            self.shed_connections += 1
+            self.outbound.held -= connection.backlog  # (now: an abort drops the buffer at once)
+            connection.backlog = 0
+            connection.transport.abort()
 
     @property
     def port(self) -> int:

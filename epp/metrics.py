@@ -324,14 +324,27 @@ class _ExtProcCollector:
                 "Bytes of gRPC messages not yet complete that all connections hold now.",
                 server.partial.held,
             ),
+            (
+                "inference_extension_ext_proc_unread_answer_bytes",
+                "Bytes of answers written to ext_proc connections that their peers have not read yet, all together.",
+                server.outbound.held,
+            ),
         )
         yield from _unlabelled(GaugeMetricFamily, gauges)
-        refused = (
-            "inference_extension_ext_proc_refused_connections",
-            "Connections refused over --max-ext-proc-connections.",
-            server.refused_connections,
+        counters = (
+            (
+                "inference_extension_ext_proc_refused_connections",
+                "Connections refused over --max-ext-proc-connections.",
+                server.refused_connections,
+            ),
+            (
+                "inference_extension_ext_proc_aborted_connections",
+                "Connections aborted because all connections' unread answers went over the EPP-wide budget (the "
+                "largest backlogs go first).",
+                server.shed_connections,
+            ),
         )
-        yield from _unlabelled(CounterMetricFamily, [refused])
+        yield from _unlabelled(CounterMetricFamily, counters)
 
 
 def _unlabelled(family_type: type, rows) -> Iterator:

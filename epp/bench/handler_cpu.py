@@ -147,6 +147,9 @@ class CountingTransport:
     def get_write_buffer_size(self) -> int:
         return 0
 
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+        pass
+
     def is_closing(self) -> bool:
         return False
 

@@ -331,6 +331,8 @@ async def test_connections_over_the_limit_get_goaway_and_the_count_comes_back():
             "inference_extension_ext_proc_connections 2.0",
             "inference_extension_ext_proc_refused_connections_total 1.0",
             "inference_extension_ext_proc_partial_message_bytes 0.0",
+            "inference_extension_ext_proc_aborted_connections_total 0.0",
+            "inference_extension_ext_proc_unread_answer_bytes 0.0",
             "inference_extension_ext_proc_buffered_body_bytes 40.0",
         ):
             assert line in page.splitlines()

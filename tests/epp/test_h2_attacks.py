@@ -28,11 +28,12 @@ from epp.grpc_h2 import (
     REFUSED_STREAM,
     RST_STREAM,
     SETTINGS,
+    SETTINGS_INITIAL_WINDOW_SIZE,
     WINDOW_UPDATE,
     frame,
 )
 from tests.epp import test_grpc_h2
-from tests.epp.test_transports import PROCESS, headers
+from tests.epp.test_transports import PROCESS, body, headers
 
 END_STREAM, END_HEADERS = 0x1, 0x4
 server = test_grpc_h2.server  # the fixture: an ExtProcServer of EchoHandlers on a free port
@@ -175,3 +176,50 @@ async def test_a_peer_that_never_reads_its_ping_acks_is_dropped(server):
 async def test_data_on_stream_0_with_the_reserved_bit_set_is_still_on_stream_0(server):
     assert await asyncio.to_thread(attack, server.port, frame(DATA, 0, 0x80000000, b"x")) == PROTOCOL_ERROR
     assert await well_behaved_exchange(server.port) < 2.0
+
+
+async def test_peers_that_never_read_their_answers_share_one_budget_and_the_largest_backlogs_are_cut(server):
+    """A peer may open any huge flow-control window and then read nothing: every connection's unread answers are
+    bounded (MAX_OUTBOUND_BYTES), and so is their sum over all connections, or a few hundred connections could hold
+    gigabytes. Over the EPP-wide budget, the connections holding the most are aborted; the rest go on."""
+    server.outbound.limit = 10 << 20  # (the EPP's: MAX_SHARED_OUTBOUND_BYTES)
+    echo = body(b"x" * (256 << 10)).SerializeToString()  # EchoHandler echoes a body: a 256 KB answer per message
+    message = struct.pack(">BL", 0, len(echo)) + echo
+    huge_window = struct.pack(">HL", SETTINGS_INITIAL_WINDOW_SIZE, 0x7FFFFFFF)
+
+    def never_reads(streams: int) -> socket.socket:
+        s = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.sendall(
+            PREFACE
+            + frame(SETTINGS, 0, 0, huge_window)
+            + frame(WINDOW_UPDATE, 0, 0, struct.pack(">L", 0x7FFFFFFF - 65_535))
+        )
+        encoder = Encoder()
+        for i in range(streams):  # each stream's body is echoed back: ~256 KB the peer never reads
+            stream_id = 2 * i + 1
+            wire = frame(HEADERS, END_HEADERS, stream_id, encoder.encode(REQUEST_HEADERS))
+            for start in range(0, len(message), 16_384):
+                wire += frame(DATA, 0, stream_id, message[start : start + 16_384])
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError, TimeoutError):
+                s.sendall(wire)
+        return s
+
+    def held() -> int:
+        return sum(c.transport.get_write_buffer_size() for c in server.connections)
+
+    attackers = [await asyncio.to_thread(never_reads, 40) for _ in range(3)]  # ~10 MB of answers each
+    try:
+        await asyncio.sleep(0.3)
+        assert held() <= server.outbound.limit  # summed over connections, each under its own 16 MiB
+        assert 0 < server.outbound.held <= server.outbound.limit
+        assert len(server.connections) < 3 and server.shed_connections >= 1  # the largest backlogs were cut
+        assert await well_behaved_exchange(server.port) < 2.0
+    finally:
+        for s in attackers:
+            s.close()
+    for _ in range(50):
+        if not server.connections:
+            break
+        await asyncio.sleep(0.05)
+    assert server.outbound.held == 0  # a closed connection gives its part back
