@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from epp.envoy import KUBERNETES_BOOTSTRAP, render_kubernetes_bootstrap
+from protocol.kv_events import DEFAULT_SUBSCRIBER_PORT
 from tests.kubernetes.crd_validation import CRDS as CRD_DIR
 from tests.kubernetes.crd_validation import crd_schemas, validate_crd, validate_custom_resource
 
@@ -23,6 +24,7 @@ KUSTOMIZATIONS = [
     "overlays/gpu",
     "gateways/envoy",
     "gateways/gateway-api",
+    "gateways/gateway-api/network-policy",
     "monitoring",
 ]
 K8S_VERSION = "1.32.0"
@@ -123,6 +125,66 @@ def test_rbac_is_least_privilege():
     )
     assert grants == expected
     assert all(o["kind"] != "ClusterRole" for o in build("overlays/sim"))
+
+
+def _admits(policy: dict, pod_labels: dict, same_namespace: bool, port: int) -> bool:
+    """Whether a NetworkPolicy's ingress rules admit TCP to `port` from a Pod with `pod_labels` (matchLabels
+    selectors, as ours are; a peer without namespaceSelector is the policy's own namespace, `{}` any namespace)."""
+
+    def selected(selector: dict, labels: dict) -> bool:
+        assert set(selector) <= {"matchLabels"}, selector
+        return all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
+
+    def peer(p: dict) -> bool:
+        if "namespaceSelector" in p:
+            assert p["namespaceSelector"] == {}, p
+        elif not same_namespace:
+            return False
+        return selected(p.get("podSelector", {}), pod_labels)
+
+    return any(
+        any(q["port"] == port and q.get("protocol", "TCP") == "TCP" for q in rule.get("ports", [{"port": port}]))
+        and ("from" not in rule or any(peer(p) for p in rule["from"]))
+        for rule in policy["spec"]["ingress"]
+    )
+
+
+def _pod_labels(objects: list[dict], deployment: str) -> dict:
+    return next(o for o in objects if o["kind"] == "Deployment" and o["metadata"]["name"] == deployment)["spec"][
+        "template"
+    ]["metadata"]["labels"]
+
+
+def test_only_the_gateway_reaches_the_epp_ext_proc_port():
+    """Any Pod that reaches port 9002 could hold the EPP's 1,024 connections: the policies admit the gateway's Pods
+    there, the model servers to the KV-event port, anyone to health and metrics, and nobody else."""
+    objects = build("overlays/sim")
+    policy = next(o for o in objects if o["kind"] == "NetworkPolicy")
+    epp = _pod_labels(objects, "epp")
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= epp.items()
+    gateway, servers = _pod_labels(objects, "inference-gateway"), _pod_labels(objects, "model-server")
+    container = next(o for o in objects if o["metadata"]["name"] == "epp" and o["kind"] == "Deployment")["spec"][
+        "template"
+    ]["spec"]["containers"][0]
+    assert "--grpc-port=9002" in container["args"]
+    assert _admits(policy, gateway, True, 9002)
+    for other in (servers, epp, {"app": "anything"}):
+        assert not _admits(policy, other, True, 9002)
+    assert _admits(policy, servers, True, DEFAULT_SUBSCRIBER_PORT)
+    assert not _admits(policy, gateway, True, DEFAULT_SUBSCRIBER_PORT)
+    for port in (p["containerPort"] for p in container["ports"] if p["containerPort"] != 9002):
+        assert _admits(policy, {"app": "prometheus"}, False, port)  # health and metrics: anyone
+
+    (api_policy,) = build("gateways/gateway-api/network-policy")
+    gateway_name = next(o for o in build("gateways/gateway-api") if o["kind"] == "Gateway")["metadata"]["name"]
+    for implementation_labels in (  # Istio and kgateway; Envoy Gateway (its Pods in envoy-gateway-system)
+        {"gateway.networking.k8s.io/gateway-name": gateway_name},
+        {"gateway.envoyproxy.io/owning-gateway-name": gateway_name},
+    ):
+        assert _admits(api_policy, implementation_labels, False, 9002)
+    assert not _admits(api_policy, {"gateway.networking.k8s.io/gateway-name": "other"}, False, 9002)
+    assert not _admits(api_policy, servers, True, 9002)
+    assert _admits(api_policy, servers, True, DEFAULT_SUBSCRIBER_PORT)
 
 
 def test_shipped_envoy_bootstrap_is_the_rendered_template():
