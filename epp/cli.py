@@ -242,7 +242,11 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     if args.ext_proc_transport == "h2":
         server = ExtProcServer(
             new_stream,
-            {accesslog.EXPORT_PATH: UnaryMethod(accesslog.ExportRequest, export_access_log)},
+            {
+                accesslog.EXPORT_PATH: UnaryMethod(
+                    accesslog.ExportRequest, export_access_log, accesslog.MAX_EXPORT_BYTES
+                )
+            },
             args.max_ext_proc_connections,
         )
     else:

@@ -120,13 +120,14 @@ def status_trailers(code: int, message: str) -> bytes:
 
 
 class UnaryMethod:
-    """A unary RPC served beside Process: its request message type and the function that answers one."""
+    """A unary RPC served beside Process: its request message type, the function that answers one, and the largest
+    request it takes (a larger one gets RESOURCE_EXHAUSTED before it is buffered or parsed)."""
 
-    __slots__ = ("answer", "request_type")
+    __slots__ = ("answer", "max_message", "request_type")
     awaiting_reply = False  # (the handler interface: answered at once, nothing afterwards)
 
-    def __init__(self, request_type: type[Message], answer: Callable[[Message], Message]):
-        self.request_type, self.answer = request_type, answer
+    def __init__(self, request_type: type[Message], answer: Callable[[Message], Message], max_message: int):
+        self.request_type, self.answer, self.max_message = request_type, answer, max_message
 
     def handle(self, message: Message) -> list[bytes]:
         return [self.answer(message).SerializeToString()]
@@ -149,6 +150,7 @@ class _Stream:
         "header_block",
         "headers_sent",
         "id",
+        "max_message",
         "message",
         "pending",
         "recv_unacked",
@@ -162,6 +164,7 @@ class _Stream:
         self.send_window = send_window
         self.handler = None  # the stream's handler once the headers named a method we serve
         self.request_type: type[Message] = pb.ProcessingRequest  # what its messages are
+        self.max_message = MAX_MESSAGE  # the largest of them it takes
         self.header_block = b""
         self.headers_sent = False
         self.closed = False  # our trailers are queued
@@ -449,7 +452,7 @@ class ExtProcConnection(asyncio.Protocol):
                 stream.handler = self.new_handler(functools.partial(self._reply, stream))
             elif path in self.unary:
                 stream.handler = method = self.unary[path]
-                stream.request_type = method.request_type
+                stream.request_type, stream.max_message = method.request_type, method.max_message
             else:
                 self._close_stream(stream, status_trailers(UNIMPLEMENTED, f"unknown method {path.decode('latin-1')}"))
                 return
@@ -513,8 +516,10 @@ class ExtProcConnection(asyncio.Protocol):
                 if compressed:
                     self._close_stream(stream, status_trailers(UNIMPLEMENTED, "compressed messages are not supported"))
                     return
-                if length > MAX_MESSAGE:
-                    self._close_stream(stream, status_trailers(RESOURCE_EXHAUSTED, f"message over {MAX_MESSAGE} bytes"))
+                if length > stream.max_message:
+                    self._close_stream(
+                        stream, status_trailers(RESOURCE_EXHAUSTED, f"message over {stream.max_message} bytes")
+                    )
                     return
                 end = offset + 5 + length
                 if size < end:

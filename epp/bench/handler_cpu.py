@@ -261,7 +261,9 @@ def measure(
         return RequestStream(director, reply, budget)
 
     connection = ExtProcConnection(ExtProcServer(new_stream))
-    export = UnaryMethod(accesslog.ExportRequest, accesslog.export_handler(director.on_access_log))
+    export = UnaryMethod(
+        accesslog.ExportRequest, accesslog.export_handler(director.on_access_log), accesslog.MAX_EXPORT_BYTES
+    )
     log_connection = ExtProcConnection(ExtProcServer(new_stream, {accesslog.EXPORT_PATH: export}))
     for conn, sink in ((connection, transport), (log_connection, log_transport)):
         conn.connection_made(sink)

@@ -60,13 +60,23 @@ class ExternalProcessor:
 
 
 def access_log_service(export: Callable) -> grpc.GenericRpcHandler:
-    """OpenTelemetry's LogsService/Export (the gateway's access log, `epp.handlers.accesslog`) on this server."""
+    """OpenTelemetry's LogsService/Export (the gateway's access log, `epp.handlers.accesslog`) on this server; an
+    Export over accesslog.MAX_EXPORT_BYTES is refused unparsed (RESOURCE_EXHAUSTED), as on the h2 transport."""
+
+    def deserialize(data: bytes) -> accesslog.ExportRequest | None:
+        return accesslog.ExportRequest.FromString(data) if len(data) <= accesslog.MAX_EXPORT_BYTES else None
+
+    async def answer(request: accesslog.ExportRequest | None, context: grpc.aio.ServicerContext):
+        if request is None:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"message over {accesslog.MAX_EXPORT_BYTES} bytes")
+        return export(request)
+
     return grpc.method_handlers_generic_handler(
         accesslog.SERVICE,
         {
             accesslog.METHOD: grpc.unary_unary_rpc_method_handler(
-                lambda request, context: export(request),
-                request_deserializer=accesslog.ExportRequest.FromString,
+                answer,
+                request_deserializer=deserialize,
                 response_serializer=lambda response: response.SerializeToString(),
             )
         },

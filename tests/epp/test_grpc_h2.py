@@ -21,7 +21,9 @@ from tests.epp.test_transports import PROCESS, EchoHandler, body, headers
 @pytest.fixture
 async def server():
     EchoHandler.log = []
-    export = UnaryMethod(accesslog.ExportRequest, accesslog.export_handler(lambda request_id, ttft: None))
+    export = UnaryMethod(
+        accesslog.ExportRequest, accesslog.export_handler(lambda request_id, ttft: None), accesslog.MAX_EXPORT_BYTES
+    )
     server = ExtProcServer(EchoHandler, {accesslog.EXPORT_PATH: export})
     await server.start("127.0.0.1", 0)
     try:

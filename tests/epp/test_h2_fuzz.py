@@ -158,7 +158,9 @@ def connections(draw) -> tuple[bytes, list[int]]:
 def test_no_byte_stream_raises_or_breaks_the_connections_bounds(client):
     wire, cuts = client
     EchoHandler.log = []
-    export = UnaryMethod(accesslog.ExportRequest, accesslog.export_handler(lambda *record: None))
+    export = UnaryMethod(
+        accesslog.ExportRequest, accesslog.export_handler(lambda *record: None), accesslog.MAX_EXPORT_BYTES
+    )
     connection = ExtProcConnection(ExtProcServer(EchoHandler, {accesslog.EXPORT_PATH: export}))
     transport = CountingTransport()
     connection.connection_made(transport)
