@@ -21,7 +21,7 @@ import uvloop
 import zmq
 from aiohttp import web
 from grpc_health.v1 import health_pb2_grpc
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from epp.datalayer.datastore import Datastore
 from epp.datalayer.endpoint import PoolState
@@ -36,7 +36,7 @@ from epp.handlers.extproc import DEFAULT_MAX_BODY_BYTES, RequestStream
 from epp.handlers.grpcio import access_log_service, ext_proc_service
 from epp.health import HealthState
 from epp.leader import LeaseElector
-from epp.metrics import EPPMetrics
+from epp.metrics import EPPMetrics, MetricsPage
 from epp.requestcontrol.director import Director
 from epp.scheduling.errors import ConfigError
 from epp.scheduling.scheduler import Scheduler
@@ -258,10 +258,10 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     health_pb2_grpc.add_HealthServicer_to_server(health.servicer, health_server)
     health_server.add_insecure_port(f"{args.bind_address}:{args.grpc_health_port}")
 
+    metrics_page = MetricsPage(metrics.registry)
+
     async def metrics_handler(request: web.Request) -> web.Response:
-        # rendered in a worker thread: the event loop that answers Envoy keeps its turns meanwhile
-        page = await asyncio.to_thread(generate_latest, metrics.registry)
-        return web.Response(body=page, headers={"Content-Type": CONTENT_TYPE_LATEST})
+        return web.Response(body=await metrics_page.get(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     app = web.Application()
     app.router.add_get("/metrics", metrics_handler)
