@@ -157,7 +157,8 @@ def _pod_labels(objects: list[dict], deployment: str) -> dict:
 
 def test_only_the_gateway_reaches_the_epp_ext_proc_port():
     """Any Pod that reaches port 9002 could hold the EPP's 1,024 connections: the policies admit the gateway's Pods
-    there, the model servers to the KV-event port, anyone to health and metrics, and nobody else."""
+    there and to the health port (kubelet's probes come from the node, always admitted), the model servers to the
+    KV-event port, anyone to metrics, and nobody else."""
     objects = build("overlays/sim")
     policy = next(o for o in objects if o["kind"] == "NetworkPolicy")
     epp = _pod_labels(objects, "epp")
@@ -167,13 +168,14 @@ def test_only_the_gateway_reaches_the_epp_ext_proc_port():
         "template"
     ]["spec"]["containers"][0]
     assert "--grpc-port=9002" in container["args"]
-    assert _admits(policy, gateway, True, 9002)
-    for other in (servers, epp, {"app": "anything"}):
-        assert not _admits(policy, other, True, 9002)
+    assert {p["containerPort"] for p in container["ports"]} == {9002, 9003, 9090}
+    for port in (9002, 9003):
+        assert _admits(policy, gateway, True, port)
+        for other in (servers, epp, {"app": "anything"}):
+            assert not _admits(policy, other, True, port)
     assert _admits(policy, servers, True, DEFAULT_SUBSCRIBER_PORT)
     assert not _admits(policy, gateway, True, DEFAULT_SUBSCRIBER_PORT)
-    for port in (p["containerPort"] for p in container["ports"] if p["containerPort"] != 9002):
-        assert _admits(policy, {"app": "prometheus"}, False, port)  # health and metrics: anyone
+    assert _admits(policy, {"app": "prometheus"}, False, 9090)  # metrics: anyone
 
     (api_policy,) = build("gateways/gateway-api/network-policy")
     gateway_name = next(o for o in build("gateways/gateway-api") if o["kind"] == "Gateway")["metadata"]["name"]
