@@ -266,6 +266,26 @@ def gateway_body_flood(url: str, megabytes: int) -> tuple[int, int]:
     return 1, int(head.startswith(b"HTTP/1.1 413") and b'"error"' in body)
 
 
+def metrics_flood(metrics_url: str, seconds: float, loops: int = 4) -> tuple[int, int]:
+    """`loops` clients reading the EPP's /metrics back to back for `seconds` (a scraper gone wrong, or an attacker:
+    a page render holds the GIL against the event loop); answered correctly = a page of metrics."""
+    import urllib.request
+
+    end = time.monotonic() + seconds
+
+    def scrape() -> tuple[int, int]:
+        sent = good = 0
+        while time.monotonic() < end:
+            sent += 1
+            with contextlib.suppress(OSError), urllib.request.urlopen(metrics_url, timeout=5) as response:
+                good += response.status == 200 and b"inference_pool_ready_pods" in response.read()
+        return sent, good
+
+    with concurrent.futures.ThreadPoolExecutor(loops) as pool:
+        counts = list(pool.map(lambda _: scrape(), range(loops)))
+    return sum(s for s, _ in counts), sum(g for _, g in counts)
+
+
 async def model_name_flood(url: str, metrics_url: str, count: int) -> tuple[int, int]:
     correct = 0
     async with aiohttp.ClientSession() as session:
@@ -373,6 +393,7 @@ async def run(
         await under(f"connection flood ({flood:,})", lambda: thread(connection_flood, grpc, flood, seconds / 2))
         await under("HTTP/2: 1-byte WINDOW_UPDATE", lambda: thread(h2_attack, grpc, frame(WINDOW_UPDATE, 0, 0, b"\1")))
         await under("model-name flood (2,000 names)", lambda: model_name_flood(url, stack.epp_metrics_url, 2000))
+        await under("/metrics flood (4 loops)", lambda: thread(metrics_flood, stack.epp_metrics_url, seconds))
 
         async def stop_server() -> tuple[int, int]:
             os.kill(stack.processes["modelserver-1"].pid, signal.SIGSTOP)
