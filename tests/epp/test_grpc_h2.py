@@ -290,6 +290,36 @@ def test_the_connections_of_one_server_share_one_budget_for_partial_messages():
     assert server.partial.held == 0
 
 
+def test_answers_queued_for_window_count_as_unread_until_sent_or_reset():
+    """Answers a stream holds until the peer opens its window are answers the peer has not read: they count in the
+    EPP-wide budget of unread answers until a WINDOW_UPDATE lets them out or a reset drops them."""
+    from epp.grpc_h2 import (
+        RST_STREAM,
+        SETTING,
+        SETTINGS,
+        SETTINGS_INITIAL_WINDOW_SIZE,
+        U32,
+        WINDOW_UPDATE,
+        ExtProcConnection,
+    )
+
+    EchoHandler.log = []
+    server = ExtProcServer(EchoHandler)
+    connection, transport = ExtProcConnection(server), _RecordingTransport()
+    connection.connection_made(transport)
+    echo = body(b"x" * 60_000).SerializeToString()
+    no_window = frame(SETTINGS, 0, 0, SETTING.pack(SETTINGS_INITIAL_WINDOW_SIZE, 0))
+    wire = _client_sending(headers().SerializeToString(), echo)
+    settings_end = len(PREFACE) + 9  # (the client's empty SETTINGS frame, then its stream)
+    connection.data_received(wire[:settings_end] + no_window + wire[settings_end:])
+    queued = connection.queued
+    assert queued > len(echo) and server.outbound.held == queued  # nothing went out: both answers wait
+    connection.data_received(frame(WINDOW_UPDATE, 0, 1, U32.pack(20_000)))
+    assert connection.queued == queued - 20_000 == server.outbound.held
+    connection.data_received(frame(RST_STREAM, 0, 1, U32.pack(0x8)))  # the proxy gives up on the stream
+    assert connection.queued == 0 == server.outbound.held
+
+
 def test_header_blocks_too_long_to_be_common_are_not_remembered():
     from hpack import Encoder
 
