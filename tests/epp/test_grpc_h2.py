@@ -10,6 +10,7 @@ import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from prometheus_client import generate_latest
 
+from epp import grpc_h2
 from epp.bench.chaos import goaway_code
 from epp.bench.handler_cpu import CountingTransport
 from epp.grpc_h2 import MAX_RECEIVE_FRAME, PREFACE, ExtProcServer, UnaryMethod, frame
@@ -293,30 +294,20 @@ def test_the_connections_of_one_server_share_one_budget_for_partial_messages():
 def test_answers_queued_for_window_count_as_unread_until_sent_or_reset():
     """Answers a stream holds until the peer opens its window are answers the peer has not read: they count in the
     EPP-wide budget of unread answers until a WINDOW_UPDATE lets them out or a reset drops them."""
-    from epp.grpc_h2 import (
-        RST_STREAM,
-        SETTING,
-        SETTINGS,
-        SETTINGS_INITIAL_WINDOW_SIZE,
-        U32,
-        WINDOW_UPDATE,
-        ExtProcConnection,
-    )
-
     EchoHandler.log = []
     server = ExtProcServer(EchoHandler)
-    connection, transport = ExtProcConnection(server), _RecordingTransport()
+    connection, transport = grpc_h2.ExtProcConnection(server), _RecordingTransport()
     connection.connection_made(transport)
     echo = body(b"x" * 60_000).SerializeToString()
-    no_window = frame(SETTINGS, 0, 0, SETTING.pack(SETTINGS_INITIAL_WINDOW_SIZE, 0))
+    no_window = frame(grpc_h2.SETTINGS, 0, 0, grpc_h2.SETTING.pack(grpc_h2.SETTINGS_INITIAL_WINDOW_SIZE, 0))
     wire = _client_sending(headers().SerializeToString(), echo)
     settings_end = len(PREFACE) + 9  # (the client's empty SETTINGS frame, then its stream)
     connection.data_received(wire[:settings_end] + no_window + wire[settings_end:])
     queued = connection.queued
     assert queued > len(echo) and server.outbound.held == queued  # nothing went out: both answers wait
-    connection.data_received(frame(WINDOW_UPDATE, 0, 1, U32.pack(20_000)))
+    connection.data_received(frame(grpc_h2.WINDOW_UPDATE, 0, 1, grpc_h2.U32.pack(20_000)))
     assert connection.queued == queued - 20_000 == server.outbound.held
-    connection.data_received(frame(RST_STREAM, 0, 1, U32.pack(0x8)))  # the proxy gives up on the stream
+    connection.data_received(frame(grpc_h2.RST_STREAM, 0, 1, grpc_h2.U32.pack(0x8)))  # the proxy gives up on the stream
     assert connection.queued == 0 == server.outbound.held
 
 
