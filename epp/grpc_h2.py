@@ -71,8 +71,9 @@ MAX_CONNECTIONS = 1024
 REFUSED_LINGER_SECONDS = 1.0
 PREFACE_TIMEOUT_SECONDS = 10.0  # a connection that has not sent the client preface by then gives its place back
 MAX_OUTBOUND_BYTES = 16 << 20  # unread answers (e.g. PING ACKs of a peer that never reads): it is not a proxy
-# Unread answers of all connections together: a peer may open huge flow-control windows and read nothing, and 1,024
-# connections at MAX_OUTBOUND_BYTES each would be 16 GiB. Over it, the connections holding the most are aborted.
+# Answers the peers have not read, all connections together: in the sockets' buffers (a peer may open huge
+# flow-control windows and read nothing; 1,024 connections at MAX_OUTBOUND_BYTES each would be 16 GiB) and queued
+# for window (a peer may open none). Over it, the connections holding the most are aborted.
 MAX_SHARED_OUTBOUND_BYTES = 256 << 20
 # A connection's unread answers are counted when it writes and when its socket drains below the low-water mark
 # (resume_writing); one that drained without going over this high-water mark is counted at most this much too high.
