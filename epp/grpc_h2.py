@@ -29,7 +29,7 @@ from google.protobuf.message import DecodeError, Message
 from hpack import Decoder
 from hpack.exceptions import HPACKError
 
-from epp.handlers import ByteBudget, NewHandler
+from epp.handlers import ByteBudget, NewHandler, OversizedMessages
 
 log = logging.getLogger("epp.grpc_h2")
 
@@ -560,6 +560,7 @@ class ExtProcConnection(asyncio.Protocol):
                     self._close_stream(stream, status_trailers(UNIMPLEMENTED, "compressed messages are not supported"))
                     return
                 if length > stream.max_message:
+                    self.server.oversized.note(stream.request_type.__name__, length, stream.max_message)
                     self._close_stream(
                         stream, status_trailers(RESOURCE_EXHAUSTED, f"message over {stream.max_message} bytes")
                     )
@@ -770,6 +771,7 @@ class ExtProcServer:
         self.partial = ByteBudget(MAX_PARTIAL_BYTES)
         self.outbound = ByteBudget(MAX_SHARED_OUTBOUND_BYTES)  # held: the connections' backlogs as last counted
         self.shed_connections = 0
+        self.oversized = OversizedMessages()
         self.connections: set[ExtProcConnection] = set()
         self.refused_connections = 0
         self.server: asyncio.Server | None = None

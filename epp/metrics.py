@@ -340,6 +340,11 @@ class _ExtProcCollector:
                 server.refused_connections,
             ),
             (
+                "inference_extension_ext_proc_refused_messages",
+                "gRPC messages refused over their method's size limit (RESOURCE_EXHAUSTED), unread.",
+                server.oversized.count,
+            ),
+            (
                 "inference_extension_ext_proc_aborted_connections",
                 "Connections aborted because all connections' unread answers went over the EPP-wide budget (the "
                 "largest backlogs go first).",

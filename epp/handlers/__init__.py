@@ -21,6 +21,7 @@ drive the same way:
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Protocol
 
@@ -63,3 +64,26 @@ class ByteBudget:
 
     def release(self, size: int) -> None:
         self.held -= size
+
+
+class OversizedMessages:
+    """gRPC messages a transport refused unread over their method's size limit (RESOURCE_EXHAUSTED): counted, and
+    said at the first and at every thousandth, so that a gateway whose access-log batches are too large (their
+    records are lost) is seen without a flood of them flooding the log."""
+
+    __slots__ = ("count",)
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def note(self, type_name: str, length: int, limit: int) -> None:
+        if self.count % 1000 == 0:
+            logging.getLogger("epp.handlers").warning(
+                "refused a %d-byte %s over its limit of %d bytes (%d so far); for the access log's Export, lower "
+                "the gateway's buffer_size_bytes",
+                length,
+                type_name,
+                limit,
+                self.count + 1,
+            )
+        self.count += 1

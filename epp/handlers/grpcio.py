@@ -10,7 +10,7 @@ from collections.abc import Callable
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from epp.handlers import NewHandler, accesslog
+from epp.handlers import NewHandler, OversizedMessages, accesslog
 
 log = logging.getLogger("epp.handlers.grpcio")
 
@@ -63,8 +63,13 @@ def access_log_service(export: Callable) -> grpc.GenericRpcHandler:
     """OpenTelemetry's LogsService/Export (the gateway's access log, `epp.handlers.accesslog`) on this server; an
     Export over accesslog.MAX_EXPORT_BYTES is refused unparsed (RESOURCE_EXHAUSTED), as on the h2 transport."""
 
+    oversized = OversizedMessages()
+
     def deserialize(data: bytes) -> accesslog.ExportRequest | None:
-        return accesslog.ExportRequest.FromString(data) if len(data) <= accesslog.MAX_EXPORT_BYTES else None
+        if len(data) > accesslog.MAX_EXPORT_BYTES:
+            oversized.note(accesslog.ExportRequest.__name__, len(data), accesslog.MAX_EXPORT_BYTES)
+            return None
+        return accesslog.ExportRequest.FromString(data)
 
     async def answer(request: accesslog.ExportRequest | None, context: grpc.aio.ServicerContext):
         if request is None:

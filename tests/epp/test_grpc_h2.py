@@ -33,7 +33,7 @@ async def server():
         await server.stop(grace=0.2)
 
 
-async def test_unknown_method_and_undecodable_message_get_grpc_errors(server):
+async def test_unknown_method_and_undecodable_message_get_grpc_errors(server, caplog):
     async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
         # unary calls: the whole request goes out before the answer, so the client cannot race the server's close
         other = channel.unary_unary("/envoy.service.ext_proc.v3.ExternalProcessor/Other")
@@ -49,6 +49,10 @@ async def test_unknown_method_and_undecodable_message_get_grpc_errors(server):
             await garbage(b"\xff\xff\xff")
         assert failure.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "ExportLogsServiceRequest" in failure.value.details()
+        with pytest.raises(grpc.aio.AioRpcError) as failure:  # refused by its length alone, and said in the log
+            await garbage(b"\0" * (accesslog.MAX_EXPORT_BYTES + 1))
+        assert failure.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and server.oversized.count == 1
+        assert "over its limit" in caplog.text and "buffer_size_bytes" in caplog.text
         # the connection is still good
         stub = pb_grpc.ExternalProcessorStub(channel)
         call = stub.Process()
@@ -355,6 +359,7 @@ async def test_connections_over_the_limit_get_goaway_and_the_count_comes_back():
             "inference_extension_ext_proc_refused_connections_total 1.0",
             "inference_extension_ext_proc_partial_message_bytes 0.0",
             "inference_extension_ext_proc_aborted_connections_total 0.0",
+            "inference_extension_ext_proc_refused_messages_total 0.0",
             "inference_extension_ext_proc_unread_answer_bytes 0.0",
             "inference_extension_ext_proc_buffered_body_bytes 40.0",
         ):

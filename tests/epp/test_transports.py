@@ -262,7 +262,7 @@ async def test_access_log_export_beside_ext_proc_streams_on_one_connection(port)
     ]
 
 
-async def test_an_export_over_its_limit_is_refused_unparsed_and_the_connection_goes_on(port):
+async def test_an_export_over_its_limit_is_refused_unparsed_and_the_connection_goes_on(port, caplog):
     """An Export's records cost the event loop ~42 ns a byte (a 64 MiB one held it 3 s): one over MAX_EXPORT_BYTES
     gets RESOURCE_EXHAUSTED, its records unread; the next one on the same channel is taken."""
     per_record = len(access_log_export(("request-0", "1500")))
@@ -275,6 +275,7 @@ async def test_an_export_over_its_limit_is_refused_unparsed_and_the_connection_g
             await export(oversized)
         assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert str(accesslog.MAX_EXPORT_BYTES) in refused.value.details()
+        assert "ExportLogsServiceRequest over its limit" in caplog.text  # (an operator sees why records are lost)
         assert ACCESS_LOG_RECORDS == []
         assert await export(access_log_export(("a", "1500"))) == b""
     assert ACCESS_LOG_RECORDS == [("a", 0.0015, "", None)]
