@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import signal
 import sys
 from pathlib import Path
 
@@ -28,7 +29,15 @@ from epp.bench import (
 from epp.bench.workloads import WORKLOADS
 
 
+def _exit(signum: int, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> None:
+    # SIGTERM (`timeout`, a CI job's end) and SIGHUP (the terminal closed) end a benchmark as Ctrl-C does: through
+    # its `finally`, which stops the processes it started in sessions of their own (they outlived it before)
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _exit)
     parser = argparse.ArgumentParser(
         prog="epp-bench", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
