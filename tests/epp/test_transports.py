@@ -263,7 +263,7 @@ async def test_access_log_export_beside_ext_proc_streams_on_one_connection(port)
 
 
 async def test_an_export_over_its_limit_is_refused_unparsed_and_the_connection_goes_on(port, caplog):
-    """An Export's records cost the event loop ~42 ns a byte (a 64 MiB one held it 3 s): one over MAX_EXPORT_BYTES
+    """An Export's records cost the event loop ~42 ns a byte (a 64 MiB one held it 3.2 s): one over MAX_EXPORT_BYTES
     gets RESOURCE_EXHAUSTED, its records unread; the next one on the same channel is taken."""
     per_record = len(access_log_export(("request-0", "1500")))
     count = accesslog.MAX_EXPORT_BYTES // (per_record - 20) + 100
