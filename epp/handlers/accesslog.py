@@ -42,9 +42,10 @@ STATUS_ATTRIBUTE = "status"
 UPSTREAM_ATTRIBUTE = "upstream"
 MAX_MICROSECONDS = 3_600_000_000
 # The largest Export taken, as serialized: ~12,000 of our records, which take the event loop ~45 ms to handle (~3.5 µs
-# per 84-byte record; a 64 MiB one, 795,000 records, held it 3.2 s while every ext_proc stream waited). Envoy's OpenTelemetry logger
-# flushes once its buffer passes buffer_size_bytes (16 KiB by default and in our bootstrap), so a gateway's Exports
-# are a few tens of KB; a larger one is refused (RESOURCE_EXHAUSTED) before it is parsed, and its records are lost.
+# per 84-byte record; a 64 MiB one, 795,000 records, held it 3.2 s while every ext_proc stream waited). Envoy's
+# OpenTelemetry logger flushes once its buffer passes buffer_size_bytes (16 KiB by default and in our bootstrap), so a
+# gateway's Exports are a few tens of KB; a larger one is refused (RESOURCE_EXHAUSTED) before it is parsed, and its
+# records are lost.
 MAX_EXPORT_BYTES = 1 << 20
 MAX_HOSTPORT_CHARS = 262  # a bracketed IPv6 address and a port, with room to spare: longer is not an endpoint
 # The field names of OTLP's nesting by number: older copies of the protos (the one xds-protos ships) call them
