@@ -193,10 +193,8 @@ class ExtProcConnection(asyncio.Protocol):
         "decoded_blocks",
         "decoder",
         "last_stream_id",
-        "new_handler",
         "opened",
         "out",
-        "outbound",
         "partial",
         "peer_initial_window",
         "peer_max_frame",
@@ -211,17 +209,13 @@ class ExtProcConnection(asyncio.Protocol):
         "server",
         "streams",
         "transport",
-        "unary",
         "unsent_trailers",
     )
 
     def __init__(self, server: ExtProcServer):
         self.server = server
-        self.new_handler = server.new_handler
-        self.unary = server.unary
-        self.partial = server.partial  # gRPC messages not yet complete, of all streams of all connections
-        self.outbound = server.outbound  # answers the peers have not read yet, of all connections
-        self.backlog = 0  # this connection's part of them, as last seen
+        self.partial = server.partial  # (read on every DATA frame) messages not yet complete, of all connections
+        self.backlog = 0  # this connection's part of the server's `outbound`, as last seen
         self.queued = 0  # bytes of DATA its streams hold until the peer opens their flow-control windows
         self.transport: asyncio.Transport | None = None
         self.buffer = bytearray()
@@ -277,7 +271,7 @@ class ExtProcConnection(asyncio.Protocol):
         if self.preface_timer is not None:
             self.preface_timer.cancel()
         self.server.connections.discard(self)
-        self.outbound.held -= self.backlog
+        self.server.outbound.held -= self.backlog
         self.backlog = self.queued = 0
         streams, self.streams = self.streams, {}
         for stream in streams.values():
@@ -365,7 +359,8 @@ class ExtProcConnection(asyncio.Protocol):
         if self._count_backlog() > MAX_OUTBOUND_BYTES:
             self._fail(ENHANCE_YOUR_CALM, "the peer does not read its answers")
             return
-        if self.outbound.held > self.outbound.limit:
+        outbound = self.server.outbound
+        if outbound.held > outbound.limit:
             self.server.shed_outbound()
             if self.transport.is_closing():
                 return
@@ -380,7 +375,7 @@ class ExtProcConnection(asyncio.Protocol):
         the socket buffer's part."""
         buffered = self.transport.get_write_buffer_size()
         backlog = buffered + self.queued
-        self.outbound.held += backlog - self.backlog
+        self.server.outbound.held += backlog - self.backlog
         self.backlog = backlog
         return buffered
 
@@ -492,9 +487,9 @@ class ExtProcConnection(asyncio.Protocol):
                 self.out.append(frame(RST_STREAM, 0, stream.id, U32.pack(REFUSED_STREAM)))
                 return
             if path == PROCESS_PATH:
-                stream.handler = self.new_handler(functools.partial(self._reply, stream))
-            elif path in self.unary:
-                stream.handler = method = self.unary[path]
+                stream.handler = self.server.new_handler(functools.partial(self._reply, stream))
+            elif path in self.server.unary:
+                stream.handler = method = self.server.unary[path]
                 stream.request_type, stream.max_message = method.request_type, method.max_message
             else:
                 self._close_stream(stream, status_trailers(UNIMPLEMENTED, f"unknown method {path.decode('latin-1')}"))

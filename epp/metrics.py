@@ -328,7 +328,8 @@ class _ExtProcCollector:
             ),
             (
                 "inference_extension_ext_proc_unread_answer_bytes",
-                "Bytes of answers written to ext_proc connections that their peers have not read yet, all together.",
+                "Bytes of answers the ext_proc peers have not read yet (in the sockets' buffers or waiting for flow-control "
+                "window), all connections together.",
                 server.outbound.held,
             ),
         )
