@@ -3,32 +3,39 @@
 #   docker build --target epp               -t ghcr.io/llm-routing-reference/epp:0.1.0 .
 #   docker build --target modelserver-sim   -t ghcr.io/llm-routing-reference/modelserver-sim:0.1.0 .
 #   docker build --target modelserver-torch -t ghcr.io/llm-routing-reference/modelserver-torch:0.1.0 .
-FROM python:3.11-slim AS source
-ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 HOME=/tmp
+# The wheel: built with a C compiler, so the EPP's request path is compiled (setup.py); the images get only the wheel.
+FROM python:3.11-slim AS wheel
+ENV PYTHONDONTWRITEBYTECODE=1 PIP_NO_CACHE_DIR=1
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY protocol ./protocol
 COPY modelserver ./modelserver
 COPY epp ./epp
-RUN pip wheel --no-deps --wheel-dir /wheels . && useradd --uid 65532 --no-create-home --shell /usr/sbin/nologin app
+RUN pip wheel --no-deps --wheel-dir /wheels .
+
+FROM python:3.11-slim AS source
+ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 HOME=/tmp
+COPY --from=wheel /wheels /wheels
+RUN useradd --uid 65532 --no-create-home --shell /usr/sbin/nologin app
 
 # The Endpoint Picker: the core and [epp] (gRPC, Kubernetes client, HTTP/2); no tokenizer, no torch, no Envoy.
 FROM source AS epp
-RUN pip install "$(ls /wheels/*.whl)[epp]" && rm -rf /src /wheels
+RUN pip install "$(ls /wheels/*.whl)[epp]" && rm -rf /wheels
 USER 65532
 EXPOSE 9002 9003 9090
 ENTRYPOINT ["epp"]
 
 # The sim model server: the core and [modelserver] (tokenizer, chat templates); no gRPC, no torch.
 FROM source AS modelserver-sim
-RUN pip install "$(ls /wheels/*.whl)[modelserver]" && rm -rf /src /wheels
+RUN pip install "$(ls /wheels/*.whl)[modelserver]" && rm -rf /wheels
 USER 65532
 EXPOSE 8000
 ENTRYPOINT ["modelserver"]
 
 # The torch model server: [torch] (torch, safetensors and the model server's part).
 FROM source AS modelserver-torch
-RUN pip install "$(ls /wheels/*.whl)[torch]" && rm -rf /src /wheels
+RUN pip install "$(ls /wheels/*.whl)[torch]" && rm -rf /wheels
 USER 65532
 EXPOSE 8000
 ENTRYPOINT ["modelserver"]

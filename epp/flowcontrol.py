@@ -134,7 +134,7 @@ class FlowControlConfig:
         """The longest a request may wait (what the proxy must be told to wait for an answer)."""
         templates = [self.default_band, *([self.default_negative_band] if self.default_negative_band else [])]
         bands = (b.request_ttl for b in (*templates, *self.bands.values()))
-        return max([self.default_request_ttl, *bands, *self.objective_ttls.values()])
+        return max(self.default_request_ttl, *bands, *self.objective_ttls.values())  # bands: one at least
 
     @classmethod
     def from_text(cls, config_text: str | None) -> FlowControlConfig:

@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from epp import compiled
+
 ROOT = Path(__file__).resolve().parents[1]
 IMAGES = {"epp": "epp", "modelserver-sim": "modelserver", "modelserver-torch": "torch"}  # target -> extra
 # the modules each part must be able to run without (imported at start-up = a missing dependency in its image)
@@ -85,12 +87,16 @@ def test_the_wheel_ships_templates_and_workloads(installed_wheel):
     python = installed_wheel / "python"
     code = (
         "import epp.envoy, epp.bench.workloads as w; print(epp.envoy.TEMPLATE.is_file(), "
-        "epp.envoy.BASELINE_TEMPLATE.is_file(), sorted(p.stem for p in w.WORKLOADS.glob('*.yaml')))"
+        "epp.envoy.BASELINE_TEMPLATE.is_file(), sorted(p.stem for p in w.WORKLOADS.glob('*.yaml')))\n"
+        "from epp import compiled; print(compiled.summary())"
     )
     out = subprocess.run(
         [str(python), "-c", code], capture_output=True, text=True, timeout=60, cwd="/", env=OUTSIDE
     ).stdout
     assert out.startswith("True True [") and "shared-prefix" in out, out
+    # built where the checkout was (a C compiler): the wheel carries the compiled request path
+    if compiled.STAMP.is_file():
+        assert out.splitlines()[1].startswith("compiled with Cython"), out
 
 
 def test_the_wheel_runs_the_demo_and_the_gateway_suite_from_elsewhere(installed_wheel, tmp_path):

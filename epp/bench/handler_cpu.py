@@ -26,7 +26,7 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from envoy.config.core.v3 import base_pb2
@@ -34,6 +34,7 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from hpack import Encoder
 
+from epp import compiled
 from epp.datalayer.datastore import Datastore
 from epp.datalayer.endpoint import EndpointSpec, PoolState
 from epp.flowcontrol import FlowControlConfig, FlowController
@@ -167,6 +168,7 @@ class HandlerCpuResult:
     open_streams: int
     streamed: bool
     learnt: int  # access-log records the latency predictor learnt from
+    build: str = field(default_factory=compiled.summary)  # compiled or pure Python
 
     @property
     def us_per_request(self) -> float:
@@ -179,7 +181,7 @@ class HandlerCpuResult:
             f"{self.batch} per read: "
             f"{self.us_per_request:.1f} us of CPU per request (least of {len(ordered)} rounds; median "
             f"{ordered[len(ordered) // 2]:.1f}), {self.writes_per_request:.2f} writes per request; the latency "
-            f"predictor learnt from {self.learnt} access-log records"
+            f"predictor learnt from {self.learnt} access-log records; request path {self.build}"
         )
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import aiohttp
 
+from epp import compiled
 from epp.bench import floor, floor_native
 from epp.bench.peers import peer_command, start_router
 from epp.bench.ports import free_port_block, free_ports
@@ -80,6 +81,7 @@ class OverheadResult:
     # metrics scrapes an EPP keeps making while the other targets load the shared pool
     cpu_ms_per_request_loaded: dict[str, dict[str, float]] = field(default_factory=dict)
     host_load: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    epp_build: str = field(default_factory=compiled.summary)  # the EPP's request path: compiled or pure Python
     wall_seconds: float = 0.0
     notes: list[str] = field(default_factory=list)  # targets left out, and why
 
@@ -116,6 +118,7 @@ class OverheadResult:
             )
         lines.append("CPU seconds over the run: " + ", ".join(f"{k} {v:.1f}" for k, v in self.cpu_seconds.items()))
         lines.append("host load (1/5/15 min) at the end: " + " ".join(f"{v:.2f}" for v in self.host_load))
+        lines.append(f"the EPP's request path: {self.epp_build}")
         lines += self.notes
         return "\n".join(lines)
 

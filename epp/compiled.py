@@ -1,0 +1,88 @@
+"""Which of the EPP's modules run compiled, and a guard that never lets a compiled module shadow newer source.
+
+setup.py compiles the request path with Cython when it can and writes `compiled.json` beside the extensions: each
+compiled module's name and the SHA-256 of the source it was compiled from. Python's own import system prefers an
+extension to a .py file of the same name, so after an edit to an editable install the old extension would run the
+old code. `install()` (called by the package's __init__) puts a finder first on `sys.meta_path` that loads a module
+from its source when
+
+* its extension is not in the stamp or the stamp's digest differs from the source's (edited since the build), or
+* EPP_PURE_PYTHON is set (profilers such as py-spy see into Python functions only; compiled ones are one frame).
+
+It costs one source read and digest per compiled module at import, nothing afterwards.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from types import ModuleType
+
+STAMP = Path(__file__).with_name("compiled.json")
+EXTENSION_SUFFIXES = tuple(importlib.machinery.EXTENSION_SUFFIXES)
+
+log = logging.getLogger("epp.compiled")
+
+
+class SourceGuard(importlib.abc.MetaPathFinder):
+    """Finds the modules of `package` as the path finder does, but a compiled one whose source is not the one in
+    `digests` (or every compiled one, with `pure`) from its source."""
+
+    def __init__(self, package: str, digests: dict[str, str], pure: bool):
+        self.prefix = package + "."
+        self.digests = digests
+        self.pure = pure
+        self.from_source: list[str] = []  # the compiled modules it loaded from source
+
+    def find_spec(self, name: str, path=None, target: ModuleType | None = None):
+        if not name.startswith(self.prefix):
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.origin is None or not spec.origin.endswith(EXTENSION_SUFFIXES):
+            return spec
+        suffix = next(s for s in EXTENSION_SUFFIXES if spec.origin.endswith(s))
+        source = Path(spec.origin.removesuffix(suffix) + ".py")
+        if not source.is_file():
+            return spec  # an extension of its own (no source beside it)
+        if not self.pure and self.digests.get(name) == hashlib.sha256(source.read_bytes()).hexdigest():
+            return spec
+        self.from_source.append(name)
+        if not self.pure:
+            log.warning("%s changed since it was compiled: running its source (reinstall to compile it again)", name)
+        return importlib.util.spec_from_file_location(name, source)
+
+
+def install(package: str) -> SourceGuard:
+    """The guard for `package`'s modules, first on sys.meta_path (once)."""
+    for finder in sys.meta_path:
+        if isinstance(finder, SourceGuard) and finder.prefix == package + ".":
+            return finder
+    digests = json.loads(STAMP.read_text()) if STAMP.is_file() else {}
+    guard = SourceGuard(package, digests, pure=bool(os.environ.get("EPP_PURE_PYTHON")))
+    sys.meta_path.insert(0, guard)
+    return guard
+
+
+def summary() -> str:
+    """How this install runs the request path, for logs and benchmark reports: compiled (how many modules) or pure
+    Python (and why)."""
+    if os.environ.get("EPP_PURE_PYTHON"):
+        return "pure Python (EPP_PURE_PYTHON is set)"
+    digests = json.loads(STAMP.read_text()) if STAMP.is_file() else {}
+    if not digests:
+        return "pure Python (not compiled: no C compiler or no Cython when it was installed)"
+    root = STAMP.parent.parent
+    stale = [
+        name
+        for name, digest in digests.items()
+        if hashlib.sha256((root / (name.replace(".", "/") + ".py")).read_bytes()).hexdigest() != digest
+    ]
+    changed = f"; {len(stale)} changed since and run from source" if stale else ""
+    return f"compiled with Cython ({len(digests)} modules{changed})"

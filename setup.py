@@ -1,0 +1,83 @@
+"""Compiles the EPP's request path with Cython when a C compiler is at hand; pure Python otherwise.
+
+The source stays plain Python (no Cython types, nothing to keep in step by hand): Cython turns each module below
+into a C extension with the same behaviour, which takes the EPP's handler path from ~72 to ~45 µs of CPU per
+request (`epp-bench handler-cpu`). A build without a compiler, or with EPP_PURE_PYTHON=1 set, installs the same
+modules as Python, and the EPP runs them as they are. At run time, `epp.compiled` loads a module from its source
+instead when the source has changed since it was compiled (an editable install that was not rebuilt), or for every
+module when EPP_PURE_PYTHON=1 is set (profilers see into Python functions only).
+"""
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+from setuptools import setup
+from setuptools.command.build_ext import build_ext
+
+# The modules every request and every scrape goes through. Package __init__ files stay Python.
+COMPILED = [
+    "epp/grpc_h2.py",
+    "epp/flowcontrol.py",
+    "epp/metrics.py",
+    "epp/handlers/*.py",
+    "epp/requestcontrol/*.py",
+    "epp/scheduling/*.py",
+    "epp/scheduling/plugins/*.py",
+    "epp/predictor/*.py",
+    "epp/datalayer/*.py",
+]
+STAMP = "compiled.json"  # in the epp package: each compiled module's source digest (what epp.compiled checks)
+
+
+def sources() -> dict[str, str]:
+    """Each compiled module's name and the digest of its source."""
+    paths = sorted(p for pattern in COMPILED for p in Path().glob(pattern) if p.name != "__init__.py")
+    return {".".join(p.with_suffix("").parts): hashlib.sha256(p.read_bytes()).hexdigest() for p in paths}
+
+
+class BuildCompiledModules(build_ext):
+    """build_ext on every core, then the stamp of what it compiled beside the extensions."""
+
+    def finalize_options(self):
+        super().finalize_options()
+        self.parallel = self.parallel or os.cpu_count()
+
+    def run(self):
+        super().run()
+        digests = sources()
+        built = {e.name: digests[e.name] for e in self.extensions if self._up_to_date(e)}
+        stamp = Path(self.get_ext_fullpath("epp.stamp")).with_name(STAMP)
+        stamp.parent.mkdir(parents=True, exist_ok=True)
+        stamp.write_text(json.dumps(built, indent=0, sort_keys=True))
+
+    def _up_to_date(self, ext) -> bool:
+        """Built from the C that Cython generated from the current source (a failed optional build may leave an
+        older extension behind)."""
+        library = Path(self.get_ext_fullpath(ext.name))
+        return library.is_file() and library.stat().st_mtime >= Path(ext.sources[0]).stat().st_mtime
+
+
+def extensions() -> list:
+    if os.environ.get("EPP_PURE_PYTHON"):
+        return []
+    try:
+        from Cython.Build import cythonize
+    except ImportError:
+        return []
+    modules = cythonize(
+        [name.replace(".", "/") + ".py" for name in sources()],
+        build_dir="build/cython",  # the generated C stays out of the packages
+        language_level=3,
+        quiet=True,
+        # Python semantics throughout: annotations document, they do not become C types
+        compiler_directives={"annotation_typing": False, "binding": True},
+    )
+    for module in modules:
+        module.optional = True  # no compiler, or a compiler error: that module stays Python
+        module.extra_compile_args = ["-g0"]  # no debug information: a fifth of the size (symbols stay for profilers)
+    return modules
+
+
+setup(ext_modules=extensions(), cmdclass={"build_ext": BuildCompiledModules})

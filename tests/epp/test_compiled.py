@@ -1,0 +1,94 @@
+"""The compiled request path (setup.py, epp/compiled.py): an install with a compiler runs the request path compiled,
+a compiled module never runs code older than its source, and EPP_PURE_PYTHON runs everything from source."""
+
+import hashlib
+import importlib.machinery
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from epp import compiled
+
+ROOT = Path(__file__).resolve().parents[2]
+SUFFIX = importlib.machinery.EXTENSION_SUFFIXES[0]
+STAMPED = json.loads(compiled.STAMP.read_text()) if compiled.STAMP.is_file() else {}
+needs_compiled = pytest.mark.skipif(not STAMPED, reason=compiled.summary())
+
+
+def package_with_an_extension(tmp_path: Path, source: str) -> Path:
+    """A package `guarded` whose module `mod` has its source and an extension file beside it (never loaded)."""
+    package = tmp_path / "guarded"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "mod.py").write_text(source)
+    (package / f"mod{SUFFIX}").write_bytes(b"not loaded")
+    return package
+
+
+@pytest.fixture
+def guarded_path(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield tmp_path
+    for name in [n for n in sys.modules if n == "guarded" or n.startswith("guarded.")]:
+        del sys.modules[name]
+
+
+def test_a_module_whose_source_changed_since_it_was_compiled_runs_from_source(guarded_path, caplog):
+    package_with_an_extension(guarded_path, "VALUE = 2\n")
+    compiled_from = hashlib.sha256(b"VALUE = 1\n").hexdigest()
+    guard = compiled.SourceGuard("guarded", {"guarded.mod": compiled_from}, pure=False)
+    sys.meta_path.insert(0, guard)
+    try:
+        with caplog.at_level(logging.WARNING, logger="epp.compiled"):
+            from guarded import mod
+    finally:
+        sys.meta_path.remove(guard)
+    assert mod.VALUE == 2 and mod.__file__.endswith("mod.py")
+    assert guard.from_source == ["guarded.mod"]
+    assert "guarded.mod changed since it was compiled" in caplog.text
+
+
+def test_a_module_compiled_from_its_current_source_is_found_as_its_extension(guarded_path):
+    source = "VALUE = 1\n"
+    package = package_with_an_extension(guarded_path, source)
+    current = {"guarded.mod": hashlib.sha256(source.encode()).hexdigest()}
+    spec = compiled.SourceGuard("guarded", current, pure=False).find_spec("guarded.mod", [str(package)])
+    assert spec.origin.endswith(SUFFIX)
+    # pure: from source whatever the stamp says; an extension with no stamp entry: from source too
+    for guard in (compiled.SourceGuard("guarded", current, pure=True), compiled.SourceGuard("guarded", {}, False)):
+        assert guard.find_spec("guarded.mod", [str(package)]).origin.endswith("mod.py")
+    # other packages are not its business
+    assert compiled.SourceGuard("guarded", current, pure=False).find_spec("json", None) is None
+
+
+def run(code: str, **env: str) -> str:
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        env={**{k: v for k, v in os.environ.items() if k != "EPP_PURE_PYTHON"}, **env},
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    return result.stdout.strip()
+
+
+HOT = "epp.grpc_h2", "epp.handlers.extproc", "epp.requestcontrol.director", "epp.scheduling.scheduler"
+PRINT_FILES = f"import importlib\nfor m in {HOT!r}: print(importlib.import_module(m).__file__)"
+
+
+@needs_compiled
+def test_the_request_path_runs_compiled_and_pure_python_on_demand():
+    assert set(HOT) <= set(STAMPED), sorted(STAMPED)
+    files = run(PRINT_FILES).splitlines()
+    assert all(f.endswith(SUFFIX) for f in files), files
+    assert compiled.summary() == f"compiled with Cython ({len(STAMPED)} modules)"
+    files = run(PRINT_FILES, EPP_PURE_PYTHON="1").splitlines()
+    assert all(f.endswith(".py") for f in files), files
+    assert run("from epp import compiled; print(compiled.summary())", EPP_PURE_PYTHON="1").startswith("pure Python")
