@@ -6,8 +6,10 @@ extension to a .py file of the same name, so after an edit to an editable instal
 old code. `install()` (called by the package's __init__) puts a finder first on `sys.meta_path` that loads a module
 from its source when
 
-* its extension is not in the stamp or the stamp's digest differs from the source's (edited since the build), or
-* EPP_PURE_PYTHON is set (profilers such as py-spy see into Python functions only; compiled ones are one frame).
+* its extension is not in the stamp or the stamp's digest differs from the source's (edited since the build),
+* or EPP_PURE_PYTHON is set (profilers such as py-spy see into Python functions only; compiled ones are one frame);
+
+and refuses a stamped module whose source is gone (removed since the build, its extension left behind).
 
 It costs one source read and digest per compiled module at import, nothing afterwards.
 """
@@ -50,13 +52,24 @@ class SourceGuard(importlib.abc.MetaPathFinder):
         suffix = next(s for s in EXTENSION_SUFFIXES if spec.origin.endswith(s))
         source = Path(spec.origin.removesuffix(suffix) + ".py")
         if not source.is_file():
+            if name in self.digests:  # the module was removed, its extension left behind (editable installs)
+                raise ModuleNotFoundError(f"{name} has no source any more; its old extension is not loaded", name=name)
             return spec  # an extension of its own (no source beside it)
-        if not self.pure and self.digests.get(name) == hashlib.sha256(source.read_bytes()).hexdigest():
+        if not self.pure and self.digests.get(name) == digest(source):
             return spec
         self.from_source.append(name)
         if not self.pure:
-            log.warning("%s changed since it was compiled: running its source (reinstall to compile it again)", name)
+            log.warning("%s changed since it was compiled: running its source (`make compile` compiles it again)", name)
         return importlib.util.spec_from_file_location(name, source)
+
+
+def digest(source: Path) -> str:
+    return hashlib.sha256(source.read_bytes()).hexdigest()
+
+
+def stamped() -> dict[str, str]:
+    """The stamp: each compiled module's name and its source's digest when it was compiled (empty: none was)."""
+    return json.loads(STAMP.read_text()) if STAMP.is_file() else {}
 
 
 def install(package: str) -> SourceGuard:
@@ -64,8 +77,7 @@ def install(package: str) -> SourceGuard:
     for finder in sys.meta_path:
         if isinstance(finder, SourceGuard) and finder.prefix == package + ".":
             return finder
-    digests = json.loads(STAMP.read_text()) if STAMP.is_file() else {}
-    guard = SourceGuard(package, digests, pure=bool(os.environ.get("EPP_PURE_PYTHON")))
+    guard = SourceGuard(package, stamped(), pure=bool(os.environ.get("EPP_PURE_PYTHON")))
     sys.meta_path.insert(0, guard)
     return guard
 
@@ -75,14 +87,11 @@ def summary() -> str:
     Python (and why)."""
     if os.environ.get("EPP_PURE_PYTHON"):
         return "pure Python (EPP_PURE_PYTHON is set)"
-    digests = json.loads(STAMP.read_text()) if STAMP.is_file() else {}
+    digests = stamped()
     if not digests:
         return "pure Python (not compiled: no C compiler or no Cython when it was installed)"
     root = STAMP.parent.parent
-    stale = [
-        name
-        for name, digest in digests.items()
-        if hashlib.sha256((root / (name.replace(".", "/") + ".py")).read_bytes()).hexdigest() != digest
-    ]
+    sources = {name: root / (name.replace(".", "/") + ".py") for name in digests}
+    stale = [name for name, d in digests.items() if not sources[name].is_file() or digest(sources[name]) != d]
     changed = f"; {len(stale)} changed since and run from source" if stale else ""
     return f"compiled with Cython ({len(digests)} modules{changed})"

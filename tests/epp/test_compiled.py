@@ -3,7 +3,6 @@ a compiled module never runs code older than its source, and EPP_PURE_PYTHON run
 
 import hashlib
 import importlib.machinery
-import json
 import logging
 import os
 import subprocess
@@ -16,7 +15,7 @@ from epp import compiled
 
 ROOT = Path(__file__).resolve().parents[2]
 SUFFIX = importlib.machinery.EXTENSION_SUFFIXES[0]
-STAMPED = json.loads(compiled.STAMP.read_text()) if compiled.STAMP.is_file() else {}
+STAMPED = compiled.stamped()
 needs_compiled = pytest.mark.skipif(not STAMPED, reason=compiled.summary())
 
 
@@ -64,6 +63,18 @@ def test_a_module_compiled_from_its_current_source_is_found_as_its_extension(gua
         assert guard.find_spec("guarded.mod", [str(package)]).origin.endswith("mod.py")
     # other packages are not its business
     assert compiled.SourceGuard("guarded", current, pure=False).find_spec("json", None) is None
+
+
+def test_a_stamped_module_whose_source_was_removed_is_not_loaded_from_its_old_extension(guarded_path):
+    package = package_with_an_extension(guarded_path, "VALUE = 1\n")
+    (package / "mod.py").unlink()
+    guard = compiled.SourceGuard("guarded", {"guarded.mod": "0" * 64}, pure=False)
+    with pytest.raises(ModuleNotFoundError, match="no source any more"):
+        guard.find_spec("guarded.mod", [str(package)])
+    # an extension that was never ours to stamp (no source beside it) is found as it is
+    assert (
+        compiled.SourceGuard("guarded", {}, pure=False).find_spec("guarded.mod", [str(package)]).origin.endswith(SUFFIX)
+    )
 
 
 def run(code: str, **env: str) -> str:
