@@ -2,7 +2,8 @@
 
 epp-bench overhead [--servers 4] [--sequential 400] [--concurrency 32] [--requests 2000] [--ext-proc-transport h2|grpcio]
                    [--streamed] [--out DIR]
-epp-bench handler-cpu [--requests 4000] [--batch 16] [--rounds 9] [--streamed] [--config-file FILE] [--instructions]
+epp-bench handler-cpu [--requests 4000] [--batch 16] [--rounds 9] [--streamed] [--config-file FILE] [--evict-mb N]
+                      [--instructions]
 """
 
 from __future__ import annotations
@@ -61,6 +62,13 @@ def main(argv: list[str] | None = None) -> None:
     )
     cpu.add_argument(
         "--config-file", type=Path, default=None, help="the EPP's EndpointPickerConfig (default: its default profile)"
+    )
+    cpu.add_argument(
+        "--evict-mb",
+        type=int,
+        default=0,
+        help="MiB of memory written before each read, untimed: caches as other processes leave them (16-24: as a "
+        "live EPP behind Envoy on a 2-core host finds them)",
     )
     cpu.add_argument(
         "--instructions",
@@ -212,7 +220,8 @@ def main(argv: list[str] | None = None) -> None:
             print(f"EPP handler path: {per_request:,.0f} instructions per request (callgrind)")
         else:
             config = args.config_file.read_text() if args.config_file else handler_cpu.DEFAULT_CONFIG
-            print(handler_cpu.measure(args.requests, args.batch, args.rounds, args.streamed, config).markdown())
+            result = handler_cpu.measure(args.requests, args.batch, args.rounds, args.streamed, config, args.evict_mb)
+            print(result.markdown())
     if args.command == "overhead":
         result = asyncio.run(
             overhead.measure(

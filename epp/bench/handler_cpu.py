@@ -14,7 +14,12 @@ adds, and the overhead bench's whole-process figures spread by +-10 % between id
 single change worth a few microseconds. `batch` hands that many requests' frames over in each read,
 as at concurrency 32.
 
-    epp-bench handler-cpu [--requests 4000] [--batch 16] [--rounds 9] [--streamed] [--config-file FILE] [--instructions]
+`evict_mb` writes to that many MiB of memory before each read, untimed: the caches as a live EPP finds them when it
+wakes, after Envoy, the client and the model servers ran on its core. A live EPP behind Envoy on a 2-core host
+(a wake-up every ~5 requests) costs what this costs at 16 to 24 MiB (README, "The compiled request path").
+
+    epp-bench handler-cpu [--requests 4000] [--batch 16] [--rounds 9] [--streamed] [--config-file FILE]
+                          [--evict-mb N] [--instructions]
 """
 
 from __future__ import annotations
@@ -78,6 +83,7 @@ GRPC_REQUEST_HEADERS = [
 CANCEL = 0x8
 EXPORT_HEADERS = [(k, accesslog.EXPORT_PATH.decode() if k == ":path" else v) for k, v in GRPC_REQUEST_HEADERS]
 TTFT_US = (1800, 2100, 2500, 1900, 2300)  # what the records report: any positive times train the predictor
+CACHE_LINE = 64  # bytes
 
 
 def _headers(pairs: list[tuple[str, str]]) -> pb.HttpHeaders:
@@ -167,6 +173,7 @@ class HandlerCpuResult:
     routed: int
     open_streams: int
     streamed: bool
+    evict_mb: int  # MiB written before each read (0: the caches stay warm)
     learnt: int  # access-log records the latency predictor learnt from
     build: str = field(default_factory=compiled.summary)  # compiled or pure Python
 
@@ -178,7 +185,7 @@ class HandlerCpuResult:
         ordered = sorted(self.rounds)
         return (
             f"EPP handler path, {self.requests} {'streamed ' if self.streamed else ''}requests per round, "
-            f"{self.batch} per read: "
+            f"{self.batch} per read{f' after {self.evict_mb} MiB written' if self.evict_mb else ''}: "
             f"{self.us_per_request:.1f} us of CPU per request (least of {len(ordered)} rounds; median "
             f"{ordered[len(ordered) // 2]:.1f}), {self.writes_per_request:.2f} writes per request; the latency "
             f"predictor learnt from {self.learnt} access-log records; request path {self.build}"
@@ -249,7 +256,12 @@ def instructions(
 
 
 def measure(
-    requests: int = 4000, batch: int = 16, rounds: int = 9, streamed: bool = False, config: str = DEFAULT_CONFIG
+    requests: int = 4000,
+    batch: int = 16,
+    rounds: int = 9,
+    streamed: bool = False,
+    config: str = DEFAULT_CONFIG,
+    evict_mb: int = 0,
 ) -> HandlerCpuResult:
     """Runs on the caller's thread; needs no event loop (no request waits in flow control: the pool has room).
     `streamed`: the requests ask for a streamed response (`"stream": true`, as chat clients do), whose access-log
@@ -275,6 +287,8 @@ def measure(
     served = director.datastore.endpoints[0].hostport  # Envoy's upstream host: a pick or not, as it comes
     stream_id = log_stream_id = 1
     per_round = requests // batch * batch
+    evictions = bytearray(evict_mb << 20) if evict_mb else None
+    evicted_lines = bytes(len(evictions) // CACHE_LINE) if evictions is not None else b""
     times = []
     writes = 0
     for _ in range(rounds):
@@ -303,10 +317,14 @@ def measure(
             )
             log_stream_id += 2
         writes_before = transport.writes
-        started = time.process_time()
+        spent = 0.0
         for conn, data in reads:
+            if evictions is not None:
+                evictions[::CACHE_LINE] = evicted_lines  # a byte in every line: evicts what the caches held
+            started = time.process_time()
             conn.data_received(data)
-        times.append(1e6 * (time.process_time() - started) / per_round)
+            spent += time.process_time() - started
+        times.append(1e6 * spent / per_round)
         writes = transport.writes - writes_before
     result = HandlerCpuResult(
         requests=per_round,
@@ -316,6 +334,7 @@ def measure(
         routed=sum(e.routed_total for e in director.datastore.endpoints),
         open_streams=len(connection.streams),
         streamed=streamed,
+        evict_mb=evict_mb,
         learnt=predictor.observations if (predictor := director.scheduler.latency_predictor) is not None else 0,
     )
     return result

@@ -25,6 +25,14 @@ def test_a_read_of_many_requests_is_answered_in_one_write():
     assert result.writes_per_request == 1 / 16  # a write per read: the 16 routings
 
 
+def test_caches_evicted_before_each_read_make_the_same_path_cost_more():
+    warm = handler_cpu.measure(requests=128, batch=4, rounds=3)
+    cold = handler_cpu.measure(requests=128, batch=4, rounds=3, evict_mb=32)
+    assert cold.routed == warm.routed and cold.open_streams == 0  # the same work
+    assert cold.us_per_request > warm.us_per_request  # the writes are not timed; what they evicted is fetched again
+    assert "4 per read after 32 MiB written" in cold.markdown()
+
+
 def test_streamed_requests_access_log_records_teach_the_latency_predictor():
     result = handler_cpu.measure(requests=256, batch=16, rounds=2, streamed=True)
     assert result.routed == 2 * 256 and result.open_streams == 0
