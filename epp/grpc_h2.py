@@ -29,7 +29,7 @@ from google.protobuf.message import DecodeError, Message
 from hpack import Decoder
 from hpack.exceptions import HPACKError
 
-from epp.handlers import ByteBudget, NewHandler, OversizedMessages
+from epp.handlers import ByteBudget, NewHandler, RepeatedWarning, oversized_messages
 
 log = logging.getLogger("epp.grpc_h2")
 
@@ -555,7 +555,7 @@ class ExtProcConnection(asyncio.Protocol):
                     self._close_stream(stream, status_trailers(UNIMPLEMENTED, "compressed messages are not supported"))
                     return
                 if length > stream.max_message:
-                    self.server.oversized.note(stream.request_type.__name__, length, stream.max_message)
+                    self.server.oversized.note(length, stream.request_type.__name__, stream.max_message)
                     self._close_stream(
                         stream, status_trailers(RESOURCE_EXHAUSTED, f"message over {stream.max_message} bytes")
                     )
@@ -766,9 +766,11 @@ class ExtProcServer:
         self.partial = ByteBudget(MAX_PARTIAL_BYTES)
         self.outbound = ByteBudget(MAX_SHARED_OUTBOUND_BYTES)  # held: the connections' backlogs as last counted
         self.shed_connections = 0
-        self.oversized = OversizedMessages()
+        self.oversized = oversized_messages()
         self.connections: set[ExtProcConnection] = set()
-        self.refused_connections = 0
+        self.refused = RepeatedWarning(
+            "epp.grpc_h2", "refused an ext_proc connection: %d are open (--max-ext-proc-connections); %d so far"
+        )
         self.server: asyncio.Server | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
 
@@ -779,18 +781,12 @@ class ExtProcServer:
     def refuse(self, transport: asyncio.Transport) -> None:
         """A connection over the limit: told why (our first frame must be SETTINGS) before it sent anything, its
         half closed, and what it sends dropped until it closes or REFUSED_LINGER_SECONDS have passed. Logged at the
-        first and at every thousandth: a peer that keeps reconnecting must not flood the log."""
+        first and at every thousandth (`refused`): a peer that keeps reconnecting must not flood the log."""
         transport.write(frame(SETTINGS, 0, 0) + frame(GOAWAY, 0, 0, U32.pack(0) + U32.pack(ENHANCE_YOUR_CALM)))
         if transport.can_write_eof():
             transport.write_eof()
         self.loop.call_later(REFUSED_LINGER_SECONDS, transport.close)
-        if self.refused_connections % 1000 == 0:
-            log.warning(
-                "refused an ext_proc connection: %d are open (--max-ext-proc-connections); %d refused so far",
-                len(self.connections),
-                self.refused_connections + 1,
-            )
-        self.refused_connections += 1
+        self.refused.note(len(self.connections))
 
     def shed_outbound(self) -> None:
         """The connections' unread answers are over the EPP-wide budget: the connections that hold the most are

@@ -338,7 +338,7 @@ class _ExtProcCollector:
             (
                 "inference_extension_ext_proc_refused_connections",
                 "Connections refused over --max-ext-proc-connections.",
-                server.refused_connections,
+                server.refused.count,
             ),
             (
                 "inference_extension_ext_proc_refused_messages",

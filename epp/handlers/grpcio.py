@@ -10,7 +10,7 @@ from collections.abc import Callable
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from epp.handlers import NewHandler, OversizedMessages, accesslog
+from epp.handlers import NewHandler, accesslog, oversized_messages
 
 log = logging.getLogger("epp.handlers.grpcio")
 
@@ -63,11 +63,11 @@ def access_log_service(export: Callable) -> grpc.GenericRpcHandler:
     """OpenTelemetry's LogsService/Export (the gateway's access log, `epp.handlers.accesslog`) on this server; an
     Export over accesslog.MAX_EXPORT_BYTES is refused unparsed (RESOURCE_EXHAUSTED), as on the h2 transport."""
 
-    oversized = OversizedMessages()
+    oversized = oversized_messages()
 
     def deserialize(data: bytes) -> accesslog.ExportRequest | None:
         if len(data) > accesslog.MAX_EXPORT_BYTES:
-            oversized.note(accesslog.ExportRequest.__name__, len(data), accesslog.MAX_EXPORT_BYTES)
+            oversized.note(len(data), accesslog.ExportRequest.__name__, accesslog.MAX_EXPORT_BYTES)
             return None
         return accesslog.ExportRequest.FromString(data)
 

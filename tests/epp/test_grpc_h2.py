@@ -347,7 +347,7 @@ async def test_connections_over_the_limit_get_goaway_and_the_count_comes_back():
             await asyncio.sleep(0.01)
         received = await loop.run_in_executor(None, _raw_exchange, server.port, PREFACE + frame(4, 0, 0))
         assert received[3] == 4 and goaway_code(received) == 0xB  # SETTINGS first, then ENHANCE_YOUR_CALM
-        assert server.refused_connections == 1 and len(server.connections) == 2
+        assert server.refused.count == 1 and len(server.connections) == 2
         body_budget = ByteBudget(100)
         body_budget.reserve(40)
         metrics = EPPMetrics(
