@@ -37,6 +37,9 @@ def sources() -> dict[str, str]:
     return {".".join(p.with_suffix("").parts): hashlib.sha256(p.read_bytes()).hexdigest() for p in paths}
 
 
+DIGESTS = sources()  # read once: what Cython compiles is what the stamp records
+
+
 class BuildCompiledModules(build_ext):
     """build_ext on every core, then the stamp of what it compiled beside the extensions."""
 
@@ -46,8 +49,7 @@ class BuildCompiledModules(build_ext):
 
     def run(self):
         super().run()
-        digests = sources()
-        built = {e.name: digests[e.name] for e in self.extensions if self._up_to_date(e)}
+        built = {e.name: DIGESTS[e.name] for e in self.extensions if self._up_to_date(e)}
         stamp = Path(self.get_ext_fullpath("epp.stamp")).with_name(STAMP)
         stamp.parent.mkdir(parents=True, exist_ok=True)
         stamp.write_text(json.dumps(built, indent=0, sort_keys=True))
@@ -67,7 +69,7 @@ def extensions() -> list:
     except ImportError:
         return []
     modules = cythonize(
-        [name.replace(".", "/") + ".py" for name in sources()],
+        [name.replace(".", "/") + ".py" for name in DIGESTS],
         build_dir="build/cython",  # the generated C stays out of the packages
         language_level=3,
         quiet=True,
