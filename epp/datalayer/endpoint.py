@@ -17,6 +17,9 @@ INTER_TOKEN_SAMPLES = 300
 # its decode and saw at least this many tokens: a shorter window says more about the scrapes than the request.
 INTER_TOKEN_MIN_COVER = 0.5
 INTER_TOKEN_MIN_TOKENS = 4
+# Each TTFT moves `recent_ttft` this share of the way: about the last ten responses count, so it follows a queue that
+# builds within a second or two at tens of requests a second.
+TTFT_SMOOTHING = 0.2
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,7 +69,8 @@ class Endpoint:
     metrics: EndpointMetrics | None = None  # None until the first successful scrape
     stale: bool = True  # no successful scrape within the staleness threshold
     in_flight_requests: int = 0
-    in_flight_tokens: int = 0  # estimated prompt tokens of in-flight requests
+    in_flight_tokens: int = 0  # estimated prompt tokens of in-flight requests not answered yet (pending prefill)
+    recent_ttft: float = 0.0  # mean TTFT of the streamed responses it served lately, weighted to the latest; 0 = none
     routed_total: int = 0
     # For a load estimate fresher than the last scrape: what the EPP had in flight when that scrape was taken (the
     # requests routed and finished since then are the difference), and the most requests the endpoint was seen
@@ -81,6 +85,11 @@ class Endpoint:
     @property
     def name(self) -> str:
         return self.spec.name
+
+    def observe_ttft(self, seconds: float) -> None:
+        """A streamed response it served had its first token `seconds` after the EPP routed it there."""
+        recent = self.recent_ttft
+        self.recent_ttft = seconds if not recent else recent + TTFT_SMOOTHING * (seconds - recent)
 
     def inter_token_sample_due(self, at: float) -> bool:
         """Whether a scrape at `at` should add a sample: none for INTER_TOKEN_SAMPLE_SECONDS."""

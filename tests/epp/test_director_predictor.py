@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from epp.datalayer.endpoint import TTFT_SMOOTHING
 from epp.metrics import EPPMetrics
 from epp.requestcontrol import director as director_module
 from tests.epp.test_server import make_picker
@@ -327,3 +328,44 @@ def test_an_ended_request_keeps_its_scheduling_result_only_while_its_timings_may
     director.on_access_log("plain", None, "200", None)
     director.on_access_log("streamed", 0.01, "200", None)
     assert director.awaiting_records == {} and predictor.observations == 1
+
+
+def test_without_response_headers_a_prompt_stops_counting_as_pending_once_its_picks_recent_ttft_passed():
+    """The proxy skips the response headers: the EPP never sees the pick answer, so a prompt counts in its pick's
+    in_flight_tokens (pending prefill) until the pick's recent TTFT, learnt from access-log records, has passed."""
+    director = make_picker(config=QUEUE_ONLY)
+    first = routed(director, "first")
+    pick = first.endpoint
+    tokens = first.request.prompt_tokens_estimate
+    assert pick.in_flight_tokens == tokens > 0 and not director.prefilling  # no TTFT known there: until its end
+    director.on_complete(first)
+    assert pick.in_flight_tokens == 0
+    director.on_access_log("first", 0.02, "200", pick.hostport)
+    director.on_access_log("-", 0.5, "200", pick.hostport)  # another replica's request: not this EPP's to learn
+    assert pick.recent_ttft == 0.02
+
+    def to_pick(request_id: str):
+        ctx = director.new_request({":path": "/v1/completions", "x-request-id": request_id}, frozenset([pick.hostport]))
+        payload = {"model": "m", "prompt": "hello " * 50, "max_tokens": 5, "stream": True}
+        director.route(ctx, payload, json.dumps(payload).encode())
+        assert ctx.endpoint is pick
+        return ctx
+
+    second = to_pick("second")
+    assert pick.in_flight_tokens == tokens and len(director.prefilling) == 1
+    time.sleep(0.03)
+    third = to_pick("third")  # the next scheduling cycle sees the second's prefill over
+    assert pick.in_flight_tokens == tokens and pick.in_flight_requests == 2
+    director.on_complete(second)  # its tokens were released already: not twice
+    assert pick.in_flight_tokens == tokens and pick.in_flight_requests == 1
+    director.on_access_log("second", 0.04, "200", pick.hostport)
+    assert pick.recent_ttft == pytest.approx(0.02 + TTFT_SMOOTHING * 0.02)
+    director.on_response_headers(third, "200", pick.hostport)  # the proxy sends them after all: it says when
+    assert pick.in_flight_tokens == 0
+    fourth = to_pick("fourth")
+    assert len(director.prefilling) == 1  # the third's entry, due later; none for the fourth
+    time.sleep(0.03)
+    director.on_complete(third)
+    director.on_complete(fourth)
+    to_pick("fifth")
+    assert director.prefilling == [] and pick.in_flight_tokens == tokens
