@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import bisect
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from protocol.metrics import EndpointMetrics
@@ -81,6 +81,8 @@ class Endpoint:
     inter_token_totals: deque[tuple[float, float, float]] = field(
         default_factory=lambda: deque(maxlen=INTER_TOKEN_SAMPLES), repr=False
     )
+    # the last `max_lora` distinct LoRA adapters its scrapes saw running, most recent last (`ran_adapters`)
+    recent_adapters: OrderedDict[str, None] = field(default_factory=OrderedDict, repr=False)
 
     @property
     def name(self) -> str:
@@ -90,6 +92,24 @@ class Endpoint:
         """A streamed response it served had its first token `seconds` after the EPP routed it there."""
         recent = self.recent_ttft
         self.recent_ttft = seconds if not recent else recent + TTFT_SMOOTHING * (seconds - recent)
+
+    def ran_adapters(self, running: frozenset[str], slots: int | None) -> None:
+        """A scrape saw these adapters running, in an engine with `slots` adapter slots. The engine keeps an idle
+        adapter in its slot until another one needs the slot (least recently used first), and `running_adapters`
+        names only those with requests: the last `slots` distinct adapters seen running are probably still loaded
+        (`adapter_loaded`). Wrong only when the engine evicts sooner than that (an adapter loaded and done between
+        two scrapes took a slot unseen)."""
+        recent = self.recent_adapters
+        for name in running:
+            recent[name] = None
+            recent.move_to_end(name)
+        while len(recent) > (slots or 0):
+            recent.popitem(last=False)
+
+    def adapter_loaded(self, adapter: str) -> bool:
+        """Whether `adapter` runs here, or ran lately and probably still holds its slot (`ran_adapters`)."""
+        m = self.metrics
+        return (m is not None and adapter in m.running_adapters) or adapter in self.recent_adapters
 
     def inter_token_sample_due(self, at: float) -> bool:
         """Whether a scrape at `at` should add a sample: none for INTER_TOKEN_SAMPLE_SECONDS."""

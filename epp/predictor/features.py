@@ -27,7 +27,7 @@ class Features:
     in_flight_tokens: int  # prompt tokens this EPP routed there that have not finished (no scrape lag)
     prompt_tokens: int  # the request's prompt tokens (estimate)
     cached_tokens: int  # of those, the part expected in the endpoint's prefix cache (the prefix scorer's match)
-    adapter_loaded: bool = True  # the request's LoRA adapter runs there (always True for a base-model request)
+    adapter_loaded: bool = True  # its LoRA adapter is loaded there (`Endpoint.adapter_loaded`; True: base model)
     backlog_tokens: float = 0.0  # prefill tokens queued there ahead of this request, probably not done yet (backlog.py)
     endpoint: str = ""  # its name: a long prompt's observation measures that endpoint's prefill rate (backlog.py)
 
@@ -52,7 +52,7 @@ def endpoint_features(
         return Features(
             waiting, running, 0.0, tokens, prompt_tokens, cached, adapter is None, backlog_tokens, endpoint.spec.name
         )
-    loaded = adapter is None or adapter in m.running_adapters
+    loaded = adapter is None or endpoint.adapter_loaded(adapter)
     return Features(
         waiting, running, m.kv_usage, tokens, prompt_tokens, cached, loaded, backlog_tokens, endpoint.spec.name
     )

@@ -295,7 +295,7 @@ class LatencyPredictor:
                 if unseen_running > running:
                     running = unseen_running
                 kv = m.kv_usage
-                adapter_missing = 0.0 if adapter is None or adapter in m.running_adapters else 1.0
+                adapter_missing = 0.0 if adapter is None or e.adapter_loaded(adapter) else 1.0
             busy = 1.0 if running or waiting else 0.0
             backlogged = 1.0 if backlog else 0.0
             add((waiting, running, kv, e.in_flight_tokens, uncached, adapter_missing, backlog, busy, backlogged))

@@ -48,6 +48,29 @@ def test_extractor_records_the_in_flight_count_at_the_scrape_and_learns_the_batc
         assert e.batch_slots == running + 1
 
 
+def test_extractor_remembers_the_adapters_an_endpoint_ran_lately_as_its_engine_keeps_them_loaded():
+    """vllm:lora_requests_info names only adapters with requests; an engine keeps the last max_lora it used in their
+    slots, so those count as loaded (the latency predictor's feature and lora-affinity-scorer read it)."""
+    e = Endpoint(EndpointSpec("a", "127.0.0.1", 1))
+
+    def scrape(running: str) -> None:
+        info = f'vllm:lora_requests_info{{max_lora="2",running_lora_adapters="{running}",waiting_lora_adapters=""}} 1\n'
+        PrometheusExtractor().extract(PAGE + info, e)
+
+    scrape("sql")
+    assert e.adapter_loaded("sql") and not e.adapter_loaded("chat")
+    scrape("")  # its requests are done: it idles in its slot
+    assert e.adapter_loaded("sql") and e.metrics.running_adapters == frozenset()
+    scrape("chat")
+    scrape("")
+    assert list(e.recent_adapters) == ["sql", "chat"]
+    scrape("sql")
+    scrape("code")  # a third adapter in two slots: the least recently used one ("chat") made room
+    assert list(e.recent_adapters) == ["sql", "code"] and not e.adapter_loaded("chat")
+    PrometheusExtractor().extract(PAGE, e)  # an engine without LoRA (or restarted without it): nothing is loaded
+    assert not e.recent_adapters
+
+
 def test_inter_token_latency_over_a_span_comes_from_the_scraped_totals_inside_it():
     endpoint = Endpoint(EndpointSpec("a", "127.0.0.1", 8000))
     for at, seconds, tokens in ((0.0, 0.0, 0), (0.25, 1.0, 100), (0.5, 2.0, 150), (1.0, 4.0, 250)):

@@ -16,10 +16,12 @@ The same rule applies to an adapter that no endpoint has loaded yet: its first r
 affinity holds from then on.
 Still loaded: `vllm:lora_requests_info` names only adapters with requests running or waiting, but an engine keeps
 an idle adapter in its GPU slot until another one needs the slot (LRU), and loading one costs tens of milliseconds
-on the step that every running request shares. So, like the prefix-cache scorer's index, the scorer remembers the
-last `max_lora` distinct adapters it sent to each endpoint (adapters only: names some endpoint has listed) and
-treats those as loaded. The estimate is wrong when other clients reach the server directly; it only ranks above a
-free slot, never above an adapter that the endpoint reports running.
+on the step that every running request shares. So an adapter counts as loaded when the endpoint's scrapes saw it
+among the last `max_lora` distinct adapters running there (`Endpoint.adapter_loaded`, which the latency predictor
+reads too), or, like the prefix-cache scorer's index, among the last `max_lora` distinct adapters this scorer sent
+there (adapters only: names some endpoint has listed; a send counts before the next scrape shows it). The estimate
+is wrong when the engine evicts sooner; it only ranks above a free slot, never above an adapter that the endpoint
+reports running.
 Parameters: none.
 Trade-offs: affinity concentrates an adapter's traffic on the endpoints that run it; weigh it below queue-scorer so
 that a hot adapter still spreads (loading an adapter costs far less than a deep queue).
@@ -66,7 +68,7 @@ class LoRAAffinityScorer(Scorer, PreRequest, PoolChanged):
                 scores.append(NONE)
             elif model in m.running_adapters:
                 scores.append(RUNNING)
-            elif model in sent.get(e.spec.name, ()):
+            elif model in e.recent_adapters or model in sent.get(e.spec.name, ()):
                 scores.append(LOADED)
             elif m.max_lora is not None and len(m.running_adapters) + len(m.waiting_adapters) < m.max_lora:
                 scores.append(ROOM)

@@ -143,6 +143,9 @@ def test_lora_affinity_remembers_adapters_it_sent_while_they_idle_in_their_slots
     assert scorer.score(CycleState(), req("base"), idle) is None
     scorer.pool_changed(idle[:1])
     assert scorer._sent == {}
+    # what the endpoint's own scrapes saw running lately counts the same (sent by another EPP, or before this one)
+    idle[2].ran_adapters(frozenset({"sql"}), 2)
+    assert scorer.score(CycleState(), req("sql"), idle) == [0.8, 0.8, 0.9]
 
 
 @pytest.mark.parametrize(
