@@ -765,7 +765,11 @@ class ExtProcServer:
         self.max_connections = max_connections
         self.partial = ByteBudget(MAX_PARTIAL_BYTES)
         self.outbound = ByteBudget(MAX_SHARED_OUTBOUND_BYTES)  # held: the connections' backlogs as last counted
-        self.shed_connections = 0
+        self.shed = RepeatedWarning(
+            "epp.grpc_h2",
+            "aborted an ext_proc connection holding %d bytes of unread answers: all connections held %d, over %d; "
+            "%d so far",
+        )
         self.oversized = oversized_messages()
         self.connections: set[ExtProcConnection] = set()
         self.refused = RepeatedWarning(
@@ -791,17 +795,12 @@ class ExtProcServer:
     def shed_outbound(self) -> None:
         """The connections' unread answers are over the EPP-wide budget: the connections that hold the most are
         aborted until the rest fit (a GOAWAY would wait behind their backlog, unread). A proxy reads its answers
-        as they come, so its backlog is small beside a peer's that reads nothing."""
+        as they come, so its backlog is small beside a peer's that reads nothing. Logged at the first and at every
+        thousandth (`shed`): a peer that keeps reconnecting to read nothing must not flood the log."""
         for connection in sorted(self.connections, key=attrgetter("backlog"), reverse=True):
             if self.outbound.held <= self.outbound.limit:
                 break
-            log.warning(
-                "aborting an ext_proc connection holding %d bytes of unread answers: all connections hold %d, over %d",
-                connection.backlog,
-                self.outbound.held,
-                self.outbound.limit,
-            )
-            self.shed_connections += 1
+            self.shed.note(connection.backlog, self.outbound.held, self.outbound.limit)
             self.outbound.held -= connection.backlog  # (now: an abort drops the buffer at once)
             connection.backlog = 0
             connection.transport.abort()

@@ -349,7 +349,7 @@ class _ExtProcCollector:
                 "inference_extension_ext_proc_aborted_connections",
                 "Connections aborted because all connections' unread answers went over the EPP-wide budget (the "
                 "largest backlogs go first).",
-                server.shed_connections,
+                server.shed.count,
             ),
         )
         yield from _unlabelled(CounterMetricFamily, counters)

@@ -216,7 +216,7 @@ async def test_answers_peers_leave_unread_share_one_budget_and_the_largest_backl
         await asyncio.sleep(0.3)
         assert 0 < held() <= server.outbound.limit
         assert held() <= server.outbound.held <= server.outbound.limit  # (counted as the connections last wrote)
-        assert len(server.connections) < 3 and server.shed_connections >= 1  # the largest backlogs were cut
+        assert len(server.connections) < 3 and server.shed.count >= 1  # the largest backlogs were cut
         assert await well_behaved_exchange(server.port) < 2.0
     finally:
         for s in attackers:
