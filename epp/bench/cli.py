@@ -1,7 +1,7 @@
 """`epp-bench`: benchmarks of the EPP on a local sim pool.
 
 epp-bench overhead [--servers 4] [--sequential 400] [--concurrency 32] [--requests 2000] [--ext-proc-transport h2|grpcio]
-                   [--streamed] [--out DIR]
+                   [--streamed] [--epp-config FILE ...] [--out DIR]
 epp-bench handler-cpu [--requests 4000] [--batch 16] [--rounds 9] [--streamed] [--config-file FILE] [--evict-mb N]
                       [--instructions]
 """
@@ -28,6 +28,8 @@ from epp.bench import (
     tokenize,
 )
 from epp.bench.workloads import WORKLOADS
+from epp.scheduling.errors import ConfigError
+from epp.scheduling.scheduler import Scheduler
 
 
 def _exit(signum: int, frame) -> None:
@@ -52,6 +54,13 @@ def main(argv: list[str] | None = None) -> None:
     over.add_argument("--out", type=Path, default=None, help="directory for overhead.json and overhead.md")
     over.add_argument(
         "--streamed", action="store_true", help='"stream": true requests: their access-log records train the predictor'
+    )
+    over.add_argument(
+        "--epp-config",
+        type=Path,
+        action="append",
+        default=[],
+        help="an EndpointPickerConfig file: one more target, the EPP with it (repeatable)",
     )
     cpu = sub.add_parser("handler-cpu", help="the EPP's CPU per request in process: transport, handler, scheduling")
     cpu.add_argument("--requests", type=int, default=4000, help="requests per round")
@@ -223,6 +232,15 @@ def main(argv: list[str] | None = None) -> None:
             result = handler_cpu.measure(args.requests, args.batch, args.rounds, args.streamed, config, args.evict_mb)
             print(result.markdown())
     if args.command == "overhead":
+        epp_configs = {}
+        for path in args.epp_config:
+            if path.stem in epp_configs:
+                parser.error(f"--epp-config: two files named {path.stem}")
+            try:
+                epp_configs[path.stem] = path.read_text()
+                Scheduler.from_config(epp_configs[path.stem])  # refused now, not after the pool has started
+            except (OSError, ConfigError) as error:
+                parser.error(f"--epp-config {path}: {error}")
         result = asyncio.run(
             overhead.measure(
                 args.servers,
@@ -231,6 +249,7 @@ def main(argv: list[str] | None = None) -> None:
                 args.requests,
                 transport=args.ext_proc_transport,
                 streamed=args.streamed,
+                epp_configs=epp_configs,
             )
         )
         report = result.markdown()

@@ -1,5 +1,7 @@
-"""What the EPP costs: Envoy + EPP against a plain Envoy in front of the same zero-delay sim pool, in one run; and
-what flow control costs an unsaturated pool: the same build with `flowControl: {enabled: false}` beside it.
+"""What the EPP costs: Envoy + EPP against a plain Envoy in front of the same zero-delay sim pool, in one run; what
+flow control costs an unsaturated pool: the same build with `flowControl: {enabled: false}` beside it; and what
+scheduling costs: the same build with max-score-picker alone (no filter, no scorer), and with any other
+EndpointPickerConfig given (`--epp-config FILE`, one target per file).
 
 * added latency, one request at a time (p50, p99), the two targets interleaved request by request;
 * throughput at a fixed concurrency (default 32), each target run twice in alternating order;
@@ -35,6 +37,18 @@ PLAIN = "plain envoy"
 EPP = "envoy+epp"
 EPP_NO_FLOW_CONTROL = "envoy+epp (flowControl: {enabled: false})"
 EPP_NO_ACCESS_LOG = "envoy+epp (no access log)"
+EPP_PICKER_ONLY = "envoy+epp (max-score-picker alone)"
+# the scheduling plugins' share: the default profile's filters and scorers gone, the rest of the EPP as it is
+PICKER_ONLY_CONFIG = """\
+apiVersion: inference.networking.x-k8s.io/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: max-score-picker
+schedulingProfiles:
+- name: default
+  plugins:
+  - pluginRef: max-score-picker
+"""
 # The floor processors: the Python one (epp/bench/floor.py) and the C one (epp/bench/floor_native.c)
 FLOOR, NATIVE_FLOOR = "floor", "native floor"
 # what each floor target asks of Envoy: (mode, request body mode, response header mode); the last is the EPP's in
@@ -73,6 +87,7 @@ class OverheadResult:
     latency_ms: dict[str, dict[str, float]] = field(default_factory=dict)  # target -> p50/p99/mean
     added_latency_ms: dict[str, float] = field(default_factory=dict)
     flow_control_added_ms: dict[str, float] = field(default_factory=dict)  # EPP - EPP without flow control
+    scheduling_added_ms: dict[str, float] = field(default_factory=dict)  # EPP - EPP with max-score-picker alone
     throughput_rps: dict[str, float] = field(default_factory=dict)
     throughput_ratio: float = 0.0
     cpu_seconds: dict[str, float] = field(default_factory=dict)  # process -> CPU seconds over the whole run
@@ -115,6 +130,13 @@ class OverheadResult:
             lines.append(
                 f"added latency of flow control (unsaturated, the same build without it): p50 "
                 f"{self.flow_control_added_ms['p50']:+.3f} ms, p99 {self.flow_control_added_ms['p99']:+.3f} ms"
+            )
+        if self.scheduling_added_ms:
+            added = self.scheduling_added_ms
+            lines.append(
+                f"added by the default profile's filters and scorers (against max-score-picker alone): p50 "
+                f"{added['p50']:+.3f} ms, p99 {added['p99']:+.3f} ms, EPP CPU per request at concurrency "
+                f"{self.concurrency} {added['cpu']:+.3f} ms"
             )
         lines.append("CPU seconds over the run: " + ", ".join(f"{k} {v:.1f}" for k, v in self.cpu_seconds.items()))
         lines.append("host load (1/5/15 min) at the end: " + " ".join(f"{v:.2f}" for v in self.host_load))
@@ -230,12 +252,15 @@ async def measure(
     with_flow_control_off: bool = True,
     without_access_log: bool = True,
     streamed: bool = False,
+    with_picker_only: bool = True,
+    epp_configs: dict[str, str] | None = None,
 ) -> OverheadResult:
     """Every target in one run over one pool: sequential latency interleaved request by request, then throughput
     in alternating order. Each target has processes of its own (its Envoy, its processor or router), so their CPU
     divided by the target's requests is its cost per request; the model servers are shared. `streamed`: every
     request asks for a streamed response (`"stream": true`, as chat clients do), whose access-log records teach the
-    EPP's latency predictor, which then predicts for every request: what a live EPP pays per streamed request."""
+    EPP's latency predictor, which then predicts for every request: what a live EPP pays per streamed request.
+    `epp_configs`: name -> EndpointPickerConfig text, a target "envoy+epp (name)" each."""
     body = {**BODY, "stream": True} if streamed else BODY
     base = free_port_block(servers)
     grpc, health, metrics, listener, admin, plain_listener, plain_admin = free_ports(7)
@@ -298,6 +323,10 @@ async def measure(
             # the access-log records the gateway sends by default (the EPP learns nothing from them here: the
             # responses are not streamed): what receiving one per request costs Envoy and the EPP
             variants.append((EPP_NO_ACCESS_LOG, "no-access-log", None, 0))
+        if with_picker_only:
+            variants.append((EPP_PICKER_ONLY, "picker-only", PICKER_ONLY_CONFIG, 100))
+        for index, (name, config_text) in enumerate((epp_configs or {}).items()):
+            variants.append((f"{EPP} ({name})", f"config-{index}", config_text, 100))
         for target, *variant in variants:
             other = await _start_epp_variant(stack, transport, opened, *variant)
             targets[target] = f"{other.gateway_url}/v1/completions"
@@ -354,6 +383,14 @@ async def measure(
         if EPP_NO_FLOW_CONTROL in result.latency_ms:
             off_lat = result.latency_ms[EPP_NO_FLOW_CONTROL]
             result.flow_control_added_ms = {"p50": epp["p50"] - off_lat["p50"], "p99": epp["p99"] - off_lat["p99"]}
+        if EPP_PICKER_ONLY in result.latency_ms:
+            bare = result.latency_ms[EPP_PICKER_ONLY]
+            result.scheduling_added_ms = {
+                "p50": epp["p50"] - bare["p50"],
+                "p99": epp["p99"] - bare["p99"],
+                "cpu": result.cpu_ms_per_request_loaded[EPP]["epp"]
+                - result.cpu_ms_per_request_loaded[EPP_PICKER_ONLY]["epp"],
+            }
     finally:
         for item in reversed(opened):
             if isinstance(item, (EnvoyProcess, LocalStack)):

@@ -240,13 +240,16 @@ class Scheduler:
 
     def _run_prepare(self, cycle_state: CycleState, request: SchedulingRequest) -> CycleState:
         timings = []
+        clock = time.perf_counter
+        start = clock()
         for p in self._prepare:
-            start = time.perf_counter()
             try:
                 p.prepare(cycle_state, request)
             except Exception:  # a plugin's bug must not fail the request: its scorer abstains
                 log.exception("%s failed to prepare request %s", p.typed_name, request.request_id)
-            timings.append((p.typed_name, time.perf_counter() - start))
+            end = clock()
+            timings.append((p.typed_name, end - start))
+            start = end
         cycle_state.write(PREPARE_TIMINGS, timings)
         return cycle_state
 
@@ -269,10 +272,13 @@ class Scheduler:
         if cycle_state is None:
             cycle_state = CycleState()
         timings: list[tuple[TypedName, float]] = list(cycle_state.read(PREPARE_TIMINGS) or ())
+        # one clock reading per plugin: each one's end is the next one's start
+        start = clock()
         for f in self.profile.filters:
-            start = clock()
             candidates = f.filter(cycle_state, request, candidates)
-            timings.append((f.typed_name, clock() - start))
+            end = clock()
+            timings.append((f.typed_name, end - start))
+            start = end
             if not candidates:
                 raise NoEndpointError(f"no endpoint left after filter {f.typed_name.name!r}")
         totals = [0.0] * len(candidates)
@@ -281,7 +287,6 @@ class Scheduler:
         for scorer, weight in self.profile.scorers:
             if replaced and scorer.typed_name.type in replaced:
                 continue
-            start = clock()
             scores = scorer.score(cycle_state, request, candidates)
             if scores is not None:
                 replaced = scorer.replaces or replaced
@@ -291,9 +296,10 @@ class Scheduler:
                     t + weight * (s if 0.0 <= s <= 1.0 else (1.0 if s > 1.0 else 0.0))
                     for t, s in zip(totals, scores, strict=True)
                 ]
-            timings.append((scorer.typed_name, clock() - start))
+            end = clock()
+            timings.append((scorer.typed_name, end - start))
+            start = end
         picker = self.profile.picker
-        start = clock()
         picked = picker.pick(cycle_state, request, candidates, totals)
         timings.append((picker.typed_name, clock() - start))
         if len(picked) < RESULT_ENDPOINTS and len(candidates) > len(picked):

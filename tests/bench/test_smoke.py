@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from epp.bench import compare, floor_native, inference_perf, overhead
+from epp.bench import cli, compare, floor_native, inference_perf, overhead
 
 
 def test_compare_smoke(tmp_path):
@@ -152,7 +152,14 @@ def test_multi_turn_requests_carry_the_users_earlier_turns():
 
 def test_overhead_smoke():
     result = asyncio.run(
-        overhead.measure(servers=2, sequential=20, concurrency=4, concurrent_requests=40, with_peers=False)
+        overhead.measure(
+            servers=2,
+            sequential=20,
+            concurrency=4,
+            concurrent_requests=40,
+            with_peers=False,
+            epp_configs={"scorers only": compare.scorers_only_config()},
+        )
     )
     # the native floor is built when there is a C compiler, else left out with a note
     processors = (overhead.FLOOR, overhead.NATIVE_FLOOR) if floor_native.compiler() else (overhead.FLOOR,)
@@ -162,6 +169,8 @@ def test_overhead_smoke():
         overhead.PLAIN,
         overhead.EPP_NO_FLOW_CONTROL,
         overhead.EPP_NO_ACCESS_LOG,
+        overhead.EPP_PICKER_ONLY,
+        "envoy+epp (scorers only)",
         *floors,
     }
     assert bool(result.notes) != bool(floor_native.compiler())
@@ -169,6 +178,10 @@ def test_overhead_smoke():
     assert set(result.flow_control_added_ms) == {"p50", "p99"} and "added latency of flow control" in result.markdown()
     assert result.cpu_ms_per_request[overhead.EPP_NO_FLOW_CONTROL]["epp"] > 0
     assert result.cpu_ms_per_request[overhead.EPP_NO_ACCESS_LOG]["envoy"] > 0
+    # scheduling's share: the default profile against the same EPP with max-score-picker alone
+    assert set(result.scheduling_added_ms) == {"p50", "p99", "cpu"}
+    assert "added by the default profile's filters and scorers" in result.markdown()
+    assert result.cpu_ms_per_request["envoy+epp (scorers only)"]["epp"] > 0
     # every target but plain Envoy has a processor of its own, whose CPU per request is measured
     assert result.cpu_ms_per_request[overhead.EPP]["epp"] > 0
     assert result.cpu_ms_per_request[overhead.floor_target(overhead.FLOOR, "body streamed")]["processor"] > 0
@@ -247,3 +260,19 @@ def test_chaos_smoke():
     for result in report.results:
         assert result.answered_correctly == result.sent == 1 and result.lost == 0 and result.probes > 0, result
     assert "| HTTP/2: 1-byte WINDOW_UPDATE | 1 | 1 | 0 /" in chaos.markdown(report)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [("plugins: [\n", "not valid YAML"), ("plugins:\n- type: no-such-plugin\n", "no-such-plugin"), (None, "Errno 2")],
+)
+def test_overhead_refuses_a_bad_epp_config_before_starting_anything(tmp_path, capsys, monkeypatch, text, message):
+    monkeypatch.setattr(cli.signal, "signal", lambda *args: None)  # the CLI's handlers are for its own process
+    path = tmp_path / "profile.yaml"
+    if text is not None:
+        path.write_text(text)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["overhead", "--epp-config", str(path)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--epp-config {path}" in err and message in err
