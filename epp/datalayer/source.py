@@ -59,8 +59,8 @@ class PageExtractor(Extractor[str], Protocol):
 class PrometheusExtractor:
     """A Prometheus text page -> `endpoint.metrics` (queue, running, KV usage, LoRA adapters, cache config), read
     with the metric names of the endpoint's engine (`protocol.metrics.ENGINES`); also the EPP's in-flight count at
-    this scrape, the LoRA adapters it ran lately (`Endpoint.ran_adapters`), the endpoint's batch slots once it is seen full (`Endpoint.batch_slots`) and its inter-token
-    latency totals over time (`Endpoint.inter_token_latency`)."""
+    this scrape, the LoRA adapters it ran lately (`Endpoint.ran_adapters`), the endpoint's batch slots once it is
+    seen full (`Endpoint.batch_slots`) and its inter-token latency totals over time (`Endpoint.inter_token_latency`)."""
 
     def sample_names(self, endpoint: Endpoint) -> tuple[str, ...]:
         """The samples `extract` reads from this endpoint's page: the scraper asks for only these."""

@@ -15,8 +15,9 @@ pick) off the request's critical path.
 Response path: `on_response_headers` (status, the endpoint that served; when the proxy sends them: our bootstrap
 skips that round trip when its access log brings both, and a prompt then stops counting as its pick's pending
 prefill once the pick's recent TTFT has passed: `_release_prefilled`), `on_response_chunk` (the usage tail, and a
-rewritten model's name turned back into the client's), `on_complete` when the request is over (in-flight accounting, the scheduler's
-response-complete hooks, metrics). `on_complete` runs exactly once per routed request, whatever ended it.
+rewritten model's name turned back into the client's), `on_complete` when the request is over (in-flight
+accounting, the scheduler's response-complete hooks, metrics). `on_complete` runs exactly once per routed request,
+whatever ended it.
 The proxy's access log (`on_access_log`: Envoy writes a request's record when it ends and sends it within its
 flush interval) brings a request's status and served endpoint, and for a streamed response its TTFT. Timings (the
 scheduler's response-timed hooks, which the latency predictor learns from) come from the response body, when it
