@@ -20,6 +20,9 @@ INTER_TOKEN_MIN_TOKENS = 4
 # Each TTFT moves `recent_ttft` this share of the way: about the last ten responses count, so it follows a queue that
 # builds within a second or two at tens of requests a second.
 TTFT_SMOOTHING = 0.2
+# The most adapter slots believed of one endpoint's max_lora (vLLM's --max-loras is single digits to tens): a bound
+# on what is remembered per endpoint when a page claims more.
+MAX_ADAPTER_SLOTS = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,7 +106,8 @@ class Endpoint:
         for name in running:
             recent[name] = None
             recent.move_to_end(name)
-        while len(recent) > (slots or 0):
+        limit = min(slots or 0, MAX_ADAPTER_SLOTS)
+        while len(recent) > limit:
             recent.popitem(last=False)
 
     def adapter_loaded(self, adapter: str) -> bool:

@@ -9,7 +9,7 @@ import pytest
 from aiohttp import web
 
 from epp.datalayer.datastore import Datastore
-from epp.datalayer.endpoint import Endpoint, EndpointSpec, PoolState
+from epp.datalayer.endpoint import MAX_ADAPTER_SLOTS, Endpoint, EndpointSpec, PoolState
 from epp.datalayer.pool_file import PoolFileError, PoolFileSource, parse_pool
 from epp.datalayer.scraper import Scraper
 from epp.datalayer.source import PrometheusExtractor
@@ -69,6 +69,10 @@ def test_extractor_remembers_the_adapters_an_endpoint_ran_lately_as_its_engine_k
     assert list(e.recent_adapters) == ["sql", "code"] and not e.adapter_loaded("chat")
     PrometheusExtractor().extract(PAGE, e)  # an engine without LoRA (or restarted without it): nothing is loaded
     assert not e.recent_adapters
+    names = ",".join(f"a{i}" for i in range(3 * MAX_ADAPTER_SLOTS))
+    info = f'vllm:lora_requests_info{{max_lora="1000000",running_lora_adapters="{names}"}} 1\n'
+    PrometheusExtractor().extract(PAGE + info, e)  # a page that claims a million slots: memory stays bounded
+    assert len(e.recent_adapters) == MAX_ADAPTER_SLOTS
 
 
 def test_inter_token_latency_over_a_span_comes_from_the_scraped_totals_inside_it():

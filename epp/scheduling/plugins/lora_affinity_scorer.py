@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from epp.datalayer.endpoint import Endpoint
+from epp.datalayer.endpoint import MAX_ADAPTER_SLOTS, Endpoint
 from epp.scheduling.framework import Parameters, PoolChanged, PreRequest, Scorer, register
 from epp.scheduling.types import CycleState, SchedulingRequest, SchedulingResult
 
@@ -86,7 +86,7 @@ class LoRAAffinityScorer(Scorer, PreRequest, PoolChanged):
         sent = self._sent.setdefault(endpoint.spec.name, OrderedDict())
         sent[request.model] = None
         sent.move_to_end(request.model)
-        while len(sent) > m.max_lora:
+        while len(sent) > min(m.max_lora, MAX_ADAPTER_SLOTS):
             sent.popitem(last=False)
 
     def pool_changed(self, endpoints: Sequence[Endpoint]) -> None:
