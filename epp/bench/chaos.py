@@ -36,10 +36,12 @@ from epp.grpc_h2 import (
     GOAWAY,
     HEADERS,
     MAX_CONNECTIONS,
+    MAX_WINDOW,
     PING,
     PREFACE,
     RST_STREAM,
     SETTINGS,
+    SETTINGS_INITIAL_WINDOW_SIZE,
     WINDOW_UPDATE,
     frame,
 )
@@ -241,6 +243,51 @@ def grpc_body_flood(port: int, megabytes: int) -> tuple[int, int]:
     return 1, answered
 
 
+def unread_answers(port: int, streams: int, body_bytes: int, wait: float) -> tuple[int, int]:
+    """One connection that opens the largest flow-control windows and then reads nothing, while each of its
+    `streams` sends a valid request whose body the EPP echoes (FULL_DUPLEX_STREAMED, as our Envoy bootstrap asks):
+    the answers pile up in the EPP's socket buffer. Answered correctly: the connection was cut within `wait`
+    seconds (a send on it then fails), instead of the EPP holding what it does not read."""
+    from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+    body = json.dumps({"model": MODEL, "prompt": "x" * body_bytes, "max_tokens": 1}).encode()
+    headers = pb.ProcessingRequest(
+        protocol_config=pb.ProtocolConfiguration(
+            request_body_mode=processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
+        )
+    )
+    for key, value in ((":path", "/v1/completions"), (":method", "POST"), ("content-type", "application/json")):
+        headers.request_headers.headers.headers.add(key=key, raw_value=value.encode())
+    messages = _grpc_message(headers.SerializeToString()) + _grpc_message(
+        pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True)).SerializeToString()
+    )
+    encoder = Encoder()
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        windows = struct.pack(">HL", SETTINGS_INITIAL_WINDOW_SIZE, MAX_WINDOW)
+        _send_all(
+            s,
+            PREFACE
+            + frame(SETTINGS, 0, 0, windows)
+            + frame(WINDOW_UPDATE, 0, 0, struct.pack(">L", MAX_WINDOW - 65_535)),
+        )
+        for i in range(streams):
+            stream_id = 2 * i + 1
+            wire = frame(HEADERS, 0x4, stream_id, encoder.encode(REQUEST_HEADERS))
+            for start in range(0, len(messages), 16_384):
+                wire += frame(DATA, 0, stream_id, messages[start : start + 16_384])
+            _send_all(s, wire)
+        time.sleep(wait)
+        try:
+            for _ in range(3):  # a reset socket fails a send, if not the first then the next
+                s.sendall(frame(PING, 0, 0, b"12345678"))
+                time.sleep(0.1)
+        except OSError:
+            return streams, streams
+    return streams, 0
+
+
 def gateway_body_flood(url: str, megabytes: int) -> tuple[int, int]:
     """A body over the EPP's limit through the gateway; answered correctly = an OpenAI-shaped 413 (or the
     gateway closing the upload after sending it)."""
@@ -389,6 +436,9 @@ async def run(
             for i in range(2000)
         )
         await under("HTTP/2: rapid reset (2,000)", lambda: thread(h2_attack, grpc, resets))
+        await under(
+            "answers left unread (10 x 2.5 MB echoed)", lambda: thread(unread_answers, grpc, 10, 5 << 19, 2.0)
+        )
         flood = MAX_CONNECTIONS + 100
         await under(f"connection flood ({flood:,})", lambda: thread(connection_flood, grpc, flood, seconds / 2))
         await under("HTTP/2: 1-byte WINDOW_UPDATE", lambda: thread(h2_attack, grpc, frame(WINDOW_UPDATE, 0, 0, b"\1")))
