@@ -436,9 +436,7 @@ async def run(
             for i in range(2000)
         )
         await under("HTTP/2: rapid reset (2,000)", lambda: thread(h2_attack, grpc, resets))
-        await under(
-            "answers left unread (10 x 2.5 MB echoed)", lambda: thread(unread_answers, grpc, 10, 5 << 19, 2.0)
-        )
+        await under("answers left unread (10 x 2.5 MB echoed)", lambda: thread(unread_answers, grpc, 10, 5 << 19, 2.0))
         flood = MAX_CONNECTIONS + 100
         await under(f"connection flood ({flood:,})", lambda: thread(connection_flood, grpc, flood, seconds / 2))
         await under("HTTP/2: 1-byte WINDOW_UPDATE", lambda: thread(h2_attack, grpc, frame(WINDOW_UPDATE, 0, 0, b"\1")))
