@@ -356,7 +356,7 @@ class Director:
         if ctx.first_chunk_at and ctx.streamed and status.startswith("2"):  # the body came through: its timings
             ttft = ctx.first_chunk_at - ctx.routed_at
             endpoint.observe_ttft(ttft)
-            if wants_timings:
+            if timed:
                 tpot = (now - ctx.first_chunk_at) / (output_tokens - 1) if output_tokens and output_tokens > 1 else None
                 self._timed(request, ctx.result, endpoint, ttft, tpot)
         elif not status or (wants_timings and self.access_log_seen):
