@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import bisect
 from collections import OrderedDict, deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from protocol.metrics import EndpointMetrics
@@ -84,7 +85,8 @@ class Endpoint:
     inter_token_totals: deque[tuple[float, float, float]] = field(
         default_factory=lambda: deque(maxlen=INTER_TOKEN_SAMPLES), repr=False
     )
-    # the last `max_lora` distinct LoRA adapters its scrapes saw running, most recent last (`ran_adapters`)
+    # the last `max_lora` distinct LoRA adapters its scrapes saw running or the EPP sent it, most recent last
+    # (`adapters_used`)
     recent_adapters: OrderedDict[str, None] = field(default_factory=OrderedDict, repr=False)
 
     @property
@@ -96,14 +98,14 @@ class Endpoint:
         recent = self.recent_ttft
         self.recent_ttft = seconds if not recent else recent + TTFT_SMOOTHING * (seconds - recent)
 
-    def ran_adapters(self, running: frozenset[str], slots: int | None) -> None:
-        """A scrape saw these adapters running, in an engine with `slots` adapter slots. The engine keeps an idle
-        adapter in its slot until another one needs the slot (least recently used first), and `running_adapters`
-        names only those with requests: the last `slots` distinct adapters seen running are probably still loaded
-        (`adapter_loaded`). Wrong only when the engine evicts sooner than that (an adapter loaded and done between
-        two scrapes took a slot unseen)."""
+    def adapters_used(self, names: Iterable[str], slots: int | None) -> None:
+        """These adapters ran here (a scrape saw them running) or were just sent here, in an engine with `slots`
+        adapter slots. The engine keeps an idle adapter in its slot until another one needs the slot (least recently
+        used first), and `running_adapters` names only those with requests: the last `slots` distinct adapters used
+        here are probably still loaded (`adapter_loaded`). Wrong only when the engine evicts sooner than that (an
+        adapter another client loaded and finished between two scrapes took a slot unseen)."""
         recent = self.recent_adapters
-        for name in running:
+        for name in names:
             recent[name] = None
             recent.move_to_end(name)
         limit = min(slots or 0, MAX_ADAPTER_SLOTS)
@@ -111,7 +113,7 @@ class Endpoint:
             recent.popitem(last=False)
 
     def adapter_loaded(self, adapter: str) -> bool:
-        """Whether `adapter` runs here, or ran lately and probably still holds its slot (`ran_adapters`)."""
+        """Whether `adapter` runs here, or was used lately and probably still holds its slot (`adapters_used`)."""
         m = self.metrics
         return (m is not None and adapter in m.running_adapters) or adapter in self.recent_adapters
 

@@ -59,7 +59,7 @@ class PageExtractor(Extractor[str], Protocol):
 class PrometheusExtractor:
     """A Prometheus text page -> `endpoint.metrics` (queue, running, KV usage, LoRA adapters, cache config), read
     with the metric names of the endpoint's engine (`protocol.metrics.ENGINES`); also the EPP's in-flight count at
-    this scrape, the LoRA adapters it ran lately (`Endpoint.ran_adapters`), the endpoint's batch slots once it is
+    this scrape, the LoRA adapters it ran (`Endpoint.adapters_used`), the endpoint's batch slots once it is
     seen full (`Endpoint.batch_slots`) and its inter-token latency totals over time (`Endpoint.inter_token_latency`)."""
 
     def sample_names(self, endpoint: Endpoint) -> tuple[str, ...]:
@@ -72,7 +72,7 @@ class PrometheusExtractor:
         metrics = endpoint.metrics = parse_metrics(raw, spec)
         endpoint.in_flight_at_scrape = endpoint.in_flight_requests
         if metrics.running_adapters or endpoint.recent_adapters:
-            endpoint.ran_adapters(metrics.running_adapters, metrics.max_lora)
+            endpoint.adapters_used(metrics.running_adapters, metrics.max_lora)
         # tokens come only while requests run: an idle endpoint's totals stand still (the scrape after the last
         # request ended still reads them), and a sample is kept at most every INTER_TOKEN_SAMPLE_SECONDS
         busy = metrics.running or metrics.waiting or (previous is not None and (previous.running or previous.waiting))

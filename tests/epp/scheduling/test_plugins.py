@@ -125,27 +125,29 @@ def test_lora_affinity(model, endpoints, expected):
     assert build_plugin("lora-affinity-scorer").score(CycleState(), req(model), endpoints) == expected
 
 
-def test_lora_affinity_remembers_adapters_it_sent_while_they_idle_in_their_slots():
+def test_lora_affinity_remembers_adapters_used_lately_while_they_idle_in_their_slots():
     scorer = build_plugin("lora-affinity-scorer")
     busy = [endpoint(0, running_adapters={"sql"}, max_lora=2), endpoint(1, max_lora=2), endpoint(2, max_lora=2)]
     assert scorer.score(CycleState(), req("sql"), busy) == [1.0, 0.8, 0.8]  # learns that "sql" is an adapter
     scorer.pre_request(req("sql"), SchedulingResult([busy[1]]))
+    # the send is remembered on the endpoint, where the latency predictor reads it too
+    assert busy[1].adapter_loaded("sql") and not busy[2].adapter_loaded("sql")
     # the scrape no longer lists "sql" anywhere (its requests finished), but endpoint 1 still holds it in a slot
-    idle = [endpoint(0, max_lora=2), endpoint(1, max_lora=2), endpoint(2, max_lora=2)]
-    assert scorer.score(CycleState(), req("sql"), idle) == [0.8, 0.9, 0.8]
+    for e in busy:
+        e.metrics = endpoint(0, max_lora=2).metrics
+    assert scorer.score(CycleState(), req("sql"), busy) == [0.8, 0.9, 0.8]
     # two other adapters sent there since: with two slots, "sql" was evicted (LRU)
     for name in ("x", "y"):
         scorer.score(CycleState(), req(name), [endpoint(0, running_adapters={name}, max_lora=2)])
-        scorer.pre_request(req(name), SchedulingResult([idle[1]]))
-    assert scorer.score(CycleState(), req("sql"), idle) == [0.8, 0.8, 0.8]
-    # the base model is never recorded, and an endpoint that left the pool is forgotten
-    scorer.pre_request(req("base"), SchedulingResult([idle[2]]))
-    assert scorer.score(CycleState(), req("base"), idle) is None
-    scorer.pool_changed(idle[:1])
-    assert scorer._sent == {}
+        scorer.pre_request(req(name), SchedulingResult([busy[1]]))
+    assert scorer.score(CycleState(), req("sql"), busy) == [0.8, 0.8, 0.8]
+    assert list(busy[1].recent_adapters) == ["x", "y"]
+    # the base model is never recorded
+    scorer.pre_request(req("base"), SchedulingResult([busy[2]]))
+    assert not busy[2].recent_adapters and scorer.score(CycleState(), req("base"), busy) is None
     # what the endpoint's own scrapes saw running lately counts the same (sent by another EPP, or before this one)
-    idle[2].ran_adapters(frozenset({"sql"}), 2)
-    assert scorer.score(CycleState(), req("sql"), idle) == [0.8, 0.8, 0.9]
+    busy[2].adapters_used(frozenset({"sql"}), 2)
+    assert scorer.score(CycleState(), req("sql"), busy) == [0.8, 0.8, 0.9]
 
 
 @pytest.mark.parametrize(
