@@ -41,10 +41,34 @@ EXT_PROC_ATTRIBUTES = "envoy.filters.http.ext_proc"  # the key Envoy files CEL a
 log = logging.getLogger(__name__)
 
 
-def _header(key: str, value: str) -> base_pb2.HeaderValueOption:
-    return base_pb2.HeaderValueOption(
-        header=base_pb2.HeaderValue(key=key, raw_value=value.encode()), append_action=OVERWRITE
-    )
+# The keys of the fields the per-request answers are composed of (epp.handlers.wire), by message.
+_ANSWER_TO = {phase: wire.key(pb.ProcessingResponse, phase) for phase in ("request_headers", "request_body")}
+_COMMON = wire.key(pb.BodyResponse, "response")  # (HeadersResponse's is the same field)
+_HEADER_MUTATION = wire.key(pb.CommonResponse, "header_mutation")
+_STATUS = wire.key(pb.CommonResponse, "status")
+_BODY_MUTATION = wire.key(pb.CommonResponse, "body_mutation")
+_SET_HEADER = wire.key(pb.HeaderMutation, "set_headers")
+_OPTION_HEADER = wire.key(base_pb2.HeaderValueOption, "header")
+_OVERWRITE = wire.key(base_pb2.HeaderValueOption, "append_action") + wire.varint(OVERWRITE)
+_HEADER_KEY, _RAW_VALUE = wire.key(base_pb2.HeaderValue, "key"), wire.key(base_pb2.HeaderValue, "raw_value")
+_WHOLE_BODY = wire.key(pb.BodyMutation, "body")
+_REPLACE = _STATUS + wire.varint(CONTINUE_AND_REPLACE)
+
+
+def _header_key(name: str) -> bytes:
+    """A header's key field, for `_set_header` (the per-request ones are built once, below)."""
+    return wire.field(_HEADER_KEY, name.encode())
+
+
+def _set_header(named: bytes, value: bytes) -> bytes:
+    """A HeaderMutation's set_headers entry (OVERWRITE_IF_EXISTS_OR_ADD); `named` is the header's key field. The one
+    header builder: the per-request answers are composed of these, and the cached and rare ones merge them in."""
+    return wire.field(_SET_HEADER, wire.field(_OPTION_HEADER, named + wire.field(_RAW_VALUE, value)) + _OVERWRITE)
+
+
+_REQUEST_ID_KEY = _header_key(extproc.REQUEST_ID_HEADER)
+_CONTENT_LENGTH_KEY = _header_key("content-length")
+_CONTENT_TYPE_JSON = _set_header(_header_key("content-type"), b"application/json")
 
 
 MAX_CACHED_ROUTING_ANSWERS = 4096  # bounds _routing_answer (pools have at most a few hundred endpoints)
@@ -60,37 +84,16 @@ def _routing_answer(hostports: tuple[str, ...], headers_phase: bool) -> bytes:
     answer = pb.ProcessingResponse()
     common = answer.request_headers.response if headers_phase else answer.request_body.response
     common.clear_route_cache = True
-    set_headers = common.header_mutation.set_headers
-    set_headers.append(_header(extproc.DESTINATION_ENDPOINT_HEADER, hostports[0]))
+    set_headers = [_set_header(_header_key(extproc.DESTINATION_ENDPOINT_HEADER), hostports[0].encode())]
     fallbacks = hostports[1:]
     if fallbacks:
         for i, name in enumerate(extproc.FALLBACK_ENDPOINT_HEADERS):
-            set_headers.append(_header(name, fallbacks[min(i, len(fallbacks) - 1)]))
+            set_headers.append(_set_header(_header_key(name), fallbacks[min(i, len(fallbacks) - 1)].encode()))
+    common.header_mutation.MergeFromString(b"".join(set_headers))
     answer.dynamic_metadata.get_or_create_struct(extproc.DESTINATION_ENDPOINT_NAMESPACE)[
         extproc.DESTINATION_ENDPOINT_KEY
     ] = ",".join(hostports)
     return answer.SerializeToString()
-
-
-# The keys of the fields the per-request answers are composed of (epp.handlers.wire), by message.
-_ANSWER_TO = {phase: wire.key(pb.ProcessingResponse, phase) for phase in ("request_headers", "request_body")}
-_COMMON = wire.key(pb.BodyResponse, "response")  # (HeadersResponse's is the same field)
-_HEADER_MUTATION = wire.key(pb.CommonResponse, "header_mutation")
-_STATUS = wire.key(pb.CommonResponse, "status")
-_BODY_MUTATION = wire.key(pb.CommonResponse, "body_mutation")
-_SET_HEADER = wire.key(pb.HeaderMutation, "set_headers")
-_OPTION_HEADER = wire.key(base_pb2.HeaderValueOption, "header")
-_OVERWRITE = wire.key(base_pb2.HeaderValueOption, "append_action") + wire.varint(OVERWRITE)
-_HEADER_KEY, _RAW_VALUE = wire.key(base_pb2.HeaderValue, "key"), wire.key(base_pb2.HeaderValue, "raw_value")
-_WHOLE_BODY = wire.key(pb.BodyMutation, "body")
-_REPLACE = _STATUS + wire.varint(CONTINUE_AND_REPLACE)
-_REQUEST_ID_KEY = wire.field(_HEADER_KEY, extproc.REQUEST_ID_HEADER.encode())
-_CONTENT_LENGTH_KEY = wire.field(_HEADER_KEY, b"content-length")
-
-
-def _set_header(named: bytes, value: bytes) -> bytes:
-    """A HeaderMutation's set_headers entry (OVERWRITE_IF_EXISTS_OR_ADD); `named` is the header's key field."""
-    return wire.field(_SET_HEADER, wire.field(_OPTION_HEADER, named + wire.field(_RAW_VALUE, value)) + _OVERWRITE)
 
 
 def streamed_chunk(direction: str, chunk: bytes, last: bool) -> bytes:
@@ -134,9 +137,13 @@ def immediate_response(error: OpenAIError) -> bytes:
     return pb.ProcessingResponse(
         immediate_response=pb.ImmediateResponse(
             status=http_status_pb2.HttpStatus(code=error.status),
-            headers=pb.HeaderMutation(
-                set_headers=[_header("content-type", "application/json")]
-                + ([_header("retry-after", str(error.retry_after))] if error.retry_after is not None else [])
+            headers=pb.HeaderMutation.FromString(
+                _CONTENT_TYPE_JSON
+                + (
+                    _set_header(_header_key("retry-after"), str(error.retry_after).encode())
+                    if error.retry_after is not None
+                    else b""
+                )
             ),
             body=error.to_json(),
             details=error.message[:200],

@@ -148,7 +148,8 @@ async def test_a_request_waits_for_its_objectives_ttl_and_gets_429_with_retry_af
     (answers,) = replies  # expired at 20 ms, not 10 s
     status = answers[0].immediate_response
     assert status.status.code == 429
-    assert any(h.header.key == "retry-after" for h in status.headers.set_headers)
+    headers = {h.header.key: h.header.raw_value for h in status.headers.set_headers}
+    assert headers["content-type"] == b"application/json" and int(headers["retry-after"]) >= 0
     stream.finish()
 
 

@@ -165,6 +165,8 @@ def test_bad_bodies_get_openai_errors(body, status):
     immediate = response.immediate_response
     assert immediate.status.code == status
     assert set(json.loads(immediate.body)["error"]) == {"message", "type", "param", "code"}
+    headers = [(h.header.key, h.header.raw_value, h.append_action) for h in immediate.headers.set_headers]
+    assert headers == [("content-type", b"application/json", base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)]
     assert stream.ctx.endpoint is None
 
 
