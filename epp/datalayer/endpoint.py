@@ -24,6 +24,9 @@ TTFT_SMOOTHING = 0.2
 # The most adapter slots believed of one endpoint's max_lora (vLLM's --max-loras is single digits to tens): a bound
 # on what is remembered per endpoint when a page claims more.
 MAX_ADAPTER_SLOTS = 256
+# LoRA adapter names a plugin remembers as adapters (names endpoints reported running or waiting): a bound against a
+# pool that loads and unloads adapters at runtime for good.
+MAX_KNOWN_ADAPTERS = 4096
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from epp.datalayer.endpoint import Endpoint
+from epp.datalayer.endpoint import MAX_KNOWN_ADAPTERS, Endpoint
 from epp.predictor.predictor import LatencyPredictor
 from epp.scheduling.load import QUEUE_DEPTH_READS, RUNNING_REQUESTS_READS
 from epp.scheduling.types import CycleState, SchedulingRequest, StateKey
@@ -38,9 +38,6 @@ PREDICTION_READS = (
 # (`PrefixCacheScorer.cached_tokens`). The director sets it when it wires the predictor; without it every prompt
 # counts as uncached, which still ranks the candidates by load but misses what a cache hit saves.
 CachedTokens = Callable[[CycleState, SchedulingRequest, list[Endpoint]], list[int]]
-
-
-MAX_KNOWN_ADAPTERS = 4096  # LoRA adapter names remembered (endpoints report them; a bound against a churning pool)
 
 
 class CandidatePredictions:

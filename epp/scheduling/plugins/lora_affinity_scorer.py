@@ -29,7 +29,7 @@ that a hot adapter still spreads (loading an adapter costs far less than a deep 
 
 from __future__ import annotations
 
-from epp.datalayer.endpoint import Endpoint
+from epp.datalayer.endpoint import MAX_KNOWN_ADAPTERS, Endpoint
 from epp.scheduling.framework import Parameters, PreRequest, Scorer, register
 from epp.scheduling.types import CycleState, SchedulingRequest, SchedulingResult
 
@@ -42,7 +42,7 @@ class LoRAAffinityScorer(Scorer, PreRequest):
 
     def __init__(self, parameters: dict | None):
         Parameters("lora-affinity-scorer", parameters).done()
-        self.adapters: set[str] = set()  # names endpoints have listed as adapters (the base model never is)
+        self.adapters: set[str] = set()  # names endpoints have listed as adapters (never the base model), bounded
 
     def score(
         self, cycle_state: CycleState, request: SchedulingRequest, endpoints: list[Endpoint]
@@ -51,7 +51,8 @@ class LoRAAffinityScorer(Scorer, PreRequest):
         for e in endpoints:
             m = e.metrics
             if m is not None and (model in m.running_adapters or model in m.waiting_adapters):
-                self.adapters.add(model)
+                if len(self.adapters) < MAX_KNOWN_ADAPTERS:
+                    self.adapters.add(model)
                 break
         else:
             if model not in self.adapters:

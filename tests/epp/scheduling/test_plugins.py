@@ -4,6 +4,7 @@ from collections import Counter
 
 import pytest
 
+from epp.datalayer.endpoint import MAX_KNOWN_ADAPTERS
 from epp.scheduling.errors import ConfigError
 from epp.scheduling.framework import PLUGIN_TYPES, build_plugin
 from epp.scheduling.load import queue_depth, queue_depths, running_requests
@@ -148,6 +149,12 @@ def test_lora_affinity_remembers_adapters_used_lately_while_they_idle_in_their_s
     # what the endpoint's own scrapes saw running lately counts the same (sent by another EPP, or before this one)
     busy[2].adapters_used(frozenset({"sql"}), 2)
     assert scorer.score(CycleState(), req("sql"), busy) == [0.8, 0.8, 0.9]
+    # a pool that loads adapters at runtime for good: the names remembered stay bounded, a listed one still scores
+    scorer.adapters.update(f"old-{i}" for i in range(MAX_KNOWN_ADAPTERS))
+    fresh = [endpoint(0, running_adapters={"new"}, max_lora=2), endpoint(1, max_lora=2)]
+    remembered = len(scorer.adapters)
+    assert scorer.score(CycleState(), req("new"), fresh) == [1.0, 0.8]
+    assert len(scorer.adapters) == remembered and "new" not in scorer.adapters
 
 
 @pytest.mark.parametrize(
