@@ -37,6 +37,9 @@ from protocol.tokenizer import Tokenizer, load_tokenizer
 
 DEFAULT_SEGMENT_CHARS = 1024
 DEFAULT_CACHE_TOKENS = 2_000_000
+# Token ids are kept as unsigned 32-bit ints (vocabularies are ~10^5); a prompt of ids beyond names no real token and
+# matches nothing.
+MAX_TOKEN_ID = 1 << 32
 
 
 def resumable(tokenizer: Tokenizer) -> bool:
@@ -105,7 +108,7 @@ class PromptTokenizer:
             prompt = prompt[0] if isinstance(prompt[0], str | list) else prompt
         if isinstance(prompt, str):
             return prompt
-        if isinstance(prompt, list) and prompt and all(type(t) is int and t >= 0 for t in prompt):
+        if isinstance(prompt, list) and prompt and all(type(t) is int and 0 <= t < MAX_TOKEN_ID for t in prompt):
             return prompt
         return None
 

@@ -40,8 +40,11 @@ from __future__ import annotations
 import itertools
 import os
 import threading
+from array import array
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+
+import xxhash
 
 from epp.datalayer.endpoint import Endpoint
 from epp.datalayer.kv_events import KVBlockIndex
@@ -67,10 +70,10 @@ PROMPT_BLOCKS: StateKey[PromptBlocks] = StateKey("prompt-blocks")
 
 
 class BlockHashCache:
-    """vLLM block digests per token prefix: the key of block i chains Python's hash of the block's token ids onto
-    block i-1's key (cheap), so only blocks never seen before are hashed with SHA-256. Bounded: past `capacity`
-    the oldest tenth of the insertions go at once (a prefix still in use that falls out is hashed again once);
-    thread-safe."""
+    """vLLM block digests per token prefix: the key of block i chains an xxHash of the block's token ids (their
+    bytes) onto block i-1's key (cheap), so only blocks never seen before are hashed with SHA-256. Bounded: past
+    `capacity` the oldest tenth of the insertions go at once (a prefix still in use that falls out is hashed again
+    once); thread-safe."""
 
     def __init__(self, algo: str, hash_seed: str | None, capacity: int):
         self.hasher = block_hasher(algo, hash_seed)
@@ -79,24 +82,26 @@ class BlockHashCache:
         self._lock = threading.Lock()
 
     def hashes(self, pieces: Iterable[Sequence[int]], block_size: int, lora_name: str | None) -> Iterator[list[int]]:
-        """For each piece of token ids that `pieces` yields (of any length), the hashes of the full blocks it
-        completes, in order; lazily: a caller that stops pulls no further piece and hashes no further block."""
+        """For each piece of token ids that `pieces` yields (of any length; ids below 2^32, as `PromptTokenizer`
+        gives them), the hashes of the full blocks it completes, in order; lazily: a caller that stops pulls no
+        further piece and hashes no further block."""
         extra = lora_extra_keys(lora_name)
-        key = hash((block_size, lora_name))
+        key = xxhash.xxh3_64_intdigest(repr((block_size, lora_name)).encode("utf-8", "surrogatepass"))
         parent: bytes | None = None
-        digests, hash_block = self._digests, self.hasher.hash_block
-        pending: list[int] = []
+        digests, hash_block, chain = self._digests, self.hasher.hash_block, xxhash.xxh3_64_intdigest
+        pending = array("I")
+        size = pending.itemsize
         for piece in pieces:
             pending.extend(piece)
             full = len(pending) - len(pending) % block_size
+            data = pending.tobytes()  # a block's key hashes its bytes: no tuple of ints built per block
             out: list[int] = []
             new: dict[int, tuple[bytes, int]] = {}
             for start in range(0, full, block_size):
-                block = tuple(pending[start : start + block_size])
-                key = hash((key, block))
+                key = chain(data[start * size : (start + block_size) * size], key)
                 known = digests.get(key)
                 if known is None:
-                    digest = hash_block(parent, block, extra)
+                    digest = hash_block(parent, pending[start : start + block_size], extra)
                     known = new[key] = (digest, external_block_hash(digest))
                 parent = known[0]
                 out.append(known[1])

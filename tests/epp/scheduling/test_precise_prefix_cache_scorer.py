@@ -3,13 +3,15 @@ index; a mixed pool (endpoints with and without events) with the approximate sco
 from the servers' cached_tokens."""
 
 import asyncio
+import itertools
+import random
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from epp.datalayer.kv_events import KVBlockIndex
 from epp.scheduling.framework import build_plugin
-from epp.scheduling.plugins.precise_prefix_cache_scorer import PROMPT_BLOCKS, PromptBlocks
+from epp.scheduling.plugins.precise_prefix_cache_scorer import PROMPT_BLOCKS, BlockHashCache, PromptBlocks
 from epp.scheduling.plugins.prefix_cache_scorer import PREFIX_HASHES
 from epp.scheduling.scheduler import Scheduler
 from epp.scheduling.types import CycleState, ResponseInfo, SchedulingRequest, SchedulingResult
@@ -244,3 +246,25 @@ def test_reading_a_prompt_in_segments_matches_what_its_whole_hashes_match(words,
     matched = [round(s * prompt_blocks.blocks) for s in scorer.score(cycle_state, req, pool)]
     assert matched == [expected.get(e.hostport, 0) for e in pool]
     assert prompt_blocks.hashes == hashes[: max(expected.values(), default=0)]
+
+
+def test_block_digests_come_from_the_cache_for_a_known_prefix_and_equal_the_servers_for_any_ids():
+    cache = BlockHashCache("sha256", SEED, capacity=1000)
+    rng = random.Random(7)
+    ids = [rng.randrange(1 << 32) for _ in range(100)] + [0, (1 << 32) - 1] * 8  # the whole unsigned 32-bit range
+    cut = [ids[:5], ids[5:40], ids[40:41], ids[41:]]  # pieces of any length, blocks straddling them
+    for lora in (None, "my-adapter"):
+        assert list(itertools.chain.from_iterable(cache.hashes(cut, 16, lora))) == request_block_hashes(
+            ids, 16, hash_seed=SEED, lora_name=lora
+        )
+    cached = len(cache._digests)
+    longer = ids + [3] * 16  # one more block: only it is hashed anew
+    assert list(itertools.chain.from_iterable(cache.hashes([longer], 16, None))) == request_block_hashes(
+        longer, 16, hash_seed=SEED
+    )
+    assert len(cache._digests) == cached + 1
+    # token ids no 32-bit vocabulary has name no real token: nothing to match, the scorer abstains
+    index = KVBlockIndex()
+    index.saw("127.0.0.1:8000", "m")
+    state, req = prepared(precise(index), {"model": "m", "prompt": [1 << 32] * 64})
+    assert state.read(PROMPT_BLOCKS) is None and precise(index).score(state, req, [endpoint(0)]) is None
