@@ -2,8 +2,8 @@
 
 epp-bench overhead [--servers 4] [--sequential 400] [--concurrency 32] [--requests 2000] [--ext-proc-transport h2|grpcio]
                    [--streamed] [--epp-config FILE ...] [--out DIR]
-epp-bench handler-cpu [--requests 4000] [--batch 16] [--rounds 9] [--streamed] [--config-file FILE] [--evict-mb N]
-                      [--instructions]
+epp-bench handler-cpu [--requests 4000] [--batch 16] [--rounds 9] [--streamed] [--kv-events] [--config-file FILE]
+                      [--evict-mb N] [--instructions]
 """
 
 from __future__ import annotations
@@ -68,6 +68,12 @@ def main(argv: list[str] | None = None) -> None:
     cpu.add_argument("--rounds", type=int, default=9, help="the least round is reported")
     cpu.add_argument(
         "--streamed", action="store_true", help='"stream": true requests: their access-log records train the predictor'
+    )
+    cpu.add_argument(
+        "--kv-events",
+        action="store_true",
+        help="the endpoints publish KV events (as vLLM with --kv-events-config): precise-prefix-cache-scorer "
+        "tokenizes each prompt and hashes its blocks",
     )
     cpu.add_argument(
         "--config-file", type=Path, default=None, help="the EPP's EndpointPickerConfig (default: its default profile)"
@@ -225,11 +231,15 @@ def main(argv: list[str] | None = None) -> None:
         sim_capacity.main(args.replicas, args.rates, args.duration)
     if args.command == "handler-cpu":
         if args.instructions:
-            per_request = handler_cpu.instructions(args.requests, args.batch, args.streamed, args.config_file)
+            per_request = handler_cpu.instructions(
+                args.requests, args.batch, args.streamed, args.config_file, args.kv_events
+            )
             print(f"EPP handler path: {per_request:,.0f} instructions per request (callgrind)")
         else:
             config = args.config_file.read_text() if args.config_file else handler_cpu.DEFAULT_CONFIG
-            result = handler_cpu.measure(args.requests, args.batch, args.rounds, args.streamed, config, args.evict_mb)
+            result = handler_cpu.measure(
+                args.requests, args.batch, args.rounds, args.streamed, config, args.evict_mb, args.kv_events
+            )
             print(result.markdown())
     if args.command == "overhead":
         epp_configs = {}

@@ -14,12 +14,16 @@ adds, and the overhead bench's whole-process figures spread by +-10 % between id
 single change worth a few microseconds. `batch` hands that many requests' frames over in each read,
 as at concurrency 32.
 
+`kv_events`: the endpoints publish KV events, as vLLM with --kv-events-config and our sims do (the index knows them
+as publishers; none is sent, so no block is held): precise-prefix-cache-scorer then tokenizes each prompt and hashes
+its blocks as in a live EPP, where without it the scorer abstains untouched.
+
 `evict_mb` writes to that many MiB of memory before each read, untimed: the caches as a live EPP finds them when it
 wakes, after Envoy, the client and the model servers ran on its core. A live EPP behind Envoy on a 2-core host
 (a wake-up every ~5 requests) costs what this costs at 16 to 24 MiB (README, "The compiled request path").
 
-    epp-bench handler-cpu [--requests 4000] [--batch 16] [--rounds 9] [--streamed] [--config-file FILE]
-                          [--evict-mb N] [--instructions]
+    epp-bench handler-cpu [--requests 4000] [--batch 16] [--rounds 9] [--streamed] [--kv-events]
+                          [--config-file FILE] [--evict-mb N] [--instructions]
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from hpack import Encoder
 from epp import compiled
 from epp.datalayer.datastore import Datastore
 from epp.datalayer.endpoint import EndpointSpec, PoolState
+from epp.datalayer.kv_events import KVBlockIndex
 from epp.flowcontrol import FlowControlConfig, FlowController
 from epp.grpc_h2 import (
     DATA,
@@ -174,6 +179,7 @@ class HandlerCpuResult:
     open_streams: int
     streamed: bool
     evict_mb: int  # MiB written before each read (0: the caches stay warm)
+    kv_events: bool  # the endpoints publish KV events (precise-prefix-cache-scorer tokenizes)
     learnt: int  # access-log records the latency predictor learnt from
     build: str = field(default_factory=compiled.summary)  # compiled or pure Python
 
@@ -185,20 +191,27 @@ class HandlerCpuResult:
         ordered = sorted(self.rounds)
         return (
             f"EPP handler path, {self.requests} {'streamed ' if self.streamed else ''}requests per round, "
-            f"{self.batch} per read{f' after {self.evict_mb} MiB written' if self.evict_mb else ''}: "
+            f"{self.batch} per read{f' after {self.evict_mb} MiB written' if self.evict_mb else ''}"
+            f"{', endpoints publishing KV events' if self.kv_events else ''}: "
             f"{self.us_per_request:.1f} us of CPU per request (least of {len(ordered)} rounds; median "
             f"{ordered[len(ordered) // 2]:.1f}), {self.writes_per_request:.2f} writes per request; the latency "
             f"predictor learnt from {self.learnt} access-log records; request path {self.build}"
         )
 
 
-def _director(config: str = DEFAULT_CONFIG) -> Director:
-    """A fresh EPP's director with `config` (an EndpointPickerConfig): its latency predictor has learnt nothing."""
+def _director(config: str = DEFAULT_CONFIG, kv_events: bool = False) -> Director:
+    """A fresh EPP's director with `config` (an EndpointPickerConfig): its latency predictor has learnt nothing;
+    with `kv_events` the endpoints are known as KV-event publishers (holding no block yet)."""
     scheduler = Scheduler.from_config(config)
     datastore = Datastore([_NoScraper()], scheduler.on_pool_changed)
     datastore.apply(
         PoolState(endpoints=tuple(EndpointSpec(f"sim-{i}", "127.0.0.1", 8000 + i) for i in range(ENDPOINTS)))
     )
+    if kv_events:
+        index = KVBlockIndex()
+        for endpoint in datastore.endpoints:
+            index.saw(endpoint.hostport, REQUEST["model"])
+        scheduler.use_kv_index(index)
     detector = scheduler.detector
     flow_control = None
     metrics = EPPMetrics(
@@ -223,7 +236,11 @@ WARM_UP_REQUESTS = 160
 
 
 def instructions(
-    requests: int = 1600, batch: int = 16, streamed: bool = False, config_file: Path | None = None
+    requests: int = 1600,
+    batch: int = 16,
+    streamed: bool = False,
+    config_file: Path | None = None,
+    kv_events: bool = False,
 ) -> float:
     """Instructions per request of the same path, counted by valgrind's callgrind: exact and repeatable, where CPU
     time on a shared host spreads by several µs between identical runs, so that a change worth 1 % shows (two runs
@@ -238,6 +255,7 @@ def instructions(
         arguments = [
             *("handler-cpu", "--requests", str(count), "--batch", str(batch), "--rounds", "1"),
             *(["--streamed"] if streamed else []),
+            *(["--kv-events"] if kv_events else []),
             *(["--config-file", str(config_file)] if config_file else []),
         ]
         # the same hashes and random choices (ties between endpoints) in every run; start-up frozen out of the
@@ -262,12 +280,14 @@ def measure(
     streamed: bool = False,
     config: str = DEFAULT_CONFIG,
     evict_mb: int = 0,
+    kv_events: bool = False,
 ) -> HandlerCpuResult:
     """Runs on the caller's thread; needs no event loop (no request waits in flow control: the pool has room).
     `streamed`: the requests ask for a streamed response (`"stream": true`, as chat clients do), whose access-log
-    records teach the latency predictor (a whole response's time to its first byte is not a TTFT: not learnt)."""
+    records teach the latency predictor (a whole response's time to its first byte is not a TTFT: not learnt).
+    `kv_events`: the endpoints publish KV events (see the module's docstring)."""
     body = json.dumps({**REQUEST, "stream": True} if streamed else REQUEST).encode()
-    director = _director(config)
+    director = _director(config, kv_events)
     budget = ByteBudget(1 << 30)
     transport, log_transport = CountingTransport(), CountingTransport()
 
@@ -335,6 +355,7 @@ def measure(
         open_streams=len(connection.streams),
         streamed=streamed,
         evict_mb=evict_mb,
+        kv_events=kv_events,
         learnt=predictor.observations if (predictor := director.scheduler.latency_predictor) is not None else 0,
     )
     return result

@@ -5,6 +5,7 @@ import shutil
 import pytest
 
 from epp.bench import handler_cpu
+from epp.scheduling.prompt_tokens import PromptTokenizer
 
 
 def test_every_request_is_routed_answered_and_closed():
@@ -53,8 +54,8 @@ def test_another_profile_is_measured_with_its_own_plugins(tmp_path, monkeypatch)
     made = []
     real = handler_cpu._director
 
-    def recording(text):
-        made.append(real(text))
+    def recording(text, kv_events):
+        made.append(real(text, kv_events))
         return made[-1]
 
     monkeypatch.setattr(handler_cpu, "_director", recording)
@@ -62,6 +63,25 @@ def test_another_profile_is_measured_with_its_own_plugins(tmp_path, monkeypatch)
     plugins = made[0].metrics.plugin_duration.children
     assert {key[2] for key in plugins} == {"queue-scorer", "max-score-picker"}
     assert sum(e.routed_total for e in made[0].datastore.endpoints) == 32
+
+
+def test_with_kv_events_the_precise_scorer_tokenizes_every_prompt_as_live(monkeypatch):
+    """`--kv-events`: the endpoints publish KV events, so precise-prefix-cache-scorer reads each prompt's tokens (in
+    a live EPP behind our sims it does; without them it abstains untouched)."""
+    tokenized = []
+    real = PromptTokenizer.pieces
+
+    def counting(self, prompt):
+        tokenized.append(prompt)
+        return real(self, prompt)
+
+    monkeypatch.setattr(PromptTokenizer, "pieces", counting)
+    quiet = handler_cpu.measure(requests=32, batch=16, rounds=1)
+    assert quiet.routed == 32 and not tokenized and "KV events" not in quiet.markdown()
+    publishing = handler_cpu.measure(requests=32, batch=16, rounds=2, kv_events=True)
+    assert publishing.routed == 64 and publishing.open_streams == 0
+    assert tokenized == [handler_cpu.REQUEST["prompt"]] * 64  # every request's prompt, once
+    assert "endpoints publishing KV events" in publishing.markdown()
 
 
 @pytest.mark.skipif(shutil.which("valgrind") is None, reason="valgrind is not installed")
