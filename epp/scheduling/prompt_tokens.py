@@ -147,7 +147,7 @@ class PromptTokenizer:
             yield len(prompt), prompt
             return
         if not self.resumable or len(prompt) <= self.segment_chars:
-            yield len(prompt), self.tokenizer.encode_releasing_gil(prompt)
+            yield len(prompt), self.tokenizer.encode(prompt)
             return
         *cacheable, tail = self.segments(prompt)
         ahead: dict[int, array] = {}  # segments encoded before the caller asked for them
@@ -180,7 +180,7 @@ class PromptTokenizer:
                     while self._cached_tokens > self.cache_tokens and self._segments:
                         self._cached_tokens -= len(self._segments.popitem(last=False)[1])
             yield len(piece), tokens
-        yield len(tail), self.tokenizer.encode_releasing_gil(tail)
+        yield len(tail), self.tokenizer.encode(tail)
 
 
 def _key(segment: str) -> int:

@@ -299,7 +299,7 @@ class ModelServer:
             )
         if len(text) < TOKENIZE_IN_THREAD_CHARS:
             return self.tokenizer.encode(text)
-        return await asyncio.to_thread(self.tokenizer.encode_releasing_gil, text)
+        return await asyncio.to_thread(self.tokenizer.encode, text)
 
     async def _prompt_ids(self, parsed: CompletionRequest) -> list[list[int]]:
         if parsed.kind is RequestKind.CHAT:
