@@ -21,7 +21,7 @@ TEXT = st.lists(
 
 @pytest.fixture(scope="module")
 def builtin() -> PromptTokenizer:
-    return PromptTokenizer(load_tokenizer(None), segment_chars=48)
+    return PromptTokenizer(load_tokenizer(None), segment_chars=48, head_chars=16)
 
 
 def encode(tokenizer: PromptTokenizer, prompt: str | list[int]) -> list[int]:
@@ -57,6 +57,7 @@ def test_pieces_are_encoded_only_when_read(builtin):
     before = builtin.misses
     length, ids = next(pieces)
     assert builtin.misses == before + 1  # one segment encoded, not the whole text
+    assert 0 < length <= builtin.head_chars < builtin.segment_chars  # the short first one
     assert list(ids) == builtin.tokenizer.encode(text[:length])
     assert sum(n for n, _ in builtin.pieces(text)) == len(text)
 
