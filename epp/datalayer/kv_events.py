@@ -83,6 +83,9 @@ class KVBlockIndex:
         self._size = 0
         self.dropped_entries = 0
         self._models: dict[str, str] = {}  # endpoint -> the model its topic names (its base model)
+        # the models those topics name, replaced whole when one changes (read on the loop for every prompt; `saw` comes
+        # with every batch, from the subscriber's thread)
+        self.base_models: frozenset[str] = frozenset()
         self.block_size: int | None = None  # the block size of the latest BlockStored (the servers' block size)
         self._lock = threading.Lock()
 
@@ -98,16 +101,15 @@ class KVBlockIndex:
     def has_publishers(self) -> bool:
         return bool(self._models)
 
-    @property
-    def base_models(self) -> set[str]:
-        return set(self._models.values())
-
     def saw(self, endpoint: str, model: str) -> None:
-        self._models[endpoint] = model
+        if self._models.get(endpoint) != model:
+            self._models[endpoint] = model
+            self.base_models = frozenset(self._models.values())
 
     def forget(self, endpoint: str) -> None:
         """The endpoint left the pool."""
-        self._models.pop(endpoint, None)
+        if self._models.pop(endpoint, None) is not None:
+            self.base_models = frozenset(self._models.values())
         self.clear(endpoint)
 
     def store(self, endpoint: str, block_hashes: list[int]) -> None:

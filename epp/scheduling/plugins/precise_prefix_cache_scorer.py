@@ -56,6 +56,7 @@ from epp.scheduling.types import CycleState, SchedulingRequest, StateKey
 from protocol.kv_events import HASH_ALGOS, block_hasher, external_block_hash, lora_extra_keys
 
 DEFAULT_BLOCK_SIZE = 16
+UINT64 = (1 << 64) - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +87,7 @@ class BlockHashCache:
         gives them), the hashes of the full blocks it completes, in order; lazily: a caller that stops pulls no
         further piece and hashes no further block."""
         extra = lora_extra_keys(lora_name)
-        key = xxhash.xxh3_64_intdigest(repr((block_size, lora_name)).encode("utf-8", "surrogatepass"))
+        key = hash((block_size, lora_name)) & UINT64  # (an xxHash seed: the keys live in this process only)
         parent: bytes | None = None
         digests, hash_block, chain = self._digests, self.hasher.hash_block, xxhash.xxh3_64_intdigest
         pending = array("I")
