@@ -186,24 +186,34 @@ class KVBlockIndex:
         return len(block_hashes), run
 
     def prefix_blocks(self, block_hashes: list[int], endpoints: list[str]) -> dict[str, int]:
-        """For each endpoint, how many of the prompt's leading blocks it holds."""
+        """For each endpoint, how many of the prompt's leading blocks it holds. An endpoint's count is written once,
+        when it drops out of the run (a held 8k-token prompt is ~500 blocks, looked up for every request)."""
         matched = dict.fromkeys(endpoints, 0)
         alive = set(endpoints)
         holders = self._holders
-        for depth, block_hash in enumerate(block_hashes, 1):
+        depth = 0
+        for block_hash in block_hashes:
             held = holders.get(block_hash)
             if held is None:
                 break
             if type(held) is str:
                 if held not in alive:
                     break
-                alive = {held}
-            else:
-                alive &= held
+                if len(alive) > 1:
+                    alive.discard(held)
+                    for endpoint in alive:
+                        matched[endpoint] = depth
+                    alive = {held}
+            elif not alive <= held:
+                still = alive & held
+                for endpoint in alive - still:
+                    matched[endpoint] = depth
+                alive = still
                 if not alive:
                     break
-            for endpoint in alive:
-                matched[endpoint] = depth
+            depth += 1
+        for endpoint in alive:
+            matched[endpoint] = depth
         return matched
 
 

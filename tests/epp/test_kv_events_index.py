@@ -5,6 +5,8 @@ import time
 
 import msgspec
 import zmq
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from epp.datalayer.endpoint import Endpoint, EndpointSpec
 from epp.datalayer.kv_events import MAX_MESSAGE_BYTES, IndexedBatch, KVBlockIndex, KVEventSubscriber
@@ -349,3 +351,30 @@ def test_only_the_pools_servers_are_indexed_and_a_server_that_leaves_is_forgotte
         pub.close(linger=0)
         ctx.term()
         subscriber.shutdown()
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    held=st.lists(st.sets(st.integers(0, 11), max_size=12), min_size=1, max_size=5),
+    removed=st.lists(st.tuples(st.integers(0, 4), st.integers(0, 11)), max_size=6),
+    prompt=st.lists(st.integers(0, 11), max_size=12, unique=True),
+)
+def test_each_endpoint_matches_the_leading_blocks_it_holds_whoever_else_holds_them(held, removed, prompt):
+    """prefix_blocks against its definition: an endpoint's count is how many of the prompt's leading blocks it
+    holds, whatever the others hold (one holder or several, a run that narrows, widens or ends)."""
+    index = KVBlockIndex()
+    endpoints = [f"10.0.0.{i}:8000" for i in range(len(held))]
+    for endpoint, blocks in zip(endpoints, held, strict=True):
+        index.store(endpoint, sorted(blocks))
+    for i, block in removed:
+        if i < len(endpoints):
+            index.remove(endpoints[i], [block])
+            held[i].discard(block)
+    expected = {}
+    for endpoint, blocks in zip(endpoints, held, strict=True):
+        count = 0
+        while count < len(prompt) and prompt[count] in blocks:
+            count += 1
+        expected[endpoint] = count
+    assert index.prefix_blocks(prompt, endpoints) == expected
+    assert index.prefix_blocks(prompt, endpoints[:1]) == {endpoints[0]: expected[endpoints[0]]}

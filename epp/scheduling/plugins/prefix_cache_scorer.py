@@ -156,25 +156,27 @@ class PrefixCacheScorer(Scorer, PreRequest, ResponseComplete, PoolChanged, Prefi
         """Prompt tokens each of `endpoints` probably holds for `request` (the latency predictor's cache input);
         only the endpoints that were sent the prompt's first block are matched. Endpoints that publish KV events
         are answered from the KV-event index with the prompt's exact block hashes, when precise-prefix-cache-scorer
-        prepared them for this cycle (the held leading run, all a match needs)."""
-        hashes = self.hashes(cycle_state, request, endpoints)
-        holders = self._heads.get(hashes[0]) if hashes else None
+        prepared them for this cycle (the held leading run, all a match needs), and cost no text hashing: when they
+        all publish, the prompt's text is not hashed at all (an 8k-token prompt's ~500 text blocks)."""
+        index = self._kv_index
+        publishing = [e.hostport for e in endpoints if index.publishes(e.hostport)] if index is not None else []
         counts = [0] * len(endpoints)
-        if holders:
-            held, tokens_per_block = self._held, self.block_chars(endpoints) // CHARS_PER_TOKEN
-            counts = [
-                longest_prefix(hashes, held[e.spec.name]) * tokens_per_block if e.spec.name in holders else 0
-                for e in endpoints
-            ]
-        index, exact = self._kv_index, cycle_state.read(PROMPT_BLOCKS)
-        if index is not None and exact is not None:
-            publishing = [e.hostport for e in endpoints if index.publishes(e.hostport)]
-            if publishing:
-                matched, block_size = index.prefix_blocks(exact.hashes, publishing), index.block_size or 16
+        if len(publishing) < len(endpoints):
+            hashes = self.hashes(cycle_state, request, endpoints)
+            holders = self._heads.get(hashes[0]) if hashes else None
+            if holders:
+                held, tokens_per_block = self._held, self.block_chars(endpoints) // CHARS_PER_TOKEN
                 counts = [
-                    matched[e.hostport] * block_size if e.hostport in matched else c
-                    for e, c in zip(endpoints, counts, strict=True)
+                    longest_prefix(hashes, held[e.spec.name]) * tokens_per_block if e.spec.name in holders else 0
+                    for e in endpoints
                 ]
+        exact = cycle_state.read(PROMPT_BLOCKS)
+        if publishing and exact is not None:
+            matched, block_size = index.prefix_blocks(exact.hashes, publishing), index.block_size or 16
+            counts = [
+                matched[e.hostport] * block_size if e.hostport in matched else c
+                for e, c in zip(endpoints, counts, strict=True)
+            ]
         return counts
 
     def use_kv_index(self, index: KVBlockIndex) -> None:

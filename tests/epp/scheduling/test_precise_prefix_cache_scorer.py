@@ -213,6 +213,13 @@ def test_the_latency_predictor_s_cached_tokens_come_from_the_kv_index_for_publis
     approx.use_kv_index(index)
     cycle_state, req = prepared(precise(index), payload)
     assert approx.cached_tokens(cycle_state, req, pool) == [10 * 16, 0]
+    assert cycle_state.read(PREFIX_HASHES)  # endpoint 1 does not publish: the text's blocks were hashed for it
+    # every endpoint publishing: the exact index answers for all, and the prompt's text is not hashed at all
+    index.saw(pool[1].hostport, "m")
+    index.store(pool[1].hostport, hashes[:3])
+    cycle_state, req = prepared(precise(index), payload)
+    assert approx.cached_tokens(cycle_state, req, pool) == [10 * 16, 3 * 16]
+    assert cycle_state.read(PREFIX_HASHES) is None
 
 
 WORDS = ["the", "weather", "today", "is", "sunny,", "line", "déjà", "vu", "🙂", "\n", "x" * 40, "42", "a-b"]
