@@ -129,9 +129,9 @@ class Prober:
 
 
 # -- attacks: each returns (sent, answered correctly) -------------------------------------------------------------
-def _raw_h2(port: int) -> socket.socket:
+def _raw_h2(port: int, settings: bytes = b"") -> socket.socket:
     s = socket.create_connection(("127.0.0.1", port), timeout=10)
-    s.sendall(PREFACE + frame(SETTINGS, 0, 0))
+    s.sendall(PREFACE + frame(SETTINGS, 0, 0, settings))
     return s
 
 
@@ -263,15 +263,9 @@ def unread_answers(port: int, streams: int, body_bytes: int, wait: float) -> tup
         pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True)).SerializeToString()
     )
     encoder = Encoder()
-    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+    with _raw_h2(port, struct.pack(">HL", SETTINGS_INITIAL_WINDOW_SIZE, MAX_WINDOW)) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        windows = struct.pack(">HL", SETTINGS_INITIAL_WINDOW_SIZE, MAX_WINDOW)
-        _send_all(
-            s,
-            PREFACE
-            + frame(SETTINGS, 0, 0, windows)
-            + frame(WINDOW_UPDATE, 0, 0, struct.pack(">L", MAX_WINDOW - 65_535)),
-        )
+        _send_all(s, frame(WINDOW_UPDATE, 0, 0, struct.pack(">L", MAX_WINDOW - 65_535)))
         for i in range(streams):
             stream_id = 2 * i + 1
             wire = frame(HEADERS, 0x4, stream_id, encoder.encode(REQUEST_HEADERS))

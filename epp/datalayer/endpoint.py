@@ -29,6 +29,21 @@ MAX_ADAPTER_SLOTS = 256
 MAX_KNOWN_ADAPTERS = 4096
 
 
+def adapter_listed(model: str, endpoints: Iterable[Endpoint], known: set[str]) -> bool:
+    """Whether `model` is a LoRA adapter: `known` holds it, or one of `endpoints` lists it running or waiting (then
+    `known` remembers it, while it holds fewer than MAX_KNOWN_ADAPTERS). Endpoints never list their base model, so a
+    request for an adapter that none of them holds right now is still told from a base-model request."""
+    if model in known:
+        return True
+    for e in endpoints:
+        m = e.metrics
+        if m is not None and (model in m.running_adapters or model in m.waiting_adapters):
+            if len(known) < MAX_KNOWN_ADAPTERS:
+                known.add(model)
+            return True
+    return False
+
+
 @dataclass(frozen=True, slots=True)
 class EndpointSpec:
     """One model-server endpoint as discovery knows it. `name` is unique in the pool (Kubernetes: `<pod>-rank-<i>`)."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from epp.datalayer.endpoint import MAX_KNOWN_ADAPTERS, Endpoint
+from epp.datalayer.endpoint import Endpoint, adapter_listed
 from epp.predictor.predictor import LatencyPredictor
 from epp.scheduling.load import QUEUE_DEPTH_READS, RUNNING_REQUESTS_READS
 from epp.scheduling.types import CycleState, SchedulingRequest, StateKey
@@ -52,15 +52,7 @@ class CandidatePredictions:
         """`model` when it is a LoRA adapter, None for a base-model request. An adapter is a name some endpoint
         reported running or waiting, now or earlier: a request for an adapter that no candidate holds right now is
         still one that must load it (the feature that matters), not a base-model request."""
-        if model in self._adapters:
-            return model
-        for e in endpoints:
-            m = e.metrics
-            if m is not None and (model in m.running_adapters or model in m.waiting_adapters):
-                if len(self._adapters) < MAX_KNOWN_ADAPTERS:
-                    self._adapters.add(model)
-                return model
-        return None
+        return model if adapter_listed(model, endpoints, self._adapters) else None
 
     def cached(self, cycle_state: CycleState, request: SchedulingRequest, endpoints: list[Endpoint]) -> list[int]:
         """The prompt tokens each of `endpoints` probably holds for `request` (0 without a prefix index), looked up

@@ -29,7 +29,7 @@ that a hot adapter still spreads (loading an adapter costs far less than a deep 
 
 from __future__ import annotations
 
-from epp.datalayer.endpoint import MAX_KNOWN_ADAPTERS, Endpoint
+from epp.datalayer.endpoint import Endpoint, adapter_listed
 from epp.scheduling.framework import Parameters, PreRequest, Scorer, register
 from epp.scheduling.types import CycleState, SchedulingRequest, SchedulingResult
 
@@ -48,15 +48,8 @@ class LoRAAffinityScorer(Scorer, PreRequest):
         self, cycle_state: CycleState, request: SchedulingRequest, endpoints: list[Endpoint]
     ) -> list[float] | None:
         model = request.model
-        for e in endpoints:
-            m = e.metrics
-            if m is not None and (model in m.running_adapters or model in m.waiting_adapters):
-                if len(self.adapters) < MAX_KNOWN_ADAPTERS:
-                    self.adapters.add(model)
-                break
-        else:
-            if model not in self.adapters:
-                return None  # no candidate lists it and it was never seen as an adapter: neutral
+        if not adapter_listed(model, endpoints, self.adapters):
+            return None  # no candidate lists it and it was never seen as an adapter: neutral
         scores = []
         for e in endpoints:
             m = e.metrics
