@@ -254,8 +254,8 @@ class PieceEncoder:
 
     def _encode_whole(self, text: str, pieces: list[str], cache: dict[str, list[int]]) -> list[int]:
         """The tokenizer's ids of the whole text, and each piece's ids into the cache (the tokenizer numbers its
-        pre-tokens: `word_ids`)."""
-        encoding = self.tokenizer.backend.encode(text, add_special_tokens=False)
+        pre-tokens: `word_ids`). The batch API: it releases the GIL."""
+        encoding = self.tokenizer.backend.encode_batch([text], add_special_tokens=False)[0]
         ids, words = encoding.ids, encoding.word_ids
         if not words or words[-1] != len(pieces) - 1:
             return ids
