@@ -167,7 +167,8 @@ class LatencyPredictionReader(Plugin):
     """Reads the latency predictor's predictions (`epp.predictor.CandidatePredictions`). A scheduler has one
     predictor and hands it to every plugin of its profile that reads one (`use_predictions`): what one plugin feeds
     (a reader that is also ResponseTimed learns from the responses), the others read, and no two schedulers share
-    one. A plugin built alone reads a predictor of its own."""
+    one. A plugin built alone reads a predictor of its own. Until the predictor predicts (`ttft_ready`), a reader's
+    filter passes every endpoint and its score abstains: the scheduler does not call (nor time) them until then."""
 
     predictions: CandidatePredictions
 

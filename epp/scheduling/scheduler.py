@@ -19,7 +19,7 @@ Every plugin the profile refers to also gets the lifecycle hooks it implements (
 PoolChanged); plugins listed under `plugins` but not in the profile get nothing. A profile without a picker gets
 `max-score-picker`. With no config at all, DEFAULT_CONFIG applies: the latency predictor's filters (slo-headroom-filter,
 slo-interference-filter, predicted-latency-filter: each passes every endpoint until the predictor has learnt from
-timings the gateway sends, epp.handlers.accesslog), then predicted-latency-scorer 5 (`replaces: load`: once the
+timings the gateway sends, epp.handlers.accesslog, and is not called until then), then predicted-latency-scorer 5 (`replaces: load`: once the
 predictor has learnt, it takes the place of the load scorers, queue, KV usage and in-flight tokens, with their summed
 weight; their request counts sent long prompts behind another long prompt's prefill), queue-scorer 2,
 kv-cache-utilization-scorer 2, prefix-cache-scorer 3 and precise-prefix-cache-scorer 3 (each endpoint gets one of the
@@ -182,6 +182,11 @@ class Scheduler:
         for p in readers:
             p.use_predictions(predictions)
         self._trains_predictor = any(isinstance(p, ResponseTimed) for p in readers)
+        # Until the predictor predicts, its readers' filters and scorers would pass every endpoint or abstain: the
+        # cycle leaves them out (the default profile 902 -> 874 thousand instructions a request, `epp-bench
+        # handler-cpu --instructions`). Their hooks still run: the predictor learns from the requests it routes.
+        self._cold_filters = tuple(f for f in profile.filters if not isinstance(f, LatencyPredictionReader))
+        self._cold_scorers = tuple(pair for pair in profile.scorers if not isinstance(pair[0], LatencyPredictionReader))
         if predictions is not None and self.prefix_index is not None:
             predictions.cached_tokens = self.prefix_index.cached_tokens
 
@@ -272,9 +277,14 @@ class Scheduler:
         if cycle_state is None:
             cycle_state = CycleState()
         timings: list[tuple[TypedName, float]] = list(cycle_state.read(PREPARE_TIMINGS) or ())
+        predictions = self.predictions
+        if predictions is None or predictions.predictor.ttft_ready:
+            filters, scorers = self.profile.filters, self.profile.scorers
+        else:
+            filters, scorers = self._cold_filters, self._cold_scorers
         # one clock reading per plugin: each one's end is the next one's start
         start = clock()
-        for f in self.profile.filters:
+        for f in filters:
             candidates = f.filter(cycle_state, request, candidates)
             end = clock()
             timings.append((f.typed_name, end - start))
@@ -284,7 +294,7 @@ class Scheduler:
         totals = [0.0] * len(candidates)
         raw_scores: dict[TypedName, list[float]] = {}
         replaced: tuple[str, ...] = ()
-        for scorer, weight in self.profile.scorers:
+        for scorer, weight in scorers:
             if replaced and scorer.typed_name.type in replaced:
                 continue
             scores = scorer.score(cycle_state, request, candidates)

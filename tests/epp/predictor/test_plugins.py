@@ -216,8 +216,8 @@ def test_a_request_whose_timings_cannot_come_back_joins_the_backlog_without_feat
 
 
 def test_while_it_predicts_the_latency_scorer_replaces_the_scorers_whose_signals_it_models(predictions):
-    """Default scorers plus the latency scorer: cold, they decide (the queue scorer prefers the idle endpoint 0);
-    warm, only the prediction counts, whatever the weights, and no other scorer runs."""
+    """Default scorers plus the latency scorer: cold, they decide (the queue scorer prefers the idle endpoint 0) and
+    the latency scorer is not run; warm, only the prediction counts, whatever the weights, and no other scorer runs."""
     config = """
 plugins:
 - type: queue-scorer
@@ -235,18 +235,33 @@ schedulingProfiles:
     assert scheduler.profile.scorers[0][0].typed_name.type == "predicted-latency-scorer"  # runs first
     endpoints = pool_of_three(predictions)
     cold = scheduler.schedule(req(), endpoints)
-    assert [name.type for name, _ in cold.timings] == [
-        "predicted-latency-scorer",
-        "queue-scorer",
-        "prefix-cache-scorer",
-        "max-score-picker",
-    ]
-    assert [name.type for name in cold.raw_scores] == ["queue-scorer"]  # the others abstained
+    assert [name.type for name, _ in cold.timings] == ["queue-scorer", "prefix-cache-scorer", "max-score-picker"]
+    assert [name.type for name in cold.raw_scores] == ["queue-scorer"]  # the prefix scorer abstained
     trained(predictions)
     warm = scheduler.schedule(req(), endpoints)
     assert [name.type for name in warm.raw_scores] == ["predicted-latency-scorer"]
     assert [name.type for name, _ in warm.timings] == ["predicted-latency-scorer", "max-score-picker"]
     assert warm.primary is endpoints[0]
+
+
+def test_until_the_predictor_predicts_its_readers_filters_and_scorer_are_not_called(predictions):
+    """The default profile: cold, the predictor's filters would pass every endpoint and its scorer abstain, so the
+    cycle leaves them out (no call, no timing) and picks as without them; once it predicts, they run."""
+    scheduler = Scheduler.from_config(None, predictions)
+    readers = {"slo-headroom-filter", "slo-interference-filter", "predicted-latency-filter", "predicted-latency-scorer"}
+    assert readers <= {p.typed_name.type for p in scheduler.profile.plugins}
+    endpoints = pool_of_three(predictions)
+    cold = scheduler.schedule(req(), endpoints)
+    assert readers.isdisjoint(name.type for name, _ in cold.timings)
+    skipping = scheduler._cold_filters, scheduler._cold_scorers
+    scheduler._cold_filters, scheduler._cold_scorers = scheduler.profile.filters, scheduler.profile.scorers
+    called = scheduler.schedule(req(), endpoints)  # every plugin called, cold: the same pick and scores
+    scheduler._cold_filters, scheduler._cold_scorers = skipping
+    assert readers <= {name.type for name, _ in called.timings}
+    assert called.endpoints == cold.endpoints and called.raw_scores == cold.raw_scores
+    trained(predictions)
+    warm = scheduler.schedule(req(), endpoints)
+    assert readers <= {name.type for name, _ in warm.timings}
 
 
 def test_replacing_only_the_load_scorers_leaves_the_prefix_and_lora_scorers_to_add_theirs(predictions):
