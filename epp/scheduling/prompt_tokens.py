@@ -22,8 +22,9 @@ hash of their text alone (a segment's tokens do not depend on what surrounds it)
 Encoding (`PieceEncoder`): ASCII text is split into pre-tokens by the tokenizer's own split pattern (re-read for
 ASCII text) and each pre-token's ids come from a bounded cache, so only pre-tokens never seen reach the tokenizer:
 BPE merges never cross a pre-token, and a pre-token encoded alone splits into itself. The Rust tokenizer spends most
-of its time on that split (its Oniguruma regex), not on merges: 6 / 47 / 143 us for 27 / 300 / 1,000 characters of
-the built-in tokenizer against ~1 / 8 / 26 with the cache warm. Text that is not ASCII, and tokenizers whose split
+of its time on that split (its Oniguruma regex), not on merges: 5.7 / 35 / 123 us for 27 / 300 / 1,000 characters of
+the built-in tokenizer against 1.4 / 8.6 / 28 with the cache warm; an 8k-token chat prompt 5.3 against 1.25 ms
+(`epp-bench tokenize`). Text that is not ASCII, and tokenizers whose split
 pattern cannot be re-read (`PieceEncoder.of` says None), go to the tokenizer whole.
 
 Cost (`epp-bench tokenize`): see epp/bench/tokenize.py. The tokenizer releases the GIL and the cache path does not;
@@ -154,7 +155,9 @@ class PieceEncoder:
         # longest first: the tokenizer takes the longest added token that starts at the leftmost place
         names = sorted(added, key=len, reverse=True)
         self.added_pattern = re.compile("|".join(map(re.escape, names))) if names else None
-        self._pieces: dict[str, list[int]] = {}
+        # pre-token -> its ids, as tuples: the garbage collector stops tracking a tuple of ints, so a full cache
+        # costs its full collections nothing
+        self._pieces: dict[str, tuple[int, ...]] = {}
 
     @classmethod
     def of(cls, tokenizer: Tokenizer) -> PieceEncoder | None:
@@ -246,13 +249,13 @@ class PieceEncoder:
         for piece, piece_ids in zip(new, self.tokenizer.encode_batch(new), strict=True):
             known[piece] = piece_ids
             if len(piece) <= MAX_CACHED_PIECE_CHARS and len(cache) < MAX_CACHED_PIECES:
-                cache[piece] = piece_ids
+                cache[piece] = tuple(piece_ids)
         ids = []
         for piece in pieces:
             ids += known[piece]
         return ids
 
-    def _encode_whole(self, text: str, pieces: list[str], cache: dict[str, list[int]]) -> list[int]:
+    def _encode_whole(self, text: str, pieces: list[str], cache: dict[str, tuple[int, ...]]) -> list[int]:
         """The tokenizer's ids of the whole text, and each piece's ids into the cache (the tokenizer numbers its
         pre-tokens: `word_ids`). The batch API: it releases the GIL."""
         encoding = self.tokenizer.backend.encode_batch([text], add_special_tokens=False)[0]
@@ -264,7 +267,7 @@ class PieceEncoder:
             grouped[word].append(token)
         for piece, piece_ids in zip(pieces, grouped, strict=True):
             if len(piece) <= MAX_CACHED_PIECE_CHARS and len(cache) < MAX_CACHED_PIECES:
-                cache[piece] = piece_ids
+                cache[piece] = tuple(piece_ids)
         return ids
 
 

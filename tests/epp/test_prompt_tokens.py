@@ -1,6 +1,7 @@
 """The EPP's exact prompt tokens: the model server's tokenizer and chat template, a per-prefix cache that never
 changes the result, and a bound on what it keeps."""
 
+import gc
 import json
 
 import pytest
@@ -181,8 +182,12 @@ def test_the_pre_token_cache_is_used_and_bounded(monkeypatch):
     text = "the quick brown fox jumps over the lazy dog, " * 3 + "x" * (MAX_CACHED_PIECE_CHARS + 1)
     assert encoder.encode(text) == tokenizer.encode(text)
     assert calls == []  # all new: the whole text in one call, each piece's ids read from the tokenizer's numbering
-    assert encoder._pieces[" quick"] == tokenizer.encode(" quick") and encoder._pieces[","] == tokenizer.encode(",")
+    assert list(encoder._pieces[" quick"]) == tokenizer.encode(" quick") and list(
+        encoder._pieces[","]
+    ) == tokenizer.encode(",")
     assert " " + "x" * 33 not in encoder._pieces  # too long to keep
+    gc.collect()
+    assert not any(map(gc.is_tracked, encoder._pieces.values()))  # a full cache is nothing for collections to walk
     few_new = "the lazy fox, the quick dog jumps over the brown fox and the lazy dog" + " zebra"
     assert encoder.encode(few_new) == tokenizer.encode(few_new)
     assert calls == [[" and", " zebra"]]  # a few new: those alone, in one call
