@@ -111,7 +111,8 @@ def ascii_split_pattern(pattern: str) -> re.Pattern[str] | None:
     """A tokenizer's split pattern (Oniguruma syntax) as a Python pattern that splits ASCII text the same way: \\p{L}
     and \\p{N} become their ASCII letters and digits, and \\s, \\d, \\w read as ASCII (re.ASCII), as Oniguruma reads
     them on ASCII text. None for what the two engines may read differently: another Unicode property, a nested or
-    intersected class, a capturing group, or what Python does not compile."""
+    intersected class, an anchor (Ruby's ^ and $ are lines'), a group other than those below (Ruby's (?m) is Python's
+    (?s)), a capturing group, or what Python does not compile."""
     out: list[str] = []
     in_class = False
     i = 0
@@ -124,12 +125,16 @@ def ascii_split_pattern(pattern: str) -> re.Pattern[str] | None:
                 out.append(chars if in_class else f"[{chars}]")
                 i += 5
                 continue
-            if pattern[i + 1 : i + 2] in ("p", "P"):
+            if pattern[i + 1 : i + 2] in ("p", "P", "Z"):
                 return None
             out.append(pattern[i : i + 2])
             i += 2
             continue
         if in_class and (c == "[" or pattern.startswith("&&", i)):
+            return None
+        if not in_class and (
+            c in "^$" or (c == "(" and pattern.startswith("?", i + 1) and not _SAME_GROUP.match(pattern, i))
+        ):
             return None
         if c == "[":
             in_class = True
@@ -142,6 +147,10 @@ def ascii_split_pattern(pattern: str) -> re.Pattern[str] | None:
     except re.error:
         return None
     return compiled if not compiled.groups else None  # (findall would return the groups, not the pre-tokens)
+
+
+# The groups both engines read alike: non-capturing, lookaround, atomic, and case-insensitive ones.
+_SAME_GROUP = re.compile(r"\(\?(?::|=|!|<=|<!|>|i:|i\))")
 
 
 class PieceEncoder:

@@ -239,5 +239,23 @@ def test_pipelines_the_pre_token_cache_cannot_reproduce_are_encoded_by_the_token
 def test_split_patterns_are_read_for_ascii_text_or_refused():
     assert ascii_split_pattern(r"\p{L}+|[^\s\p{L}\p{N}]").pattern == r"[A-Za-z]+|[^\sA-Za-z0-9]"
     assert ascii_split_pattern(r"(?i:'s)|\p{N}{1,3}").findall("'S12345") == ["'S", "123", "45"]
-    for pattern in (r"\p{Lu}", r"\P{L}", r"[a[b]]", r"[a&&b]", r"\h+", r"(", r"a(?i)b", r"(a)|b"):
+    assert (
+        ascii_split_pattern(r"(?:a)(?=b)(?!c)(?<=a)(?<!c)(?>b)[^^$]").pattern
+        == r"(?:a)(?=b)(?!c)(?<=a)(?<!c)(?>b)[^^$]"
+    )
+    for pattern in (
+        r"\p{Lu}",
+        r"\P{L}",
+        r"[a[b]]",
+        r"[a&&b]",
+        r"\h+",
+        r"(",
+        r"a(?i)b",
+        r"(a)|b",
+        r"^a",
+        r"a$",
+        r"a\Z",
+        r"(?m:.)",
+        r"(?s:.)",
+    ):
         assert ascii_split_pattern(pattern) is None, pattern
