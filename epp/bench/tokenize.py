@@ -66,12 +66,13 @@ def _prepare_ms(scorer, request: SchedulingRequest) -> float:
     return elapsed * 1000
 
 
-def measure(repeats: int = 5) -> list[dict]:
+def measure(repeats: int = 5, sizes: tuple[int, ...] = SIZES) -> list[dict]:
+    """A row per prompt size in `sizes` (tokens of context), each figure the median of `repeats`."""
     rng = random.Random(0)
     tokenizer = load_tokenizer(None)
     encoder = PieceEncoder.of(tokenizer)
     rows = []
-    for size in SIZES:
+    for size in sizes:
         cold, cold_new, new_question, same, whole, cached, one_by_one = [], [], [], [], [], [], []
         for r in range(repeats):
             context = _context(size, rng)
