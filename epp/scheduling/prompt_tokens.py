@@ -24,8 +24,8 @@ ASCII text) and each pre-token's ids come from a bounded cache, so only pre-toke
 BPE merges never cross a pre-token, and a pre-token encoded alone splits into itself. The Rust tokenizer spends most
 of its time on that split (its Oniguruma regex), not on merges: 5.7 / 35 / 123 us for 27 / 300 / 1,000 characters of
 the built-in tokenizer against 1.4 / 8.6 / 28 with the cache warm; an 8k-token chat prompt 5.3 against 1.25 ms
-(`epp-bench tokenize`). Text that is not ASCII, and tokenizers whose split
-pattern cannot be re-read (`PieceEncoder.of` says None), go to the tokenizer whole.
+(`epp-bench tokenize`). Text that is not ASCII, and tokenizers whose split pattern cannot be re-read
+(`PieceEncoder.of` says None), go to the tokenizer whole.
 
 Cost (`epp-bench tokenize`): see epp/bench/tokenize.py. The tokenizer releases the GIL and the cache path does not;
 either way a long prompt's work is split into segments, so a caller may run long prompts in a worker thread while the
@@ -83,9 +83,16 @@ SELF_CHECK_TEXTS = (
 )
 
 
-def resumable(tokenizer: Tokenizer) -> bool:
-    """True when encoding a text in segments cut before `<non-space><space>` gives the whole text's tokens."""
-    spec = json.loads(tokenizer.backend.to_str())
+def pipeline(tokenizer: Tokenizer) -> dict[str, Any]:
+    """The tokenizer's pipeline as its tokenizer.json states it (normalizer, added tokens, pre-tokenizer, ...), read
+    once by PromptTokenizer for `resumable` and `PieceEncoder.of` (a real model's file is megabytes)."""
+    return json.loads(tokenizer.backend.to_str())
+
+
+def resumable(tokenizer: Tokenizer, spec: dict[str, Any] | None = None) -> bool:
+    """True when encoding a text in segments cut before `<non-space><space>` gives the whole text's tokens (`spec`:
+    the tokenizer's `pipeline`, when already read)."""
+    spec = spec if spec is not None else pipeline(tokenizer)
     if spec.get("normalizer") is not None:
         return False
     for added in spec.get("added_tokens") or ():
@@ -169,11 +176,12 @@ class PieceEncoder:
         self._pieces: dict[str, tuple[int, ...]] = {}
 
     @classmethod
-    def of(cls, tokenizer: Tokenizer) -> PieceEncoder | None:
-        """The encoder for `tokenizer`, or None when its pipeline is not one this class reproduces exactly: no
-        normalizer, added tokens that match anywhere and strip nothing, and a split pattern it can re-read: GPT-2's
-        (ByteLevel with use_regex) or a Split (Isolated) followed by ByteLevel without it (Llama 3, Qwen 2)."""
-        spec = json.loads(tokenizer.backend.to_str())
+    def of(cls, tokenizer: Tokenizer, spec: dict[str, Any] | None = None) -> PieceEncoder | None:
+        """The encoder for `tokenizer`, or None when its pipeline (`spec`, when already read) is not one this class
+        reproduces exactly: no normalizer, added tokens that match anywhere and strip nothing, and a split pattern it
+        can re-read: GPT-2's (ByteLevel with use_regex) or a Split (Isolated) followed by ByteLevel without it
+        (Llama 3, Qwen 2)."""
+        spec = spec if spec is not None else pipeline(tokenizer)
         if spec.get("normalizer") is not None:
             return None
         added = {}
@@ -295,9 +303,10 @@ class PromptTokenizer:
         self.segment_chars = segment_chars
         self.head_chars = min(head_chars, segment_chars)
         self.cache_tokens = cache_tokens
-        self.resumable = resumable(tokenizer)
+        spec = pipeline(tokenizer)
+        self.resumable = resumable(tokenizer, spec)
         # the same ids either way: through the pre-token cache where the tokenizer's pipeline allows it
-        self.encoder: PieceEncoder | Tokenizer = PieceEncoder.of(tokenizer) or tokenizer
+        self.encoder: PieceEncoder | Tokenizer = PieceEncoder.of(tokenizer, spec) or tokenizer
         self._segments: OrderedDict[int, array] = OrderedDict()  # chain key -> the segment's token ids
         self._cached_tokens = 0
         self._lock = threading.Lock()

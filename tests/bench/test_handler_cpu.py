@@ -66,8 +66,8 @@ def test_another_profile_is_measured_with_its_own_plugins(tmp_path, monkeypatch)
 
 
 def test_with_kv_events_the_precise_scorer_tokenizes_every_prompt_as_live(monkeypatch):
-    """`--kv-events`: the endpoints publish KV events, so precise-prefix-cache-scorer reads each prompt's tokens (in
-    a live EPP behind our sims it does; without them it abstains untouched)."""
+    """`--kv-events`: the endpoints publish KV events, so precise-prefix-cache-scorer reads each prompt's tokens (as
+    in a live EPP whose servers publish; without them it abstains untouched)."""
     tokenized = []
     real = PromptTokenizer.pieces
 

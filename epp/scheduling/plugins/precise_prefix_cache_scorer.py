@@ -15,11 +15,10 @@ segment at a time, up to the segment with the first block that no endpoint's run
 chain their parent's hash, so no later block can match); the rest of the prompt is neither tokenized nor hashed
 and its block count is estimated from its characters (the same denominator for every endpoint: the order of the
 scores is exact). A new 8k-token prompt costs its first, short segment, ~0.16 ms against ~6 ms for the whole prompt
-(epp/bench/tokenize.py). In a worker thread
-when the part of the prompt the per-prefix cache does not hold is longer than `threadPromptChars` (the tokenizer
-releases the GIL; the pre-token cache holds it a segment at a time), so a 64k-token prompt that a server holds does not stall the event loop while a conversation's
-next turn does not pay for a thread hop. Block
-digests are cached per token prefix (`blockHashCacheBlocks`), so a prompt that extends an earlier one hashes only
+(epp/bench/tokenize.py). In a worker thread when the part of the prompt the per-prefix cache does not hold is
+longer than `threadPromptChars` (the tokenizer releases the GIL; the pre-token cache holds it a segment at a time),
+so a 64k-token prompt that a server holds does not stall the event loop while a conversation's next turn does not
+pay for a thread hop. Block digests are cached per token prefix (`blockHashCacheBlocks`), so a prompt that extends an earlier one hashes only
 its new blocks.
 Reads: the request body (PrepareData), the KV-event index, the candidates' queue depths (load guard). Writes:
 PROMPT_BLOCKS (the held leading blocks' hashes and the prompt's block count).
