@@ -245,7 +245,7 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
             new_stream,
             {
                 accesslog.EXPORT_PATH: UnaryMethod(
-                    accesslog.ExportRequest, export_access_log, accesslog.MAX_EXPORT_BYTES
+                    accesslog.ExportRecords, export_access_log, accesslog.MAX_EXPORT_BYTES
                 )
             },
             args.max_ext_proc_connections,

@@ -6,7 +6,8 @@ extension to a .py file of the same name, so after an edit to an editable instal
 old code. `install()` (called by the package's __init__) puts a finder first on `sys.meta_path` that loads a module
 from its source when
 
-* its extension is not in the stamp or the stamp's digest differs from the source's (edited since the build),
+* its extension is not in the stamp or the stamp's digest differs from the source's (edited since the build; the
+  digest covers a .pxd beside the source too),
 * or EPP_PURE_PYTHON is set (profilers such as py-spy see into Python functions only; compiled ones are one frame);
 
 and refuses a stamped module whose source is gone (removed since the build, its extension left behind).
@@ -64,7 +65,11 @@ class SourceGuard(importlib.abc.MetaPathFinder):
 
 
 def digest(source: Path) -> str:
-    return hashlib.sha256(source.read_bytes()).hexdigest()
+    """The digest of what a module is compiled from: its source and, where it has one, the .pxd beside it (Cython's
+    declarations of C types for some of its functions, `epp/handlers/wire.pxd`)."""
+    declarations = source.with_suffix(".pxd")
+    content = source.read_bytes() + (declarations.read_bytes() if declarations.is_file() else b"")
+    return hashlib.sha256(content).hexdigest()
 
 
 def stamped() -> dict[str, str]:

@@ -296,7 +296,7 @@ def measure(
 
     connection = ExtProcConnection(ExtProcServer(new_stream))
     export = UnaryMethod(
-        accesslog.ExportRequest, accesslog.export_handler(director.on_access_log), accesslog.MAX_EXPORT_BYTES
+        accesslog.ExportRecords, accesslog.export_handler(director.on_access_log), accesslog.MAX_EXPORT_BYTES
     )
     log_connection = ExtProcConnection(ExtProcServer(new_stream, {accesslog.EXPORT_PATH: export}))
     for conn, sink in ((connection, transport), (log_connection, log_transport)):

@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterable
 from opentelemetry.proto.collector.logs.v1 import logs_service_pb2
 from opentelemetry.proto.logs.v1 import logs_pb2
 
+from epp.handlers import wire
 from protocol.extproc import MAX_REQUEST_ID_CHARS
 
 log = logging.getLogger("epp.handlers.accesslog")
@@ -57,42 +58,48 @@ ExportRequest = logs_service_pb2.ExportLogsServiceRequest
 _ANSWER = logs_service_pb2.ExportLogsServiceResponse()
 
 
+class ExportRecords:
+    """What the transports read an Export call's request into (its `FromString`, as a message type's): the records'
+    bodies and string attributes, read from the wire bytes (`epp.handlers.wire.log_records`). Through the message
+    classes, reading them cost a Python object per message and per field read; from the bytes, the handler path
+    takes 5.6 thousand instructions a request fewer (`epp-bench handler-cpu --instructions`, a record a request).
+    Malformed bytes raise DecodeError, as the message classes do."""
+
+    @staticmethod
+    def FromString(data: bytes | memoryview) -> list[tuple[str, dict[str, str]]]:
+        return wire.log_records(data if isinstance(data, bytes) else bytes(data))
+
+
+ExportRecords.__name__ = ExportRequest.__name__  # the transports' refusals name the message the gateway sent
+
+
 def export_handler(
     on_record: Callable[[str, float | None, str, str | None], None],
-) -> Callable[[ExportRequest], object]:
-    """The Export method: each record with a request id becomes `on_record(request_id, ttft_seconds or None, status
-    ("" when the record has none), served endpoint or None)`."""
+) -> Callable[[list[tuple[str, dict[str, str]]]], object]:
+    """The Export method, over `ExportRecords`: each record with a request id becomes `on_record(request_id,
+    ttft_seconds or None, status ("" when the record has none), served endpoint or None)`."""
 
-    def export(request: ExportRequest) -> logs_service_pb2.ExportLogsServiceResponse:
+    def export(records: list[tuple[str, dict[str, str]]]) -> logs_service_pb2.ExportLogsServiceResponse:
         skipped = 0
-        for resource in request.resource_logs:
-            for scope in getattr(resource, _SCOPES):
-                for record in getattr(scope, _RECORDS):
-                    request_id = record.body.string_value
-                    if not request_id or len(request_id) > MAX_REQUEST_ID_CHARS:  # not an id the EPP gave
-                        skipped += 1
-                        continue
-                    ttft_us = status = upstream = ""
-                    for attribute in record.attributes:
-                        key = attribute.key
-                        if key == TTFT_ATTRIBUTE:
-                            ttft_us = attribute.value.string_value
-                        elif key == STATUS_ATTRIBUTE:
-                            status = attribute.value.string_value
-                        elif key == UPSTREAM_ATTRIBUTE:
-                            upstream = attribute.value.string_value
-                    ttft = (
-                        int(ttft_us) / 1e6
-                        if ttft_us.isdecimal() and len(ttft_us) < 12 and 0 < int(ttft_us) < MAX_MICROSECONDS
-                        else None
-                    )
-                    if not (len(status) == 3 and status.isascii() and status.isdecimal() and "100" <= status <= "599"):
-                        status = ""  # 0 (no response), or not a status: bounds the error metric's labels too
-                    served = upstream if upstream and upstream != "-" and len(upstream) <= MAX_HOSTPORT_CHARS else None
-                    if ttft is None and not status:
-                        skipped += 1
-                        continue
-                    on_record(request_id, ttft, status, served)
+        for request_id, attributes in records:
+            if not request_id or len(request_id) > MAX_REQUEST_ID_CHARS:  # not an id the EPP gave
+                skipped += 1
+                continue
+            ttft_us = attributes.get(TTFT_ATTRIBUTE, "")
+            status = attributes.get(STATUS_ATTRIBUTE, "")
+            upstream = attributes.get(UPSTREAM_ATTRIBUTE, "")
+            ttft = (
+                int(ttft_us) / 1e6
+                if ttft_us.isdecimal() and len(ttft_us) < 12 and 0 < int(ttft_us) < MAX_MICROSECONDS
+                else None
+            )
+            if not (len(status) == 3 and status.isascii() and status.isdecimal() and "100" <= status <= "599"):
+                status = ""  # 0 (no response), or not a status: bounds the error metric's labels too
+            served = upstream if upstream and upstream != "-" and len(upstream) <= MAX_HOSTPORT_CHARS else None
+            if ttft is None and not status:
+                skipped += 1
+                continue
+            on_record(request_id, ttft, status, served)
         if skipped:
             log.debug("skipped %d access-log records without a request id, a first-byte time or a status", skipped)
         return _ANSWER

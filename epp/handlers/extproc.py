@@ -265,16 +265,16 @@ class RequestStream:
     def _on_request_headers(self, message: pb.ProcessingRequest) -> list[bytes]:
         if self.ctx is not None:  # one request per stream: a second one would leave the first in flight for good
             return [self._reject(OpenAIError("request headers came twice on one ext_proc stream", 400))]
-        headers: dict[str, str] = {}
-        for h in message.request_headers.headers.headers:
-            raw = h.raw_value  # each read of a field builds a new Python object: read once
-            headers[h.key.lower()] = raw.decode("utf-8", "replace") if raw else h.value
+        request_headers = message.request_headers
+        # read from the header map's wire bytes in one pass: two strings a header, where the message classes' accessors
+        # built an object per header and per field read (33 thousand instructions a request more, of 874 thousand)
+        headers = wire.header_map(request_headers.headers.SerializeToString())
         # the proxy attaches its metadata to the headers message
         self.ctx = self.director.new_request(headers, subset_hint(message))
         if message.HasField("protocol_config"):
             self.full_duplex = message.protocol_config.request_body_mode == FULL_DUPLEX
             self.response_full_duplex = message.protocol_config.response_body_mode == FULL_DUPLEX
-        if message.request_headers.end_of_stream:  # no body (GET, ...): route now
+        if request_headers.end_of_stream:  # no body (GET, ...): route now
             self.body_done = True
             return self._route(None, None, headers_phase=True)
         if self.full_duplex:

@@ -65,13 +65,13 @@ def access_log_service(export: Callable) -> grpc.GenericRpcHandler:
 
     oversized = oversized_messages()
 
-    def deserialize(data: bytes) -> accesslog.ExportRequest | None:
+    def deserialize(data: bytes) -> list[tuple[str, dict[str, str]]] | None:
         if len(data) > accesslog.MAX_EXPORT_BYTES:
             oversized.note(len(data), accesslog.ExportRequest.__name__, accesslog.MAX_EXPORT_BYTES)
             return None
-        return accesslog.ExportRequest.FromString(data)
+        return accesslog.ExportRecords.FromString(data)
 
-    async def answer(request: accesslog.ExportRequest | None, context: grpc.aio.ServicerContext):
+    async def answer(request: list[tuple[str, dict[str, str]]] | None, context: grpc.aio.ServicerContext):
         if request is None:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"message over {accesslog.MAX_EXPORT_BYTES} bytes")
         return export(request)

@@ -14,7 +14,7 @@ Field numbers come from the message descriptors (`key`), so the code names field
 
 from __future__ import annotations
 
-from google.protobuf.message import Message
+from google.protobuf.message import DecodeError, Message
 
 LENGTH_DELIMITED, VARINT = 2, 0
 
@@ -54,3 +54,148 @@ def field(field_key: bytes, payload: bytes) -> bytes:
     """One length-delimited field: a string, bytes or a submessage's bytes."""
     size = len(payload)
     return field_key + (_ONE_BYTE[size] if size < 0x80 else varint(size)) + payload
+
+
+class WireError(DecodeError):
+    """Bytes that are not a well-formed protobuf message."""
+
+
+def _next_field(data: bytes, position: int, end: int) -> tuple[int, int, int]:
+    """The field at `position`: its key (field number << 3 | wire type), where its value starts and where it ends
+    (a length-delimited field's value is its payload). Key -1: the bytes up to `end` are not a well-formed field."""
+    key = shift = 0
+    while True:
+        if position >= end:
+            return -1, end, end
+        byte = data[position]
+        position += 1
+        key |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            break
+        shift += 7
+        if shift > 56:  # (what this reads fits a C integer)
+            return -1, end, end
+    wire_type = key & 7
+    if wire_type == VARINT:  # its value is not read: up to 10 bytes (a negative int64) are skipped
+        start = position
+        while position < end and position - start < 10:
+            byte = data[position]
+            position += 1
+            if byte < 0x80:
+                return key, start, position
+        return -1, end, end
+    if wire_type == LENGTH_DELIMITED:
+        value = shift = 0
+        while True:
+            if position >= end:
+                return -1, end, end
+            byte = data[position]
+            position += 1
+            value |= (byte & 0x7F) << shift
+            if byte < 0x80:
+                break
+            shift += 7
+            if shift > 56:
+                return -1, end, end
+        if value > end - position:
+            return -1, end, end
+        return key, position, position + value
+    size = 8 if wire_type == 1 else 4 if wire_type == 5 else end  # 64-bit, 32-bit; groups are not read here
+    if size > end - position:
+        return -1, end, end
+    return key, position, position + size
+
+
+def _fields(data: bytes, start: int, end: int, wanted: int) -> list[tuple[int, int]]:
+    """Where the values of the fields with key `wanted` lie in the message between `start` and `end`, in order."""
+    found = []
+    position = start
+    while position < end:
+        key, value_at, position = _next_field(data, position, end)
+        if key == wanted:
+            found.append((value_at, position))
+        elif key < 0:
+            raise WireError("a malformed field")
+    return found
+
+
+def _string_value(data: bytes, start: int, end: int) -> str:
+    """An OTLP AnyValue's string_value, "" when it holds another kind of value (the message classes' reading)."""
+    value = ""
+    position = start
+    while position < end:
+        key, value_at, position = _next_field(data, position, end)
+        if key == 0x0A:  # string_value
+            value = data[value_at:position].decode("utf-8", "replace")
+        elif key < 0:
+            raise WireError("a malformed field")
+    return value
+
+
+def header_map(data: bytes) -> dict[str, str]:
+    """The headers of a serialized HeaderMap (envoy.config.core.v3), as the ext_proc handler keeps them: each name
+    lowercased, each value its raw_value decoded as UTF-8 (invalid bytes replaced), or its value when raw_value is
+    empty; a name that comes twice keeps its last value. From the wire bytes, reading builds a name and a value per
+    header, where the message classes build an object per header and per field read."""
+    headers = {}
+    position, end = 0, len(data)
+    while position < end:
+        key, header_at, position = _next_field(data, position, end)
+        if key != 0x0A:  # not a header (field 1)
+            if key < 0:
+                raise WireError("a malformed field")
+            continue
+        name_at = name_end = value_at = value_end = raw_at = raw_end = inner = header_at
+        while inner < position:
+            key, field_at, inner = _next_field(data, inner, position)
+            if key == 0x0A:
+                name_at, name_end = field_at, inner
+            elif key == 0x12:
+                value_at, value_end = field_at, inner
+            elif key == 0x1A:
+                raw_at, raw_end = field_at, inner
+            elif key < 0:
+                raise WireError("a malformed header")
+        if raw_end > raw_at:
+            value_at, value_end = raw_at, raw_end
+        name = data[name_at:name_end].decode("utf-8", "replace")  # (Cython decodes a slice in place)
+        for inner in range(name_at, name_end):  # lowercased only where needed (names come lowercase over HTTP/2)
+            byte = data[inner]
+            if 0x41 <= byte <= 0x5A or byte >= 0x80:  # A-Z, or not ASCII
+                name = name.lower()
+                break
+        headers[name] = data[value_at:value_end].decode("utf-8", "replace")
+    return headers
+
+
+def log_records(data: bytes) -> list[tuple[str, dict[str, str]]]:
+    """The records of a serialized OTLP ExportLogsServiceRequest, in order: each one's body and attributes, as strings
+    (AnyValue string_value; "" for a value of another kind, as the message classes read it; invalid UTF-8 replaced,
+    where the message classes refuse the whole call). A key that comes twice keeps its last value."""
+    records = []
+    for resource_at, resource_end in _fields(data, 0, len(data), 0x0A):  # resource_logs
+        for scope_at, scope_end in _fields(data, resource_at, resource_end, 0x12):  # scope_logs
+            for record_at, record_end in _fields(data, scope_at, scope_end, 0x12):  # log_records
+                body = ""
+                attributes = {}
+                position = record_at
+                while position < record_end:
+                    key, value_at, position = _next_field(data, position, record_end)
+                    if key == 0x2A:  # body
+                        body = _string_value(data, value_at, position)
+                    elif key == 0x32:  # attributes: a KeyValue
+                        name = value = ""
+                        inner = value_at
+                        while inner < position:
+                            key, field_at, inner = _next_field(data, inner, position)
+                            if key == 0x0A:
+                                name = data[field_at:inner].decode("utf-8", "replace")
+                            elif key == 0x12:
+                                value = _string_value(data, field_at, inner)
+                            elif key < 0:
+                                raise WireError("a malformed attribute")
+                        attributes[name] = value
+                    elif key < 0:
+                        raise WireError("a malformed log record")
+                records.append((body, attributes))
+    return records

@@ -101,7 +101,7 @@ async def port(request):
     if request.param == "h2":
         server = ExtProcServer(
             EchoHandler,
-            {accesslog.EXPORT_PATH: UnaryMethod(accesslog.ExportRequest, EXPORT, accesslog.MAX_EXPORT_BYTES)},
+            {accesslog.EXPORT_PATH: UnaryMethod(accesslog.ExportRecords, EXPORT, accesslog.MAX_EXPORT_BYTES)},
         )
         await server.start("127.0.0.1", 0)
         try:

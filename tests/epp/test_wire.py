@@ -1,11 +1,19 @@
 """The ext_proc answers composed from bytes (epp/handlers/wire.py) are the messages built field by field: each one
-parses to what the protobuf classes build, and the body chunks are byte for byte what they serialize."""
+parses to what the protobuf classes build, and the body chunks are byte for byte what they serialize. The readers
+(request headers, access-log records) read what the protobuf classes read, and refuse malformed bytes with
+DecodeError, as they do."""
+
+import contextlib
 
 import pytest
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from google.protobuf.message import DecodeError
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from opentelemetry.proto.common.v1 import common_pb2
 
-from epp.handlers import wire
+from epp.handlers import accesslog, wire
 from epp.handlers.extproc import CONTINUE_AND_REPLACE, OVERWRITE, RequestStream, streamed_chunk
 from epp.requestcontrol.types import RoutingDecision
 from protocol import extproc
@@ -86,3 +94,98 @@ def test_routing_answers_parse_to_the_messages_built_field_by_field(headers_phas
     stream.response_full_duplex = False
     answers = stream._answers(decision, headers_phase)
     assert [pb.ProcessingResponse.FromString(a) for a in answers] == _expected(decision, headers_phase)
+
+
+def _header_map_as_the_classes_read_it(data: bytes) -> dict[str, str]:
+    """What the handler read through the message classes before `wire.header_map`."""
+    headers = {}
+    for h in base_pb2.HeaderMap.FromString(data).headers:
+        headers[h.key.lower()] = h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
+    return headers
+
+
+_NAMES = st.sampled_from([":path", ":method", "Content-Type", "x-request-id", "X-Gateway-Model-Name", "ÄÖ", "a" * 200])
+_HEADER = st.tuples(_NAMES | st.text(max_size=20), st.text(max_size=300), st.binary(max_size=300))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_HEADER, max_size=12), st.booleans())
+def test_header_map_reads_what_the_message_classes_read(headers, unknown_field):
+    message = base_pb2.HeaderMap()
+    for name, value, raw in headers:  # value, raw_value or both, as a proxy may send them
+        message.headers.add(key=name, value=value, raw_value=raw)
+    data = message.SerializeToString()
+    if unknown_field:  # a field this reader does not know (a newer proxy's): skipped, as the classes skip it
+        data += wire.varint(7 << 3 | 2) + wire.varint(3) + b"abc" + wire.varint(9 << 3) + wire.varint(2**40)
+    assert wire.header_map(data) == _header_map_as_the_classes_read_it(data)
+
+
+def _records_as_the_classes_read_them(data: bytes) -> list[tuple[str, dict[str, str]]]:
+    records = []
+    for resource in accesslog.ExportRequest.FromString(data).resource_logs:
+        for scope in getattr(resource, accesslog._SCOPES):
+            for record in getattr(scope, accesslog._RECORDS):
+                attributes = {a.key: a.value.string_value for a in record.attributes}
+                records.append((record.body.string_value, attributes))
+    return records
+
+
+_VALUE = st.one_of(
+    st.text(max_size=30).map(lambda text: common_pb2.AnyValue(string_value=text)),
+    st.integers(-(2**63), 2**63 - 1).map(lambda number: common_pb2.AnyValue(int_value=number)),
+    st.floats(allow_nan=False).map(lambda number: common_pb2.AnyValue(double_value=number)),
+    st.booleans().map(lambda flag: common_pb2.AnyValue(bool_value=flag)),
+    st.binary(max_size=30).map(lambda raw: common_pb2.AnyValue(bytes_value=raw)),
+)
+_KEYS = st.sampled_from([accesslog.TTFT_ATTRIBUTE, accesslog.STATUS_ATTRIBUTE, accesslog.UPSTREAM_ATTRIBUTE, "other"])
+_RECORD = st.tuples(_VALUE, st.lists(st.tuples(_KEYS, _VALUE), max_size=5), st.integers(0, 2**64 - 1))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.lists(st.lists(_RECORD, max_size=4), max_size=3), max_size=3))
+def test_log_records_reads_what_the_message_classes_read(resources):
+    request = accesslog.ExportRequest()
+    for scopes in resources:
+        resource = request.resource_logs.add()
+        resource.resource.attributes.add(key="service.name", value=common_pb2.AnyValue(string_value="envoy"))
+        for records in scopes:
+            scope = getattr(resource, accesslog._SCOPES).add()
+            scope.schema_url = "https://opentelemetry.io/schemas/1.0"  # a field beside the records: skipped
+            for body, attributes, time_unix_nano in records:
+                record = getattr(scope, accesslog._RECORDS).add(time_unix_nano=time_unix_nano, severity_text="INFO")
+                record.body.CopyFrom(body)
+                for key, value in attributes:
+                    record.attributes.add(key=key, value=value)
+    data = request.SerializeToString()
+    assert wire.log_records(data) == _records_as_the_classes_read_them(data)
+    assert accesslog.ExportRecords.FromString(memoryview(data)) == wire.log_records(data)  # (a large one's view)
+
+
+@pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
+@settings(max_examples=2000, deadline=None)
+@given(st.binary(max_size=200), st.integers(0, 199))
+def test_the_readers_refuse_malformed_bytes_as_the_message_classes_do(noise, cut):
+    """Bytes that are not a message raise DecodeError (the transports answer INVALID_ARGUMENT), never another
+    error; cut messages and random bytes alike."""
+    export = accesslog.export_request([("request-1", "1500", "200", "10.0.0.1:8000")]).SerializeToString()
+    headers = base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key="a", raw_value=b"b")]).SerializeToString()
+    for read, data in ((wire.log_records, export), (wire.header_map, headers)):
+        for candidate in (data[: cut % (len(data) + 1)], noise, data + noise):
+            with contextlib.suppress(DecodeError):
+                read(candidate)
+
+
+def test_overlong_and_truncated_varints_are_malformed():
+    lengths_over_c_int = (b"\x12\xbc\xd7\xcd\x90\x09", b"\x0a" + b"\xff" * 8 + b"\x7f")  # 2^31 and more, 2^63 - 1
+    for data in (
+        b"\x0a" + b"\xff" * 10 + b"\x01",
+        b"\x0a\x80",
+        b"\x0a\x05abc",
+        b"\x0b",
+        b"\x0a\x02\x0a\x05",
+        *lengths_over_c_int,
+    ):
+        with pytest.raises(DecodeError):
+            wire.header_map(data)
+        with pytest.raises(DecodeError):
+            wire.log_records(data)
