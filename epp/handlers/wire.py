@@ -75,8 +75,8 @@ def _next_field(data: bytes, position: int, end: int) -> tuple[int, int, int]:
         shift += 7
         if shift > 56:  # (what this reads fits a C integer)
             return -1, end, end
-    wire_type = key & 7
-    if wire_type == VARINT:  # its value is not read: up to 10 bytes (a negative int64) are skipped
+    wire_type = key & 7  # (compared with literals below: Cython compares C integers with those, not with globals)
+    if wire_type == 0:  # VARINT: its value is not read; up to 10 bytes (a negative int64) are skipped
         start = position
         while position < end and position - start < 10:
             byte = data[position]
@@ -84,7 +84,7 @@ def _next_field(data: bytes, position: int, end: int) -> tuple[int, int, int]:
             if byte < 0x80:
                 return key, start, position
         return -1, end, end
-    if wire_type == LENGTH_DELIMITED:
+    if wire_type == 2:  # LENGTH_DELIMITED
         value = shift = 0
         while True:
             if position >= end:
