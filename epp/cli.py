@@ -35,6 +35,7 @@ from epp.grpc_h2 import MAX_CONNECTIONS, ExtProcServer, UnaryMethod
 from epp.handlers import ByteBudget, Reply, accesslog
 from epp.handlers.extproc import DEFAULT_MAX_BODY_BYTES, RequestStream
 from epp.handlers.grpcio import access_log_service, ext_proc_service
+from epp.handlers.wire import ExtProcRequest
 from epp.health import HealthState
 from epp.leader import LeaseElector
 from epp.metrics import EPPMetrics, MetricsPage
@@ -249,10 +250,13 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
                 )
             },
             args.max_ext_proc_connections,
+            ExtProcRequest,
         )
     else:
         server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 * 1024 * 1024)])
-        server.add_generic_rpc_handlers([ext_proc_service(new_stream), access_log_service(export_access_log)])
+        server.add_generic_rpc_handlers(
+            [ext_proc_service(new_stream, ExtProcRequest), access_log_service(export_access_log)]
+        )
         server.add_insecure_port(f"{args.bind_address}:{args.grpc_port}")
     health = HealthState()
     health_server = grpc.aio.server()

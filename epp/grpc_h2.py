@@ -488,6 +488,7 @@ class ExtProcConnection(asyncio.Protocol):
                 return
             if path == PROCESS_PATH:
                 stream.handler = self.server.new_handler(functools.partial(self._reply, stream))
+                stream.request_type = self.server.request_type
             elif path in self.server.unary:
                 stream.handler = method = self.server.unary[path]
                 stream.request_type, stream.max_message = method.request_type, method.max_message
@@ -752,15 +753,19 @@ class ExtProcServer:
     """Listens for Envoy's ext_proc connections. `new_handler(reply)` makes one handler per stream (the interface is
     in `epp.handlers`); `unary` maps the paths of further unary methods ("/package.Service/Method") to what serves
     them. Its connections share one budget for the messages they reassemble, and there are at most
-    `max_connections` of them: a peer that connects beyond gets SETTINGS and GOAWAY (ENHANCE_YOUR_CALM)."""
+    `max_connections` of them: a peer that connects beyond gets SETTINGS and GOAWAY (ENHANCE_YOUR_CALM).
+    `request_type` is what Process's messages are parsed into (its FromString): the message class, or the EPP
+    handler's `epp.handlers.wire.ExtProcRequest`, read from the wire bytes."""
 
     def __init__(
         self,
         new_handler: NewHandler,
         unary: Mapping[bytes, UnaryMethod] | None = None,
         max_connections: int = MAX_CONNECTIONS,
+        request_type: type = pb.ProcessingRequest,
     ):
         self.new_handler = new_handler
+        self.request_type = request_type
         self.unary = dict(unary or {})
         self.max_connections = max_connections
         self.partial = ByteBudget(MAX_PARTIAL_BYTES)

@@ -67,6 +67,7 @@ from epp.grpc_h2 import (
 )
 from epp.handlers import ByteBudget, accesslog
 from epp.handlers.extproc import RequestStream
+from epp.handlers.wire import ExtProcRequest
 from epp.metrics import EPPMetrics
 from epp.requestcontrol.director import Director
 from epp.scheduling.scheduler import DEFAULT_CONFIG, Scheduler
@@ -294,11 +295,13 @@ def measure(
     def new_stream(reply):
         return RequestStream(director, reply, budget)
 
-    connection = ExtProcConnection(ExtProcServer(new_stream))
+    connection = ExtProcConnection(ExtProcServer(new_stream, request_type=ExtProcRequest))
     export = UnaryMethod(
         accesslog.ExportRecords, accesslog.export_handler(director.on_access_log), accesslog.MAX_EXPORT_BYTES
     )
-    log_connection = ExtProcConnection(ExtProcServer(new_stream, {accesslog.EXPORT_PATH: export}))
+    log_connection = ExtProcConnection(
+        ExtProcServer(new_stream, {accesslog.EXPORT_PATH: export}, request_type=ExtProcRequest)
+    )
     for conn, sink in ((connection, transport), (log_connection, log_transport)):
         conn.connection_made(sink)
         # the client's preface, and a connection window no round uses up (Envoy returns it with WINDOW_UPDATEs)

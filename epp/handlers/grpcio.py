@@ -15,13 +15,14 @@ from epp.handlers import NewHandler, accesslog, oversized_messages
 log = logging.getLogger("epp.handlers.grpcio")
 
 
-def ext_proc_service(new_handler: NewHandler) -> grpc.GenericRpcHandler:
-    """ExternalProcessor/Process on this server; the handlers' answers are serialized already (sent as they are)."""
+def ext_proc_service(new_handler: NewHandler, request_type: type = pb.ProcessingRequest) -> grpc.GenericRpcHandler:
+    """ExternalProcessor/Process on this server; the handlers' answers are serialized already (sent as they are).
+    `request_type` is what the messages are parsed into, as on the h2 transport (`epp.grpc_h2.ExtProcServer`)."""
     return grpc.method_handlers_generic_handler(
         "envoy.service.ext_proc.v3.ExternalProcessor",
         {
             "Process": grpc.stream_stream_rpc_method_handler(
-                ExternalProcessor(new_handler).Process, request_deserializer=pb.ProcessingRequest.FromString
+                ExternalProcessor(new_handler).Process, request_deserializer=request_type.FromString
             )
         },
     )

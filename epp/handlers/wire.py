@@ -60,21 +60,26 @@ class WireError(DecodeError):
     """Bytes that are not a well-formed protobuf message."""
 
 
+def _varint(data: bytes, position: int, end: int) -> tuple[int, int]:
+    """The varint at `position` and the position after it; position -1 when it is cut off by `end` or longer than
+    what this reads (63 bits: a C integer)."""
+    value = shift = 0
+    while position < end and shift <= 56:
+        byte = data[position]
+        position += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, position
+        shift += 7
+    return 0, -1
+
+
 def _next_field(data: bytes, position: int, end: int) -> tuple[int, int, int]:
     """The field at `position`: its key (field number << 3 | wire type), where its value starts and where it ends
     (a length-delimited field's value is its payload). Key -1: the bytes up to `end` are not a well-formed field."""
-    key = shift = 0
-    while True:
-        if position >= end:
-            return -1, end, end
-        byte = data[position]
-        position += 1
-        key |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            break
-        shift += 7
-        if shift > 56:  # (what this reads fits a C integer)
-            return -1, end, end
+    key, position = _varint(data, position, end)
+    if position < 0:
+        return -1, end, end
     wire_type = key & 7  # (compared with literals below: Cython compares C integers with those, not with globals)
     if wire_type == 0:  # VARINT: its value is not read; up to 10 bytes (a negative int64) are skipped
         start = position
@@ -85,21 +90,10 @@ def _next_field(data: bytes, position: int, end: int) -> tuple[int, int, int]:
                 return key, start, position
         return -1, end, end
     if wire_type == 2:  # LENGTH_DELIMITED
-        value = shift = 0
-        while True:
-            if position >= end:
-                return -1, end, end
-            byte = data[position]
-            position += 1
-            value |= (byte & 0x7F) << shift
-            if byte < 0x80:
-                break
-            shift += 7
-            if shift > 56:
-                return -1, end, end
-        if value > end - position:
+        length, position = _varint(data, position, end)
+        if position < 0 or length > end - position:
             return -1, end, end
-        return key, position, position + value
+        return key, position, position + length
     size = 8 if wire_type == 1 else 4 if wire_type == 5 else end  # 64-bit, 32-bit; groups are not read here
     if size > end - position:
         return -1, end, end
@@ -138,7 +132,13 @@ def header_map(data: bytes) -> dict[str, str]:
     empty; a name that comes twice keeps its last value. From the wire bytes, reading builds a name and a value per
     header, where the message classes build an object per header and per field read."""
     headers = {}
-    position, end = 0, len(data)
+    _add_headers(headers, data, 0, len(data))
+    return headers
+
+
+def _add_headers(headers: dict[str, str], data: bytes, start: int, end: int) -> None:
+    """`header_map` of the HeaderMap between `start` and `end`, added to `headers`."""
+    position = start
     while position < end:
         key, header_at, position = _next_field(data, position, end)
         if key != 0x0A:  # not a header (field 1)
@@ -165,7 +165,6 @@ def header_map(data: bytes) -> dict[str, str]:
                 name = name.lower()
                 break
         headers[name] = data[value_at:value_end].decode("utf-8", "replace")
-    return headers
 
 
 def log_records(data: bytes) -> list[tuple[str, dict[str, str]]]:
@@ -199,3 +198,89 @@ def log_records(data: bytes) -> list[tuple[str, dict[str, str]]]:
                         raise WireError("a malformed log record")
                 records.append((body, attributes))
     return records
+
+
+# The ProcessingRequest (envoy.service.ext_proc.v3) fields `processing_request` reads, by number: its `request` oneof
+# (2-7), then HttpHeaders' and HttpBody's fields. tests/epp/test_wire.py checks them against the descriptors.
+REQUEST_KINDS = (
+    "",
+    "",
+    "request_headers",
+    "response_headers",
+    "request_body",
+    "response_body",
+    "request_trailers",
+    "response_trailers",
+)
+
+
+class ExtProcRequest:
+    """A ProcessingRequest as the ext_proc handler reads it (`processing_request`): which of the `request` oneof it
+    holds (`kind`, "" when none), a headers message's headers (as `header_map` reads them) or a body message's
+    bytes, its end_of_stream, the protocol_config's body modes (None without one), and `raw`, the message's bytes:
+    the rare parts (metadata_context, attributes: `has_metadata`) are parsed from them by the message classes when
+    the handler reads them."""
+
+    __slots__ = ("body", "body_modes", "end_of_stream", "has_metadata", "headers", "kind", "raw")
+
+    def __init__(self, raw: bytes) -> None:
+        self.raw = raw
+        self.kind = ""
+        self.headers: dict[str, str] = {}
+        self.body = b""
+        self.end_of_stream = False
+        self.body_modes: tuple[int, int] | None = None
+        self.has_metadata = False
+
+    @staticmethod
+    def FromString(data: bytes | memoryview) -> ExtProcRequest:  # (named as a message type's: the transports call it)
+        return processing_request(data if isinstance(data, bytes) else bytes(data))
+
+
+ExtProcRequest.__name__ = "ProcessingRequest"  # the transports' refusals name the message the proxy sent
+
+
+def processing_request(data: bytes) -> ExtProcRequest:
+    """The fields of a serialized ProcessingRequest the ext_proc handler reads (`ExtProcRequest`), read as the
+    message classes read them: of the oneof the last member wins, and a member that comes twice merges (headers
+    add up; a body or end_of_stream that comes again replaces the earlier one). Malformed bytes raise WireError."""
+    request = ExtProcRequest(data)
+    position, end = 0, len(data)
+    kind = 0
+    while position < end:
+        key, value_at, position = _next_field(data, position, end)
+        number = key >> 3
+        if 2 <= number <= 7 and key & 7 == 2:  # a member of the request oneof
+            if number != kind:  # (another member clears what an earlier one set)
+                kind = number
+                request.headers, request.body, request.end_of_stream = {}, b"", False
+            inner = value_at if number <= 5 else position  # (the handler reads nothing of the trailers)
+            while inner < position:
+                key, field_at, inner = _next_field(data, inner, position)
+                if key == 0x0A:  # HttpHeaders.headers, HttpBody.body
+                    if number <= 3:
+                        _add_headers(request.headers, data, field_at, inner)
+                    else:
+                        request.body = data[field_at:inner]
+                elif (key == 0x18 and number <= 3) or (key == 0x10 and 4 <= number <= 5):  # end_of_stream
+                    request.end_of_stream = _varint(data, field_at, inner)[0] != 0
+                elif key < 0:
+                    raise WireError("a malformed field")
+        elif number == 8 or number == 9:  # metadata_context, attributes
+            request.has_metadata = True
+        elif key == 0x5A:  # protocol_config
+            request_mode = response_mode = 0
+            inner = value_at
+            while inner < position:
+                key, field_at, inner = _next_field(data, inner, position)
+                if key == 0x08:
+                    request_mode = _varint(data, field_at, inner)[0]
+                elif key == 0x10:
+                    response_mode = _varint(data, field_at, inner)[0]
+                elif key < 0:
+                    raise WireError("a malformed field")
+            request.body_modes = (request_mode, response_mode)
+        elif key < 0:
+            raise WireError("a malformed field")
+    request.kind = REQUEST_KINDS[kind]
+    return request

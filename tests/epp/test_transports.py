@@ -12,9 +12,13 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
+from epp.bench.handler_cpu import _director
 from epp.grpc_h2 import ExtProcServer, UnaryMethod
-from epp.handlers import accesslog
+from epp.handlers import ByteBudget, accesslog
+from epp.handlers.extproc import RequestStream
 from epp.handlers.grpcio import access_log_service, ext_proc_service
+from epp.handlers.wire import ExtProcRequest
+from protocol import extproc
 
 PROCESS = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
 DEFER_SECONDS = 0.05
@@ -279,3 +283,37 @@ async def test_an_export_over_its_limit_is_refused_unparsed_and_the_connection_g
         assert ACCESS_LOG_RECORDS == []
         assert await export(access_log_export(("a", "1500"))) == b""
     assert ACCESS_LOG_RECORDS == [("a", 0.0015, "", None)]
+
+
+@pytest.mark.parametrize("transport", ["h2", "grpcio"])
+async def test_the_epp_handler_routes_over_either_transport_reading_messages_from_their_bytes(transport):
+    """As epp/cli.py serves it: RequestStreams over each transport, the messages read as `wire.ExtProcRequest`."""
+    director = _director()
+    hostports = {e.hostport for e in director.datastore.endpoints}
+
+    def new_stream(reply):
+        return RequestStream(director, reply, ByteBudget(1 << 20))
+
+    if transport == "h2":
+        server = ExtProcServer(new_stream, request_type=ExtProcRequest)
+        await server.start("127.0.0.1", 0)
+        port, stop = server.port, server.stop
+    else:
+        server = grpc.aio.server()
+        server.add_generic_rpc_handlers([ext_proc_service(new_stream, ExtProcRequest)])
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        stop = server.stop
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            call = pb_grpc.ExternalProcessorStub(channel).Process()
+            await call.write(headers(("content-type", "application/json"), ("X-Request-Id", "r-1")))
+            assert (await call.read()).request_headers.response == pb.CommonResponse()  # BUFFERED: answered at once
+            await call.write(body(b'{"model": "food-review", "prompt": "hi"}'))
+            answer = (await call.read()).request_body.response.header_mutation.set_headers
+            routed = {h.header.key: h.header.raw_value.decode() for h in answer}
+            assert routed[extproc.DESTINATION_ENDPOINT_HEADER] in hostports
+            assert routed[extproc.REQUEST_ID_HEADER] == "r-1"  # (read from a header that came capitalized)
+            await call.done_writing()
+    finally:
+        await stop(0.2)
