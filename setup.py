@@ -1,13 +1,14 @@
 """Compiles the EPP's request path with Cython when a C compiler is at hand; pure Python otherwise.
 
 The source stays plain Python: Cython turns each module below into a C extension with the same behaviour, which
-takes the EPP's handler path from ~72 to ~45 µs of CPU per request (`epp-bench handler-cpu`). A build without a compiler, or with EPP_PURE_PYTHON=1 set, installs the same
-modules as Python, and the EPP runs them as they are. At run time, `epp.compiled` loads a module from its source
-instead when the source has changed since it was compiled (an editable install that was not rebuilt), or for every
-module when EPP_PURE_PYTHON=1 is set (profilers see into Python functions only).
+takes the EPP's handler path from ~72 to ~45 µs of CPU per request (`epp-bench handler-cpu`). A build without a
+compiler, or with EPP_PURE_PYTHON=1 set, installs the same modules as Python, and the EPP runs them as they are. At
+run time, `epp.compiled` loads a module from its source instead when the source has changed since it was compiled
+(an editable install that was not rebuilt), or for every module when EPP_PURE_PYTHON=1 is set (profilers see into
+Python functions only).
 
 Annotations document; they do not become C types. The one place with C types is `epp/handlers/wire.pxd`: Cython's
-declarations for the loops that read protobuf wire bytes (request headers, access-log records), which untyped run
+declarations for the loops that read protobuf wire bytes (ext_proc messages, access-log records), which untyped run
 slower than protobuf's own accessors. wire.py itself stays plain Python and runs as such when not compiled.
 """
 
