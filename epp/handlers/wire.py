@@ -1,4 +1,5 @@
-"""Protobuf's wire format, composed by hand for the answers the ext_proc handler sends on every request.
+"""Protobuf's wire format, by hand: composed for the answers the ext_proc handler sends on every request, and read
+for the messages it takes (ext_proc requests, the access log's records).
 
 Why: building a ProcessingResponse through the message classes allocates a Python object per nested message and
 field, copies the cached routing part in (MergeFrom) and serializes it all; composed from bytes, the routing answer
@@ -10,6 +11,12 @@ merge, repeated fields append). So an answer is the cached bytes of what every a
 then the bytes of the request's own fields, each nested in the fields that lead to it.
 
 Field numbers come from the message descriptors (`key`), so the code names fields, not numbers.
+
+The readers walk the bytes once (`_next_field`) and build only what the handler keeps: the strings of the headers
+and records, a body's bytes. Through the message classes every message, header, record and field read was a Python
+object of its own: the handler path took 874 thousand instructions a request, 808 from the bytes. Their loops are
+C-typed by wire.pxd when compiled, so there they compare field keys as literal numbers (tests/epp/test_wire.py checks
+the numbers against the descriptors, and everything read against what the message classes read).
 """
 
 from __future__ import annotations
