@@ -17,8 +17,6 @@ cdef list _fields(bytes data, Py_ssize_t start, Py_ssize_t end, Py_ssize_t wante
 @cython.locals(position=cython.Py_ssize_t, key=cython.Py_ssize_t, value_at=cython.Py_ssize_t)
 cdef str _string_value(bytes data, Py_ssize_t start, Py_ssize_t end)
 
-cpdef dict header_map(bytes data)
-
 @cython.locals(position=cython.Py_ssize_t, key=cython.Py_ssize_t, header_at=cython.Py_ssize_t,
                inner=cython.Py_ssize_t, field_at=cython.Py_ssize_t, name_at=cython.Py_ssize_t,
                name_end=cython.Py_ssize_t, value_at=cython.Py_ssize_t, value_end=cython.Py_ssize_t,

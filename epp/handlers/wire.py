@@ -133,18 +133,10 @@ def _string_value(data: bytes, start: int, end: int) -> str:
     return value
 
 
-def header_map(data: bytes) -> dict[str, str]:
-    """The headers of a serialized HeaderMap (envoy.config.core.v3), as the ext_proc handler keeps them: each name
-    lowercased, each value its raw_value decoded as UTF-8 (invalid bytes replaced), or its value when raw_value is
-    empty; a name that comes twice keeps its last value. From the wire bytes, reading builds a name and a value per
-    header, where the message classes build an object per header and per field read."""
-    headers = {}
-    _add_headers(headers, data, 0, len(data))
-    return headers
-
-
 def _add_headers(headers: dict[str, str], data: bytes, start: int, end: int) -> None:
-    """`header_map` of the HeaderMap between `start` and `end`, added to `headers`."""
+    """The headers of the HeaderMap (envoy.config.core.v3) between `start` and `end`, added to `headers` as the
+    ext_proc handler keeps them: each name lowercased, each value its raw_value decoded as UTF-8 (invalid bytes
+    replaced), or its value when raw_value is empty; a name that comes twice keeps its last value."""
     position = start
     while position < end:
         key, header_at, position = _next_field(data, position, end)
@@ -223,7 +215,7 @@ REQUEST_KINDS = (
 
 class ExtProcRequest:
     """A ProcessingRequest as the ext_proc handler reads it (`processing_request`): which of the `request` oneof it
-    holds (`kind`, "" when none), a headers message's headers (as `header_map` reads them) or a body message's
+    holds (`kind`, "" when none), a headers message's headers (as `_add_headers` reads them) or a body message's
     bytes, its end_of_stream, the protocol_config's body modes (None without one), and `raw`, the message's bytes:
     the rare parts (metadata_context, attributes: `has_metadata`) are parsed from them by the message classes when
     the handler reads them."""
@@ -258,9 +250,10 @@ def processing_request(data: bytes) -> ExtProcRequest:
         key, value_at, position = _next_field(data, position, end)
         number = key >> 3
         if 2 <= number <= 7 and key & 7 == 2:  # a member of the request oneof
-            if number != kind:  # (another member clears what an earlier one set)
+            if number != kind:
+                if kind:  # another member clears what an earlier one set
+                    request.headers, request.body, request.end_of_stream = {}, b"", False
                 kind = number
-                request.headers, request.body, request.end_of_stream = {}, b"", False
             inner = value_at if number <= 5 else position  # (the handler reads nothing of the trailers)
             while inner < position:
                 key, field_at, inner = _next_field(data, inner, position)

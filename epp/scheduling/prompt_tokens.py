@@ -262,7 +262,7 @@ class PieceEncoder:
         if len(cache) + len(new) > MAX_CACHED_PIECES:
             cache.clear()
         if len(new) * WHOLE_TEXT_CHARS_PER_NEW_PIECE > len(text):
-            return self._encode_whole(text, pieces, cache)
+            return self._encode_whole(text, pieces)
         for piece, piece_ids in zip(new, self.tokenizer.encode_batch(new), strict=True):
             known[piece] = piece_ids
             if len(piece) <= MAX_CACHED_PIECE_CHARS and len(cache) < MAX_CACHED_PIECES:
@@ -272,9 +272,10 @@ class PieceEncoder:
             ids += known[piece]
         return ids
 
-    def _encode_whole(self, text: str, pieces: list[str], cache: dict[str, tuple[int, ...]]) -> list[int]:
+    def _encode_whole(self, text: str, pieces: list[str]) -> list[int]:
         """The tokenizer's ids of the whole text, and each piece's ids into the cache (the tokenizer numbers its
         pre-tokens: `word_ids`). The batch API: it releases the GIL."""
+        cache = self._pieces
         encoding = self.tokenizer.backend.encode_batch([text], add_special_tokens=False)[0]
         ids, words = encoding.ids, encoding.word_ids
         if not words or words[-1] != len(pieces) - 1:

@@ -20,14 +20,15 @@ PoolChanged); plugins listed under `plugins` but not in the profile get nothing.
 `max-score-picker`. With no config at all, DEFAULT_CONFIG applies: the latency predictor's filters (slo-headroom-filter,
 slo-interference-filter, predicted-latency-filter: each passes every endpoint until the predictor has learnt from
 timings the gateway sends, epp.handlers.accesslog, and is not called until then), then predicted-latency-scorer 5
-(`replaces: load`: once the predictor has learnt, it takes the place of the load scorers, queue, KV usage and in-flight
-tokens, with their summed weight; their request counts sent long prompts behind another long prompt's prefill), queue-scorer 2,
-kv-cache-utilization-scorer 2, prefix-cache-scorer 3 and precise-prefix-cache-scorer 3 (each endpoint gets one of the
-two: the precise one for endpoints that publish KV events, the approximate one for the rest), lora-affinity-scorer 1
-(neutral for base-model requests, so it only matters for adapters), in-flight-tokens-scorer 1 (a long prompt's prefill,
-which request counts miss) and max-score-picker, whose pick the scheduler follows with two fallbacks (RESULT_ENDPOINTS,
-for any profile: the gateway retries on them when the pick refuses the connection). Every error in a config is a
-ConfigError at startup, including a plugin that consumes data nothing produces (framework.check_data_dependencies).
+(`replaces: load`: once the predictor has learnt, it takes the place of the load scorers, queue, KV usage and
+in-flight tokens, with their summed weight; their request counts sent long prompts behind another long prompt's
+prefill), queue-scorer 2, kv-cache-utilization-scorer 2, prefix-cache-scorer 3 and precise-prefix-cache-scorer 3
+(each endpoint gets one of the two: the precise one for endpoints that publish KV events, the approximate one for
+the rest), lora-affinity-scorer 1 (neutral for base-model requests, so it only matters for adapters),
+in-flight-tokens-scorer 1 (a long prompt's prefill, which request counts miss) and max-score-picker, whose pick the
+scheduler follows with two fallbacks (RESULT_ENDPOINTS, for any profile: the gateway retries on them when the pick
+refuses the connection). Every error in a config is a ConfigError at startup, including a plugin that consumes data
+nothing produces (framework.check_data_dependencies).
 """
 
 from __future__ import annotations

@@ -96,8 +96,16 @@ def test_routing_answers_parse_to_the_messages_built_field_by_field(headers_phas
     assert [pb.ProcessingResponse.FromString(a) for a in answers] == _expected(decision, headers_phase)
 
 
+_IN_REQUEST_HEADERS = (wire.key(pb.ProcessingRequest, "request_headers"), wire.key(pb.HttpHeaders, "headers"))
+
+
+def _read_header_map(data: bytes) -> dict[str, str]:
+    """The handler's reading of a serialized HeaderMap, nested in a request_headers message as Envoy sends it."""
+    return wire.processing_request(wire.nesting(_IN_REQUEST_HEADERS, len(data)) + data).headers
+
+
 def _header_map_as_the_classes_read_it(data: bytes) -> dict[str, str]:
-    """What the handler read through the message classes before `wire.header_map`."""
+    """What the handler read through the message classes before the wire readers."""
     headers = {}
     for h in base_pb2.HeaderMap.FromString(data).headers:
         headers[h.key.lower()] = h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
@@ -110,14 +118,14 @@ _HEADER = st.tuples(_NAMES | st.text(max_size=20), st.text(max_size=300), st.bin
 
 @settings(max_examples=300, deadline=None)
 @given(st.lists(_HEADER, max_size=12), st.booleans())
-def test_header_map_reads_what_the_message_classes_read(headers, unknown_field):
+def test_the_headers_read_are_what_the_message_classes_read(headers, unknown_field):
     message = base_pb2.HeaderMap()
     for name, value, raw in headers:  # value, raw_value or both, as a proxy may send them
         message.headers.add(key=name, value=value, raw_value=raw)
     data = message.SerializeToString()
     if unknown_field:  # a field this reader does not know (a newer proxy's): skipped, as the classes skip it
         data += wire.varint(7 << 3 | 2) + wire.varint(3) + b"abc" + wire.varint(9 << 3) + wire.varint(2**40)
-    assert wire.header_map(data) == _header_map_as_the_classes_read_it(data)
+    assert _read_header_map(data) == _header_map_as_the_classes_read_it(data)
 
 
 def _records_as_the_classes_read_them(data: bytes) -> list[tuple[str, dict[str, str]]]:
@@ -169,7 +177,7 @@ def test_the_readers_refuse_malformed_bytes_as_the_message_classes_do(noise, cut
     error; cut messages and random bytes alike."""
     export = accesslog.export_request([("request-1", "1500", "200", "10.0.0.1:8000")]).SerializeToString()
     headers = base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key="a", raw_value=b"b")]).SerializeToString()
-    for read, data in ((wire.log_records, export), (wire.header_map, headers)):
+    for read, data in ((wire.log_records, export), (_read_header_map, headers)):
         for candidate in (data[: cut % (len(data) + 1)], noise, data + noise):
             with contextlib.suppress(DecodeError):
                 read(candidate)
@@ -186,7 +194,7 @@ def test_overlong_and_truncated_varints_are_malformed():
         *lengths_over_c_int,
     ):
         with pytest.raises(DecodeError):
-            wire.header_map(data)
+            _read_header_map(data)
         with pytest.raises(DecodeError):
             wire.log_records(data)
 

@@ -18,8 +18,8 @@ scores is exact). A new 8k-token prompt costs its first, short segment, ~0.16 ms
 (epp/bench/tokenize.py). In a worker thread when the part of the prompt the per-prefix cache does not hold is
 longer than `threadPromptChars` (the tokenizer releases the GIL; the pre-token cache holds it a segment at a time),
 so a 64k-token prompt that a server holds does not stall the event loop while a conversation's next turn does not
-pay for a thread hop. Block digests are cached per token prefix (`blockHashCacheBlocks`), so a prompt that extends an earlier one hashes only
-its new blocks.
+pay for a thread hop. Block digests are cached per token prefix (`blockHashCacheBlocks`), so a prompt that extends
+an earlier one hashes only its new blocks.
 Reads: the request body (PrepareData), the KV-event index, the candidates' queue depths (load guard). Writes:
 PROMPT_BLOCKS (the held leading blocks' hashes and the prompt's block count).
 
