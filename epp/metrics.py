@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from bisect import bisect_left
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -63,7 +62,16 @@ class _Buckets:
         self.sum = 0.0
 
     def observe(self, value: float) -> None:
-        self.counts[bisect_left(self.bounds, value)] += 1  # the first bucket whose upper bound is >= value
+        bounds = self.bounds
+        low, high = 0, len(bounds)
+        while low < high:  # the first bucket whose upper bound is >= value: bisect_left, on C doubles when compiled
+            middle = (low + high) // 2
+            bound = bounds[middle]
+            if value <= bound:
+                high = middle
+            else:  # (NaN too: it counts in the +Inf bucket, as in Prometheus's Go client)
+                low = middle + 1
+        self.counts[low] += 1
         self.sum += value
 
 

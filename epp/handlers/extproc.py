@@ -100,16 +100,28 @@ def _routing_answer(hostports: tuple[str, ...], headers_phase: bool) -> bytes:
     return answer.SerializeToString()
 
 
+_STREAMED_RESPONSE_IN = {  # the fields that nest a StreamedBodyResponse in each direction's answer
+    direction: (
+        wire.key(pb.ProcessingResponse, f"{direction}_body"),
+        _COMMON,
+        _BODY_MUTATION,
+        wire.key(pb.BodyMutation, "streamed_response"),
+    )
+    for direction in ("request", "response")
+}
+_STREAMED_BODY = wire.key(pb.StreamedBodyResponse, "body")
+_STREAMED_END = wire.key(pb.StreamedBodyResponse, "end_of_stream") + wire.varint(True)
+
+
 def streamed_chunk(direction: str, chunk: bytes, last: bool) -> bytes:
     """The answer that sends `chunk` of the request's ("request") or the response's ("response") streamed body on
-    (FULL_DUPLEX_STREAMED), `last` with end_of_stream. Built through attribute paths: one per streamed token, and
-    protobuf's C code nests it faster than composing its four levels by hand (1.1 against 1.8 µs)."""
-    answer = pb.ProcessingResponse()
-    to_body = answer.request_body if direction == "request" else answer.response_body
-    streamed = to_body.response.body_mutation.streamed_response
-    streamed.body = chunk
-    streamed.end_of_stream = last
-    return answer.SerializeToString()
+    (FULL_DUPLEX_STREAMED), `last` with end_of_stream. One per streamed token: composed from bytes it takes 0.39
+    against 0.84 µs through the message classes (compiled, a 100-byte SSE chunk); proto3 leaves out an empty body and
+    a false end_of_stream, and so does this (the same bytes as the classes', tests/epp/test_wire.py)."""
+    streamed = wire.field(_STREAMED_BODY, chunk) if chunk else b""
+    if last:
+        streamed += _STREAMED_END
+    return wire.nesting(_STREAMED_RESPONSE_IN[direction], len(streamed)) + streamed
 
 
 # The answers that are the same for every request: serialized once.
