@@ -7,10 +7,11 @@ run time, `epp.compiled` loads a module from its source instead when the source 
 (an editable install that was not rebuilt), or for every module when EPP_PURE_PYTHON=1 is set (profilers see into
 Python functions only).
 
-Annotations document; they do not become C types. Two .pxd files beside their modules hold Cython's C types, each
+Annotations document; they do not become C types. Cython's C types are in .pxd files beside three modules, each
 where untyped code measured slower: `epp/handlers/wire.pxd`, for the loops that read and compose protobuf wire bytes
-(ext_proc messages, access-log records, the answers), and `epp/metrics.pxd`, for the counters and histograms a
-request updates (~20 updates). The modules themselves stay plain Python and run as such when not compiled.
+(ext_proc messages, access-log records, the answers); `epp/metrics.pxd`, for the counters and histograms a request
+updates (~20 updates); `epp/grpc_h2.pxd`, for the HTTP/2 connection's and streams' fields and methods, which every
+frame reads and calls. The modules themselves stay plain Python and run as such when not compiled.
 """
 
 import importlib.util

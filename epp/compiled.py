@@ -66,7 +66,7 @@ class SourceGuard(importlib.abc.MetaPathFinder):
 
 def digest(source: Path) -> str:
     """The digest of what a module is compiled from: its source and, where it has one, the .pxd beside it (Cython's
-    declarations of C types for some of its functions and classes, `epp/handlers/wire.pxd`, `epp/metrics.pxd`)."""
+    declarations of C types for some of its functions and classes, as `epp/grpc_h2.pxd`)."""
     declarations = source.with_suffix(".pxd")
     content = source.read_bytes() + (declarations.read_bytes() if declarations.is_file() else b"")
     return hashlib.sha256(content).hexdigest()

@@ -176,7 +176,7 @@ class _Stream:
         self.handled = False  # a message reached the handler (a reset before that is "premature")
 
 
-class ExtProcConnection(asyncio.Protocol):
+class ExtProcConnection:
     """One HTTP/2 connection from Envoy; each stream is one HTTP request's ext_proc exchange."""
 
     # (slots: the hot path reads these on every frame, and with its 30th attribute in a dict an instance stopped
@@ -379,9 +379,15 @@ class ExtProcConnection(asyncio.Protocol):
         self.backlog = backlog
         return buffered
 
+    def pause_writing(self) -> None:
+        """The transport's buffer passed its high-water mark: `_write` counts it against the EPP-wide limit."""
+
     def resume_writing(self) -> None:
         """The transport's buffer drained below its low-water mark: the peer reads again."""
         self._count_backlog()
+
+    def eof_received(self) -> None:
+        """The proxy closed its side: the transport closes (answers to a closed peer go nowhere)."""
 
     # -- frames --------------------------------------------------------------------------------------------------
     def _on_frame(self, kind: int, flags: int, stream_id: int, payload: bytes) -> None:
