@@ -7,11 +7,12 @@ run time, `epp.compiled` loads a module from its source instead when the source 
 (an editable install that was not rebuilt), or for every module when EPP_PURE_PYTHON=1 is set (profilers see into
 Python functions only).
 
-Annotations document; they do not become C types. Cython's C types are in .pxd files beside three modules, each
+Annotations document; they do not become C types. Cython's C types are in .pxd files beside four modules, each
 where untyped code measured slower: `epp/handlers/wire.pxd`, for the loops that read and compose protobuf wire bytes
 (ext_proc messages, access-log records, the answers); `epp/metrics.pxd`, for the counters and histograms a request
-updates (~20 updates); `epp/grpc_h2.pxd`, for the HTTP/2 connection's and streams' fields and methods, which every
-frame reads and calls. The modules themselves stay plain Python and run as such when not compiled.
+updates (~20 updates); `epp/grpc_h2.pxd` and `epp/handlers/extproc.pxd`, for the objects every frame and message
+goes through (the HTTP/2 connection, its streams, the ext_proc handler): their fields as C fields, their own calls
+as C calls. The modules themselves stay plain Python and run as such when not compiled.
 """
 
 import importlib.util
