@@ -7,12 +7,13 @@ run time, `epp.compiled` loads a module from its source instead when the source 
 (an editable install that was not rebuilt), or for every module when EPP_PURE_PYTHON=1 is set (profilers see into
 Python functions only).
 
-Annotations document; they do not become C types. Cython's C types are in .pxd files beside four modules, each
+Annotations document; they do not become C types. Cython's C types are in .pxd files beside six modules, each
 where untyped code measured slower: `epp/handlers/wire.pxd`, for the loops that read and compose protobuf wire bytes
 (ext_proc messages, access-log records, the answers); `epp/metrics.pxd`, for the counters and histograms a request
-updates (~20 updates); `epp/grpc_h2.pxd` and `epp/handlers/extproc.pxd`, for the objects every frame and message
-goes through (the HTTP/2 connection, its streams, the ext_proc handler): their fields as C fields, their own calls
-as C calls. The modules themselves stay plain Python and run as such when not compiled.
+updates (~20 updates); `epp/grpc_h2.pxd`, `epp/handlers/extproc.pxd`, `epp/requestcontrol/director.pxd` and
+`types.pxd` beside it, for the objects every frame, message and request goes through (the HTTP/2 connection, its
+streams, the ext_proc handler, the director, the request's context): their fields as C fields, their own calls as C
+calls. The modules themselves stay plain Python and run as such when not compiled.
 """
 
 import importlib.util
@@ -90,8 +91,9 @@ def extensions() -> list:
         build_dir="build/cython",  # the generated C stays out of the packages
         language_level=3,
         quiet=True,
-        # Python semantics throughout: annotations document, they do not become C types
-        compiler_directives={"annotation_typing": False, "binding": True},
+        # Python semantics throughout: annotations document, they do not become C types; a None where a .pxd
+        # declares a class raises (AttributeError, TypeError) as Python would, rather than being read as one
+        compiler_directives={"annotation_typing": False, "binding": True, "nonecheck": True},
     )
     for module in modules:
         module.optional = True  # no compiler, or a compiler error: that module stays Python

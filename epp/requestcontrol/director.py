@@ -373,7 +373,8 @@ class Director:
                     limit,
                 )
             else:
-                self._settle(ctx, endpoint, now, output_tokens, *early[1:])
+                _, ttft, record_status, served = early
+                self._settle(ctx, endpoint, now, output_tokens, ttft, record_status, served)
             return
         self._settle(ctx, endpoint, now, output_tokens, None, "", None)
 

@@ -103,3 +103,16 @@ def test_the_request_path_runs_compiled_and_pure_python_on_demand():
     files = run(PRINT_FILES, EPP_PURE_PYTHON="1").splitlines()
     assert all(f.endswith(".py") for f in files), files
     assert run("from epp import compiled; print(compiled.summary())", EPP_PURE_PYTHON="1").startswith("pure Python")
+
+
+def test_a_none_where_a_pxd_declares_a_class_raises_as_python_does():
+    """The .pxd files type some arguments as classes (director.pxd: the request's context); compiled with nonecheck,
+    a None there raises AttributeError, as the pure Python does, instead of being read as that class."""
+    from epp.requestcontrol.director import Director
+    from tests.epp.test_server import make_picker
+
+    director = make_picker()
+    assert isinstance(director, Director)
+    for call in (lambda: director.on_complete(None), lambda: director.route(None, {"model": "m"}, b"{}")):
+        with pytest.raises(AttributeError):
+            call()

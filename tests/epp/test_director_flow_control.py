@@ -212,10 +212,19 @@ async def test_a_bug_routing_a_request_that_waited_answers_500_and_frees_its_tur
     assert wait.HasField("override_message_timeout")
     await asyncio.sleep(0)
 
-    def broken(*args, **kwargs):
-        raise RuntimeError("a bug")
+    class BrokenScheduler:
+        """The director's scheduler with a bug in preparing a cycle."""
 
-    director._schedule = broken
+        def __init__(self, scheduler):
+            self.scheduler = scheduler
+
+        def prepare(self, request):
+            raise RuntimeError("a bug")
+
+        def __getattr__(self, name):
+            return getattr(self.scheduler, name)
+
+    director.scheduler = BrokenScheduler(director.scheduler)
     room.slots = 1
     director.flow_control.pump()
     for _ in range(3):

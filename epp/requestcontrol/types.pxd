@@ -1,0 +1,9 @@
+# Cython's declarations for types.py's RequestContext (an augmenting .pxd: types.py stays plain Python, and runs as
+# such when not compiled): the director reads and writes some thirty of its fields per request, as C fields where
+# the director's methods take it typed (director.pxd).
+cdef class RequestContext:
+    cdef public object headers, subset, model, target_model, labels, request, result, endpoint, served, status
+    cdef public object response_tail
+    cdef public Py_ssize_t in_flight_tokens
+    cdef public double routed_at, first_chunk_at
+    cdef public bint dispatched, streamed
