@@ -7,7 +7,7 @@ old code. `install()` (called by the package's __init__) puts a finder first on 
 from its source when
 
 * its extension is not in the stamp or the stamp's digest differs from the source's (edited since the build; the
-  digest covers a .pxd beside the source too),
+  digest covers a .pxd beside the source too, and the modules it cimports from),
 * or EPP_PURE_PYTHON is set (profilers such as py-spy see into Python functions only; compiled ones are one frame);
 
 and refuses a stamped module whose source is gone (removed since the build, its extension left behind).
@@ -24,6 +24,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -64,12 +65,29 @@ class SourceGuard(importlib.abc.MetaPathFinder):
         return importlib.util.spec_from_file_location(name, source)
 
 
+_CIMPORTS = re.compile(rb"^from\s+([\w.]+)\s+cimport\b", re.MULTILINE)
+
+
 def digest(source: Path) -> str:
     """The digest of what a module is compiled from: its source and, where it has one, the .pxd beside it (Cython's
-    declarations of C types for some of its functions and classes, as `epp/grpc_h2.pxd`)."""
+    declarations of C types for some of its functions and classes, as `epp/grpc_h2.pxd`), with the digests of the
+    modules that .pxd cimports from (`from epp.requestcontrol.types cimport RequestContext`): their classes' C
+    layout is compiled into it, so it must not run beside their changed source, which it would read as that layout."""
+    content = source.read_bytes()
     declarations = source.with_suffix(".pxd")
-    content = source.read_bytes() + (declarations.read_bytes() if declarations.is_file() else b"")
+    if declarations.is_file():
+        text = declarations.read_bytes()
+        content += text
+        for match in _CIMPORTS.finditer(text):
+            content += digest(_module_source(source, match.group(1).decode())).encode()
     return hashlib.sha256(content).hexdigest()
+
+
+def _module_source(beside: Path, name: str) -> Path:
+    """The source of module `name` of the same package tree as the module at `beside`."""
+    top = name.split(".")[0]
+    root = next(p.parent for p in beside.resolve().parents if p.name == top)
+    return root.joinpath(*name.split(".")).with_suffix(".py")
 
 
 def stamped() -> dict[str, str]:

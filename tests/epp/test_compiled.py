@@ -52,6 +52,18 @@ def test_a_module_whose_source_changed_since_it_was_compiled_runs_from_source(gu
     assert "guarded.mod changed since it was compiled" in caplog.text
 
 
+def test_a_module_runs_from_source_when_a_module_its_pxd_cimports_from_changed(guarded_path):
+    """director.pxd cimports RequestContext from types: compiled, the director reads a context as that class's C
+    layout, so with types.py edited (and run from source) the director must run from source too."""
+    package = package_with_an_extension(guarded_path, "VALUE = 1\n")
+    (package / "mod.pxd").write_text("from guarded.dep cimport Thing\n")
+    (package / "dep.py").write_text("class Thing:\n    pass\n")
+    guard = compiled.SourceGuard("guarded", {"guarded.mod": compiled.digest(package / "mod.py")}, pure=False)
+    assert guard.find_spec("guarded.mod", [str(package)]).origin.endswith(SUFFIX)
+    (package / "dep.py").write_text("class Thing:\n    size = 2\n")
+    assert guard.find_spec("guarded.mod", [str(package)]).origin.endswith("mod.py")
+
+
 def test_a_module_compiled_from_its_current_source_is_found_as_its_extension(guarded_path):
     source = "VALUE = 1\n"
     package = package_with_an_extension(guarded_path, source)
