@@ -1,7 +1,7 @@
 # Cython's declarations for director.py's Director (an augmenting .pxd: director.py stays plain Python, and runs as
 # such when not compiled). Its fields as C fields, its own calls as C calls, and the request's context typed
 # (types.pxd), so that a request's trip through it reads no attribute through the generic lookup. The methods the
-# handler calls stay Python-callable (cpdef); a context passed to them may not be None.
+# handler calls stay Python-callable (cpdef); a None context raises AttributeError (setup.py turns nonecheck on).
 from epp.requestcontrol.types cimport RequestContext
 
 cdef class Director:
