@@ -36,6 +36,7 @@ COMPILED = [
     "epp/predictor/*.py",
     "epp/datalayer/*.py",
 ]
+GENERATED = Path("build/cython")  # Cython's C, each file with the digest of what it was generated from beside it
 STAMP = "compiled.json"  # in the epp package: each compiled module's source digest (what epp.compiled checks)
 
 
@@ -86,15 +87,25 @@ def extensions() -> list:
         from Cython.Build import cythonize
     except ImportError:
         return []
+    generated = {name: GENERATED.joinpath(*name.split(".")).with_suffix(".c") for name in DIGESTS}
+    for name, c_file in generated.items():
+        # Cython regenerates C older than its .py and the .pxd files it finds, but not after a .pxd was removed:
+        # the digest (which covers them, and the modules a .pxd cimports from) decides instead
+        recorded = c_file.with_suffix(".digest")
+        if not recorded.is_file() or recorded.read_text() != DIGESTS[name]:
+            c_file.unlink(missing_ok=True)
     modules = cythonize(
         [name.replace(".", "/") + ".py" for name in DIGESTS],
-        build_dir="build/cython",  # the generated C stays out of the packages
+        build_dir=str(GENERATED),  # the generated C stays out of the packages
         language_level=3,
         quiet=True,
         # Python semantics throughout: annotations document, they do not become C types; a None where a .pxd
         # declares a class raises (AttributeError, TypeError) as Python would, rather than being read as one
         compiler_directives={"annotation_typing": False, "binding": True, "nonecheck": True},
     )
+    for name, c_file in generated.items():
+        if c_file.is_file():
+            c_file.with_suffix(".digest").write_text(DIGESTS[name])
     for module in modules:
         module.optional = True  # no compiler, or a compiler error: that module stays Python
         module.extra_compile_args = ["-g0"]  # no debug information: a fifth of the size (symbols stay for profilers)
