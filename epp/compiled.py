@@ -65,29 +65,40 @@ class SourceGuard(importlib.abc.MetaPathFinder):
         return importlib.util.spec_from_file_location(name, source)
 
 
-_CIMPORTS = re.compile(rb"^from\s+([\w.]+)\s+cimport\b", re.MULTILINE)
+_CIMPORTS = re.compile(rb"^\s*from\s+([\w.]+)\s+cimport\s+([\w, ]+)|^\s*cimport\s+([\w.]+)", re.MULTILINE)
 
 
 def digest(source: Path) -> str:
     """The digest of what a module is compiled from: its source and, where it has one, the .pxd beside it (Cython's
     declarations of C types for some of its functions and classes, as `epp/grpc_h2.pxd`), with the digests of the
-    modules that .pxd cimports from (`from epp.requestcontrol.types cimport RequestContext`): their classes' C
-    layout is compiled into it, so it must not run beside their changed source, which it would read as that layout."""
+    modules of this tree that .pxd cimports (`from epp.requestcontrol.types cimport RequestContext`): their classes'
+    C layout is compiled into it, so it must not run beside their changed source, which it would read as that
+    layout. Cython's own declarations (`libc`, `cpython`) have no source here and are left out."""
     content = source.read_bytes()
     declarations = source.with_suffix(".pxd")
     if declarations.is_file():
         text = declarations.read_bytes()
         content += text
-        for match in _CIMPORTS.finditer(text):
-            content += digest(_module_source(source, match.group(1).decode())).encode()
+        for module in _cimported(source, text):
+            content += digest(module).encode()
     return hashlib.sha256(content).hexdigest()
 
 
-def _module_source(beside: Path, name: str) -> Path:
-    """The source of module `name` of the same package tree as the module at `beside`."""
-    top = name.split(".")[0]
-    root = next(p.parent for p in beside.resolve().parents if p.name == top)
-    return root.joinpath(*name.split(".")).with_suffix(".py")
+def _cimported(beside: Path, declarations: bytes) -> list[Path]:
+    """The sources in the package tree of the module at `beside` of the modules `declarations` cimports: `from
+    a.b cimport Name`, `from a cimport b` (b a module of package a) and `cimport a.b`."""
+    found = []
+    for match in _CIMPORTS.finditer(declarations):
+        module = (match.group(1) or match.group(3)).decode()
+        names = [n.strip() for n in (match.group(2) or b"").decode().split(",")]
+        top = module.split(".")[0]
+        root = next((p.parent for p in beside.resolve().parents if p.name == top), None)
+        if root is None:
+            continue  # not of this tree: Cython's own declarations
+        path = root.joinpath(*module.split("."))
+        candidates = [path.with_suffix(".py")] + [path / f"{name}.py" for name in names if name]
+        found += [c for c in candidates if c.is_file()]
+    return found
 
 
 def stamped() -> dict[str, str]:

@@ -64,6 +64,17 @@ def test_a_module_runs_from_source_when_a_module_its_pxd_cimports_from_changed(g
     assert guard.find_spec("guarded.mod", [str(package)]).origin.endswith("mod.py")
 
 
+def test_a_pxd_cimporting_cythons_own_declarations_or_a_package_member_is_digested(guarded_path):
+    """`from libc.math cimport sqrt` has no source in the tree (left out, no error); `from guarded cimport dep` names
+    a module of the package (covered as `from guarded.dep cimport ...` is)."""
+    package = package_with_an_extension(guarded_path, "VALUE = 1\n")
+    (package / "mod.pxd").write_text("from libc.math cimport sqrt\nfrom guarded cimport dep\n")
+    (package / "dep.py").write_text("class Thing:\n    pass\n")
+    before = compiled.digest(package / "mod.py")
+    (package / "dep.py").write_text("class Thing:\n    size = 2\n")
+    assert compiled.digest(package / "mod.py") != before
+
+
 def test_a_module_compiled_from_its_current_source_is_found_as_its_extension(guarded_path):
     source = "VALUE = 1\n"
     package = package_with_an_extension(guarded_path, source)
