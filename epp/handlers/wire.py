@@ -217,8 +217,8 @@ class ExtProcRequest:
     """A ProcessingRequest as the ext_proc handler reads it (`processing_request`): which of the `request` oneof it
     holds (`kind`, "" when none), a headers message's headers (as `_add_headers` reads them) or a body message's
     bytes, its end_of_stream, the protocol_config's body modes (None without one), and `raw`, the message's bytes:
-    the rare parts (metadata_context, attributes: `has_metadata`) are parsed from them by the message classes when
-    the handler reads them."""
+    the rare parts (metadata_context, attributes: `has_metadata`, false for the empty metadata_context Envoy sends
+    with every message) are parsed from them by the message classes when the handler reads them."""
 
     __slots__ = ("body", "body_modes", "end_of_stream", "has_metadata", "headers", "kind", "raw")
 
@@ -266,7 +266,8 @@ def processing_request(data: bytes) -> ExtProcRequest:
                     request.end_of_stream = _varint(data, field_at, inner)[0] != 0
                 elif key < 0:
                     raise WireError("a malformed field")
-        elif number == 8 or number == 9:  # metadata_context, attributes
+        elif number == 9 or (number == 8 and position > value_at):  # attributes, a metadata_context with content
+            # (Envoy sends an empty metadata_context with every message once namespaces are forwarded)
             request.has_metadata = True
         elif key == 0x5A:  # protocol_config
             request_mode = response_mode = 0

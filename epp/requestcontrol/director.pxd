@@ -19,6 +19,7 @@ cdef class Director:
     cdef _scheduling_request(self, RequestContext ctx, payload)
     cdef _schedule(self, RequestContext ctx, request, body, body_changed, bint waited=*)
     cdef _decide(self, RequestContext ctx, request, body, body_changed, cycle_state, bint waited)
+    cdef _observe_decision(self, RequestContext ctx)
     cpdef after_routed(self, RequestContext ctx)
     cpdef on_response_headers(self, RequestContext ctx, status, served)
     cdef _release_prefilled(self, double now)

@@ -11,7 +11,8 @@ comes (by priority band, fairly between flows; it is then scheduled among the en
 raises 429 with retry-after when it expires or does not fit (503 when the pool has emptied meanwhile).
 Without flow control, sheddable requests (priority < 0) get 429 while the pool is saturated and the rest go on.
 After the proxy has the answer, `after_routed` runs the scheduler's pre-request hooks (the prefix index records the
-pick) off the request's critical path.
+pick; the at-pick ones, unless the next decision came first) and observes the decision's histograms, off the
+request's critical path.
 Response path: `on_response_headers` (status, the endpoint that served; when the proxy sends them: our bootstrap
 skips that round trip when its access log brings both, and a prompt then stops counting as its pick's pending
 prefill once the pick's recent TTFT has passed: `_release_prefilled`), `on_response_chunk` (the usage tail, and a
@@ -247,13 +248,7 @@ class Director:
             endpoints = self.scheduler.detector.with_room(endpoints)
         result = self.scheduler.schedule(request, endpoints, cycle_state)
         self.scheduler.on_picked(request, result)
-        metrics.scheduler_e2e.labels().observe(time.perf_counter() - started)
-        durations = metrics.plugin_durations
-        for name, seconds in result.timings:
-            series = durations.get(name)
-            if series is None:
-                series = durations[name] = metrics.plugin_duration.labels("scheduler", name.type, name.name)
-            series.observe(seconds)
+        ctx.scheduling_seconds = time.perf_counter() - started  # observed once the proxy has its answer
         ctx.request, ctx.result = request, result
         endpoint = ctx.endpoint = result.primary
         endpoint.in_flight_requests += 1
@@ -265,12 +260,30 @@ class Director:
             heapq.heappush(self.prefilling, (ctx.routed_at + endpoint.recent_ttft, next(self._order), ctx))
         metrics.requests.labels(*ctx.labels).inc()
         metrics.running.labels(ctx.labels[0]).inc()
-        if body is not None:
-            metrics.input_tokens.labels(*ctx.labels).observe(request.prompt_tokens_estimate)
         return RoutingDecision(request.request_id, result.endpoints, body, body_changed)
 
+    def _observe_decision(self, ctx: RequestContext) -> None:
+        """The decision's histograms (its time, each plugin's, the prompt's size), once per routed request."""
+        seconds = ctx.scheduling_seconds
+        if not seconds:
+            return  # observed already (or never decided)
+        ctx.scheduling_seconds = 0.0
+        metrics = self.metrics
+        metrics.scheduler_e2e.labels().observe(seconds)
+        durations = metrics.plugin_durations
+        for name, plugin_seconds in ctx.result.timings:
+            series = durations.get(name)
+            if series is None:
+                series = durations[name] = metrics.plugin_duration.labels("scheduler", name.type, name.name)
+            series.observe(plugin_seconds)
+        if ctx.model:  # (a request with a body)
+            metrics.input_tokens.labels(*ctx.labels).observe(ctx.request.prompt_tokens_estimate)
+
     def after_routed(self, ctx: RequestContext) -> None:
-        """The proxy has its answer: the scheduler's pre-request hooks record the pick (the prefix index)."""
+        """The proxy has its answer: what it need not have waited for. The scheduler's at-pick hooks (unless a later
+        decision ran them first), the decision's histograms, then the other pre-request hooks (the prefix index)."""
+        self.scheduler.record_picks()
+        self._observe_decision(ctx)
         request = ctx.request
         if request is not None and request.prompt and ctx.endpoint is not None:
             self.scheduler.on_routed(request, ctx.result)
@@ -327,6 +340,8 @@ class Director:
         `awaiting_records`, and its outcome (status metrics, timings) is settled when it comes."""
         endpoint = ctx.endpoint
         request = ctx.request
+        if ctx.scheduling_seconds:  # ended before its answer was written (after_routed)
+            self._observe_decision(ctx)
         if endpoint is not None:  # first: flow control's next dispatch sees the slot this request frees
             self._release_prompt_tokens(ctx)
             ctx.endpoint = None

@@ -24,6 +24,7 @@ class RequestContext:
         "response_tail",
         "result",
         "routed_at",
+        "scheduling_seconds",
         "served",
         "status",
         "streamed",
@@ -41,6 +42,7 @@ class RequestContext:
         self.endpoint: Endpoint | None = None  # the pick, while the request is in flight
         self.in_flight_tokens = 0  # its prompt tokens counted in the pick's in_flight_tokens, until it answers
         self.routed_at = 0.0
+        self.scheduling_seconds = 0.0  # the decision's time, until its histograms observe it (Director.after_routed)
         self.served: str | None = None  # the endpoint that answered, as the proxy reports it
         self.status = ""  # the response's HTTP status
         self.response_tail = b""  # the last bytes of the response body (where the usage is)

@@ -80,8 +80,9 @@ class Picker(Plugin):
 
 class PreRequest(Plugin):
     # False: the hook runs after the EPP answered the proxy (off the request's critical path: the prefix index).
-    # True: as soon as the pick is made (Scheduler.on_picked), for cheap bookkeeping that the next request's decision
-    # must see: a burst's requests are all scheduled before any answer goes out (the latency predictor's backlog).
+    # True: once the proxy has its answer too, but before anything else reaches the plugins (Scheduler.on_picked),
+    # for bookkeeping that the next request's decision must see: a burst's requests are all scheduled before any
+    # answer goes out (the latency predictor's backlog).
     at_pick: ClassVar[bool] = False
 
     @abstractmethod

@@ -149,8 +149,12 @@ class Profile:
 
 class Scheduler:
     """Runs one profile per request. The request path calls admit, schedule, on_picked when the pick is final,
-    on_routed once the proxy has its answer and on_finished when the request is over; discovery calls on_pool_changed. The profile's plugins are
-    checked (check_data_dependencies) and listed in the log at startup."""
+    on_routed once the proxy has its answer and on_finished when the request is over; discovery calls
+    on_pool_changed. The profile's plugins are checked (check_data_dependencies) and listed in the log at startup.
+
+    The at-pick hooks of a pick (on_picked) run before anything else reaches the plugins (the next cycle, any other
+    hook, a pool change) or at record_picks(), which the director calls once the proxy has its answer, whichever
+    comes first: a lone request's answer does not wait for them, and a burst's next decision still sees them."""
 
     def __init__(
         self,
@@ -170,6 +174,7 @@ class Scheduler:
         self._kv_events = [p for p in plugins if isinstance(p, KVEventsConsumer)]
         self._at_pick = [p for p in plugins if isinstance(p, PreRequest) and p.at_pick]
         self._pre_request = [p for p in plugins if isinstance(p, PreRequest) and not p.at_pick]
+        self._unrecorded: list[tuple[SchedulingRequest, SchedulingResult]] = []  # picks whose at-pick hooks wait
         self._response_complete = [p for p in plugins if isinstance(p, ResponseComplete)]
         self._response_timed = [p for p in plugins if isinstance(p, ResponseTimed)]
         self._pool_changed = [p for p in plugins if isinstance(p, PoolChanged)]
@@ -236,6 +241,7 @@ class Scheduler:
     def prepare(self, request: SchedulingRequest) -> CycleState | Awaitable[CycleState]:
         """The request's cycle state after the PrepareData plugins (exact tokens, block hashes): returned as is, or
         an awaitable of it when a plugin asked for a worker thread (a long prompt)."""
+        self.record_picks()
         cycle_state = CycleState()
         plugins = self._prepare
         if not plugins:
@@ -268,6 +274,7 @@ class Scheduler:
         Candidates are the endpoints in `request.subset` (when given) that are not stale; stale ones only when no
         fresh one is left (an endpoint that missed a few scrapes may still serve, and a 503 certainly does not).
         """
+        self.record_picks()
         subset = request.subset
         if subset is not None:
             endpoints = [e for e in endpoints if e.hostport in subset]
@@ -319,12 +326,24 @@ class Scheduler:
         return SchedulingResult(picked, self.profile.name, candidates, raw_scores, timings, cycle_state)
 
     def on_picked(self, request: SchedulingRequest, result: SchedulingResult) -> None:
-        """The pick is final (before the proxy has its answer): PreRequest plugins with `at_pick` record it."""
-        for p in self._at_pick:
-            p.pre_request(request, result)
+        """The pick is final: PreRequest plugins with `at_pick` record it, at record_picks() or before anything
+        else reaches the plugins (see the class docstring)."""
+        if self._at_pick:
+            self._unrecorded.append((request, result))
+
+    def record_picks(self) -> None:
+        """Run the at-pick hooks of the picks made since the last call, in the order they were made."""
+        unrecorded = self._unrecorded
+        if not unrecorded:
+            return
+        self._unrecorded = []
+        for request, result in unrecorded:
+            for p in self._at_pick:
+                p.pre_request(request, result)
 
     def on_routed(self, request: SchedulingRequest, result: SchedulingResult) -> None:
         """The proxy has its answer: the other PreRequest plugins record the pick (the prefix index)."""
+        self.record_picks()
         for p in self._pre_request:
             p.pre_request(request, result)
 
@@ -332,6 +351,7 @@ class Scheduler:
         self, request: SchedulingRequest, result: SchedulingResult, endpoint: Endpoint, response: ResponseInfo
     ) -> None:
         """The request is over: ResponseComplete plugins see it with its scheduling result and how it went."""
+        self.record_picks()
         for p in self._response_complete:
             p.response_complete(request, result, endpoint, response)
 
@@ -344,11 +364,13 @@ class Scheduler:
         self, request: SchedulingRequest, result: SchedulingResult, endpoint: Endpoint, ttft: float, tpot: float | None
     ) -> None:
         """A streamed response's timings are known: ResponseTimed plugins see them."""
+        self.record_picks()
         for p in self._response_timed:
             p.response_timed(request, result, endpoint, ttft, tpot)
 
     def on_pool_changed(self, endpoints: Sequence[Endpoint]) -> None:
         """Discovery added or removed endpoints: plugins drop what they keep for endpoints that are gone."""
+        self.record_picks()
         for p in self._pool_changed:
             p.pool_changed(endpoints)
 

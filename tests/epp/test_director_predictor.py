@@ -85,18 +85,24 @@ def test_streamed_responses_train_the_predictor_and_others_do_not():
 
 def test_a_bursts_next_request_sees_the_prefill_routed_before_it():
     """Requests of one burst are all scheduled before the proxy gets any answer (after_routed comes later): each
-    one's prompt joins its pick's prefill backlog at the pick, so the next one's prediction counts it."""
+    one's prompt joins its pick's prefill backlog before the next decision, so the next one's prediction counts it;
+    the last one's joins once the proxy has its answer."""
     director = make_picker(config=CONFIG)
     backlog = director.scheduler.predictions.predictor.backlog
+
+    def queued() -> float:  # prompt tokens (~6,000 each) in the pool's prefill backlogs, drained ~0.1 ms a token
+        now = time.monotonic()
+        return sum(backlog.tokens(e.spec.name, now) for e in director.datastore.endpoints)
+
     contexts = []
     for _ in range(3):
         ctx = director.new_request({":path": "/v1/completions"}, None)
         payload = {"model": "m", "prompt": "long prompt " * 2000, "max_tokens": 5}
         director.route(ctx, payload, json.dumps(payload).encode())
         contexts.append(ctx)
-    now = time.monotonic()
-    queued = sum(backlog.tokens(e.spec.name, now) for e in director.datastore.endpoints)
-    assert queued > 2 * 6000  # three ~6,000-token prompts, before any after_routed (drained ~0.1 ms a token)
+    assert 1.5 * 6000 < queued() <= 2 * 6000  # the third decision saw the first two; before any after_routed
+    director.after_routed(contexts[-1])
+    assert queued() > 2.5 * 6000  # all three
     for ctx in contexts:
         director.after_routed(ctx)
         director.on_complete(ctx)

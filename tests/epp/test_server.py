@@ -398,6 +398,34 @@ def test_client_chosen_model_names_cannot_grow_the_metrics():
     assert sum(len(series.children) for series in picker.metrics.series) < 40
 
 
+def test_the_decisions_histograms_are_observed_once_the_answer_is_out_or_when_the_request_ends_first():
+    director = make_picker()
+    registry = director.metrics.registry
+
+    def decisions() -> tuple[float | None, float | None, float | None]:
+        return (
+            registry.get_sample_value("inference_extension_scheduler_e2e_duration_seconds_count"),
+            registry.get_sample_value(
+                "inference_extension_plugin_duration_seconds_count",
+                {"extension_point": "scheduler", "plugin_type": "max-score-picker", "plugin_name": "max-score-picker"},
+            ),
+            registry.get_sample_value(
+                "inference_objective_input_tokens_count", {"model_name": "other", "target_model_name": "other"}
+            ),
+        )
+
+    answered, reset = new_stream(director), new_stream(director)
+    for stream in (answered, reset):
+        stream.handle(headers_message(BASE_HEADERS))
+        stream.handle(body_message(b'{"model": "m", "prompt": "x"}'))
+    assert decisions() == (None, None, None)  # the proxy's answers did not wait for them
+    answered.after_reply()
+    assert decisions() == (1, 1, 1)
+    answered.finish()
+    reset.finish()  # its answer never went out (a reset stream)
+    assert decisions() == (2, 2, 2)
+
+
 def test_a_rewrite_header_cannot_widen_the_pools_model_allowlist():
     state = PoolState(
         endpoints=(EndpointSpec("a", "10.0.0.1", 8000),),

@@ -102,6 +102,7 @@ def test_an_entry_is_released_when_its_request_ends_however_it_ended(predictions
         result = scheduler.schedule(request, endpoints)
         scheduler.on_picked(request, result)
         results.append(result)
+    scheduler.record_picks()  # (the director's after_routed: the proxy has its answers)
     # the requests with objectives are tracked (the last one only for its TTFT: no max_tokens, no decode budget)
     ledgers = plugin.ledgers.values()
     assert sum(len(ledger.pending) for ledger in ledgers) == 4

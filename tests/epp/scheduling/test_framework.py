@@ -101,6 +101,40 @@ def test_the_cycle_state_is_shared_in_the_cycle_and_reaches_the_later_hooks():
     assert scheduler.schedule(req(), pool).cycle_state is not result.cycle_state  # one state per cycle
 
 
+class PickRecorder(Recorder):
+    """A Recorder whose pre-request hook is an at-pick one."""
+
+    typed_name = TypedName("pick-recorder", "pick-recorder")
+    at_pick = True
+
+
+def test_at_pick_hooks_run_once_the_answer_is_out_or_before_anything_else_reaches_the_plugins():
+    recorder = PickRecorder()
+    scheduler = scheduler_of((Fixed("s", {"e0": 0.2, "e1": 0.8}), 1.0), recorder=recorder)
+    pool = [endpoint(0), endpoint(1)]
+    first = scheduler.schedule(req(), pool)
+    scheduler.on_picked(req(), first)
+    assert recorder.calls == []  # the proxy's answer does not wait for it
+    scheduler.record_picks()  # (the director, once the proxy has its answer)
+    scheduler.record_picks()
+    assert recorder.calls == [("pre_request", ["e0", "e1"])]
+    reaches = {
+        "the next cycle": lambda: scheduler.schedule(req(), pool),
+        "its preparation": lambda: scheduler.prepare(req()),
+        "a routed hook": lambda: scheduler.on_routed(req(), first),
+        "a completion": lambda: scheduler.on_finished(req(), first, first.primary, ResponseInfo("200")),
+        "timings": lambda: scheduler.on_timed(req(), first, first.primary, 0.1, None),
+        "a pool change": lambda: scheduler.on_pool_changed(pool),
+    }
+    for name, reach in reaches.items():
+        recorder.calls.clear()
+        scheduler.on_picked(req(), scheduler.schedule(req(), pool))
+        scheduler.on_picked(req(), scheduler.schedule(req(), pool))  # a burst: the first one's hook runs here
+        assert recorder.calls == [("pre_request", ["e0", "e1"])], name
+        reach()
+        assert recorder.calls[:2] == [("pre_request", ["e0", "e1"])] * 2, name
+
+
 def test_consuming_what_nothing_produces_is_a_config_error():
     with pytest.raises(ConfigError, match=r"fixed/s consumes 'seen', which no plugin of the profile produces"):
         scheduler_of((Fixed("s", {}), 1.0))
