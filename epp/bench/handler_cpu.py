@@ -99,7 +99,8 @@ def _headers(pairs: list[tuple[str, str]]) -> pb.HttpHeaders:
 
 
 def _request_messages(request_id: str, body: bytes) -> list[bytes]:
-    """The request's three messages, as Envoy sends them."""
+    """The request's three messages, as Envoy sends them (each with the empty metadata_context Envoy adds when the
+    filter forwards metadata namespaces, as our bootstrap's does)."""
     request_headers = pb.ProcessingRequest(
         request_headers=_headers(
             [
@@ -122,7 +123,10 @@ def _request_messages(request_id: str, body: bytes) -> list[bytes]:
     )
     chunk = pb.ProcessingRequest(request_body=pb.HttpBody(body=body))
     end = pb.ProcessingRequest(request_body=pb.HttpBody(end_of_stream=True))
-    return [m.SerializeToString() for m in (request_headers, chunk, end)]
+    messages = (request_headers, chunk, end)
+    for message in messages:
+        message.metadata_context.SetInParent()
+    return [m.SerializeToString() for m in messages]
 
 
 def _grpc(message: bytes) -> bytes:

@@ -123,7 +123,7 @@ def add_best_scored(picked: list[Endpoint], endpoints: list[Endpoint], scores: l
     if len(picked) >= count:
         return
     size = len(endpoints)
-    start = random.randrange(size)
+    start = int(random.random() * size)  # (random.randrange runs as Python, three frames deep)
     order = [*range(start, size), *range(start)]
     order.sort(key=scores.__getitem__, reverse=True)  # stable: ties stay in the rotated order
     for i in order:

@@ -33,7 +33,8 @@ class MaxScorePicker(Picker):
         if scores.count(best) == 1:  # the common case, without a loop in Python
             first = scores.index(best)
         else:
-            first = random.choice([i for i, s in enumerate(scores) if s == best])
+            ties = [i for i, s in enumerate(scores) if s == best]
+            first = ties[int(random.random() * len(ties))]  # (random.choice runs as Python: twice the frames)
         picked = [endpoints[first]]
         if self.count > 1:  # the fallbacks, best first
             add_best_scored(picked, endpoints, scores, self.count)
