@@ -65,10 +65,18 @@ def floor_target(processor: str, mode: str) -> str:
     return f"envoy+{processor} ({mode})"
 
 
+_CPUCLOCK_SCHED = 2  # the kernel's process CPU clock that sums the scheduler's run time (not tick samples)
+
+
 def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process, from /proc (Linux)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """The CPU time of a process, all its threads (ended ones too), to the nanosecond: Linux's CPU-time clock of the
+    process (the clock id clock_getcpuclockid(3) makes). /proc's user + system time counts 10 ms ticks: a processor
+    that spends 80 µs a request showed 0 or 10 ms over a hundred requests. Where that clock cannot be read, /proc."""
+    try:
+        return time.clock_gettime(((~pid) << 3) | _CPUCLOCK_SCHED)
+    except OSError:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -340,8 +340,7 @@ class Director:
         `awaiting_records`, and its outcome (status metrics, timings) is settled when it comes."""
         endpoint = ctx.endpoint
         request = ctx.request
-        if ctx.scheduling_seconds:  # ended before its answer was written (after_routed)
-            self._observe_decision(ctx)
+        self._observe_decision(ctx)  # (when it ended before its answer was out: after_routed did not run)
         if endpoint is not None:  # first: flow control's next dispatch sees the slot this request frees
             self._release_prompt_tokens(ctx)
             ctx.endpoint = None

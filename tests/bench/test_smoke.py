@@ -4,6 +4,8 @@ harness cannot rot between `make bench` runs."""
 import asyncio
 import itertools
 import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -194,6 +196,23 @@ def test_overhead_smoke():
         * (2 * result.concurrent_requests + result.sequential_requests)
     )
     assert "p50 / plain" in result.markdown() and f"at concurrency {result.concurrency} |" in result.markdown()
+
+
+def test_a_process_cpu_time_is_read_to_well_under_a_clock_tick():
+    """The benchmarks' CPU figures per process: a process that spins ~50 ms reads about that, and one that has
+    used a millisecond or so reads more than 0 (/proc's 10 ms ticks read 0 for a processor that spent 80 µs on each
+    of a hundred requests)."""
+    spin = "import time\nend = time.process_time() + 0.05\nwhile time.process_time() < end: pass\nprint(flush=True)\ntime.sleep(30)"
+    busy = subprocess.Popen([sys.executable, "-c", spin], stdout=subprocess.PIPE)
+    idle = subprocess.Popen(["sleep", "30"])
+    try:
+        busy.stdout.readline()  # it has spun
+        assert 0.05 <= overhead.cpu_seconds(busy.pid) < 1.0
+        assert 0 < overhead.cpu_seconds(idle.pid) < 0.05
+    finally:
+        for process in (busy, idle):
+            process.kill()
+            process.wait()
 
 
 def test_decision_time_smoke():
