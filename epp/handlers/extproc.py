@@ -169,9 +169,9 @@ def immediate_response(error: OpenAIError) -> bytes:
 
 def subset_hint(message: ExtProcRequest) -> frozenset[str] | None:
     """The proxy's allowed endpoints, from metadata_context; None when there is no hint."""
-    if not message.has_metadata:  # (most proxies send none: nothing parsed to find out)
+    if not message.metadata:  # (most proxies send none: nothing parsed to find out)
         return None
-    request = pb.ProcessingRequest.FromString(message.raw)
+    request = pb.ProcessingRequest.FromString(message.metadata)
     namespace = request.metadata_context.filter_metadata.get(extproc.SUBSET_HINT_NAMESPACE)
     if namespace is None or extproc.SUBSET_HINT_KEY not in namespace.fields:
         return None
@@ -189,9 +189,9 @@ def subset_hint(message: ExtProcRequest) -> frozenset[str] | None:
 def served_endpoint(message: ExtProcRequest) -> str | None:
     """The endpoint that served the request: the gateway's metadata (protocol), else Envoy's upstream.address
     attribute (what our Envoy bootstrap sends)."""
-    if not message.has_metadata:
+    if not message.metadata:
         return None
-    request = pb.ProcessingRequest.FromString(message.raw)
+    request = pb.ProcessingRequest.FromString(message.metadata)
     namespace = request.metadata_context.filter_metadata.get(extproc.SERVED_ENDPOINT_NAMESPACE)
     value = namespace.fields.get(extproc.SERVED_ENDPOINT_KEY) if namespace is not None else None
     if value is not None and value.string_value:

@@ -216,20 +216,20 @@ REQUEST_KINDS = (
 class ExtProcRequest:
     """A ProcessingRequest as the ext_proc handler reads it (`processing_request`): which of the `request` oneof it
     holds (`kind`, "" when none), a headers message's headers (as `_add_headers` reads them) or a body message's
-    bytes, its end_of_stream, the protocol_config's body modes (None without one), and `raw`, the message's bytes:
-    the rare parts (metadata_context, attributes: `has_metadata`, false for the empty metadata_context Envoy sends
-    with every message) are parsed from them by the message classes when the handler reads them."""
+    bytes, its end_of_stream, the protocol_config's body modes (None without one), and `metadata`: the rare parts,
+    its metadata_context and attributes fields as they came (b"" when there are none, or only the empty
+    metadata_context Envoy sends with every message once namespaces are forwarded), which the handler parses with
+    the message classes when it reads them."""
 
-    __slots__ = ("body", "body_modes", "end_of_stream", "has_metadata", "headers", "kind", "raw")
+    __slots__ = ("body", "body_modes", "end_of_stream", "headers", "kind", "metadata")
 
-    def __init__(self, raw: bytes) -> None:
-        self.raw = raw
+    def __init__(self) -> None:
         self.kind = ""
         self.headers: dict[str, str] = {}
         self.body = b""
         self.end_of_stream = False
         self.body_modes: tuple[int, int] | None = None
-        self.has_metadata = False
+        self.metadata = b""
 
     @staticmethod
     def FromString(data: bytes | memoryview) -> ExtProcRequest:  # (named as a message type's: the transports call it)
@@ -243,10 +243,11 @@ def processing_request(data: bytes) -> ExtProcRequest:
     """The fields of a serialized ProcessingRequest the ext_proc handler reads (`ExtProcRequest`), read as the
     message classes read them: of the oneof the last member wins, and a member that comes twice merges (headers
     add up; a body or end_of_stream that comes again replaces the earlier one). Malformed bytes raise WireError."""
-    request = ExtProcRequest(data)
+    request = ExtProcRequest()
     position, end = 0, len(data)
     kind = 0
     while position < end:
+        start = position
         key, value_at, position = _next_field(data, position, end)
         number = key >> 3
         if 2 <= number <= 7 and key & 7 == 2:  # a member of the request oneof
@@ -267,8 +268,7 @@ def processing_request(data: bytes) -> ExtProcRequest:
                 elif key < 0:
                     raise WireError("a malformed field")
         elif number == 9 or (number == 8 and position > value_at):  # attributes, a metadata_context with content
-            # (Envoy sends an empty metadata_context with every message once namespaces are forwarded)
-            request.has_metadata = True
+            request.metadata += data[start:position]  # (kept whole, key and all: they parse as a ProcessingRequest)
         elif key == 0x5A:  # protocol_config
             request_mode = response_mode = 0
             inner = value_at

@@ -221,8 +221,10 @@ def _as_the_classes_read_it(message: pb.ProcessingRequest) -> tuple:
         body, end = getattr(message, kind).body, getattr(message, kind).end_of_stream
     config = message.protocol_config
     modes = (config.request_body_mode, config.response_body_mode) if message.HasField("protocol_config") else None
-    has_metadata = message.metadata_context.ByteSize() > 0 or len(message.attributes) > 0
-    return kind, headers, body, end, modes, has_metadata
+    metadata = pb.ProcessingRequest(attributes=message.attributes)
+    if message.metadata_context.ByteSize():  # (an empty one is no metadata)
+        metadata.metadata_context.CopyFrom(message.metadata_context)
+    return kind, headers, body, end, modes, metadata
 
 
 _KIND = st.sampled_from((*wire.REQUEST_KINDS[2:], ""))
@@ -236,9 +238,12 @@ _KIND = st.sampled_from((*wire.REQUEST_KINDS[2:], ""))
     st.booleans(),
     st.booleans(),
     st.sampled_from(("none", "empty", "filled")),
+    st.booleans(),
     st.integers(0, 5),
 )
-def test_processing_request_reads_what_the_message_classes_read(kind, headers, body, end, config, metadata, modes):
+def test_processing_request_reads_what_the_message_classes_read(
+    kind, headers, body, end, config, metadata, attributes, modes
+):
     message = pb.ProcessingRequest()
     if kind in ("request_headers", "response_headers"):
         http = getattr(message, kind)
@@ -257,12 +262,17 @@ def test_processing_request_reads_what_the_message_classes_read(kind, headers, b
         message.metadata_context.SetInParent()
     elif metadata == "filled":
         message.metadata_context.filter_metadata["envoy.lb"].fields["x"].string_value = "10.0.0.1:8000"
+    if attributes:  # as Envoy sends response_attributes
+        message.attributes["envoy.filters.http.ext_proc"].fields["upstream.address"].string_value = "10.0.0.1:8000"
     data = message.SerializeToString()
     read = wire.processing_request(data)
-    assert (read.kind, read.headers, read.body, read.end_of_stream, read.body_modes, read.has_metadata) == (
+    # the metadata comes as its own fields' bytes: parsed, they are the message's (and nothing when there is none)
+    parsed = pb.ProcessingRequest.FromString(read.metadata)
+    assert (read.kind, read.headers, read.body, read.end_of_stream, read.body_modes, parsed) == (
         _as_the_classes_read_it(message)
     )
-    assert read.raw == data and wire.ExtProcRequest.FromString(memoryview(data)).body == read.body
+    assert bool(read.metadata) == (metadata == "filled" or attributes)
+    assert wire.ExtProcRequest.FromString(memoryview(data)).body == read.body
 
 
 def test_a_later_member_of_the_oneof_replaces_an_earlier_one_and_a_repeated_one_merges():
