@@ -250,7 +250,7 @@ async def _start_epp_variant(
 
 async def measure(
     servers: int = 4,
-    sequential: int = 400,
+    sequential: int = 2000,
     concurrency: int = 32,
     concurrent_requests: int = 2000,
     workdir: Path | None = None,
