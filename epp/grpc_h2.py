@@ -164,7 +164,7 @@ class _Stream:
         self.id = stream_id
         self.send_window = send_window
         self.handler = None  # the stream's handler once the headers named a method we serve
-        self.request_type: type[Message] = pb.ProcessingRequest  # what its messages are
+        self.request_type: type[Message] | None = None  # what its messages are: set with its handler
         self.max_message = MAX_MESSAGE  # the largest of them it takes
         self.header_block = b""
         self.headers_sent = False
