@@ -198,6 +198,16 @@ def test_overhead_smoke():
     assert "p50 / plain" in result.markdown() and f"at concurrency {result.concurrency} |" in result.markdown()
 
 
+def test_the_sequential_phase_sends_every_target_one_request_a_round_after_varying_predecessors():
+    targets = [f"t{i}" for i in range(8)]
+    sent = list(overhead.interleaved(targets, 200))
+    rounds = [sent[i : i + 8] for i in range(0, len(sent), 8)]
+    assert len(rounds) == 200 and all(sorted(r) == targets for r in rounds)
+    after = {t: {sent[i - 1] for i in range(1, len(sent)) if sent[i] == t} for t in targets}
+    assert all(len(after[t] - {t}) == 7 for t in targets)  # every other target, not one fixed
+    assert list(overhead.interleaved(targets, 200)) == sent  # seeded: a rerun sends in the same order
+
+
 def test_a_process_cpu_time_is_read_to_well_under_a_clock_tick():
     """The benchmarks' CPU figures per process: a process that spins ~50 ms reads about that, and one that has
     used a millisecond or so reads more than 0 (/proc's 10 ms ticks read 0 for a processor that spent 80 µs on each
