@@ -68,19 +68,22 @@ class SourceGuard(importlib.abc.MetaPathFinder):
 _CIMPORTS = re.compile(rb"^\s*from\s+([\w.]+)\s+cimport\s+([\w, ]+)|^\s*cimport\s+([\w.]+)", re.MULTILINE)
 
 
-def digest(source: Path) -> str:
+def digest(source: Path, _within: frozenset[Path] = frozenset()) -> str:
     """The digest of what a module is compiled from: its source and, where it has one, the .pxd beside it (Cython's
     declarations of C types for some of its functions and classes, as `epp/grpc_h2.pxd`), with the digests of the
     modules of this tree that .pxd cimports (`from epp.requestcontrol.types cimport RequestContext`): their classes'
     C layout is compiled into it, so it must not run beside their changed source, which it would read as that
-    layout. Cython's own declarations (`libc`, `cpython`) have no source here and are left out."""
+    layout. Cython's own declarations (`libc`, `cpython`) have no source here and are left out. `_within`: the
+    modules whose digest this one is part of (.pxd files may cimport each other; each counts once in a cycle)."""
     content = source.read_bytes()
     declarations = source.with_suffix(".pxd")
     if declarations.is_file():
         text = declarations.read_bytes()
         content += text
+        within = _within | {source.resolve()}
         for module in _cimported(source, text):
-            content += digest(module).encode()
+            if module.resolve() not in within:
+                content += digest(module, within).encode()
     return hashlib.sha256(content).hexdigest()
 
 

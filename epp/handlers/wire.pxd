@@ -32,7 +32,8 @@ cpdef list log_records(bytes data)
 
 @cython.locals(position=cython.Py_ssize_t, end=cython.Py_ssize_t, kind=cython.Py_ssize_t, key=cython.Py_ssize_t,
                number=cython.Py_ssize_t, value_at=cython.Py_ssize_t, inner=cython.Py_ssize_t,
-               field_at=cython.Py_ssize_t, request_mode=cython.Py_ssize_t, response_mode=cython.Py_ssize_t)
+               field_at=cython.Py_ssize_t, request_mode=cython.Py_ssize_t, response_mode=cython.Py_ssize_t,
+               start=cython.Py_ssize_t)
 cpdef processing_request(bytes data)
 
 @cython.locals(size=cython.Py_ssize_t)

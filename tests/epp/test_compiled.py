@@ -75,6 +75,18 @@ def test_a_pxd_cimporting_cythons_own_declarations_or_a_package_member_is_digest
     assert compiled.digest(package / "mod.py") != before
 
 
+def test_pxd_files_that_cimport_each_other_are_digested_once_each(guarded_path):
+    """Cython takes .pxd files that cimport each other; their digests end, and each covers both sources."""
+    package = package_with_an_extension(guarded_path, "VALUE = 1\n")
+    (package / "mod.pxd").write_text("from guarded.dep cimport Thing\n")
+    (package / "dep.py").write_text("class Thing:\n    pass\n")
+    (package / "dep.pxd").write_text("from guarded.mod cimport Other\n")
+    before = {name: compiled.digest(package / f"{name}.py") for name in ("mod", "dep")}
+    (package / "dep.py").write_text("class Thing:\n    size = 2\n")
+    after = {name: compiled.digest(package / f"{name}.py") for name in ("mod", "dep")}
+    assert all(after[name] != before[name] for name in ("mod", "dep"))
+
+
 def test_a_module_compiled_from_its_current_source_is_found_as_its_extension(guarded_path):
     source = "VALUE = 1\n"
     package = package_with_an_extension(guarded_path, source)
