@@ -24,7 +24,7 @@ timings the gateway sends, epp.handlers.accesslog, and is not called until then)
 in-flight tokens, with their summed weight; their request counts sent long prompts behind another long prompt's
 prefill), queue-scorer 2, kv-cache-utilization-scorer 2, prefix-cache-scorer 3 and precise-prefix-cache-scorer 3
 (each endpoint gets one of the two: the precise one for endpoints that publish KV events, the approximate one for
-the rest), lora-affinity-scorer 1 (neutral for base-model requests, so it only matters for adapters),
+the rest; the precise one is not called until an endpoint publishes), lora-affinity-scorer 1 (neutral for base-model requests, so it only matters for adapters),
 in-flight-tokens-scorer 1 (a long prompt's prefill, which request counts miss) and max-score-picker, whose pick the
 scheduler follows with two fallbacks (RESULT_ENDPOINTS, for any profile: the gateway retries on them when the pick
 refuses the connection). Every error in a config is a ConfigError at startup, including a plugin that consumes data
@@ -38,7 +38,7 @@ import logging
 import time
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import yaml
 
@@ -147,6 +147,14 @@ class Profile:
     picker: Picker
 
 
+class CyclePlugins(NamedTuple):
+    """The plugins of a profile that one scheduling cycle runs, in the profile's order (Scheduler.cycle_plugins)."""
+
+    prepare: tuple[PrepareData, ...]
+    filters: tuple[Filter, ...]
+    scorers: tuple[tuple[Scorer, float], ...]  # (scorer, weight)
+
+
 class Scheduler:
     """Runs one profile per request. The request path calls admit, schedule, on_picked when the pick is final,
     on_routed once the proxy has its answer and on_finished when the request is over; discovery calls
@@ -188,11 +196,15 @@ class Scheduler:
         for p in readers:
             p.use_predictions(predictions)
         self._trains_predictor = any(isinstance(p, ResponseTimed) for p in readers)
-        # Until the predictor predicts, its readers' filters and scorers would pass every endpoint or abstain: the
-        # cycle leaves them out (the default profile 902 -> 874 thousand instructions a request, `epp-bench
-        # handler-cpu --instructions`). Their hooks still run: the predictor learns from the requests it routes.
-        self._cold_filters = tuple(f for f in profile.filters if not isinstance(f, LatencyPredictionReader))
-        self._cold_scorers = tuple(pair for pair in profile.scorers if not isinstance(pair[0], LatencyPredictionReader))
+        self._kv_index: KVBlockIndex | None = None
+        # A plugin whose data source has given nothing yet would prepare nothing, pass every endpoint or abstain:
+        # the latency predictor's readers until it predicts, the KV-event readers (`requires_kv_events`) until an
+        # endpoint publishes events. A cycle leaves them out (cycle_plugins: no call, no timing); their hooks still
+        # run (the predictor learns from the requests it routes). The default profile: 902 -> 874 thousand
+        # instructions a request for the predictor's readers (`epp-bench handler-cpu --instructions`).
+        self._cycles = tuple(
+            self._plugins_that_run(predicting, kv_events) for kv_events in (False, True) for predicting in (False, True)
+        )
         if predictions is not None and self.prefix_index is not None:
             predictions.cached_tokens = self.prefix_index.cached_tokens
 
@@ -235,26 +247,51 @@ class Scheduler:
         return any(p.requires_kv_events for p in self._kv_events)
 
     def use_kv_index(self, index: KVBlockIndex) -> None:
+        self._kv_index = index
         for p in self._kv_events:
             p.use_kv_index(index)
+
+    def _plugins_that_run(self, predicting: bool, kv_events: bool) -> CyclePlugins:
+        def runs(p: Plugin) -> bool:
+            return (predicting or not isinstance(p, LatencyPredictionReader)) and (
+                kv_events or not (isinstance(p, KVEventsConsumer) and p.requires_kv_events)
+            )
+
+        profile = self.profile
+        return CyclePlugins(
+            tuple(p for p in self._prepare if runs(p)),
+            tuple(f for f in profile.filters if runs(f)),
+            tuple(pair for pair in profile.scorers if runs(pair[0])),
+        )
+
+    def cycle_plugins(self) -> CyclePlugins:
+        """The PrepareData plugins, filters and scorers a cycle runs now: those whose data source has something
+        (see __init__)."""
+        predictions, index = self.predictions, self._kv_index
+        predicting = predictions is None or predictions.predictor.ttft_ready
+        kv_events = index is not None and index.has_publishers
+        return self._cycles[2 * kv_events + predicting]
 
     def prepare(self, request: SchedulingRequest) -> CycleState | Awaitable[CycleState]:
         """The request's cycle state after the PrepareData plugins (exact tokens, block hashes): returned as is, or
         an awaitable of it when a plugin asked for a worker thread (a long prompt)."""
         self.record_picks()
         cycle_state = CycleState()
-        plugins = self._prepare
+        plugins = self.cycle_plugins().prepare
         if not plugins:
             return cycle_state
-        if any(p.in_thread(request) for p in plugins):
-            return asyncio.to_thread(self._run_prepare, cycle_state, request)
-        return self._run_prepare(cycle_state, request)
+        for p in plugins:
+            if p.in_thread(request):
+                return asyncio.to_thread(self._run_prepare, plugins, cycle_state, request)
+        return self._run_prepare(plugins, cycle_state, request)
 
-    def _run_prepare(self, cycle_state: CycleState, request: SchedulingRequest) -> CycleState:
+    def _run_prepare(
+        self, plugins: tuple[PrepareData, ...], cycle_state: CycleState, request: SchedulingRequest
+    ) -> CycleState:
         timings = []
         clock = time.perf_counter
         start = clock()
-        for p in self._prepare:
+        for p in plugins:
             try:
                 p.prepare(cycle_state, request)
             except Exception:  # a plugin's bug must not fail the request: its scorer abstains
@@ -285,11 +322,7 @@ class Scheduler:
         if cycle_state is None:
             cycle_state = CycleState()
         timings: list[tuple[TypedName, float]] = list(cycle_state.read(PREPARE_TIMINGS) or ())
-        predictions = self.predictions
-        if predictions is None or predictions.predictor.ttft_ready:
-            filters, scorers = self.profile.filters, self.profile.scorers
-        else:
-            filters, scorers = self._cold_filters, self._cold_scorers
+        _, filters, scorers = self.cycle_plugins()
         # one clock reading per plugin: each one's end is the next one's start
         start = clock()
         for f in filters:

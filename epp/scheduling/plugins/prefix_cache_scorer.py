@@ -136,6 +136,8 @@ class PrefixCacheScorer(Scorer, PreRequest, ResponseComplete, PoolChanged, Prefi
         self, cycle_state: CycleState, request: SchedulingRequest, endpoints: list[Endpoint]
     ) -> list[float] | None:
         index = self._kv_index
+        if index is not None and not index.has_publishers:
+            index = None  # no endpoint publishes KV events: this scorer has them all
         if index is not None and all(index.publishes(e.hostport) for e in endpoints):
             return None  # precise-prefix-cache-scorer scores them all: no text hashing at all
         hashes = self.hashes(cycle_state, request, endpoints)

@@ -253,10 +253,10 @@ def test_until_the_predictor_predicts_its_readers_filters_and_scorer_are_not_cal
     endpoints = pool_of_three(predictions)
     cold = scheduler.schedule(req(), endpoints)
     assert readers.isdisjoint(name.type for name, _ in cold.timings)
-    skipping = scheduler._cold_filters, scheduler._cold_scorers
-    scheduler._cold_filters, scheduler._cold_scorers = scheduler.profile.filters, scheduler.profile.scorers
+    skipping = scheduler._cycles
+    scheduler._cycles = (scheduler._plugins_that_run(predicting=True, kv_events=True),) * 4
     called = scheduler.schedule(req(), endpoints)  # every plugin called, cold: the same pick and scores
-    scheduler._cold_filters, scheduler._cold_scorers = skipping
+    scheduler._cycles = skipping
     assert readers <= {name.type for name, _ in called.timings}
     assert called.endpoints == cold.endpoints and called.raw_scores == cold.raw_scores
     trained(predictions)

@@ -177,6 +177,45 @@ schedulingProfiles:
     assert scores["precise-prefix-cache-scorer"] == [0.0, 1.0, 0.0]
 
 
+def test_until_an_endpoint_publishes_kv_events_the_precise_scorer_is_not_called():
+    """With no publisher the precise scorer would prepare nothing and abstain: the cycle leaves it out (no call, no
+    timing) and the approximate scorer scores every endpoint. Once one endpoint publishes, it prepares and scores."""
+    config = f"""
+plugins:
+- type: prefix-cache-scorer
+- type: precise-prefix-cache-scorer
+  parameters: {{hashSeed: "{SEED}", loadGuardQueueGap: 0}}
+schedulingProfiles:
+- name: default
+  plugins:
+  - pluginRef: prefix-cache-scorer
+  - pluginRef: precise-prefix-cache-scorer
+"""
+    scheduler = Scheduler.from_config(config)
+    index = KVBlockIndex()
+    scheduler.use_kv_index(index)
+    pool = [endpoint(0), endpoint(1)]
+    payload = chat("What is the capital of France?")
+    silent = request(payload)
+    state = scheduler.prepare(silent)
+    result = scheduler.schedule(silent, pool, state)
+    assert [name.type for name, _ in result.timings] == ["prefix-cache-scorer", "max-score-picker"]
+    assert state.read(PROMPT_BLOCKS) is None and state.read(PREFIX_HASHES)  # the approximate scorer hashed it
+    index.saw(pool[1].hostport, "m")
+    index.store(pool[1].hostport, server_hashes(payload))
+    publishing = request(payload)
+    state = scheduler.prepare(publishing)
+    result = scheduler.schedule(publishing, pool, state)
+    assert [name.type for name, _ in result.timings] == [
+        "precise-prefix-cache-scorer",
+        "prefix-cache-scorer",
+        "precise-prefix-cache-scorer",
+        "max-score-picker",
+    ]  # its preparation, then the scorers and the picker
+    assert result.raw_scores[scheduler.profile.scorers[1][0].typed_name] == [0.0, 1.0]
+    assert result.primary is pool[1]
+
+
 def test_the_approximate_index_learns_from_the_servers_cached_tokens():
     scorer = build_plugin("prefix-cache-scorer", {"loadGuardQueueGap": 0})
     e = endpoint(0, num_gpu_blocks=1000)
