@@ -16,7 +16,7 @@ as at concurrency 32.
 
 `kv_events`: the endpoints publish KV events, as vLLM with --kv-events-config and our sims do (the index knows them
 as publishers; none is sent, so no block is held): precise-prefix-cache-scorer then tokenizes each prompt and hashes
-its blocks as in a live EPP, where without it the scorer abstains untouched.
+its blocks as in a live EPP, where without it the scheduler does not call the scorer (no endpoint publishes).
 
 `evict_mb` writes to that many MiB of memory before each read, untimed: the caches as a live EPP finds them when it
 wakes, after Envoy, the client and the model servers ran on its core. A live EPP behind Envoy on a 2-core host

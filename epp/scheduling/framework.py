@@ -129,7 +129,8 @@ class PrepareData(Plugin):
 class KVEventsConsumer(Plugin):
     """Reads the index the model servers' KV events build (`epp.datalayer.kv_events.KVBlockIndex`).
     `requires_kv_events`: the EPP starts its KV-event subscriber only when some plugin of the profile requires it
-    (the others, e.g. the approximate prefix scorer, only step aside for endpoints the index covers)."""
+    (the others, e.g. the approximate prefix scorer, only step aside for endpoints the index covers), and the
+    scheduler does not call such a plugin's filter, scorer or preparation until an endpoint publishes events."""
 
     requires_kv_events: ClassVar[bool] = False
 
