@@ -17,7 +17,7 @@ from epp.datalayer.endpoint import Endpoint
 from epp.scheduling.load import queue_depth, running_requests
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class Features:
     """One request on one endpoint at routing time."""
 

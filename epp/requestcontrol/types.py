@@ -51,7 +51,7 @@ class RequestContext:
         self.streamed = False  # the client asked for a streamed response (its first chunk is then the first token)
 
 
-@dataclass(slots=True)
+@dataclass
 class RoutingDecision:
     """Where the request goes. `body` is the request body to send (the client's, or re-serialized after a model
     rewrite; None for a request without body); `body_changed` says whether it differs from the client's."""

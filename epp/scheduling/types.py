@@ -51,7 +51,7 @@ class CycleState:
         self._data[key] = value
 
 
-@dataclass(slots=True)
+@dataclass
 class ResponseInfo:
     """How a routed request's response went, as the EPP saw it (for ResponseComplete plugins; its timings go to
     ResponseTimed plugins). The usage's figures are None unless the response body streamed through the EPP."""
@@ -62,7 +62,7 @@ class ResponseInfo:
     cached_tokens: int | None = None  # the usage's prompt_tokens_details.cached_tokens: the server's prefix hit
 
 
-@dataclass(slots=True)
+@dataclass
 class SchedulingRequest:
     """What the scheduler may read of one request. Built once per request on the ext_proc path."""
 
@@ -80,7 +80,7 @@ class SchedulingRequest:
     payload: dict[str, Any] | None = None  # the parsed JSON body (PrepareData plugins tokenize it)
 
 
-@dataclass(slots=True)
+@dataclass
 class SchedulingResult:
     """One scheduling cycle's outcome.
 
