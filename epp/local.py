@@ -58,6 +58,9 @@ class StackConfig:
     pool_extra: dict = field(default_factory=dict)  # more pool-file keys: objectives, models, rewrites
     modelserver_args: list[str] = field(default_factory=list)
     epp_args: list[str] = field(default_factory=list)
+    epp_env: dict[str, str] = field(
+        default_factory=dict
+    )  # more environment for the EPP (another checkout's PYTHONPATH)
     workdir: Path | None = None
     # The EPP's KV-event SUB port: every model server publishes its KV events there (vLLM --kv-events-config
     # connecting to the EPP, as llm-d deploys it); None: a free port; 0: no events (the approximate index only)
@@ -161,7 +164,7 @@ class LocalStack:
     def epp_metrics_urls(self) -> list[str]:
         return [f"http://{self.config.host}:{metrics}/metrics" for _, _, metrics in self.epp_ports]
 
-    def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
+    def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
         log = (self.workdir / f"{name}.log").open("ab")
         process = subprocess.Popen(
             argv,
@@ -169,7 +172,7 @@ class LocalStack:
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONHASHSEED": self.config.hash_seed},
+            env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONHASHSEED": self.config.hash_seed, **(env or {})},
         )
         log.close()
         self.processes[name] = process
@@ -238,7 +241,7 @@ class LocalStack:
                 argv += ["--config-file", c.config_file]
             if c.config_text:
                 argv += ["--config-text", c.config_text]
-            self._spawn(name, argv)
+            self._spawn(name, argv, c.epp_env)
 
     def start_envoy(self) -> None:
         c = self.config

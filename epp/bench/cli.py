@@ -1,7 +1,7 @@
 """`epp-bench`: benchmarks of the EPP on a local sim pool.
 
 epp-bench overhead [--servers 4] [--sequential 2000] [--concurrency 32] [--requests 2000] [--ext-proc-transport h2|grpcio]
-                   [--streamed] [--epp-config FILE ...] [--out DIR]
+                   [--streamed] [--epp-config FILE ...] [--against DIR [--pairs 4]] [--out DIR]
 epp-bench handler-cpu [--requests 4000] [--batch 16] [--rounds 9] [--streamed] [--kv-events] [--config-file FILE]
                       [--evict-mb N] [--instructions]
 """
@@ -58,6 +58,14 @@ def main(argv: list[str] | None = None) -> None:
     over.add_argument("--requests", type=int, default=2000, help="requests per throughput run")
     over.add_argument("--ext-proc-transport", choices=["h2", "grpcio"], default="h2", help="the EPP's gRPC server")
     over.add_argument("--out", type=Path, default=None, help="directory for overhead.json and overhead.md")
+    over.add_argument(
+        "--against",
+        type=Path,
+        default=None,
+        help="another checkout of this repository (its `epp` package built, or run as Python): its EPP against this\n"
+        "one's in the same runs, the two swapped between two EPP targets in each pair of runs (overhead.compare_builds)",
+    )
+    over.add_argument("--pairs", type=int, default=4, help="pairs of runs for --against")
     over.add_argument(
         "--streamed", action="store_true", help='"stream": true requests: their access-log records train the predictor'
     )
@@ -247,7 +255,33 @@ def main(argv: list[str] | None = None) -> None:
                 args.requests, args.batch, args.rounds, args.streamed, config, args.evict_mb, args.kv_events
             )
             print(result.markdown())
-    if args.command == "overhead":
+    if args.command == "overhead" and args.against is not None:
+        if not (args.against / "epp" / "__init__.py").is_file():
+            parser.error(f"--against {args.against}: not a checkout of this repository (no epp/__init__.py)")
+        if args.pairs < 1:
+            parser.error("--pairs must be at least 1")
+        if args.epp_config:
+            parser.error("--against compares the two builds' default configs: leave out --epp-config")
+        comparison = asyncio.run(
+            overhead.compare_builds(
+                args.against.resolve(),
+                args.pairs,
+                args.servers,
+                args.sequential,
+                args.concurrency,
+                args.requests,
+                args.ext_proc_transport,
+                args.streamed,
+            )
+        )
+        report = comparison.markdown()
+        print(report)
+        if args.out:
+            args.out.mkdir(parents=True, exist_ok=True)
+            runs = [overhead.as_dict(run) for run in comparison.runs]
+            (args.out / "builds.json").write_text(json.dumps({"other": comparison.other, "runs": runs}, indent=2))
+            (args.out / "builds.md").write_text(report + "\n")
+    elif args.command == "overhead":
         epp_configs = {}
         for path in args.epp_config:
             if path.stem in epp_configs:

@@ -231,12 +231,18 @@ async def _start_floor(
 
 
 async def _start_epp_variant(
-    stack: LocalStack, transport: str, opened: list, name: str, config_text: str | None, access_log_percent: int
+    stack: LocalStack,
+    transport: str,
+    opened: list,
+    name: str,
+    config_text: str | None,
+    access_log_percent: int,
+    env: dict[str, str],
 ) -> LocalStack:
     """The stack's EPP build and Envoy bootstrap again, on ports of their own and over the stack's model servers,
     with one difference: the EPP's config (`flowControl: {enabled: false}`: flow control's cost is the difference to
-    the stack's own EPP) or the share of requests whose access-log record Envoy sends the EPP (`access_log_percent`:
-    the stack's gateway sends every one)."""
+    the stack's own EPP), the share of requests whose access-log record Envoy sends the EPP (`access_log_percent`:
+    the stack's gateway sends every one) or the EPP's build (`env`: another checkout's PYTHONPATH)."""
     grpc, health, metrics, listener, admin = free_ports(5)
     c = stack.config
     variant = LocalStack(
@@ -252,6 +258,7 @@ async def _start_epp_variant(
             config_text=config_text,
             access_log_percent=access_log_percent,
             epp_args=["--ext-proc-transport", transport],
+            epp_env=env,
         )
     )
     variant.workdir.mkdir(exist_ok=True)
@@ -276,13 +283,17 @@ async def measure(
     streamed: bool = False,
     with_picker_only: bool = True,
     epp_configs: dict[str, str] | None = None,
+    epp_env: dict[str, str] | None = None,
+    epp_builds: dict[str, dict[str, str]] | None = None,
 ) -> OverheadResult:
     """Every target in one run over one pool: sequential latency interleaved request by request, then throughput
     in alternating order. Each target has processes of its own (its Envoy, its processor or router), so their CPU
     divided by the target's requests is its cost per request; the model servers are shared. `streamed`: every
     request asks for a streamed response (`"stream": true`, as chat clients do), whose access-log records teach the
     EPP's latency predictor, which then predicts for every request: what a live EPP pays per streamed request.
-    `epp_configs`: name -> EndpointPickerConfig text, a target "envoy+epp (name)" each."""
+    `epp_configs`: name -> EndpointPickerConfig text, a target "envoy+epp (name)" each. `epp_env`: more environment
+    for the stack's EPP; `epp_builds`: name -> the environment of another build of the EPP (another checkout's
+    PYTHONPATH), a target "envoy+epp (name)" each, with its own default config (`compare_builds`)."""
     body = {**BODY, "stream": True} if streamed else BODY
     base = free_port_block(servers)
     grpc, health, metrics, listener, admin, plain_listener, plain_admin = free_ports(7)
@@ -298,6 +309,7 @@ async def measure(
             workdir=workdir,
             modelserver_args=["--sim-zero-delay", "--disable-log-stats"],
             epp_args=["--ext-proc-transport", transport],
+            epp_env=epp_env or {},
         )
     )
     result = OverheadResult(transport, servers, sequential, concurrency, concurrent_requests, streamed)
@@ -335,20 +347,23 @@ async def measure(
                     )
         targets[EPP] = f"{stack.gateway_url}/v1/completions"
         pids[EPP] = {"envoy": stack.envoy.process.pid, "epp": stack.processes["epp"].pid}
-        # a second EPP and Envoy over the same servers, one thing changed: (target, workdir, EPP config, access log %)
+        # a second EPP and Envoy over the same servers, one thing changed: (target, workdir, EPP config, access log %,
+        # the EPP's environment)
         variants = []
         if with_flow_control_off:
             variants.append(
-                (EPP_NO_FLOW_CONTROL, "flow-control-off", DEFAULT_CONFIG + "flowControl: {enabled: false}\n", 100)
+                (EPP_NO_FLOW_CONTROL, "flow-control-off", DEFAULT_CONFIG + "flowControl: {enabled: false}\n", 100, {})
             )
         if without_access_log:
             # the access-log records the gateway sends by default (the EPP learns nothing from them here: the
             # responses are not streamed): what receiving one per request costs Envoy and the EPP
-            variants.append((EPP_NO_ACCESS_LOG, "no-access-log", None, 0))
+            variants.append((EPP_NO_ACCESS_LOG, "no-access-log", None, 0, {}))
         if with_picker_only:
-            variants.append((EPP_PICKER_ONLY, "picker-only", PICKER_ONLY_CONFIG, 100))
+            variants.append((EPP_PICKER_ONLY, "picker-only", PICKER_ONLY_CONFIG, 100, {}))
         for index, (name, config_text) in enumerate((epp_configs or {}).items()):
-            variants.append((f"{EPP} ({name})", f"config-{index}", config_text, 100))
+            variants.append((f"{EPP} ({name})", f"config-{index}", config_text, 100, {}))
+        for index, (name, env) in enumerate((epp_builds or {}).items()):
+            variants.append((f"{EPP} ({name})", f"build-{index}", None, 100, env))
         for target, *variant in variants:
             other = await _start_epp_variant(stack, transport, opened, *variant)
             targets[target] = f"{other.gateway_url}/v1/completions"
@@ -422,6 +437,114 @@ async def measure(
     result.host_load = os.getloadavg()
     result.wall_seconds = time.monotonic() - started_at
     return result
+
+
+THIS_BUILD, OTHER_BUILD = "this build", "other build"
+
+
+@dataclass
+class BuildComparison:
+    """`compare_builds`' runs: each pair is two runs of one pool with the two builds as the stack's EPP and a second
+    EPP target, in one slot each and then swapped. Ratios are to plain Envoy's figure in the same run."""
+
+    other: str  # the other checkout
+    runs: list[OverheadResult] = field(default_factory=list)  # pair i: runs[2i] this build first, runs[2i+1] swapped
+
+    def _ratios(self, run: OverheadResult, quantile: str) -> tuple[float, float, float]:
+        """(this build's ratio, the other's, the second slot's ratio less the first's) in one run."""
+        plain = run.latency_ms[PLAIN][quantile]
+        first, second = (
+            run.latency_ms[EPP][quantile] / plain,
+            next(lat[quantile] / plain for target, lat in run.latency_ms.items() if target not in (PLAIN, EPP)),
+        )
+        this_first = f"{EPP} ({OTHER_BUILD})" in run.latency_ms
+        return (first, second, second - first) if this_first else (second, first, second - first)
+
+    def differences(self, quantile: str = "p50") -> tuple[list[float], list[float]]:
+        """Per pair, this build's ratio less the other's, and the second slot's less the first's (the slots' own
+        difference, which the swap cancels out of the first)."""
+        builds, slots = [], []
+        for first, swapped in zip(self.runs[::2], self.runs[1::2], strict=True):
+            (a_this, a_other, a_slot), (b_this, b_other, b_slot) = (
+                self._ratios(first, quantile),
+                self._ratios(swapped, quantile),
+            )
+            builds.append(((a_this - a_other) + (b_this - b_other)) / 2)
+            slots.append((a_slot + b_slot) / 2)
+        return builds, slots
+
+    def markdown(self) -> str:
+        lines = [
+            "| run | this build in | p50 / plain: this, other | p99 / plain: this, other | EPP CPU ms per request at "
+            "concurrency: this, other |",
+            "| --- | --- | --- | --- | --- |",
+        ]
+        for index, run in enumerate(self.runs):
+            this_first = f"{EPP} ({OTHER_BUILD})" in run.latency_ms
+            other = next(t for t in run.latency_ms if t not in (PLAIN, EPP))
+            this_target, other_target = (EPP, other) if this_first else (other, EPP)
+            p50, p99 = self._ratios(run, "p50"), self._ratios(run, "p99")
+            cpu = run.cpu_ms_per_request_loaded
+            lines.append(
+                f"| {index + 1} | {'the first slot' if this_first else 'the second slot'} | {p50[0]:.3f}, {p50[1]:.3f} "
+                f"| {p99[0]:.3f}, {p99[1]:.3f} | {cpu[this_target]['epp']:.3f}, {cpu[other_target]['epp']:.3f} |"
+            )
+        lines.append("")
+        for quantile in ("p50", "p99"):
+            builds, slots = self.differences(quantile)
+            spread = f", sd {statistics.stdev(builds):.4f}" if len(builds) > 1 else ""
+            lines.append(
+                f"this build less the other ({self.other}), {quantile} / plain Envoy's: mean {statistics.fmean(builds):+.4f}"
+                f"{spread} over {len(builds)} pairs (the second slot less the first, either build: "
+                f"{statistics.fmean(slots):+.4f})"
+            )
+        loads = [run.host_load[0] for run in self.runs]
+        lines.append(f"host load (1 min) at the end of each run: {min(loads):.2f}-{max(loads):.2f}")
+        lines.append(f"this build's request path: {self.runs[0].epp_build}")
+        return "\n".join(lines)
+
+
+async def compare_builds(
+    other: Path,
+    pairs: int = 4,
+    servers: int = 4,
+    sequential: int = 2000,
+    concurrency: int = 32,
+    concurrent_requests: int = 2000,
+    transport: str = "h2",
+    streamed: bool = False,
+) -> BuildComparison:
+    """This checkout's EPP against another checkout's (`other`, a directory with the `epp` package, built as its
+    README says or run as Python) in the same runs, over the same pool, each with its own default config: what a
+    change to the request path is worth, to a few thousandths of plain Envoy's p50. Runs of one build alternated
+    with runs of the other spread by several hundredths (the machine's load moves between them); within one run,
+    two EPP targets of one build differ by about a hundredth, the second slot being the faster (`differences`),
+    so each pair swaps the builds between the slots and the slots' difference cancels."""
+    this_env, other_env = {}, {"PYTHONPATH": str(other)}
+    comparison = BuildComparison(str(other))
+    for _ in range(pairs):
+        for first, (second_name, second_env) in (
+            (this_env, (OTHER_BUILD, other_env)),
+            (other_env, (THIS_BUILD, this_env)),
+        ):
+            comparison.runs.append(
+                await measure(
+                    servers,
+                    sequential,
+                    concurrency,
+                    concurrent_requests,
+                    transport=transport,
+                    with_peers=False,
+                    with_floor=False,
+                    streamed=streamed,
+                    with_flow_control_off=False,
+                    without_access_log=False,
+                    with_picker_only=False,
+                    epp_env=first,
+                    epp_builds={second_name: second_env},
+                )
+            )
+    return comparison
 
 
 def as_dict(result: OverheadResult) -> dict:

@@ -314,3 +314,37 @@ def test_overhead_refuses_a_bad_epp_config_before_starting_anything(tmp_path, ca
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert f"--epp-config {path}" in err and message in err
+
+
+def test_two_builds_are_compared_in_the_same_runs_with_their_slots_swapped(tmp_path):
+    """`epp-bench overhead --against DIR`: each pair of runs puts this build and the other in the stack's EPP and the
+    second EPP target, then the other way round, so that what the two slots differ by cancels out of the builds'
+    difference. The other build here is this checkout, run from its directory (PYTHONPATH)."""
+    here = Path(__file__).resolve().parents[2]
+    comparison = asyncio.run(
+        overhead.compare_builds(here, pairs=1, servers=2, sequential=20, concurrency=4, concurrent_requests=40)
+    )
+    first, swapped = comparison.runs
+    assert set(first.latency_ms) == {overhead.PLAIN, overhead.EPP, f"{overhead.EPP} ({overhead.OTHER_BUILD})"}
+    assert set(swapped.latency_ms) == {overhead.PLAIN, overhead.EPP, f"{overhead.EPP} ({overhead.THIS_BUILD})"}
+    for quantile in ("p50", "p99"):
+        builds, slots = comparison.differences(quantile)
+        assert len(builds) == len(slots) == 1
+        # the pair's figures are its runs': this build's ratio less the other's, averaged over both slots
+        (a_this, a_other, a_slot), (b_this, b_other, b_slot) = (
+            comparison._ratios(first, quantile),
+            comparison._ratios(swapped, quantile),
+        )
+        plain = first.latency_ms[overhead.PLAIN][quantile]
+        assert a_this == first.latency_ms[overhead.EPP][quantile] / plain
+        assert builds[0] == pytest.approx((a_this - a_other + b_this - b_other) / 2)
+        assert slots[0] == pytest.approx((a_slot + b_slot) / 2)
+    report = comparison.markdown()
+    assert f"this build less the other ({here}), p50" in report and "| 2 | the second slot |" in report
+
+
+def test_overhead_against_refuses_what_is_not_a_checkout_before_starting_anything(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(cli.signal, "signal", lambda *args: None)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["overhead", "--against", str(tmp_path)])
+    assert exit_info.value.code == 2 and "not a checkout of this repository" in capsys.readouterr().err
