@@ -24,11 +24,11 @@ timings the gateway sends, epp.handlers.accesslog, and is not called until then)
 in-flight tokens, with their summed weight; their request counts sent long prompts behind another long prompt's
 prefill), queue-scorer 2, kv-cache-utilization-scorer 2, prefix-cache-scorer 3 and precise-prefix-cache-scorer 3
 (each endpoint gets one of the two: the precise one for endpoints that publish KV events, the approximate one for
-the rest; the precise one is not called until an endpoint publishes), lora-affinity-scorer 1 (neutral for base-model requests, so it only matters for adapters),
-in-flight-tokens-scorer 1 (a long prompt's prefill, which request counts miss) and max-score-picker, whose pick the
-scheduler follows with two fallbacks (RESULT_ENDPOINTS, for any profile: the gateway retries on them when the pick
-refuses the connection). Every error in a config is a ConfigError at startup, including a plugin that consumes data
-nothing produces (framework.check_data_dependencies).
+the rest; the precise one is not called until an endpoint publishes), lora-affinity-scorer 1 (neutral for
+base-model requests, so it only matters for adapters), in-flight-tokens-scorer 1 (a long prompt's prefill, which
+request counts miss) and max-score-picker, whose pick the scheduler follows with two fallbacks (RESULT_ENDPOINTS,
+for any profile: the gateway retries on them when the pick refuses the connection). Every error in a config is a
+ConfigError at startup, including a plugin that consumes data nothing produces (framework.check_data_dependencies).
 """
 
 from __future__ import annotations
@@ -202,7 +202,7 @@ class Scheduler:
         # endpoint publishes events. A cycle leaves them out (cycle_plugins: no call, no timing); their hooks still
         # run (the predictor learns from the requests it routes). The default profile: 902 -> 874 thousand
         # instructions a request for the predictor's readers (`epp-bench handler-cpu --instructions`).
-        self._cycles = tuple(
+        self._cycles = tuple(  # at 2 * kv_events + predicting
             self._plugins_that_run(predicting, kv_events) for kv_events in (False, True) for predicting in (False, True)
         )
         if predictions is not None and self.prefix_index is not None:
