@@ -4,6 +4,7 @@ from the servers' cached_tokens."""
 
 import asyncio
 import itertools
+import json
 import random
 
 from hypothesis import HealthCheck, given, settings
@@ -46,6 +47,17 @@ def precise(index: KVBlockIndex, **parameters):
     scorer = build_plugin("precise-prefix-cache-scorer", {"hashSeed": SEED, "loadGuardQueueGap": 0, **parameters})
     scorer.use_kv_index(index)
     return scorer
+
+
+def both_prefix_scorers(**precise_parameters) -> Scheduler:
+    """A profile of the two prefix scorers, as a pool that mixes endpoints with and without KV events needs."""
+    precise_parameters = {"hashSeed": SEED, "loadGuardQueueGap": 0, **precise_parameters}
+    plugins = [("prefix-cache-scorer", {"loadGuardQueueGap": 0}), ("precise-prefix-cache-scorer", precise_parameters)]
+    config = {
+        "plugins": [{"type": name, "parameters": parameters} for name, parameters in plugins],
+        "schedulingProfiles": [{"name": "default", "plugins": [{"pluginRef": name} for name, _ in plugins]}],
+    }
+    return Scheduler.from_config(json.dumps(config))  # (JSON is YAML)
 
 
 def prepared(scorer, payload) -> tuple[CycleState, SchedulingRequest]:
@@ -136,19 +148,7 @@ def test_nothing_is_tokenized_while_no_endpoint_publishes_and_the_load_guard_app
 
 
 async def test_a_long_prompt_is_prepared_in_a_worker_thread_and_mixed_pools_use_both_scorers():
-    config = """
-plugins:
-- type: prefix-cache-scorer
-  parameters: {loadGuardQueueGap: 0}
-- type: precise-prefix-cache-scorer
-  parameters: {hashSeed: "1234", loadGuardQueueGap: 0, threadPromptChars: 1000}
-schedulingProfiles:
-- name: default
-  plugins:
-  - pluginRef: prefix-cache-scorer
-  - pluginRef: precise-prefix-cache-scorer
-"""
-    scheduler = Scheduler.from_config(config)
+    scheduler = both_prefix_scorers(threadPromptChars=1000)
     assert scheduler.requires_kv_events
     index = KVBlockIndex()
     scheduler.use_kv_index(index)
@@ -180,18 +180,7 @@ schedulingProfiles:
 def test_until_an_endpoint_publishes_kv_events_the_precise_scorer_is_not_called():
     """With no publisher the precise scorer would prepare nothing and abstain: the cycle leaves it out (no call, no
     timing) and the approximate scorer scores every endpoint. Once one endpoint publishes, it prepares and scores."""
-    config = f"""
-plugins:
-- type: prefix-cache-scorer
-- type: precise-prefix-cache-scorer
-  parameters: {{hashSeed: "{SEED}", loadGuardQueueGap: 0}}
-schedulingProfiles:
-- name: default
-  plugins:
-  - pluginRef: prefix-cache-scorer
-  - pluginRef: precise-prefix-cache-scorer
-"""
-    scheduler = Scheduler.from_config(config)
+    scheduler = both_prefix_scorers()
     index = KVBlockIndex()
     scheduler.use_kv_index(index)
     pool = [endpoint(0), endpoint(1)]
