@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import json
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -262,6 +263,10 @@ def main(argv: list[str] | None = None) -> None:
             parser.error("--pairs must be at least 1")
         if args.epp_config:
             parser.error("--against compares the two builds' default configs: leave out --epp-config")
+        try:
+            overhead.build_environment(args.against.resolve())
+        except (ValueError, subprocess.CalledProcessError) as error:
+            parser.error(f"--against {args.against}: {error}")
         comparison = asyncio.run(
             overhead.compare_builds(
                 args.against.resolve(),

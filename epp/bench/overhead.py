@@ -19,6 +19,7 @@ import os
 import random
 import statistics
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -442,12 +443,33 @@ async def measure(
 THIS_BUILD, OTHER_BUILD = "this build", "other build"
 
 
+def build_environment(checkout: Path) -> dict[str, str]:
+    """The environment that makes `python -m epp` run `checkout`'s EPP: its directory first on the path, and not the
+    working directory, which `-m` would otherwise put before it (run from this checkout, it would run this build).
+    ValueError when `epp` still resolves elsewhere."""
+    env = {"PYTHONPATH": str(checkout), "PYTHONSAFEPATH": "1"}
+    found = Path(_in_build(env, "import epp; print(epp.__file__)")).resolve()
+    if found.parent != (checkout / "epp").resolve():
+        raise ValueError(f"{checkout}: `epp` resolves to {found}, not to that checkout's package")
+    return env
+
+
+def _build_summary(env: dict[str, str]) -> str:
+    return _in_build(env, "from epp import compiled; print(compiled.summary())")
+
+
+def _in_build(env: dict[str, str], code: str) -> str:
+    command = [sys.executable, "-c", code]
+    return subprocess.run(command, env={**os.environ, **env}, capture_output=True, text=True, check=True).stdout.strip()
+
+
 @dataclass
 class BuildComparison:
     """`compare_builds`' runs: each pair is two runs of one pool with the two builds as the stack's EPP and a second
     EPP target, in one slot each and then swapped. Ratios are to plain Envoy's figure in the same run."""
 
     other: str  # the other checkout
+    other_build: str  # its request path: compiled or pure Python (compiled.summary())
     runs: list[OverheadResult] = field(default_factory=list)  # pair i: runs[2i] this build first, runs[2i+1] swapped
 
     def _ratios(self, run: OverheadResult, quantile: str) -> tuple[float, float, float]:
@@ -500,7 +522,7 @@ class BuildComparison:
             )
         loads = [run.host_load[0] for run in self.runs]
         lines.append(f"host load (1 min) at the end of each run: {min(loads):.2f}-{max(loads):.2f}")
-        lines.append(f"this build's request path: {self.runs[0].epp_build}")
+        lines.append(f"this build's request path: {self.runs[0].epp_build}; the other's: {self.other_build}")
         return "\n".join(lines)
 
 
@@ -520,8 +542,8 @@ async def compare_builds(
     with runs of the other spread by several hundredths (the machine's load moves between them); within one run,
     two EPP targets of one build differ by about a hundredth, the second slot being the faster (`differences`),
     so each pair swaps the builds between the slots and the slots' difference cancels."""
-    this_env, other_env = {}, {"PYTHONPATH": str(other)}
-    comparison = BuildComparison(str(other))
+    this_env, other_env = {}, build_environment(other)
+    comparison = BuildComparison(str(other), _build_summary(other_env))
     for _ in range(pairs):
         for first, (second_name, second_env) in (
             (this_env, (OTHER_BUILD, other_env)),

@@ -4,6 +4,7 @@ harness cannot rot between `make bench` runs."""
 import asyncio
 import itertools
 import json
+import os
 import subprocess
 import sys
 import time
@@ -348,3 +349,22 @@ def test_overhead_against_refuses_what_is_not_a_checkout_before_starting_anythin
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["overhead", "--against", str(tmp_path)])
     assert exit_info.value.code == 2 and "not a checkout of this repository" in capsys.readouterr().err
+
+
+def test_another_checkout_s_epp_is_what_its_environment_runs_even_from_this_checkout(tmp_path, monkeypatch):
+    """`python -m epp` puts the working directory first on the path: run from this checkout's root with only the
+    other's PYTHONPATH, it would import this checkout's package. The other build's environment makes it the
+    other's, and one that does not lead there is refused."""
+    here = Path(__file__).resolve().parents[2]
+    monkeypatch.chdir(here)
+    other = tmp_path / "other"
+    (other / "epp").mkdir(parents=True)
+    (other / "epp" / "__init__.py").write_text("")
+    which = [sys.executable, "-c", "import epp; print(epp.__file__)"]
+    naive = subprocess.run(which, env={**os.environ, "PYTHONPATH": str(other)}, capture_output=True, text=True)
+    assert Path(naive.stdout.strip()) == here / "epp" / "__init__.py"
+    env = overhead.build_environment(other)
+    chosen = subprocess.run(which, env={**os.environ, **env}, capture_output=True, text=True, check=True)
+    assert Path(chosen.stdout.strip()) == other / "epp" / "__init__.py"
+    with pytest.raises(ValueError, match="not to that checkout's package"):
+        overhead.build_environment(tmp_path / "not-a-checkout")
