@@ -113,7 +113,9 @@ def extensions() -> list:
             c_file.with_suffix(".digest").write_text(DIGESTS[name])
     for module in modules:
         module.optional = True  # no compiler, or a compiler error: that module stays Python
-        module.extra_compile_args = ["-g0"]  # no debug information: a fifth of the size (symbols stay for profilers)
+        # no debug information: a fifth of the size (symbols stay for profilers). Python's -O3 stays: -Os, a fifth
+        # smaller again, measured 0.037x of plain Envoy's p50 slower (`epp-bench overhead --against`, 2 x 6 pairs)
+        module.extra_compile_args = ["-g0"]
     return modules
 
 
