@@ -58,9 +58,8 @@ class StackConfig:
     pool_extra: dict = field(default_factory=dict)  # more pool-file keys: objectives, models, rewrites
     modelserver_args: list[str] = field(default_factory=list)
     epp_args: list[str] = field(default_factory=list)
-    epp_env: dict[str, str] = field(
-        default_factory=dict
-    )  # more environment for the EPP (another checkout's PYTHONPATH)
+    # more environment for the EPP (another checkout's PYTHONPATH: epp.bench.overhead.build_environment)
+    epp_env: dict[str, str] = field(default_factory=dict)
     workdir: Path | None = None
     # The EPP's KV-event SUB port: every model server publishes its KV events there (vLLM --kv-events-config
     # connecting to the EPP, as llm-d deploys it); None: a free port; 0: no events (the approximate index only)

@@ -450,7 +450,9 @@ def build_environment(checkout: Path) -> dict[str, str]:
     env = {"PYTHONPATH": str(checkout), "PYTHONSAFEPATH": "1"}
     found = Path(_in_build(env, "import epp; print(epp.__file__)")).resolve()
     if found.parent != (checkout / "epp").resolve():
-        raise ValueError(f"{checkout}: `epp` resolves to {found}, not to that checkout's package")
+        raise ValueError(
+            f"not a checkout of this repository: `epp` resolves to {found}, not to that checkout's package"
+        )
     return env
 
 
@@ -472,15 +474,18 @@ class BuildComparison:
     other_build: str  # its request path: compiled or pure Python (compiled.summary())
     runs: list[OverheadResult] = field(default_factory=list)  # pair i: runs[2i] this build first, runs[2i+1] swapped
 
+    @staticmethod
+    def _targets(run: OverheadResult) -> tuple[str, str]:
+        """(this build's target, the other's) in one run: the stack's EPP is the first slot."""
+        second = next(target for target in run.latency_ms if target not in (PLAIN, EPP))
+        return (EPP, second) if second == f"{EPP} ({OTHER_BUILD})" else (second, EPP)
+
     def _ratios(self, run: OverheadResult, quantile: str) -> tuple[float, float, float]:
         """(this build's ratio, the other's, the second slot's ratio less the first's) in one run."""
         plain = run.latency_ms[PLAIN][quantile]
-        first, second = (
-            run.latency_ms[EPP][quantile] / plain,
-            next(lat[quantile] / plain for target, lat in run.latency_ms.items() if target not in (PLAIN, EPP)),
-        )
-        this_first = f"{EPP} ({OTHER_BUILD})" in run.latency_ms
-        return (first, second, second - first) if this_first else (second, first, second - first)
+        this_target, other_target = self._targets(run)
+        this, other = run.latency_ms[this_target][quantile] / plain, run.latency_ms[other_target][quantile] / plain
+        return this, other, (other - this if this_target == EPP else this - other)
 
     def differences(self, quantile: str = "p50") -> tuple[list[float], list[float]]:
         """Per pair, this build's ratio less the other's, and the second slot's less the first's (the slots' own
@@ -502,13 +507,12 @@ class BuildComparison:
             "| --- | --- | --- | --- | --- |",
         ]
         for index, run in enumerate(self.runs):
-            this_first = f"{EPP} ({OTHER_BUILD})" in run.latency_ms
-            other = next(t for t in run.latency_ms if t not in (PLAIN, EPP))
-            this_target, other_target = (EPP, other) if this_first else (other, EPP)
+            this_target, other_target = self._targets(run)
             p50, p99 = self._ratios(run, "p50"), self._ratios(run, "p99")
             cpu = run.cpu_ms_per_request_loaded
+            slot = "the first slot" if this_target == EPP else "the second slot"
             lines.append(
-                f"| {index + 1} | {'the first slot' if this_first else 'the second slot'} | {p50[0]:.3f}, {p50[1]:.3f} "
+                f"| {index + 1} | {slot} | {p50[0]:.3f}, {p50[1]:.3f} "
                 f"| {p99[0]:.3f}, {p99[1]:.3f} | {cpu[this_target]['epp']:.3f}, {cpu[other_target]['epp']:.3f} |"
             )
         lines.append("")
