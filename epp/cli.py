@@ -322,6 +322,8 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     finally:
         for task in tasks:
             task.cancel()
+        # Awaited here, not left to asyncio.run's last cancellation (which would cut the elector's release short).
+        await asyncio.gather(*tasks, return_exceptions=True)
         await health.set(live=False, ready=False)
         await server.stop(grace=1.0)
         await health_server.stop(grace=None)

@@ -39,6 +39,8 @@ log = logging.getLogger("epp.leader")
 
 
 class LeaseElector:
+    RELEASE_TIMEOUT = 1.0  # seconds a request (or a renewal in flight) may take while this replica stops
+
     def __init__(
         self,
         api: k8s.ApiClient,
@@ -135,15 +137,22 @@ class LeaseElector:
         return True
 
     def release(self) -> None:
-        """Give the Lease up (blocking, at most about 2 s): an empty holder lets another replica take it at once."""
-        timeout = min(self.request_timeout, 1.0)  # shutting down: do not wait long for an unreachable API
-        lease = self.leases.read_namespaced_lease(self.name, self.namespace, _request_timeout=timeout)
-        if lease.spec.holder_identity != self.identity:
-            return
-        lease.spec.holder_identity = None
-        lease.spec.lease_duration_seconds = 1
-        lease.spec.renew_time = self._now()
-        self.leases.replace_namespaced_lease(self.name, self.namespace, lease, _request_timeout=timeout)
+        """Give the Lease up (blocking, at most about 4 s): an empty holder lets another replica take it at once.
+        A conflict (a write between this read and this write) is read again once."""
+        timeout = min(self.request_timeout, self.RELEASE_TIMEOUT)  # shutting down: an unreachable API is not waited on
+        for last_try in (False, True):
+            lease = self.leases.read_namespaced_lease(self.name, self.namespace, _request_timeout=timeout)
+            if lease.spec.holder_identity != self.identity:
+                return
+            lease.spec.holder_identity = None
+            lease.spec.lease_duration_seconds = 1
+            lease.spec.renew_time = self._now()
+            try:
+                self.leases.replace_namespaced_lease(self.name, self.namespace, lease, _request_timeout=timeout)
+                return
+            except ApiException as exc:
+                if exc.status != 409 or last_try:
+                    raise
 
     def _duration_seconds(self) -> int:
         return max(1, round(self.lease_duration))
@@ -175,6 +184,7 @@ class LeaseElector:
 
     async def run(self) -> None:
         """Campaign and renew until cancelled; then release the Lease if this replica holds it."""
+        attempt: asyncio.Future | None = None
         try:
             while True:
                 started = time.monotonic()
@@ -194,6 +204,18 @@ class LeaseElector:
                 await asyncio.sleep(self.retry_period)
         finally:
             was_leading, self._leading = self._leading, False
+            if attempt is not None and not attempt.done() and self.release_on_stop:
+                # Its thread runs on: it may yet write this replica into the Lease (acquiring it just after the
+                # last holder released it), so its outcome decides whether there is anything to release.
+                await asyncio.wait({attempt}, timeout=self.RELEASE_TIMEOUT)
+                if not attempt.done():
+                    log.warning(
+                        "lease %s/%s: a renewal still in flight at stop; the Lease may be held until it expires",
+                        self.namespace,
+                        self.name,
+                    )
+                elif not attempt.cancelled() and attempt.exception() is None:
+                    was_leading = was_leading or attempt.result()
             await self._report()
             if was_leading and self.release_on_stop:
                 try:

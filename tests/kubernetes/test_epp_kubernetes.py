@@ -52,8 +52,9 @@ async def test_epp_replicas_discover_and_elect(apiserver, tmp_path):
     server.apply("pods", pod("ms-0", "127.0.0.1"))
     replicas = []
     try:
-        for _ in range(2):
+        for index in range(2):
             grpc_port, health_port, metrics_port = free_ports(3)
+            log = (tmp_path / f"epp-{index}.log").open("wb")
             process = subprocess.Popen(
                 [
                     sys.executable,
@@ -78,8 +79,9 @@ async def test_epp_replicas_discover_and_elect(apiserver, tmp_path):
                     "0",
                 ],
                 stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
+                stderr=log,
             )
+            log.close()  # the child holds its own descriptor
             replicas.append((process, health_port, metrics_port))
         async with aiohttp.ClientSession() as session:
             for _, _, metrics_port in replicas:
@@ -112,7 +114,10 @@ async def test_epp_replicas_discover_and_elect(apiserver, tmp_path):
             except subprocess.TimeoutExpired:
                 process.kill()
                 raise
-        assert not server.objects["leases"]["pool-epp"]["spec"].get("holderIdentity"), "the leader kept the Lease"
+        logs = "\n".join(path.read_text() for path in sorted(tmp_path.glob("epp-*.log")))
+        assert not server.objects["leases"]["pool-epp"]["spec"].get("holderIdentity"), (
+            f"the leader kept the Lease:\n{logs}"
+        )
         model.terminate()
         model.wait(10)
 

@@ -107,6 +107,18 @@ async def test_a_clean_stop_releases_the_lease(replicas):
     assert group.overlaps == 0
 
 
+async def test_a_stop_during_an_acquisition_in_flight_still_releases_the_lease(replicas):
+    """The attempt's thread outlives the cancellation: if it wins the Lease, the stopping replica gives it back."""
+    server, group = replicas
+    server.lease_stall = 0.1  # every request slower than the stop, within the request timeout
+    group.start("epp-b")
+    await asyncio.sleep(0.05)  # the first attempt is reading the (missing) Lease
+    await group.stop("epp-b")
+    await asyncio.sleep(0.3)  # anything still in flight has landed
+    assert holder(server) is None  # created for epp-b by the attempt in flight, then released
+    assert group.changes == []  # never reported as serving
+
+
 async def test_a_leader_cut_off_from_the_api_keeps_serving_until_it_sees_another_holder(replicas):
     server, group = replicas
     a = group.start("epp-a")
