@@ -151,3 +151,26 @@ def test_a_none_where_a_pxd_declares_a_class_raises_as_python_does():
     for call in (lambda: director.on_complete(None), lambda: director.route(None, {"model": "m"}, b"{}")):
         with pytest.raises(AttributeError):
             call()
+
+
+def test_the_per_request_dataclasses_import_nothing_and_default_to_their_own_containers(monkeypatch):
+    """Compiled, a dataclass field with a default_factory made Cython's __init__ import the dataclasses module on
+    every call (types.py writes those __init__ itself): building a request's scheduling objects imports nothing."""
+    import builtins
+
+    from epp.requestcontrol.types import RoutingDecision
+    from epp.scheduling.types import ResponseInfo, SchedulingRequest, SchedulingResult
+
+    imported = []
+    real_import = builtins.__import__
+    monkeypatch.setattr(builtins, "__import__", lambda name, *rest: imported.append(name) or real_import(name, *rest))
+    requests = [SchedulingRequest("r", "m"), SchedulingRequest("r", "m", "prompt", 1, headers={"a": "b"})]
+    results = [SchedulingResult([]), SchedulingResult([], "p", [], {}, [], None)]
+    RoutingDecision("r", [], None, False)
+    ResponseInfo("200")
+    monkeypatch.undo()
+    assert imported == []
+    assert requests[0].headers == {} and requests[0].headers is not SchedulingRequest("s", "m").headers
+    assert requests[1].headers == {"a": "b"} and requests[1].prompt_tokens_estimate == 1
+    assert results[0].candidates == [] and results[0].raw_scores == {} and results[0].timings == []
+    assert results[0].cycle_state is not results[1].cycle_state and results[0].profile == "default"
