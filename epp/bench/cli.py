@@ -1,7 +1,7 @@
 """`epp-bench`: benchmarks of the EPP on a local sim pool.
 
 epp-bench overhead [--servers 4] [--sequential 2000] [--concurrency 32] [--requests 2000] [--ext-proc-transport h2|grpcio]
-                   [--streamed] [--epp-config FILE ...] [--against DIR [--pairs 4]] [--out DIR]
+                   [--streamed] [--pin] [--epp-config FILE ...] [--against DIR [--pairs 4]] [--out DIR]
 epp-bench handler-cpu [--requests 4000] [--batch 16] [--rounds 9] [--streamed] [--kv-events] [--config-file FILE]
                       [--evict-mb N] [--instructions]
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -69,6 +70,11 @@ def main(argv: list[str] | None = None) -> None:
     over.add_argument("--pairs", type=int, default=4, help="pairs of runs for --against")
     over.add_argument(
         "--streamed", action="store_true", help='"stream": true requests: their access-log records train the predictor'
+    )
+    over.add_argument(
+        "--pin",
+        action="store_true",
+        help="the client and the model servers on half the CPUs, every target's processes on the other half",
     )
     over.add_argument(
         "--epp-config",
@@ -256,6 +262,11 @@ def main(argv: list[str] | None = None) -> None:
                 args.requests, args.batch, args.rounds, args.streamed, config, args.evict_mb, args.kv_events
             )
             print(result.markdown())
+    if args.command == "overhead" and args.pin:
+        try:
+            overhead.split_cpus(os.sched_getaffinity(0))  # refused now, not after the pool has started
+        except ValueError as error:
+            parser.error(f"--pin: {error}")
     if args.command == "overhead" and args.against is not None:
         if args.pairs < 1:
             parser.error("--pairs must be at least 1")
@@ -276,6 +287,7 @@ def main(argv: list[str] | None = None) -> None:
                 args.requests,
                 args.ext_proc_transport,
                 args.streamed,
+                args.pin,
             )
         )
         report = comparison.markdown()
@@ -304,6 +316,7 @@ def main(argv: list[str] | None = None) -> None:
                 transport=args.ext_proc_transport,
                 streamed=args.streamed,
                 epp_configs=epp_configs,
+                pin=args.pin,
             )
         )
         report = result.markdown()

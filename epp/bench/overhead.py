@@ -8,12 +8,16 @@ EndpointPickerConfig given (`--epp-config FILE`, one target per file).
 * throughput at a fixed concurrency (default 32), each target run twice in alternating order;
 * the CPU seconds each process used, so a reader can see when the 2-core machine itself is the limit: per request
   over the whole run, and per request over the target's own throughput phases (an EPP keeps scraping the shared pool
-  while the other targets load it, which the whole run charges to its requests).
+  while the other targets load it, which the whole run charges to its requests);
+* with `pin`, the load (this client and the model servers) on one half of the CPUs and every target's processes
+  (Envoys, processors, routers) on the other, the same for all targets: the client's and the servers' work then
+  never takes a target's CPU. Unpinned (the default), every process may run on any CPU, as for all targets too.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import os
 import random
@@ -21,7 +25,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -82,6 +86,23 @@ def cpu_seconds(pid: int) -> float:
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def split_cpus(cpus: Iterable[int]) -> tuple[frozenset[int], frozenset[int]]:
+    """The CPUs for `measure(pin=True)`: (the load's, the targets'), the first half and the rest of `cpus` in
+    order. ValueError with fewer than two: nothing to keep apart."""
+    ordered = sorted(cpus)
+    if len(ordered) < 2:
+        raise ValueError(f"pinning needs at least 2 CPUs, this process may use {len(ordered)}")
+    half = len(ordered) // 2
+    return frozenset(ordered[:half]), frozenset(ordered[half:])
+
+
+def pin_process(pid: int, cpus: frozenset[int]) -> None:
+    """Every thread of process `pid` on `cpus` (threads it starts later inherit their creator's CPUs)."""
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+            os.sched_setaffinity(int(task), cpus)
+
+
 def interleaved(targets: list[str], rounds: int, seed: int = 0) -> Iterator[str]:
     """The sequential phase's order: `rounds` rounds of one request to every target, each round in a new seeded
     random order. In one fixed order a target's request always followed the same one, whose processes left the
@@ -121,6 +142,7 @@ class OverheadResult:
     host_load: tuple[float, float, float] = (0.0, 0.0, 0.0)
     epp_build: str = field(default_factory=compiled.summary)  # the EPP's request path: compiled or pure Python
     wall_seconds: float = 0.0
+    pinning: str = "unpinned: every process may run on any CPU"  # measure(pin=True) says which CPUs ran what
     notes: list[str] = field(default_factory=list)  # targets left out, and why
 
     def markdown(self) -> str:
@@ -163,9 +185,14 @@ class OverheadResult:
             )
         lines.append("CPU seconds over the run: " + ", ".join(f"{k} {v:.1f}" for k, v in self.cpu_seconds.items()))
         lines.append("host load (1/5/15 min) at the end: " + " ".join(f"{v:.2f}" for v in self.host_load))
+        lines.append(self.pinning)
         lines.append(f"the EPP's request path: {self.epp_build}")
         lines += self.notes
         return "\n".join(lines)
+
+
+def _cpu_list(cpus: frozenset[int]) -> str:
+    return ",".join(map(str, sorted(cpus)))
 
 
 async def _one(session: aiohttp.ClientSession, url: str, body: dict = BODY) -> float:
@@ -286,6 +313,7 @@ async def measure(
     epp_configs: dict[str, str] | None = None,
     epp_env: dict[str, str] | None = None,
     epp_builds: dict[str, dict[str, str]] | None = None,
+    pin: bool = False,
 ) -> OverheadResult:
     """Every target in one run over one pool: sequential latency interleaved request by request, then throughput
     in alternating order. Each target has processes of its own (its Envoy, its processor or router), so their CPU
@@ -294,8 +322,11 @@ async def measure(
     EPP's latency predictor, which then predicts for every request: what a live EPP pays per streamed request.
     `epp_configs`: name -> EndpointPickerConfig text, a target "envoy+epp (name)" each. `epp_env`: more environment
     for the stack's EPP; `epp_builds`: name -> the environment of another build of the EPP (another checkout's
-    PYTHONPATH), a target "envoy+epp (name)" each, with its own default config (`compare_builds`)."""
+    PYTHONPATH), a target "envoy+epp (name)" each, with its own default config (`compare_builds`). `pin`: the
+    client and the model servers on half the CPUs, every target's processes on the other half (`split_cpus`);
+    ValueError with fewer than two CPUs."""
     body = {**BODY, "stream": True} if streamed else BODY
+    cpus = split_cpus(os.sched_getaffinity(0)) if pin else None
     base = free_port_block(servers)
     grpc, health, metrics, listener, admin, plain_listener, plain_admin = free_ports(7)
     stack = LocalStack(
@@ -378,6 +409,16 @@ async def measure(
                 targets[f"{kind}-router"] = f"{url}/v1/completions"
                 pids[f"{kind}-router"] = {"router": process.pid}
         pids["(shared)"] = {"model servers": stack.processes["modelserver"].pid}
+        if cpus is not None:
+            load_cpus, target_cpus = cpus
+            for target, processes in pids.items():
+                for pid in processes.values():
+                    pin_process(pid, load_cpus if target == "(shared)" else target_cpus)
+            pin_process(os.getpid(), load_cpus)
+            result.pinning = (
+                f"pinned: the client and the model servers on CPUs {_cpu_list(load_cpus)}, every target's "
+                f"processes on CPUs {_cpu_list(target_cpus)}"
+            )
         cpu_before = {(t, k): cpu_seconds(p) for t, procs in pids.items() for k, p in procs.items()}
         requests = dict.fromkeys(targets, 0)
         connector = aiohttp.TCPConnector(limit=concurrency)
@@ -429,6 +470,8 @@ async def measure(
                 - result.cpu_ms_per_request_loaded[EPP_PICKER_ONLY]["epp"],
             }
     finally:
+        if cpus is not None:  # this process is the caller's again: every CPU it had
+            pin_process(os.getpid(), cpus[0] | cpus[1])
         for item in reversed(opened):
             if isinstance(item, (EnvoyProcess, LocalStack)):
                 item.stop()
@@ -526,6 +569,7 @@ class BuildComparison:
             )
         loads = [run.host_load[0] for run in self.runs]
         lines.append(f"host load (1 min) at the end of each run: {min(loads):.2f}-{max(loads):.2f}")
+        lines.append(self.runs[0].pinning)
         lines.append(f"this build's request path: {self.runs[0].epp_build}; the other's: {self.other_build}")
         return "\n".join(lines)
 
@@ -539,6 +583,7 @@ async def compare_builds(
     concurrent_requests: int = 2000,
     transport: str = "h2",
     streamed: bool = False,
+    pin: bool = False,
 ) -> BuildComparison:
     """This checkout's EPP against another checkout's (`other`, a directory with the `epp` package, built as its
     README says or run as Python) in the same runs, over the same pool, each with its own default config: what a
@@ -568,6 +613,7 @@ async def compare_builds(
                     with_picker_only=False,
                     epp_env=first,
                     epp_builds={second_name: second_env},
+                    pin=pin,
                 )
             )
     return comparison

@@ -199,6 +199,52 @@ def test_overhead_smoke():
     assert "p50 / plain" in result.markdown() and f"at concurrency {result.concurrency} |" in result.markdown()
 
 
+def test_cpus_split_between_the_load_and_the_targets():
+    assert overhead.split_cpus([1, 0]) == ({0}, {1})
+    assert overhead.split_cpus(range(5)) == ({0, 1}, {2, 3, 4})
+    with pytest.raises(ValueError, match="at least 2 CPUs"):
+        overhead.split_cpus([3])
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="pinning needs two CPUs")
+def test_pinned_the_load_and_every_target_s_processes_run_on_their_own_cpus(monkeypatch):
+    """`epp-bench overhead --pin`: each target's processes (every thread) on the targets' CPUs, the model servers
+    and the client on the load's, as the kernel reports them while the run goes on; the client has every CPU back
+    afterwards."""
+    before = os.sched_getaffinity(0)
+    load_cpus, target_cpus = overhead.split_cpus(before)
+    seen: list[tuple[int, set[frozenset[int]]]] = []  # (pid, its threads' CPUs) after each pinning
+    pin_process = overhead.pin_process
+
+    def pin_and_read(pid, cpus):
+        pin_process(pid, cpus)
+        seen.append((pid, {frozenset(os.sched_getaffinity(int(task))) for task in os.listdir(f"/proc/{pid}/task")}))
+
+    monkeypatch.setattr(overhead, "pin_process", pin_and_read)
+    result = asyncio.run(
+        overhead.measure(
+            servers=2,
+            sequential=10,
+            concurrency=4,
+            concurrent_requests=20,
+            with_peers=False,
+            with_floor=False,
+            with_flow_control_off=False,
+            without_access_log=False,
+            with_picker_only=False,
+            pin=True,
+        )
+    )
+    assert os.sched_getaffinity(0) == before
+    *targets_and_servers, (client, during), (_, after) = seen
+    assert client == os.getpid() and during == {load_cpus} and after == {frozenset(before)}  # every thread
+    # plain Envoy, the EPP's Envoy and the EPP on the targets' CPUs, the model servers on the load's
+    pinned = sorted((cpus for _, cpus in targets_and_servers), key=lambda cpus: cpus == {load_cpus})
+    assert pinned == [{target_cpus}] * 3 + [{load_cpus}]
+    assert f"the client and the model servers on CPUs {','.join(map(str, sorted(load_cpus)))}" in result.markdown()
+    assert result.latency_ms[overhead.EPP]["p50"] > 0
+
+
 def test_the_sequential_phase_sends_every_target_one_request_a_round_after_varying_predecessors():
     targets = [f"t{i}" for i in range(8)]
     sent = list(overhead.interleaved(targets, 200))
