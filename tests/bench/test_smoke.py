@@ -206,6 +206,14 @@ def test_cpus_split_between_the_load_and_the_targets():
         overhead.split_cpus([3])
 
 
+def test_overhead_pin_refuses_a_single_cpu_before_starting_anything(capsys, monkeypatch):
+    monkeypatch.setattr(cli.signal, "signal", lambda *args: None)
+    monkeypatch.setattr(cli.os, "sched_getaffinity", lambda pid: {0})
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["overhead", "--pin"])
+    assert exit_info.value.code == 2 and "--pin: pinning needs at least 2 CPUs" in capsys.readouterr().err
+
+
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="pinning needs two CPUs")
 def test_pinned_the_load_and_every_target_s_processes_run_on_their_own_cpus(monkeypatch):
     """`epp-bench overhead --pin`: each target's processes (every thread) on the targets' CPUs, the model servers
