@@ -143,6 +143,9 @@ class OverheadResult:
     epp_build: str = field(default_factory=compiled.summary)  # the EPP's request path: compiled or pure Python
     wall_seconds: float = 0.0
     pinning: str = "unpinned: every process may run on any CPU"  # measure(pin=True) says which CPUs ran what
+    # target -> the share of the load's CPUs (pinned: its half; else all) the client and the model servers used
+    # during the target's throughput runs: near 1, the load, not the target, bounded its throughput
+    load_cpu_busy: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)  # targets left out, and why
 
     def markdown(self) -> str:
@@ -186,6 +189,11 @@ class OverheadResult:
         lines.append("CPU seconds over the run: " + ", ".join(f"{k} {v:.1f}" for k, v in self.cpu_seconds.items()))
         lines.append("host load (1/5/15 min) at the end: " + " ".join(f"{v:.2f}" for v in self.host_load))
         lines.append(self.pinning)
+        if self.load_cpu_busy:
+            lines.append(
+                "the load's CPUs (the client and the model servers) busy while each target's throughput was measured: "
+                + ", ".join(f"{target} {busy:.0%}" for target, busy in self.load_cpu_busy.items())
+            )
         lines.append(f"the EPP's request path: {self.epp_build}")
         lines += self.notes
         return "\n".join(lines)
@@ -438,16 +446,25 @@ async def measure(
                 requests[name] += len(values)
             rates: dict[str, list[float]] = {name: [] for name in targets}
             loaded_cpu = {(t, k): 0.0 for t in targets for k in pids[t]}
+            # the load (this client and the model servers): how busy its CPUs were while each target was loaded
+            load_pids = (os.getpid(), pids["(shared)"]["model servers"])
+            load_cpu_count = len(cpus[0]) if cpus is not None else len(os.sched_getaffinity(0))
+            load_used = dict.fromkeys(targets, 0.0)
+            load_wall = dict.fromkeys(targets, 0.0)
             for order in (list(targets), list(reversed(targets))):
                 for name in order:
                     phase_start = {k: cpu_seconds(p) for k, p in pids[name].items()}
+                    load_start, wall_start = sum(map(cpu_seconds, load_pids)), time.monotonic()
                     rates[name].append(
                         await _throughput(session, targets[name], concurrent_requests, concurrency, body)
                     )
                     requests[name] += concurrent_requests
                     for k, p in pids[name].items():
                         loaded_cpu[name, k] += cpu_seconds(p) - phase_start[k]
+                    load_used[name] += sum(map(cpu_seconds, load_pids)) - load_start
+                    load_wall[name] += time.monotonic() - wall_start
             result.throughput_rps = {name: statistics.fmean(v) for name, v in rates.items()}
+            result.load_cpu_busy = {name: load_used[name] / (load_wall[name] * load_cpu_count) for name in targets}
         used = {key: cpu_seconds(pids[key[0]][key[1]]) - before for key, before in cpu_before.items()}
         result.cpu_seconds = {f"{k} ({t})" if t != "(shared)" else k: v for (t, k), v in used.items()}
         for (target, process), seconds in used.items():

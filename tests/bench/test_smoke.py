@@ -251,6 +251,10 @@ def test_pinned_the_load_and_every_target_s_processes_run_on_their_own_cpus(monk
     assert pinned == [{target_cpus}] * 3 + [{load_cpus}]
     assert f"the client and the model servers on CPUs {','.join(map(str, sorted(load_cpus)))}" in result.markdown()
     assert result.latency_ms[overhead.EPP]["p50"] > 0
+    # how busy the load's CPU was while each target's throughput was measured (this process alone keeps it busy)
+    assert set(result.load_cpu_busy) == set(result.latency_ms)
+    assert all(0.05 < busy < 1.5 for busy in result.load_cpu_busy.values()), result.load_cpu_busy
+    assert "the load's CPUs (the client and the model servers) busy while" in result.markdown()
 
 
 def test_the_sequential_phase_sends_every_target_one_request_a_round_after_varying_predecessors():
