@@ -32,7 +32,8 @@ from epp.datalayer.pool_file import PoolFileError, PoolFileSource
 from epp.datalayer.scraper import Scraper
 from epp.flowcontrol import FlowControlConfig, FlowController
 from epp.grpc_h2 import MAX_CONNECTIONS, ExtProcServer, UnaryMethod
-from epp.handlers import ByteBudget, Reply, accesslog
+from epp.handlers import Reply, accesslog
+from epp.handlers.budget import ByteBudget
 from epp.handlers.extproc import DEFAULT_MAX_BODY_BYTES, RequestStream
 from epp.handlers.grpcio import access_log_service, ext_proc_service
 from epp.handlers.wire import ExtProcRequest

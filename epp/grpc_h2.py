@@ -29,7 +29,8 @@ from google.protobuf.message import DecodeError, Message
 from hpack import Decoder
 from hpack.exceptions import HPACKError
 
-from epp.handlers import ByteBudget, NewHandler, RepeatedWarning, oversized_messages
+from epp.handlers import NewHandler, RepeatedWarning, oversized_messages
+from epp.handlers.budget import ByteBudget
 
 log = logging.getLogger("epp.grpc_h2")
 

@@ -18,7 +18,7 @@ from epp.datalayer.endpoint import Endpoint
 from epp.datalayer.kv_events import LAG_BUCKETS, KVEventSubscriber
 from epp.flowcontrol import FlowController
 from epp.grpc_h2 import ExtProcServer
-from epp.handlers import ByteBudget
+from epp.handlers.budget import ByteBudget
 from epp.predictor import LatencyPredictor
 from epp.scheduling.framework import PrefixIndexStats
 from epp.scheduling.load import queue_depth

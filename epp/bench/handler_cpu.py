@@ -65,7 +65,8 @@ from epp.grpc_h2 import (
     UnaryMethod,
     frame,
 )
-from epp.handlers import ByteBudget, accesslog
+from epp.handlers import accesslog
+from epp.handlers.budget import ByteBudget
 from epp.handlers.extproc import RequestStream
 from epp.handlers.wire import ExtProcRequest
 from epp.metrics import EPPMetrics

@@ -45,27 +45,6 @@ class ExtProcHandler(Protocol):
 NewHandler = Callable[[Reply], ExtProcHandler]
 
 
-class ByteBudget:
-    """Bytes that everyone sharing it may hold at once; one EPP-wide budget each for the request bodies its streams
-    buffer and the incomplete gRPC messages its connections reassemble, so that more connections (any number may
-    connect) do not mean more memory. Whoever would go over it is refused, and the others go on."""
-
-    __slots__ = ("held", "limit")
-
-    def __init__(self, limit: int):
-        self.limit = limit
-        self.held = 0
-
-    def reserve(self, size: int) -> bool:
-        if self.held + size > self.limit:
-            return False
-        self.held += size
-        return True
-
-    def release(self, size: int) -> None:
-        self.held -= size
-
-
 class RepeatedWarning:
     """An event a peer can repeat at will, worth an operator's attention: counted, and logged at the first and at
     every thousandth (with the count so far, the message's last argument), so that it is seen without flooding the

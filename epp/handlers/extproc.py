@@ -30,7 +30,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import duration_pb2
 
-from epp.handlers import ByteBudget, Reply, wire
+from epp.handlers import Reply, wire
+from epp.handlers.budget import ByteBudget
 from epp.handlers.wire import ExtProcRequest
 from epp.requestcontrol.director import Director
 from epp.requestcontrol.types import RequestContext, RoutingDecision

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from epp.bench.handler_cpu import _director
-from epp.handlers import ByteBudget
+from epp.handlers.budget import ByteBudget
 from epp.handlers.extproc import RequestStream
 from protocol import extproc
 

@@ -14,7 +14,8 @@ from epp import grpc_h2
 from epp.bench.chaos import goaway_code
 from epp.bench.handler_cpu import CountingTransport
 from epp.grpc_h2 import MAX_RECEIVE_FRAME, PREFACE, ExtProcServer, UnaryMethod, frame
-from epp.handlers import ByteBudget, accesslog
+from epp.handlers import accesslog
+from epp.handlers.budget import ByteBudget
 from epp.metrics import EPPMetrics
 from tests.epp.test_transports import PROCESS, EchoHandler, body, headers
 

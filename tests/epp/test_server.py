@@ -10,7 +10,7 @@ from google.protobuf import struct_pb2
 
 from epp.datalayer.datastore import Datastore
 from epp.datalayer.endpoint import EndpointSpec, ModelRewrite, PoolState
-from epp.handlers import ByteBudget
+from epp.handlers.budget import ByteBudget
 from epp.handlers.extproc import MESSAGE_ENVELOPE_BYTES
 from epp.metrics import EPPMetrics
 from epp.requestcontrol.director import Director
