@@ -155,6 +155,17 @@ class CyclePlugins(NamedTuple):
     scorers: tuple[tuple[Scorer, float], ...]  # (scorer, weight)
 
 
+def add_weighted(totals: list[float], scores: Sequence[float], weight: float) -> None:
+    """totals[i] += weight x scores[i] clamped to [0, 1] (NaN as 0: every comparison with NaN is false), in place.
+    A loop on C doubles when compiled (scheduler.pxd); ValueError when the lengths differ (a scorer's bug)."""
+    size = len(totals)
+    if len(scores) != size:
+        raise ValueError(f"{len(scores)} scores for {size} candidates")
+    for i in range(size):
+        s = scores[i]
+        totals[i] += weight * (s if 0.0 <= s <= 1.0 else (1.0 if s > 1.0 else 0.0))
+
+
 class Scheduler:
     """Runs one profile per request. The request path calls admit, schedule, on_picked when the pick is final,
     on_routed once the proxy has its answer and on_finished when the request is over; discovery calls
@@ -342,11 +353,7 @@ class Scheduler:
             if scores is not None:
                 replaced = scorer.replaces or replaced
                 raw_scores[scorer.typed_name] = scores
-                # clamp_score inlined: a call per score would cost more than the sum itself
-                totals = [
-                    t + weight * (s if 0.0 <= s <= 1.0 else (1.0 if s > 1.0 else 0.0))
-                    for t, s in zip(totals, scores, strict=True)
-                ]
+                add_weighted(totals, scores, weight)
             end = clock()
             timings.append((scorer.typed_name, end - start))
             start = end

@@ -83,6 +83,20 @@ def test_scores_are_clamped_to_0_1_and_nan_counts_as_0():
     assert [e.name for e in result.endpoints] == ["e0", "e2", "e1"]
 
 
+def test_weighted_scores_add_up_clamped_in_place_and_a_wrong_count_is_refused():
+    """The scheduler's sum (a C loop when compiled): ints and floats alike, clamped, NaN as 0; a scorer that returns
+    more or fewer scores than there are candidates is a bug the cycle must not paper over."""
+    from epp.scheduling.scheduler import add_weighted
+
+    totals = [0.0, 1.0, 2.0, 0.5]
+    add_weighted(totals, (0.5, 2, -1.0, math.nan), 2.0)
+    assert totals == [1.0, 3.0, 2.0, 0.5]
+    for wrong in ([0.5] * 3, [0.5] * 5):
+        with pytest.raises(ValueError, match=f"{len(wrong)} scores for 4 candidates"):
+            add_weighted(totals, wrong, 1.0)
+    assert totals == [1.0, 3.0, 2.0, 0.5]
+
+
 def test_the_cycle_state_is_shared_in_the_cycle_and_reaches_the_later_hooks():
     recorder = Recorder()
     scorer = Fixed("s", {"e0": 0.2, "e1": 0.8})
