@@ -250,33 +250,34 @@ def instructions(
 ) -> float:
     """Instructions per request of the same path, counted by valgrind's callgrind: exact and repeatable, where CPU
     time on a shared host spreads by several µs between identical runs, so that a change worth 1 % shows (two runs
-    of one build, 1,600 requests: 981.9 and 980.9 thousand). Two processes run it, for WARM_UP_REQUESTS and for as
-    many more as `requests`; the difference over `requests` leaves out start-up and the first requests' one-off work
-    (caches filling). Needs valgrind on PATH; about a minute."""
+    of one build, 1,600 requests: 306.9 and 304.3 thousand). Processes run it for WARM_UP_REQUESTS and for as many
+    more as `requests`; the difference over `requests` leaves out start-up and the first requests' one-off work
+    (caches filling). Two more do the same without delivering the requests (`measure(deliver=False)`), and their
+    difference is taken off: what the harness itself spends building each request's frames, messages and records
+    (about 377 thousand a request in batches of 16, more than the EPP's own; counted in until 2026-11, so figures
+    from before are higher by that much, and differences between builds stand). Needs valgrind on PATH; about two minutes."""
     if shutil.which("valgrind") is None:
         raise RuntimeError("valgrind is not on PATH (Debian: apt-get install valgrind)")
     first, more = WARM_UP_REQUESTS // batch * batch, requests // batch * batch  # (whole reads, as `measure` sends)
-    counts = []
-    for count in (first, first + more):
-        arguments = [
-            *("handler-cpu", "--requests", str(count), "--batch", str(batch), "--rounds", "1"),
-            *(["--streamed"] if streamed else []),
-            *(["--kv-events"] if kv_events else []),
-            *(["--config-file", str(config_file)] if config_file else []),
-        ]
-        # the same hashes and random choices (ties between endpoints) in every run; start-up frozen out of the
-        # collector's full collections, as the EPP does once it is ready (epp/cli.py)
-        script = (
-            "import gc, random; random.seed(0); from epp.bench.cli import main; gc.collect(); gc.freeze(); "
-            f"main({arguments!r})"
-        )
-        command = ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", sys.executable, "-c", script]
-        # one thread each for numpy's BLAS and the tokenizers' pool: idle worker threads spin, and their spinning
-        # counted as many instructions as the difference between two identical runs (20 M)
-        environment = {**os.environ, "PYTHONHASHSEED": "0", "OPENBLAS_NUM_THREADS": "1", "RAYON_NUM_THREADS": "1"}
-        run = subprocess.run(command, capture_output=True, text=True, check=True, env=environment)
-        counts.append(int(re.search(r"Collected : (\d+)", run.stderr).group(1)))
-    return (counts[1] - counts[0]) / more
+    config = config_file.read_text() if config_file else DEFAULT_CONFIG
+    counts = {}
+    for deliver in (True, False):
+        for count in (first, first + more):
+            # the same hashes and random choices (ties between endpoints) in every run; start-up frozen out of the
+            # collector's full collections, as the EPP does once it is ready (epp/cli.py)
+            script = (
+                "import gc, random; random.seed(0); from epp.bench import handler_cpu; gc.collect(); gc.freeze(); "
+                f"handler_cpu.measure({count}, {batch}, 1, {streamed!r}, {config!r}, 0, {kv_events!r}, {deliver!r})"
+            )
+            command = ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", sys.executable, "-c", script]
+            # one thread each for numpy's BLAS and the tokenizers' pool: idle worker threads spin, and their
+            # spinning counted as many instructions as the difference between two identical runs (20 M)
+            environment = {**os.environ, "PYTHONHASHSEED": "0", "OPENBLAS_NUM_THREADS": "1", "RAYON_NUM_THREADS": "1"}
+            run = subprocess.run(command, capture_output=True, text=True, check=True, env=environment)
+            counts[deliver, count] = int(re.search(r"Collected : (\d+)", run.stderr).group(1))
+    delivered = counts[True, first + more] - counts[True, first]
+    built = counts[False, first + more] - counts[False, first]
+    return (delivered - built) / more
 
 
 def measure(
@@ -287,11 +288,13 @@ def measure(
     config: str = DEFAULT_CONFIG,
     evict_mb: int = 0,
     kv_events: bool = False,
+    deliver: bool = True,
 ) -> HandlerCpuResult:
     """Runs on the caller's thread; needs no event loop (no request waits in flow control: the pool has room).
     `streamed`: the requests ask for a streamed response (`"stream": true`, as chat clients do), whose access-log
     records teach the latency predictor (a whole response's time to its first byte is not a TTFT: not learnt).
-    `kv_events`: the endpoints publish KV events (see the module's docstring)."""
+    `kv_events`: the endpoints publish KV events (see the module's docstring). `deliver` False: every request is
+    built as usual and none is delivered (`instructions` takes that work off)."""
     body = json.dumps({**REQUEST, "stream": True} if streamed else REQUEST).encode()
     director = _director(config, kv_events)
     budget = ByteBudget(1 << 30)
@@ -350,7 +353,8 @@ def measure(
             if evictions is not None:
                 evictions[::CACHE_LINE] = evicted_lines  # a byte in every line: evicts what the caches held
             started = time.process_time()
-            conn.data_received(data)
+            if deliver:
+                conn.data_received(data)
             spent += time.process_time() - started
         times.append(1e6 * spent / per_round)
         writes = transport.writes - writes_before

@@ -87,4 +87,5 @@ def test_with_kv_events_the_precise_scorer_tokenizes_every_prompt_as_live(monkey
 @pytest.mark.skipif(shutil.which("valgrind") is None, reason="valgrind is not installed")
 def test_instructions_per_request_are_counted_under_callgrind():
     per_request = handler_cpu.instructions(requests=32)
-    assert 300_000 < per_request < 5_000_000  # ~1 M on x86-64 with the default profile
+    # ~0.3 M on x86-64 with the default profile, the harness's own building of the requests (~0.38 M) taken off
+    assert 100_000 < per_request < 2_000_000
