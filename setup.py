@@ -7,17 +7,18 @@ they are. At run time, `epp.compiled` loads a module from its source instead whe
 was compiled (an editable install that was not rebuilt), or for every module when EPP_PURE_PYTHON=1 is set
 (profilers see into Python functions only).
 
-Annotations document; they do not become C types. Cython's C types are in .pxd files beside nine modules, each
-where untyped code measured slower: `epp/handlers/wire.pxd`, for the loops that read and compose protobuf wire bytes
+Annotations document; they do not become C types. Cython's C types are in .pxd files beside nine modules, each where
+untyped code measured slower: `epp/handlers/wire.pxd`, for the loops that read and compose protobuf wire bytes
 (ext_proc messages, access-log records, the answers); `epp/metrics.pxd`, for the counters and histograms a request
-updates (~20 updates); `epp/scheduling/scheduler.pxd`, for the weighted sum of the scorers' scores; `epp/grpc_h2.pxd`, `epp/handlers/extproc.pxd`, `epp/requestcontrol/director.pxd` and
-`types.pxd` beside it, for the objects every frame, message and request goes through (the HTTP/2 connection, its
-streams, the ext_proc handler, the director, the request's context): their fields as C fields, their own calls as C
-calls; `epp/scheduling/types.pxd` and `epp/predictor/features.pxd` (and RoutingDecision in
-`epp/requestcontrol/types.pxd`) for the dataclasses every request builds, which declared become Cython's
-dataclasses with a compiled `__init__` (the dataclasses module's is generated Python, interpreted). The modules
-themselves stay plain Python and run as such when not compiled. `epp/cli.py` is compiled for its wiring's closures,
-which the request path calls (the stream factory, flow control's room check).
+updates (~20 updates); `epp/scheduling/scheduler.pxd`, for the weighted sum of the scorers' scores;
+`epp/grpc_h2.pxd`, `epp/handlers/extproc.pxd`, `epp/requestcontrol/director.pxd` and `types.pxd` beside it, for the
+objects every frame, message and request goes through (the HTTP/2 connection, its streams, the ext_proc handler, the
+director, the request's context): their fields as C fields, their own calls as C calls; `epp/scheduling/types.pxd`
+and `epp/predictor/features.pxd` (and RoutingDecision in `epp/requestcontrol/types.pxd`) for the dataclasses every
+request builds, which declared become Cython's dataclasses with a compiled `__init__` (the dataclasses module's is
+generated Python, interpreted). The modules themselves stay plain Python and run as such when not compiled.
+`epp/cli.py` is compiled for its wiring's closures, which the request path calls (the stream factory, flow control's
+room check).
 """
 
 import importlib.util

@@ -254,8 +254,9 @@ def instructions(
     more as `requests`; the difference over `requests` leaves out start-up and the first requests' one-off work
     (caches filling). Two more do the same without delivering the requests (`measure(deliver=False)`), and their
     difference is taken off: what the harness itself spends building each request's frames, messages and records
-    (about 377 thousand a request in batches of 16, more than the EPP's own; counted in until 2026-11, so figures
-    from before are higher by that much, and differences between builds stand). Needs valgrind on PATH; about two minutes."""
+    (about 377 thousand a request in batches of 16, more than the EPP's own; counted in before 2026-11-28, so
+    figures from before are higher by that much, their differences between builds as they were). Needs valgrind on
+    PATH; about two minutes."""
     if shutil.which("valgrind") is None:
         raise RuntimeError("valgrind is not on PATH (Debian: apt-get install valgrind)")
     first, more = WARM_UP_REQUESTS // batch * batch, requests // batch * batch  # (whole reads, as `measure` sends)

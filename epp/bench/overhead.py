@@ -580,9 +580,9 @@ class BuildComparison:
             builds, slots = self.differences(quantile)
             spread = f", sd {statistics.stdev(builds):.4f}" if len(builds) > 1 else ""
             lines.append(
-                f"this build less the other ({self.other}), {quantile} / plain Envoy's: mean {statistics.fmean(builds):+.4f}"
-                f"{spread} over {len(builds)} pairs (the second slot less the first, either build: "
-                f"{statistics.fmean(slots):+.4f})"
+                f"this build less the other ({self.other}), {quantile} / plain Envoy's: mean "
+                f"{statistics.fmean(builds):+.4f}{spread} over {len(builds)} pairs (the second slot less the first, "
+                f"either build: {statistics.fmean(slots):+.4f})"
             )
         loads = [run.host_load[0] for run in self.runs]
         lines.append(f"host load (1 min) at the end of each run: {min(loads):.2f}-{max(loads):.2f}")

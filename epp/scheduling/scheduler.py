@@ -157,7 +157,8 @@ class CyclePlugins(NamedTuple):
 
 def add_weighted(totals: list[float], scores: Sequence[float], weight: float) -> None:
     """totals[i] += weight x scores[i] clamped to [0, 1] (NaN as 0: every comparison with NaN is false), in place.
-    A loop on C doubles when compiled (scheduler.pxd); ValueError when the lengths differ (a scorer's bug)."""
+    A loop on C doubles when compiled (scheduler.pxd), with types.clamp_score's expression inlined: a call per score
+    would cost more than the sum itself. ValueError when the lengths differ (a scorer's bug)."""
     size = len(totals)
     if len(scores) != size:
         raise ValueError(f"{len(scores)} scores for {size} candidates")
