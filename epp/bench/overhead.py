@@ -43,7 +43,9 @@ BODY = {"model": "sim-llama-8b", "prompt": "Say hello to the benchmark.", "max_t
 PLAIN = "plain envoy"
 EPP = "envoy+epp"
 EPP_NO_FLOW_CONTROL = "envoy+epp (flowControl: {enabled: false})"
-EPP_NO_ACCESS_LOG = "envoy+epp (no access log)"
+# Without the gateway's access log, the bootstrap has Envoy send the EPP each response's headers (the status and the
+# endpoint that served come that way instead: `epp.envoy.render_bootstrap`): one more round trip on every response.
+EPP_NO_ACCESS_LOG = "envoy+epp (no access log: response headers sent)"
 EPP_PICKER_ONLY = "envoy+epp (max-score-picker alone)"
 # the scheduling plugins' share: the default profile's filters and scorers gone, the rest of the EPP as it is
 PICKER_ONLY_CONFIG = """\
@@ -132,6 +134,8 @@ class OverheadResult:
     added_latency_ms: dict[str, float] = field(default_factory=dict)
     flow_control_added_ms: dict[str, float] = field(default_factory=dict)  # EPP - EPP without flow control
     scheduling_added_ms: dict[str, float] = field(default_factory=dict)  # EPP - EPP with max-score-picker alone
+    # EPP without the access log (so with the response-header trip) - EPP
+    response_headers_added_ms: dict[str, float] = field(default_factory=dict)
     throughput_rps: dict[str, float] = field(default_factory=dict)
     throughput_ratio: float = 0.0
     cpu_seconds: dict[str, float] = field(default_factory=dict)  # process -> CPU seconds over the whole run
@@ -185,6 +189,13 @@ class OverheadResult:
                 f"added by the default profile's filters and scorers (against max-score-picker alone): p50 "
                 f"{added['p50']:+.3f} ms, p99 {added['p99']:+.3f} ms, EPP CPU per request at concurrency "
                 f"{self.concurrency} {added['cpu']:+.3f} ms"
+            )
+        if self.response_headers_added_ms:
+            added = self.response_headers_added_ms
+            lines.append(
+                f"added by the response-header trip (the gateway without its access log, against the default): p50 "
+                f"{added['p50']:+.3f} ms, p99 {added['p99']:+.3f} ms, Envoy and EPP CPU per request back to back "
+                f"{added['cpu']:+.3f} ms"
             )
         lines.append("CPU seconds over the run: " + ", ".join(f"{k} {v:.1f}" for k, v in self.cpu_seconds.items()))
         lines.append("host load (1/5/15 min) at the end: " + " ".join(f"{v:.2f}" for v in self.host_load))
@@ -396,7 +407,7 @@ async def measure(
             )
         if without_access_log:
             # the access-log records the gateway sends by default (the EPP learns nothing from them here: the
-            # responses are not streamed): what receiving one per request costs Envoy and the EPP
+            # responses are not streamed) against the response-header trip that replaces them without one
             variants.append((EPP_NO_ACCESS_LOG, "no-access-log", None, 0, {}))
         if with_picker_only:
             variants.append((EPP_PICKER_ONLY, "picker-only", PICKER_ONLY_CONFIG, 100, {}))
@@ -478,6 +489,14 @@ async def measure(
         if EPP_NO_FLOW_CONTROL in result.latency_ms:
             off_lat = result.latency_ms[EPP_NO_FLOW_CONTROL]
             result.flow_control_added_ms = {"p50": epp["p50"] - off_lat["p50"], "p99": epp["p99"] - off_lat["p99"]}
+        if EPP_NO_ACCESS_LOG in result.latency_ms:
+            trip = result.latency_ms[EPP_NO_ACCESS_LOG]
+            result.response_headers_added_ms = {
+                "p50": trip["p50"] - epp["p50"],
+                "p99": trip["p99"] - epp["p99"],
+                "cpu": sum(result.cpu_ms_per_request[EPP_NO_ACCESS_LOG].values())
+                - sum(result.cpu_ms_per_request[EPP].values()),
+            }
         if EPP_PICKER_ONLY in result.latency_ms:
             bare = result.latency_ms[EPP_PICKER_ONLY]
             result.scheduling_added_ms = {

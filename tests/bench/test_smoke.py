@@ -181,6 +181,9 @@ def test_overhead_smoke():
     assert set(result.flow_control_added_ms) == {"p50", "p99"} and "added latency of flow control" in result.markdown()
     assert result.cpu_ms_per_request[overhead.EPP_NO_FLOW_CONTROL]["epp"] > 0
     assert result.cpu_ms_per_request[overhead.EPP_NO_ACCESS_LOG]["envoy"] > 0
+    # the gateway without its access log has Envoy send the EPP each response's headers: that trip's cost, reported
+    assert set(result.response_headers_added_ms) == {"p50", "p99", "cpu"}
+    assert "added by the response-header trip" in result.markdown()
     # scheduling's share: the default profile against the same EPP with max-score-picker alone
     assert set(result.scheduling_added_ms) == {"p50", "p99", "cpu"}
     assert "added by the default profile's filters and scorers" in result.markdown()
