@@ -33,6 +33,9 @@ MAX_SERVED_MODEL_LABELS = 100
 QUEUE_BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 OTHER_FLOW = "other"  # the label value of fairness ids beyond MAX_FAIRNESS_ID_LABELS (clients choose them)
 MAX_FAIRNESS_ID_LABELS = 100
+# The metrics a pick read are as old as the time since its endpoint's latest scrape: at most about the refresh interval
+# (50 ms) under traffic, up to the quiet interval (250 ms) for the first request after a quiet spell.
+METRICS_AGE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0)
 SCHEDULER_BUCKETS = (0.00001, 0.00002, 0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1)
 
 
@@ -473,6 +476,13 @@ class EPPMetrics:
             (),
             SCHEDULER_BUCKETS,
         )
+        self.picked_metrics_age = _Series(
+            "histogram",
+            "inference_extension_scheduler_picked_metrics_age_seconds",
+            "Age in seconds of the picked endpoint's metrics (its latest successful scrape) when it was picked.",
+            (),
+            METRICS_AGE_BUCKETS,
+        )
         self.plugin_duration = _Series(
             "histogram",
             "inference_extension_plugin_duration_seconds",
@@ -502,6 +512,7 @@ class EPPMetrics:
             self.output_tokens,
             self.running,
             self.scheduler_e2e,
+            self.picked_metrics_age,
             self.plugin_duration,
             self.served,
             self.queue_duration,

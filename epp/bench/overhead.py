@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import math
 import os
 import random
 import statistics
@@ -30,6 +31,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 
 from epp import compiled
 from epp.bench import floor, floor_native
@@ -117,6 +119,29 @@ def interleaved(targets: list[str], rounds: int, seed: int = 0) -> Iterator[str]
         yield from order
 
 
+PICKED_METRICS_AGE = "inference_extension_scheduler_picked_metrics_age_seconds"
+
+
+async def _age_buckets(session: aiohttp.ClientSession, metrics_url: str) -> dict[float, float]:
+    """The EPP's PICKED_METRICS_AGE histogram: bucket bound (seconds) -> picks at most that old so far."""
+    async with session.get(metrics_url) as response:
+        page = await response.text()
+    return {
+        float(sample.labels["le"]): sample.value
+        for family in text_string_to_metric_families(page)
+        if family.name == PICKED_METRICS_AGE
+        for sample in family.samples
+        if sample.name.endswith("_bucket")
+    }
+
+
+def bucket_quantile(buckets: dict[float, float], q: float) -> float:
+    """The upper bound of the bucket that holds quantile `q` of a cumulative histogram (bound -> count)."""
+    bounds = sorted(buckets)
+    total = buckets[bounds[-1]]
+    return next(bound for bound in bounds if buckets[bound] >= q * total)
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -150,6 +175,9 @@ class OverheadResult:
     # target -> the share of the load's CPUs (pinned: its half; else all) the client and the model servers used
     # during the target's throughput runs: near 1, the load, not the target, bounded its throughput
     load_cpu_busy: dict[str, float] = field(default_factory=dict)
+    # how old the picked endpoint's metrics were at the pick, over the EPP's throughput phases (the EPP's
+    # PICKED_METRICS_AGE histogram): "picks", and "p50" and "p99" as the upper bounds of their buckets, in seconds
+    picked_metrics_age: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)  # targets left out, and why
 
     def markdown(self) -> str:
@@ -196,6 +224,13 @@ class OverheadResult:
                 f"added by the response-header trip (the gateway without its access log, against the default): p50 "
                 f"{added['p50']:+.3f} ms, p99 {added['p99']:+.3f} ms, Envoy and EPP CPU per request back to back "
                 f"{added['cpu']:+.3f} ms"
+            )
+        if self.picked_metrics_age.get("picks"):
+            age = self.picked_metrics_age
+            lines.append(
+                f"the picked endpoint's metrics at the pick, over the EPP's runs at concurrency {self.concurrency} "
+                f"({PICKED_METRICS_AGE}, its buckets' bounds): p50 <= {1e3 * age['p50']:g} ms, p99 <= "
+                f"{1e3 * age['p99']:g} ms, of {age['picks']:.0f} picks"
             )
         lines.append("CPU seconds over the run: " + ", ".join(f"{k} {v:.1f}" for k, v in self.cpu_seconds.items()))
         lines.append("host load (1/5/15 min) at the end: " + " ".join(f"{v:.2f}" for v in self.host_load))
@@ -462,8 +497,10 @@ async def measure(
             load_cpu_count = len(cpus[0]) if cpus is not None else len(os.sched_getaffinity(0))
             load_used = dict.fromkeys(targets, 0.0)
             load_wall = dict.fromkeys(targets, 0.0)
+            ages: dict[float, float] = {}  # the picks' metrics ages over the EPP's throughput phases (cumulative)
             for order in (list(targets), list(reversed(targets))):
                 for name in order:
+                    ages_before = await _age_buckets(session, stack.epp_metrics_url) if name == EPP else {}
                     phase_start = {k: cpu_seconds(p) for k, p in pids[name].items()}
                     load_start, wall_start = sum(map(cpu_seconds, load_pids)), time.monotonic()
                     rates[name].append(
@@ -474,6 +511,15 @@ async def measure(
                         loaded_cpu[name, k] += cpu_seconds(p) - phase_start[k]
                     load_used[name] += sum(map(cpu_seconds, load_pids)) - load_start
                     load_wall[name] += time.monotonic() - wall_start
+                    if name == EPP:
+                        for bound, count in (await _age_buckets(session, stack.epp_metrics_url)).items():
+                            ages[bound] = ages.get(bound, 0.0) + count - ages_before.get(bound, 0.0)
+            if ages and ages[math.inf]:
+                result.picked_metrics_age = {
+                    "picks": ages[math.inf],
+                    "p50": bucket_quantile(ages, 0.5),
+                    "p99": bucket_quantile(ages, 0.99),
+                }
             result.throughput_rps = {name: statistics.fmean(v) for name, v in rates.items()}
             result.load_cpu_busy = {name: load_used[name] / (load_wall[name] * load_cpu_count) for name in targets}
         used = {key: cpu_seconds(pids[key[0]][key[1]]) - before for key, before in cpu_before.items()}

@@ -256,6 +256,9 @@ class Director:
         ctx.in_flight_tokens = request.prompt_tokens_estimate
         endpoint.routed_total += 1
         ctx.routed_at = time.monotonic()
+        picked_metrics = endpoint.metrics
+        if picked_metrics is not None and picked_metrics.scraped_at > 0:  # (0: metrics no scrape made)
+            ctx.metrics_age = ctx.routed_at - picked_metrics.scraped_at
         if endpoint.recent_ttft and not self.response_headers_seen:
             heapq.heappush(self.prefilling, (ctx.routed_at + endpoint.recent_ttft, next(self._order), ctx))
         metrics.requests.labels(*ctx.labels).inc()
@@ -263,13 +266,16 @@ class Director:
         return RoutingDecision(request.request_id, result.endpoints, body, body_changed)
 
     def _observe_decision(self, ctx: RequestContext) -> None:
-        """The decision's histograms (its time, each plugin's, the prompt's size), once per routed request."""
+        """The decision's histograms (its time, each plugin's, the prompt's size, how old the metrics it picked on
+        were), once per routed request."""
         seconds = ctx.scheduling_seconds
         if not seconds:
             return  # observed already (or never decided)
         ctx.scheduling_seconds = 0.0
         metrics = self.metrics
         metrics.scheduler_e2e.labels().observe(seconds)
+        if ctx.metrics_age >= 0:
+            metrics.picked_metrics_age.labels().observe(ctx.metrics_age)
         durations = metrics.plugin_durations
         for name, plugin_seconds in ctx.result.timings:
             series = durations.get(name)

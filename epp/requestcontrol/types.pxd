@@ -5,7 +5,7 @@ cdef class RequestContext:
     cdef public object headers, subset, model, target_model, labels, request, result, endpoint, served, status
     cdef public object response_tail
     cdef public Py_ssize_t in_flight_tokens
-    cdef public double routed_at, first_chunk_at, scheduling_seconds
+    cdef public double routed_at, first_chunk_at, scheduling_seconds, metrics_age
     cdef public bint dispatched, streamed
 
 # A Cython dataclass (see epp/scheduling/types.pxd): its __init__ compiled.

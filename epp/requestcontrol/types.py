@@ -19,6 +19,7 @@ class RequestContext:
         "headers",
         "in_flight_tokens",
         "labels",
+        "metrics_age",
         "model",
         "request",
         "response_tail",
@@ -42,6 +43,7 @@ class RequestContext:
         self.endpoint: Endpoint | None = None  # the pick, while the request is in flight
         self.in_flight_tokens = 0  # its prompt tokens counted in the pick's in_flight_tokens, until it answers
         self.routed_at = 0.0
+        self.metrics_age = -1.0  # how old the pick's metrics (its latest scrape) were when it was picked; -1 = none
         self.scheduling_seconds = 0.0  # the decision's time, until its histograms observe it (Director.after_routed)
         self.served: str | None = None  # the endpoint that answered, as the proxy reports it
         self.status = ""  # the response's HTTP status

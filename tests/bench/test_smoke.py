@@ -4,6 +4,7 @@ harness cannot rot between `make bench` runs."""
 import asyncio
 import itertools
 import json
+import math
 import os
 import subprocess
 import sys
@@ -184,6 +185,10 @@ def test_overhead_smoke():
     # the gateway without its access log has Envoy send the EPP each response's headers: that trip's cost, reported
     assert set(result.response_headers_added_ms) == {"p50", "p99", "cpu"}
     assert "added by the response-header trip" in result.markdown()
+    # how old the metrics were that the EPP's picks read while it was loaded: every pick of those phases counted
+    age = result.picked_metrics_age
+    assert age["picks"] >= 2 * result.concurrent_requests and 0 < age["p50"] <= age["p99"]
+    assert "the picked endpoint's metrics at the pick" in result.markdown()
     # scheduling's share: the default profile against the same EPP with max-score-picker alone
     assert set(result.scheduling_added_ms) == {"p50", "p99", "cpu"}
     assert "added by the default profile's filters and scorers" in result.markdown()
@@ -207,6 +212,14 @@ def test_cpus_split_between_the_load_and_the_targets():
     assert overhead.split_cpus(range(5)) == ({0, 1}, {2, 3, 4})
     with pytest.raises(ValueError, match="at least 2 CPUs"):
         overhead.split_cpus([3])
+
+
+def test_bucket_quantile_is_the_bound_of_the_bucket_that_holds_it():
+    buckets = {0.01: 10.0, 0.05: 90.0, 0.1: 99.0, math.inf: 100.0}
+    assert overhead.bucket_quantile(buckets, 0.05) == 0.01
+    assert overhead.bucket_quantile(buckets, 0.5) == 0.05
+    assert overhead.bucket_quantile(buckets, 0.99) == 0.1
+    assert overhead.bucket_quantile(buckets, 1.0) == math.inf
 
 
 def test_overhead_pin_refuses_a_single_cpu_before_starting_anything(capsys, monkeypatch):

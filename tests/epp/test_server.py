@@ -1,6 +1,7 @@
 """The ext_proc state machine against hand-built ProcessingRequest messages (no Envoy)."""
 
 import json
+import time
 
 import pytest
 from envoy.config.core.v3 import base_pb2
@@ -424,6 +425,29 @@ def test_the_decisions_histograms_are_observed_once_the_answer_is_out_or_when_th
     answered.finish()
     reset.finish()  # its answer never went out (a reset stream)
     assert decisions() == (2, 2, 2)
+
+
+def test_the_age_of_the_metrics_a_pick_read_is_observed_once_with_the_decision():
+    director = make_picker(PoolState(endpoints=(EndpointSpec("a", "10.0.0.1", 8000),)))
+    registry = director.metrics.registry
+    name = "inference_extension_scheduler_picked_metrics_age_seconds"
+    payload = {"model": "m", "prompt": "x"}
+    ctx = director.new_request({":path": "/v1/completions"}, None)
+    director.route(ctx, payload, json.dumps(payload).encode())
+    director.after_routed(ctx)
+    director.on_complete(ctx)
+    assert registry.get_sample_value(f"{name}_count") is None  # its metrics came from no scrape: no age to tell
+    (endpoint,) = director.datastore.endpoints
+    endpoint.metrics = EndpointMetrics(scraped_at=time.monotonic() - 0.03)
+    ctx = director.new_request({":path": "/v1/completions"}, None)
+    director.route(ctx, payload, json.dumps(payload).encode())
+    endpoint.metrics = EndpointMetrics(scraped_at=time.monotonic())  # a scrape after the pick changes nothing
+    director.after_routed(ctx)
+    director.on_complete(ctx)
+    assert registry.get_sample_value(f"{name}_count") == 1
+    assert 0.03 <= registry.get_sample_value(f"{name}_sum") < 1.0
+    assert registry.get_sample_value(f"{name}_bucket", {"le": "0.025"}) == 0
+    assert registry.get_sample_value(f"{name}_bucket", {"le": "1.0"}) == 1
 
 
 def test_a_rewrite_header_cannot_widen_the_pools_model_allowlist():
