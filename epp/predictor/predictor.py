@@ -40,8 +40,8 @@ from the state at routing time, not from what arrives during decoding.
 from __future__ import annotations
 
 import math
-import time
 from collections import deque
+from time import monotonic
 
 import numpy as np
 
@@ -184,7 +184,7 @@ class LatencyPredictor:
         """A request goes to `endpoint`: its uncached prompt tokens join the endpoint's prefill backlog, and its
         features there now are returned, to hand back to `observe`; None when the request will not be `timed` (a
         response that is not streamed has no TTFT to learn from, so nothing would read them)."""
-        now = time.monotonic() if now is None else now
+        now = monotonic() if now is None else now
         uncached = prompt_tokens - min(max(cached_tokens, 0), prompt_tokens)
         ahead = self.backlog.add(endpoint.spec.name, uncached, now)
         return endpoint_features(endpoint, prompt_tokens, cached_tokens, adapter, ahead) if timed else None
@@ -197,7 +197,7 @@ class LatencyPredictor:
         # the slowness the prediction was scored with: before this request's own sample
         slowness = backlog.slowness(name)
         backlog.learn(name, features.prompt_tokens - features.cached_tokens, features.backlog_tokens, ttft)
-        if not self._learns(time.monotonic() if now is None else now):
+        if not self._learns(monotonic() if now is None else now):
             return
         x = vector(features)
         self.ttft.learn(x, ttft, features.prompt_tokens, slowness)
@@ -251,7 +251,7 @@ class LatencyPredictor:
         fixed ~10 us)."""
         if not self.ttft_ready:
             return None
-        now = time.monotonic() if now is None else now
+        now = monotonic() if now is None else now
         with_tpot = tpot and self.tpot_ready
         coefficients, floors, columns = self._coefficients(with_tpot)
         prefill = self.backlog

@@ -32,15 +32,15 @@ never match (another replica's requests) cost a request's status metrics or an o
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import json
 import logging
 import random
 import re
-import time
 import uuid
 from collections.abc import Awaitable
+from heapq import heappop, heappush
+from time import monotonic, perf_counter
 
 from epp.datalayer.datastore import Datastore
 from epp.datalayer.endpoint import Endpoint, ModelRewrite, PoolState
@@ -50,7 +50,13 @@ from epp.requestcontrol.types import RequestContext, RoutingDecision
 from epp.scheduling.errors import SchedulingError
 from epp.scheduling.scheduler import Scheduler
 from epp.scheduling.types import CycleState, ResponseInfo, SchedulingRequest
-from protocol import extproc
+from protocol.extproc import (
+    FAIRNESS_ID_HEADER,
+    MAX_REQUEST_ID_CHARS,
+    MODEL_NAME_REWRITE_HEADER,
+    OBJECTIVE_HEADER,
+    REQUEST_ID_HEADER,
+)
 from protocol.openai import OpenAIError, model_not_found, prompt_text
 
 log = logging.getLogger("epp.requestcontrol")
@@ -191,7 +197,7 @@ class Director:
         state = self.datastore.state
         if state.models is not None and model not in state.models:
             raise model_not_found(model)
-        target = ctx.headers.get(extproc.MODEL_NAME_REWRITE_HEADER)
+        target = ctx.headers.get(MODEL_NAME_REWRITE_HEADER)
         if target and state.models is not None and target not in state.models and not _rewrite_target(target, state):
             # the gateway strips clients' copies of this header; whoever set it may not widen the pool's allowlist
             raise model_not_found(target)
@@ -207,10 +213,10 @@ class Director:
 
     def _scheduling_request(self, ctx: RequestContext, payload: dict | None) -> SchedulingRequest:
         headers = ctx.headers
-        objective = headers.get(extproc.OBJECTIVE_HEADER)
+        objective = headers.get(OBJECTIVE_HEADER)
         prompt = prompt_text(payload) if payload is not None else ""
-        request_id = headers.get(extproc.REQUEST_ID_HEADER)
-        if not request_id or len(request_id) > extproc.MAX_REQUEST_ID_CHARS:
+        request_id = headers.get(REQUEST_ID_HEADER)
+        if not request_id or len(request_id) > MAX_REQUEST_ID_CHARS:
             request_id = str(uuid.uuid4())
         return SchedulingRequest(
             request_id=request_id,
@@ -219,7 +225,7 @@ class Director:
             prompt_tokens_estimate=len(prompt) // 4,
             priority=self.datastore.priority(objective),
             objective=objective,
-            fairness_id=headers.get(extproc.FAIRNESS_ID_HEADER),
+            fairness_id=headers.get(FAIRNESS_ID_HEADER),
             max_tokens=_max_tokens(payload),
             streamed=ctx.streamed,
             payload=payload,
@@ -240,27 +246,27 @@ class Director:
 
     def _decide(self, ctx, request, body, body_changed, cycle_state: CycleState, waited: bool) -> RoutingDecision:
         metrics = self.metrics
-        started = time.perf_counter()
+        started = perf_counter()
         if self.prefilling:
-            self._release_prefilled(time.monotonic())
+            self._release_prefilled(monotonic())
         endpoints = self.datastore.endpoints
         if waited:
             endpoints = self.scheduler.detector.with_room(endpoints)
         result = self.scheduler.schedule(request, endpoints, cycle_state)
         self.scheduler.on_picked(request, result)
-        ctx.scheduling_seconds = time.perf_counter() - started  # observed once the proxy has its answer
+        ctx.scheduling_seconds = perf_counter() - started  # observed once the proxy has its answer
         ctx.request, ctx.result = request, result
         endpoint = ctx.endpoint = result.primary
         endpoint.in_flight_requests += 1
         endpoint.in_flight_tokens += request.prompt_tokens_estimate
         ctx.in_flight_tokens = request.prompt_tokens_estimate
         endpoint.routed_total += 1
-        ctx.routed_at = time.monotonic()
+        ctx.routed_at = monotonic()
         picked_metrics = endpoint.metrics
         if picked_metrics is not None and picked_metrics.scraped_at > 0:  # (0: metrics no scrape made)
             ctx.metrics_age = ctx.routed_at - picked_metrics.scraped_at
         if endpoint.recent_ttft and not self.response_headers_seen:
-            heapq.heappush(self.prefilling, (ctx.routed_at + endpoint.recent_ttft, next(self._order), ctx))
+            heappush(self.prefilling, (ctx.routed_at + endpoint.recent_ttft, next(self._order), ctx))
         metrics.requests.labels(*ctx.labels).inc()
         metrics.running.labels(ctx.labels[0]).inc()
         return RoutingDecision(request.request_id, result.endpoints, body, body_changed)
@@ -311,7 +317,7 @@ class Director:
         counts, so they are brought up to date when a cycle starts, not by a timer per request."""
         due = self.prefilling
         while due and due[0][0] <= now:
-            self._release_prompt_tokens(heapq.heappop(due)[2])
+            self._release_prompt_tokens(heappop(due)[2])
 
     @staticmethod
     def _release_prompt_tokens(ctx: RequestContext) -> None:
@@ -332,7 +338,7 @@ class Director:
         """Keep the tail (the usage is at the end); with `rewrite`, the chunk with the client's model name."""
         if chunk:
             if not ctx.first_chunk_at:
-                ctx.first_chunk_at = time.monotonic()
+                ctx.first_chunk_at = monotonic()
             ctx.response_tail = (ctx.response_tail + chunk)[-_USAGE_TAIL_BYTES:]
             if rewrite and self.rewrites_response(ctx):
                 pattern = re.compile(rb'("model"\s*:\s*)' + re.escape(json.dumps(ctx.target_model).encode()))
@@ -356,7 +362,7 @@ class Director:
             self.flow_control.complete()
         if endpoint is None:
             return
-        now = time.monotonic()
+        now = monotonic()
         tail = ctx.response_tail
         output_tokens = _usage(_COMPLETION_TOKENS, tail)
         response = ResponseInfo(
@@ -456,7 +462,7 @@ class Director:
             _remember(
                 self.early_records,
                 request_id,
-                (time.monotonic(), ttft, status, served),
+                (monotonic(), ttft, status, served),
                 EARLY_RECORDS_SECONDS,
                 AWAITING_RECORDS_LIMIT,
             )

@@ -35,9 +35,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
+from time import perf_counter
 from typing import Any, NamedTuple
 
 import yaml
@@ -301,7 +301,7 @@ class Scheduler:
         self, plugins: tuple[PrepareData, ...], cycle_state: CycleState, request: SchedulingRequest
     ) -> CycleState:
         timings = []
-        clock = time.perf_counter
+        clock = perf_counter
         start = clock()
         for p in plugins:
             try:
@@ -330,7 +330,7 @@ class Scheduler:
         candidates = [e for e in endpoints if not e.stale] or list(endpoints)
         if not candidates:
             raise NoEndpointError("no endpoint in the subset hint" if subset is not None else "no ready endpoint")
-        clock = time.perf_counter
+        clock = perf_counter
         if cycle_state is None:
             cycle_state = CycleState()
         timings: list[tuple[TypedName, float]] = list(cycle_state.read(PREPARE_TIMINGS) or ())

@@ -48,7 +48,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-import xxhash
+from xxhash import xxh64_intdigest
 
 from epp.datalayer.endpoint import Endpoint
 from epp.datalayer.kv_events import KVBlockIndex
@@ -122,7 +122,7 @@ class PrefixCacheScorer(Scorer, PreRequest, ResponseComplete, PoolChanged, Prefi
         if hashes is None:
             size = self.block_chars(endpoints)
             text = request.prompt[: size * self.max_blocks].encode("utf-8", "surrogatepass")
-            digest = xxhash.xxh64_intdigest
+            digest = xxh64_intdigest
             h = digest(request.model.encode("utf-8", "surrogatepass"))
             hashes = []
             cycle_state.write(PREFIX_HASHES, hashes)

@@ -47,8 +47,8 @@ the prefill's time at the endpoint's learnt rate, whatever the batch there.
 from __future__ import annotations
 
 import math
-import time
 from bisect import bisect_left, insort
+from time import monotonic
 
 from epp.datalayer.endpoint import Endpoint
 from epp.predictor.candidates import CACHED_TOKENS, PREDICTED_LATENCY, PREDICTION_READS
@@ -176,7 +176,7 @@ class SLOInterferenceFilter(Filter, LatencyPredictionReader, PreRequest, Respons
             return endpoints
         # the endpoints where the prefill, with nothing of it cached, would break a request; the prefix match (a
         # lookup per endpoint) only for those
-        now = time.monotonic()
+        now = monotonic()
         prompt, rate = request.prompt_tokens_estimate, self.predictions.predictor.backlog.rate
         exposed = [
             i
@@ -194,7 +194,7 @@ class SLOInterferenceFilter(Filter, LatencyPredictionReader, PreRequest, Respons
 
     def pre_request(self, request: SchedulingRequest, result: SchedulingResult) -> None:
         endpoint = result.primary
-        name, cycle_state, now = endpoint.spec.name, result.cycle_state, time.monotonic()
+        name, cycle_state, now = endpoint.spec.name, result.cycle_state, monotonic()
         ledger = self.ledgers.get(name)
         if ledger is not None:
             ledger.stall(self.prefill_seconds(cycle_state, request, [endpoint])[0], now)
