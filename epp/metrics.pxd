@@ -13,3 +13,8 @@ cdef class _Buckets:
 
     @cython.locals(low=cython.Py_ssize_t, high=cython.Py_ssize_t, middle=cython.Py_ssize_t, bound=cython.double)
     cpdef observe(self, double value)
+
+# A request looks up about ten children by their labels: the children's dict typed, each lookup is a C call into it.
+cdef class _Series:
+    cdef public object kind, name, documentation, labelnames, buckets
+    cdef public dict children

@@ -11,3 +11,10 @@ cdef class SchedulingRequest:
 
 cdef class SchedulingResult:
     cdef public object endpoints, profile, candidates, raw_scores, timings, cycle_state
+
+# Read about ten times a request: its dict typed, a read is a C call into the dict, not a method looked up by name.
+cdef class CycleState:
+    cdef dict _data
+
+    cpdef object read(self, object key)
+    cpdef object write(self, object key, object value)
