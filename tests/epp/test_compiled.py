@@ -174,3 +174,25 @@ def test_the_per_request_dataclasses_import_nothing_and_default_to_their_own_con
     assert requests[1].headers == {"a": "b"} and requests[1].prompt_tokens_estimate == 1
     assert results[0].candidates == [] and results[0].raw_scores == {} and results[0].timings == []
     assert results[0].cycle_state is not results[1].cycle_state and results[0].profile == "default"
+
+
+def test_endpoints_keep_their_own_containers_and_the_load_estimates_read_their_fields():
+    """Compiled, Endpoint is a C class (endpoint.pxd) and the load estimates read its fields typed (load.pxd): the
+    same values and errors as the pure Python's, each endpoint with containers of its own."""
+    from dataclasses import fields
+
+    from epp.datalayer.endpoint import INTER_TOKEN_SAMPLES, Endpoint, EndpointSpec
+    from epp.scheduling.load import queue_depth, queue_depths, running_requests
+    from epp.scheduling.types import CycleState
+    from protocol.metrics import EndpointMetrics
+
+    a, b = Endpoint(EndpointSpec("a", "10.0.0.1", 8000)), Endpoint(EndpointSpec("b", "10.0.0.2", 8000))
+    assert a.inter_token_totals is not b.inter_token_totals and a.inter_token_totals.maxlen == INTER_TOKEN_SAMPLES
+    assert a.recent_adapters is not b.recent_adapters and a.stale and a.recent_ttft == 0.0
+    assert {"spec", "metrics", "in_flight_requests", "recent_ttft"} <= {f.name for f in fields(Endpoint)}
+    a.metrics = EndpointMetrics(waiting=3, running=2)
+    a.in_flight_requests, a.in_flight_at_scrape = 4, 6  # two finished since the scrape: two waiting took their place
+    assert queue_depth(a) == 2 and queue_depth(b) == 0  # its own 4 in flight against the scrape's 2 running
+    assert queue_depths(CycleState(), [a, b]) == [2, 0] and running_requests(a) == 2
+    with pytest.raises(AttributeError):
+        queue_depth(None)
