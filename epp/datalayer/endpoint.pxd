@@ -1,6 +1,6 @@
 # Cython's declarations for endpoint.py's Endpoint (an augmenting .pxd: endpoint.py stays plain Python, and runs as
 # such when not compiled). Every scheduling cycle reads a dozen of each candidate's fields: where a function takes an
-# endpoint typed (load.pxd, director.pxd), each read is a C field, not a lookup by name.
+# endpoint typed (load.pxd), each read is a C field, not a lookup by name.
 cdef class Endpoint:
     cdef public object spec, metrics, batch_slots, inter_token_totals, recent_adapters
     cdef public bint stale
