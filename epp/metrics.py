@@ -35,6 +35,7 @@ OTHER_FLOW = "other"  # the label value of fairness ids beyond MAX_FAIRNESS_ID_L
 MAX_FAIRNESS_ID_LABELS = 100
 # The metrics a pick read are as old as the time since its endpoint's latest scrape: at most about the refresh interval
 # (50 ms) under traffic, up to the quiet interval (250 ms) for the first request after a quiet spell.
+PICKED_METRICS_AGE = "inference_extension_scheduler_picked_metrics_age_seconds"
 METRICS_AGE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0)
 SCHEDULER_BUCKETS = (0.00001, 0.00002, 0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1)
 
@@ -478,7 +479,7 @@ class EPPMetrics:
         )
         self.picked_metrics_age = _Series(
             "histogram",
-            "inference_extension_scheduler_picked_metrics_age_seconds",
+            PICKED_METRICS_AGE,
             "Age in seconds of the picked endpoint's metrics (its latest successful scrape) when it was picked.",
             (),
             METRICS_AGE_BUCKETS,

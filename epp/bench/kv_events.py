@@ -24,12 +24,12 @@ import msgspec
 import yaml
 import zmq
 
-from epp.bench.overhead import cpu_seconds
+from epp.bench.overhead import bucket_quantile, cpu_seconds, histogram_buckets
 from epp.bench.ports import free_ports
 from epp.local import epp_command, wait_until_serving
 from protocol.kv_events import BlockRemoved, BlockStored, KVEventBatch
 
-_BUCKET = re.compile(r'^inference_extension_kv_events_lag_seconds_bucket\{le="([^"]+)"\} (\S+)$', re.M)
+LAG = "inference_extension_kv_events_lag_seconds"
 _GAUGE = re.compile(r"^(inference_extension_kv_events_\w+) (\S+)$", re.M)
 
 
@@ -42,15 +42,8 @@ def _scrape(url: str) -> str:
 
 def _lag_quantile(before: str, after: str, q: float) -> float:
     """The upper bound (seconds) of the histogram bucket holding quantile q of the observations between scrapes."""
-    counts = [
-        (float(le), float(b) - float(a))
-        for (le, a), (_, b) in zip(_BUCKET.findall(before), _BUCKET.findall(after), strict=True)
-    ]
-    total = counts[-1][1]
-    for bound, cumulative in counts:
-        if cumulative >= q * total:
-            return bound
-    return float("inf")
+    start, end = histogram_buckets(before, LAG), histogram_buckets(after, LAG)
+    return bucket_quantile({bound: count - start.get(bound, 0.0) for bound, count in end.items()}, q)
 
 
 def _publisher(

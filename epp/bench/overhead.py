@@ -39,6 +39,7 @@ from epp.bench.peers import peer_command, start_router
 from epp.bench.ports import free_port_block, free_ports
 from epp.envoy import EnvoyProcess, render_baseline, render_bootstrap, terminate
 from epp.local import LocalStack, StackConfig
+from epp.metrics import PICKED_METRICS_AGE
 from epp.scheduling.scheduler import DEFAULT_CONFIG
 
 BODY = {"model": "sim-llama-8b", "prompt": "Say hello to the benchmark.", "max_tokens": 1}
@@ -119,20 +120,21 @@ def interleaved(targets: list[str], rounds: int, seed: int = 0) -> Iterator[str]
         yield from order
 
 
-PICKED_METRICS_AGE = "inference_extension_scheduler_picked_metrics_age_seconds"
+def histogram_buckets(page: str, name: str) -> dict[float, float]:
+    """Histogram `name` on a Prometheus text page: each bucket's bound -> the observations at most that (cumulative)."""
+    return {
+        float(sample.labels["le"]): sample.value
+        for family in text_string_to_metric_families(page)
+        if family.name == name
+        for sample in family.samples
+        if sample.name.endswith("_bucket")
+    }
 
 
 async def _age_buckets(session: aiohttp.ClientSession, metrics_url: str) -> dict[float, float]:
     """The EPP's PICKED_METRICS_AGE histogram: bucket bound (seconds) -> picks at most that old so far."""
     async with session.get(metrics_url) as response:
-        page = await response.text()
-    return {
-        float(sample.labels["le"]): sample.value
-        for family in text_string_to_metric_families(page)
-        if family.name == PICKED_METRICS_AGE
-        for sample in family.samples
-        if sample.name.endswith("_bucket")
-    }
+        return histogram_buckets(await response.text(), PICKED_METRICS_AGE)
 
 
 def bucket_quantile(buckets: dict[float, float], q: float) -> float:
