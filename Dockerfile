@@ -12,7 +12,9 @@ COPY pyproject.toml setup.py README.md ./
 COPY protocol ./protocol
 COPY modelserver ./modelserver
 COPY epp ./epp
-RUN pip wheel --no-deps --wheel-dir /wheels .
+# The request path compiled with the branch counts of a training run (epp/bench/pgo.py, in place), then the wheel
+# built with the same counts (EPP_PGO=use: setup.py finds them under build/pgo)
+RUN pip install -e '.[epp]' && python -m epp.bench.pgo && EPP_PGO=use pip wheel --no-deps --wheel-dir /wheels .
 
 FROM python:3.11-slim AS source
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 HOME=/tmp

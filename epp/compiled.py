@@ -30,6 +30,9 @@ from pathlib import Path
 from types import ModuleType
 
 STAMP = Path(__file__).with_name("compiled.json")
+# after a profile-guided build's step (setup.py's EPP_PGO, epp/bench/pgo.py): {"instrumented": [modules]} or
+# {"profile_guided": [modules]}
+PGO_STAMP = Path(__file__).with_name("compiled-pgo.json")
 EXTENSION_SUFFIXES = tuple(importlib.machinery.EXTENSION_SUFFIXES)
 
 log = logging.getLogger("epp.compiled")
@@ -131,4 +134,8 @@ def summary() -> str:
     sources = {name: root / (name.replace(".", "/") + ".py") for name in digests}
     stale = [name for name, d in digests.items() if not sources[name].is_file() or digest(sources[name]) != d]
     changed = f"; {len(stale)} changed since and run from source" if stale else ""
-    return f"compiled with Cython ({len(digests)} modules{changed})"
+    pgo = json.loads(PGO_STAMP.read_text()) if PGO_STAMP.is_file() else {}
+    if pgo.get("instrumented"):  # a profile-guided build stopped half way: slow, and counting
+        return f"compiled with Cython ({len(digests)} modules{changed}; instrumented for profiling: `make compile`)"
+    guided = f", {len(pgo['profile_guided'])} profile-guided" if pgo.get("profile_guided") else ""
+    return f"compiled with Cython ({len(digests)} modules{guided}{changed})"

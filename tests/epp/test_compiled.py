@@ -3,6 +3,7 @@ a compiled module never runs code older than its source, and EPP_PURE_PYTHON run
 
 import hashlib
 import importlib.machinery
+import json
 import logging
 import os
 import subprocess
@@ -134,7 +135,11 @@ def test_the_request_path_runs_compiled_and_pure_python_on_demand():
     assert set(HOT) <= set(STAMPED), sorted(STAMPED)
     files = run(PRINT_FILES).splitlines()
     assert all(f.endswith(SUFFIX) for f in files), files
-    assert compiled.summary() == f"compiled with Cython ({len(STAMPED)} modules)"
+    guided = json.loads(compiled.PGO_STAMP.read_text()).get("profile_guided") if compiled.PGO_STAMP.is_file() else []
+    assert (
+        compiled.summary()
+        == f"compiled with Cython ({len(STAMPED)} modules{f', {len(guided)} profile-guided' if guided else ''})"
+    )
     files = run(PRINT_FILES, EPP_PURE_PYTHON="1").splitlines()
     assert all(f.endswith(".py") for f in files), files
     assert run("from epp import compiled; print(compiled.summary())", EPP_PURE_PYTHON="1").startswith("pure Python")
@@ -196,3 +201,21 @@ def test_endpoints_keep_their_own_containers_and_the_load_estimates_read_their_f
     assert queue_depths(CycleState(), [a, b]) == [2, 0] and running_requests(a) == 2
     with pytest.raises(AttributeError):
         queue_depth(None)
+
+
+@needs_compiled
+def test_the_summary_says_how_a_profile_guided_build_left_the_modules(tmp_path, monkeypatch):
+    """setup.py's EPP_PGO builds stamp which modules they instrumented or built with the training's counts; one that
+    stopped half way (instrumented modules: slow, and writing counts at every exit) is named as such."""
+    monkeypatch.setattr(compiled, "PGO_STAMP", tmp_path / "compiled-pgo.json")
+    assert compiled.summary() == f"compiled with Cython ({len(STAMPED)} modules)"
+    compiled.PGO_STAMP.write_text(json.dumps({"profile_guided": sorted(STAMPED)[:3]}))
+    assert compiled.summary() == f"compiled with Cython ({len(STAMPED)} modules, 3 profile-guided)"
+    compiled.PGO_STAMP.write_text(json.dumps({"instrumented": sorted(STAMPED)}))
+    assert "instrumented for profiling: `make compile`" in compiled.summary()
+
+
+def test_this_install_is_not_left_instrumented():
+    """A profile-guided build (epp/bench/pgo.py) ends with the modules built for use, or built plain again."""
+    stamp = json.loads(compiled.PGO_STAMP.read_text()) if compiled.PGO_STAMP.is_file() else {}
+    assert not stamp.get("instrumented"), stamp
