@@ -109,7 +109,8 @@ def main(argv: list[str] | None = None) -> None:
     cpu.add_argument(
         "--instructions",
         action="store_true",
-        help="count instructions per request under valgrind's callgrind (exact and repeatable) instead of CPU time",
+        help="count instructions per request under valgrind's callgrind (exact and repeatable) instead of CPU time; "
+        "with --evict-mb, the lines of code and data fetched from beyond a simulated 1 MiB cache too",
     )
     capacity = sub.add_parser("sim-capacity", help="how many sim servers one core carries at a request rate")
     capacity.add_argument("--replicas", type=int, default=16)
@@ -253,11 +254,18 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "handler-cpu":
         if args.instructions:
             per_request = handler_cpu.instructions(
-                args.requests, args.batch, args.streamed, args.config_file, args.kv_events
+                args.requests, args.batch, args.streamed, args.config_file, args.kv_events, args.evict_mb
+            )
+            fetched = (
+                f"; from beyond a 1 MiB cache after {args.evict_mb} MiB written before each read: "
+                f"{per_request['ILmr']:,.0f} lines of code, {per_request['DLmr']:,.0f} of data read and "
+                f"{per_request['DLmw']:,.0f} written"
+                if args.evict_mb
+                else ""
             )
             print(
-                f"EPP handler path: {per_request:,.0f} instructions per request (callgrind; the harness's own building "
-                "of the requests taken off)"
+                f"EPP handler path: {per_request['Ir']:,.0f} instructions per request{fetched} (callgrind; the "
+                "harness's own building of the requests taken off)"
             )
         else:
             config = args.config_file.read_text() if args.config_file else handler_cpu.DEFAULT_CONFIG

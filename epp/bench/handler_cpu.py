@@ -239,6 +239,9 @@ def _director(config: str = DEFAULT_CONFIG, kv_events: bool = False) -> Director
 
 
 WARM_UP_REQUESTS = 160
+# callgrind's caches for `instructions(evict_mb=...)`: 32 KiB L1s and a 1 MiB last level, as one core of the hosts
+# here (AMD EPYC: its L3 is shared with the other processes and the other tenants, so it is left out)
+CACHE_SIMULATION = ["--cache-sim=yes", "--I1=32768,8,64", "--D1=32768,8,64", "--LL=1048576,16,64"]
 
 
 def instructions(
@@ -247,7 +250,8 @@ def instructions(
     streamed: bool = False,
     config_file: Path | None = None,
     kv_events: bool = False,
-) -> float:
+    evict_mb: int = 0,
+) -> dict[str, float]:
     """Instructions per request of the same path, counted by valgrind's callgrind: exact and repeatable, where CPU
     time on a shared host spreads by several µs between identical runs, so that a change worth 1 % shows (two runs
     of one build, 1,600 requests: 306.9 and 304.3 thousand). Processes run it for WARM_UP_REQUESTS and for as many
@@ -255,8 +259,12 @@ def instructions(
     (caches filling). Two more do the same without delivering the requests (`measure(deliver=False)`), and their
     difference is taken off: what the harness itself spends building each request's frames, messages and records
     (about 377 thousand a request in batches of 16, more than the EPP's own; counted in before 2026-11-28, so
-    figures from before are higher by that much, their differences between builds as they were). Needs valgrind on
-    PATH; about two minutes."""
+    figures from before are higher by that much, their differences between builds as they were). Returns callgrind's
+    events per request: "Ir", the instructions; with `evict_mb`, its simulated caches too (CACHE_SIMULATION: one
+    core's L1s and a last level as large as its L2), "ILmr" the lines of code and "DLmr" and "DLmw" the lines of data
+    read and written that came from beyond that last level, after `evict_mb` MiB written before each read: the
+    memory a request touches that a live EPP must fetch again when other processes have run on its core. Needs
+    valgrind on PATH; about two minutes (three with the caches simulated)."""
     if shutil.which("valgrind") is None:
         raise RuntimeError("valgrind is not on PATH (Debian: apt-get install valgrind)")
     first, more = WARM_UP_REQUESTS // batch * batch, requests // batch * batch  # (whole reads, as `measure` sends)
@@ -268,17 +276,25 @@ def instructions(
             # collector's full collections, as the EPP does once it is ready (epp/cli.py)
             script = (
                 "import gc, random; random.seed(0); from epp.bench import handler_cpu; gc.collect(); gc.freeze(); "
-                f"handler_cpu.measure({count}, {batch}, 1, {streamed!r}, {config!r}, 0, {kv_events!r}, {deliver!r})"
+                f"handler_cpu.measure({count}, {batch}, 1, {streamed!r}, {config!r}, {evict_mb}, {kv_events!r}, "
+                f"{deliver!r})"
             )
-            command = ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", sys.executable, "-c", script]
+            simulation = CACHE_SIMULATION if evict_mb else []
+            command = ["valgrind", "--tool=callgrind", *simulation, "--callgrind-out-file=/dev/null", sys.executable]
+            command += ["-c", script]
             # one thread each for numpy's BLAS and the tokenizers' pool: idle worker threads spin, and their
             # spinning counted as many instructions as the difference between two identical runs (20 M)
             environment = {**os.environ, "PYTHONHASHSEED": "0", "OPENBLAS_NUM_THREADS": "1", "RAYON_NUM_THREADS": "1"}
             run = subprocess.run(command, capture_output=True, text=True, check=True, env=environment)
-            counts[deliver, count] = int(re.search(r"Collected : (\d+)", run.stderr).group(1))
-    delivered = counts[True, first + more] - counts[True, first]
-    built = counts[False, first + more] - counts[False, first]
-    return (delivered - built) / more
+            events = re.search(r"Events\s*: ([\w ]+)", run.stderr).group(1).split()
+            collected = map(int, re.search(r"Collected : ([\d ]+)", run.stderr).group(1).split())
+            counts[deliver, count] = dict(zip(events, collected, strict=True))
+    delivered, built = ((counts[d, first + more], counts[d, first]) for d in (True, False))
+    return {
+        event: (delivered[0][event] - delivered[1][event] - built[0][event] + built[1][event]) / more
+        for event in ("Ir", "ILmr", "DLmr", "DLmw")
+        if event in delivered[0]
+    }
 
 
 def measure(

@@ -85,7 +85,12 @@ def test_with_kv_events_the_precise_scorer_tokenizes_every_prompt_as_live(monkey
 
 
 @pytest.mark.skipif(shutil.which("valgrind") is None, reason="valgrind is not installed")
+@pytest.mark.timeout(600)  # four processes under callgrind's cache simulation: about two minutes on 2 cores
 def test_instructions_per_request_are_counted_under_callgrind():
-    per_request = handler_cpu.instructions(requests=32)
-    # ~0.3 M on x86-64 with the default profile, the harness's own building of the requests (~0.38 M) taken off
-    assert 100_000 < per_request < 2_000_000
+    # one request a read, its code and data evicted before each (2 MiB written, the simulated last level 1 MiB)
+    per_request = handler_cpu.instructions(requests=16, batch=1, evict_mb=2)
+    assert per_request.keys() == {"Ir", "ILmr", "DLmr", "DLmw"}
+    # ~0.33 M instructions on x86-64 with the default profile, the harness's own building of the requests taken off;
+    # every line it touches comes from beyond the cache: ~6-7 thousand lines of code a request
+    assert 100_000 < per_request["Ir"] < 2_000_000
+    assert 1_000 < per_request["ILmr"] < per_request["Ir"] / 10, per_request
