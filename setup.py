@@ -19,6 +19,11 @@ request builds, which declared become Cython's dataclasses with a compiled `__in
 generated Python, interpreted). The modules themselves stay plain Python and run as such when not compiled.
 `epp/cli.py` is compiled for its wiring's closures, which the request path calls (the stream factory, flow control's
 room check).
+
+`make` then builds them a second time with GCC's profile-guided optimisation (`python -m epp.bench.pgo`, which sets
+EPP_PGO for the two builds below): the request path's code laid out as a training run of it took it, which a live
+EPP, its code evicted from the caches between Envoy's requests, fetches fewer lines of (README, "The compiled request
+path").
 """
 
 import importlib.util
