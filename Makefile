@@ -71,8 +71,9 @@ format: $(STAMP)
 	$(BIN)/ruff format .
 
 # After editing a compiled module: compile it again (until then the EPP runs it from its source, and says so), with
-# a new training run's counts.
-compile: $(STAMP)
+# a new training run's counts. (Order-only: an install that is merely older than setup.py is not redone first, which
+# would train twice.)
+compile: | $(STAMP)
 	$(BIN)/python -m epp.bench.pgo
 
 clean:
