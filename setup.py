@@ -48,30 +48,32 @@ COMPILED = [
     "epp/datalayer/*.py",
 ]
 GENERATED = Path("build/cython")  # Cython's C, each file with the digest of what it was generated from beside it
-STAMP = "compiled.json"  # in the epp package: each compiled module's source digest (what epp.compiled checks)
 # Profile-guided optimisation, in two builds that `python -m epp.bench.pgo` drives: EPP_PGO=generate compiles the
 # modules instrumented (each run adds its branch counts to PGO_DIR), EPP_PGO=use compiles each module whose source
 # the training ran (TRAINED: the instrumented build's stamp) with those counts, and the rest as usual
 PGO = os.environ.get("EPP_PGO", "")
 PGO_DIR = Path("build/pgo").resolve()
 TRAINED = PGO_DIR / "trained.json"
-PGO_STAMP = "compiled-pgo.json"  # beside STAMP after an EPP_PGO build: how it built which modules
 
 
-def _guard_digest():
-    """epp/compiled.py's digest, the one its guard checks (the module loaded alone: it needs only the standard
-    library)."""
+def _guard():
+    """epp/compiled.py, whose guard checks the stamps this build writes (the module loaded alone: it needs only the
+    standard library)."""
     spec = importlib.util.spec_from_file_location("epp_compiled_guard", "epp/compiled.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.digest
+    return module
+
+
+GUARD = _guard()
+STAMP = GUARD.STAMP.name  # in the epp package: each compiled module's source digest (what epp.compiled checks)
+PGO_STAMP = GUARD.PGO_STAMP.name  # beside STAMP after an EPP_PGO build: how it built which modules
 
 
 def sources() -> dict[str, str]:
     """Each compiled module's name and the digest of what it is compiled from (`epp.compiled.digest`)."""
     paths = sorted(p for pattern in COMPILED for p in Path().glob(pattern) if p.name != "__init__.py")
-    digest = _guard_digest()
-    return {".".join(p.with_suffix("").parts): digest(p) for p in paths}
+    return {".".join(p.with_suffix("").parts): GUARD.digest(p) for p in paths}
 
 
 DIGESTS = sources()  # read once: what Cython compiles is what the stamp records

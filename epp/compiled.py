@@ -107,9 +107,18 @@ def _cimported(beside: Path, declarations: bytes) -> list[Path]:
     return found
 
 
+def _read(stamp: Path) -> dict:
+    return json.loads(stamp.read_text()) if stamp.is_file() else {}
+
+
 def stamped() -> dict[str, str]:
     """The stamp: each compiled module's name and its source's digest when it was compiled (empty: none was)."""
-    return json.loads(STAMP.read_text()) if STAMP.is_file() else {}
+    return _read(STAMP)
+
+
+def pgo_stamped() -> dict[str, list[str]]:
+    """The profile-guided build's stamp (PGO_STAMP; empty: the last build was plain)."""
+    return _read(PGO_STAMP)
 
 
 def install(package: str) -> SourceGuard:
@@ -134,7 +143,7 @@ def summary() -> str:
     sources = {name: root / (name.replace(".", "/") + ".py") for name in digests}
     stale = [name for name, d in digests.items() if not sources[name].is_file() or digest(sources[name]) != d]
     changed = f"; {len(stale)} changed since and run from source" if stale else ""
-    pgo = json.loads(PGO_STAMP.read_text()) if PGO_STAMP.is_file() else {}
+    pgo = pgo_stamped()
     if pgo.get("instrumented"):  # a profile-guided build stopped half way: slow, and counting
         return f"compiled with Cython ({len(digests)} modules{changed}; instrumented for profiling: `make compile`)"
     guided = f", {len(pgo['profile_guided'])} profile-guided" if pgo.get("profile_guided") else ""

@@ -289,12 +289,12 @@ def instructions(
             events = re.search(r"Events\s*: ([\w ]+)", run.stderr).group(1).split()
             collected = map(int, re.search(r"Collected : ([\d ]+)", run.stderr).group(1).split())
             counts[deliver, count] = dict(zip(events, collected, strict=True))
-    delivered, built = ((counts[d, first + more], counts[d, first]) for d in (True, False))
-    return {
-        event: (delivered[0][event] - delivered[1][event] - built[0][event] + built[1][event]) / more
-        for event in ("Ir", "ILmr", "DLmr", "DLmw")
-        if event in delivered[0]
-    }
+
+    def added(deliver: bool, event: str) -> int:  # by the `more` requests past the warm-up
+        return counts[deliver, first + more][event] - counts[deliver, first][event]
+
+    reported = [event for event in ("Ir", "ILmr", "DLmr", "DLmw") if event in counts[True, first]]
+    return {event: (added(True, event) - added(False, event)) / more for event in reported}
 
 
 def measure(

@@ -30,7 +30,6 @@ from epp import compiled
 ROOT = Path(epp.__file__).resolve().parent.parent
 PGO_DIR = ROOT / "build" / "pgo"  # setup.py's PGO_DIR
 TRAINED = PGO_DIR / "trained.json"  # setup.py's TRAINED
-PGO_STAMP = compiled.PGO_STAMP  # setup.py's PGO_STAMP
 
 # (requests, per read, streamed, endpoints publishing KV events): one request at a time as a quiet EPP meets them,
 # batches as a loaded one does, streamed responses whose access-log records teach the latency predictor, and the
@@ -52,10 +51,6 @@ def build(mode: str) -> None:
     subprocess.run(command, cwd=ROOT, env=environment, check=True)
 
 
-def stamp(path: Path) -> dict:
-    return json.loads(path.read_text()) if path.is_file() else {}
-
-
 def train() -> int:
     """Runs the request path on the instrumented modules, in a process of its own (its counts are written at its
     exit); returns how many modules left counts."""
@@ -71,7 +66,7 @@ def optimise() -> str:
     """The three steps; returns what was built. Raises CalledProcessError or RuntimeError when a step fails."""
     shutil.rmtree(PGO_DIR, ignore_errors=True)  # counts add up across runs: an earlier source's must not
     build("generate")
-    instrumented = stamp(compiled.STAMP)
+    instrumented = compiled.stamped()
     if not instrumented:
         return compiled.summary()  # nothing compiled (no C compiler or no Cython): nothing to optimise
     counted = train()
@@ -79,7 +74,7 @@ def optimise() -> str:
         raise RuntimeError("the training run left no branch counts")
     TRAINED.write_text(json.dumps(instrumented, indent=0, sort_keys=True))
     build("use")
-    guided = stamp(PGO_STAMP).get("profile_guided", [])
+    guided = compiled.pgo_stamped().get("profile_guided", [])
     if not guided:
         raise RuntimeError("no module was built with the training's counts")
     return f"{len(guided)} of {len(instrumented)} compiled modules built with the counts of {counted} that ran"

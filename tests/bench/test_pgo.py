@@ -34,7 +34,7 @@ class Steps:
             pgo.PGO_DIR.mkdir(parents=True)
             compiled.STAMP.write_text(json.dumps(self.compiled))
         elif mode == "use":
-            pgo.PGO_STAMP.write_text(json.dumps({"profile_guided": sorted(self.compiled)}))
+            compiled.PGO_STAMP.write_text(json.dumps({"profile_guided": sorted(self.compiled)}))
 
     def train(self):
         self.taken.append("train")
@@ -48,7 +48,7 @@ def steps(tmp_path, monkeypatch):
     monkeypatch.setattr(pgo, "PGO_DIR", tmp_path / "pgo")
     monkeypatch.setattr(pgo, "TRAINED", tmp_path / "pgo" / "trained.json")
     monkeypatch.setattr(compiled, "STAMP", tmp_path / "compiled.json")
-    monkeypatch.setattr(pgo, "PGO_STAMP", tmp_path / "compiled-pgo.json")
+    monkeypatch.setattr(compiled, "PGO_STAMP", tmp_path / "compiled-pgo.json")
     recorded = Steps()
     monkeypatch.setattr(pgo, "build", recorded.build)
     monkeypatch.setattr(pgo, "train", recorded.train)

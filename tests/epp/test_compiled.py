@@ -135,7 +135,7 @@ def test_the_request_path_runs_compiled_and_pure_python_on_demand():
     assert set(HOT) <= set(STAMPED), sorted(STAMPED)
     files = run(PRINT_FILES).splitlines()
     assert all(f.endswith(SUFFIX) for f in files), files
-    guided = json.loads(compiled.PGO_STAMP.read_text()).get("profile_guided") if compiled.PGO_STAMP.is_file() else []
+    guided = compiled.pgo_stamped().get("profile_guided")
     assert (
         compiled.summary()
         == f"compiled with Cython ({len(STAMPED)} modules{f', {len(guided)} profile-guided' if guided else ''})"
@@ -217,5 +217,5 @@ def test_the_summary_says_how_a_profile_guided_build_left_the_modules(tmp_path, 
 
 def test_this_install_is_not_left_instrumented():
     """A profile-guided build (epp/bench/pgo.py) ends with the modules built for use, or built plain again."""
-    stamp = json.loads(compiled.PGO_STAMP.read_text()) if compiled.PGO_STAMP.is_file() else {}
+    stamp = compiled.pgo_stamped()
     assert not stamp.get("instrumented"), stamp
