@@ -36,6 +36,7 @@ MAX_FAIRNESS_ID_LABELS = 100
 # The metrics a pick read are as old as the time since its endpoint's latest scrape: at most about the refresh interval
 # (50 ms) under traffic, up to the quiet interval (250 ms) for the first request after a quiet spell.
 PICKED_METRICS_AGE = "inference_extension_scheduler_picked_metrics_age_seconds"
+SCHEDULER_E2E = "inference_extension_scheduler_e2e_duration_seconds"
 METRICS_AGE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0)
 SCHEDULER_BUCKETS = (0.00001, 0.00002, 0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1)
 
@@ -472,7 +473,7 @@ class EPPMetrics:
         )
         self.scheduler_e2e = _Series(
             "histogram",
-            "inference_extension_scheduler_e2e_duration_seconds",
+            SCHEDULER_E2E,
             "Scheduling latency distribution in seconds.",
             (),
             SCHEDULER_BUCKETS,

@@ -39,7 +39,7 @@ from epp.bench.peers import peer_command, start_router
 from epp.bench.ports import free_port_block, free_ports
 from epp.envoy import EnvoyProcess, render_baseline, render_bootstrap, terminate
 from epp.local import LocalStack, StackConfig
-from epp.metrics import PICKED_METRICS_AGE
+from epp.metrics import PICKED_METRICS_AGE, SCHEDULER_E2E
 from epp.scheduling.scheduler import DEFAULT_CONFIG
 
 BODY = {"model": "sim-llama-8b", "prompt": "Say hello to the benchmark.", "max_tokens": 1}
@@ -131,10 +131,20 @@ def histogram_buckets(page: str, name: str) -> dict[float, float]:
     }
 
 
-async def _age_buckets(session: aiohttp.ClientSession, metrics_url: str) -> dict[float, float]:
-    """The EPP's PICKED_METRICS_AGE histogram: bucket bound (seconds) -> picks at most that old so far."""
-    async with session.get(metrics_url) as response:
-        return histogram_buckets(await response.text(), PICKED_METRICS_AGE)
+async def _age_buckets(
+    session: aiohttp.ClientSession, metrics_url: str, decisions: float = 0.0
+) -> tuple[float, dict[float, float]]:
+    """The EPP's decisions so far (SCHEDULER_E2E's count) and its PICKED_METRICS_AGE histogram (bucket bound, in
+    seconds -> picks at most that old). The EPP serves a rendered page again for a while (epp/metrics.py,
+    RENDER_GAP_FACTOR): read until the page counts at least `decisions`, for at most a second."""
+    deadline = time.monotonic() + 1.0
+    while True:
+        async with session.get(metrics_url) as response:
+            page = await response.text()
+        counted = histogram_buckets(page, SCHEDULER_E2E).get(math.inf, 0.0)
+        if counted >= decisions or time.monotonic() > deadline:
+            return counted, histogram_buckets(page, PICKED_METRICS_AGE)
+        await asyncio.sleep(0.01)
 
 
 def bucket_quantile(buckets: dict[float, float], q: float) -> float:
@@ -502,7 +512,9 @@ async def measure(
             ages: dict[float, float] = {}  # the picks' metrics ages over the EPP's throughput phases (cumulative)
             for order in (list(targets), list(reversed(targets))):
                 for name in order:
-                    ages_before = await _age_buckets(session, stack.epp_metrics_url) if name == EPP else {}
+                    decided, ages_before = (
+                        await _age_buckets(session, stack.epp_metrics_url) if name == EPP else (0, {})
+                    )
                     phase_start = {k: cpu_seconds(p) for k, p in pids[name].items()}
                     load_start, wall_start = sum(map(cpu_seconds, load_pids)), time.monotonic()
                     rates[name].append(
@@ -514,7 +526,10 @@ async def measure(
                     load_used[name] += sum(map(cpu_seconds, load_pids)) - load_start
                     load_wall[name] += time.monotonic() - wall_start
                     if name == EPP:
-                        for bound, count in (await _age_buckets(session, stack.epp_metrics_url)).items():
+                        _, ages_after = await _age_buckets(
+                            session, stack.epp_metrics_url, decided + concurrent_requests
+                        )
+                        for bound, count in ages_after.items():
                             ages[bound] = ages.get(bound, 0.0) + count - ages_before.get(bound, 0.0)
             if ages and ages[math.inf]:
                 result.picked_metrics_age = {
