@@ -4,6 +4,7 @@ import asyncio
 import json
 import re
 import signal
+import time
 
 import aiohttp
 import pytest
@@ -267,6 +268,33 @@ async def test_the_predictor_learns_from_the_gateways_access_log_without_respons
         await asyncio.sleep(0.5)
         # a whole body's first byte comes with its last token: no TTFT to learn
         assert await observations(stack, session) == learnt
+
+
+async def test_the_gateway_sends_each_access_log_record_within_its_flush_interval(make_stack):
+    """Envoy flushes the access log every ACCESS_LOG_FLUSH_INTERVAL (0.1 s), not only once 16 KiB of records have
+    gathered: each request's record teaches the predictor well inside half a second of the request's end. (Envoy
+    1.40 ignores a top-level buffer_flush_interval: a record then waits out the logger's 1 s default, over half a
+    second for about half the requests.)"""
+    stack = await make_stack(servers=1, access_log_percent=100)
+    body = {"model": MODEL, "prompt": "hello there " * 20, "max_tokens": 3, "stream": True}
+    async with aiohttp.ClientSession() as session:
+
+        async def streamed() -> None:
+            async with session.post(f"{stack.gateway_url}/v1/completions", json=body) as r:
+                assert r.status == 200
+                await r.read()
+
+        learnt = await until_access_log_records_teach(stack, session, streamed)
+        delays = []
+        for _ in range(6):
+            await streamed()
+            ended = time.monotonic()
+            while await observations(stack, session) <= learnt:
+                assert time.monotonic() - ended < 5, f"no record in 5 s (delays so far {delays})"
+                await asyncio.sleep(0.02)
+            delays.append(time.monotonic() - ended)
+            learnt = await observations(stack, session)
+    assert max(delays) < 0.5, delays
 
 
 async def observations(stack: LocalStack, session: aiohttp.ClientSession) -> float:

