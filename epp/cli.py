@@ -241,7 +241,7 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     def new_stream(reply: Reply) -> RequestStream:
         return RequestStream(director, reply, body_budget, args.max_request_body_bytes)
 
-    export_access_log = accesslog.export_handler(director.on_access_log)
+    export_access_log = accesslog.ExportHandler(director.on_access_log)
     if args.ext_proc_transport == "h2":
         server = ExtProcServer(
             new_stream,

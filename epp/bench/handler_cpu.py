@@ -322,7 +322,7 @@ def measure(
 
     connection = ExtProcConnection(ExtProcServer(new_stream, request_type=ExtProcRequest))
     export = UnaryMethod(
-        accesslog.ExportRecords, accesslog.export_handler(director.on_access_log), accesslog.MAX_EXPORT_BYTES
+        accesslog.ExportRecords, accesslog.ExportHandler(director.on_access_log), accesslog.MAX_EXPORT_BYTES
     )
     log_connection = ExtProcConnection(
         ExtProcServer(new_stream, {accesslog.EXPORT_PATH: export}, request_type=ExtProcRequest)

@@ -24,7 +24,7 @@ from tests.epp.test_transports import PROCESS, EchoHandler, body, headers
 async def server():
     EchoHandler.log = []
     export = UnaryMethod(
-        accesslog.ExportRecords, accesslog.export_handler(lambda request_id, ttft: None), accesslog.MAX_EXPORT_BYTES
+        accesslog.ExportRecords, accesslog.ExportHandler(lambda request_id, ttft: None), accesslog.MAX_EXPORT_BYTES
     )
     server = ExtProcServer(EchoHandler, {accesslog.EXPORT_PATH: export})
     await server.start("127.0.0.1", 0)

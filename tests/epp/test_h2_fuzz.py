@@ -159,7 +159,7 @@ def test_no_byte_stream_raises_or_breaks_the_connections_bounds(client):
     wire, cuts = client
     EchoHandler.log = []
     export = UnaryMethod(
-        accesslog.ExportRecords, accesslog.export_handler(lambda *record: None), accesslog.MAX_EXPORT_BYTES
+        accesslog.ExportRecords, accesslog.ExportHandler(lambda *record: None), accesslog.MAX_EXPORT_BYTES
     )
     connection = ExtProcConnection(ExtProcServer(EchoHandler, {accesslog.EXPORT_PATH: export}))
     transport = CountingTransport()

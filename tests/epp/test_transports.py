@@ -95,7 +95,7 @@ def body(data: bytes) -> pb.ProcessingRequest:
 
 
 ACCESS_LOG_RECORDS: list[tuple] = []
-EXPORT = accesslog.export_handler(lambda *record: ACCESS_LOG_RECORDS.append(record))
+EXPORT = accesslog.ExportHandler(lambda *record: ACCESS_LOG_RECORDS.append(record))
 
 
 @pytest.fixture(params=["h2", "grpcio"])
