@@ -1,6 +1,7 @@
 """Envoy + EPP + sim model servers on loopback: routing follows the EPP and the model-server state."""
 
 import asyncio
+import functools
 import json
 import re
 import signal
@@ -278,11 +279,7 @@ async def test_the_gateway_sends_each_access_log_record_within_its_flush_interva
     stack = await make_stack(servers=1, access_log_percent=100)
     body = {"model": MODEL, "prompt": "hello there " * 20, "max_tokens": 3, "stream": True}
     async with aiohttp.ClientSession() as session:
-
-        async def streamed() -> None:
-            async with session.post(f"{stack.gateway_url}/v1/completions", json=body) as r:
-                assert r.status == 200
-                await r.read()
+        streamed = functools.partial(completion, session, stack, body)
 
         learnt = await until_access_log_records_teach(stack, session, streamed)
         delays = []
@@ -295,6 +292,12 @@ async def test_the_gateway_sends_each_access_log_record_within_its_flush_interva
             delays.append(time.monotonic() - ended)
             learnt = await observations(stack, session)
     assert max(delays) < 0.5, delays
+
+
+async def completion(session: aiohttp.ClientSession, stack: LocalStack, body: dict) -> bytes:
+    async with session.post(f"{stack.gateway_url}/v1/completions", json=body) as r:
+        assert r.status == 200
+        return await r.read()
 
 
 async def observations(stack: LocalStack, session: aiohttp.ClientSession) -> float:
@@ -339,11 +342,7 @@ async def test_without_response_bodies_the_predictor_learns_time_per_output_toke
     )
     body = {"model": MODEL, "prompt": "hello there " * 20, "max_tokens": 60, "stream": True}
     async with aiohttp.ClientSession() as session:
-
-        async def streamed() -> None:
-            async with session.post(f"{stack.gateway_url}/v1/completions", json=body) as r:
-                assert r.status == 200
-                await r.read()
+        streamed = functools.partial(completion, session, stack, body)
 
         async def tpot_error() -> float | None:
             async with session.get(stack.epp_metrics_url) as r:
