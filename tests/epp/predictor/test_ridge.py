@@ -1,4 +1,7 @@
+import os
 import random
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -140,3 +143,19 @@ def test_the_decay_kept_as_one_scale_matches_every_observation_decayed_in_turn()
     a += 1e-6 * np.trace(a) / 3 * np.eye(3)
     assert model._scale >= ridge.FOLD_SCALE_BELOW
     assert model.coefficients == pytest.approx(tuple(np.linalg.solve(a, b)), rel=1e-9)
+
+
+def test_the_predictor_loads_openblas_without_worker_threads():
+    """The predictor's products are small, and OpenBLAS's workers would busy-wait beside the EPP's event loop after
+    each: importing the predictor first, numpy starts no thread (an environment's own OPENBLAS_NUM_THREADS stays)."""
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_NUM_THREADS"}
+    code = (
+        "import epp.predictor, numpy, os; print(len(os.listdir('/proc/self/task')), os.environ['OPENBLAS_NUM_THREADS'])"
+    )
+    threads = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert threads.stdout.split() == ["1", "1"]
+    code = "import epp.predictor, os; print(os.environ['OPENBLAS_NUM_THREADS'])"
+    kept = subprocess.run(
+        [sys.executable, "-c", code], env={**env, "OPENBLAS_NUM_THREADS": "2"}, capture_output=True, text=True
+    )
+    assert kept.stdout.strip() == "2"
