@@ -9,6 +9,9 @@ EndpointPickerConfig given (`--epp-config FILE`, one target per file).
 * the CPU seconds each process used, so a reader can see when the 2-core machine itself is the limit: per request
   over the whole run, and per request over the target's own throughput phases (an EPP keeps scraping the shared pool
   while the other targets load it, which the whole run charges to its requests);
+* the whole machine's CPU (/proc/stat) per request while each target's throughput is measured, and so the
+  throughput ratio the machine's CPU allows each target, and a processor that costs nothing (the native floor less
+  its processor's own CPU);
 * with `pin`, the load (this client and the model servers) on one half of the CPUs and every target's processes
   (Envoys, processors, routers) on the other, the same for all targets: the client's and the servers' work then
   never takes a target's CPU. Unpinned (the default), every process may run on any CPU, as for all targets too.
@@ -88,7 +91,24 @@ def cpu_seconds(pid: int) -> float:
         return time.clock_gettime(((~pid) << 3) | _CPUCLOCK_SCHED)
     except OSError:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+
+
+def machine_cpu_seconds() -> tuple[float, float]:
+    """(busy, elapsed) CPU seconds of the whole machine since boot, every CPU summed, from /proc/stat's first line:
+    busy is user, nice, system, irq and softirq time (every process and the kernel, the loopback network's work
+    included); elapsed adds idle, iowait and steal (time the hypervisor gave to others). (0, 0) without /proc/stat:
+    what is derived from it is then left out."""
+    try:
+        with open("/proc/stat") as stat:
+            user, nice, system, idle, iowait, irq, softirq, steal = map(int, stat.readline().split()[1:9])
+    except OSError:
+        return 0.0, 0.0
+    busy = user + nice + system + irq + softirq
+    return busy / _CLOCK_TICKS, (busy + idle + iowait + steal) / _CLOCK_TICKS
+
+
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def split_cpus(cpus: Iterable[int]) -> tuple[frozenset[int], frozenset[int]]:
@@ -187,6 +207,10 @@ class OverheadResult:
     # target -> the share of the load's CPUs (pinned: its half; else all) the client and the model servers used
     # during the target's throughput runs: near 1, the load, not the target, bounded its throughput
     load_cpu_busy: dict[str, float] = field(default_factory=dict)
+    # target -> the whole machine's busy CPU (every process and the kernel: machine_cpu_seconds) during the target's
+    # throughput runs: "ms" per request, and "busy", the share of all its CPUs' time. On a machine that every process
+    # shares, throughput follows the first: plain Envoy's ms over a target's is the throughput ratio CPU allows
+    machine_cpu: dict[str, dict[str, float]] = field(default_factory=dict)
     # how old the picked endpoint's metrics were at the pick, over the EPP's throughput phases (the EPP's
     # PICKED_METRICS_AGE histogram): "picks", and "p50" and "p99" as the upper bounds of their buckets, in seconds
     picked_metrics_age: dict[str, float] = field(default_factory=dict)
@@ -244,6 +268,7 @@ class OverheadResult:
                 f"({PICKED_METRICS_AGE}, its buckets' bounds): p50 <= {1e3 * age['p50']:g} ms, p99 <= "
                 f"{1e3 * age['p99']:g} ms, of {age['picks']:.0f} picks"
             )
+        lines += self._machine_lines()
         lines.append("CPU seconds over the run: " + ", ".join(f"{k} {v:.1f}" for k, v in self.cpu_seconds.items()))
         lines.append("host load (1/5/15 min) at the end: " + " ".join(f"{v:.2f}" for v in self.host_load))
         lines.append(self.pinning)
@@ -255,6 +280,38 @@ class OverheadResult:
         lines.append(f"the EPP's request path: {self.epp_build}")
         lines += self.notes
         return "\n".join(lines)
+
+    def zero_cost_ceiling(self) -> float | None:
+        """The throughput ratio (of plain Envoy's) that CPU allows a processor that costs nothing: the machine's CPU
+        per request for plain Envoy over that for the native floor streaming the body (the EPP's processing mode)
+        less its processor's own. Envoy's ext_proc work and the hops it adds stay; None without the native floor or
+        /proc/stat."""
+        target = floor_target(NATIVE_FLOOR, "body streamed")
+        if target not in self.machine_cpu or PLAIN not in self.machine_cpu:
+            return None
+        envoy_alone = self.machine_cpu[target]["ms"] - self.cpu_ms_per_request_loaded[target]["processor"]
+        return self.machine_cpu[PLAIN]["ms"] / envoy_alone if envoy_alone > 0 else None
+
+    def _machine_lines(self) -> list[str]:
+        if PLAIN not in self.machine_cpu:
+            return []
+        plain = self.machine_cpu[PLAIN]["ms"]
+        lines = [
+            "the whole machine while each target's throughput was measured (/proc/stat: every process and the "
+            "kernel), CPU ms per request, its CPUs busy, and plain Envoy's CPU per request over the target's (the "
+            "throughput ratio the machine's CPU allows): "
+            + ", ".join(
+                f"{target} {m['ms']:.3f} ({m['busy']:.0%}, {plain / m['ms'] if m['ms'] else math.inf:.2f})"
+                for target, m in self.machine_cpu.items()
+            )
+        ]
+        ceiling = self.zero_cost_ceiling()
+        if ceiling is not None:
+            lines.append(
+                f"a processor that cost nothing, in Envoy's body-streamed mode (the native floor's machine CPU less its "
+                f"processor's): at most {ceiling:.2f} of plain Envoy's throughput, where CPU bounds it"
+            )
+        return lines
 
 
 def _cpu_list(cpus: frozenset[int]) -> str:
@@ -509,6 +566,8 @@ async def measure(
             load_cpu_count = len(cpus[0]) if cpus is not None else len(os.sched_getaffinity(0))
             load_used = dict.fromkeys(targets, 0.0)
             load_wall = dict.fromkeys(targets, 0.0)
+            machine_busy = dict.fromkeys(targets, 0.0)
+            machine_elapsed = dict.fromkeys(targets, 0.0)
             ages: dict[float, float] = {}  # the picks' metrics ages over the EPP's throughput phases (cumulative)
             for order in (list(targets), list(reversed(targets))):
                 for name in order:
@@ -517,6 +576,7 @@ async def measure(
                     )
                     phase_start = {k: cpu_seconds(p) for k, p in pids[name].items()}
                     load_start, wall_start = sum(map(cpu_seconds, load_pids)), time.monotonic()
+                    machine_start = machine_cpu_seconds()
                     rates[name].append(
                         await _throughput(session, targets[name], concurrent_requests, concurrency, body)
                     )
@@ -525,6 +585,9 @@ async def measure(
                         loaded_cpu[name, k] += cpu_seconds(p) - phase_start[k]
                     load_used[name] += sum(map(cpu_seconds, load_pids)) - load_start
                     load_wall[name] += time.monotonic() - wall_start
+                    (busy, elapsed), (busy_start, elapsed_start) = machine_cpu_seconds(), machine_start
+                    machine_busy[name] += busy - busy_start
+                    machine_elapsed[name] += elapsed - elapsed_start
                     if name == EPP:
                         _, ages_after = await _age_buckets(
                             session, stack.epp_metrics_url, decided + concurrent_requests
@@ -539,6 +602,14 @@ async def measure(
                 }
             result.throughput_rps = {name: statistics.fmean(v) for name, v in rates.items()}
             result.load_cpu_busy = {name: load_used[name] / (load_wall[name] * load_cpu_count) for name in targets}
+            if all(machine_elapsed.values()):
+                result.machine_cpu = {
+                    name: {
+                        "ms": 1e3 * machine_busy[name] / (2 * concurrent_requests),
+                        "busy": machine_busy[name] / machine_elapsed[name],
+                    }
+                    for name in targets
+                }
         used = {key: cpu_seconds(pids[key[0]][key[1]]) - before for key, before in cpu_before.items()}
         result.cpu_seconds = {f"{k} ({t})" if t != "(shared)" else k: v for (t, k), v in used.items()}
         for (target, process), seconds in used.items():

@@ -205,6 +205,32 @@ def test_overhead_smoke():
         * (2 * result.concurrent_requests + result.sequential_requests)
     )
     assert "p50 / plain" in result.markdown() and f"at concurrency {result.concurrency} |" in result.markdown()
+    # the whole machine's CPU over each target's throughput phases (10 ms ticks: a share may read 0 in runs this short)
+    assert set(result.machine_cpu) == set(result.latency_ms)
+    assert all(m["ms"] >= 0 and 0 <= m["busy"] <= 1 for m in result.machine_cpu.values()), result.machine_cpu
+    assert "the whole machine while each target's throughput was measured" in result.markdown()
+    assert ("a processor that cost nothing" in result.markdown()) == (result.zero_cost_ceiling() is not None)
+
+
+def test_the_machine_s_cpu_time_counts_this_process_s_work_as_busy():
+    busy, elapsed = overhead.machine_cpu_seconds()
+    end = time.process_time() + 0.2
+    while time.process_time() < end:
+        pass
+    busy_after, elapsed_after = overhead.machine_cpu_seconds()
+    assert busy_after - busy >= 0.15  # the spin, less a clock tick or so either side
+    assert elapsed_after - elapsed >= busy_after - busy
+
+
+def test_the_zero_cost_ceiling_is_plain_envoy_s_machine_cpu_over_the_native_floor_s_less_its_processor():
+    native = overhead.floor_target(overhead.NATIVE_FLOOR, "body streamed")
+    result = overhead.OverheadResult("h2", 4, 10, 32, 100)
+    assert result.zero_cost_ceiling() is None  # no /proc/stat figures
+    result.machine_cpu = {overhead.PLAIN: {"ms": 0.5, "busy": 0.8}, native: {"ms": 0.8, "busy": 0.8}}
+    result.cpu_ms_per_request_loaded = {native: {"envoy": 0.3, "processor": 0.05}}
+    assert result.zero_cost_ceiling() == pytest.approx(0.5 / 0.75)
+    del result.machine_cpu[native]  # the native floor left out (no C compiler)
+    assert result.zero_cost_ceiling() is None
 
 
 def test_cpus_split_between_the_load_and_the_targets():
