@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench bench-inference-perf lint format system-deps clean compile
+.PHONY: demo test bench bench-inference-perf lint format system-deps clean compile recompile
 
 DEMO_STAMP := $(VENV)/.installed-demo
 
@@ -71,9 +71,10 @@ format: $(STAMP)
 	$(BIN)/ruff format .
 
 # After editing a compiled module: compile it again (until then the EPP runs it from its source, and says so), with
-# a new training run's counts. (Order-only: an install that is merely older than setup.py is not redone first, which
-# would train twice.)
-compile: | $(STAMP)
+# a new training run's counts. Without the install, the install (which trains and compiles); an install that is
+# merely older than setup.py is not redone: either way one training run.
+compile: $(if $(wildcard $(STAMP)),recompile,$(STAMP))
+recompile:
 	$(BIN)/python -m epp.bench.pgo
 
 clean:

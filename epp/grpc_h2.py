@@ -112,6 +112,12 @@ def frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
     return _pack_frame_header(size >> 16, size & 0xFFFF, kind, flags, stream_id) + payload
 
 
+def grpc_message(payload: bytes) -> bytes:
+    """One uncompressed gRPC message as a client frames it: the length prefix, then `payload` (the server's own
+    answers go out whole in one DATA frame with DATA_MESSAGE_HEADER instead)."""
+    return _pack_grpc_prefix(0, len(payload)) + payload
+
+
 def _literal(name: bytes, value: bytes) -> bytes:
     """HPACK literal header field without indexing, new name (no Huffman): needs no encoder state."""
     assert len(name) < 127 and len(value) < 127

@@ -44,6 +44,7 @@ from epp.grpc_h2 import (
     SETTINGS_INITIAL_WINDOW_SIZE,
     WINDOW_UPDATE,
     frame,
+    grpc_message,
 )
 from epp.local import LocalStack, StackConfig
 
@@ -210,10 +211,6 @@ def goaway_code(received: bytes) -> int | None:
     return None
 
 
-def _grpc_message(payload: bytes) -> bytes:
-    return struct.pack(">BL", 0, len(payload)) + payload
-
-
 def grpc_body_flood(port: int, megabytes: int) -> tuple[int, int]:
     """request_body messages without end of stream, straight to the ext_proc port: the EPP answers 413 once over
     its body limit (an immediate response), then drops the rest."""
@@ -226,9 +223,9 @@ def grpc_body_flood(port: int, megabytes: int) -> tuple[int, int]:
     answered = 0
     with _raw_h2(port) as s:
         _send_all(s, frame(HEADERS, 0x4, 1, encoder.encode(REQUEST_HEADERS)))
-        _send_all(s, frame(DATA, 0, 1, _grpc_message(headers.SerializeToString())))
+        _send_all(s, frame(DATA, 0, 1, grpc_message(headers.SerializeToString())))
         for _ in range(megabytes):
-            data = _grpc_message(chunk)
+            data = grpc_message(chunk)
             for start in range(0, len(data), 1 << 16):
                 _send_all(s, frame(DATA, 0, 1, data[start : start + (1 << 16)]))
         s.settimeout(1)
@@ -259,7 +256,7 @@ def unread_answers(port: int, streams: int, body_bytes: int, wait: float) -> tup
     )
     for key, value in ((":path", "/v1/completions"), (":method", "POST"), ("content-type", "application/json")):
         headers.request_headers.headers.headers.add(key=key, raw_value=value.encode())
-    messages = _grpc_message(headers.SerializeToString()) + _grpc_message(
+    messages = grpc_message(headers.SerializeToString()) + grpc_message(
         pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True)).SerializeToString()
     )
     encoder = Encoder()

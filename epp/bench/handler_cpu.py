@@ -52,7 +52,6 @@ from epp.grpc_h2 import (
     DATA,
     END_HEADERS,
     END_STREAM,
-    GRPC_PREFIX,
     HEADERS,
     MAX_WINDOW,
     PREFACE,
@@ -64,6 +63,7 @@ from epp.grpc_h2 import (
     ExtProcServer,
     UnaryMethod,
     frame,
+    grpc_message,
 )
 from epp.handlers import accesslog
 from epp.handlers.budget import ByteBudget
@@ -128,10 +128,6 @@ def _request_messages(request_id: str, body: bytes) -> list[bytes]:
     for message in messages:
         message.metadata_context.SetInParent()
     return [m.SerializeToString() for m in messages]
-
-
-def _grpc(message: bytes) -> bytes:
-    return GRPC_PREFIX.pack(0, len(message)) + message
 
 
 class _NoScraper:
@@ -348,7 +344,7 @@ def measure(
                 block = encoder.encode(GRPC_REQUEST_HEADERS)
                 opened.append(
                     frame(HEADERS, END_HEADERS, stream_id, block)
-                    + b"".join(frame(DATA, 0, stream_id, _grpc(m)) for m in _request_messages(request_id, body))
+                    + b"".join(frame(DATA, 0, stream_id, grpc_message(m)) for m in _request_messages(request_id, body))
                 )
                 ended.append(frame(DATA, END_STREAM, stream_id) + frame(RST_STREAM, 0, stream_id, U32.pack(CANCEL)))
                 records.append((request_id, str(TTFT_US[stream_id % len(TTFT_US)]), "200", served))
@@ -360,7 +356,7 @@ def measure(
                 (
                     log_connection,
                     frame(HEADERS, END_HEADERS, log_stream_id, log_encoder.encode(EXPORT_HEADERS))
-                    + frame(DATA, END_STREAM, log_stream_id, _grpc(export_message)),
+                    + frame(DATA, END_STREAM, log_stream_id, grpc_message(export_message)),
                 )
             )
             log_stream_id += 2

@@ -5,7 +5,7 @@ import asyncio
 
 from hpack import Encoder
 
-from epp.bench.handler_cpu import EXPORT_HEADERS, GRPC_REQUEST_HEADERS, CountingTransport, _grpc
+from epp.bench.handler_cpu import EXPORT_HEADERS, GRPC_REQUEST_HEADERS, CountingTransport
 from epp.grpc_h2 import (
     DATA,
     END_HEADERS,
@@ -17,6 +17,7 @@ from epp.grpc_h2 import (
     ExtProcServer,
     UnaryMethod,
     frame,
+    grpc_message,
 )
 from epp.handlers import accesslog
 from tests.epp.test_transports import EchoHandler, headers
@@ -108,9 +109,9 @@ async def test_a_request_read_beside_an_export_is_answered_before_the_exports_re
     message = accesslog.export_request((f"r{i}", "1500") for i in range(100)).SerializeToString()
     read = (
         frame(HEADERS, END_HEADERS, 1, encoder.encode(EXPORT_HEADERS))
-        + frame(DATA, END_STREAM, 1, _grpc(message))
+        + frame(DATA, END_STREAM, 1, grpc_message(message))
         + frame(HEADERS, END_HEADERS, 3, encoder.encode(GRPC_REQUEST_HEADERS))
-        + frame(DATA, 0, 3, _grpc(headers().SerializeToString()))
+        + frame(DATA, 0, 3, grpc_message(headers().SerializeToString()))
     )
     written_before = len(transport.written)
     connection.data_received(read)

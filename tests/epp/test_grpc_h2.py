@@ -13,7 +13,7 @@ from prometheus_client import generate_latest
 from epp import grpc_h2
 from epp.bench.chaos import goaway_code
 from epp.bench.handler_cpu import CountingTransport
-from epp.grpc_h2 import MAX_RECEIVE_FRAME, PREFACE, ExtProcServer, UnaryMethod, frame
+from epp.grpc_h2 import MAX_RECEIVE_FRAME, PREFACE, ExtProcServer, UnaryMethod, frame, grpc_message
 from epp.handlers import accesslog
 from epp.handlers.budget import ByteBudget
 from epp.metrics import EPPMetrics
@@ -137,7 +137,6 @@ def test_reads_split_anywhere_are_answered_as_one_read():
         DATA,
         END_HEADERS,
         END_STREAM,
-        GRPC_PREFIX,
         HEADERS,
         SETTING,
         SETTINGS,
@@ -157,9 +156,9 @@ def test_reads_split_anywhere_are_answered_as_one_read():
         client += frame(HEADERS, END_HEADERS, stream_id, block)
         for message in (headers(), body(b"x" * size)):
             data = message.SerializeToString()
-            grpc_message = GRPC_PREFIX.pack(0, len(data)) + data
-            cut = len(grpc_message) // frames
-            for part in (grpc_message[:cut], grpc_message[cut:]) if frames == 2 else (grpc_message,):
+            wire = grpc_message(data)
+            cut = len(wire) // frames
+            for part in (wire[:cut], wire[cut:]) if frames == 2 else (wire,):
                 client += frame(DATA, 0, stream_id, part)
         client += frame(DATA, END_STREAM, stream_id)
 
@@ -183,10 +182,10 @@ def _client_sending(*messages: bytes, frame_size: int = 16_384) -> bytes:
     """A client's bytes for one Process stream whose messages go out in DATA frames of `frame_size` (Envoy's)."""
     from hpack import Encoder
 
-    from epp.grpc_h2 import DATA, END_HEADERS, END_STREAM, GRPC_PREFIX, HEADERS, SETTINGS
+    from epp.grpc_h2 import DATA, END_HEADERS, END_STREAM, HEADERS, SETTINGS
 
     block = Encoder().encode([(":method", "POST"), (":path", PROCESS), ("content-type", "application/grpc")])
-    wire = b"".join(GRPC_PREFIX.pack(0, len(m)) + m for m in messages)
+    wire = b"".join(grpc_message(m) for m in messages)
     frames = b"".join(frame(DATA, 0, 1, wire[start : start + frame_size]) for start in range(0, len(wire), frame_size))
     return PREFACE + frame(SETTINGS, 0, 0) + frame(HEADERS, END_HEADERS, 1, block) + frames + frame(DATA, END_STREAM, 1)
 

@@ -31,6 +31,7 @@ from epp.grpc_h2 import (
     SETTINGS_INITIAL_WINDOW_SIZE,
     WINDOW_UPDATE,
     frame,
+    grpc_message,
 )
 from tests.epp import test_grpc_h2
 from tests.epp.test_transports import PROCESS, body, headers
@@ -186,7 +187,7 @@ async def test_answers_peers_leave_unread_share_one_budget_and_the_largest_backl
     Over the EPP-wide budget, the connections holding the most are aborted; the rest go on."""
     server.outbound.limit = 10 << 20  # (the EPP's: MAX_SHARED_OUTBOUND_BYTES)
     echo = body(b"x" * (256 << 10)).SerializeToString()  # EchoHandler echoes a body: a 256 KB answer per message
-    message = struct.pack(">BL", 0, len(echo)) + echo
+    message = grpc_message(echo)
     settings = struct.pack(">HL", SETTINGS_INITIAL_WINDOW_SIZE, window)
     connection_window = frame(WINDOW_UPDATE, 0, 0, struct.pack(">L", window - 65_535)) if window else b""
 
