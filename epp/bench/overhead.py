@@ -81,6 +81,7 @@ def floor_target(processor: str, mode: str) -> str:
 
 
 _CPUCLOCK_SCHED = 2  # the kernel's process CPU clock that sums the scheduler's run time (not tick samples)
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")  # /proc's unit of CPU time
 
 
 def cpu_seconds(pid: int) -> float:
@@ -106,9 +107,6 @@ def machine_cpu_seconds() -> tuple[float, float]:
         return 0.0, 0.0
     busy = user + nice + system + irq + softirq
     return busy / _CLOCK_TICKS, (busy + idle + iowait + steal) / _CLOCK_TICKS
-
-
-_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def split_cpus(cpus: Iterable[int]) -> tuple[frozenset[int], frozenset[int]]:
@@ -209,7 +207,7 @@ class OverheadResult:
     load_cpu_busy: dict[str, float] = field(default_factory=dict)
     # target -> the whole machine's busy CPU (every process and the kernel: machine_cpu_seconds) during the target's
     # throughput runs: "ms" per request, and "busy", the share of all its CPUs' time. On a machine that every process
-    # shares, throughput follows the first: plain Envoy's ms over a target's is the throughput ratio CPU allows
+    # shares, throughput follows the ms: plain Envoy's ms over a target's is the throughput ratio CPU allows
     machine_cpu: dict[str, dict[str, float]] = field(default_factory=dict)
     # how old the picked endpoint's metrics were at the pick, over the EPP's throughput phases (the EPP's
     # PICKED_METRICS_AGE histogram): "picks", and "p50" and "p99" as the upper bounds of their buckets, in seconds
