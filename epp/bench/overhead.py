@@ -558,6 +558,8 @@ async def measure(
                 }
                 requests[name] += len(values)
             rates: dict[str, list[float]] = {name: [] for name in targets}
+            orders = (list(targets), list(reversed(targets)))  # each target's throughput runs: in turn, then back
+            loaded_requests = len(orders) * concurrent_requests
             loaded_cpu = {(t, k): 0.0 for t in targets for k in pids[t]}
             # the load (this client and the model servers): how busy its CPUs were while each target was loaded
             load_pids = (os.getpid(), pids["(shared)"]["model servers"])
@@ -567,7 +569,7 @@ async def measure(
             machine_busy = dict.fromkeys(targets, 0.0)
             machine_elapsed = dict.fromkeys(targets, 0.0)
             ages: dict[float, float] = {}  # the picks' metrics ages over the EPP's throughput phases (cumulative)
-            for order in (list(targets), list(reversed(targets))):
+            for order in orders:
                 for name in order:
                     decided, ages_before = (
                         await _age_buckets(session, stack.epp_metrics_url) if name == EPP else (0, {})
@@ -603,7 +605,7 @@ async def measure(
             if all(machine_elapsed.values()):
                 result.machine_cpu = {
                     name: {
-                        "ms": 1e3 * machine_busy[name] / (2 * concurrent_requests),
+                        "ms": 1e3 * machine_busy[name] / loaded_requests,
                         "busy": machine_busy[name] / machine_elapsed[name],
                     }
                     for name in targets
@@ -614,7 +616,7 @@ async def measure(
             if target in requests:
                 result.cpu_ms_per_request.setdefault(target, {})[process] = 1e3 * seconds / requests[target]
         for (target, process), seconds in loaded_cpu.items():
-            result.cpu_ms_per_request_loaded.setdefault(target, {})[process] = 1e3 * seconds / (2 * concurrent_requests)
+            result.cpu_ms_per_request_loaded.setdefault(target, {})[process] = 1e3 * seconds / loaded_requests
         epp, base_lat = result.latency_ms[EPP], result.latency_ms[PLAIN]
         result.added_latency_ms = {"p50": epp["p50"] - base_lat["p50"], "p99": epp["p99"] - base_lat["p99"]}
         result.throughput_ratio = result.throughput_rps[EPP] / result.throughput_rps[PLAIN]

@@ -5,7 +5,7 @@ import asyncio
 
 from hpack import Encoder
 
-from epp.bench.handler_cpu import EXPORT_HEADERS, GRPC_REQUEST_HEADERS, CountingTransport
+from epp.bench.handler_cpu import EXPORT_HEADERS, GRPC_REQUEST_HEADERS
 from epp.grpc_h2 import (
     DATA,
     END_HEADERS,
@@ -20,6 +20,7 @@ from epp.grpc_h2 import (
     grpc_message,
 )
 from epp.handlers import accesslog
+from tests.epp.test_grpc_h2 import RecordingTransport
 from tests.epp.test_transports import EchoHandler, headers
 
 
@@ -80,16 +81,6 @@ async def test_a_record_whose_handling_raises_does_not_strand_the_ones_after_it(
         await asyncio.sleep(0)
     assert applied == ["r0", "r2", "r3", "r4"]  # only the failing record is lost
     assert [str(e) for e in errors] == ["boom"]
-
-
-class RecordingTransport(CountingTransport):
-    def __init__(self) -> None:
-        super().__init__()
-        self.written = b""
-
-    def write(self, data: bytes) -> None:
-        super().write(data)
-        self.written += data
 
 
 async def test_a_request_read_beside_an_export_is_answered_before_the_exports_records_are_applied():

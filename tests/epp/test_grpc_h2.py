@@ -116,7 +116,7 @@ def test_header_blocks_are_decoded_once_while_the_hpack_table_stays_the_same():
     assert connection._decode(encoder.encode(first)) == [(b":path", b"/a"), (b"x-new", b"1")]  # still in step
 
 
-class _RecordingTransport(CountingTransport):
+class RecordingTransport(CountingTransport):
     """Keeps what it is written, too."""
 
     def __init__(self) -> None:
@@ -165,7 +165,7 @@ def test_reads_split_anywhere_are_answered_as_one_read():
     def answers(chunk: int) -> bytes:
         EchoHandler.log = []
         connection = ExtProcConnection(ExtProcServer(EchoHandler))
-        transport = _RecordingTransport()
+        transport = RecordingTransport()
         connection.connection_made(transport)
         for start in range(0, len(client), chunk):
             connection.data_received(client[start : start + chunk])
@@ -212,7 +212,7 @@ def test_a_message_the_handler_refuses_by_its_length_is_dropped_as_it_arrives():
     reads = [client[start : start + (256 << 10)] for start in range(0, len(client), 256 << 10)]
     del client
     connection = ExtProcConnection(ExtProcServer(Refusing))
-    transport = _RecordingTransport()
+    transport = RecordingTransport()
     connection.connection_made(transport)
     tracemalloc.start()
     try:
@@ -239,7 +239,7 @@ def test_a_message_over_several_frames_is_let_go_before_its_handler_runs():
             return super().handle(message)
 
     connection = ExtProcConnection(ExtProcServer(Recording))
-    connection.connection_made(_RecordingTransport())
+    connection.connection_made(RecordingTransport())
     connection.data_received(_client_sending(headers().SerializeToString(), body(b"x" * 100_000).SerializeToString()))
     assert held == [0, 0]
 
@@ -252,7 +252,7 @@ def test_a_stream_the_proxy_ends_and_resets_in_one_read_costs_no_write():
 
     EchoHandler.log = []
     connection = ExtProcConnection(ExtProcServer(EchoHandler))
-    transport = _RecordingTransport()
+    transport = RecordingTransport()
     connection.connection_made(transport)
     opened = _client_sending(headers().SerializeToString())
     connection.data_received(opened[: -len(frame(DATA, END_STREAM, 1))])  # the stream's message, not its end
@@ -263,7 +263,7 @@ def test_a_stream_the_proxy_ends_and_resets_in_one_read_costs_no_write():
 
     EchoHandler.log = []
     connection = ExtProcConnection(ExtProcServer(EchoHandler))
-    transport = _RecordingTransport()
+    transport = RecordingTransport()
     connection.connection_made(transport)
     connection.data_received(opened)  # half-closed only: the trailers go out
     assert transport.written.count(b"grpc-status") == 1 and not connection.streams
@@ -280,7 +280,7 @@ def test_the_connections_of_one_server_share_one_budget_for_partial_messages():
     server = ExtProcServer(EchoHandler)
     server.partial.limit = 80_000  # more than one 60 KB message, less than two
     first, second = ExtProcConnection(server), ExtProcConnection(server)
-    sinks = _RecordingTransport(), _RecordingTransport()
+    sinks = RecordingTransport(), RecordingTransport()
     message = body(b"x" * 60_000).SerializeToString()
     wires = [_client_sending(headers().SerializeToString(), message) for _ in range(2)]
     held_after = len(wires[0]) - 5_000  # the whole headers message, and most of the body's
@@ -300,7 +300,7 @@ def test_answers_queued_for_window_count_as_unread_until_sent_or_reset():
     EPP-wide budget of unread answers until a WINDOW_UPDATE lets them out or a reset drops them."""
     EchoHandler.log = []
     server = ExtProcServer(EchoHandler)
-    connection, transport = grpc_h2.ExtProcConnection(server), _RecordingTransport()
+    connection, transport = grpc_h2.ExtProcConnection(server), RecordingTransport()
     connection.connection_made(transport)
     echo = body(b"x" * 60_000).SerializeToString()
     no_window = frame(grpc_h2.SETTINGS, 0, 0, grpc_h2.SETTING.pack(grpc_h2.SETTINGS_INITIAL_WINDOW_SIZE, 0))
