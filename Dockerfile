@@ -3,18 +3,16 @@
 #   docker build --target epp               -t ghcr.io/llm-routing-reference/epp:0.1.0 .
 #   docker build --target modelserver-sim   -t ghcr.io/llm-routing-reference/modelserver-sim:0.1.0 .
 #   docker build --target modelserver-torch -t ghcr.io/llm-routing-reference/modelserver-torch:0.1.0 .
-# The wheel: built with a C compiler, so the EPP's request path is compiled (setup.py); the images get only the wheel.
+# The wheel: the runtime packages only (no harness); the images get only the wheel.
 FROM python:3.11-slim AS wheel
 ENV PYTHONDONTWRITEBYTECODE=1 PIP_NO_CACHE_DIR=1
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
-COPY pyproject.toml setup.py README.md ./
+COPY pyproject.toml README.md ./
 COPY protocol ./protocol
 COPY modelserver ./modelserver
 COPY epp ./epp
-# The request path compiled with the branch counts of a training run (epp/bench/pgo.py, in place), then the wheel
-# built with the same counts (EPP_PGO=use: setup.py finds them under build/pgo)
-RUN pip install -e '.[epp]' && python -m epp.bench.pgo && EPP_PGO=use pip wheel --no-deps --wheel-dir /wheels .
+RUN pip wheel --no-deps --wheel-dir /wheels .
 
 FROM python:3.11-slim AS source
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 HOME=/tmp

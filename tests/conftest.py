@@ -1,6 +1,6 @@
 """Shared test helpers: free loopback ports (the same helpers the benchmarks use) and epp-local's port arguments."""
 
-from epp.bench.ports import free_port_block, free_ports
+from harness.bench.ports import free_port_block, free_ports
 
 __all__ = ["epp_local_ports", "free_port_block", "free_ports"]
 

@@ -1,5 +1,5 @@
 """The access-log handler: Envoy's OpenTelemetry access logger (`envoy.access_loggers.open_telemetry`) sends the EPP
-a record of every finished request (the share `epp.envoy.render_bootstrap(access_log_percent=...)` samples), batched
+a record of every finished request (the share `harness.envoy.render_bootstrap(access_log_percent=...)` samples), batched
 into OTLP LogsService/Export calls on the EPP's gRPC port; the records' timings teach the latency predictor
 (`epp.requestcontrol.director.Director.on_access_log`).
 
@@ -10,7 +10,7 @@ batches (one Export per flush interval or buffer size per Envoy worker), and par
 overhead` beside a target without it. What it cannot give: time per output token (the record has no usage); the
 director reads that off the endpoint's scraped inter-token latency instead (`Endpoint.inter_token_latency`).
 
-The record, as our bootstrap formats it (epp/templates/envoy.yaml.tmpl; another gateway can send the same):
+The record, as our bootstrap formats it (harness/templates/envoy.yaml.tmpl; another gateway can send the same):
 * body: the request's x-request-id, which the EPP set on the routed request (`RoutingDecision.request_id`);
 * attribute `ttft_us`: microseconds from the first byte sent upstream to the first byte of the response body
   (`%COMMON_DURATION(US_TX_BEG:US_RX_BODY_BEG:us)%`; "-" when no body came);

@@ -8,7 +8,7 @@ at the prefill rate while it is not empty. The rate is learnt from the requests 
 queue empty and had a long prompt (their TTFT is almost all their own prefill): an exponentially weighted mean of
 seconds per token, starting from 0.1 ms (an 8B model on one H100; only a prior, replaced within ~20 such requests).
 
-On the sim pool (`python -m epp.bench.prediction --phase 30`, 4 servers, one run each before and after, same
+On the sim pool (`python -m harness.bench.prediction --phase 30`, 4 servers, one run each before and after, same
 seed) the TTFT MAPE at 24 clients went from 19.1 % to 7.2 % when routed by the prediction (--route predicted),
 and from 29.9 % to 28.5 % with random routing, where requests keep landing behind long prefills that no feature
 can rule out.

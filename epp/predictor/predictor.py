@@ -96,7 +96,7 @@ class _Target:
     """One predicted quantity: its regression and, over a sliding window, its absolute percentage errors and its
     ratios observed / predicted, pool-wide and per request size class (`size_class`).
 
-    Why per size: the errors are not alike across sizes. On the sim pool (`python -m epp.bench.prediction --route
+    Why per size: the errors are not alike across sizes. On the sim pool (`python -m harness.bench.prediction --route
     epp-predicted --phase 20 --trace`) the ratios of ~150-token prompts spread 0.77-1.70 (q10-q90: their TTFT is a
     few decode steps, and a step more or less is a large share) and those of ~3,700-token prompts 0.90-1.13 (mostly
     their own prefill). One pool-wide band (0.82-1.60) is too wide to tell a long prompt on an idle endpoint from one

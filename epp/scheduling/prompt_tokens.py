@@ -27,7 +27,7 @@ the built-in tokenizer against 1.4 / 8.6 / 28 with the cache warm; an 8k-token c
 (`epp-bench tokenize`). Text that is not ASCII, and tokenizers whose split pattern cannot be re-read
 (`PieceEncoder.of` says None), go to the tokenizer whole.
 
-Cost (`epp-bench tokenize`): see epp/bench/tokenize.py. The tokenizer releases the GIL and the cache path does not;
+Cost (`epp-bench tokenize`): see harness/bench/tokenize.py. The tokenizer releases the GIL and the cache path does not;
 either way a long prompt's work is split into segments, so a caller may run long prompts in a worker thread while the
 event loop serves others.
 """

@@ -2,7 +2,7 @@
 
 import pytest
 
-from epp.bench.flood import _max_min_fair, jain_index
+from harness.bench.flood import _max_min_fair, jain_index
 
 
 def test_max_min_fair_shares_give_small_demands_all_and_split_the_rest():

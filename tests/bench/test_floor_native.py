@@ -1,4 +1,4 @@
-"""The native floor (epp/bench/floor_native.c): the Python floor's answers byte for byte from a gRPC client, and
+"""The native floor (harness/bench/floor_native.c): the Python floor's answers byte for byte from a gRPC client, and
 behind a real Envoy in each of the overhead bench's floor modes, over zero-delay sims."""
 
 import asyncio
@@ -12,10 +12,10 @@ import grpc
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from epp.bench import floor, floor_native, overhead
-from epp.bench.ports import free_port_block, free_ports
-from epp.envoy import EnvoyProcess, terminate
-from epp.local import LocalStack, StackConfig
+from harness.bench import floor, floor_native, overhead
+from harness.bench.ports import free_port_block, free_ports
+from harness.envoy import EnvoyProcess, terminate
+from harness.local import LocalStack, StackConfig
 
 pytestmark = pytest.mark.skipif(floor_native.compiler() is None, reason="no C compiler on PATH")
 

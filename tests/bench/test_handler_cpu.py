@@ -4,8 +4,8 @@ import shutil
 
 import pytest
 
-from epp.bench import handler_cpu
 from epp.scheduling.prompt_tokens import PromptTokenizer
+from harness.bench import handler_cpu
 
 
 def test_every_request_is_routed_answered_and_closed():
@@ -43,7 +43,7 @@ def test_streamed_requests_access_log_records_teach_the_latency_predictor():
 
 def test_another_profile_is_measured_with_its_own_plugins(tmp_path, monkeypatch):
     """`--config-file`: the handler path with another EndpointPickerConfig (here one scorer), the rest the same."""
-    from epp.bench import cli
+    from harness.bench import cli
 
     config = tmp_path / "queue-only.yaml"
     config.write_text(

@@ -1,6 +1,6 @@
 """`epp-bench idle`: an idle EPP over a static page server scrapes every endpoint at its interval, and its CPU is read."""
 
-from epp.bench import idle
+from harness.bench import idle
 
 
 def test_idle_and_busy_pools_are_scraped_at_their_intervals():

@@ -2,8 +2,8 @@
 
 import socket
 
-from epp.bench import ports
-from epp.bench.ports import _ephemeral_low, free_port_block, free_ports
+from harness.bench import ports
+from harness.bench.ports import _ephemeral_low, free_port_block, free_ports
 
 
 def test_free_ports_are_distinct_bindable_and_below_the_ephemeral_range():

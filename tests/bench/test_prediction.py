@@ -2,8 +2,8 @@
 (they abstain until the predictor is ready, then take part), the predictor learns the servers well enough to be
 used."""
 
-from epp.bench.prediction import decision_time, evaluate
 from epp.predictor import LatencyPredictor
+from harness.bench.prediction import decision_time, evaluate
 
 
 async def test_predictor_learns_a_real_sim_pool():
@@ -18,6 +18,6 @@ async def test_predictor_learns_a_real_sim_pool():
     # The learning, bounded loosely: the last phase's predictions made at send time (every scored request of the
     # phase) beat predicting nothing (MAPE 1). The predictor's own 25-observation window straddles the change of
     # concurrency and, on a loaded 2-core machine, went over 1 (1.18) while the phase's predictions were at 0.46;
-    # the full run (`python -m epp.bench.prediction`) reports the real figures.
+    # the full run (`python -m harness.bench.prediction`) reports the real figures.
     assert last.ttft_mape is not None and last.ttft_mape < 1.0
     assert 0 < decision_time(predictor, size=8, repeats=20) < 5_000

@@ -31,7 +31,7 @@ def alive(pid: int) -> bool:
 
 def test_sigterm_stops_the_stack_it_started():
     bench = subprocess.Popen(
-        [sys.executable, "-m", "epp.bench.cli", "overhead", "--servers", "1", "--sequential", "2000"],
+        [sys.executable, "-m", "harness.bench.cli", "overhead", "--servers", "1", "--sequential", "2000"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from epp.bench import cli, compare, floor_native, inference_perf, overhead
+from harness.bench import cli, compare, floor_native, inference_perf, overhead
 
 
 def test_compare_smoke(tmp_path):
@@ -58,7 +58,7 @@ def test_closed_loop_smoke(tmp_path):
 
 
 def test_workloads_are_seeded_and_shaped():
-    from epp.bench.workloads import load_workload, requests
+    from harness.bench.workloads import load_workload, requests
 
     for name in ("shared-prefix", "multi-lora", "heterogeneous", "long-prompt", "slo-mixed", "mixed-gpus"):
         spec = load_workload(name)
@@ -71,8 +71,8 @@ def test_workloads_are_seeded_and_shaped():
 
 
 def test_slo_workload_states_each_requests_objectives_and_goodput_counts_who_met_them():
-    from epp.bench.compare import Outcome, TargetResult, _from_outcomes, judged, markdown, missed_objectives
-    from epp.bench.workloads import load_workload, requests
+    from harness.bench.compare import Outcome, TargetResult, _from_outcomes, judged, markdown, missed_objectives
+    from harness.bench.workloads import load_workload, requests
 
     stream = requests(load_workload("slo-mixed"), "m", rate=20, duration=10, seed=3)
     by_objective = {}
@@ -116,8 +116,8 @@ def test_slo_workload_states_each_requests_objectives_and_goodput_counts_who_met
 
 
 def test_report_breaks_ttft_down_by_request_class():
-    from epp.bench.compare import Outcome, TargetResult, _from_outcomes, markdown
-    from epp.bench.workloads import load_workload, requests
+    from harness.bench.compare import Outcome, TargetResult, _from_outcomes, markdown
+    from harness.bench.workloads import load_workload, requests
 
     kinds = {r.kind: r.body["max_tokens"] for r in requests(load_workload("heterogeneous"), "m", rate=20, duration=10)}
     assert kinds == {"200-token prompts": 128, "6000-token prompts": 256}
@@ -140,7 +140,7 @@ def test_report_breaks_ttft_down_by_request_class():
 
 
 def test_multi_turn_requests_carry_the_users_earlier_turns():
-    from epp.bench.workloads import load_workload, requests
+    from harness.bench.workloads import load_workload, requests
 
     stream = requests(load_workload("shared-prefix-multi-turn"), "m", rate=20, duration=10, seed=2)
     by_user: dict[str, list[str]] = {}
@@ -327,7 +327,7 @@ def test_a_process_cpu_time_is_read_to_well_under_a_clock_tick():
 
 
 def test_decision_time_smoke():
-    from epp.bench import decision
+    from harness.bench import decision
 
     assert 0 < decision.measure(8, 1000, repeats=20) < 50_000
     assert 0 < decision.measure_predicted(8, 1000, repeats=20) < 50_000  # a trained predictor handed to the scheduler
@@ -363,14 +363,14 @@ def test_cli_lists_workloads_and_targets_and_rejects_unknown_ones_before_startin
     import sys
 
     help_text = subprocess.run(
-        [sys.executable, "-m", "epp.bench.cli", "compare", "--help"], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "harness.bench.cli", "compare", "--help"], capture_output=True, text=True, timeout=60
     ).stdout
     flat = "".join(help_text.split())  # argparse wraps lines, at hyphens too
     for name in ("multi-lora", "heterogeneous", "round-robin", "sglang-cache-aware", "prefix-only"):
         assert name in flat
     started = time.monotonic()
     result = subprocess.run(
-        [sys.executable, "-m", "epp.bench.cli", "compare", "--targets", "bogus"],
+        [sys.executable, "-m", "harness.bench.cli", "compare", "--targets", "bogus"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -381,7 +381,7 @@ def test_cli_lists_workloads_and_targets_and_rejects_unknown_ones_before_startin
 
 
 def test_chaos_smoke():
-    from epp.bench import chaos
+    from harness.bench import chaos
 
     report = asyncio.run(
         chaos.run(

@@ -1,7 +1,7 @@
 """`epp-bench tokenize` runs each of its ways, on a small prompt: the scorer's prepare finds the held blocks, and the
 pre-token cache's encoding of the whole text equals the tokenizer's (the bench asserts both as it measures)."""
 
-from epp.bench import tokenize
+from harness.bench import tokenize
 
 
 def test_the_tokenize_bench_measures_every_way_on_a_small_prompt():

@@ -6,13 +6,22 @@ import sys
 
 import yaml
 
-from epp.envoy import TEMPLATE
+from harness.envoy import TEMPLATE
 
 
 def run_suite(tmp_path, *args):
     report = tmp_path / "report.yaml"
     result = subprocess.run(
-        [sys.executable, "-m", "epp.conformance", "--report", str(report), "--workdir", str(tmp_path / "work"), *args],
+        [
+            sys.executable,
+            "-m",
+            "harness.conformance.gateway_cli",
+            "--report",
+            str(report),
+            "--workdir",
+            str(tmp_path / "work"),
+            *args,
+        ],
         capture_output=True,
         text=True,
         timeout=240,

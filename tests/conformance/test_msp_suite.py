@@ -114,7 +114,7 @@ def test_our_server_conforms(our_server, tmp_path):
         [
             sys.executable,
             "-m",
-            "protocol.conformance",
+            "harness.conformance",
             "--url",
             our_server.url,
             *our_server.kv_options,
@@ -159,14 +159,14 @@ def test_pytest_plugin_runs_every_check_with_the_servers_adapters(sim_server):
             "-p",
             "no:cacheprovider",
             "-p",
-            "protocol.conformance.pytest_plugin",
+            "harness.conformance.pytest_plugin",
             "--msp-url",
             sim_server.url,
             *sim_server.plugin_options(),
             "--msp-load-requests",
             "8",
             "--pyargs",
-            "protocol.conformance.test_msp",
+            "harness.conformance.test_msp",
         ],
         capture_output=True,
         text=True,
@@ -228,8 +228,8 @@ async def broken_server() -> tuple[web.AppRunner, str]:
 async def test_a_broken_server_fails_must_checks():
     import aiohttp
 
-    from protocol.conformance.framework import Outcome
-    from protocol.conformance.msp import Target, suite
+    from harness.conformance.framework import Outcome
+    from harness.conformance.msp import Target, suite
 
     runner, url = await broken_server()
     checks = {"completions", "completions-streaming", "unknown-model", "metrics-gauges", "lora-served"}
@@ -266,7 +266,7 @@ GAUGES = "vllm:num_requests_waiting 0\nvllm:num_requests_running 0\nvllm:kv_cach
 async def test_the_sample_filter_check_tells_what_the_epps_scrapes_will_get(answer, outcome, message):
     import aiohttp
 
-    from protocol.conformance.msp import Target, suite
+    from harness.conformance.msp import Target, suite
 
     async def metrics(request):
         return answer if "name[]" in request.query else web.Response(text=GAUGES + "vllm:prompt_tokens_total 9\n")
@@ -333,8 +333,8 @@ async def broken_kv_publisher() -> tuple[web.AppRunner, zmq.Socket, str, str]:
 async def test_a_broken_kv_event_publisher_fails_the_kv_event_checks():
     import aiohttp
 
-    from protocol.conformance.framework import Outcome
-    from protocol.conformance.msp import KVEventsTarget, Target, suite
+    from harness.conformance.framework import Outcome
+    from harness.conformance.msp import KVEventsTarget, Target, suite
 
     runner, pub, url, endpoint = await broken_kv_publisher()
     checks = {c.name for c in suite.checks if c.name.startswith("kv-events")}

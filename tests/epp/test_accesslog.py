@@ -5,7 +5,6 @@ import asyncio
 
 from hpack import Encoder
 
-from epp.bench.handler_cpu import EXPORT_HEADERS, GRPC_REQUEST_HEADERS
 from epp.grpc_h2 import (
     DATA,
     END_HEADERS,
@@ -20,6 +19,7 @@ from epp.grpc_h2 import (
     grpc_message,
 )
 from epp.handlers import accesslog
+from harness.bench.handler_cpu import EXPORT_HEADERS, GRPC_REQUEST_HEADERS
 from tests.epp.test_grpc_h2 import RecordingTransport
 from tests.epp.test_transports import EchoHandler, headers
 

@@ -3,7 +3,7 @@
 import pytest
 import yaml
 
-from epp.envoy import render_bootstrap
+from harness.envoy import render_bootstrap
 
 
 def ext_proc_mode(**overrides) -> str:

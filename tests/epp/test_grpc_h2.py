@@ -11,12 +11,12 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from prometheus_client import generate_latest
 
 from epp import grpc_h2
-from epp.bench.chaos import goaway_code
-from epp.bench.handler_cpu import CountingTransport
 from epp.grpc_h2 import MAX_RECEIVE_FRAME, PREFACE, ExtProcServer, UnaryMethod, frame, grpc_message
 from epp.handlers import accesslog
 from epp.handlers.budget import ByteBudget
 from epp.metrics import EPPMetrics
+from harness.bench.chaos import goaway_code
+from harness.bench.handler_cpu import CountingTransport
 from tests.epp.test_transports import PROCESS, EchoHandler, body, headers
 
 

@@ -9,7 +9,6 @@ from hpack import Encoder
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from epp.bench.handler_cpu import CountingTransport
 from epp.grpc_h2 import (
     CONTINUATION,
     DATA,
@@ -40,6 +39,7 @@ from epp.grpc_h2 import (
     frame,
 )
 from epp.handlers import accesslog
+from harness.bench.handler_cpu import CountingTransport
 from tests.epp.test_transports import PROCESS, EchoHandler, body, headers
 
 PATHS = (PROCESS, accesslog.EXPORT_PATH.decode(), "/unknown.Service/Method")

@@ -12,13 +12,13 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
-from epp.bench.handler_cpu import _director
 from epp.grpc_h2 import ExtProcServer, UnaryMethod
 from epp.handlers import accesslog
 from epp.handlers.budget import ByteBudget
 from epp.handlers.extproc import RequestStream
 from epp.handlers.grpcio import access_log_service, ext_proc_service
 from epp.handlers.wire import ExtProcRequest
+from harness.bench.handler_cpu import _director
 from protocol import extproc
 
 PROCESS = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"

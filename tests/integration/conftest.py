@@ -5,7 +5,7 @@ import re
 import aiohttp
 import pytest
 
-from epp.local import LocalStack, StackConfig
+from harness.local import LocalStack, StackConfig
 from tests.conftest import free_port_block, free_ports
 
 TESTING_CONFIG = """\

@@ -9,7 +9,7 @@ from tests.conftest import epp_local_ports
 def test_epp_local_demo_once():
     args, _ = epp_local_ports()
     result = subprocess.run(
-        [sys.executable, "-m", "epp.local", *args, "--demo", "--once", "--requests", "12"],
+        [sys.executable, "-m", "harness.local", *args, "--demo", "--once", "--requests", "12"],
         capture_output=True,
         text=True,
         timeout=180,
@@ -41,7 +41,7 @@ def test_adapter_paths_are_checked_at_start_up(tmp_path):
     )
     assert result.returncode != 0 and "adapter_config.json" in result.stderr, result.stderr[-2000:]
     result = subprocess.run(
-        [sys.executable, "-m", "epp.local", "--backend", "torch", "--model", str(tmp_path), "--demo", "--once"],
+        [sys.executable, "-m", "harness.local", "--backend", "torch", "--model", str(tmp_path), "--demo", "--once"],
         capture_output=True,
         text=True,
         timeout=60,

@@ -16,7 +16,7 @@ from tests.conftest import epp_local_ports
 
 def start(args: list[str]) -> tuple[subprocess.Popen, Path]:
     process = subprocess.Popen(
-        [sys.executable, "-m", "epp.local", *args],
+        [sys.executable, "-m", "harness.local", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -81,7 +81,9 @@ def test_a_taken_port_fails_fast_naming_it():
         holder.bind(("127.0.0.1", ports[1]))
         holder.listen()
         started = time.monotonic()
-        result = subprocess.run([sys.executable, "-m", "epp.local", *args], capture_output=True, text=True, timeout=60)
+        result = subprocess.run(
+            [sys.executable, "-m", "harness.local", *args], capture_output=True, text=True, timeout=60
+        )
     assert result.returncode == 2 and time.monotonic() - started < 15
     assert f"port {ports[1]} (model server 1)" in result.stderr
     assert "gateway ready" not in result.stdout

@@ -10,7 +10,7 @@ import time
 import aiohttp
 import pytest
 
-from epp.local import LocalStack
+from harness.local import LocalStack
 from tests.integration.conftest import ADAPTERS, TESTING_CONFIG, served_counts
 
 MODEL = "sim-llama-8b"

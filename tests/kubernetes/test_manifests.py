@@ -12,7 +12,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from epp.envoy import KUBERNETES_BOOTSTRAP, render_kubernetes_bootstrap
+from harness.envoy import KUBERNETES_BOOTSTRAP, render_kubernetes_bootstrap
 from protocol.kv_events import DEFAULT_SUBSCRIBER_PORT
 from tests.kubernetes.crd_validation import CRDS as CRD_DIR
 from tests.kubernetes.crd_validation import crd_schemas, validate_crd, validate_custom_resource
@@ -191,7 +191,7 @@ def test_only_the_gateway_reaches_the_epp_ext_proc_port():
 
 
 def test_shipped_envoy_bootstrap_is_the_rendered_template():
-    assert KUBERNETES_BOOTSTRAP.read_text() == render_kubernetes_bootstrap(), "run `python -m epp.envoy --write`"
+    assert KUBERNETES_BOOTSTRAP.read_text() == render_kubernetes_bootstrap(), "run `python -m harness.envoy --write`"
 
 
 def test_the_gateway_deploys_the_envoy_release_the_tests_run():

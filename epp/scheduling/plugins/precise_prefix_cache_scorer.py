@@ -15,7 +15,7 @@ segment at a time, up to the segment with the first block that no endpoint's run
 chain their parent's hash, so no later block can match); the rest of the prompt is neither tokenized nor hashed
 and its block count is estimated from its characters (the same denominator for every endpoint: the order of the
 scores is exact). A new 8k-token prompt costs its first, short segment, ~0.16 ms against ~6 ms for the whole prompt
-(epp/bench/tokenize.py). In a worker thread when the part of the prompt the per-prefix cache does not hold is
+(harness/bench/tokenize.py). In a worker thread when the part of the prompt the per-prefix cache does not hold is
 longer than `threadPromptChars` (the tokenizer releases the GIL; the pre-token cache holds it a segment at a time),
 so a 64k-token prompt that a server holds does not stall the event loop while a conversation's next turn does not
 pay for a thread hop. Block digests are cached per token prefix (`blockHashCacheBlocks`), so a prompt that extends
@@ -30,7 +30,7 @@ sha256_cbor), loadGuardQueueGap (8; 0 = off), threadPromptChars (8192), tokenCac
 cached prompt segments), blockHashCacheBlocks (500,000).
 Trade-offs: needs the servers' tokenizer files and hash seed (without PYTHONHASHSEED vLLM's hashes are random per
 process and nothing matches: the scorer then abstains everywhere); a request waits for its tokenization (~ms for a
-new 8k-token prompt, see epp/bench/tokenize.py) where the approximate scorer hashes text; the index is only as fresh
+new 8k-token prompt, see harness/bench/tokenize.py) where the approximate scorer hashes text; the index is only as fresh
 as the events (a gap drops an endpoint until it republishes).
 """
 

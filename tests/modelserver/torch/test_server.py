@@ -65,7 +65,7 @@ def test_msp_conformance_in_torch_mode(tmp_path):
             [
                 sys.executable,
                 "-m",
-                "protocol.conformance",
+                "harness.conformance",
                 "--url",
                 f"http://127.0.0.1:{port}",
                 "--lora-adapter",

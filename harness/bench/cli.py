@@ -1,0 +1,342 @@
+"""`epp-bench`: benchmarks of the EPP on a local sim pool.
+
+epp-bench overhead [--servers 4] [--sequential 2000] [--concurrency 32] [--requests 2000] [--ext-proc-transport h2|grpcio]
+                   [--streamed] [--pin] [--epp-config FILE ...] [--against DIR [--pairs 4]] [--out DIR]
+epp-bench handler-cpu [--requests 4000] [--batch 16] [--rounds 9] [--streamed] [--kv-events] [--config-file FILE]
+                      [--evict-mb N] [--instructions]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from epp.scheduling.errors import ConfigError
+from epp.scheduling.scheduler import Scheduler
+from harness.bench import (
+    chaos,
+    compare,
+    decision,
+    flood,
+    handler_cpu,
+    idle,
+    kv_events,
+    overhead,
+    sim_capacity,
+    tokenize,
+)
+from harness.bench.workloads import WORKLOADS
+
+
+def _exit(signum: int, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
+def main(argv: list[str] | None = None) -> None:
+    # SIGTERM (`timeout`, a CI job's end) and SIGHUP (the terminal closed) end a benchmark as Ctrl-C does: through
+    # its `finally`, which stops the processes it started in sessions of their own (they outlived it before)
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _exit)
+    parser = argparse.ArgumentParser(
+        prog="epp-bench", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    over = sub.add_parser("overhead", help="added latency and throughput: Envoy+EPP vs plain Envoy")
+    over.add_argument("--servers", type=int, default=4)
+    over.add_argument(
+        "--sequential",
+        type=int,
+        default=2000,
+        help="requests one at a time, per target (the p99 is the 20th slowest of 2,000; of 400 it was the 5th, and\n"
+        "the floors' p99 / plain Envoy's ranged 1.05-2.12 between runs)",
+    )
+    over.add_argument("--concurrency", type=int, default=32)
+    over.add_argument("--requests", type=int, default=2000, help="requests per throughput run")
+    over.add_argument("--ext-proc-transport", choices=["h2", "grpcio"], default="h2", help="the EPP's gRPC server")
+    over.add_argument("--out", type=Path, default=None, help="directory for overhead.json and overhead.md")
+    over.add_argument(
+        "--against",
+        type=Path,
+        default=None,
+        help="another checkout of this repository (its `epp` package built, or run as Python): its EPP against this\n"
+        "one's in the same runs, the two swapped between two EPP targets in each pair of runs (overhead.compare_builds)",
+    )
+    over.add_argument("--pairs", type=int, default=4, help="pairs of runs for --against")
+    over.add_argument(
+        "--streamed", action="store_true", help='"stream": true requests: their access-log records train the predictor'
+    )
+    over.add_argument(
+        "--pin",
+        action="store_true",
+        help="the client and the model servers on half the CPUs, every target's processes on the other half",
+    )
+    over.add_argument(
+        "--epp-config",
+        type=Path,
+        action="append",
+        default=[],
+        help="an EndpointPickerConfig file: one more target, the EPP with it (repeatable)",
+    )
+    cpu = sub.add_parser("handler-cpu", help="the EPP's CPU per request in process: transport, handler, scheduling")
+    cpu.add_argument("--requests", type=int, default=4000, help="requests per round")
+    cpu.add_argument("--batch", type=int, default=16, help="requests per read (1: one at a time)")
+    cpu.add_argument("--rounds", type=int, default=9, help="the least round is reported")
+    cpu.add_argument(
+        "--streamed", action="store_true", help='"stream": true requests: their access-log records train the predictor'
+    )
+    cpu.add_argument(
+        "--kv-events",
+        action="store_true",
+        help="the endpoints publish KV events (as vLLM with --kv-events-config): precise-prefix-cache-scorer "
+        "tokenizes each prompt and hashes its blocks",
+    )
+    cpu.add_argument(
+        "--config-file", type=Path, default=None, help="the EPP's EndpointPickerConfig (default: its default profile)"
+    )
+    cpu.add_argument(
+        "--evict-mb",
+        type=int,
+        default=0,
+        help="MiB of memory written before each read, untimed: caches as other processes leave them (16-24: as a "
+        "live EPP behind Envoy on a 2-core host finds them)",
+    )
+    cpu.add_argument(
+        "--instructions",
+        action="store_true",
+        help="count instructions per request under valgrind's callgrind (exact and repeatable) instead of CPU time; "
+        "with --evict-mb, the lines of code and data fetched from beyond a simulated 1 MiB cache too",
+    )
+    capacity = sub.add_parser("sim-capacity", help="how many sim servers one core carries at a request rate")
+    capacity.add_argument("--replicas", type=int, default=16)
+    capacity.add_argument("--rates", type=float, nargs="+", default=[16.0, 32.0, 64.0])
+    capacity.add_argument("--duration", type=float, default=20.0)
+    cmp = sub.add_parser("compare", help="routing quality of our EPP, plain Envoy and the Rust routers")
+    workloads = sorted(p.stem for p in WORKLOADS.glob("*.yaml"))
+    cmp.add_argument("--workload", default="shared-prefix", choices=workloads, help="one of: " + ", ".join(workloads))
+    targets = [*compare.EPP_TARGETS, *compare.ENVOY_TARGETS, *compare.PEER_TARGETS]
+    cmp.add_argument(
+        "--targets",
+        nargs="+",
+        choices=targets,
+        metavar="TARGET",
+        default=[
+            "epp",
+            "prefix-only",
+            "queue-only",
+            "round-robin",
+            "least-request",
+            "random",
+            "sglang-cache-aware",
+            "sglang-round-robin",
+            "vllm-cache-aware",
+        ],
+        help="any of: " + ", ".join(targets) + " (the Rust routers need the [bench] extra)",
+    )
+    cmp.add_argument("--rates", type=float, nargs="+", default=[8.0, 16.0, 24.0])
+    cmp.add_argument("--concurrency", type=int, nargs="+", default=[], help="closed-loop clients (instead of --rates)")
+    cmp.add_argument("--duration", type=float, default=60.0)
+    cmp.add_argument(
+        "--warmup",
+        type=float,
+        default=0.0,
+        help="seconds of the same workload before each target's measured run, not counted (online learning warms)",
+    )
+    cmp.add_argument("--servers", type=int, default=8)
+    cmp.add_argument("--scale", type=float, default=1.0, help="shrink prompt lengths (smoke runs)")
+    cmp.add_argument(
+        "--load-generator",
+        choices=["builtin", "inference-perf"],
+        default="builtin",
+        help="inference-perf: the standard client drives the load (shared-prefix workloads; "
+        "`make bench-inference-perf` installs it)",
+    )
+    cmp.add_argument("--out", type=Path, default=Path("bench-results"))
+    flood_cmd = sub.add_parser("flood", help="tenants of different priority past the pool's capacity (flow control)")
+    flood_cmd.add_argument("--targets", nargs="+", default=list(flood.TARGETS))
+    flood_cmd.add_argument("--overloads", type=float, nargs="+", default=[1.5, 2.0], help="offered rate / capacity")
+    flood_cmd.add_argument("--duration", type=float, default=30.0)
+    flood_cmd.add_argument("--servers", type=int, default=4)
+    flood_cmd.add_argument("--out", type=Path, default=None)
+    sub.add_parser("decision", help="scheduler decision time vs pool size (8, 32, 128) and prompt length")
+    sub.add_parser("tokenize", help="exact tokens and block hashes (precise prefix scorer) at 1k, 8k, 64k tokens")
+    events_cmd = sub.add_parser("kv-events", help="the EPP's CPU for KV events and its step-to-index delay")
+    events_cmd.add_argument("--servers", type=int, default=8)
+    events_cmd.add_argument("--rate", type=float, default=30.0, help="requests per second per server")
+    events_cmd.add_argument("--prompt-tokens", type=int, default=2000)
+    events_cmd.add_argument("--seconds", type=float, default=10.0)
+    events_cmd.add_argument("--num-gpu-blocks", type=int, default=20000, help="per server: evictions start past it")
+    events_cmd.add_argument("--step-ms", type=float, default=20.0, help="engine step: one batch per step")
+    chaos_cmd = sub.add_parser("chaos", help="attacks and faults on a local stack while a well-behaved client runs")
+    chaos_cmd.add_argument("--seconds", type=float, default=4.0, help="per attack")
+    idle_cmd = sub.add_parser("idle", help="CPU of an idle EPP that only scrapes N endpoints")
+    idle_cmd.add_argument("--endpoints", type=int, nargs="+", default=[8, 64, 256])
+    idle_cmd.add_argument("--seconds", type=float, default=10.0, help="measuring window per pool size")
+    idle_cmd.add_argument("--epp-arg", action="append", default=[], help="extra flag for the EPP (repeatable)")
+    idle_cmd.add_argument(
+        "--busy",
+        action="store_true",
+        help="pages show a running request and the quiet interval is off: scraping as under traffic",
+    )
+    idle_cmd.add_argument(
+        "--whole-pages",
+        action="store_true",
+        help="the page server ignores the scraper's sample filter (name[]) and sends whole pages",
+    )
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.command == "flood":
+        asyncio.run(flood.flood(args.targets, args.overloads, args.duration, args.servers, args.out))
+        return
+    if args.command == "decision":
+        decision.main()
+    if args.command == "tokenize":
+        tokenize.main()
+    if args.command == "kv-events":
+        kv_events.main(args.servers, args.rate, args.prompt_tokens, args.seconds, args.num_gpu_blocks, args.step_ms)
+    if args.command == "compare":
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+        runs = len(args.targets) * len(args.concurrency or args.rates)
+        with Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            TextColumn("{task.completed}/{task.total} runs"),
+            TimeElapsedColumn(),
+        ) as bar:
+            task = bar.add_task("starting", total=runs)
+            started = []
+
+            def progress(message: str) -> None:
+                bar.log(message)
+                if message.startswith("skip"):
+                    bar.advance(task)
+                    return
+                if started:
+                    bar.advance(task)
+                started.append(message)
+                bar.update(task, description=message.split(" for ")[0])
+
+            results = asyncio.run(
+                compare.compare(
+                    args.workload,
+                    args.targets,
+                    args.rates,
+                    args.duration,
+                    args.servers,
+                    args.out,
+                    args.scale,
+                    progress=progress,
+                    concurrencies=args.concurrency,
+                    load_generator=args.load_generator,
+                    warmup=args.warmup,
+                )
+            )
+            bar.update(task, completed=runs, description="done")
+        print(compare.markdown(results))
+        print(f"results in {args.out}/{args.workload}.md, .json and *.png")
+    if args.command == "chaos":
+        print(chaos.markdown(asyncio.run(chaos.run(seconds=args.seconds))))
+    if args.command == "idle":
+        print(
+            idle.markdown(
+                idle.measure(
+                    args.endpoints, args.seconds, epp_args=args.epp_arg, busy=args.busy, whole_pages=args.whole_pages
+                )
+            )
+        )
+    if args.command == "sim-capacity":
+        sim_capacity.main(args.replicas, args.rates, args.duration)
+    if args.command == "handler-cpu":
+        if args.instructions:
+            per_request = handler_cpu.instructions(
+                args.requests, args.batch, args.streamed, args.config_file, args.kv_events, args.evict_mb
+            )
+            fetched = (
+                f"; from beyond a 1 MiB cache after {args.evict_mb} MiB written before each read: "
+                f"{per_request['ILmr']:,.0f} lines of code, {per_request['DLmr']:,.0f} of data read and "
+                f"{per_request['DLmw']:,.0f} written"
+                if args.evict_mb
+                else ""
+            )
+            print(
+                f"EPP handler path: {per_request['Ir']:,.0f} instructions per request{fetched} (callgrind; the "
+                "harness's own building of the requests taken off)"
+            )
+        else:
+            config = args.config_file.read_text() if args.config_file else handler_cpu.DEFAULT_CONFIG
+            result = handler_cpu.measure(
+                args.requests, args.batch, args.rounds, args.streamed, config, args.evict_mb, args.kv_events
+            )
+            print(result.markdown())
+    if args.command == "overhead" and args.pin:
+        try:
+            overhead.split_cpus(os.sched_getaffinity(0))  # refused now, not after the pool has started
+        except ValueError as error:
+            parser.error(f"--pin: {error}")
+    if args.command == "overhead" and args.against is not None:
+        if args.pairs < 1:
+            parser.error("--pairs must be at least 1")
+        if args.epp_config:
+            parser.error("--against compares the two builds' default configs: leave out --epp-config")
+        other = args.against.resolve()
+        try:
+            overhead.build_environment(other)  # refused now, not after the pool has started
+        except (ValueError, subprocess.CalledProcessError) as error:
+            parser.error(f"--against {args.against}: {error}")
+        comparison = asyncio.run(
+            overhead.compare_builds(
+                other,
+                args.pairs,
+                args.servers,
+                args.sequential,
+                args.concurrency,
+                args.requests,
+                args.ext_proc_transport,
+                args.streamed,
+                args.pin,
+            )
+        )
+        report = comparison.markdown()
+        print(report)
+        if args.out:
+            args.out.mkdir(parents=True, exist_ok=True)
+            runs = [overhead.as_dict(run) for run in comparison.runs]
+            (args.out / "builds.json").write_text(json.dumps({"other": comparison.other, "runs": runs}, indent=2))
+            (args.out / "builds.md").write_text(report + "\n")
+    elif args.command == "overhead":
+        epp_configs = {}
+        for path in args.epp_config:
+            if path.stem in epp_configs:
+                parser.error(f"--epp-config: two files named {path.stem}")
+            try:
+                epp_configs[path.stem] = path.read_text()
+                Scheduler.from_config(epp_configs[path.stem])  # refused now, not after the pool has started
+            except (OSError, ConfigError) as error:
+                parser.error(f"--epp-config {path}: {error}")
+        result = asyncio.run(
+            overhead.measure(
+                args.servers,
+                args.sequential,
+                args.concurrency,
+                args.requests,
+                transport=args.ext_proc_transport,
+                streamed=args.streamed,
+                epp_configs=epp_configs,
+                pin=args.pin,
+            )
+        )
+        report = result.markdown()
+        print(report)
+        if args.out:
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / "overhead.json").write_text(json.dumps(overhead.as_dict(result), indent=2))
+            (args.out / "overhead.md").write_text(report + "\n")
+
+
+if __name__ == "__main__":
+    main()

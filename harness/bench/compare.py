@@ -1,0 +1,742 @@
+"""Routing quality, side by side on the same sim pool: our EPP (default profile and each scorer alone) through
+Envoy, plain Envoy (round robin, least request, random), and the Rust routers from PyPI (sglang-router cache_aware
+and round_robin, vllm-router cache_aware) when installed. Every target gets a freshly started pool, the same seeded
+request stream, and the same measurements: TTFT / ITL / e2e percentiles, throughput, success and error codes, the
+servers' own prefix-cache hit rate, the per-server request split, and the CPU of every process (a run where the
+2-core machine itself is saturated is marked invalid: then the simulated GPUs are not the bottleneck)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import resource
+import statistics
+import subprocess
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import NamedTuple
+
+import aiohttp
+
+from epp.scheduling.plugins.slo_headroom_filter import TPOT_HEADER, TTFT_HEADER
+from epp.scheduling.scheduler import DEFAULT_CONFIG
+from harness.bench import inference_perf
+from harness.bench.decision import scorers_only_config
+from harness.bench.overhead import cpu_seconds, percentile
+from harness.bench.peers import peer_command, start_router
+from harness.bench.ports import free_port_block, free_ports
+from harness.bench.workloads import load_workload, lora_names, requests
+from harness.envoy import EnvoyProcess, render_baseline
+from harness.local import LocalStack, StackConfig
+
+MODEL = "sim-llama-8b"
+SINGLE_SCORER = """plugins:\n- type: {0}\nschedulingProfiles:\n- name: {0}\n  plugins:\n  - pluginRef: {0}\n"""
+# The default profile before precise-prefix-cache-scorer: the approximate prefix index alone (no KV events)
+APPROXIMATE_CONFIG = DEFAULT_CONFIG.replace("- type: precise-prefix-cache-scorer\n", "").replace(
+    "  - pluginRef: precise-prefix-cache-scorer\n    weight: 3\n", ""
+)
+# epp-predicted learns from this share of the responses: its predictor's memory (~500 observations, decay 0.998)
+# then spans ~2 minutes at 16 req/s, and streaming costs a quarter of what it costs for every response.
+OBSERVED_RESPONSES_PERCENT = 25
+EPP_TARGETS = {
+    # the default profile: the latency predictor's filters, learning TTFT from the gateway's access log, then the
+    # scorers (precise for endpoints that publish KV events: epp-local's servers do)
+    "epp": None,
+    "epp-no-predictor": scorers_only_config(),  # the default profile's scorers alone (and no access log)
+    "epp-approximate": APPROXIMATE_CONFIG,
+    "epp-3-replicas": None,  # the default profile on 3 EPPs behind one Envoy (round robin), all fed the KV events
+    "queue-only": SINGLE_SCORER.format("queue-scorer"),
+    "kv-only": SINGLE_SCORER.format("kv-cache-utilization-scorer"),
+    "prefix-only": SINGLE_SCORER.format("prefix-cache-scorer"),
+    "lora-only": SINGLE_SCORER.format("lora-affinity-scorer"),
+    # the default profile with the response bodies streamed through the EPP: what that costs, beside "epp"
+    "epp-streamed": None,
+    # the default profile learning from a sample of the response bodies too (TPOT, which the access log lacks)
+    "epp-predicted": None,
+}
+# Targets whose Envoy sends the EPP no access log (the others: every request's, the gateway's default).
+WITHOUT_ACCESS_LOG = {"epp-no-predictor"}
+# Targets whose Envoy sends response bodies to the EPP, and the share of the requests it does it for
+# (harness.envoy.render_bootstrap's observed_responses_percent): epp-streamed shows what streaming every one costs.
+STREAMED_RESPONSES = {"epp-streamed": 100, "epp-predicted": OBSERVED_RESPONSES_PERCENT}
+ENVOY_TARGETS = {"round-robin": "ROUND_ROBIN", "least-request": "LEAST_REQUEST", "random": "RANDOM"}
+PEER_TARGETS = {
+    "sglang-cache-aware": ("sglang", "cache_aware"),
+    "sglang-round-robin": ("sglang", "round_robin"),
+    "vllm-cache-aware": ("vllm", "cache_aware"),
+}
+_TOKEN_EVENT, _USAGE_EVENT = re.compile(rb'"choices":\s*\[\{'), re.compile(rb'"usage":\s*\{')
+_PREDICTOR = re.compile(
+    r'^inference_extension_latency_predictor_(?:mape\{target="(ttft|tpot)"\}|(observations)_total) (\S+)$', re.M
+)
+_INDEX = re.compile(r"^inference_extension_(kv_events_index_entries|prefix_indexer_size) (\S+)$", re.M)
+_COUNTER = re.compile(
+    r"^(vllm:(?:(?:prefix_cache_hits|prefix_cache_queries|request_success)_total|time_to_first_token_seconds_(?:sum|count)))"
+    r"\{[^}]*\} (\S+)$",
+    re.M,
+)
+
+
+@dataclass
+class TargetResult:
+    target: str
+    rate: float  # open loop: Poisson/bursty arrivals per second; 0 in closed-loop runs
+    concurrency: int = 0  # closed loop: this many clients, each sending its next request when one finishes
+    requests: int = 0
+    succeeded: int = 0
+    errors: dict[str, int] = field(default_factory=dict)
+    ttft_ms: dict[str, float] = field(default_factory=dict)
+    cache_hit_requests: int = 0  # requests with at least half of the prompt served from the prefix cache
+    ttft_hit_ms: dict[str, float] = field(default_factory=dict)
+    ttft_miss_ms: dict[str, float] = field(default_factory=dict)
+    itl_ms: dict[str, float] = field(default_factory=dict)
+    e2e_ms: dict[str, float] = field(default_factory=dict)
+    requests_per_s: float = 0.0
+    output_tokens_per_s: float = 0.0
+    prefix_hit_rate: float = 0.0
+    per_server: list[int] = field(default_factory=list)
+    # the model servers' own mean TTFT (vllm:time_to_first_token_seconds: from arrival at the server to the first
+    # token): the client's TTFT less this is the path (router, proxy) and its queueing, not where requests landed
+    server_ttft_ms: float = 0.0
+    cpu_seconds: dict[str, float] = field(default_factory=dict)
+    machine_busy: float = 0.0  # CPU seconds of this run's processes / (wall x cores)
+    host_busy: float = 0.0  # the whole machine's busy fraction (/proc/stat), other users' processes included
+    valid: bool = True
+    load_over_time: list[list[int]] = field(default_factory=list)  # per sample: running + waiting per server
+    slo_requests: int = 0  # requests that stated latency objectives (x-slo-ttft-ms / x-slo-tpot-ms)
+    slo_met: int = 0  # of those, succeeded within their own objectives (TTFT, and ITL as the time per output token)
+    goodput_per_s: float = 0.0  # slo_met / wall seconds
+    predictor: dict[str, float] = field(default_factory=dict)  # the EPP's latency predictor at the end (its metrics)
+    # per request class of the workload (TimedRequest.kind), when it has several: requests, succeeded, TTFT summary
+    # (ttft_ms), and for requests with objectives slo_requests / slo_met
+    by_kind: dict[str, dict] = field(default_factory=dict)
+    # the EPPs' prefix indexes at the end: KV-event index entries, approximate index entries, resident memory (MB),
+    # summed over the replicas
+    epp_index: dict[str, float] = field(default_factory=dict)
+    load_generator: str = "builtin"  # or "inference-perf"
+
+
+def _host_ticks() -> tuple[int, int]:
+    """(busy, total) clock ticks of all CPUs since boot."""
+    values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = values[3] + values[4]  # idle + iowait
+    return sum(values) - idle, sum(values)
+
+
+def _summary(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {}
+    return {
+        "p50": percentile(values, 0.5) * 1e3,
+        "p90": percentile(values, 0.9) * 1e3,
+        "p99": percentile(values, 0.99) * 1e3,
+        "mean": statistics.fmean(values) * 1e3,
+    }
+
+
+async def _counters(session: aiohttp.ClientSession, urls: list[str]) -> list[dict[str, float]]:
+    out = []
+    for url in urls:
+        async with session.get(f"{url}/metrics") as r:
+            text = await r.text()
+        totals: dict[str, float] = {}
+        for name, value in _COUNTER.findall(text):
+            totals[name] = totals.get(name, 0.0) + float(value)
+        out.append(totals)
+    return out
+
+
+async def _load(session: aiohttp.ClientSession, urls: list[str]) -> list[int]:
+    from protocol.metrics import parse_metrics
+
+    loads = []
+    for url in urls:
+        try:
+            async with session.get(f"{url}/metrics") as r:
+                m = parse_metrics(await r.text())
+            loads.append(m.running + m.waiting)
+        except Exception:
+            loads.append(-1)
+    return loads
+
+
+class Outcome(NamedTuple):
+    status: int  # HTTP status; 598: a 200 without any token, 599: connection error or timeout
+    ttft: float = 0.0
+    itl: float = 0.0  # mean gap between token chunks
+    e2e: float = 0.0
+    output_tokens: int = 0
+    cached_share: float = 0.0  # usage.prompt_tokens_details.cached_tokens / prompt_tokens
+    met_slo: bool | None = None  # None: the request stated no objective
+    kind: str = ""  # the request's class in the workload (TimedRequest.kind)
+    missed: str = ""  # which objectives it missed (missed_objectives), "" when met or none stated
+
+
+def missed_objectives(headers: dict[str, str], outcome: Outcome) -> str | None:
+    """Which objectives its headers state (milliseconds) a request missed: "" none, "error" (not a 200), else "ttft",
+    "tpot" or "ttft+tpot" (the time per output token is the mean gap between token chunks the client saw); None
+    when it states none."""
+    ttft, tpot = headers.get(TTFT_HEADER), headers.get(TPOT_HEADER)
+    if ttft is None and tpot is None:
+        return None
+    if outcome.status != 200:
+        return "error"
+    missed = []
+    if ttft is not None and outcome.ttft * 1e3 > float(ttft):
+        missed.append("ttft")
+    if tpot is not None and outcome.output_tokens >= 2 and outcome.itl * 1e3 > float(tpot):
+        missed.append("tpot")
+    return "+".join(missed)
+
+
+def judged(headers: dict[str, str], outcome: Outcome, kind: str = "") -> Outcome:
+    """The outcome with its class and its verdict against the objectives its headers state: met_slo (None when it
+    states none) and which it missed."""
+    missed = missed_objectives(headers, outcome)
+    return outcome._replace(met_slo=None if missed is None else not missed, kind=kind, missed=missed or "")
+
+
+async def _one(
+    session: aiohttp.ClientSession, url: str, body: dict, headers: dict[str, str], kind: str = ""
+) -> Outcome:
+    return judged(headers, await _send(session, url, body, headers), kind)
+
+
+async def _send(session: aiohttp.ClientSession, url: str, body: dict, headers: dict[str, str]) -> Outcome:
+    started = time.monotonic()
+    first = last = None
+    chunks = 0
+    usage = {}
+    try:
+        async with session.post(url, json=body, headers=headers or None) as response:
+            if response.status != 200:
+                await response.read()
+                return Outcome(response.status)
+            async for line in response.content:
+                # Only the final usage event is decoded; token events are recognised by their bytes.
+                if not line.startswith(b"data: {"):
+                    continue
+                if _TOKEN_EVENT.search(line):
+                    last = time.monotonic()
+                    first = first or last
+                    chunks += 1
+                if _USAGE_EVENT.search(line):
+                    usage = json.loads(line[6:])["usage"]
+    except (TimeoutError, aiohttp.ClientError):
+        return Outcome(599)
+    if first is None:
+        return Outcome(598)
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return Outcome(
+        200,
+        first - started,
+        (last - first) / max(1, chunks - 1),
+        time.monotonic() - started,
+        usage.get("completion_tokens", 0),
+        cached / max(1, usage.get("prompt_tokens", 0)),
+    )
+
+
+class Pool:
+    """A fresh sim pool plus one kind of router in front of it."""
+
+    def __init__(
+        self,
+        target: str,
+        servers: int,
+        workdir: Path,
+        modelserver_args: list[str],
+        epp_config: str | None = None,
+        pool_extra: dict | None = None,
+        router_args: list[str] = (),
+    ):
+        self.target, self.servers, self.workdir = target, servers, workdir
+        self.modelserver_args = modelserver_args
+        self.epp_config = epp_config if epp_config is not None else EPP_TARGETS.get(target)
+        self.pool_extra = pool_extra or {}
+        self.router_args = list(router_args)
+        self.stack: LocalStack | None = None
+        self.envoy: EnvoyProcess | None = None
+        self.router: subprocess.Popen | None = None
+        self.url = ""
+
+    async def __aenter__(self) -> Pool:
+        base = free_port_block(self.servers)
+        grpc, health, metrics, listener, admin = free_ports(5)
+        config = StackConfig(
+            model_servers=self.servers,
+            base_port=base,
+            grpc_port=grpc,
+            grpc_health_port=health,
+            metrics_port=metrics,
+            listener_port=listener,
+            admin_port=admin,
+            workdir=self.workdir,
+            modelserver_args=self.modelserver_args,
+            config_text=self.epp_config,
+            pool_extra=self.pool_extra,
+            response_body_mode="FULL_DUPLEX_STREAMED" if self.target in STREAMED_RESPONSES else "NONE",
+            observed_responses_percent=STREAMED_RESPONSES.get(self.target, 100),
+            access_log_percent=0 if self.target in WITHOUT_ACCESS_LOG else 100,
+            epp_replicas=3 if self.target == "epp-3-replicas" else 1,
+        )
+        self.stack = LocalStack(config)
+        hostports = [u.removeprefix("http://") for u in self.stack.model_server_urls]
+        if self.target in EPP_TARGETS or self.target.startswith("epp"):
+            await self.stack.start()
+            self.url = self.stack.gateway_url
+            return self
+        self.stack.start_model_servers()
+        await asyncio.gather(
+            *(self.stack._wait_http("modelserver", f"{u}/health", 60) for u in self.stack.model_server_urls)
+        )
+        if self.target in ENVOY_TARGETS:
+            path = self.workdir / "baseline.yaml"
+            path.write_text(
+                render_baseline(
+                    endpoints=hostports, listener_port=listener, admin_port=admin, lb_policy=ENVOY_TARGETS[self.target]
+                )
+            )
+            self.envoy = EnvoyProcess(path, admin, self.workdir / "baseline-envoy.log")
+            self.envoy.start()
+            await self.envoy.wait_ready()
+            self.url = f"http://127.0.0.1:{listener}"
+            return self
+        kind, policy = PEER_TARGETS[self.target]
+        self.router, self.url = await start_router(
+            kind, policy, self.stack.model_server_urls, self.workdir, MODEL, extra_args=self.router_args
+        )
+        return self
+
+    def pids(self) -> dict[str, int]:
+        out = {name: p.pid for name, p in self.stack.processes.items()}
+        for name, process in (
+            ("envoy", self.stack.envoy and self.stack.envoy.process),
+            ("envoy", self.envoy and self.envoy.process),
+            ("router", self.router),
+        ):
+            if process is not None:
+                out[name] = process.pid
+        return out
+
+    async def __aexit__(self, *exc) -> None:
+        if self.router is not None:
+            self.router.terminate()
+            self.router.wait(10)
+        if self.envoy is not None:
+            self.envoy.stop()
+        self.stack.stop()
+
+
+async def run_target(
+    target: str,
+    spec: dict,
+    rate: float,
+    duration: float,
+    servers: int,
+    workdir: Path,
+    scale: float = 1.0,
+    seed: int = 0,
+    concurrency: int = 0,
+    load_generator: str = "builtin",
+    warmup: float = 0.0,
+) -> TargetResult:
+    """One target under the workload for `duration` s; `warmup` s of the same workload (another draw, at `rate`)
+    go first and count for nothing: what learns online (the latency predictor, the prefix caches) starts warm."""
+    if warmup and (concurrency or load_generator != "builtin"):
+        raise ValueError("--warmup needs the builtin load generator at a fixed rate (--rates)")
+    lora_args = []
+    if spec["name"] == "multi-lora":
+        names = lora_names(spec)
+        lora_args = [
+            "--enable-lora",
+            "--max-loras",
+            str(spec.get("max_loras", 4)),
+            "--lora-modules",
+            *(f"{n}={workdir}/{n}" for n in names),
+        ]
+    # A closed loop draws from a stream generated fast enough never to run dry.
+    stream = requests(spec, MODEL, rate or concurrency * 50, duration, seed, scale)
+    result = TargetResult(
+        target, 0.0 if concurrency else rate, concurrency, requests=len(stream), load_generator=load_generator
+    )
+    server_args = ["--disable-log-stats", *lora_args, *map(str, spec.get("modelserver_args", []))]
+    async with Pool(target, servers, workdir, server_args) as pool:
+        urls = pool.stack.model_server_urls
+        async with aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=300)
+        ) as session:
+            if warmup:
+                warm = []
+                warm_started = time.monotonic()
+                for request in requests(spec, MODEL, rate, warmup, seed + 1, scale):
+                    await asyncio.sleep(max(0.0, warm_started + request.at - time.monotonic()))
+                    warm.append(asyncio.create_task(_one(session, f"{pool.url}/v1/completions", *request[1:])))
+                await asyncio.gather(*warm)
+            before = await _counters(session, urls)
+            pids = pool.pids()
+            cpu_before = {k: cpu_seconds(p) for k, p in pids.items()}
+            client_before = resource.getrusage(resource.RUSAGE_SELF)
+            children_before = resource.getrusage(resource.RUSAGE_CHILDREN)
+            host_before = _host_ticks()
+            started = time.monotonic()
+
+            async def sample_load() -> None:
+                while True:
+                    result.load_over_time.append(await _load(session, urls))
+                    await asyncio.sleep(0.5)
+
+            sampler = asyncio.create_task(sample_load())
+            url = f"{pool.url}/v1/completions"
+            outcomes = []
+            if load_generator == "inference-perf":
+                summary = await inference_perf.run(
+                    spec, pool.url, MODEL, rate, concurrency, duration, scale, workdir, seed
+                )
+            elif concurrency:
+                pending = iter(stream)
+
+                async def client() -> None:
+                    for request in pending:
+                        if time.monotonic() - started >= duration:
+                            return
+                        outcomes.append(await _one(session, url, *request[1:]))
+
+                await asyncio.gather(*(client() for _ in range(concurrency)))
+            else:
+                tasks = []
+                for request in stream:
+                    await asyncio.sleep(max(0.0, started + request.at - time.monotonic()))
+                    tasks.append(asyncio.create_task(_one(session, url, *request[1:])))
+                outcomes = await asyncio.gather(*tasks)
+            elapsed = time.monotonic() - started
+            sampler.cancel()
+            after = await _counters(session, urls)
+            if pool.stack.processes.get("epp") is not None:
+                for name, metrics_url in zip(pool.stack.epp_names, pool.stack.epp_metrics_urls, strict=True):
+                    async with session.get(metrics_url) as r:
+                        page = await r.text()
+                    for key, value in _INDEX.findall(page):
+                        result.epp_index[key] = result.epp_index.get(key, 0.0) + float(value)
+                    status = Path(f"/proc/{pool.stack.processes[name].pid}/status").read_text()
+                    rss_kb = int(re.search(r"^VmRSS:\s+(\d+)", status, re.M).group(1))
+                    result.epp_index["rss_mb"] = result.epp_index.get("rss_mb", 0.0) + rss_kb / 1024
+                async with session.get(pool.stack.epp_metrics_url) as r:
+                    result.predictor = {
+                        f"{target}_mape" if target else "observations": float(value)
+                        for target, _, value in _PREDICTOR.findall(await r.text())
+                    }
+            client_after = resource.getrusage(resource.RUSAGE_SELF)
+            children_after = resource.getrusage(resource.RUSAGE_CHILDREN)
+            host_after = _host_ticks()
+        result.cpu_seconds = {k: cpu_seconds(p) - cpu_before[k] for k, p in pids.items()}
+        result.cpu_seconds["load generator"] = sum(
+            after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+            for before, after in ((client_before, client_after), (children_before, children_after))
+        )
+    if load_generator == "inference-perf":
+        _from_inference_perf(result, summary)
+    else:
+        _from_outcomes(result, outcomes, elapsed)
+    hits = sum(
+        a.get("vllm:prefix_cache_hits_total", 0) - b.get("vllm:prefix_cache_hits_total", 0)
+        for a, b in zip(after, before, strict=True)
+    )
+    queries = sum(
+        a.get("vllm:prefix_cache_queries_total", 0) - b.get("vllm:prefix_cache_queries_total", 0)
+        for a, b in zip(after, before, strict=True)
+    )
+    result.prefix_hit_rate = hits / queries if queries else 0.0
+    result.per_server = [
+        int(a.get("vllm:request_success_total", 0) - b.get("vllm:request_success_total", 0))
+        for a, b in zip(after, before, strict=True)
+    ]
+    served = [
+        sum(
+            a.get(f"vllm:time_to_first_token_seconds_{k}", 0) - b.get(f"vllm:time_to_first_token_seconds_{k}", 0)
+            for a, b in zip(after, before, strict=True)
+        )
+        for k in ("sum", "count")
+    ]
+    result.server_ttft_ms = 1e3 * served[0] / served[1] if served[1] else 0.0
+    if not result.requests:
+        raise SystemExit(f"{target}: the workload produced no request in {duration:g} s; raise --duration or the rate")
+    result.machine_busy = sum(result.cpu_seconds.values()) / (elapsed * (os.cpu_count() or 1))
+    result.host_busy = (host_after[0] - host_before[0]) / max(1, host_after[1] - host_before[1])
+    # Invalid when the machine (whoever used it), or one process (the sim pool shares one event loop), had no CPU to
+    # spare: then the modelled GPU steps stretch and the comparison measures the host, not the routing.
+    result.valid = max(result.machine_busy, result.host_busy) < 0.9 and max(result.cpu_seconds.values()) / elapsed < 0.9
+    return result
+
+
+def _from_outcomes(result: TargetResult, outcomes: list[Outcome], elapsed: float) -> None:
+    result.requests = len(outcomes)
+    ok = [o for o in outcomes if o.status == 200]
+    result.succeeded = len(ok)
+    for o in outcomes:
+        if o.status != 200:
+            result.errors[str(o.status)] = result.errors.get(str(o.status), 0) + 1
+    result.ttft_ms = _summary([o.ttft for o in ok])
+    result.itl_ms = _summary([o.itl for o in ok])
+    result.e2e_ms = _summary([o.e2e for o in ok])
+    # TTFT split by whether the server had most of the prompt cached: routing quality (how many hits) apart from
+    # the cost of the path and of queueing (how fast a hit is served).
+    hit = [o.ttft for o in ok if o.cached_share >= 0.5]
+    miss = [o.ttft for o in ok if o.cached_share < 0.5]
+    result.cache_hit_requests = len(hit)
+    result.ttft_hit_ms, result.ttft_miss_ms = _summary(hit), _summary(miss)
+    result.requests_per_s = len(ok) / elapsed
+    result.output_tokens_per_s = sum(o.output_tokens for o in ok) / elapsed
+    judged = [o.met_slo for o in outcomes if o.met_slo is not None]
+    result.slo_requests, result.slo_met = len(judged), sum(judged)
+    result.goodput_per_s = result.slo_met / elapsed
+    by_kind: dict[str, list[Outcome]] = {}
+    for o in outcomes:
+        by_kind.setdefault(o.kind, []).append(o)
+    if len(by_kind) > 1:
+        for kind, group in sorted(by_kind.items()):
+            judged = [o.met_slo for o in group if o.met_slo is not None]
+            result.by_kind[kind] = {
+                "requests": len(group),
+                "succeeded": sum(o.status == 200 for o in group),
+                "ttft_ms": _summary([o.ttft for o in group if o.status == 200]),
+                "slo_requests": len(judged),
+                "slo_met": sum(judged),
+                # of those that missed: by TTFT, by time per output token (a request missing both counts in both)
+                "missed_ttft": sum("ttft" in o.missed for o in group),
+                "missed_tpot": sum("tpot" in o.missed for o in group),
+            }
+
+
+def _from_inference_perf(result: TargetResult, summary: dict) -> None:
+    successes, failures = summary["successes"], summary["failures"]
+    result.succeeded, result.requests = successes["count"], successes["count"] + failures["count"]
+    if failures["count"]:
+        result.errors["failed (inference-perf)"] = failures["count"]
+    latency = successes.get("latency") or {}
+    result.ttft_ms = inference_perf.ms(latency.get("time_to_first_token"))
+    result.itl_ms = inference_perf.ms(latency.get("inter_token_latency"))
+    result.e2e_ms = inference_perf.ms(latency.get("request_latency"))
+    throughput = successes.get("throughput") or {}
+    result.requests_per_s = throughput.get("requests_per_sec", 0.0)
+    result.output_tokens_per_s = throughput.get("output_tokens_per_sec", 0.0)
+
+
+def markdown(results: list[TargetResult]) -> str:
+    lines = []
+    for rate, concurrency in sorted({(r.rate, r.concurrency) for r in results}):
+        rows = [r for r in results if (r.rate, r.concurrency) == (rate, concurrency)]
+        base = next((r for r in rows if r.target == "round-robin"), None)
+        peers = [r for r in rows if r.target in PEER_TARGETS and r.ttft_ms]
+        # The goal is set against the peers' cache-aware policies; their round robin only when nothing else ran.
+        peers = [r for r in peers if PEER_TARGETS[r.target][1] == "cache_aware"] or peers
+        best_peer = min(peers, key=lambda r: r.ttft_ms["mean"]) if peers else None
+        title = f"closed loop, {concurrency} concurrent clients" if concurrency else f"{rate:g} requests/s"
+        if rows and rows[0].load_generator != "builtin":
+            title += f" (load generator: {rows[0].load_generator})"
+        lines += [
+            f"### {title}",
+            "",
+            "| target | TTFT mean | TTFT p90 | ITL mean | e2e p90 | req/s | out tok/s | success | prefix hits | "
+            "cached requests (TTFT cached / not) | per server | TTFT vs RR (mean / p90) | TTFT vs best peer (mean / p90) | "
+            "valid |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        for r in rows:
+            t = r.ttft_ms or {"mean": float("nan"), "p90": float("nan")}
+            vs_rr = (
+                f"{t['mean'] / base.ttft_ms['mean']:.2f} / {t['p90'] / base.ttft_ms['p90']:.2f}"
+                if base and base.ttft_ms
+                else "-"
+            )
+            vs_peer = (
+                f"{t['mean'] / best_peer.ttft_ms['mean']:.2f} / {t['p90'] / best_peer.ttft_ms['p90']:.2f} "
+                f"({best_peer.target})"
+                if best_peer
+                else "-"
+            )
+            cached = (  # inference-perf does not report the usage's cached_tokens per request
+                f"{r.cache_hit_requests} ({r.ttft_hit_ms.get('mean', 0):.0f} / {r.ttft_miss_ms.get('mean', 0):.0f})"
+                if r.load_generator == "builtin"
+                else "-"
+            )
+            lines.append(
+                f"| {r.target} | {t['mean']:.0f} | {t['p90']:.0f} | {r.itl_ms.get('mean', 0):.1f} | {r.e2e_ms.get('p90', 0):.0f} | "
+                f"{r.requests_per_s:.1f} | {r.output_tokens_per_s:.0f} | {r.succeeded}/{r.requests} | "
+                f"{r.prefix_hit_rate:.0%} | {cached} | {'/'.join(map(str, r.per_server))} | {vs_rr} | {vs_peer} | "
+                f"{'yes' if r.valid else f'no (CPU: ours {r.machine_busy:.0%}, host {r.host_busy:.0%})'} |"
+            )
+        lines.append("")
+        lines += [
+            "mean TTFT at the model servers (client's): "
+            + ", ".join(
+                f"{r.target} {r.server_ttft_ms:.0f} ({r.ttft_ms.get('mean', 0):.0f})" for r in rows if r.server_ttft_ms
+            ),
+            "",
+        ]
+        for r in rows:
+            epp_cpu = sum(v for k, v in r.cpu_seconds.items() if k.startswith("epp"))
+            if r.epp_index and r.succeeded:
+                i = r.epp_index
+                lines += [
+                    f"{r.target}: EPP CPU {1e3 * epp_cpu / r.succeeded:.2f} ms per request; at the end, KV-event index "
+                    f"{i.get('kv_events_index_entries', 0):.0f} entries, approximate index "
+                    f"{i.get('prefix_indexer_size', 0):.0f} entries, EPP resident memory {i['rss_mb']:.0f} MB",
+                    "",
+                ]
+        lines += _by_kind_table(rows, base)
+        lines += _goodput_table(rows)
+        for r in rows:
+            if r.predictor:
+                p = r.predictor
+                lines += [
+                    f"{r.target}: the latency predictor at the end had learnt from {p.get('observations', 0):.0f} "
+                    f"requests; windowed MAPE TTFT {p.get('ttft_mape', float('nan')):.1%}, "
+                    f"TPOT {p.get('tpot_mape', float('nan')):.1%}",
+                    "",
+                ]
+    return "\n".join(lines) + "times in ms; TTFT ratios below 1 mean faster than the reference.\n"
+
+
+def _by_kind_table(rows: list[TargetResult], base: TargetResult | None) -> list[str]:
+    """TTFT per request class of the workload (a mix entry, a traffic tier): where each target gains or loses."""
+    split = [r for r in rows if r.by_kind]
+    if not split:
+        return []
+    lines = [
+        "| target | class | succeeded | TTFT mean | TTFT p90 | TTFT vs RR (mean / p90) | met their SLO | missed TTFT / TPOT |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in split:
+        for kind, k in r.by_kind.items():
+            t = k["ttft_ms"] or {"mean": float("nan"), "p90": float("nan")}
+            reference = (base.by_kind.get(kind) or {}).get("ttft_ms") if base else None
+            vs_rr = f"{t['mean'] / reference['mean']:.2f} / {t['p90'] / reference['p90']:.2f}" if reference else "-"
+            met = f"{k['slo_met']}/{k['slo_requests']}" if k["slo_requests"] else "-"
+            missed = f"{k.get('missed_ttft', 0)} / {k.get('missed_tpot', 0)}" if k["slo_requests"] else "-"
+            lines.append(
+                f"| {r.target} | {kind} | {k['succeeded']}/{k['requests']} | {t['mean']:.0f} | {t['p90']:.0f} | "
+                f"{vs_rr} | {met} | {missed} |"
+            )
+    return [*lines, ""]
+
+
+def _goodput_table(rows: list[TargetResult]) -> list[str]:
+    """Requests that met their own objectives, per target, against the best of the other targets."""
+    judged = [r for r in rows if r.slo_requests]
+    if not judged:
+        return []
+    lines = [
+        "| target | met their SLO | goodput req/s | goodput vs best other |",
+        "| --- | --- | --- | --- |",
+    ]
+    for r in judged:
+        others = [o.goodput_per_s for o in judged if o is not r]
+        best = max(others, default=0.0)
+        ratio = f"{r.goodput_per_s / best:.2f}" if best else "-"
+        lines.append(
+            f"| {r.target} | {r.slo_met}/{r.slo_requests} ({r.slo_met / r.slo_requests:.0%}) | "
+            f"{r.goodput_per_s:.1f} | {ratio} |"
+        )
+    return [*lines, ""]
+
+
+def plots(results: list[TargetResult], out: Path) -> list[Path]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("epp-bench: matplotlib is not installed (pip install '.[bench]'); no plots written")
+        return []
+    paths = []
+    for closed, xlabel, name in ((False, "requests/s", "rate"), (True, "concurrent clients", "concurrency")):
+        runs = [r for r in results if bool(r.concurrency) == closed]
+        if not runs:
+            continue
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for target in dict.fromkeys(r.target for r in runs):
+            points = sorted(
+                (r.concurrency if closed else r.rate, r.ttft_ms.get("p90", float("nan")))
+                for r in runs
+                if r.target == target
+            )
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=target)
+        ax.set(xlabel=xlabel, ylabel="TTFT p90 (ms)", title=f"TTFT vs {xlabel}")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        paths.append(out / f"ttft_vs_{name}.png")
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+    for r in results:
+        if not r.load_over_time:
+            continue
+        load = f"{r.concurrency} clients" if r.concurrency else f"{r.rate:g} req/s"
+        fig, ax = plt.subplots(figsize=(7, 3))
+        for server in range(len(r.load_over_time[0])):
+            ax.plot(
+                [0.5 * i for i in range(len(r.load_over_time))],
+                [s[server] for s in r.load_over_time],
+                label=f"server {server}",
+            )
+        ax.set(xlabel="seconds", ylabel="running + waiting", title=f"{r.target} at {load}: load per server")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        paths.append(out / f"load_{r.target}_{f'c{r.concurrency}' if r.concurrency else f'{r.rate:g}'}.png")
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+    return paths
+
+
+async def compare(
+    workload: str,
+    targets: list[str],
+    rates: list[float],
+    duration: float,
+    servers: int,
+    out: Path,
+    scale: float = 1.0,
+    progress=print,
+    concurrencies: list[int] = (),
+    load_generator: str = "builtin",
+    warmup: float = 0.0,
+) -> list[TargetResult]:
+    known = {**EPP_TARGETS, **ENVOY_TARGETS, **PEER_TARGETS}
+    unknown = [t for t in targets if t not in known]
+    if unknown:  # before anything starts
+        raise ValueError(f"unknown target(s) {', '.join(unknown)}; known: {', '.join(known)}")
+    spec = load_workload(workload)
+    out.mkdir(parents=True, exist_ok=True)
+    results = []
+    loads = [(0.0, c) for c in concurrencies] or [(rate, 0) for rate in rates]
+    for rate, concurrency in loads:
+        for target in targets:
+            if target in PEER_TARGETS and peer_command(PEER_TARGETS[target][0]) is None:
+                progress(f"skip {target}: not installed (pip install '.[bench]')")
+                continue
+            load = f"{concurrency} concurrent clients" if concurrency else f"{rate:g} req/s"
+            progress(f"{workload}: {target} at {load} for {duration:g} s on {servers} servers ...")
+            workdir = out / "runs" / f"{target}-{f'c{concurrency}' if concurrency else f'{rate:g}'}"
+            workdir.mkdir(parents=True, exist_ok=True)
+            results.append(
+                await run_target(
+                    target,
+                    spec,
+                    rate,
+                    duration,
+                    servers,
+                    workdir,
+                    scale,
+                    concurrency=concurrency,
+                    load_generator=load_generator,
+                    warmup=warmup,
+                )
+            )
+    (out / f"{workload}.json").write_text(json.dumps([asdict(r) for r in results], indent=2))
+    (out / f"{workload}.md").write_text(markdown(results))
+    plots(results, out)
+    return results

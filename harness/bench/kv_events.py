@@ -1,0 +1,182 @@
+"""`epp-bench kv-events`: what the model servers' KV events cost the EPP, and how fresh its index is.
+
+One EPP process (the default profile, so its KV-event subscriber runs) with a pool of N endpoints; this process
+plays N vLLM servers: each publishes on its own topic `kv@<address:port>@<model>` (a PUB socket connected to the
+EPP's port, vLLM's wire format) what a server does at `rate` requests per second of `prompt_tokens`-token prompts:
+every engine step (`step_ms`) one batch with a BlockStored per request that finished its prefill in that step (its
+blocks, parent hash and token ids, as vLLM sends them) and, once its `num_gpu_blocks` are full, a BlockRemoved of
+as many old blocks. Measured side by side in one EPP: its CPU over a window without events, then with them (the
+difference is the events' cost), and the delay from each batch's `ts` (stamped when the step ends) to its
+application in the index (the EPP's inference_extension_kv_events_lag_seconds histogram, read before and after).
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import msgspec
+import yaml
+import zmq
+
+from harness.bench.overhead import bucket_quantile, cpu_seconds, histogram_buckets
+from harness.bench.ports import free_ports
+from harness.local import epp_command, wait_until_serving
+from protocol.kv_events import BlockRemoved, BlockStored, KVEventBatch
+
+LAG = "inference_extension_kv_events_lag_seconds"
+_GAUGE = re.compile(r"^(inference_extension_kv_events_\w+) (\S+)$", re.M)
+
+
+def _scrape(url: str) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=5) as r:
+        return r.read().decode()
+
+
+def _lag_quantile(before: str, after: str, q: float) -> float:
+    """The upper bound (seconds) of the histogram bucket holding quantile q of the observations between scrapes."""
+    start, end = histogram_buckets(before, LAG), histogram_buckets(after, LAG)
+    return bucket_quantile({bound: count - start.get(bound, 0.0) for bound, count in end.items()}, q)
+
+
+def _publisher(
+    endpoint: str,
+    topic: str,
+    rate: float,
+    prompt_tokens: int,
+    num_gpu_blocks: int,
+    step: float,
+    until: float,
+    seed: int,
+) -> None:
+    ctx = zmq.Context.instance()
+    pub = ctx.socket(zmq.PUB)
+    pub.connect(endpoint)
+    time.sleep(0.3)  # the connection, before the first message
+    rng = random.Random(seed)
+    encode = msgspec.msgpack.Encoder().encode
+    blocks_per_request = prompt_tokens // 16
+    tokens = [rng.randrange(32000) for _ in range(blocks_per_request * 16)]  # what they are does not matter here
+    held: list[int] = []
+    seq, next_arrival = 0, time.monotonic()
+    while time.monotonic() < until:
+        started = time.monotonic()
+        events: list = []
+        while next_arrival <= started:
+            next_arrival += rng.expovariate(rate)
+            hashes = [rng.getrandbits(64) for _ in range(blocks_per_request)]
+            events.append(BlockStored(hashes, None, tokens, 16, None, "GPU"))
+            held += hashes
+            if len(held) > num_gpu_blocks:
+                evicted, held = held[: len(held) - num_gpu_blocks], held[len(held) - num_gpu_blocks :]
+                events.append(BlockRemoved(evicted, "GPU"))
+        if events:
+            pub.send_multipart((topic.encode(), seq.to_bytes(8, "big"), encode(KVEventBatch(time.time(), events))))
+            seq += 1
+        time.sleep(max(0.0, step - (time.monotonic() - started)))
+    pub.close(linger=1000)
+
+
+def measure(servers: int, rate: float, prompt_tokens: int, seconds: float, num_gpu_blocks: int, step_ms: float) -> dict:
+    with tempfile.TemporaryDirectory(prefix="epp-kv-events-") as tmp:
+        workdir = Path(tmp)
+        ports = free_ports(4 + servers)
+        grpc, health, metrics, kv_port, server_ports = ports[0], ports[1], ports[2], ports[3], ports[4:]
+        pool = workdir / "pool.yaml"
+        pool.write_text(
+            yaml.safe_dump(
+                {
+                    "endpoints": [
+                        {"name": f"ms-{i}", "address": "127.0.0.1", "port": p} for i, p in enumerate(server_ports)
+                    ]
+                }
+            )
+        )
+        log = (workdir / "epp.log").open("wb")
+        argv = epp_command(str(pool), "127.0.0.1", grpc, health, metrics, kv_port)
+        epp = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        url = f"http://127.0.0.1:{metrics}/metrics"
+        try:
+            wait_until_serving(epp, url, workdir / "epp.log", timeout=30)
+            time.sleep(1.0)
+            cpu_before, started = cpu_seconds(epp.pid), time.monotonic()
+            time.sleep(seconds)
+            idle_cpu = (cpu_seconds(epp.pid) - cpu_before) / (time.monotonic() - started)
+            until = time.monotonic() + seconds + 0.5
+            threads = [
+                threading.Thread(
+                    target=_publisher,
+                    args=(
+                        f"tcp://127.0.0.1:{kv_port}",
+                        f"kv@127.0.0.1:{p}@m",
+                        rate,
+                        prompt_tokens,
+                        num_gpu_blocks,
+                        step_ms / 1e3,
+                        until,
+                        i,
+                    ),
+                )
+                for i, p in enumerate(server_ports)
+            ]
+            for t in threads:
+                t.start()
+            time.sleep(0.5)
+            before = _scrape(url)
+            cpu_before, started = cpu_seconds(epp.pid), time.monotonic()
+            for t in threads:
+                t.join()
+            elapsed = time.monotonic() - started
+            events_cpu = (cpu_seconds(epp.pid) - cpu_before) / elapsed
+            time.sleep(0.2)
+            after = _scrape(url)
+            values = {name: float(v) for name, v in _GAUGE.findall(after)}
+            previous = {name: float(v) for name, v in _GAUGE.findall(before)}
+            return {
+                "servers": servers,
+                "rate_per_server": rate,
+                "prompt_tokens": prompt_tokens,
+                "seconds": elapsed,
+                "batches_per_s": (
+                    values["inference_extension_kv_events_batches_total"]
+                    - previous["inference_extension_kv_events_batches_total"]
+                )
+                / elapsed,
+                "events_per_s": (
+                    values["inference_extension_kv_events_events_total"]
+                    - previous["inference_extension_kv_events_events_total"]
+                )
+                / elapsed,
+                "gaps": values["inference_extension_kv_events_gaps_total"],
+                "index_entries": values["inference_extension_kv_events_index_entries"],
+                "cpu_idle_core_share": idle_cpu,
+                "cpu_with_events_core_share": events_cpu,
+                "cpu_events_core_share": events_cpu - idle_cpu,
+                "lag_p50_le_s": _lag_quantile(before, after, 0.5),
+                "lag_p99_le_s": _lag_quantile(before, after, 0.99),
+            }
+        finally:
+            epp.terminate()
+            epp.wait(10)
+
+
+def main(servers: int, rate: float, prompt_tokens: int, seconds: float, num_gpu_blocks: int, step_ms: float) -> None:
+    r = measure(servers, rate, prompt_tokens, seconds, num_gpu_blocks, step_ms)
+    print(
+        f"{r['servers']} servers x {r['rate_per_server']:g} req/s of {r['prompt_tokens']}-token prompts for "
+        f"{r['seconds']:.1f} s: {r['batches_per_s']:.0f} batches/s, {r['events_per_s']:.0f} events/s, gaps "
+        f"{r['gaps']:.0f}, index {r['index_entries']:.0f} entries\n"
+        f"EPP CPU: {100 * r['cpu_idle_core_share']:.1f} % of a core without events, "
+        f"{100 * r['cpu_with_events_core_share']:.1f} % with them: the events cost "
+        f"{100 * r['cpu_events_core_share']:.1f} % of a core\n"
+        f"step -> index delay: p50 <= {1e3 * r['lag_p50_le_s']:g} ms, p99 <= {1e3 * r['lag_p99_le_s']:g} ms "
+        "(histogram bucket bounds)"
+    )

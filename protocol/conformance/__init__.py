@@ -1,1 +1,0 @@
-"""Conformance suites: the Model Server Protocol, checked black-box against any OpenAI-compatible server."""
