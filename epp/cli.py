@@ -30,11 +30,9 @@ from epp.datalayer.kv_events import KVBlockIndex, KVEventSubscriber
 from epp.datalayer.pool_file import PoolFileError, PoolFileSource
 from epp.datalayer.scraper import Scraper
 from epp.flowcontrol import FlowControlConfig, FlowController
-from epp.grpc_h2 import MAX_CONNECTIONS, ExtProcServer, UnaryMethod
 from epp.handlers import Reply, accesslog
 from epp.handlers.budget import ByteBudget
 from epp.handlers.extproc import DEFAULT_MAX_BODY_BYTES, RequestStream
-from epp.handlers.grpcio import access_log_service, ext_proc_service
 from epp.handlers.wire import ExtProcRequest
 from epp.health import HealthState
 from epp.leader import LeaseElector
@@ -42,6 +40,8 @@ from epp.metrics import EPPMetrics, MetricsPage
 from epp.requestcontrol.director import Director
 from epp.scheduling.errors import ConfigError
 from epp.scheduling.scheduler import Scheduler
+from epp.transport.grpcio import access_log_service, ext_proc_service
+from epp.transport.h2 import MAX_CONNECTIONS, ExtProcServer, UnaryMethod
 from protocol import extproc
 from protocol.kv_events import DEFAULT_SUBSCRIBER_PORT
 

@@ -17,12 +17,12 @@ from prometheus_client.utils import floatToGoString
 from epp.datalayer.endpoint import Endpoint
 from epp.datalayer.kv_events import LAG_BUCKETS, KVEventSubscriber
 from epp.flowcontrol import FlowController
-from epp.grpc_h2 import ExtProcServer
 from epp.handlers.budget import ByteBudget
 from epp.predictor import LatencyPredictor
 from epp.scheduling.framework import PrefixIndexStats
 from epp.scheduling.load import queue_depth
 from epp.scheduling.types import TypedName
+from epp.transport.h2 import ExtProcServer
 
 DURATION_BUCKETS = (0.005, 0.025, 0.05, 0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 1.25, 1.5, 2, 3, 4, 5, 6, 8, 10, 15, 20, 30,
                     45, 60, 120, 180, 240, 300, 360, 480, 600, 900, 1200, 1800, 2700, 3600)  # fmt: skip
@@ -306,7 +306,7 @@ class _KVEventsCollector:
 
 
 class _ExtProcCollector:
-    """The ext_proc transport's shared bounds (epp/grpc_h2.py, epp/handlers), read when Prometheus scrapes."""
+    """The ext_proc transport's shared bounds (epp/transport/h2.py, epp/handlers), read when Prometheus scrapes."""
 
     def __init__(self, server: Callable[[], ExtProcServer | None], body_budget: Callable[[], ByteBudget | None]):
         self.server = server

@@ -5,7 +5,7 @@ client): over ext_proc, a HEADERS frame and three DATA frames (request headers, 
 read, the stream's END_STREAM and RST_STREAM in a second (the response headers are not sent: the access log brings
 status and endpoint; Envoy resets the stream as it ends it, without waiting for trailers); then
 its access-log record, in an OpenTelemetry Export call on a connection of its own that carries a read's worth of
-records, as Envoy batches them. Those frames go to the h2 transport (`epp.grpc_h2.ExtProcConnection`) with the EPP's
+records, as Envoy batches them. Those frames go to the h2 transport (`epp.transport.h2.ExtProcConnection`) with the EPP's
 handler, director, default scheduler and flow control over four endpoints, and the access-log handler; the answers
 go to a transport that only counts them. With `--streamed` the records' times train the latency predictor, so
 after the first round its plugins predict for every request and each record costs what learning from it costs, as
@@ -47,7 +47,14 @@ from epp.datalayer.datastore import Datastore
 from epp.datalayer.endpoint import EndpointSpec, PoolState
 from epp.datalayer.kv_events import KVBlockIndex
 from epp.flowcontrol import FlowControlConfig, FlowController
-from epp.grpc_h2 import (
+from epp.handlers import accesslog
+from epp.handlers.budget import ByteBudget
+from epp.handlers.extproc import RequestStream
+from epp.handlers.wire import ExtProcRequest
+from epp.metrics import EPPMetrics
+from epp.requestcontrol.director import Director
+from epp.scheduling.scheduler import DEFAULT_CONFIG, Scheduler
+from epp.transport.h2 import (
     DATA,
     END_HEADERS,
     END_STREAM,
@@ -64,13 +71,6 @@ from epp.grpc_h2 import (
     frame,
     grpc_message,
 )
-from epp.handlers import accesslog
-from epp.handlers.budget import ByteBudget
-from epp.handlers.extproc import RequestStream
-from epp.handlers.wire import ExtProcRequest
-from epp.metrics import EPPMetrics
-from epp.requestcontrol.director import Director
-from epp.scheduling.scheduler import DEFAULT_CONFIG, Scheduler
 from harness.bench import build
 from protocol import extproc
 from protocol.metrics import EndpointMetrics

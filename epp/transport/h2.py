@@ -32,7 +32,7 @@ from hpack.exceptions import HPACKError
 from epp.handlers import NewHandler, RepeatedWarning, oversized_messages
 from epp.handlers.budget import ByteBudget
 
-log = logging.getLogger("epp.grpc_h2")
+log = logging.getLogger("epp.transport.h2")
 
 PROCESS_PATH = b"/envoy.service.ext_proc.v3.ExternalProcessor/Process"
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
@@ -789,14 +789,14 @@ class ExtProcServer:
         self.partial = ByteBudget(MAX_PARTIAL_BYTES)
         self.outbound = ByteBudget(MAX_SHARED_OUTBOUND_BYTES)  # held: the connections' backlogs as last counted
         self.shed = RepeatedWarning(
-            "epp.grpc_h2",
+            "epp.transport.h2",
             "aborted an ext_proc connection holding %d bytes of unread answers: all connections held %d, over %d; "
             "%d so far",
         )
         self.oversized = oversized_messages()
         self.connections: set[ExtProcConnection] = set()
         self.refused = RepeatedWarning(
-            "epp.grpc_h2", "refused an ext_proc connection: %d are open (--max-ext-proc-connections); %d so far"
+            "epp.transport.h2", "refused an ext_proc connection: %d are open (--max-ext-proc-connections); %d so far"
         )
         self.server: asyncio.Server | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
