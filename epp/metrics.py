@@ -16,11 +16,11 @@ from prometheus_client.utils import floatToGoString
 
 from epp.datalayer.endpoint import Endpoint
 from epp.datalayer.kv_events import LAG_BUCKETS, KVEventSubscriber
+from epp.datalayer.load import queue_depth
 from epp.flowcontrol import FlowController
 from epp.handlers.budget import ByteBudget
 from epp.predictor import LatencyPredictor
 from epp.scheduling.framework import PrefixIndexStats
-from epp.scheduling.load import queue_depth
 from epp.scheduling.types import TypedName
 from epp.transport.h2 import ExtProcServer
 

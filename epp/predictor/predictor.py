@@ -262,7 +262,7 @@ class LatencyPredictor:
         rows: list = []  # the raw measurements: a row per candidate when few, else flat for numpy
         add = rows.append if few else rows.extend
         slowness: list[float] = []  # each endpoint's (PrefillBacklog.slowness)
-        # queue_depth / running_requests (epp.scheduling.load), PrefillBacklog.tokens and .rate, inlined: this loop
+        # queue_depth / running_requests (epp.datalayer.load), PrefillBacklog.tokens and .rate, inlined: this loop
         # is the per-candidate cost of the predictor
         for e, cached in zip(endpoints, cached_tokens, strict=True):
             name = e.spec.name

@@ -14,9 +14,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from epp.datalayer.endpoint import Endpoint
+from epp.datalayer.load import queue_depth
 from epp.scheduling.errors import ShedError
 from epp.scheduling.framework import Parameters
-from epp.scheduling.load import queue_depth
 from epp.scheduling.types import SchedulingRequest
 
 
