@@ -19,8 +19,9 @@ from typing import Any, ClassVar
 
 from epp.datalayer.endpoint import Endpoint, EndpointSpec
 from epp.datalayer.kv_events import KVBlockIndex
-from epp.predictor import CandidatePredictions, LatencyPredictor
+from epp.predictor import LatencyPredictor
 from epp.scheduling.errors import ConfigError
+from epp.scheduling.predictions import CandidatePredictions
 from epp.scheduling.types import CycleState, ResponseInfo, SchedulingRequest, SchedulingResult, StateKey, TypedName
 from protocol.metrics import EndpointMetrics
 
@@ -166,7 +167,7 @@ class PrefixIndexStats(Plugin):
 
 
 class LatencyPredictionReader(Plugin):
-    """Reads the latency predictor's predictions (`epp.predictor.CandidatePredictions`). A scheduler has one
+    """Reads the latency predictor's predictions (`epp.scheduling.predictions.CandidatePredictions`). A scheduler has one
     predictor and hands it to every plugin of its profile that reads one (`use_predictions`): what one plugin feeds
     (a reader that is also ResponseTimed learns from the responses), the others read, and no two schedulers share
     one. A plugin built alone reads a predictor of its own. Until the predictor predicts (`ttft_ready`), a reader's

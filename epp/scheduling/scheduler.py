@@ -44,7 +44,7 @@ import yaml
 
 from epp.datalayer.endpoint import Endpoint
 from epp.datalayer.kv_events import KVBlockIndex
-from epp.predictor import CandidatePredictions, LatencyPredictor
+from epp.predictor import LatencyPredictor
 from epp.scheduling.errors import ConfigError, NoEndpointError
 from epp.scheduling.framework import (
     Filter,
@@ -62,6 +62,7 @@ from epp.scheduling.framework import (
     build_plugin,
     check_data_dependencies,
 )
+from epp.scheduling.predictions import CandidatePredictions
 from epp.scheduling.saturation import SaturationDetector, admit
 from epp.scheduling.types import (
     CycleState,

@@ -18,10 +18,11 @@ from epp.datalayer.datastore import Datastore
 from epp.datalayer.endpoint import Endpoint, EndpointSpec, PoolState
 from epp.flowcontrol import FlowControlConfig, FlowController
 from epp.metrics import EPPMetrics
-from epp.predictor import CandidatePredictions, LatencyPredictor, endpoint_features
+from epp.predictor import LatencyPredictor, endpoint_features
 from epp.requestcontrol.director import Director
 from epp.scheduling import plugins  # noqa: F401  (registers the built-in plugins, which scorers_only_config reads)
 from epp.scheduling.framework import PLUGIN_TYPES, LatencyPredictionReader
+from epp.scheduling.predictions import CandidatePredictions
 from epp.scheduling.scheduler import DEFAULT_CONFIG, Scheduler
 from epp.scheduling.types import ResponseInfo, SchedulingRequest, SchedulingResult
 from protocol.metrics import EndpointMetrics

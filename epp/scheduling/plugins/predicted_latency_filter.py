@@ -28,10 +28,10 @@ the default profile (`epp.scheduling.scheduler.DEFAULT_CONFIG`) has predicted-la
 from __future__ import annotations
 
 from epp.datalayer.endpoint import Endpoint
-from epp.predictor.candidates import CACHED_TOKENS, PREDICTED_LATENCY, PREDICTION_READS
 from epp.scheduling.errors import ConfigError
 from epp.scheduling.framework import Filter, Parameters, register
 from epp.scheduling.plugins.predicted_latency_scorer import FED, OBSERVED, ROUTED_FEATURES, PredictorFeed
+from epp.scheduling.predictions import CACHED_TOKENS, PREDICTED_LATENCY, PREDICTION_READS
 from epp.scheduling.types import CycleState, SchedulingRequest
 
 

@@ -41,7 +41,6 @@ from collections.abc import Sequence
 
 from epp.datalayer.endpoint import Endpoint
 from epp.predictor import Features
-from epp.predictor.candidates import CACHED_TOKENS, PREDICTED_LATENCY, PREDICTION_READS
 from epp.scheduling.errors import ConfigError
 from epp.scheduling.framework import (
     LatencyPredictionReader,
@@ -52,6 +51,7 @@ from epp.scheduling.framework import (
     Scorer,
     register,
 )
+from epp.scheduling.predictions import CACHED_TOKENS, PREDICTED_LATENCY, PREDICTION_READS
 from epp.scheduling.types import CycleState, SchedulingRequest, SchedulingResult, StateKey
 
 # A streamed request's features at its pick (only its timings come back to learn from).
