@@ -23,6 +23,7 @@ from aiohttp import web
 from grpc_health.v1 import health_pb2_grpc
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from epp.config import ConfigError
 from epp.datalayer.datastore import Datastore
 from epp.datalayer.endpoint import PoolState
 from epp.datalayer.kubernetes import KubernetesSource
@@ -38,7 +39,6 @@ from epp.health import HealthState
 from epp.leader import LeaseElector
 from epp.metrics import EPPMetrics, MetricsPage
 from epp.requestcontrol.director import Director
-from epp.scheduling.errors import ConfigError
 from epp.scheduling.scheduler import Scheduler
 from epp.transport.grpcio import access_log_service, ext_proc_service
 from epp.transport.h2 import MAX_CONNECTIONS, ExtProcServer, UnaryMethod

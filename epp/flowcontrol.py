@@ -29,10 +29,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import yaml
-
-from epp.scheduling.errors import ConfigError
-from epp.scheduling.framework import Parameters
+from epp.config import ConfigError
+from epp.config.loader import EndpointPickerConfig, load
+from epp.config.parameters import Parameters
 
 DISPATCHED = "Dispatched"
 REJECTED_CAPACITY = "RejectedCapacity"
@@ -138,15 +137,15 @@ class FlowControlConfig:
 
     @classmethod
     def from_text(cls, config_text: str | None) -> FlowControlConfig:
-        """From the `flowControl` section of EndpointPickerConfig YAML (the scheduler reads the rest); llm-d's
-        feature gate `flowControl=false` in `featureGates` turns it off like `flowControl: {enabled: false}`."""
-        try:
-            config = yaml.safe_load(config_text) if config_text else None
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"config is not valid YAML: {exc}") from None
-        config = config if isinstance(config, dict) else {}
-        cfg = cls.from_config(config.get("flowControl"))
-        gates = config.get("featureGates") or []
+        """From EndpointPickerConfig YAML, read by the config loader; see from_sections."""
+        return cls.from_sections(load(config_text))
+
+    @classmethod
+    def from_sections(cls, config: EndpointPickerConfig) -> FlowControlConfig:
+        """From the sections of a loaded EndpointPickerConfig flow control owns: `flowControl`, and llm-d's feature
+        gate `flowControl=false` in `featureGates`, which turns it off like `flowControl: {enabled: false}`."""
+        cfg = cls.from_config(config.flow_control)
+        gates = config.feature_gates or []
         if not isinstance(gates, list) or not all(isinstance(g, str) for g in gates):
             raise ConfigError(f"featureGates must be a list of strings like flowControl=false, got {gates!r}")
         for gate in gates:

@@ -43,6 +43,7 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from hpack import Encoder
 
+from epp.config.loader import DEFAULT_CONFIG, load
 from epp.datalayer.datastore import Datastore
 from epp.datalayer.endpoint import EndpointSpec, PoolState
 from epp.datalayer.kv_events import KVBlockIndex
@@ -53,7 +54,7 @@ from epp.handlers.extproc import RequestStream
 from epp.handlers.wire import ExtProcRequest
 from epp.metrics import EPPMetrics
 from epp.requestcontrol.director import Director
-from epp.scheduling.scheduler import DEFAULT_CONFIG, Scheduler
+from epp.scheduling.scheduler import Scheduler
 from epp.transport.h2 import (
     DATA,
     END_HEADERS,
@@ -204,7 +205,8 @@ class HandlerCpuResult:
 def _director(config: str = DEFAULT_CONFIG, kv_events: bool = False) -> Director:
     """A fresh EPP's director with `config` (an EndpointPickerConfig): its latency predictor has learnt nothing;
     with `kv_events` the endpoints are known as KV-event publishers (holding no block yet)."""
-    scheduler = Scheduler.from_config(config)
+    sections = load(config)
+    scheduler = Scheduler.from_sections(sections)
     datastore = Datastore([_NoScraper()], scheduler.on_pool_changed)
     datastore.apply(
         PoolState(endpoints=tuple(EndpointSpec(f"sim-{i}", "127.0.0.1", 8000 + i) for i in range(ENDPOINTS)))
@@ -226,7 +228,7 @@ def _director(config: str = DEFAULT_CONFIG, kv_events: bool = False) -> Director
         lambda: None,
     )
     flow_control = FlowController(
-        FlowControlConfig.from_text(config),
+        FlowControlConfig.from_sections(sections),
         lambda in_flight: detector.has_room(datastore.endpoints, in_flight),
         observer=metrics.flow_control_outcome,
         poll_interval=0.05,

@@ -5,7 +5,8 @@ import random
 import pytest
 
 from epp.predictor import Features, LatencyPredictor
-from epp.scheduling.framework import LatencyPredictionReader, build_plugin
+from epp.scheduling.framework import LatencyPredictionReader
+from epp.scheduling.plugins import build_plugin
 from epp.scheduling.predictions import CandidatePredictions
 
 
