@@ -24,16 +24,16 @@ from grpc_health.v1 import health_pb2_grpc
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from epp.config import ConfigError
-from epp.datalayer.datastore import Datastore
+from epp.datalayer.datastore import Datastore, PoolCollector
 from epp.datalayer.endpoint import PoolState
 from epp.datalayer.kubernetes import KubernetesSource
 from epp.datalayer.kv_events import KVBlockIndex, KVEventSubscriber
 from epp.datalayer.pool_file import PoolFileError, PoolFileSource
 from epp.datalayer.scraper import Scraper
-from epp.flowcontrol import FlowControlConfig, FlowController
+from epp.flowcontrol import FlowControlCollector, FlowControlConfig, FlowController
 from epp.handlers import Reply, accesslog
 from epp.handlers.budget import ByteBudget
-from epp.handlers.extproc import DEFAULT_MAX_BODY_BYTES, RequestStream
+from epp.handlers.extproc import DEFAULT_MAX_BODY_BYTES, BufferedBodyCollector, RequestStream
 from epp.handlers.wire import ExtProcRequest
 from epp.health import HealthState
 from epp.leader import LeaseElector
@@ -214,19 +214,8 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     pool_name = args.pool_name or Path(args.pool_file).stem
     detector = scheduler.detector
     flow_control = None
-    server = None
     body_budget = ByteBudget(args.max_buffered_body_bytes)
-    metrics = EPPMetrics(
-        pool_name,
-        lambda: datastore.endpoints,
-        lambda: scheduler.prefix_index,
-        lambda: flow_control,
-        lambda: detector.saturation(datastore.endpoints),
-        lambda: scheduler.latency_predictor,
-        lambda: subscriber,
-        lambda: server if isinstance(server, ExtProcServer) else None,
-        lambda: body_budget,
-    )
+    metrics = EPPMetrics(pool_name)
     if flow_config.enabled:
         flow_control = FlowController(
             flow_config,
@@ -258,6 +247,14 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
             [ext_proc_service(new_stream, ExtProcRequest), access_log_service(export_access_log)]
         )
         server.add_insecure_port(f"{args.bind_address}:{args.grpc_port}")
+    metrics.register(PoolCollector(pool_name, datastore))
+    metrics.register(scheduler)
+    metrics.register(FlowControlCollector(metrics, flow_control, datastore, detector.saturation))
+    if subscriber is not None:
+        metrics.register(subscriber)
+    metrics.register(BufferedBodyCollector(body_budget))
+    if isinstance(server, ExtProcServer):
+        metrics.register(server)
     health = HealthState()
     health_server = grpc.aio.server()
     health_pb2_grpc.add_HealthServicer_to_server(health.servicer, health_server)

@@ -42,6 +42,8 @@ from dataclasses import dataclass
 from time import perf_counter
 from typing import Any, NamedTuple
 
+from prometheus_client.core import GaugeMetricFamily
+
 from epp.config import ConfigError
 from epp.config.loader import EndpointPickerConfig, load
 from epp.datalayer.endpoint import Endpoint
@@ -192,6 +194,23 @@ class Scheduler:
         """The predictor the profile trains (one of its readers learns from the responses' timings), whose error
         the EPP exports; None when no plugin trains one."""
         return self.predictions.predictor if self._trains_predictor else None
+
+    def collect(self):
+        """The prefix index's and the latency predictor's metrics, when the profile has them (read when Prometheus
+        scrapes)."""
+        index = self.prefix_index
+        if index is not None:
+            size = GaugeMetricFamily("inference_extension_prefix_indexer_size", "Size of the prefix indexer.")
+            size.add_metric([], index.index_size)
+            ratio = GaugeMetricFamily(
+                "inference_extension_prefix_indexer_hit_ratio",
+                "Fraction of prompt blocks found on the chosen endpoint, over all requests.",
+            )
+            ratio.add_metric([], index.hit_ratio)
+            yield from (size, ratio)
+        predictor = self.latency_predictor
+        if predictor is not None:
+            yield from predictor.collect()
 
     def admit(self, request: SchedulingRequest, endpoints: Sequence[Endpoint]) -> None:
         """Raise ShedError (429) for a sheddable request while the pool is saturated."""

@@ -80,7 +80,7 @@ def measure_director(
     scheduler = Scheduler.from_config(None)
     datastore = Datastore([_DrawnMetrics(pool)], scheduler.on_pool_changed)
     datastore.apply(PoolState(endpoints=tuple(e.spec for e in pool)))
-    director = Director(datastore, scheduler, EPPMetrics("bench", lambda: datastore.endpoints, lambda: None))
+    director = Director(datastore, scheduler, EPPMetrics("bench"))
     if flow_control:
         detector = scheduler.detector
         director.flow_control = FlowController(

@@ -217,16 +217,7 @@ def _director(config: str = DEFAULT_CONFIG, kv_events: bool = False) -> Director
             index.saw(endpoint.hostport, REQUEST["model"])
         scheduler.use_kv_index(index)
     detector = scheduler.detector
-    flow_control = None
-    metrics = EPPMetrics(
-        "pool",
-        lambda: datastore.endpoints,
-        lambda: scheduler.prefix_index,
-        lambda: flow_control,
-        lambda: detector.saturation(datastore.endpoints),
-        lambda: None,
-        lambda: None,
-    )
+    metrics = EPPMetrics("pool")
     flow_control = FlowController(
         FlowControlConfig.from_sections(sections),
         lambda in_flight: detector.has_room(datastore.endpoints, in_flight),

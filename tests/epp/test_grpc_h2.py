@@ -12,6 +12,7 @@ from prometheus_client import generate_latest
 
 from epp.handlers import accesslog
 from epp.handlers.budget import ByteBudget
+from epp.handlers.extproc import BufferedBodyCollector
 from epp.metrics import EPPMetrics
 from epp.transport import h2
 from epp.transport.h2 import MAX_RECEIVE_FRAME, PREFACE, ExtProcServer, UnaryMethod, frame, grpc_message
@@ -350,9 +351,9 @@ async def test_connections_over_the_limit_get_goaway_and_the_count_comes_back():
         assert server.refused.count == 1 and len(server.connections) == 2
         body_budget = ByteBudget(100)
         body_budget.reserve(40)
-        metrics = EPPMetrics(
-            "pool", list, lambda: None, ext_proc_server=lambda: server, body_budget=lambda: body_budget
-        )
+        metrics = EPPMetrics("pool")
+        metrics.register(BufferedBodyCollector(body_budget))
+        metrics.register(server)
         page = generate_latest(metrics.registry).decode()
         for line in (
             "inference_extension_ext_proc_connections 2.0",
