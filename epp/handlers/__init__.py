@@ -21,7 +21,6 @@ drive the same way:
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from typing import Protocol
 
@@ -43,32 +42,3 @@ class ExtProcHandler(Protocol):
 
 
 NewHandler = Callable[[Reply], ExtProcHandler]
-
-
-class RepeatedWarning:
-    """An event a peer can repeat at will, worth an operator's attention: counted, and logged at the first and at
-    every thousandth (with the count so far, the message's last argument), so that it is seen without flooding the
-    log."""
-
-    __slots__ = ("count", "logger", "message")
-
-    def __init__(self, logger: str, message: str) -> None:
-        self.count = 0
-        self.logger = logging.getLogger(logger)
-        self.message = message
-
-    def note(self, *args: object) -> None:
-        if self.count % 1000 == 0:
-            self.logger.warning(self.message, *args, self.count + 1)
-        self.count += 1
-
-
-def oversized_messages() -> RepeatedWarning:
-    """gRPC messages a transport refused unread over their method's size limit (RESOURCE_EXHAUSTED); `note(type
-    name, length, limit)`. A gateway whose access-log batches are too large loses their records: its operator needs
-    to see why."""
-    return RepeatedWarning(
-        "epp.handlers",
-        "refused a %d-byte %s over its limit of %d bytes; for the access log's Export, lower the gateway's "
-        "buffer_size_bytes (%d so far)",
-    )

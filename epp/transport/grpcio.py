@@ -10,7 +10,8 @@ from collections.abc import Callable
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from epp.handlers import NewHandler, accesslog, oversized_messages
+from epp.handlers import NewHandler, accesslog
+from epp.transport import oversized_messages
 
 log = logging.getLogger("epp.transport.grpcio")
 

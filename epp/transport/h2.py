@@ -30,9 +30,10 @@ from hpack import Decoder
 from hpack.exceptions import HPACKError
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from epp.handlers import NewHandler, RepeatedWarning, oversized_messages
+from epp.handlers import NewHandler
 from epp.handlers.budget import ByteBudget
 from epp.metrics import unlabelled
+from epp.transport import RepeatedWarning, oversized_messages
 
 log = logging.getLogger("epp.transport.h2")
 
