@@ -1,5 +1,6 @@
-"""The EPP's own Prometheus metrics, named like GIE's. Pool gauges are computed when Prometheus scrapes (no work
-on the request path). Per-request series are plain numbers updated on the event loop and turned into samples only
+"""The EPP's own Prometheus metrics, named like GIE's: a leaf that imports nothing of the EPP. Its parts register
+their collectors here (`EPPMetrics.register`), read when Prometheus scrapes (no work on the request path). Per-request
+series are plain numbers updated on the event loop and turned into samples only
 when Prometheus scrapes (`_Series`): prometheus_client's own children take a lock and check observability on every
 call, ~30 calls per request; the request path's own time went from 65-70 to 57-59 µs per request with this
 (in-process: three messages parsed, handled and answered per request, 5,000 requests, three runs each)."""
