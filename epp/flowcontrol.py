@@ -25,14 +25,18 @@ import itertools
 import re
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import yaml
+from prometheus_client.core import GaugeMetricFamily
 
-from epp.scheduling.errors import ConfigError
-from epp.scheduling.framework import Parameters
+from epp.config import ConfigError
+from epp.config.loader import EndpointPickerConfig, load
+from epp.config.parameters import Parameters
+from epp.datalayer.datastore import Datastore
+from epp.datalayer.endpoint import Endpoint
+from epp.metrics import EPPMetrics
 
 DISPATCHED = "Dispatched"
 REJECTED_CAPACITY = "RejectedCapacity"
@@ -138,15 +142,15 @@ class FlowControlConfig:
 
     @classmethod
     def from_text(cls, config_text: str | None) -> FlowControlConfig:
-        """From the `flowControl` section of EndpointPickerConfig YAML (the scheduler reads the rest); llm-d's
-        feature gate `flowControl=false` in `featureGates` turns it off like `flowControl: {enabled: false}`."""
-        try:
-            config = yaml.safe_load(config_text) if config_text else None
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"config is not valid YAML: {exc}") from None
-        config = config if isinstance(config, dict) else {}
-        cfg = cls.from_config(config.get("flowControl"))
-        gates = config.get("featureGates") or []
+        """From EndpointPickerConfig YAML, read by the config loader; see from_sections."""
+        return cls.from_sections(load(config_text))
+
+    @classmethod
+    def from_sections(cls, config: EndpointPickerConfig) -> FlowControlConfig:
+        """From the sections of a loaded EndpointPickerConfig flow control owns: `flowControl`, and llm-d's feature
+        gate `flowControl=false` in `featureGates`, which turns it off like `flowControl: {enabled: false}`."""
+        cfg = cls.from_config(config.flow_control)
+        gates = config.feature_gates or []
         if not isinstance(gates, list) or not all(isinstance(g, str) for g in gates):
             raise ConfigError(f"featureGates must be a list of strings like flowControl=false, got {gates!r}")
         for gate in gates:
@@ -485,3 +489,60 @@ class FlowController:
             band = self.bands[priority] = Band(self.config.band(priority))
             self.order = sorted(self.bands.values(), key=lambda b: -b.config.priority)
         return band
+
+
+class FlowControlCollector:
+    """Flow control's queues (per band and flow), the pool's saturation and the autoscaler signal (requests queued
+    per ready endpoint), read when Prometheus scrapes. With flow control off (`controller` None) nothing is queued and
+    the pool's gauges are still exported. `saturation`: the share of saturated endpoints (the saturation detector's)."""
+
+    def __init__(
+        self,
+        metrics: EPPMetrics,
+        controller: FlowController | None,
+        datastore: Datastore,
+        saturation: Callable[[Sequence[Endpoint]], float],
+    ):
+        self.metrics = metrics
+        self.controller = controller
+        self.datastore = datastore
+        self.saturation = saturation
+
+    def collect(self):
+        pool = self.metrics.pool_name
+        labels = ["fairness_id", "priority", "inference_pool"]
+        size = GaugeMetricFamily(
+            "inference_extension_flow_control_queue_size",
+            "Current count of requests in the flow control buffer.",
+            labels=labels,
+        )
+        size_bytes = GaugeMetricFamily(
+            "inference_extension_flow_control_queue_bytes",
+            "Current size in bytes of all buffered requests.",
+            labels=labels,
+        )
+        saturation = GaugeMetricFamily(
+            "inference_extension_flow_control_pool_saturation",
+            "Share of the pool's endpoints that are saturated.",
+            labels=["inference_pool"],
+        )
+        saturation.add_metric([pool], self.saturation(self.datastore.endpoints))
+        per_endpoint = GaugeMetricFamily(
+            "inference_extension_flow_control_queued_requests_per_ready_endpoint",
+            "Requests waiting in flow control per ready endpoint (an autoscaling signal).",
+            labels=["inference_pool"],
+        )
+        controller = self.controller
+        totals: dict[tuple[str, str], list[int]] = {}
+        for priority, flow, count, size_of in controller.queued() if controller is not None else ():
+            key = (self.metrics.fairness_label(flow), str(priority))
+            total = totals.setdefault(key, [0, 0])
+            total[0] += count
+            total[1] += size_of
+        for (flow, priority), (count, size_of) in totals.items():
+            size.add_metric([flow, priority, pool], count)
+            size_bytes.add_metric([flow, priority, pool], size_of)
+        ready = sum(1 for e in self.datastore.endpoints if not e.stale and e.metrics is not None)
+        queued = controller.count if controller is not None else 0
+        per_endpoint.add_metric([pool], queued / ready if ready else float(queued))
+        yield from (size, size_bytes, saturation, per_endpoint)

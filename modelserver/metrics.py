@@ -24,6 +24,7 @@ from prometheus_client.core import HistogramMetricFamily
 
 from modelserver.engine.config import EngineConfig
 from modelserver.engine.stats import IterationStats, SchedulerStats
+from protocol.exposition import bucket_bounds, count_value, cumulative_buckets, sample_value
 from protocol.metrics import (
     LABEL_ENGINE,
     LABEL_FINISHED_REASON,
@@ -125,8 +126,7 @@ class _HistogramText:
         self._parts = []
         for h in histograms:
             header = f"# HELP {h.name} {_escape(h.documentation)}\n# TYPE {h.name} histogram\n"
-            les = [repr(float(b)) for b in h.bounds] + ["+Inf"]
-            prefixes = [f'{h.name}_bucket{{{labels},le="{le}"}} ' for le in les]
+            prefixes = [f'{h.name}_bucket{{{labels},le="{le}"}} ' for le in bucket_bounds(h.bounds)]
             self._parts.append((h, header, prefixes, f"{h.name}_count{{{labels}}} ", f"{h.name}_sum{{{labels}}} "))
 
     def render(self, names: Collection[str] | None = None) -> str:
@@ -145,34 +145,30 @@ class _HistogramText:
                 cumulative = 0
                 for prefix, bucket_count in zip(prefixes, h.counts, strict=True):
                     cumulative += bucket_count
-                    out.append(f"{prefix}{cumulative}.0\n")
+                    out.append(f"{prefix}{count_value(cumulative)}\n")
             else:
                 cumulative = sum(h.counts)
             if count:
-                out.append(f"{count_prefix}{cumulative}.0\n")
+                out.append(f"{count_prefix}{count_value(cumulative)}\n")
             if total:
-                out.append(f"{sum_prefix}{h.sum!r}\n")
+                out.append(f"{sum_prefix}{sample_value(h.sum)}\n")
         return "".join(out)
 
 
 class _HistogramCollector:
     def __init__(self, histograms: list[FastHistogram], label_names: list[str], label_values: list[str]):
-        self._histograms = histograms
+        self._histograms = [(h, bucket_bounds(h.bounds)) for h in histograms]
         self._label_names = label_names
         self._label_values = label_values
 
     def collect(self):
-        for h in self._histograms:
+        for h, les in self._histograms:
             family = HistogramMetricFamily(h.name, h.documentation, labels=self._label_names)
-            cumulative, buckets = 0, []
-            for bound, count in zip((*h.bounds, float("inf")), h.counts, strict=True):
-                cumulative += count
-                buckets.append(("+Inf" if bound == float("inf") else repr(float(bound)), cumulative))
-            family.add_metric(self._label_values, buckets, h.sum)
+            family.add_metric(self._label_values, cumulative_buckets(les, h.counts), h.sum)
             yield family
 
     def describe(self):
-        return [HistogramMetricFamily(h.name, h.documentation, labels=self._label_names) for h in self._histograms]
+        return [HistogramMetricFamily(h.name, h.documentation, labels=self._label_names) for h, _ in self._histograms]
 
 
 class PrometheusStatLogger:

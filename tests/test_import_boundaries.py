@@ -1,5 +1,6 @@
 """The package boundaries hold (import-linter's contracts in pyproject.toml, run by `make lint` and `make test`):
-the runtime packages import no part of the workshop, and every top-level package of ours is under a contract."""
+the runtime packages import no part of the workshop, every top-level package of ours is under a contract, and every
+part of the EPP has its place in the EPP's layers."""
 
 import subprocess
 import sys
@@ -22,6 +23,17 @@ def test_every_runtime_package_is_forbidden_the_workshop():
     packages = {p.name for p in ROOT.iterdir() if (p / "__init__.py").is_file() and p.name != "tests"}
     assert set(config["root_packages"]) == packages == RUNTIME | {"harness"}
     guarded = {
-        source for c in config["contracts"] if "harness" in c["forbidden_modules"] for source in c["source_modules"]
+        source
+        for c in config["contracts"]
+        if "harness" in c.get("forbidden_modules", ())
+        for source in c["source_modules"]
     }
     assert guarded == RUNTIME
+
+
+def test_every_part_of_the_epp_is_in_a_layer():
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
+    (layers,) = [c["layers"] for c in config["contracts"] if c["type"] == "layers"]
+    placed = {name.strip().removeprefix("epp.") for layer in layers for name in layer.split("|")}
+    parts = {p.stem for p in (ROOT / "epp").iterdir() if p.suffix == ".py" or (p / "__init__.py").is_file()}
+    assert parts - {"__init__", "__main__"} == placed

@@ -7,7 +7,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 
+from prometheus_client.core import GaugeMetricFamily
+
 from epp.datalayer.endpoint import Endpoint, PoolState
+from epp.datalayer.load import queue_depth
 from epp.datalayer.source import EndpointSource
 
 log = logging.getLogger("epp.datastore")
@@ -64,3 +67,39 @@ class Datastore:
                 source.stop(endpoint)
         for source in self.sources:
             await source.close()
+
+
+class PoolCollector:
+    """The pool's gauges (GIE's inference_pool_*), computed from the datastore's endpoints when Prometheus scrapes."""
+
+    def __init__(self, pool_name: str, datastore: Datastore):
+        self.pool_name = pool_name
+        self.datastore = datastore
+
+    def collect(self):
+        endpoints = self.datastore.endpoints
+        ready = [e for e in endpoints if not e.stale and e.metrics is not None]
+        kv = GaugeMetricFamily(
+            "inference_pool_average_kv_cache_utilization",
+            "The average kv cache utilization for an inference server pool.",
+            labels=["name"],
+        )
+        kv.add_metric([self.pool_name], sum(e.metrics.kv_usage for e in ready) / len(ready) if ready else 0.0)
+        queue = GaugeMetricFamily(
+            "inference_pool_average_queue_size",
+            "The average number of requests pending in the model server queue.",
+            labels=["name"],
+        )
+        queue.add_metric([self.pool_name], sum(queue_depth(e) for e in ready) / len(ready) if ready else 0.0)
+        pods = GaugeMetricFamily(
+            "inference_pool_ready_pods", "The number of ready pods in the inference server pool.", labels=["name"]
+        )
+        pods.add_metric([self.pool_name], len(ready))
+        per_pod = GaugeMetricFamily(
+            "inference_pool_per_pod_queue_size",
+            "The total number of requests pending in the model server queue for each underlying pod.",
+            labels=["name", "model_server_pod"],
+        )
+        for e in endpoints:
+            per_pod.add_metric([self.pool_name, e.name], queue_depth(e))
+        yield from (kv, queue, pods, per_pod)

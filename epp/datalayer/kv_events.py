@@ -32,8 +32,11 @@ from collections import deque
 
 import msgspec
 import zmq
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from epp.datalayer.endpoint import Endpoint
+from epp.metrics import unlabelled
+from protocol.exposition import bucket_bounds, cumulative_buckets
 from protocol.kv_events import (
     DEFAULT_SUBSCRIBER_PORT,
     END_SEQ,
@@ -46,6 +49,7 @@ from protocol.kv_events import (
 
 # Bounds (seconds) of the delay histogram from a batch's step to its application in the index.
 LAG_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0, 5.0)
+LAG_LES = bucket_bounds(LAG_BUCKETS)
 # The largest message taken from a publisher or a replay socket (zmq drops a longer one, and its connection, before
 # buffering it): a step's batch is KBs to ~1 MB (a block's hash and token ids per block stored), and the subscriber
 # binds on every interface by default.
@@ -293,6 +297,52 @@ class KVEventSubscriber:
 
     async def close(self) -> None:
         await asyncio.to_thread(self.shutdown)
+
+    def collect(self):
+        """Its metrics and its index's (inference_extension_kv_events_*), read when Prometheus scrapes."""
+        index = self.index
+        gauges = (
+            (
+                "inference_extension_kv_events_index_entries",
+                "(block hash, endpoint) pairs in the KV-event index.",
+                index.size,
+            ),
+            (
+                "inference_extension_kv_events_index_max_entries",
+                "The KV-event index's cap on entries.",
+                index.max_entries,
+            ),
+        )
+        yield from unlabelled(GaugeMetricFamily, gauges)
+        counters = (
+            (
+                "inference_extension_kv_events_index_dropped_entries",
+                "Entries the index's cap dropped.",
+                index.dropped_entries,
+            ),
+            ("inference_extension_kv_events_batches", "KV event batches applied to the index.", self.batches),
+            ("inference_extension_kv_events_events", "KV events applied to the index.", self.events_applied),
+            ("inference_extension_kv_events_gaps", "Sequence gaps that dropped an endpoint's entries.", self.gaps),
+            (
+                "inference_extension_kv_events_replays",
+                "Sequence gaps closed by a replay from the server.",
+                self.replays,
+            ),
+            ("inference_extension_kv_events_restarts", "Servers whose sequence started over.", self.restarts),
+            ("inference_extension_kv_events_bad_messages", "Malformed KV event messages ignored.", self.bad_messages),
+            (
+                "inference_extension_kv_events_outside_pool_messages",
+                "KV event messages from servers not in the pool, ignored.",
+                self.outside_pool,
+            ),
+        )
+        yield from unlabelled(CounterMetricFamily, counters)
+        lag = HistogramMetricFamily(
+            "inference_extension_kv_events_lag_seconds",
+            "Seconds from a KV event batch's engine step (its ts) to its application in the index.",
+        )
+        lag.add_metric([], cumulative_buckets(LAG_LES, list(self.lag_buckets)), self.lag_sum)
+        yield lag
 
     def shutdown(self) -> None:
         self._stop.set()

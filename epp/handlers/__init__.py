@@ -1,7 +1,7 @@
 """Handlers speak the proxy's protocol and nothing else: they turn its messages into calls of the director
 (`epp.requestcontrol.director`) and the director's answers into its messages.
 
-The ext_proc handler interface, which both gRPC transports (`epp.grpc_h2`, the lean one; `epp.handlers.grpcio`)
+The ext_proc handler interface, which both gRPC transports (`epp.transport.h2`, the lean one; `epp.transport.grpcio`)
 drive the same way:
 * per ext_proc stream (one HTTP request) the transport makes one handler: `new_handler(reply)`;
 * `handle(message)` takes one ProcessingRequest and returns the answers to send now, in order (possibly none), each
@@ -10,7 +10,7 @@ drive the same way:
   `reply(answers)`, at most once per message it left unanswered; the transport sends them as they come;
 * `awaiting_reply` is true while the handler owes such an answer (a transport that reads and writes one stream in
   turns waits for it before reading the next message: the proxy sends nothing more before it has the answer);
-* `oversized(size)` is asked by a transport that reassembles messages from frames (`epp.grpc_h2`) before it buffers
+* `oversized(size)` is asked by a transport that reassembles messages from frames (`epp.transport.h2`) before it buffers
   one of `size` bytes: None to receive it, or the answers that refuse the request without it (the transport sends
   them and drops the message as it arrives); grpcio hands over whole messages only, so it never asks;
 * `after_reply()` runs after each batch of answers (returned or replied) has been handed to the connection: work
@@ -21,7 +21,6 @@ drive the same way:
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from typing import Protocol
 
@@ -43,32 +42,3 @@ class ExtProcHandler(Protocol):
 
 
 NewHandler = Callable[[Reply], ExtProcHandler]
-
-
-class RepeatedWarning:
-    """An event a peer can repeat at will, worth an operator's attention: counted, and logged at the first and at
-    every thousandth (with the count so far, the message's last argument), so that it is seen without flooding the
-    log."""
-
-    __slots__ = ("count", "logger", "message")
-
-    def __init__(self, logger: str, message: str) -> None:
-        self.count = 0
-        self.logger = logging.getLogger(logger)
-        self.message = message
-
-    def note(self, *args: object) -> None:
-        if self.count % 1000 == 0:
-            self.logger.warning(self.message, *args, self.count + 1)
-        self.count += 1
-
-
-def oversized_messages() -> RepeatedWarning:
-    """gRPC messages a transport refused unread over their method's size limit (RESOURCE_EXHAUSTED); `note(type
-    name, length, limit)`. A gateway whose access-log batches are too large loses their records: its operator needs
-    to see why."""
-    return RepeatedWarning(
-        "epp.handlers",
-        "refused a %d-byte %s over its limit of %d bytes; for the access log's Export, lower the gateway's "
-        "buffer_size_bytes (%d so far)",
-    )

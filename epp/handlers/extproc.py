@@ -29,10 +29,12 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import duration_pb2
+from prometheus_client.core import GaugeMetricFamily
 
 from epp.handlers import Reply, wire
 from epp.handlers.budget import ByteBudget
 from epp.handlers.wire import ExtProcRequest
+from epp.metrics import unlabelled
 from epp.requestcontrol.director import Director
 from epp.requestcontrol.types import RequestContext, RoutingDecision
 from protocol import extproc
@@ -448,3 +450,16 @@ class RequestStream:
         if self.ctx is not None and not self.completed:
             self.completed = True
             self.director.on_complete(self.ctx)
+
+
+class BufferedBodyCollector:
+    """The request body bytes all ext_proc streams buffer now, out of the EPP-wide body budget, read when Prometheus
+    scrapes."""
+
+    def __init__(self, budget: ByteBudget):
+        self.budget = budget
+
+    def collect(self):
+        name = "inference_extension_ext_proc_buffered_body_bytes"
+        doc = "Request body bytes all ext_proc streams buffer now (--max-buffered-body-bytes bounds them)."
+        yield from unlabelled(GaugeMetricFamily, [(name, doc, self.budget.held)])

@@ -1,5 +1,5 @@
 """Predicted latency: an online model of TTFT and time per output token (`predictor.py` says which two calls the
-request path makes). A scheduler owns one (`Scheduler.predictions`) for the plugins of its profile that read it:
+request path makes). A scheduler owns one (`Scheduler.predictions`: `epp.scheduling.predictions`) for the plugins of its profile that read it:
 the predictor plugins' hooks feed it and the scheduling plugins read it (`predicted-latency-scorer`,
 `predicted-latency-filter`, `slo-headroom-filter`, `slo-interference-filter`)."""
 
@@ -12,8 +12,7 @@ import os
 # on 2 cores (`perf record`). Set before numpy loads OpenBLAS; an environment that sets it keeps its own.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-from epp.predictor.candidates import CandidatePredictions
 from epp.predictor.features import Features, endpoint_features
 from epp.predictor.predictor import LatencyPredictor
 
-__all__ = ["CandidatePredictions", "Features", "LatencyPredictor", "endpoint_features"]
+__all__ = ["Features", "LatencyPredictor", "endpoint_features"]

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from epp.datalayer.endpoint import Endpoint
-from epp.scheduling.load import queue_depth, running_requests
+from epp.datalayer.load import queue_depth, running_requests
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ def endpoint_features(
 
     `cached_tokens` is clipped to `prompt_tokens` (both are estimates); `adapter` is the request's LoRA adapter name,
     None for a base-model request. Waiting and running are the scheduler's lag-corrected counts
-    (`epp.scheduling.load`): a scrape is up to 50 ms old, and a burst routed since then is what makes a server busy.
+    (`epp.datalayer.load`): a scrape is up to 50 ms old, and a burst routed since then is what makes a server busy.
     """
     m = endpoint.metrics
     cached = min(max(cached_tokens, 0), prompt_tokens)

@@ -44,6 +44,7 @@ from collections import deque
 from time import monotonic
 
 import numpy as np
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from epp.datalayer.endpoint import Endpoint
 from epp.predictor.backlog import PrefillBacklog
@@ -262,7 +263,7 @@ class LatencyPredictor:
         rows: list = []  # the raw measurements: a row per candidate when few, else flat for numpy
         add = rows.append if few else rows.extend
         slowness: list[float] = []  # each endpoint's (PrefillBacklog.slowness)
-        # queue_depth / running_requests (epp.scheduling.load), PrefillBacklog.tokens and .rate, inlined: this loop
+        # queue_depth / running_requests (epp.datalayer.load), PrefillBacklog.tokens and .rate, inlined: this loop
         # is the per-candidate cost of the predictor
         for e, cached in zip(endpoints, cached_tokens, strict=True):
             name = e.spec.name
@@ -337,3 +338,29 @@ class LatencyPredictor:
     @property
     def observations(self) -> int:
         return self.ttft.model.count
+
+    def collect(self):
+        """Its accuracy and what it learnt (inference_extension_latency_predictor_*), read when Prometheus
+        scrapes."""
+        error = GaugeMetricFamily(
+            "inference_extension_latency_predictor_mape",
+            "Mean absolute percentage error of the latency predictions over the recent window, by target.",
+            labels=["target"],
+        )
+        for target, value in (("ttft", self.ttft_mape), ("tpot", self.tpot_mape)):
+            if value is not None:
+                error.add_metric([target], value)
+        observations = CounterMetricFamily(
+            "inference_extension_latency_predictor_observations",
+            "Completed requests the latency predictor learnt from.",
+        )
+        observations.add_metric([], self.observations)
+        slowness = GaugeMetricFamily(
+            "inference_extension_latency_predictor_endpoint_slowness",
+            "An endpoint's measured prefill time per token over the mean of the measured endpoints' (above 1: "
+            "slower); its TTFT predictions are scaled by it.",
+            labels=["model_server_pod"],
+        )
+        for name, value in self.backlog.measured_slowness().items():
+            slowness.add_metric([name], value)
+        yield from (error, observations, slowness)

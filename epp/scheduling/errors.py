@@ -19,7 +19,3 @@ class NoCapacityError(SchedulingError):
 
 class ShedError(NoCapacityError):
     """A sheddable request (negative priority) arrived while the pool is saturated."""
-
-
-class ConfigError(ValueError):
-    """An invalid scheduler configuration: reported at startup, never on the request path."""

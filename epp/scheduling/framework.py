@@ -1,7 +1,8 @@
 """The plugin framework: filters narrow the candidates, scorers rate them in [0, 1] with a weight, a picker
 chooses; lifecycle hooks see the request after it was routed, when it finished, and when the pool changed.
 
-A plugin is one class in one module of `epp.scheduling.plugins`, registered with `@register("type-name")`, built
+A plugin is one class in one module of `epp.scheduling.plugins`, named with `@register("type-name")` and listed in
+that package's BUILTIN_PLUGINS, built
 from its GIE-style `parameters` mapping at startup (invalid ones raise ConfigError there, never on the request
 path). It derives from `Plugin` and declares each extension point it implements by inheriting its base class
 (Filter, Scorer, Picker, PrepareData, PreRequest, ResponseComplete, ResponseTimed, PoolChanged; a prefix index also PrefixIndexStats,
@@ -13,14 +14,16 @@ which the director may run in a worker thread.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import fields
 from typing import Any, ClassVar
 
+from epp.config import ConfigError
+from epp.config.parameters import Parameters as Parameters  # plugins read their parameters with it
 from epp.datalayer.endpoint import Endpoint, EndpointSpec
 from epp.datalayer.kv_events import KVBlockIndex
-from epp.predictor import CandidatePredictions, LatencyPredictor
-from epp.scheduling.errors import ConfigError
+from epp.predictor import LatencyPredictor
+from epp.scheduling.predictions import CandidatePredictions
 from epp.scheduling.types import CycleState, ResponseInfo, SchedulingRequest, SchedulingResult, StateKey, TypedName
 from protocol.metrics import EndpointMetrics
 
@@ -34,7 +37,7 @@ ENDPOINT_ATTRIBUTES = frozenset(
 class Plugin(ABC):
     """Base of every scheduler plugin. A registered plugin class is built as `cls(parameters)`.
 
-    typed_name: the plugin's type and instance name (set by `register` and `build_plugin`).
+    typed_name: the plugin's type and instance name (set by `register` and `epp.scheduling.plugins.build_plugin`).
     consumes: the data it reads: endpoint attributes by name (ENDPOINT_ATTRIBUTES) and cycle-state keys.
     produces: the cycle-state keys it writes.
     """
@@ -166,7 +169,7 @@ class PrefixIndexStats(Plugin):
 
 
 class LatencyPredictionReader(Plugin):
-    """Reads the latency predictor's predictions (`epp.predictor.CandidatePredictions`). A scheduler has one
+    """Reads the latency predictor's predictions (`epp.scheduling.predictions.CandidatePredictions`). A scheduler has one
     predictor and hands it to every plugin of its profile that reads one (`use_predictions`): what one plugin feeds
     (a reader that is also ResponseTimed learns from the responses), the others read, and no two schedulers share
     one. A plugin built alone reads a predictor of its own. Until the predictor predicts (`ttft_ready`), a reader's
@@ -205,66 +208,14 @@ def check_data_dependencies(profile: str, plugins: Iterable[Plugin]) -> None:
                 )
 
 
-PLUGIN_TYPES: dict[str, Callable[[dict[str, Any] | None], Plugin]] = {}
-
-
 def register(type_name: str):
-    """Class decorator: make a plugin buildable from configs under its kebab-case `type_name`."""
+    """Class decorator: the plugin's kebab-case `type_name`, by which configs build it once the wiring lists the
+    class (`epp.scheduling.plugins.BUILTIN_PLUGINS`)."""
 
     def decorate(cls):
         if not issubclass(cls, EXTENSION_POINTS):
             raise TypeError(f"plugin type {type_name!r}: {cls.__name__} implements no extension point")
-        if type_name in PLUGIN_TYPES:
-            raise ValueError(f"plugin type {type_name!r} registered twice")
-        PLUGIN_TYPES[type_name] = cls
         cls.typed_name = TypedName(type_name, type_name)
         return cls
 
     return decorate
-
-
-def build_plugin(type_name: str, parameters: dict[str, Any] | None = None, name: str | None = None) -> Plugin:
-    """A plugin instance from its type name, `parameters` mapping and instance name (default: the type name);
-    ConfigError for anything invalid."""
-    from epp.scheduling import plugins  # noqa: F401  (registers the built-in plugins)
-
-    factory = PLUGIN_TYPES.get(type_name)
-    if factory is None:
-        raise ConfigError(f"unknown plugin type {type_name!r}; known: {', '.join(sorted(PLUGIN_TYPES))}")
-    plugin = factory(parameters)
-    if name is not None and name != type_name:
-        plugin.typed_name = TypedName(type_name, name)
-    return plugin
-
-
-class Parameters:
-    """Typed access to a plugin's parameters with clear errors; unknown keys are rejected by `done()`."""
-
-    def __init__(self, owner: str, raw: dict[str, Any] | None):
-        if raw is not None and not isinstance(raw, dict):
-            raise ConfigError(f"{owner}: parameters must be a mapping, got {raw!r}")
-        self.owner = owner
-        self._raw = dict(raw or {})
-
-    def get(
-        self,
-        key: str,
-        default: Any,
-        kind: type | tuple[type, ...],
-        minimum: float | None = None,
-        maximum: float | None = None,
-    ) -> Any:
-        value = self._raw.pop(key, default)
-        kinds = kind if isinstance(kind, tuple) else (kind,)
-        if (isinstance(value, bool) and bool not in kinds) or not isinstance(value, kinds):
-            names = " or ".join(k.__name__ for k in kinds)
-            raise ConfigError(f"{self.owner}: parameter {key} must be {names}, got {value!r}")
-        if minimum is not None and value < minimum:
-            raise ConfigError(f"{self.owner}: parameter {key} must be >= {minimum}, got {value!r}")
-        if maximum is not None and value > maximum:
-            raise ConfigError(f"{self.owner}: parameter {key} must be <= {maximum}, got {value!r}")
-        return value
-
-    def done(self) -> None:
-        if self._raw:
-            raise ConfigError(f"{self.owner}: unknown parameter(s) {', '.join(sorted(self._raw))}")

@@ -13,10 +13,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from epp.config.parameters import Parameters
 from epp.datalayer.endpoint import Endpoint
+from epp.datalayer.load import queue_depth
 from epp.scheduling.errors import ShedError
-from epp.scheduling.framework import Parameters
-from epp.scheduling.load import queue_depth
 from epp.scheduling.types import SchedulingRequest
 
 

@@ -15,9 +15,11 @@ The config has GIE's shape:
     saturationDetector: {queueDepthThreshold: 5, kvCacheUtilThreshold: 0.8}
     flowControl: {...}            # and featureGates: [flowControl=false]; read by epp.flowcontrol
 
+epp.config.loader reads the document and hands the scheduler its sections.
+
 Every plugin the profile refers to also gets the lifecycle hooks it implements (PreRequest, ResponseComplete, ResponseTimed,
 PoolChanged); plugins listed under `plugins` but not in the profile get nothing. A profile without a picker gets
-`max-score-picker`. With no config at all, DEFAULT_CONFIG applies: the latency predictor's filters (slo-headroom-filter,
+`max-score-picker`. With no config at all, DEFAULT_CONFIG (epp.config.loader) applies: the latency predictor's filters (slo-headroom-filter,
 slo-interference-filter, predicted-latency-filter: each passes every endpoint until the predictor has learnt from
 timings the gateway sends, epp.handlers.accesslog, and is not called until then), then predicted-latency-scorer 5
 (`replaces: load`: once the predictor has learnt, it takes the place of the load scorers, queue, KV usage and
@@ -40,12 +42,14 @@ from dataclasses import dataclass
 from time import perf_counter
 from typing import Any, NamedTuple
 
-import yaml
+from prometheus_client.core import GaugeMetricFamily
 
+from epp.config import ConfigError
+from epp.config.loader import EndpointPickerConfig, load
 from epp.datalayer.endpoint import Endpoint
 from epp.datalayer.kv_events import KVBlockIndex
-from epp.predictor import CandidatePredictions, LatencyPredictor
-from epp.scheduling.errors import ConfigError, NoEndpointError
+from epp.predictor import LatencyPredictor
+from epp.scheduling.errors import NoEndpointError
 from epp.scheduling.framework import (
     Filter,
     KVEventsConsumer,
@@ -59,9 +63,10 @@ from epp.scheduling.framework import (
     ResponseComplete,
     ResponseTimed,
     Scorer,
-    build_plugin,
     check_data_dependencies,
 )
+from epp.scheduling.plugins import build_plugin
+from epp.scheduling.predictions import CandidatePredictions
 from epp.scheduling.saturation import SaturationDetector, admit
 from epp.scheduling.types import (
     CycleState,
@@ -82,58 +87,7 @@ log = logging.getLogger(__name__)
 # last scrape fails with a 503 (`epp-bench chaos`, "model server killed"), whatever the profile.
 RESULT_ENDPOINTS = 1 + len(extproc.FALLBACK_ENDPOINT_HEADERS)
 
-DEFAULT_CONFIG = """\
-apiVersion: inference.networking.x-k8s.io/v1alpha1
-kind: EndpointPickerConfig
-plugins:
-- type: slo-headroom-filter
-- type: slo-interference-filter
-- type: predicted-latency-filter
-- type: predicted-latency-scorer
-  parameters: {replaces: load}
-- type: queue-scorer
-- type: kv-cache-utilization-scorer
-- type: prefix-cache-scorer
-- type: precise-prefix-cache-scorer
-- type: lora-affinity-scorer
-- type: in-flight-tokens-scorer
-- type: max-score-picker
-schedulingProfiles:
-- name: default
-  plugins:
-  - pluginRef: slo-headroom-filter
-  - pluginRef: slo-interference-filter
-  - pluginRef: predicted-latency-filter
-  - pluginRef: predicted-latency-scorer
-    weight: 5
-  - pluginRef: queue-scorer
-    weight: 2
-  - pluginRef: kv-cache-utilization-scorer
-    weight: 2
-  - pluginRef: prefix-cache-scorer
-    weight: 3
-  - pluginRef: precise-prefix-cache-scorer
-    weight: 3
-  - pluginRef: lora-affinity-scorer
-    weight: 1
-  - pluginRef: in-flight-tokens-scorer
-    weight: 1
-  - pluginRef: max-score-picker
-"""
 PREPARE_TIMINGS: StateKey[list[tuple[TypedName, float]]] = StateKey("prepare-timings")
-API_VERSIONS = (
-    "inference.networking.x-k8s.io/v1alpha1",
-    "config.apix.gateway-api-inference-extension.sigs.k8s.io/v1alpha1",
-)
-TOP_LEVEL_KEYS = {
-    "apiVersion",
-    "kind",
-    "plugins",
-    "schedulingProfiles",
-    "saturationDetector",
-    "flowControl",
-    "featureGates",
-}
 
 
 @dataclass(frozen=True)
@@ -222,32 +176,41 @@ class Scheduler:
 
     @classmethod
     def from_config(cls, config_text: str | None = None, predictions: CandidatePredictions | None = None) -> Scheduler:
-        """Build from EndpointPickerConfig YAML (None or "" -> DEFAULT_CONFIG); its plugins read `predictions` when
-        given (a latency predictor trained elsewhere). Raises ConfigError."""
-        try:
-            config = yaml.safe_load(config_text or DEFAULT_CONFIG)
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"scheduler config is not valid YAML: {exc}") from None
-        if not isinstance(config, dict):
-            raise ConfigError("scheduler config must be a mapping (an EndpointPickerConfig)")
-        unknown = set(config) - TOP_LEVEL_KEYS
-        if unknown:
-            raise ConfigError(f"scheduler config: unknown field(s) {', '.join(sorted(map(str, unknown)))}")
-        if config.get("kind", "EndpointPickerConfig") != "EndpointPickerConfig":
-            raise ConfigError(f"scheduler config kind must be EndpointPickerConfig, got {config.get('kind')!r}")
-        if config.get("apiVersion", API_VERSIONS[0]) not in API_VERSIONS:
-            raise ConfigError(
-                f"scheduler config apiVersion must be one of {API_VERSIONS}, got {config['apiVersion']!r}"
-            )
-        plugins = _build_plugins(config.get("plugins"))
-        profile = _build_profile(config.get("schedulingProfiles"), plugins)
-        return cls(profile, SaturationDetector.from_config(config.get("saturationDetector")), predictions)
+        """Build from EndpointPickerConfig YAML (None or "" -> DEFAULT_CONFIG), read by the config loader; see
+        from_sections. Raises ConfigError."""
+        return cls.from_sections(load(config_text), predictions)
+
+    @classmethod
+    def from_sections(cls, config: EndpointPickerConfig, predictions: CandidatePredictions | None = None) -> Scheduler:
+        """Build from the sections of a loaded EndpointPickerConfig the scheduler owns: plugins, schedulingProfiles
+        and saturationDetector. Its plugins read `predictions` when given (a latency predictor trained elsewhere).
+        Raises ConfigError."""
+        plugins = _build_plugins(config.plugins)
+        profile = _build_profile(config.scheduling_profiles, plugins)
+        return cls(profile, SaturationDetector.from_config(config.saturation_detector), predictions)
 
     @property
     def latency_predictor(self) -> LatencyPredictor | None:
         """The predictor the profile trains (one of its readers learns from the responses' timings), whose error
         the EPP exports; None when no plugin trains one."""
         return self.predictions.predictor if self._trains_predictor else None
+
+    def collect(self):
+        """The prefix index's and the latency predictor's metrics, when the profile has them (read when Prometheus
+        scrapes)."""
+        index = self.prefix_index
+        if index is not None:
+            size = GaugeMetricFamily("inference_extension_prefix_indexer_size", "Size of the prefix indexer.")
+            size.add_metric([], index.index_size)
+            ratio = GaugeMetricFamily(
+                "inference_extension_prefix_indexer_hit_ratio",
+                "Fraction of prompt blocks found on the chosen endpoint, over all requests.",
+            )
+            ratio.add_metric([], index.hit_ratio)
+            yield from (size, ratio)
+        predictor = self.latency_predictor
+        if predictor is not None:
+            yield from predictor.collect()
 
     def admit(self, request: SchedulingRequest, endpoints: Sequence[Endpoint]) -> None:
         """Raise ShedError (429) for a sheddable request while the pool is saturated."""

@@ -28,7 +28,7 @@ from pathlib import Path
 import aiohttp
 from hpack import Encoder
 
-from epp.grpc_h2 import (
+from epp.transport.h2 import (
     CONTINUATION,
     DATA,
     ENHANCE_YOUR_CALM,

@@ -17,7 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from epp.scheduling.errors import ConfigError
+from epp.config import ConfigError
 from epp.scheduling.scheduler import Scheduler
 from harness.bench import (
     chaos,

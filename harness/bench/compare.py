@@ -21,8 +21,8 @@ from typing import NamedTuple
 
 import aiohttp
 
+from epp.config.loader import DEFAULT_CONFIG
 from epp.scheduling.plugins.slo_headroom_filter import TPOT_HEADER, TTFT_HEADER
-from epp.scheduling.scheduler import DEFAULT_CONFIG
 from harness.bench import inference_perf
 from harness.bench.decision import scorers_only_config
 from harness.bench.overhead import cpu_seconds, percentile

@@ -14,15 +14,18 @@ from collections import deque
 
 import yaml
 
+from epp.config.loader import DEFAULT_CONFIG
 from epp.datalayer.datastore import Datastore
 from epp.datalayer.endpoint import Endpoint, EndpointSpec, PoolState
 from epp.flowcontrol import FlowControlConfig, FlowController
 from epp.metrics import EPPMetrics
-from epp.predictor import CandidatePredictions, LatencyPredictor, endpoint_features
+from epp.predictor import LatencyPredictor, endpoint_features
 from epp.requestcontrol.director import Director
 from epp.scheduling import plugins  # noqa: F401  (registers the built-in plugins, which scorers_only_config reads)
-from epp.scheduling.framework import PLUGIN_TYPES, LatencyPredictionReader
-from epp.scheduling.scheduler import DEFAULT_CONFIG, Scheduler
+from epp.scheduling.framework import LatencyPredictionReader
+from epp.scheduling.plugins import PLUGIN_TYPES
+from epp.scheduling.predictions import CandidatePredictions
+from epp.scheduling.scheduler import Scheduler
 from epp.scheduling.types import ResponseInfo, SchedulingRequest, SchedulingResult
 from protocol.metrics import EndpointMetrics
 
@@ -77,7 +80,7 @@ def measure_director(
     scheduler = Scheduler.from_config(None)
     datastore = Datastore([_DrawnMetrics(pool)], scheduler.on_pool_changed)
     datastore.apply(PoolState(endpoints=tuple(e.spec for e in pool)))
-    director = Director(datastore, scheduler, EPPMetrics("bench", lambda: datastore.endpoints, lambda: None))
+    director = Director(datastore, scheduler, EPPMetrics("bench"))
     if flow_control:
         detector = scheduler.detector
         director.flow_control = FlowController(

@@ -28,7 +28,7 @@ from pathlib import Path
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from epp.scheduling.scheduler import DEFAULT_CONFIG
+from epp.config.loader import DEFAULT_CONFIG
 from harness.bench.compare import ENVOY_TARGETS, MODEL, PEER_TARGETS, Outcome, Pool, _one
 from harness.bench.overhead import percentile
 from harness.bench.peers import peer_command

@@ -22,9 +22,9 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf import struct_pb2
 
-from epp.grpc_h2 import ExtProcServer
 from epp.handlers import Reply
 from epp.handlers.extproc import streamed_chunk
+from epp.transport.h2 import ExtProcServer
 from protocol import extproc
 
 

@@ -5,7 +5,7 @@ client): over ext_proc, a HEADERS frame and three DATA frames (request headers, 
 read, the stream's END_STREAM and RST_STREAM in a second (the response headers are not sent: the access log brings
 status and endpoint; Envoy resets the stream as it ends it, without waiting for trailers); then
 its access-log record, in an OpenTelemetry Export call on a connection of its own that carries a read's worth of
-records, as Envoy batches them. Those frames go to the h2 transport (`epp.grpc_h2.ExtProcConnection`) with the EPP's
+records, as Envoy batches them. Those frames go to the h2 transport (`epp.transport.h2.ExtProcConnection`) with the EPP's
 handler, director, default scheduler and flow control over four endpoints, and the access-log handler; the answers
 go to a transport that only counts them. With `--streamed` the records' times train the latency predictor, so
 after the first round its plugins predict for every request and each record costs what learning from it costs, as
@@ -43,11 +43,19 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from hpack import Encoder
 
+from epp.config.loader import DEFAULT_CONFIG, load
 from epp.datalayer.datastore import Datastore
 from epp.datalayer.endpoint import EndpointSpec, PoolState
 from epp.datalayer.kv_events import KVBlockIndex
 from epp.flowcontrol import FlowControlConfig, FlowController
-from epp.grpc_h2 import (
+from epp.handlers import accesslog
+from epp.handlers.budget import ByteBudget
+from epp.handlers.extproc import RequestStream
+from epp.handlers.wire import ExtProcRequest
+from epp.metrics import EPPMetrics
+from epp.requestcontrol.director import Director
+from epp.scheduling.scheduler import Scheduler
+from epp.transport.h2 import (
     DATA,
     END_HEADERS,
     END_STREAM,
@@ -64,13 +72,6 @@ from epp.grpc_h2 import (
     frame,
     grpc_message,
 )
-from epp.handlers import accesslog
-from epp.handlers.budget import ByteBudget
-from epp.handlers.extproc import RequestStream
-from epp.handlers.wire import ExtProcRequest
-from epp.metrics import EPPMetrics
-from epp.requestcontrol.director import Director
-from epp.scheduling.scheduler import DEFAULT_CONFIG, Scheduler
 from harness.bench import build
 from protocol import extproc
 from protocol.metrics import EndpointMetrics
@@ -204,7 +205,8 @@ class HandlerCpuResult:
 def _director(config: str = DEFAULT_CONFIG, kv_events: bool = False) -> Director:
     """A fresh EPP's director with `config` (an EndpointPickerConfig): its latency predictor has learnt nothing;
     with `kv_events` the endpoints are known as KV-event publishers (holding no block yet)."""
-    scheduler = Scheduler.from_config(config)
+    sections = load(config)
+    scheduler = Scheduler.from_sections(sections)
     datastore = Datastore([_NoScraper()], scheduler.on_pool_changed)
     datastore.apply(
         PoolState(endpoints=tuple(EndpointSpec(f"sim-{i}", "127.0.0.1", 8000 + i) for i in range(ENDPOINTS)))
@@ -215,18 +217,9 @@ def _director(config: str = DEFAULT_CONFIG, kv_events: bool = False) -> Director
             index.saw(endpoint.hostport, REQUEST["model"])
         scheduler.use_kv_index(index)
     detector = scheduler.detector
-    flow_control = None
-    metrics = EPPMetrics(
-        "pool",
-        lambda: datastore.endpoints,
-        lambda: scheduler.prefix_index,
-        lambda: flow_control,
-        lambda: detector.saturation(datastore.endpoints),
-        lambda: None,
-        lambda: None,
-    )
+    metrics = EPPMetrics("pool")
     flow_control = FlowController(
-        FlowControlConfig.from_text(config),
+        FlowControlConfig.from_sections(sections),
         lambda in_flight: detector.has_room(datastore.endpoints, in_flight),
         observer=metrics.flow_control_outcome,
         poll_interval=0.05,

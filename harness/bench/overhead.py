@@ -36,8 +36,8 @@ from pathlib import Path
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from epp.config.loader import DEFAULT_CONFIG
 from epp.metrics import PICKED_METRICS_AGE, SCHEDULER_E2E
-from epp.scheduling.scheduler import DEFAULT_CONFIG
 from harness.bench import build, floor, floor_native
 from harness.bench.peers import peer_command, start_router
 from harness.bench.ports import free_port_block, free_ports

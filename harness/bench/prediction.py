@@ -36,9 +36,9 @@ from pathlib import Path
 import aiohttp
 
 from epp.datalayer.endpoint import Endpoint, EndpointSpec
-from epp.predictor import CandidatePredictions
 from epp.predictor.features import Features
 from epp.predictor.predictor import LatencyPredictor
+from epp.scheduling.predictions import CandidatePredictions
 from harness.bench.ports import free_port_block
 from harness.bench.workloads import _text
 from harness.local import LocalStack, StackConfig

@@ -15,7 +15,7 @@ import statistics
 import time
 
 from epp.datalayer.kv_events import KVBlockIndex
-from epp.scheduling.framework import build_plugin
+from epp.scheduling.plugins import build_plugin
 from epp.scheduling.plugins.precise_prefix_cache_scorer import PROMPT_BLOCKS
 from epp.scheduling.prompt_tokens import PromptTokenizer
 from epp.scheduling.types import CycleState, SchedulingRequest

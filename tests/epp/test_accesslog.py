@@ -5,7 +5,8 @@ import asyncio
 
 from hpack import Encoder
 
-from epp.grpc_h2 import (
+from epp.handlers import accesslog
+from epp.transport.h2 import (
     DATA,
     END_HEADERS,
     END_STREAM,
@@ -18,7 +19,6 @@ from epp.grpc_h2 import (
     frame,
     grpc_message,
 )
-from epp.handlers import accesslog
 from harness.bench.handler_cpu import EXPORT_HEADERS, GRPC_REQUEST_HEADERS
 from tests.epp.test_grpc_h2 import RecordingTransport
 from tests.epp.test_transports import EchoHandler, headers

@@ -10,7 +10,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from epp.datalayer.endpoint import PoolState
-from epp.flowcontrol import DISPATCHED, EVICTED_CANCELLED, FlowControlConfig, FlowController
+from epp.flowcontrol import DISPATCHED, EVICTED_CANCELLED, FlowControlCollector, FlowControlConfig, FlowController
 from epp.metrics import MAX_FAIRNESS_ID_LABELS, OTHER_FLOW, EPPMetrics
 from protocol.metrics import EndpointMetrics
 from tests.epp.helpers import ParsedStream
@@ -175,8 +175,9 @@ async def test_the_response_trailers_end_a_request_not_its_first_byte_and_only_o
 
 async def test_flow_control_metrics_by_band_and_flow_with_bounded_fairness_labels():
     director, _, _ = setup(slots=0)
-    endpoints = director.datastore.endpoints
-    metrics = director.metrics = EPPMetrics("pool", lambda: endpoints, lambda: None, lambda: director.flow_control)
+    metrics = director.metrics = EPPMetrics("pool")
+    detector = director.scheduler.detector
+    metrics.register(FlowControlCollector(metrics, director.flow_control, director.datastore, detector.saturation))
     director.flow_control.observer = metrics.flow_control_outcome
     for e in director.datastore.endpoints:
         e.metrics, e.stale = EndpointMetrics(), False

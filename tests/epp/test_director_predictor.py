@@ -62,12 +62,8 @@ def test_streamed_responses_train_the_predictor_and_others_do_not():
     for _ in range(3):
         serve(director, stream=True, first_token_after=0.02)
     assert predictor.observations == before + 3
-    metrics = EPPMetrics(
-        "pool",
-        lambda: director.datastore.endpoints,
-        lambda: None,
-        latency_predictor=lambda: director.scheduler.latency_predictor,
-    )
+    metrics = EPPMetrics("pool")
+    metrics.register(director.scheduler)
     assert metrics.registry.get_sample_value("inference_extension_latency_predictor_observations_total") == before + 3
     per_token = predictor.backlog.seconds_per_token
     for _ in range(30):  # long prompts alone: e0 takes twice as long per token as e1

@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 
+from epp.config import ConfigError
 from epp.flowcontrol import (
     DISPATCHED,
     EVICTED_CANCELLED,
@@ -15,7 +16,6 @@ from epp.flowcontrol import (
     FlowController,
     FlowControlRejected,
 )
-from epp.scheduling.errors import ConfigError
 
 
 class Pool:

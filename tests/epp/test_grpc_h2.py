@@ -10,11 +10,12 @@ import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from prometheus_client import generate_latest
 
-from epp import grpc_h2
-from epp.grpc_h2 import MAX_RECEIVE_FRAME, PREFACE, ExtProcServer, UnaryMethod, frame, grpc_message
 from epp.handlers import accesslog
 from epp.handlers.budget import ByteBudget
+from epp.handlers.extproc import BufferedBodyCollector
 from epp.metrics import EPPMetrics
+from epp.transport import h2
+from epp.transport.h2 import MAX_RECEIVE_FRAME, PREFACE, ExtProcServer, UnaryMethod, frame, grpc_message
 from harness.bench.chaos import goaway_code
 from harness.bench.handler_cpu import CountingTransport
 from tests.epp.test_transports import PROCESS, EchoHandler, body, headers
@@ -98,7 +99,7 @@ async def test_stop_sends_goaway_and_lets_open_streams_finish(server):
 def test_header_blocks_are_decoded_once_while_the_hpack_table_stays_the_same():
     from hpack import Encoder
 
-    from epp.grpc_h2 import ExtProcConnection
+    from epp.transport.h2 import ExtProcConnection
 
     connection = ExtProcConnection(ExtProcServer(lambda reply: None))
     encoder = Encoder()
@@ -133,7 +134,7 @@ def test_reads_split_anywhere_are_answered_as_one_read():
     answers are the same bytes either way."""
     from hpack import Encoder
 
-    from epp.grpc_h2 import (
+    from epp.transport.h2 import (
         DATA,
         END_HEADERS,
         END_STREAM,
@@ -182,7 +183,7 @@ def _client_sending(*messages: bytes, frame_size: int = 16_384) -> bytes:
     """A client's bytes for one Process stream whose messages go out in DATA frames of `frame_size` (Envoy's)."""
     from hpack import Encoder
 
-    from epp.grpc_h2 import DATA, END_HEADERS, END_STREAM, HEADERS, SETTINGS
+    from epp.transport.h2 import DATA, END_HEADERS, END_STREAM, HEADERS, SETTINGS
 
     block = Encoder().encode([(":method", "POST"), (":path", PROCESS), ("content-type", "application/grpc")])
     wire = b"".join(grpc_message(m) for m in messages)
@@ -197,7 +198,7 @@ def test_a_message_the_handler_refuses_by_its_length_is_dropped_as_it_arrives():
 
     from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-    from epp.grpc_h2 import ExtProcConnection
+    from epp.transport.h2 import ExtProcConnection
 
     refusal = pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(body=b"too large")).SerializeToString()
 
@@ -229,7 +230,7 @@ def test_a_message_the_handler_refuses_by_its_length_is_dropped_as_it_arrives():
 
 def test_a_message_over_several_frames_is_let_go_before_its_handler_runs():
     """Once parsed, a message's bytes are no longer the transport's: the handler's copies do not come on top."""
-    from epp.grpc_h2 import ExtProcConnection
+    from epp.transport.h2 import ExtProcConnection
 
     held = []
 
@@ -248,7 +249,7 @@ def test_a_stream_the_proxy_ends_and_resets_in_one_read_costs_no_write():
     """Envoy ends each ext_proc stream with END_STREAM and RST_STREAM together (it does not wait for the server's
     trailers): trailers queued for a stream reset in the same read are dropped, so that read needs no write; a
     stream only half-closed still gets its OK trailers."""
-    from epp.grpc_h2 import DATA, END_STREAM, RST_STREAM, U32, ExtProcConnection
+    from epp.transport.h2 import DATA, END_STREAM, RST_STREAM, U32, ExtProcConnection
 
     EchoHandler.log = []
     connection = ExtProcConnection(ExtProcServer(EchoHandler))
@@ -274,7 +275,7 @@ def test_a_stream_the_proxy_ends_and_resets_in_one_read_costs_no_write():
 def test_the_connections_of_one_server_share_one_budget_for_partial_messages():
     """Any number of peers may connect: what they reassemble is bounded for the server, not per connection. The
     connection whose message would go over the budget loses that stream (RESOURCE_EXHAUSTED); the other's goes on."""
-    from epp.grpc_h2 import ExtProcConnection
+    from epp.transport.h2 import ExtProcConnection
 
     EchoHandler.log = []
     server = ExtProcServer(EchoHandler)
@@ -300,25 +301,25 @@ def test_answers_queued_for_window_count_as_unread_until_sent_or_reset():
     EPP-wide budget of unread answers until a WINDOW_UPDATE lets them out or a reset drops them."""
     EchoHandler.log = []
     server = ExtProcServer(EchoHandler)
-    connection, transport = grpc_h2.ExtProcConnection(server), RecordingTransport()
+    connection, transport = h2.ExtProcConnection(server), RecordingTransport()
     connection.connection_made(transport)
     echo = body(b"x" * 60_000).SerializeToString()
-    no_window = frame(grpc_h2.SETTINGS, 0, 0, grpc_h2.SETTING.pack(grpc_h2.SETTINGS_INITIAL_WINDOW_SIZE, 0))
+    no_window = frame(h2.SETTINGS, 0, 0, h2.SETTING.pack(h2.SETTINGS_INITIAL_WINDOW_SIZE, 0))
     wire = _client_sending(headers().SerializeToString(), echo)
     settings_end = len(PREFACE) + 9  # (the client's empty SETTINGS frame, then its stream)
     connection.data_received(wire[:settings_end] + no_window + wire[settings_end:])
     queued = connection.queued
     assert queued > len(echo) and server.outbound.held == queued  # nothing went out: both answers wait
-    connection.data_received(frame(grpc_h2.WINDOW_UPDATE, 0, 1, grpc_h2.U32.pack(20_000)))
+    connection.data_received(frame(h2.WINDOW_UPDATE, 0, 1, h2.U32.pack(20_000)))
     assert connection.queued == queued - 20_000 == server.outbound.held
-    connection.data_received(frame(grpc_h2.RST_STREAM, 0, 1, grpc_h2.U32.pack(0x8)))  # the proxy gives up on the stream
+    connection.data_received(frame(h2.RST_STREAM, 0, 1, h2.U32.pack(0x8)))  # the proxy gives up on the stream
     assert connection.queued == 0 == server.outbound.held
 
 
 def test_header_blocks_too_long_to_be_common_are_not_remembered():
     from hpack import Encoder
 
-    from epp.grpc_h2 import MAX_DECODED_BLOCK_BYTES, ExtProcConnection
+    from epp.transport.h2 import MAX_DECODED_BLOCK_BYTES, ExtProcConnection
 
     connection = ExtProcConnection(ExtProcServer(lambda reply: None))
     encoder = Encoder()
@@ -350,9 +351,9 @@ async def test_connections_over_the_limit_get_goaway_and_the_count_comes_back():
         assert server.refused.count == 1 and len(server.connections) == 2
         body_budget = ByteBudget(100)
         body_budget.reserve(40)
-        metrics = EPPMetrics(
-            "pool", list, lambda: None, ext_proc_server=lambda: server, body_budget=lambda: body_budget
-        )
+        metrics = EPPMetrics("pool")
+        metrics.register(BufferedBodyCollector(body_budget))
+        metrics.register(server)
         page = generate_latest(metrics.registry).decode()
         for line in (
             "inference_extension_ext_proc_connections 2.0",
@@ -379,7 +380,7 @@ async def test_connections_over_the_limit_get_goaway_and_the_count_comes_back():
 
 
 async def test_a_connection_that_sends_no_preface_gives_its_place_back(monkeypatch):
-    monkeypatch.setattr("epp.grpc_h2.PREFACE_TIMEOUT_SECONDS", 0.2)
+    monkeypatch.setattr("epp.transport.h2.PREFACE_TIMEOUT_SECONDS", 0.2)
     server = ExtProcServer(EchoHandler, max_connections=1)
     await server.start("127.0.0.1", 0)
     try:

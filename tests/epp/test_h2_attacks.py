@@ -13,7 +13,7 @@ import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from hpack import Encoder
 
-from epp.grpc_h2 import (
+from epp.transport.h2 import (
     CONTINUATION,
     DATA,
     ENHANCE_YOUR_CALM,

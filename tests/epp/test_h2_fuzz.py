@@ -9,7 +9,8 @@ from hpack import Encoder
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from epp.grpc_h2 import (
+from epp.handlers import accesslog
+from epp.transport.h2 import (
     CONTINUATION,
     DATA,
     END_HEADERS,
@@ -38,7 +39,6 @@ from epp.grpc_h2 import (
     UnaryMethod,
     frame,
 )
-from epp.handlers import accesslog
 from harness.bench.handler_cpu import CountingTransport
 from tests.epp.test_transports import PROCESS, EchoHandler, body, headers
 

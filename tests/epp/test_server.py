@@ -46,7 +46,7 @@ def make_picker(state: PoolState | None = None, config: str | None = None) -> Di
     datastore.apply(
         state or PoolState(endpoints=(EndpointSpec("a", "10.0.0.1", 8000), EndpointSpec("b", "10.0.0.2", 8000)))
     )
-    return Director(datastore, scheduler, EPPMetrics("pool", lambda: datastore.endpoints, lambda: None))
+    return Director(datastore, scheduler, EPPMetrics("pool"))
 
 
 def new_stream(director: Director, budget: ByteBudget | None = None, **limits) -> ParsedStream:

@@ -1,4 +1,4 @@
-"""One suite for both ext_proc transports (the lean `epp.grpc_h2` and grpcio's `epp.handlers.grpcio`), driven by
+"""One suite for both ext_proc transports (the lean `epp.transport.h2` and grpcio's `epp.transport.grpcio`), driven by
 grpcio's client: the handler interface of `epp.handlers` (answers now or later through `reply`, `after_reply`
 after each batch of answers, `finish` once however the stream ends), many concurrent streams, messages larger than
 every flow-control window in both directions, errors that cost one stream only, and the access log's unary Export
@@ -12,12 +12,12 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
-from epp.grpc_h2 import ExtProcServer, UnaryMethod
 from epp.handlers import accesslog
 from epp.handlers.budget import ByteBudget
 from epp.handlers.extproc import RequestStream
-from epp.handlers.grpcio import access_log_service, ext_proc_service
 from epp.handlers.wire import ExtProcRequest
+from epp.transport.grpcio import access_log_service, ext_proc_service
+from epp.transport.h2 import ExtProcServer, UnaryMethod
 from harness.bench.handler_cpu import _director
 from protocol import extproc
 

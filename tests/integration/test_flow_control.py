@@ -11,7 +11,7 @@ from collections.abc import Mapping
 
 import aiohttp
 
-from epp.scheduling.scheduler import DEFAULT_CONFIG
+from epp.config.loader import DEFAULT_CONFIG
 from tests.integration.conftest import FAST_SIM
 
 MODEL = "sim-llama-8b"

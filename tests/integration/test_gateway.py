@@ -107,7 +107,7 @@ async def test_load_prefix_and_lora_aware_routing(make_stack):
             await finished(stack)
         # affinity is one weighted score among load scores, so one of six may go elsewhere when the adapter's server
         # is busier; routing at random would put >= 5 there 1.8 % of the time. Until the queue estimate dropped
-        # finished requests (epp/scheduling/load.py), 2 of 18 runs failed: a scrape caught the previous request
+        # finished requests (epp/datalayer/load.py), 2 of 18 runs failed: a scrape caught the previous request
         # waiting there, and the queue scorer outweighed affinity until the next scrape (0 of 24 since).
         assert delta(before, await served_counts(stack))[2] >= 5
         hold.cancel()

@@ -45,11 +45,12 @@ from dataclasses import dataclass
 
 import xxhash
 
+from epp.config import ConfigError
 from epp.datalayer.endpoint import Endpoint
 from epp.datalayer.kv_events import KVBlockIndex
-from epp.scheduling.errors import ConfigError
+from epp.datalayer.load import QUEUE_DEPTH_READS
 from epp.scheduling.framework import KVEventsConsumer, Parameters, PrepareData, Scorer, register
-from epp.scheduling.load import QUEUE_DEPTH_READS, QUEUE_DEPTHS, guard_load
+from epp.scheduling.load import QUEUE_DEPTHS, guard_load
 from epp.scheduling.prompt_tokens import PromptTokenizer
 from epp.scheduling.types import CycleState, SchedulingRequest, StateKey
 from protocol.kv_events import HASH_ALGOS, block_hasher, external_block_hash, lora_extra_keys

@@ -22,16 +22,16 @@ Parameters: confidence (0.9, in (0.5, 1)), longOutputTokens (256).
 Trade-offs: one band per request size for the whole pool; the scorers after it still weigh what the prediction
 already counted (their signals are its inputs) among the candidates it kept, which is where they are more exact
 than it is; the load scorers' request counts are not (a server prefilling a 6,000-token prompt shows no queue), so
-the default profile (`epp.scheduling.scheduler.DEFAULT_CONFIG`) has predicted-latency-scorer in their place.
+the default profile (`epp.config.loader.DEFAULT_CONFIG`) has predicted-latency-scorer in their place.
 """
 
 from __future__ import annotations
 
+from epp.config import ConfigError
 from epp.datalayer.endpoint import Endpoint
-from epp.predictor.candidates import CACHED_TOKENS, PREDICTED_LATENCY, PREDICTION_READS
-from epp.scheduling.errors import ConfigError
 from epp.scheduling.framework import Filter, Parameters, register
 from epp.scheduling.plugins.predicted_latency_scorer import FED, OBSERVED, ROUTED_FEATURES, PredictorFeed
+from epp.scheduling.predictions import CACHED_TOKENS, PREDICTED_LATENCY, PREDICTION_READS
 from epp.scheduling.types import CycleState, SchedulingRequest
 
 

@@ -26,7 +26,7 @@ hit or a queue twice, and a weight to balance them would have to be tuned per wo
 only the load scorers (LOAD_SCORERS), whose counts say nothing of the work each request brings (a server busy with
 a 6,000-token prefill shows no queue, one that was just sent a 200-token chat turn shows one): the prefix and LoRA
 scorers, exact about what they see, still add theirs, so its weight matters; the default profile
-(`epp.scheduling.scheduler.DEFAULT_CONFIG`) gives it the summed weights of the scorers it replaces there, the
+(`epp.config.loader.DEFAULT_CONFIG`) gives it the summed weights of the scorers it replaces there, the
 profile's own balance between load and those signals.
 Parameters: longOutputTokens (256), replaces ("all" or "load").
 Trade-offs: it is only as good as the predictor's recent error (`LatencyPredictor.ttft_mape`, for the EPP's
@@ -39,10 +39,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from epp.config import ConfigError
 from epp.datalayer.endpoint import Endpoint
 from epp.predictor import Features
-from epp.predictor.candidates import CACHED_TOKENS, PREDICTED_LATENCY, PREDICTION_READS
-from epp.scheduling.errors import ConfigError
 from epp.scheduling.framework import (
     LatencyPredictionReader,
     Parameters,
@@ -52,6 +51,7 @@ from epp.scheduling.framework import (
     Scorer,
     register,
 )
+from epp.scheduling.predictions import CACHED_TOKENS, PREDICTED_LATENCY, PREDICTION_READS
 from epp.scheduling.types import CycleState, SchedulingRequest, SchedulingResult, StateKey
 
 # A streamed request's features at its pick (only its timings come back to learn from).

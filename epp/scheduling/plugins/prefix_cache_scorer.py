@@ -52,6 +52,7 @@ from xxhash import xxh64_intdigest
 
 from epp.datalayer.endpoint import Endpoint
 from epp.datalayer.kv_events import KVBlockIndex
+from epp.datalayer.load import QUEUE_DEPTH_READS
 from epp.scheduling.framework import (
     KVEventsConsumer,
     Parameters,
@@ -62,7 +63,7 @@ from epp.scheduling.framework import (
     Scorer,
     register,
 )
-from epp.scheduling.load import QUEUE_DEPTH_READS, QUEUE_DEPTHS, guard_load
+from epp.scheduling.load import QUEUE_DEPTHS, guard_load
 from epp.scheduling.plugins.precise_prefix_cache_scorer import PROMPT_BLOCKS
 from epp.scheduling.types import CycleState, ResponseInfo, SchedulingRequest, SchedulingResult, StateKey
 

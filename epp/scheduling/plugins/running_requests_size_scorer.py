@@ -9,8 +9,9 @@ Trade-offs: complements queue-scorer when queues are empty; blind to how long ea
 from __future__ import annotations
 
 from epp.datalayer.endpoint import Endpoint
+from epp.datalayer.load import RUNNING_REQUESTS_READS, running_requests
 from epp.scheduling.framework import Parameters, Scorer, register
-from epp.scheduling.load import RUNNING_REQUESTS_READS, inverted_min_max, running_requests
+from epp.scheduling.load import inverted_min_max
 from epp.scheduling.types import CycleState, SchedulingRequest
 
 

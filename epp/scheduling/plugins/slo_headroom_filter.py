@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import math
 
+from epp.config import ConfigError
 from epp.datalayer.endpoint import Endpoint
-from epp.predictor.candidates import CACHED_TOKENS, PREDICTED_LATENCY, PREDICTION_READS
-from epp.scheduling.errors import ConfigError
 from epp.scheduling.framework import Filter, LatencyPredictionReader, Parameters, register
+from epp.scheduling.predictions import CACHED_TOKENS, PREDICTED_LATENCY, PREDICTION_READS
 from epp.scheduling.types import CycleState, SchedulingRequest
 
 TTFT_HEADER = "x-slo-ttft-ms"

@@ -51,7 +51,6 @@ from bisect import bisect_left, insort
 from time import monotonic
 
 from epp.datalayer.endpoint import Endpoint
-from epp.predictor.candidates import CACHED_TOKENS, PREDICTED_LATENCY, PREDICTION_READS
 from epp.scheduling.framework import (
     Filter,
     LatencyPredictionReader,
@@ -61,6 +60,7 @@ from epp.scheduling.framework import (
     register,
 )
 from epp.scheduling.plugins.slo_headroom_filter import TPOT_HEADER, TTFT_HEADER, objective_seconds
+from epp.scheduling.predictions import CACHED_TOKENS, PREDICTED_LATENCY, PREDICTION_READS
 from epp.scheduling.types import CycleState, ResponseInfo, SchedulingRequest, SchedulingResult, StateKey
 
 

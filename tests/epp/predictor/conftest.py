@@ -4,8 +4,10 @@ import random
 
 import pytest
 
-from epp.predictor import CandidatePredictions, Features, LatencyPredictor
-from epp.scheduling.framework import LatencyPredictionReader, build_plugin
+from epp.predictor import Features, LatencyPredictor
+from epp.scheduling.framework import LatencyPredictionReader
+from epp.scheduling.plugins import build_plugin
+from epp.scheduling.predictions import CandidatePredictions
 
 
 @pytest.fixture

@@ -4,8 +4,9 @@ import time
 
 import pytest
 
-from epp.scheduling.errors import ConfigError
-from epp.scheduling.framework import LatencyPredictionReader, build_plugin
+from epp.config import ConfigError
+from epp.scheduling.framework import LatencyPredictionReader
+from epp.scheduling.plugins import build_plugin
 from epp.scheduling.plugins.predicted_latency_scorer import ROUTED_FEATURES
 from epp.scheduling.scheduler import Scheduler
 from epp.scheduling.types import CycleState, ResponseInfo, SchedulingRequest, SchedulingResult

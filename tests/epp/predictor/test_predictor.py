@@ -82,7 +82,7 @@ def test_routed_records_the_backlog_ahead_and_adds_the_uncached_prompt():
 def test_endpoint_features_read_the_lag_corrected_load_and_the_adapter():
     e = endpoint(0, waiting=1, running=2, kv=0.4, running_adapters=("sql",), in_flight=6, in_flight_tokens=900)
     f = endpoint_features(e, prompt_tokens=500, cached_tokens=700, adapter="chat")
-    # 6 in flight from this EPP, 3 reported: what the scrape does not show yet counts (epp.scheduling.load)
+    # 6 in flight from this EPP, 3 reported: what the scrape does not show yet counts (epp.datalayer.load)
     assert f == Features(
         waiting=4,
         running=5,

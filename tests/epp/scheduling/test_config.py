@@ -4,8 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from epp.scheduling.errors import ConfigError
-from epp.scheduling.scheduler import DEFAULT_CONFIG, Scheduler
+from epp.config import ConfigError
+from epp.config.loader import DEFAULT_CONFIG
+from epp.scheduling.scheduler import Scheduler
 
 
 def shape(scheduler):

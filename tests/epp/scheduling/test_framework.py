@@ -5,18 +5,17 @@ import math
 
 import pytest
 
-from epp.scheduling.errors import ConfigError
+from epp.config import ConfigError
 from epp.scheduling.framework import (
-    PLUGIN_TYPES,
     Filter,
     PoolChanged,
     PreRequest,
     ResponseComplete,
     Scorer,
-    build_plugin,
     check_data_dependencies,
     register,
 )
+from epp.scheduling.plugins import PLUGIN_TYPES, build_plugin
 from epp.scheduling.scheduler import Profile, Scheduler
 from epp.scheduling.types import CycleState, ResponseInfo, SchedulingRequest, StateKey, TypedName
 from tests.epp.helpers import endpoint

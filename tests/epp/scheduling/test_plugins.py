@@ -4,10 +4,11 @@ from collections import Counter
 
 import pytest
 
+from epp.config import ConfigError
 from epp.datalayer.endpoint import MAX_KNOWN_ADAPTERS
-from epp.scheduling.errors import ConfigError
-from epp.scheduling.framework import PLUGIN_TYPES, build_plugin
-from epp.scheduling.load import queue_depth, queue_depths, running_requests
+from epp.datalayer.load import queue_depth, running_requests
+from epp.scheduling.load import queue_depths
+from epp.scheduling.plugins import PLUGIN_TYPES, build_plugin
 from epp.scheduling.types import CycleState, SchedulingRequest, SchedulingResult
 from tests.epp.helpers import endpoint
 

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from epp.datalayer.kv_events import KVBlockIndex
-from epp.scheduling.framework import build_plugin
+from epp.scheduling.plugins import build_plugin
 from epp.scheduling.plugins.precise_prefix_cache_scorer import PROMPT_BLOCKS, BlockHashCache, PromptBlocks
 from epp.scheduling.plugins.prefix_cache_scorer import PREFIX_HASHES
 from epp.scheduling.scheduler import Scheduler

@@ -3,7 +3,7 @@
 import pytest
 import xxhash
 
-from epp.scheduling.framework import build_plugin
+from epp.scheduling.plugins import build_plugin
 from epp.scheduling.plugins.prefix_cache_scorer import PREFIX_HASHES
 from epp.scheduling.types import CycleState, SchedulingRequest, SchedulingResult
 from tests.epp.helpers import endpoint

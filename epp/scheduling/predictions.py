@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from epp.datalayer.endpoint import Endpoint, adapter_listed
+from epp.datalayer.load import QUEUE_DEPTH_READS, RUNNING_REQUESTS_READS
 from epp.predictor.predictor import LatencyPredictor
-from epp.scheduling.load import QUEUE_DEPTH_READS, RUNNING_REQUESTS_READS
 from epp.scheduling.types import CycleState, SchedulingRequest, StateKey
 
 # Endpoint name -> (TTFT, TPOT or None) seconds for this cycle's request.

@@ -28,11 +28,14 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf.message import DecodeError, Message
 from hpack import Decoder
 from hpack.exceptions import HPACKError
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from epp.handlers import NewHandler, RepeatedWarning, oversized_messages
+from epp.handlers import NewHandler
 from epp.handlers.budget import ByteBudget
+from epp.metrics import unlabelled
+from epp.transport import RepeatedWarning, oversized_messages
 
-log = logging.getLogger("epp.grpc_h2")
+log = logging.getLogger("epp.transport.h2")
 
 PROCESS_PATH = b"/envoy.service.ext_proc.v3.ExternalProcessor/Process"
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
@@ -789,14 +792,14 @@ class ExtProcServer:
         self.partial = ByteBudget(MAX_PARTIAL_BYTES)
         self.outbound = ByteBudget(MAX_SHARED_OUTBOUND_BYTES)  # held: the connections' backlogs as last counted
         self.shed = RepeatedWarning(
-            "epp.grpc_h2",
+            "epp.transport.h2",
             "aborted an ext_proc connection holding %d bytes of unread answers: all connections held %d, over %d; "
             "%d so far",
         )
         self.oversized = oversized_messages()
         self.connections: set[ExtProcConnection] = set()
         self.refused = RepeatedWarning(
-            "epp.grpc_h2", "refused an ext_proc connection: %d are open (--max-ext-proc-connections); %d so far"
+            "epp.transport.h2", "refused an ext_proc connection: %d are open (--max-ext-proc-connections); %d so far"
         )
         self.server: asyncio.Server | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -831,6 +834,47 @@ class ExtProcServer:
     @property
     def port(self) -> int:
         return self.server.sockets[0].getsockname()[1]
+
+    def collect(self):
+        """Its connections and shared bounds (inference_extension_ext_proc_*), read when Prometheus scrapes."""
+        gauges = (
+            (
+                "inference_extension_ext_proc_connections",
+                "Open connections to the ext_proc port (h2 transport).",
+                len(self.connections),
+            ),
+            (
+                "inference_extension_ext_proc_partial_message_bytes",
+                "Bytes of gRPC messages not yet complete that all connections hold now.",
+                self.partial.held,
+            ),
+            (
+                "inference_extension_ext_proc_unread_answer_bytes",
+                "Bytes of answers the ext_proc peers have not read yet (in the sockets' buffers or waiting for flow-control "
+                "window), all connections together.",
+                self.outbound.held,
+            ),
+        )
+        yield from unlabelled(GaugeMetricFamily, gauges)
+        counters = (
+            (
+                "inference_extension_ext_proc_refused_connections",
+                "Connections refused over --max-ext-proc-connections.",
+                self.refused.count,
+            ),
+            (
+                "inference_extension_ext_proc_refused_messages",
+                "gRPC messages refused over their method's size limit (RESOURCE_EXHAUSTED), unread.",
+                self.oversized.count,
+            ),
+            (
+                "inference_extension_ext_proc_aborted_connections",
+                "Connections aborted because all connections' unread answers went over the EPP-wide budget (the "
+                "largest backlogs go first).",
+                self.shed.count,
+            ),
+        )
+        yield from unlabelled(CounterMetricFamily, counters)
 
     async def stop(self, grace: float = 1.0) -> None:
         """Stop accepting, tell every proxy to go away, give open streams `grace` seconds, then close."""

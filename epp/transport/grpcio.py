@@ -1,5 +1,5 @@
 """The grpcio transport for ext_proc (`epp --ext-proc-transport grpcio`: TLS, reflection). The lean transport
-(`epp.grpc_h2`) is the default; both drive handlers through the interface in `epp.handlers`."""
+(`epp.transport.h2`) is the default; both drive handlers through the interface in `epp.handlers`."""
 
 from __future__ import annotations
 
@@ -10,14 +10,15 @@ from collections.abc import Callable
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from epp.handlers import NewHandler, accesslog, oversized_messages
+from epp.handlers import NewHandler, accesslog
+from epp.transport import oversized_messages
 
-log = logging.getLogger("epp.handlers.grpcio")
+log = logging.getLogger("epp.transport.grpcio")
 
 
 def ext_proc_service(new_handler: NewHandler, request_type: type = pb.ProcessingRequest) -> grpc.GenericRpcHandler:
     """ExternalProcessor/Process on this server; the handlers' answers are serialized already (sent as they are).
-    `request_type` is what the messages are parsed into, as on the h2 transport (`epp.grpc_h2.ExtProcServer`)."""
+    `request_type` is what the messages are parsed into, as on the h2 transport (`epp.transport.h2.ExtProcServer`)."""
     return grpc.method_handlers_generic_handler(
         "envoy.service.ext_proc.v3.ExternalProcessor",
         {

@@ -1,0 +1,104 @@
+"""The EndpointPickerConfig loader: the YAML document (GIE's / llm-d's shape, `epp --config-file` or
+`--config-text`) is parsed once, its top level checked, and each section handed to its owner:
+
+| section | owner |
+| --- | --- |
+| `plugins`, `schedulingProfiles`, `saturationDetector` | the scheduler (`epp.scheduling.scheduler.Scheduler.from_sections`) |
+| `flowControl`, `featureGates` | flow control (`epp.flowcontrol.FlowControlConfig.from_sections`) |
+
+A field outside these (and `apiVersion`, `kind`) is a ConfigError, as is any error an owner finds in its sections:
+all at startup, never on the request path. With no document at all, DEFAULT_CONFIG applies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from epp.config import ConfigError
+
+DEFAULT_CONFIG = """\
+apiVersion: inference.networking.x-k8s.io/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: slo-headroom-filter
+- type: slo-interference-filter
+- type: predicted-latency-filter
+- type: predicted-latency-scorer
+  parameters: {replaces: load}
+- type: queue-scorer
+- type: kv-cache-utilization-scorer
+- type: prefix-cache-scorer
+- type: precise-prefix-cache-scorer
+- type: lora-affinity-scorer
+- type: in-flight-tokens-scorer
+- type: max-score-picker
+schedulingProfiles:
+- name: default
+  plugins:
+  - pluginRef: slo-headroom-filter
+  - pluginRef: slo-interference-filter
+  - pluginRef: predicted-latency-filter
+  - pluginRef: predicted-latency-scorer
+    weight: 5
+  - pluginRef: queue-scorer
+    weight: 2
+  - pluginRef: kv-cache-utilization-scorer
+    weight: 2
+  - pluginRef: prefix-cache-scorer
+    weight: 3
+  - pluginRef: precise-prefix-cache-scorer
+    weight: 3
+  - pluginRef: lora-affinity-scorer
+    weight: 1
+  - pluginRef: in-flight-tokens-scorer
+    weight: 1
+  - pluginRef: max-score-picker
+"""
+API_VERSIONS = (
+    "inference.networking.x-k8s.io/v1alpha1",
+    "config.apix.gateway-api-inference-extension.sigs.k8s.io/v1alpha1",
+)
+KIND = "EndpointPickerConfig"
+
+
+@dataclass(frozen=True)
+class EndpointPickerConfig:
+    """The document's sections as written (None when absent); their owners check them."""
+
+    plugins: Any = None
+    scheduling_profiles: Any = None
+    saturation_detector: Any = None
+    flow_control: Any = None
+    feature_gates: Any = None
+
+
+# The document's fields: the sections (field -> EndpointPickerConfig attribute) and what identifies it.
+SECTIONS = {
+    "plugins": "plugins",
+    "schedulingProfiles": "scheduling_profiles",
+    "saturationDetector": "saturation_detector",
+    "flowControl": "flow_control",
+    "featureGates": "feature_gates",
+}
+TOP_LEVEL_KEYS = {"apiVersion", "kind", *SECTIONS}
+
+
+def load(config_text: str | None) -> EndpointPickerConfig:
+    """The sections of an EndpointPickerConfig document (None or "" -> DEFAULT_CONFIG). Raises ConfigError."""
+    try:
+        config = yaml.safe_load(config_text or DEFAULT_CONFIG)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"scheduler config is not valid YAML: {exc}") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"scheduler config must be a mapping (an {KIND})")
+    unknown = set(config) - TOP_LEVEL_KEYS
+    if unknown:
+        raise ConfigError(f"scheduler config: unknown field(s) {', '.join(sorted(map(str, unknown)))}")
+    if config.get("kind", KIND) != KIND:
+        raise ConfigError(f"scheduler config kind must be {KIND}, got {config.get('kind')!r}")
+    if config.get("apiVersion", API_VERSIONS[0]) not in API_VERSIONS:
+        raise ConfigError(f"scheduler config apiVersion must be one of {API_VERSIONS}, got {config['apiVersion']!r}")
+    return EndpointPickerConfig(**{attribute: config.get(field) for field, attribute in SECTIONS.items()})

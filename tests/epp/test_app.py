@@ -1,0 +1,45 @@
+"""The application object (epp/app.py): the EndpointPickerConfig is read once and each part gets its sections, and
+every part's collector reaches the metrics page."""
+
+import socket
+
+from prometheus_client import generate_latest
+
+from epp.app import EndpointPicker
+from epp.cli import build_parser
+from epp.config import loader
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+async def test_the_config_is_read_once_and_every_part_registers_its_metrics(tmp_path, monkeypatch):
+    pool = tmp_path / "pool.yaml"
+    pool.write_text("endpoints:\n- {name: a, address: 127.0.0.1, port: 8000}\n")
+    config = loader.DEFAULT_CONFIG + "saturationDetector: {queueDepthThreshold: 3}\nflowControl: {maxRequests: 7}\n"
+    parsed, safe_load = [], loader.yaml.safe_load
+    monkeypatch.setattr(loader.yaml, "safe_load", lambda text: parsed.append(text) or safe_load(text))
+    flags = ["--pool-file", str(pool), "--bind-address", "127.0.0.1", "--kv-events-port", str(free_port())]
+    picker = EndpointPicker(build_parser().parse_args([*flags, "--config-text", config]))
+    try:
+        assert parsed.count(config) == 1
+        assert picker.scheduler.detector.queue_depth_threshold == 3  # the scheduler's section
+        assert picker.flow_control.config.max_requests == 7  # flow control's
+        assert picker.subscriber is not None  # the default profile reads KV events
+        page = generate_latest(picker.metrics.registry).decode()
+        for name in (
+            "inference_objective_request_total",  # the director's series
+            "inference_pool_ready_pods",  # the datastore's
+            "inference_extension_prefix_indexer_size",  # the scheduler's
+            "inference_extension_latency_predictor_observations_total",  # its latency predictor's
+            "inference_extension_flow_control_pool_saturation",  # flow control's
+            "inference_extension_kv_events_index_entries",  # the KV-event subscriber's
+            "inference_extension_ext_proc_buffered_body_bytes",  # the handlers' body budget's
+            "inference_extension_ext_proc_connections",  # the h2 transport's
+        ):
+            assert f"# TYPE {name} " in page
+    finally:
+        await picker.datastore.close()
