@@ -3,12 +3,14 @@
 #   docker build --target epp               -t ghcr.io/llm-routing-reference/epp:0.1.0 .
 #   docker build --target modelserver-sim   -t ghcr.io/llm-routing-reference/modelserver-sim:0.1.0 .
 #   docker build --target modelserver-torch -t ghcr.io/llm-routing-reference/modelserver-torch:0.1.0 .
-# The wheel: the runtime packages only (no harness); the images get only the wheel.
+# The wheel: the release build (setup.py, EPP_RELEASE=1): the runtime packages and their console scripts only (no
+# harness), the EPP's request path compiled with Cython. The compiler stays in this stage: the images get only the
+# wheel.
 FROM python:3.11-slim AS wheel
-ENV PYTHONDONTWRITEBYTECODE=1 PIP_NO_CACHE_DIR=1
+ENV PYTHONDONTWRITEBYTECODE=1 PIP_NO_CACHE_DIR=1 EPP_RELEASE=1
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY protocol ./protocol
 COPY modelserver ./modelserver
 COPY epp ./epp

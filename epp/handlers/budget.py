@@ -1,6 +1,7 @@
 """The byte budgets that bound what the EPP buffers for its peers (request bodies, partial gRPC messages, answers a
-peer has not read). A module of its own, not the package's __init__, so that it is compiled with the request path
-(setup.py leaves package __init__ files as Python): every request reserves and releases its body's bytes."""
+peer has not read). A module of its own, not the package's __init__, so that the release build compiles it with the
+request path (setup.py leaves package __init__ files as Python): every request reserves and releases its body's
+bytes."""
 
 from __future__ import annotations
 

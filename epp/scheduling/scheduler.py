@@ -110,15 +110,15 @@ class CyclePlugins(NamedTuple):
 
 
 def add_weighted(totals: list[float], scores: Sequence[float], weight: float) -> None:
-    """totals[i] += weight x scores[i] clamped to [0, 1] (NaN as 0: every comparison with NaN is false), in place.
-    A loop on C doubles when compiled (scheduler.pxd), with types.clamp_score's expression inlined: a call per score
-    would cost more than the sum itself. ValueError when the lengths differ (a scorer's bug)."""
-    size = len(totals)
-    if len(scores) != size:
-        raise ValueError(f"{len(scores)} scores for {size} candidates")
-    for i in range(size):
-        s = scores[i]
-        totals[i] += weight * (s if 0.0 <= s <= 1.0 else (1.0 if s > 1.0 else 0.0))
+    """totals[i] += weight x scores[i] clamped to [0, 1] (NaN as 0: every comparison with NaN is false), in place,
+    with types.clamp_score's expression inlined: a call per score would cost more than the sum itself. ValueError
+    when the lengths differ (a scorer's bug)."""
+    if len(scores) != len(totals):
+        raise ValueError(f"{len(scores)} scores for {len(totals)} candidates")
+    totals[:] = [
+        total + weight * (s if 0.0 <= s <= 1.0 else (1.0 if s > 1.0 else 0.0))
+        for total, s in zip(totals, scores, strict=True)
+    ]
 
 
 class Scheduler:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Generic, NamedTuple, TypeVar
 
 from epp.datalayer.endpoint import Endpoint
@@ -40,7 +40,7 @@ class CycleState:
     request's later hooks (pre-request, response-complete). One request at a time: no locking."""
 
     def __init__(self) -> None:
-        self._data: dict[StateKey[Any], Any] = {}  # (compiled: a C field, types.pxd)
+        self._data: dict[StateKey[Any], Any] = {}
 
     def read(self, key: StateKey[T]) -> T | None:
         return self._data.get(key)
@@ -60,51 +60,25 @@ class ResponseInfo:
     cached_tokens: int | None = None  # the usage's prompt_tokens_details.cached_tokens: the server's prefix hit
 
 
-# SchedulingRequest and SchedulingResult write their own __init__ (init=False), where a field would otherwise have a
-# default_factory: compiled (types.pxd), Cython's generated __init__ imports the dataclasses module on every call to
-# test each such argument against its default-factory marker (PyImport_Import: 3.7 us of the EPP's request path, live).
-
-
-@dataclass(init=False)
+@dataclass
 class SchedulingRequest:
     """What the scheduler may read of one request. Built once per request on the ext_proc path."""
 
     request_id: str
     model: str  # the model (or LoRA adapter) name after any rewrite: what the model server will see
-    prompt: str  # protocol.openai.prompt_text(...) of the body; "" for header-only requests
-    prompt_tokens_estimate: int  # len(prompt) // 4 unless a tokenizer is known
-    priority: int  # from the InferenceObjective named by x-gateway-inference-objective
-    objective: str | None
-    fairness_id: str | None
-    headers: dict[str, str]
-    subset: frozenset[str] | None  # allowed "ip:port" from the proxy's subset hint; None = no hint
-    max_tokens: int | None  # the body's max_tokens / max_completion_tokens, when it gives one
-    streamed: bool  # the body asks for a streamed response: only its timings can come back (a TTFT)
-    payload: dict[str, Any] | None  # the parsed JSON body (PrepareData plugins tokenize it)
-
-    def __init__(
-        self,
-        request_id: str,
-        model: str,
-        prompt: str = "",
-        prompt_tokens_estimate: int = 0,
-        priority: int = 0,
-        objective: str | None = None,
-        fairness_id: str | None = None,
-        headers: dict[str, str] | None = None,
-        subset: frozenset[str] | None = None,
-        max_tokens: int | None = None,
-        streamed: bool = False,
-        payload: dict[str, Any] | None = None,
-    ):
-        self.request_id, self.model, self.prompt = request_id, model, prompt
-        self.prompt_tokens_estimate, self.priority = prompt_tokens_estimate, priority
-        self.objective, self.fairness_id = objective, fairness_id
-        self.headers = {} if headers is None else headers
-        self.subset, self.max_tokens, self.streamed, self.payload = subset, max_tokens, streamed, payload
+    prompt: str = ""  # protocol.openai.prompt_text(...) of the body; "" for header-only requests
+    prompt_tokens_estimate: int = 0  # len(prompt) // 4 unless a tokenizer is known
+    priority: int = 0  # from the InferenceObjective named by x-gateway-inference-objective
+    objective: str | None = None
+    fairness_id: str | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+    subset: frozenset[str] | None = None  # allowed "ip:port" from the proxy's subset hint; None = no hint
+    max_tokens: int | None = None  # the body's max_tokens / max_completion_tokens, when it gives one
+    streamed: bool = False  # the body asks for a streamed response: only its timings can come back (a TTFT)
+    payload: dict[str, Any] | None = None  # the parsed JSON body (PrepareData plugins tokenize it)
 
 
-@dataclass(init=False)
+@dataclass
 class SchedulingResult:
     """One scheduling cycle's outcome.
 
@@ -118,26 +92,11 @@ class SchedulingResult:
     """
 
     endpoints: list[Endpoint]
-    profile: str
-    candidates: list[Endpoint]
-    raw_scores: dict[TypedName, list[float]]
-    timings: list[tuple[TypedName, float]]
-    cycle_state: CycleState
-
-    def __init__(
-        self,
-        endpoints: list[Endpoint],
-        profile: str = "default",
-        candidates: list[Endpoint] | None = None,
-        raw_scores: dict[TypedName, list[float]] | None = None,
-        timings: list[tuple[TypedName, float]] | None = None,
-        cycle_state: CycleState | None = None,
-    ):
-        self.endpoints, self.profile = endpoints, profile
-        self.candidates = [] if candidates is None else candidates
-        self.raw_scores = {} if raw_scores is None else raw_scores
-        self.timings = [] if timings is None else timings
-        self.cycle_state = CycleState() if cycle_state is None else cycle_state
+    profile: str = "default"
+    candidates: list[Endpoint] = field(default_factory=list)
+    raw_scores: dict[TypedName, list[float]] = field(default_factory=dict)
+    timings: list[tuple[TypedName, float]] = field(default_factory=list)
+    cycle_state: CycleState = field(default_factory=CycleState)
 
     @property
     def primary(self) -> Endpoint:
