@@ -27,10 +27,11 @@ WORKSHOP_SCRIPTS = [
     "epp-bench = harness.bench.cli:main",
 ]
 # What the release build compiles: the modules every request goes through, from the ext_proc bytes to the scheduler's
-# pick. Measured (README, "The release build"): these 15 cost as little CPU per request as the 45 modules of the
-# request path, scrapes and predictor together, and compile in a third of the time. Package __init__ files stay Python.
+# pick. Measured (README, "The release build"): these cost as little CPU per request as the 45 modules of the request
+# path, scrapes and predictor together, and compile in a third of the time. Package __init__ files stay Python.
 COMPILED = [
-    "epp/grpc_h2.py",
+    "epp/transport/h2.py",
+    "epp/datalayer/load.py",
     "epp/handlers/*.py",
     "epp/requestcontrol/*.py",
     "epp/scheduling/*.py",

@@ -127,7 +127,7 @@ def test_the_wheel_runs_the_demo_and_the_gateway_suite_from_elsewhere(installed_
 
 RUNTIME_PACKAGES = {"protocol", "modelserver", "epp"}
 RUNTIME_SCRIPTS = {"epp", "modelserver"}
-REQUEST_PATH = {"epp/grpc_h2", "epp/handlers/extproc", "epp/requestcontrol/director", "epp/scheduling/scheduler"}
+REQUEST_PATH = {"epp/transport/h2", "epp/handlers/extproc", "epp/requestcontrol/director", "epp/scheduling/scheduler"}
 # The request path's tests the release build runs against its compiled modules: the transport, the ext_proc handler
 # with the director, the director with flow control, and one gateway integration test (real Envoy, the EPP started
 # from the wheel's modules)
@@ -189,7 +189,7 @@ def test_the_compiled_request_path_passes_the_request_paths_tests(release_wheel,
         wheel.extractall(site)
     env = {**OUTSIDE, "PYTHONPATH": str(site), "PYTHONSAFEPATH": "1"}
     where = subprocess.run(
-        [sys.executable, "-c", "import epp.grpc_h2, epp.requestcontrol.director as d; print(d.__file__)"],
+        [sys.executable, "-c", "import epp.transport.h2, epp.requestcontrol.director as d; print(d.__file__)"],
         capture_output=True,
         text=True,
         timeout=60,
