@@ -51,7 +51,6 @@ from epp.datalayer.kv_events import KVBlockIndex
 from epp.datalayer.load import QUEUE_DEPTH_READS
 from epp.scheduling.framework import KVEventsConsumer, Parameters, PrepareData, Scorer, register
 from epp.scheduling.load import QUEUE_DEPTHS, guard_load
-from epp.scheduling.prompt_tokens import PromptTokenizer
 from epp.scheduling.types import CycleState, SchedulingRequest, StateKey
 from protocol.kv_events import HASH_ALGOS, block_hasher, external_block_hash, lora_extra_keys
 
@@ -140,6 +139,10 @@ class PrecisePrefixCacheScorer(Scorer, PrepareData, KVEventsConsumer):
         cache_tokens = p.get("tokenCacheTokens", 2_000_000, int, minimum=0)
         cache_blocks = p.get("blockHashCacheBlocks", 500_000, int, minimum=0)
         p.done()
+        # here, not at the top: the tokenizer's libraries load only when a profile uses this scorer (the EPP's
+        # start-up without them: tests/test_packaging.py)
+        from epp.scheduling.prompt_tokens import PromptTokenizer
+
         try:
             self.tokenizer = PromptTokenizer.from_directory(tokenizer_dir, cache_tokens=cache_tokens)
         except (OSError, ValueError) as exc:
