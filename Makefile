@@ -45,14 +45,16 @@ bench-inference-perf:
 demo: $(DEMO_STAMP)
 	$(BIN)/epp-local --model-servers 4 --demo
 
-# Two pytest-xdist workers a core (tests/conftest.py says how they share the tests out): about half of the suite's
-# time is spent waiting on the servers it starts (2 cores: 300 s with 2 workers, 240 s with 4). Without the `slow`
-# measurements, which `make bench` runs.
+# Two pytest-xdist workers a core: about half of the suite's time is spent waiting on the servers it starts (2 cores:
+# 300 s with 2 workers, 240 s with 4). A file's tests on one worker (--dist loadfile), so that a module-scoped fixture
+# (the built wheel: two builds at once in one checkout fail) is made once; loadgroup's marks are lost with pytest 9.2
+# (xdist 3.8 renames node ids through a field pytest no longer reads). Without the `slow` measurements, which
+# `make bench` runs.
 TEST_WORKERS ?= $(shell echo $$(( 2 * $$(nproc) )))
 test: $(STAMP) system-deps bench-inference-perf
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
-	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadgroup -m "not slow"
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile -m "not slow"
 
 bench: $(STAMP)
 	$(BIN)/pip install -q -e '.[harness,bench]'
