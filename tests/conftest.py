@@ -30,4 +30,3 @@ def epp_local_ports() -> tuple[list[str], list[int]]:
     # Not the KV-event port: the servers' connections to it that a killed EPP leaves in TIME_WAIT make a plain bind
     # fail for a minute, and ZMQ binds with SO_REUSEADDR, so the next EPP gets it anyway.
     return args, [base, base + 1, grpc, health, metrics, listener, admin]
-
