@@ -4,10 +4,14 @@ The ports come from below the kernel's ephemeral range (`ip_local_port_range`), 
 kernel handed out that way and we released can be taken as the local port of any outgoing connection (a scraper, a
 client, Envoy's upstream pool) before the server we meant it for binds it, which failed a model server's start with
 EADDRINUSE in a test run while other processes were busy connecting. connect() never picks a port below that range.
+
+Under pytest-xdist each worker chooses from its own share of that range: a worker cannot know the ports another
+handed out and has not bound yet. The processes a test starts inherit the worker's environment, so its share.
 """
 
 from __future__ import annotations
 
+import os
 import random
 import socket
 from collections import deque
@@ -32,6 +36,17 @@ def _ephemeral_low() -> int:
         return 32_768  # Linux's default; other systems start theirs higher (49152)
 
 
+def _share() -> tuple[int, int]:
+    """The lowest and one past the highest port this process chooses from."""
+    low, high = LOWEST_PORT, _ephemeral_low()
+    worker, workers = os.environ.get("PYTEST_XDIST_WORKER", ""), os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if worker.startswith("gw") and workers.isdigit():  # gw0, gw1, ...
+        width = (high - low) // int(workers)
+        low += int(worker[2:]) * width
+        high = low + width
+    return low, high
+
+
 def _bindable(ports: range, held: list[socket.socket]) -> bool:
     """Bind every port of `ports` (appending the sockets to `held`); False, with none of them held, if one is taken."""
     start = len(held)
@@ -50,7 +65,8 @@ def _bindable(ports: range, held: list[socket.socket]) -> bool:
 
 def _blocks(count: int, size: int) -> list[int]:
     """`count` distinct starts of `size` consecutive free ports, the blocks held open together while chosen."""
-    high = _ephemeral_low() - size
+    low, high = _share()
+    high -= size
     held: list[socket.socket] = []
     starts: list[int] = []
     try:
@@ -58,7 +74,7 @@ def _blocks(count: int, size: int) -> list[int]:
             if len(starts) == count:
                 _handed_out.extend(range(start, start + size) for start in starts)
                 return starts
-            if high <= LOWEST_PORT:  # no room below the ephemeral range: let the kernel choose
+            if high <= low:  # no room in our share below the ephemeral range: let the kernel choose
                 s = socket.socket()
                 held.append(s)
                 s.bind(("127.0.0.1", 0))
@@ -66,7 +82,7 @@ def _blocks(count: int, size: int) -> list[int]:
                 if size == 1 or _bindable(range(base + 1, base + size), held):
                     starts.append(base)
                 continue
-            base = random.randrange(LOWEST_PORT, high)
+            base = random.randrange(low, high)
             if not _handed_out_overlaps(range(base, base + size)) and _bindable(range(base, base + size), held):
                 starts.append(base)
         raise RuntimeError(f"no {count} free blocks of {size} ports")

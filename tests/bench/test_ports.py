@@ -32,3 +32,15 @@ def test_ports_handed_out_but_not_yet_bound_are_not_handed_out_again(monkeypatch
     monkeypatch.setattr(ports.random, "randrange", lambda low, high: next(picks))
     (port,) = free_ports(1)  # an EPP's port, chosen before that server binds
     assert port == block.stop + 1000
+
+
+def test_each_pytest_xdist_worker_chooses_from_its_own_share(monkeypatch):
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "3")
+    shares = []
+    for worker in ("gw0", "gw1", "gw2"):
+        monkeypatch.setenv("PYTEST_XDIST_WORKER", worker)
+        low, high = ports._share()
+        assert all(low <= p < high for p in free_ports(8)) and low <= free_port_block(4) <= high - 4
+        shares.append(range(low, high))
+    assert shares[0].start == ports.LOWEST_PORT and shares[0].stop <= shares[1].start
+    assert shares[1].stop <= shares[2].start and shares[2].stop <= _ephemeral_low()
