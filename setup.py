@@ -15,7 +15,7 @@ neither, and runs no other code than the source it was built from.
 import os
 from pathlib import Path
 
-from setuptools import Extension, find_packages, setup
+from setuptools import Extension, find_namespace_packages, setup
 from setuptools.command.build_ext import build_ext
 
 RELEASE = os.environ.get("EPP_RELEASE") == "1"
@@ -69,9 +69,15 @@ def compiled_modules() -> list[Extension]:
     return [Extension(".".join(path.with_suffix("").parts), [str(path)]) for path in paths]
 
 
+def packages(*names: str) -> list[str]:
+    """The packages under `names`, data folders without an __init__.py included (harness/templates,
+    harness/bench/workloads: package-data in pyproject.toml says which of their files ship)."""
+    return find_namespace_packages(include=[f"{name}*" for name in names], exclude=["*.__pycache__"])
+
+
 if RELEASE:
     setup(
-        packages=find_packages(include=["protocol*", "modelserver*", "epp*"]),
+        packages=packages("protocol", "modelserver", "epp"),
         entry_points={"console_scripts": RUNTIME_SCRIPTS},
         ext_modules=compiled_modules(),
         cmdclass={"build_ext": CompileWithCython},
@@ -79,6 +85,6 @@ if RELEASE:
     )
 else:
     setup(
-        packages=find_packages(include=["protocol*", "modelserver*", "epp*", "harness*"]),
+        packages=packages("protocol", "modelserver", "epp", "harness"),
         entry_points={"console_scripts": RUNTIME_SCRIPTS + WORKSHOP_SCRIPTS},
     )

@@ -27,6 +27,9 @@ FORBIDDEN = {
     "modelserver": ["torch", "grpc", "grpc_health", "kubernetes", "hpack", "envoy", "openai", "rich", "epp"],
 }
 
+RUNTIME_PACKAGES = {"protocol", "modelserver", "epp"}
+RUNTIME_SCRIPTS = {"epp", "modelserver"}
+
 
 def dockerfile_stages() -> dict[str, str]:
     stages, name = {}, None
@@ -66,17 +69,33 @@ def test_each_part_starts_without_the_others_dependencies(part, module):
     assert result.returncode == 0, result.stderr[-2000:]
 
 
+def build_wheel(work: Path, packages: list[str], env: dict[str, str]) -> Path:
+    """A wheel built from a copy of `packages` and the build's files, as the Dockerfile's wheel stage copies them:
+    the checkout gets no build directory, and no earlier build's files (build/lib) slip into the wheel."""
+    source = work / "source"
+    source.mkdir()
+    for name in ("pyproject.toml", "setup.py", "README.md"):
+        shutil.copy(ROOT / name, source)
+    for package in packages:
+        shutil.copytree(ROOT / package, source / package, ignore=shutil.ignore_patterns("__pycache__"))
+    result = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(work / "dist"), str(source)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, **env},
+    )
+    if result.returncode != 0:
+        pytest.fail("building the wheel failed: " + result.stderr[-2000:])
+    (wheel,) = (work / "dist").glob("*.whl")
+    return wheel
+
+
 @pytest.fixture(scope="module")
 def installed_wheel(tmp_path_factory) -> Path:
     """A wheel of the checkout installed with [harness] into a new venv outside the checkout; its bin directory."""
     work = tmp_path_factory.mktemp("wheel")
-    subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(work / "dist"), str(ROOT)],
-        check=True,
-        capture_output=True,
-        timeout=300,
-    )
-    (wheel,) = (work / "dist").glob("*.whl")
+    wheel = build_wheel(work, sorted(RUNTIME_PACKAGES | {"harness"}), {})
     venv.create(work / "venv", with_pip=True)
     pip = work / "venv" / "bin" / "pip"
     result = subprocess.run(
@@ -125,8 +144,6 @@ def test_the_wheel_runs_the_demo_and_the_gateway_suite_from_elsewhere(installed_
     assert yaml.safe_load(report.read_text())["profiles"][0]["core"]["result"] == "success"
 
 
-RUNTIME_PACKAGES = {"protocol", "modelserver", "epp"}
-RUNTIME_SCRIPTS = {"epp", "modelserver"}
 REQUEST_PATH = {"epp/transport/h2", "epp/handlers/extproc", "epp/requestcontrol/director", "epp/scheduling/scheduler"}
 # The request path's tests the release build runs against its compiled modules: the transport, the ext_proc handler
 # with the director, the director with flow control, and one gateway integration test (real Envoy, the EPP started
@@ -143,24 +160,7 @@ COMPILED_PATH_TESTS = [
 def release_wheel(tmp_path_factory) -> Path:
     """The release wheel, built as the Dockerfile's wheel stage builds it: from a copy of what that stage copies, so
     the checkout gets no build directory."""
-    work = tmp_path_factory.mktemp("release")
-    source = work / "source"
-    source.mkdir()
-    for name in ("pyproject.toml", "setup.py", "README.md"):
-        shutil.copy(ROOT / name, source)
-    for package in sorted(RUNTIME_PACKAGES):
-        shutil.copytree(ROOT / package, source / package, ignore=shutil.ignore_patterns("__pycache__"))
-    result = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(work / "dist"), str(source)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "EPP_RELEASE": "1"},
-    )
-    if result.returncode != 0:
-        pytest.fail("building the release wheel failed: " + result.stderr[-2000:])
-    (wheel,) = (work / "dist").glob("*.whl")
-    return wheel
+    return build_wheel(tmp_path_factory.mktemp("release"), sorted(RUNTIME_PACKAGES), {"EPP_RELEASE": "1"})
 
 
 def test_the_release_wheel_holds_the_runtime_packages_and_scripts_compiled(release_wheel):
