@@ -85,4 +85,4 @@ format: $(STAMP)
 	$(BIN)/ruff format .
 
 clean:
-	rm -rf $(VENV) .venv-ip build *.egg-info .pytest_cache .ruff_cache bench-results
+	rm -rf $(VENV) .venv-ip build dist *.egg-info .pytest_cache .ruff_cache bench-results
