@@ -20,7 +20,7 @@ import yaml
 from epp.config import ConfigError
 
 DEFAULT_CONFIG = """\
-apiVersion: inference.networking.x-k8s.io/v1alpha1
+apiVersion: llm-d.ai/v1
 kind: EndpointPickerConfig
 plugins:
 - type: slo-headroom-filter
@@ -57,7 +57,35 @@ schedulingProfiles:
     weight: 1
   - pluginRef: max-score-picker
 """
+# llm-d router v1.0's default profile, "sticky until saturated" (its prefix-cache-affinity-filter, token-load-scorer,
+# active-request-scorer and max-score-picker, with their defaults), as written here from their documentation; only
+# peakPrefillThroughput is set, to the reference model server's sim (~10k prefill tokens a second), as llm-d asks of
+# its users. docs/llm-d-names.md has its measure against DEFAULT_CONFIG.
+LLM_D_DEFAULT_CONFIG = """\
+apiVersion: llm-d.ai/v1
+kind: EndpointPickerConfig
+plugins:
+- type: prefix-cache-affinity-filter
+  parameters: {affinityThreshold: 0.80, maxTTFTPenaltyMs: 18000, peakPrefillThroughput: 10000}
+- type: token-load-scorer
+- type: active-request-scorer
+- type: max-score-picker
+schedulingProfiles:
+- name: default
+  plugins:
+  - pluginRef: prefix-cache-affinity-filter
+  - pluginRef: token-load-scorer
+    weight: 1
+  - pluginRef: active-request-scorer
+    weight: 1
+  - pluginRef: max-score-picker
+"""
+# llm-d router v1's apiVersion first; the older ones are read as the same document (their fields are a subset of
+# v1's, with the saturation detector at the top level, where v1 still accepts it).
+API_VERSION = "llm-d.ai/v1"
 API_VERSIONS = (
+    API_VERSION,
+    "llm-d.ai/v1alpha1",
     "inference.networking.x-k8s.io/v1alpha1",
     "config.apix.gateway-api-inference-extension.sigs.k8s.io/v1alpha1",
 )
