@@ -4,6 +4,7 @@ gateway that trusts the client's destination header or does not fall back."""
 import subprocess
 import sys
 
+import pytest
 import yaml
 
 from harness.envoy import TEMPLATE
@@ -81,8 +82,9 @@ def test_a_gateway_that_keeps_the_client_header_fails(tmp_path):
     assert report["profiles"][0]["core"]["failedTests"] == ["spoofed-header-epp-down"]
 
 
-def test_a_gateway_that_passes_the_clients_rewrite_header_fails(tmp_path):
-    template = edited_template(tmp_path, ("                - remove: x-gateway-model-name-rewrite\n", ""))
+@pytest.mark.parametrize("header", ["x-llm-d-model-name-rewrite", "x-gateway-model-name-rewrite"])
+def test_a_gateway_that_passes_the_clients_rewrite_header_fails(tmp_path, header):
+    template = edited_template(tmp_path, (f"                - remove: {header}\n", ""))
     result, report = run_suite(tmp_path, "--envoy-template", template, "--only", "private-headers-stripped")
     assert result.returncode == 1
     assert report["profiles"][0]["core"]["failedTests"] == ["private-headers-stripped"]
