@@ -429,6 +429,9 @@ def _build_profile(specs: Any, plugins: dict[str, Plugin]) -> Profile:
     if not isinstance(spec, dict) or not isinstance(spec.get("name", "default"), str):
         raise ConfigError(f"a scheduling profile is a mapping with a `name` string: {spec!r}")
     name = spec.get("name", "default")
+    unknown = set(spec) - {"name", "plugins"}
+    if unknown:
+        raise ConfigError(f"profile {name!r}: unknown field(s) {', '.join(sorted(map(str, unknown)))}")
     refs = spec.get("plugins") or []
     if not isinstance(refs, list):
         raise ConfigError(f"profile {name!r}: `plugins` must be a list of {{pluginRef, weight}}")
@@ -438,6 +441,9 @@ def _build_profile(specs: Any, plugins: dict[str, Plugin]) -> Profile:
         plugin_name = ref.get("pluginRef") if isinstance(ref, dict) else None
         if plugin_name not in plugins:
             raise ConfigError(f"profile {name!r} refers to unknown plugin {ref!r}")
+        unknown = set(ref) - {"pluginRef", "weight"}
+        if unknown:
+            raise ConfigError(f"profile {name!r}, {plugin_name!r}: unknown field(s) {', '.join(sorted(unknown))}")
         if plugin_name in referred:
             raise ConfigError(f"profile {name!r} refers to {plugin_name!r} twice")
         referred[plugin_name] = plugins[plugin_name]
