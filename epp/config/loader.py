@@ -129,4 +129,39 @@ def load(config_text: str | None) -> EndpointPickerConfig:
         raise ConfigError(f"scheduler config kind must be {KIND}, got {config.get('kind')!r}")
     if config.get("apiVersion", API_VERSIONS[0]) not in API_VERSIONS:
         raise ConfigError(f"scheduler config apiVersion must be one of {API_VERSIONS}, got {config['apiVersion']!r}")
+    _convert_saturation_detector(config)
     return EndpointPickerConfig(**{attribute: config.get(field) for field, attribute in SECTIONS.items()})
+
+
+DETECTOR_TYPE = "utilization-detector"  # llm-d's saturation detector that ours is (queue depth, KV usage)
+
+
+def _convert_saturation_detector(config: dict) -> None:
+    """llm-d's saturation detector as ours reads it, in place. llm-d names it by reference: `flowControl:
+    {saturationDetector: {pluginRef: name}}` (v1; the top-level `saturationDetector` is v1alpha1's place, the
+    new one wins when both are set), `name` being a `utilization-detector` of `plugins` whose parameters are ours
+    (queueDepthThreshold, kvCacheUtilThreshold). That plugin leaves `plugins` and its parameters become the
+    top-level `saturationDetector` (the older GIE shape, read as is); a reference to anything else stays for the
+    scheduler to refuse by name."""
+    flow_control = config.get("flowControl")
+    detector = flow_control.get("saturationDetector") if isinstance(flow_control, dict) else None
+    if detector is not None:
+        config["flowControl"] = {k: v for k, v in flow_control.items() if k != "saturationDetector"}
+    else:
+        detector = config.get("saturationDetector")
+    if not isinstance(detector, dict) or "pluginRef" not in detector:
+        if detector is not None:
+            config["saturationDetector"] = detector
+        return
+    if set(detector) != {"pluginRef"}:
+        raise ConfigError(f"saturationDetector: unknown field(s) {', '.join(sorted(set(detector) - {'pluginRef'}))}")
+    plugins = config.get("plugins") if isinstance(config.get("plugins"), list) else []
+    ref = detector["pluginRef"]
+    spec = next((p for p in plugins if isinstance(p, dict) and (p.get("name") or p.get("type")) == ref), None)
+    if spec is None:
+        raise ConfigError(f"saturationDetector refers to plugin {ref!r}, which `plugins` does not list")
+    if spec.get("type") != DETECTOR_TYPE:
+        config.pop("saturationDetector", None)  # the plugin's unsupported type is the error (the scheduler's)
+        return
+    config["plugins"] = [p for p in plugins if p is not spec]
+    config["saturationDetector"] = spec.get("parameters") or {}

@@ -7,6 +7,7 @@ import pytest
 
 from epp.config import ConfigError
 from epp.config.loader import LLM_D_DEFAULT_CONFIG
+from epp.flowcontrol import FlowControlConfig
 from epp.scheduling.plugins import build_plugin
 from epp.scheduling.scheduler import Scheduler
 from epp.scheduling.types import CycleState, SchedulingRequest, SchedulingResult
@@ -255,3 +256,35 @@ def test_llm_d_shaped_configs_we_cannot_run_fail_at_startup_naming_everything_un
     assert message.startswith(f"{len(expected)} errors: ")
     for part in expected:
         assert part in message
+
+
+SATURATION = """
+apiVersion: llm-d.ai/v1
+kind: EndpointPickerConfig
+plugins:
+- type: queue-scorer
+- name: detector
+  type: utilization-detector
+  parameters: {queueDepthThreshold: 7, kvCacheUtilThreshold: 0.9}
+schedulingProfiles:
+- name: default
+  plugins:
+  - pluginRef: queue-scorer
+flowControl:
+  defaultRequestTTL: 30s
+  saturationDetector: {pluginRef: detector}
+"""
+
+
+def test_llm_d_s_saturation_detector_reference_is_read_as_ours():
+    scheduler = Scheduler.from_config(SATURATION)
+    assert (scheduler.detector.queue_depth_threshold, scheduler.detector.kv_cache_util_threshold) == (7, 0.9)
+    assert FlowControlConfig.from_text(SATURATION).default_request_ttl == 30.0
+    older = SATURATION.replace("flowControl:\n  defaultRequestTTL: 30s\n  ", "")  # v1alpha1's top-level field
+    assert Scheduler.from_config(older).detector.queue_depth_threshold == 7
+    with pytest.raises(ConfigError, match=r"saturationDetector: unknown parameter\(s\) headroom"):
+        Scheduler.from_config(SATURATION.replace("kvCacheUtilThreshold: 0.9", "headroom: 0.1"))
+    with pytest.raises(ConfigError, match=r"unsupported plugin type\(s\) concurrency-detector"):
+        Scheduler.from_config(SATURATION.replace("utilization-detector", "concurrency-detector"))
+    with pytest.raises(ConfigError, match="does not list"):
+        Scheduler.from_config(SATURATION.replace("{pluginRef: detector}", "{pluginRef: elsewhere}"))
