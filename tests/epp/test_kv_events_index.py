@@ -1,6 +1,8 @@
 """The EPP's KV event subscriber and index against the model server's real publisher and block manager."""
 
 import asyncio
+import sys
+import threading
 import time
 
 import msgspec
@@ -471,3 +473,37 @@ def test_a_server_hashing_with_another_seed_is_found_out_and_left_to_the_approxi
         assert subscriber.mismatched == set() and index.publishes("a:1") and index.size == 4
     finally:
         subscriber.shutdown()
+
+
+async def test_a_huge_batch_at_the_cap_neither_takes_long_nor_stops_the_event_loop():
+    """60,000 new hashes into an index full at 60,000: every entry evicted, in O(1) each (the dict-based index
+    took seconds, its cost growing with the square of the evictions), and applied on another thread in slices
+    that give the GIL up: with the interpreter never switching threads by itself (as the compiled release build),
+    the event loop still runs every few milliseconds."""
+    index = KVBlockIndex(max_entries=60_000)
+    index.store("a:1", list(range(60_000)))
+    gaps, stop = [], threading.Event()
+
+    async def ticker() -> None:
+        last = time.monotonic()
+        while not stop.is_set():
+            await asyncio.sleep(0.001)
+            now = time.monotonic()
+            gaps.append(now - last)
+            last = now
+
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1000)
+    try:
+        ticking = asyncio.create_task(ticker())
+        await asyncio.sleep(0.05)
+        started = time.monotonic()
+        await asyncio.to_thread(index.store, "b:1", list(range(100_000, 160_000)))
+        took = time.monotonic() - started
+        stop.set()
+        await ticking
+    finally:
+        sys.setswitchinterval(switch)
+    assert index.size == 60_000 and index.dropped_entries == 60_000
+    assert index.prefix_blocks([0], ["a:1"]) == {"a:1": 0} and index.prefix_blocks([159_999], ["b:1"]) == {"b:1": 1}
+    assert took < 3.0 and max(gaps) < 0.25, (took, max(gaps))
