@@ -131,6 +131,7 @@ class LocalStack:
             self.publisher_port_offset = self._free_block_offset()
             self.replay_port_offset = self._free_block_offset()
         self.processes: dict[str, subprocess.Popen] = {}
+        self._started: dict[str, tuple[list[str], dict[str, str] | None]] = {}  # name -> (argv, env): restart
         self.envoy: EnvoyProcess | None = None
 
     def _free_block_offset(self) -> int:
@@ -162,7 +163,12 @@ class LocalStack:
     def epp_metrics_urls(self) -> list[str]:
         return [f"http://{self.config.host}:{metrics}/metrics" for _, _, metrics in self.epp_ports]
 
+    def restart(self, name: str) -> subprocess.Popen:
+        """Start process `name` again as it was first started (after it died or was killed)."""
+        return self._spawn(name, *self._started[name])
+
     def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+        self._started[name] = (argv, env)
         log = (self.workdir / f"{name}.log").open("ab")
         process = subprocess.Popen(
             argv,
