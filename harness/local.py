@@ -399,6 +399,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="0: no KV events; else each model server binds a KV-event publisher (at a free port beside its own) "
         "and the EPP subscribes to each",
     )
+    p.add_argument(
+        "--epp-replicas",
+        type=int,
+        default=1,
+        help="EPP replicas, all active, behind Envoy (round robin); the first on the ports above, the others on free\n"
+        "ports; each subscribes to every server's KV events",
+    )
     p.add_argument("--fail-open", action="store_true", help="Envoy keeps serving (round robin) when the EPP is down")
     p.add_argument("--config-file", help="EndpointPickerConfig YAML for the EPP")
     p.add_argument(
@@ -470,6 +477,7 @@ async def run(args: argparse.Namespace, stop: asyncio.Event) -> int:
         listener_port=args.listener_port,
         admin_port=args.admin_port,
         kv_events_port=args.kv_events_port,
+        epp_replicas=args.epp_replicas,
         fail_open=args.fail_open,
         response_body_mode=args.response_body_mode,
         observed_responses_percent=args.observed_responses_percent,
