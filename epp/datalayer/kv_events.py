@@ -432,7 +432,9 @@ class KVEventSubscriber:
         socket.setsockopt(zmq.SUBSCRIBE, b"kv@")
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-        socket.setsockopt(zmq.RECONNECT_IVL_MAX, 5000)  # a server that is down is retried less and less often
+        # a server not up yet is retried less and less often, at most a second apart (what it publishes before the
+        # connection is made is replayed from its replay socket, when known: a late joiner's history)
+        socket.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
         socket.bind(address) if bind else socket.connect(address)
         self._sources[socket] = source
         self._poller.register(socket, zmq.POLLIN)
