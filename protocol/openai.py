@@ -386,17 +386,25 @@ def chat_transcript(messages: list[Mapping[str, Any]], tools: list[Mapping[str, 
     return "".join(parts)
 
 
-def _agent_api_transcript(payload: Mapping[str, Any], kind: RequestKind) -> str:
-    """The transcript of a Responses or Messages body (their modules import this one: imported when first used)."""
+def rendered_chat(payload: Mapping[str, Any], kind: RequestKind | None) -> tuple[list[dict], list[dict]]:
+    """The chat messages and tools a Chat, Responses or Messages body renders (validated: OpenAIError otherwise),
+    as the chat template reads them. (protocol.responses and protocol.anthropic import this module: they are
+    imported when first used.)"""
     if kind is RequestKind.RESPONSES:
         from protocol.responses import parse_responses_request
 
         chat = parse_responses_request(payload, prior=[])
-    else:
+    elif kind is RequestKind.MESSAGES:
         from protocol.anthropic import parse_messages_request
 
         chat = parse_messages_request(payload, counting=True)
-    return chat_transcript(chat.messages, chat.tools)
+    else:
+        return chat_messages(payload), chat_tools(payload)
+    return chat.messages, chat.tools
+
+
+def _agent_api_transcript(payload: Mapping[str, Any], kind: RequestKind) -> str:
+    return chat_transcript(*rendered_chat(payload, kind))
 
 
 def prompt_text(request: CompletionRequest | Mapping[str, Any], kind: RequestKind | None = None) -> str:

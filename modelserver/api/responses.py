@@ -167,7 +167,7 @@ class ResponsesAPI:
         await send("response.output_text.done", **where, content_index=0, text=turn.choice.text, logprobs=[])
         await send("response.content_part.done", **where, content_index=0, part=_text_part(turn.choice.text))
         await send("response.output_item.done", output_index=0, item=final["output"][0])
-        await send(f"response.{final['status']}", response=final)
+        await send("response.completed", response=final)  # (as vLLM ends it, also for an incomplete response)
         await response.write_eof()
         return response
 

@@ -71,7 +71,7 @@ async def test_responses_stream_with_its_event_types(oai):
         kinds.append(event.type)
         if event.type == "response.output_text.delta":
             deltas.append(event.delta)
-        if event.type == "response.completed" or event.type == "response.incomplete":
+        if event.type == "response.completed":
             final = event.response
     assert kinds[:4] == [
         "response.created",
@@ -83,8 +83,9 @@ async def test_responses_stream_with_its_event_types(oai):
         "response.output_text.done",
         "response.content_part.done",
         "response.output_item.done",
-        "response.incomplete",
+        "response.completed",
     ]
+    assert final.status == "incomplete" and final.incomplete_details.reason == "max_output_tokens"
     assert "".join(deltas) == final.output_text and final.usage.output_tokens == 6
     assert (await oai.responses.retrieve(final.id)).id == final.id  # streamed responses are stored too
 
