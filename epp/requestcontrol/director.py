@@ -57,6 +57,7 @@ from protocol.extproc import (
     MODEL_NAME_REWRITE_HEADER,
     OBJECTIVE_HEADER,
     REQUEST_ID_HEADER,
+    agent_identity,
 )
 from protocol.openai import (
     RESPONSES_PATH,
@@ -285,7 +286,8 @@ class Director:
             prompt_tokens_estimate=len(prompt) // 4,
             priority=self.datastore.priority(objective),
             objective=objective,
-            fairness_id=headers.get(FAIRNESS_ID_HEADER),
+            # an agent's turns share one flow (llm-d's agent-identity) when the client names no fairness id
+            fairness_id=headers.get(FAIRNESS_ID_HEADER) or agent_identity(headers),
             max_tokens=_max_tokens(payload),
             streamed=ctx.streamed,
             payload=payload,
