@@ -314,7 +314,11 @@ class Director:
             self._release_prefilled(monotonic())
         endpoints = self.datastore.endpoints
         if waited:
-            endpoints = self.scheduler.detector.with_room(endpoints)
+            roomy = self.scheduler.detector.with_room(endpoints)
+            subset = request.subset
+            # (a follow-up pinned to its stored response's endpoint goes there, room or not: nowhere else answers it)
+            if subset is None or any(e.hostport in subset for e in roomy):
+                endpoints = roomy
         result = self.scheduler.schedule(request, endpoints, cycle_state)
         self.scheduler.on_picked(request, result)
         ctx.scheduling_seconds = perf_counter() - started  # observed once the proxy has its answer

@@ -39,7 +39,11 @@ HEAD_BYTES = 512  # the id is in the first bytes of the response (non-streamed) 
 
 def gone(response_id: str, where: str | None) -> OpenAIError:
     """The follow-up's stored response is on no endpoint of the pool."""
-    reason = f"the endpoint that stored it ({where}) is no longer in the pool" if where else "no endpoint stores it"
+    reason = (
+        f"the endpoint that stored it ({where}) has left the pool or does not answer"
+        if where
+        else "no endpoint stores it"
+    )
     return OpenAIError(
         f"Response with id '{response_id}' not found: {reason}. Start the conversation again without "
         "previous_response_id.",

@@ -159,3 +159,30 @@ async def test_a_follow_up_another_replica_routed_is_found_by_asking_the_pool(po
         assert status == 404 and "127.0.0.1:1" in body["error"]["message"]
     finally:
         await director.responses.close()
+
+
+async def test_a_follow_up_that_waited_for_its_turn_still_goes_to_its_full_endpoint():
+    """After a wait in flow control a request goes where there is room, except a follow-up: only its endpoint has
+    its conversation."""
+    from epp.flowcontrol import FlowControlConfig, FlowController
+
+    director = make_picker()
+    full = director.datastore.endpoints[0]  # (the other has room)
+    full.metrics.waiting = 10  # (queueDepthThreshold 5: no room there)
+    director.responses.learn("resp_full", full.hostport)
+    slots = [0]
+    director.flow_control = FlowController(
+        FlowControlConfig(), lambda in_flight: in_flight < slots[0], poll_interval=0.01
+    )
+    replies: list = []
+    stream = ParsedStream(director, replies.append)
+    stream.handle(headers_message(RESPONSES))
+    (wait,) = stream.handle(body_message(b'{"model": "m", "previous_response_id": "resp_full", "input": "x"}'))
+    assert wait.HasField("override_message_timeout")
+    slots[0] = 1
+    for _ in range(100):
+        if replies:
+            break
+        await asyncio.sleep(0.01)
+    assert routed_to(replies[0]) == [full.hostport]
+    stream.finish()
