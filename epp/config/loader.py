@@ -34,7 +34,6 @@ plugins:
 - type: precise-prefix-cache-scorer
 - type: lora-affinity-scorer
 - type: in-flight-tokens-scorer
-- type: session-affinity-scorer
 - type: max-score-picker
 schedulingProfiles:
 - name: default
@@ -56,8 +55,6 @@ schedulingProfiles:
     weight: 1
   - pluginRef: in-flight-tokens-scorer
     weight: 1
-  - pluginRef: session-affinity-scorer
-    weight: 3
   - pluginRef: max-score-picker
 """
 API_VERSIONS = (

@@ -41,9 +41,12 @@ APPROXIMATE_CONFIG = DEFAULT_CONFIG.replace("- type: precise-prefix-cache-scorer
 # epp-predicted learns from this share of the responses: its predictor's memory (~500 observations, decay 0.998)
 # then spans ~2 minutes at 16 req/s, and streaming costs a quarter of what it costs for every response.
 OBSERVED_RESPONSES_PERCENT = 25
-# The default profile without session affinity: what the session-affinity-scorer adds (agent sessions send a header)
-NO_SESSIONS_CONFIG = DEFAULT_CONFIG.replace("- type: session-affinity-scorer\n", "").replace(
-    "  - pluginRef: session-affinity-scorer\n    weight: 3\n", ""
+# The default profile with session affinity (agent sessions send a session header): docs/agents.md measures it
+SESSIONS_CONFIG = DEFAULT_CONFIG.replace(
+    "- type: max-score-picker\n", "- type: session-affinity-scorer\n- type: max-score-picker\n"
+).replace(
+    "  - pluginRef: max-score-picker\n",
+    "  - pluginRef: session-affinity-scorer\n    weight: 3\n  - pluginRef: max-score-picker\n",
 )
 EPP_TARGETS = {
     # the default profile: the latency predictor's filters, learning TTFT from the gateway's access log, then the
@@ -51,7 +54,7 @@ EPP_TARGETS = {
     "epp": None,
     "epp-no-predictor": scorers_only_config(),  # the default profile's scorers alone (and no access log)
     "epp-approximate": APPROXIMATE_CONFIG,
-    "epp-no-sessions": NO_SESSIONS_CONFIG,
+    "epp-sessions": SESSIONS_CONFIG,
     "epp-3-replicas": None,  # the default profile on 3 EPPs behind one Envoy (round robin), all fed the KV events
     "queue-only": SINGLE_SCORER.format("queue-scorer"),
     "kv-only": SINGLE_SCORER.format("kv-cache-utilization-scorer"),

@@ -16,9 +16,12 @@ Parameters: `header` ("x-session-id"), `agentHeaders` (the list above; [] reads 
 Trade-offs: an agent's turns re-read its whole context, which the prefix scorers follow too; the session adds what
 they cannot see: a turn whose prompt changed early (a compacted context, a different system prompt), and a forked
 subagent, go where the session's cache is. Held only while the endpoint has room: a hot session must not pile a
-queue on one server while others idle. Weigh it like prefix-cache-scorer; the saturation thresholds should match
-the `saturationDetector`'s. Each EPP replica binds on its own (sessions may start on different endpoints across
-replicas; the prefix scorers then pull them together).
+queue on one server while others idle. Not in the default profile: there the prefix scorers already follow a
+session's context, and at weight 3 this scorer held the agentic workload's sessions on the three servers where the
+shared tools prompt first landed, queues up to its threshold while five servers idled: mean TTFT 1.24x the default
+profile's with ample KV memory, 1.12x under KV pressure (docs/2026-11-29-agentic.md). Worth it where prompts do not
+show the session (a compacted context, a changed system prompt) and at a low `queueDepthThreshold`. Each EPP replica
+binds on its own.
 """
 
 from __future__ import annotations

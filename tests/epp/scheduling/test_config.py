@@ -37,7 +37,6 @@ def test_defaults(text):
             ("precise-prefix-cache-scorer", "precise-prefix-cache-scorer", 3.0),
             ("lora-affinity-scorer", "lora-affinity-scorer", 1.0),
             ("in-flight-tokens-scorer", "in-flight-tokens-scorer", 1.0),
-            ("session-affinity-scorer", "session-affinity-scorer", 3.0),
         ],
         ("max-score-picker", "max-score-picker"),
     )
