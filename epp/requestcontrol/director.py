@@ -10,6 +10,8 @@ queue, no await); otherwise `route` returns an awaitable that resolves to the de
 comes (by priority band, fairly between flows; it is then scheduled among the endpoints that can start it now), or
 raises 429 with retry-after when it expires or does not fit (503 when the pool has emptied meanwhile).
 Without flow control, sheddable requests (priority < 0) get 429 while the pool is saturated and the rest go on.
+A Responses follow-up (previous_response_id; GET and DELETE /v1/responses/{id}) is pinned to the endpoint that stored
+its response, which `epp.requestcontrol.stored_responses` knows or finds by asking the pool (404 when none has it).
 After the proxy has the answer, `after_routed` runs the scheduler's pre-request hooks (the prefix index records the
 pick; the at-pick ones, unless the next decision came first) and observes the decision's histograms, off the
 request's critical path.

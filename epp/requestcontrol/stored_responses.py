@@ -32,7 +32,7 @@ log = logging.getLogger("epp.requestcontrol")
 
 MAX_LEARNT = 100_000  # ~150 B an entry: ~15 MB
 MAX_LOOKUPS = 64
-LOOKUP_SECONDS = 2.0
+LOOKUP_SECONDS = 1.0  # within the 2 s the handler tells the proxy to wait without flow control (its margin)
 RESPONSE_ID = re.compile(rb'"id"\s*:\s*"(' + RESPONSE_ID_PREFIX.encode() + rb'[A-Za-z0-9_-]{1,200})"')
 HEAD_BYTES = 512  # the id is in the first bytes of the response (non-streamed) or of its first event (streamed)
 
