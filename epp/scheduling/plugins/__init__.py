@@ -22,6 +22,7 @@ from epp.scheduling.plugins.prefix_cache_scorer import PrefixCacheScorer
 from epp.scheduling.plugins.queue_scorer import QueueScorer
 from epp.scheduling.plugins.random_picker import RandomPicker
 from epp.scheduling.plugins.running_requests_size_scorer import RunningRequestsSizeScorer
+from epp.scheduling.plugins.session_affinity_scorer import SessionAffinityScorer
 from epp.scheduling.plugins.slo_headroom_filter import SLOHeadroomFilter
 from epp.scheduling.plugins.slo_interference_filter import SLOInterferenceFilter
 from epp.scheduling.plugins.token_load_scorer import TokenLoadScorer
@@ -43,6 +44,7 @@ BUILTIN_PLUGINS: tuple[type[Plugin], ...] = (
     QueueScorer,
     RandomPicker,
     RunningRequestsSizeScorer,
+    SessionAffinityScorer,
     SLOHeadroomFilter,
     SLOInterferenceFilter,
     TokenLoadScorer,
