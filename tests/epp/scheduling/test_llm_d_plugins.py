@@ -221,7 +221,7 @@ schedulingProfiles:
             "ttftSource 'latencyPredictor' is not supported",
         ],
     ),
-    "producer-names-and-session-affinity": (
+    "producer-names-and-no-hit-lru": (
         """
 apiVersion: llm-d.ai/v1
 kind: EndpointPickerConfig
@@ -232,14 +232,14 @@ plugins:
   parameters: {inFlightLoadProducerName: inflight-load-producer}
 - type: prefix-cache-scorer
   parameters: {prefixMatchInfoProducerName: precise-prefix-cache-producer, matchLengthWeight: 0.5}
-- type: session-affinity-scorer
+- type: no-hit-lru-scorer
 schedulingProfiles:
 - name: default
   plugins:
   - pluginRef: token-load-scorer
 """,
         [
-            "unsupported plugin type(s) inflight-load-producer, session-affinity-scorer",
+            "unsupported plugin type(s) inflight-load-producer, no-hit-lru-scorer",
             "token-load-scorer: unknown parameter(s) inFlightLoadProducerName",
             "prefix-cache-scorer: unknown parameter(s) matchLengthWeight, prefixMatchInfoProducerName",
         ],
