@@ -1,10 +1,12 @@
 """render_bootstrap: the response-header trip (skipped only when the access log brings the EPP every request's status),
 and what an InferencePool decides (FailOpen/FailClose, the model servers' protocol, the ranks)."""
 
+import subprocess
+
 import pytest
 import yaml
 
-from harness.envoy import GatewayPool, render_bootstrap
+from harness.envoy import GatewayPool, envoy_binary, render_bootstrap, render_kubernetes_bootstrap
 
 
 def ext_proc_mode(**overrides) -> str:
@@ -142,3 +144,20 @@ def test_a_pool_the_gateway_cannot_honour_is_refused(change, message):
         GatewayPool.from_inference_pool({**POOL, "spec": {**POOL["spec"], **change}})
     with pytest.raises(ValueError, match=r"not an inference.networking.k8s.io/v1 InferencePool"):
         GatewayPool.from_inference_pool({**POOL, "apiVersion": "inference.networking.x-k8s.io/v1alpha2"})
+
+
+@pytest.mark.parametrize(
+    "pool",
+    [None, POOL],  # the shipped pool (FailClose, http, one port); FailOpen, h2c, three ranks
+    ids=["shipped", "fail-open-h2c-ranks"],
+)
+def test_envoy_accepts_the_kubernetes_bootstrap_of_a_pool(tmp_path, pool):
+    path = tmp_path / "envoy.yaml"
+    path.write_text(render_kubernetes_bootstrap(pool))
+    checked = subprocess.run(
+        [envoy_binary(), "--mode", "validate", "-c", str(path)], capture_output=True, text=True, timeout=60
+    )
+    assert checked.returncode == 0 and "OK" in checked.stdout, checked.stdout[-2000:] + checked.stderr[-2000:]
+    fallback = clusters(yaml.safe_load(path.read_text()))["pool_fallback"]["load_assignment"]["endpoints"][0]
+    ports = [e["endpoint"]["address"]["socket_address"]["port_value"] for e in fallback["lb_endpoints"]]
+    assert ports == ([8000] if pool is None else [3000, 3002, 3004])  # the headless Service, on every rank's port
