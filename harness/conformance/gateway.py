@@ -38,7 +38,12 @@ from harness.bench.ports import free_ports
 from harness.conformance.echo import echo_app, serve_echo
 from harness.conformance.framework import CheckFailed, Level, Skip, Suite, expect
 from harness.envoy import H2C, HTTP, TEMPLATE, EnvoyProcess, GatewayPool, render_bootstrap
-from protocol.extproc import DESTINATION_ENDPOINT_HEADER, FALLBACK_ENDPOINT_HEADERS, MODEL_NAME_REWRITE_HEADER
+from protocol.extproc import (
+    DESTINATION_ENDPOINT_HEADER,
+    FALLBACK_ENDPOINT_HEADERS,
+    HEADER_ALIASES,
+    MODEL_NAME_REWRITE_HEADER,
+)
 
 UPSTREAM = "Gateway"  # GIE's conformance profile: its tests' ShortNames, as its suite reports them
 OURS = "GatewayDataPath"
@@ -460,7 +465,10 @@ async def spoofed_up(g: Gateway) -> None:
 )
 async def private_headers(g: Gateway) -> None:
     body = json.dumps({"model": "m", "prompt": "hello"}).encode()
-    spoofed = {MODEL_NAME_REWRITE_HEADER: "not-served-here", **dict.fromkeys(FALLBACK_ENDPOINT_HEADERS, "127.0.0.1:1")}
+    rewrites = (MODEL_NAME_REWRITE_HEADER, HEADER_ALIASES[MODEL_NAME_REWRITE_HEADER])  # llm-d's name and the older one
+    spoofed = dict.fromkeys((*rewrites, *FALLBACK_ENDPOINT_HEADERS), "127.0.0.1:1") | dict.fromkeys(
+        rewrites, "not-served"
+    )
     status, echo = await g.send(body, headers={SELECT: g.endpoints[1], **spoofed})
     expect(status == 200, f"answered {status}")
     expect(echo["sha256"] == hashlib.sha256(body).hexdigest(), "the client's model-name rewrite changed the body")

@@ -6,6 +6,7 @@ appProtocol or failureMode."""
 import subprocess
 import sys
 
+import pytest
 import yaml
 
 from harness.conformance.gateway import NEEDS_A_GATEWAY_API_IMPLEMENTATION
@@ -122,8 +123,9 @@ def test_a_gateway_that_keeps_the_client_header_fails(tmp_path):
     assert profile(report, "GatewayDataPath")["core"]["failedTests"] == ["spoofed-header-epp-down"]
 
 
-def test_a_gateway_that_passes_the_clients_rewrite_header_fails(tmp_path):
-    template = edited_template(tmp_path, ("                - remove: x-gateway-model-name-rewrite\n", ""))
+@pytest.mark.parametrize("header", ["x-llm-d-model-name-rewrite", "x-gateway-model-name-rewrite"])
+def test_a_gateway_that_passes_the_clients_rewrite_header_fails(tmp_path, header):
+    template = edited_template(tmp_path, (f"                - remove: {header}\n", ""))
     result, report = run_suite(tmp_path, "--envoy-template", template, "--only", "private-headers-stripped")
     assert result.returncode == 1
     assert profile(report, "GatewayDataPath")["core"]["failedTests"] == ["private-headers-stripped"]
