@@ -19,6 +19,7 @@ from epp.app import EndpointPicker
 from epp.config import ConfigError
 from epp.datalayer.pool_file import PoolFileError
 from epp.handlers.extproc import DEFAULT_MAX_BODY_BYTES
+from epp.scheduling.decisions import DEFAULT_DECISIONS
 from epp.transport.h2 import MAX_CONNECTIONS
 from protocol import extproc
 from protocol.kv_events import DEFAULT_SUBSCRIBER_PORT
@@ -38,6 +39,17 @@ def duration(text: str) -> float:
         raise argparse.ArgumentTypeError(f"not a duration: {text!r} (use e.g. 50ms, 1s)")
     value, unit = float(match.group(1)), match.group(2) or "s"
     return value * {"ms": 0.001, "s": 1.0, "m": 60.0}[unit]
+
+
+def count(text: str) -> int:
+    """A whole number >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"not a whole number >= 0: {text!r}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -123,6 +135,20 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=4_000_000,
         help="cap on the KV-event index's (block hash, endpoint) entries; over it, the largest endpoint's oldest go",
+    )
+    # Observability: the status page, the endpoints' scores in the gateway's metadata, traces (docs/observability.md)
+    p.add_argument(
+        "--status-decisions",
+        type=count,
+        default=DEFAULT_DECISIONS,
+        help="scheduling decisions the status page (GET / on --metrics-port) keeps, with every candidate's scores "
+        "(default %(default)s; 0: none kept)",
+    )
+    p.add_argument(
+        "--emit-endpoint-scores",
+        action="store_true",
+        help="put every scored endpoint's weighted total in the request's dynamic metadata (envoy.lb namespace, key "
+        "x-gateway-destination-endpoint-scores: a struct ip:port -> score), as llm-d's router, for the gateway to log",
     )
     p.add_argument("-v", "--verbosity", type=int, default=0, help="0 info, 1+ debug")
     return p

@@ -81,13 +81,14 @@ _CONTENT_TYPE_JSON = _set_header(_header_key("content-type"), b"application/json
 MAX_CACHED_ROUTING_ANSWERS = 4096  # bounds _routing_answer (pools have at most a few hundred endpoints)
 
 
-@functools.lru_cache(maxsize=MAX_CACHED_ROUTING_ANSWERS)
-def _routing_answer(hostports: tuple[str, ...], headers_phase: bool) -> bytes:
-    """What every answer routing to these endpoints shares, serialized once per list and followed in each answer by
-    the request's own fields (`epp.handlers.wire`): the destination header, the fallback headers, clear_route_cache
-    and the dynamic metadata. The header carries the primary only: Envoy's ORIGINAL_DST cluster reads one ip:port.
-    The fallbacks are in the metadata's comma list (the protocol) and, for our Envoy bootstrap's retries, one per
-    header."""
+def _build_routing_answer(hostports: tuple[str, ...], headers_phase: bool, scores: dict[str, float] | None) -> bytes:
+    """What every answer routing to these endpoints shares, followed in each answer by the request's own fields
+    (`epp.handlers.wire`): the destination header, the fallback headers, clear_route_cache and the dynamic metadata.
+    The header carries the primary only: Envoy's ORIGINAL_DST cluster reads one ip:port. The fallbacks are in the
+    metadata's comma list (the protocol) and, for our Envoy bootstrap's retries, one per header. `scores` ("ip:port"
+    -> the candidate's weighted total) go beside the destination in the same namespace, as llm-d's router writes them
+    (a struct under x-gateway-destination-endpoint-scores): one namespace entry holds both, since a second would
+    replace the first when Envoy merges the answer."""
     answer = pb.ProcessingResponse()
     common = answer.request_headers.response if headers_phase else answer.request_body.response
     common.clear_route_cache = True
@@ -97,10 +98,17 @@ def _routing_answer(hostports: tuple[str, ...], headers_phase: bool) -> bytes:
         for i, name in enumerate(extproc.FALLBACK_ENDPOINT_HEADERS):
             set_headers.append(_set_header(_header_key(name), fallbacks[min(i, len(fallbacks) - 1)].encode()))
     common.header_mutation.MergeFromString(b"".join(set_headers))
-    answer.dynamic_metadata.get_or_create_struct(extproc.DESTINATION_ENDPOINT_NAMESPACE)[
-        extproc.DESTINATION_ENDPOINT_KEY
-    ] = ",".join(hostports)
+    namespace = answer.dynamic_metadata.get_or_create_struct(extproc.DESTINATION_ENDPOINT_NAMESPACE)
+    namespace[extproc.DESTINATION_ENDPOINT_KEY] = ",".join(hostports)
+    if scores is not None:
+        namespace.get_or_create_struct(extproc.DESTINATION_ENDPOINT_SCORES_KEY).update(scores)
     return answer.SerializeToString()
+
+
+@functools.lru_cache(maxsize=MAX_CACHED_ROUTING_ANSWERS)
+def _routing_answer(hostports: tuple[str, ...], headers_phase: bool) -> bytes:
+    """`_build_routing_answer` without scores, serialized once per list of endpoints."""
+    return _build_routing_answer(hostports, headers_phase, None)
 
 
 _STREAMED_RESPONSE_IN = {  # the fields that nest a StreamedBodyResponse in each direction's answer
@@ -396,9 +404,14 @@ class RequestStream:
         if not headers_phase and decision.body_changed:  # BUFFERED: the body response carries the rewritten body
             common += (_REPLACE + wire.nesting((_BODY_MUTATION, _WHOLE_BODY), len(body)), body)
         phase = _ANSWER_TO["request_headers" if headers_phase else "request_body"]
+        hostports = tuple([e.spec.hostport for e in decision.endpoints])
+        if decision.scores is None:
+            routing = _routing_answer(hostports, headers_phase)
+        else:  # (different for each request: not cached)
+            routing = _build_routing_answer(hostports, headers_phase, decision.scores)
         head = b"".join(
             (
-                _routing_answer(tuple([e.spec.hostport for e in decision.endpoints]), headers_phase),
+                routing,
                 wire.nesting((phase, _COMMON), sum(map(len, common))),
                 *common,
             )

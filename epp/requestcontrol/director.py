@@ -94,8 +94,10 @@ class Director:
         scheduler: Scheduler,
         metrics: EPPMetrics,
         flow_control: FlowController | None = None,
+        emit_endpoint_scores: bool = False,
     ):
         self.datastore = datastore
+        self.emit_endpoint_scores = emit_endpoint_scores  # each decision carries its candidates' totals
         self.scheduler = scheduler
         self.metrics = metrics
         self.flow_control = flow_control
@@ -269,7 +271,10 @@ class Director:
             heappush(self.prefilling, (ctx.routed_at + endpoint.recent_ttft, next(self._order), ctx))
         metrics.requests.labels(*ctx.labels).inc()
         metrics.running.labels(ctx.labels[0]).inc()
-        return RoutingDecision(request.request_id, result.endpoints, body, body_changed)
+        scores = None
+        if self.emit_endpoint_scores:
+            scores = {e.spec.hostport: total for e, total in zip(result.candidates, result.totals, strict=True)}
+        return RoutingDecision(request.request_id, result.endpoints, body, body_changed, scores)
 
     def _observe_decision(self, ctx: RequestContext) -> None:
         """The decision's histograms (its time, each plugin's, the prompt's size, how old the metrics it picked on

@@ -1,0 +1,129 @@
+"""The scheduler's last decisions, kept for the EPP's status page (`epp/status.py`): a ring of a fixed size.
+
+Recording one costs the request path a tuple of references to what the cycle built anyway (the result's endpoints,
+candidates, raw scores and timings; never its cycle state, which can hold a long prompt's tokens) and an append to
+a bounded deque. What the page shows of a decision beyond that (the runner-up, why the pick won) is worked out when
+the page asks (`explain`), not per request.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator, Mapping
+from time import time
+from typing import NamedTuple
+
+from epp.datalayer.endpoint import Endpoint
+from epp.scheduling.types import SchedulingRequest, SchedulingResult, TypedName, clamp_score
+
+# What the status page keeps by default: 1,000 decisions of 64 candidates hold ~2 MB of score lists (kept alive
+# here, built by the cycle anyway) and render in well under a second (docs/observability.md).
+DEFAULT_DECISIONS = 1000
+
+
+class Decision(NamedTuple):
+    """One scheduling cycle as the status page reads it."""
+
+    seq: int  # 1, 2, ...: a page polls for the decisions after the last one it has
+    at: float  # wall-clock time (time.time())
+    request_id: str
+    model: str  # the model the server sees (after any rewrite)
+    priority: int
+    fairness_id: str | None
+    prompt_tokens: int  # the estimate the scheduler used
+    considered: int  # endpoints the filters started from (the pool, or the subset hint's share of it)
+    endpoints: list[Endpoint]  # the pick, then the fallbacks
+    candidates: list[Endpoint]  # after the filters, in the scores' order
+    raw_scores: dict[TypedName, list[float]]
+    totals: list[float]  # per candidate, the scorers' weighted sum
+    timings: list[tuple[TypedName, float]]
+
+
+class DecisionLog:
+    """The last `size` decisions, oldest first."""
+
+    def __init__(self, size: int = DEFAULT_DECISIONS):
+        if size < 1:
+            raise ValueError(f"a decision log holds at least one decision, not {size}")
+        self.entries: deque[Decision] = deque(maxlen=size)
+        self.count = 0  # decisions recorded since start (the last one's seq)
+
+    @property
+    def size(self) -> int:
+        return self.entries.maxlen or 0
+
+    def record(self, request: SchedulingRequest, result: SchedulingResult, considered: int) -> None:
+        self.count = seq = self.count + 1
+        self.entries.append(
+            Decision(
+                seq,
+                time(),
+                request.request_id,
+                request.model,
+                request.priority,
+                request.fairness_id,
+                request.prompt_tokens_estimate,
+                considered,
+                result.endpoints,
+                result.candidates,
+                result.raw_scores,
+                result.totals,
+                result.timings,
+            )
+        )
+
+    def since(self, seq: int) -> Iterator[Decision]:
+        """The decisions after `seq` still kept, oldest first."""
+        entries = self.entries
+        if not entries:
+            return iter(())
+        skip = max(0, seq - entries[0].seq + 1)
+        return (entries[i] for i in range(min(skip, len(entries)), len(entries)))
+
+    def get(self, seq: int) -> Decision | None:
+        entries = self.entries
+        index = seq - entries[0].seq if entries else -1
+        return entries[index] if 0 <= index < len(entries) else None
+
+
+class Explained(NamedTuple):
+    """A decision's candidates, best total first, and why the pick won, in words."""
+
+    order: list[int]  # candidate indexes, best total first (the pick first when it was not the best)
+    reason: str
+
+
+def explain(decision: Decision, weights: Mapping[TypedName, float]) -> Explained:
+    """The candidates best total first (the pick first) and why the pick won: the only candidate, the best total
+    (with the margin over the runner-up and the scorer whose weighted score gave most of it), a tie the picker broke,
+    or the picker's own choice below the best total."""
+    candidates, totals = decision.candidates, decision.totals
+    pick = decision.endpoints[0]
+    picked = next((i for i, e in enumerate(candidates) if e is pick), -1)
+    order = sorted(range(len(candidates)), key=lambda i: (i != picked, -totals[i]))
+    if picked < 0:
+        return Explained(order, "the pick is not among the scored candidates")
+    filtered = decision.considered - len(candidates)
+    if len(candidates) == 1:
+        removed = f"; the filters removed {filtered}" if filtered else ""
+        return Explained(order, f"the only candidate (of {decision.considered}{removed})")
+    if not decision.raw_scores:
+        return Explained(order, f"no scorer expressed a preference: the picker chose among {len(candidates)}")
+    best = max(totals)
+    mine = totals[picked]
+    if mine < best - 1e-9:
+        return Explained(order, f"the picker chose it below the best total ({mine:.3f} < {best:.3f})")
+    ties = sum(1 for t in totals if t >= best - 1e-9) - 1
+    if ties:
+        return Explained(order, f"tied at {best:.3f} with {ties} other(s): the picker broke the tie")
+    runner = order[1]
+    margins = [
+        (weights.get(name, 1.0) * (clamp_score(s[picked]) - clamp_score(s[runner])), name)
+        for name, s in decision.raw_scores.items()
+    ]
+    margin, scorer = max(margins, key=lambda m: m[0])
+    return Explained(
+        order,
+        f"best total {mine:.3f}, {mine - totals[runner]:.3f} ahead of {candidates[runner].name}; "
+        f"most from {scorer.name} (+{margin:.3f})",
+    )
