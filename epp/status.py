@@ -24,7 +24,7 @@ from epp.datalayer.datastore import Datastore
 from epp.datalayer.endpoint import Endpoint
 from epp.datalayer.load import queue_depth, running_requests
 from epp.flowcontrol import FlowController
-from epp.scheduling.decisions import Decision, DecisionLog, explain
+from epp.scheduling.decisions import Decision, DecisionLog, explain, ranked
 from epp.scheduling.scheduler import Scheduler
 
 # The prompt the endpoints' predicted TTFT is for: a typical chat turn, nothing of it cached, the base model.
@@ -54,7 +54,9 @@ class StatusPage:
         self.html = resources.files("epp").joinpath("status.html").read_bytes()
 
     def snapshot(self, since: int = 0) -> dict:
-        """The pool, flow control and the decisions after `since`."""
+        """The pool, flow control, the decisions after `since` and the latest one in full (what the page shows
+        until one is chosen: no second round trip)."""
+        ring = self.decisions
         return {
             "pool": self.pool_name,
             "time": time(),
@@ -63,6 +65,7 @@ class StatusPage:
             "flow_control": self._flow_control(),
             "scorers": [{"name": n.name, "type": n.type, "weight": w} for n, w in self.weights.items()],
             "decisions": self._decisions(since),
+            "latest": self.decision(ring.count) if ring is not None and ring.count > since else None,
         }
 
     def _endpoints(self) -> list[dict]:
@@ -164,8 +167,8 @@ class StatusPage:
 
     def _summary(self, d: Decision) -> dict:
         explained = explain(d, self.weights)
-        order, totals = explained.order, d.totals
-        runner = d.candidates[order[1]] if len(order) > 1 else None
+        totals, picked, runner_up = d.totals, explained.picked, explained.runner_up
+        runner = d.candidates[runner_up] if runner_up >= 0 else None
         return {
             "seq": d.seq,
             "time": d.at,
@@ -179,9 +182,9 @@ class StatusPage:
             "pick": d.endpoints[0].name,
             "pick_address": d.endpoints[0].hostport,
             "fallbacks": [e.hostport for e in d.endpoints[1:]],
-            "total": totals[order[0]] if order else None,
+            "total": totals[picked] if picked >= 0 else None,
             "runner_up": runner.name if runner is not None else None,
-            "runner_up_total": totals[order[1]] if runner is not None else None,
+            "runner_up_total": totals[runner_up] if runner is not None else None,
             "reason": explained.reason,
             "seconds": sum(seconds for _, seconds in d.timings),
         }
@@ -192,7 +195,6 @@ class StatusPage:
         d = self.decisions.get(seq) if self.decisions is not None else None
         if d is None:
             return None
-        explained = explain(d, self.weights)
         scorers = list(d.raw_scores)
         return {
             **self._summary(d),
@@ -204,7 +206,7 @@ class StatusPage:
                     "total": d.totals[i],
                     "scores": [d.raw_scores[n][i] for n in scorers],
                 }
-                for i in explained.order
+                for i in ranked(d)
             ],
             "timings": [{"plugin": str(n), "seconds": s} for n, s in d.timings],
         }

@@ -87,43 +87,48 @@ class DecisionLog:
 
 
 class Explained(NamedTuple):
-    """A decision's candidates, best total first, and why the pick won, in words."""
+    """Where the pick and the runner-up are among a decision's candidates, and why the pick won, in words."""
 
-    order: list[int]  # candidate indexes, best total first (the pick first when it was not the best)
+    picked: int  # the pick's index among the candidates (-1: not among them)
+    runner_up: int  # the best-scored other candidate's index (-1: none)
     reason: str
 
 
+def ranked(decision: Decision) -> list[int]:
+    """The candidates' indexes, best total first, the pick first when it was not the best."""
+    totals, pick = decision.totals, decision.endpoints[0]
+    return sorted(range(len(totals)), key=lambda i: (decision.candidates[i] is not pick, -totals[i]))
+
+
 def explain(decision: Decision, weights: Mapping[TypedName, float]) -> Explained:
-    """The candidates best total first (the pick first) and why the pick won: the only candidate, the best total
-    (with the margin over the runner-up and the scorer whose weighted score gave most of it), a tie the picker broke,
-    or the picker's own choice below the best total."""
+    """Why the pick won: the only candidate, the best total (with the margin over the runner-up and the scorer whose
+    weighted score gave most of it), a tie the picker broke, or the picker's own choice below the best total."""
     candidates, totals = decision.candidates, decision.totals
     pick = decision.endpoints[0]
     picked = next((i for i, e in enumerate(candidates) if e is pick), -1)
-    order = sorted(range(len(candidates)), key=lambda i: (i != picked, -totals[i]))
+    runner = max((i for i in range(len(totals)) if i != picked), key=totals.__getitem__, default=-1)
     if picked < 0:
-        return Explained(order, "the pick is not among the scored candidates")
-    filtered = decision.considered - len(candidates)
-    if len(candidates) == 1:
+        return Explained(picked, runner, "the pick is not among the scored candidates")
+    if runner < 0:
+        filtered = decision.considered - len(candidates)
         removed = f"; the filters removed {filtered}" if filtered else ""
-        return Explained(order, f"the only candidate (of {decision.considered}{removed})")
+        return Explained(picked, runner, f"the only candidate (of {decision.considered}{removed})")
     if not decision.raw_scores:
-        return Explained(order, f"no scorer expressed a preference: the picker chose among {len(candidates)}")
-    best = max(totals)
-    mine = totals[picked]
-    if mine < best - 1e-9:
-        return Explained(order, f"the picker chose it below the best total ({mine:.3f} < {best:.3f})")
-    ties = sum(1 for t in totals if t >= best - 1e-9) - 1
-    if ties:
-        return Explained(order, f"tied at {best:.3f} with {ties} other(s): the picker broke the tie")
-    runner = order[1]
+        return Explained(picked, runner, f"no scorer expressed a preference: the picker chose among {len(candidates)}")
+    mine, second = totals[picked], totals[runner]
+    if mine < second - 1e-9:
+        return Explained(picked, runner, f"the picker chose it below the best total ({mine:.3f} < {max(totals):.3f})")
+    if mine <= second + 1e-9:
+        ties = sum(1 for t in totals if t >= mine - 1e-9) - 1
+        return Explained(picked, runner, f"tied at {mine:.3f} with {ties} other(s): the picker broke the tie")
     margins = [
         (weights.get(name, 1.0) * (clamp_score(s[picked]) - clamp_score(s[runner])), name)
         for name, s in decision.raw_scores.items()
     ]
     margin, scorer = max(margins, key=lambda m: m[0])
     return Explained(
-        order,
-        f"best total {mine:.3f}, {mine - totals[runner]:.3f} ahead of {candidates[runner].name}; "
+        picked,
+        runner,
+        f"best total {mine:.3f}, {mine - second:.3f} ahead of {candidates[runner].name}; "
         f"most from {scorer.name} (+{margin:.3f})",
     )
