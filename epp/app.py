@@ -38,11 +38,13 @@ from epp.health import HealthState
 from epp.leader import LeaseElector
 from epp.metrics import EPPMetrics, MetricsPage
 from epp.requestcontrol.director import Director
+from epp.requestcontrol.tracing import RequestTracing
 from epp.scheduling.decisions import DecisionLog
 from epp.scheduling.scheduler import Scheduler
 from epp.status import StatusPage
 from epp.transport.grpcio import access_log_service, ext_proc_service
 from epp.transport.h2 import ExtProcServer, UnaryMethod
+from protocol import tracing
 
 log = logging.getLogger("epp")
 # Quiet endpoints (nothing running, waiting or in flight, and no request for that long) are scraped this many times
@@ -92,8 +94,13 @@ class EndpointPicker:
         self.datastore.apply(initial)
         self.metrics = EPPMetrics(self.pool_name)
         self.flow_control = self._flow_control()
+        self.tracing = (
+            RequestTracing(tracing.tracer(args.otlp_traces_endpoint, args.trace_sampling_ratio, "epp"))
+            if args.otlp_traces_endpoint
+            else None
+        )
         self.director = Director(
-            self.datastore, self.scheduler, self.metrics, self.flow_control, args.emit_endpoint_scores
+            self.datastore, self.scheduler, self.metrics, self.flow_control, args.emit_endpoint_scores, self.tracing
         )
         self.body_budget = ByteBudget(args.max_buffered_body_bytes)
         self.server = self._ext_proc_server()
@@ -161,18 +168,20 @@ class EndpointPicker:
         args = self.args
         director, body_budget = self.director, self.body_budget
 
-        def new_stream(reply: Reply) -> RequestStream:
-            return RequestStream(director, reply, body_budget, args.max_request_body_bytes)
+        def new_stream(reply: Reply, traceparent: str | None = None) -> RequestStream:
+            return RequestStream(director, reply, body_budget, args.max_request_body_bytes, traceparent)
+
+        traced = self.tracing is not None
 
         export_access_log = accesslog.ExportHandler(director.on_access_log)
         if args.ext_proc_transport == "h2":
             export = UnaryMethod(accesslog.ExportRecords, export_access_log, accesslog.MAX_EXPORT_BYTES)
             return ExtProcServer(
-                new_stream, {accesslog.EXPORT_PATH: export}, args.max_ext_proc_connections, ExtProcRequest
+                new_stream, {accesslog.EXPORT_PATH: export}, args.max_ext_proc_connections, ExtProcRequest, traced
             )
         server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 * 1024 * 1024)])
         server.add_generic_rpc_handlers(
-            [ext_proc_service(new_stream, ExtProcRequest), access_log_service(export_access_log)]
+            [ext_proc_service(new_stream, ExtProcRequest, traced), access_log_service(export_access_log)]
         )
         server.add_insecure_port(f"{args.bind_address}:{args.grpc_port}")
         return server

@@ -23,6 +23,7 @@ from epp.scheduling.decisions import DEFAULT_DECISIONS
 from epp.transport.h2 import MAX_CONNECTIONS
 from protocol import extproc
 from protocol.kv_events import DEFAULT_SUBSCRIBER_PORT
+from protocol.tracing import TracingUnavailable
 
 log = logging.getLogger("epp")
 # How long a thread that runs Python (a long prompt's tokenizing and block hashing in a worker, the KV-event
@@ -49,6 +50,17 @@ def count(text: str) -> int:
         value = -1
     if value < 0:
         raise argparse.ArgumentTypeError(f"not a whole number >= 0: {text!r}")
+    return value
+
+
+def ratio(text: str) -> float:
+    """A number within [0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"not a number within [0, 1]: {text!r}")
     return value
 
 
@@ -150,6 +162,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="put every scored endpoint's weighted total in the request's dynamic metadata (envoy.lb namespace, key "
         "x-gateway-destination-endpoint-scores: a struct ip:port -> score), as llm-d's router, for the gateway to log",
     )
+    p.add_argument(
+        "--otlp-traces-endpoint",
+        default=None,
+        help="OpenTelemetry collector (OTLP/gRPC, host:port or URL) to export request traces to: a gateway.request "
+        "span per request with flow control and scheduling under it, its traceparent sent upstream (needs the "
+        "`tracing` extra; default: no tracing)",
+    )
+    p.add_argument(
+        "--trace-sampling-ratio",
+        type=ratio,
+        default=1.0,
+        help="share of new traces kept (a trace continued from the client or the gateway keeps its own decision; "
+        "default %(default)s)",
+    )
     p.add_argument("-v", "--verbosity", type=int, default=0, help="0 info, 1+ debug")
     return p
 
@@ -192,5 +218,5 @@ def main(argv: list[str] | None = None) -> None:
     try:
         with contextlib.suppress(KeyboardInterrupt):
             uvloop.run(run())  # less per-callback overhead than asyncio's loop on the ext_proc path
-    except (ConfigError, PoolFileError, OSError, zmq.ZMQError) as exc:
+    except (ConfigError, PoolFileError, OSError, zmq.ZMQError, TracingUnavailable) as exc:
         raise SystemExit(f"epp: {exc}") from None

@@ -69,6 +69,9 @@ class StackConfig:
     # its port + publisher_port_offset, a free block) and every EPP connects to all of them: vLLM publishes to one
     # endpoint, so with several subscribers the servers bind and the subscribers connect.
     epp_replicas: int = 1
+    # An OpenTelemetry collector (OTLP/gRPC "host:port") Envoy exports its request traces to (harness.envoy); the EPP
+    # and the model servers trace when their own --otlp-traces-endpoint flag is among epp_args / modelserver_args
+    otlp_traces_endpoint: str | None = None
 
 
 def epp_command(
@@ -258,6 +261,7 @@ class LocalStack:
             message_timeout=c.message_timeout,
             fallback_endpoints=[u.removeprefix("http://") for u in self.model_server_urls],
             more_epp_endpoints=[f"{c.host}:{grpc}" for grpc, _, _ in self.epp_ports[1:]],
+            otlp_traces_endpoint=c.otlp_traces_endpoint,
         )
         path = self.workdir / "envoy.yaml"
         path.write_text(bootstrap)

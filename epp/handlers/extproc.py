@@ -37,7 +37,7 @@ from epp.handlers.wire import ExtProcRequest
 from epp.metrics import unlabelled
 from epp.requestcontrol.director import Director
 from epp.requestcontrol.types import RequestContext, RoutingDecision
-from protocol import extproc
+from protocol import extproc, tracing
 from protocol.openai import OpenAIError, load_json_body
 
 FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
@@ -74,6 +74,7 @@ def _set_header(named: bytes, value: bytes) -> bytes:
 
 
 _REQUEST_ID_KEY = _header_key(extproc.REQUEST_ID_HEADER)
+_TRACEPARENT_KEY = _header_key(tracing.TRACEPARENT_HEADER)
 _CONTENT_LENGTH_KEY = _header_key("content-length")
 _CONTENT_TYPE_JSON = _set_header(_header_key("content-type"), b"application/json")
 
@@ -238,6 +239,7 @@ class RequestStream:
         "response_full_duplex",
         "rewrite_back",
         "routed",
+        "traceparent",
     )
 
     def __init__(
@@ -246,8 +248,10 @@ class RequestStream:
         reply: Reply,
         budget: ByteBudget | None = None,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        traceparent: str | None = None,
     ):
         self.director = director
+        self.traceparent = traceparent  # the ext_proc stream's own (the proxy's trace of the request), when traced
         self.reply = reply
         self.budget = budget
         self.max_body_bytes = max_body_bytes
@@ -301,7 +305,7 @@ class RequestStream:
         if self.ctx is not None:  # one request per stream: a second one would leave the first in flight for good
             return [self._reject(OpenAIError("request headers came twice on one ext_proc stream", 400))]
         # the proxy attaches its metadata to the headers message
-        self.ctx = self.director.new_request(message.headers, subset_hint(message))
+        self.ctx = self.director.new_request(message.headers, subset_hint(message), self.traceparent)
         modes = message.body_modes
         if modes is not None:
             self.full_duplex = modes[0] == FULL_DUPLEX
@@ -400,6 +404,8 @@ class RequestStream:
         set_headers = _set_header(_REQUEST_ID_KEY, decision.request_id.encode())
         if body is not None:
             set_headers += _set_header(_CONTENT_LENGTH_KEY, str(len(body)).encode())
+        if decision.traceparent is not None:  # the model server continues the request's trace
+            set_headers += _set_header(_TRACEPARENT_KEY, decision.traceparent.encode())
         common = [wire.field(_HEADER_MUTATION, set_headers)]
         if not headers_phase and decision.body_changed:  # BUFFERED: the body response carries the rewritten body
             common += (_REPLACE + wire.nesting((_BODY_MUTATION, _WHOLE_BODY), len(body)), body)

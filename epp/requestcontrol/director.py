@@ -40,16 +40,18 @@ import re
 import uuid
 from collections.abc import Awaitable
 from heapq import heappop, heappush
-from time import monotonic, perf_counter
+from time import monotonic, perf_counter, time_ns
 
 from epp.datalayer.datastore import Datastore
 from epp.datalayer.endpoint import Endpoint, ModelRewrite, PoolState
 from epp.flowcontrol import DEFAULT_FLOW, FlowController, FlowControlRejected
 from epp.metrics import EPPMetrics
+from epp.requestcontrol.tracing import RequestTracing
 from epp.requestcontrol.types import RequestContext, RoutingDecision
 from epp.scheduling.errors import SchedulingError
 from epp.scheduling.scheduler import Scheduler
 from epp.scheduling.types import CycleState, ResponseInfo, SchedulingRequest
+from protocol import tracing
 from protocol.extproc import (
     FAIRNESS_ID_HEADER,
     MAX_REQUEST_ID_CHARS,
@@ -95,9 +97,11 @@ class Director:
         metrics: EPPMetrics,
         flow_control: FlowController | None = None,
         emit_endpoint_scores: bool = False,
+        tracing: RequestTracing | None = None,
     ):
         self.datastore = datastore
         self.emit_endpoint_scores = emit_endpoint_scores  # each decision carries its candidates' totals
+        self.tracing = tracing
         self.scheduler = scheduler
         self.metrics = metrics
         self.flow_control = flow_control
@@ -115,9 +119,18 @@ class Director:
         self.untimed_responses = 0  # successful responses while no timings ever came (-1: some did, or it was said)
         self.untimed_since = 0.0  # when the first of them ended
 
-    def new_request(self, headers: dict[str, str], subset: frozenset[str] | None) -> RequestContext:
+    def new_request(
+        self, headers: dict[str, str], subset: frozenset[str] | None, stream_traceparent: str | None = None
+    ) -> RequestContext:
+        """A request's context; traced (when tracing is on and it is sampled) from here, continuing the client's
+        traceparent, else `stream_traceparent` (what the proxy's ext_proc call carried)."""
         self.datastore.note_request()
-        return RequestContext(headers, subset)
+        ctx = RequestContext(headers, subset)
+        if self.tracing is not None:
+            ctx.trace = self.tracing.start(headers, stream_traceparent)
+            if ctx.trace is not None:
+                ctx.trace_times = [0, 0, 0, 0]
+        return ctx
 
     # -- request path ------------------------------------------------------------------------------------------
     def route(
@@ -149,6 +162,8 @@ class Director:
 
     async def _wait_for_turn(self, ctx, request, body, changed) -> RoutingDecision:
         flow_control = self.flow_control
+        if ctx.trace_times is not None:
+            ctx.trace_times[0] = time_ns()
         try:
             await flow_control.wait(
                 request.priority,
@@ -161,6 +176,8 @@ class Director:
             if not self.datastore.endpoints:  # the pool emptied while it waited: no retry would be served sooner
                 raise self._failed(ctx, OpenAIError("no ready endpoint", 503)) from None
             raise self._failed(ctx, OpenAIError(str(rejected), 429, retry_after=1)) from None
+        if ctx.trace_times is not None:
+            ctx.trace_times[1] = time_ns()
         ctx.dispatched = True
         try:
             decision = self._schedule(ctx, request, body, changed, waited=True)
@@ -189,6 +206,8 @@ class Director:
 
     def record_error(self, ctx: RequestContext, error: OpenAIError) -> None:
         self.metrics.errors.labels(*ctx.labels, str(error.status)).inc()
+        if ctx.trace is not None:
+            self.tracing.failed(ctx.trace, error.status, str(error))
 
     def _resolve_model(self, ctx: RequestContext, payload: dict | None, raw: bytes | None) -> tuple[bytes | None, bool]:
         if payload is None:
@@ -249,6 +268,9 @@ class Director:
     def _decide(self, ctx, request, body, body_changed, cycle_state: CycleState, waited: bool) -> RoutingDecision:
         metrics = self.metrics
         started = perf_counter()
+        times = ctx.trace_times
+        if times is not None:
+            times[2] = time_ns()
         if self.prefilling:
             self._release_prefilled(monotonic())
         endpoints = self.datastore.endpoints
@@ -271,10 +293,13 @@ class Director:
             heappush(self.prefilling, (ctx.routed_at + endpoint.recent_ttft, next(self._order), ctx))
         metrics.requests.labels(*ctx.labels).inc()
         metrics.running.labels(ctx.labels[0]).inc()
-        scores = None
+        scores = traceparent = None
         if self.emit_endpoint_scores:
             scores = {e.spec.hostport: total for e, total in zip(result.candidates, result.totals, strict=True)}
-        return RoutingDecision(request.request_id, result.endpoints, body, body_changed, scores)
+        if times is not None:
+            times[3] = time_ns()
+            traceparent = tracing.traceparent(ctx.trace)
+        return RoutingDecision(request.request_id, result.endpoints, body, body_changed, scores, traceparent)
 
     def _observe_decision(self, ctx: RequestContext) -> None:
         """The decision's histograms (its time, each plugin's, the prompt's size, how old the metrics it picked on
@@ -283,6 +308,11 @@ class Director:
         if not seconds:
             return  # observed already (or never decided)
         ctx.scheduling_seconds = 0.0
+        times = ctx.trace_times
+        if times is not None:  # the decision's spans
+            ctx.trace_times = None
+            queued = (times[0], times[1]) if times[1] else None
+            self.tracing.decided(ctx.trace, ctx.request, ctx.result, queued, (times[2], times[3]))
         metrics = self.metrics
         metrics.scheduler_e2e.labels().observe(seconds)
         if ctx.metrics_age >= 0:
@@ -358,6 +388,9 @@ class Director:
         endpoint = ctx.endpoint
         request = ctx.request
         self._observe_decision(ctx)  # (when it ended before its answer was out: after_routed did not run)
+        if ctx.trace is not None:
+            self.tracing.finished(ctx.trace, ctx.status)
+            ctx.trace = None
         if endpoint is not None:  # first: flow control's next dispatch sees the slot this request frees
             self._release_prompt_tokens(ctx)
             ctx.endpoint = None

@@ -31,6 +31,8 @@ class RequestContext:
         "streamed",
         "subset",
         "target_model",
+        "trace",
+        "trace_times",
     )
 
     def __init__(self, headers: dict[str, str], subset: frozenset[str] | None):
@@ -51,6 +53,10 @@ class RequestContext:
         self.dispatched = False  # flow control let it through: its completion frees the turn
         self.first_chunk_at = 0.0  # when the first response body chunk came through (monotonic), 0 = none yet
         self.streamed = False  # the client asked for a streamed response (its first chunk is then the first token)
+        self.trace = None  # its gateway.request span, when traced (epp.requestcontrol.tracing)
+        # when traced: (queued from, queued until or 0, scheduled from, scheduled until), time_ns(), until its spans
+        # are made (Director.after_routed)
+        self.trace_times: list[int] | None = None
 
 
 @dataclass
@@ -64,3 +70,4 @@ class RoutingDecision:
     body: bytes | None
     body_changed: bool = False
     scores: dict[str, float] | None = None
+    traceparent: str | None = None  # the request span's, for the request sent upstream (when traced)
