@@ -38,13 +38,12 @@ from epp.health import HealthState
 from epp.leader import LeaseElector
 from epp.metrics import EPPMetrics, MetricsPage
 from epp.requestcontrol.director import Director
-from epp.requestcontrol.tracing import RequestTracing
+from epp.requestcontrol.tracing import OTLPExporter, RequestTracing
 from epp.scheduling.decisions import DecisionLog
 from epp.scheduling.scheduler import Scheduler
 from epp.status import StatusPage
 from epp.transport.grpcio import access_log_service, ext_proc_service
 from epp.transport.h2 import ExtProcServer, UnaryMethod
-from protocol import tracing
 
 log = logging.getLogger("epp")
 # Quiet endpoints (nothing running, waiting or in flight, and no request for that long) are scraped this many times
@@ -95,7 +94,7 @@ class EndpointPicker:
         self.metrics = EPPMetrics(self.pool_name)
         self.flow_control = self._flow_control()
         self.tracing = (
-            RequestTracing(tracing.tracer(args.otlp_traces_endpoint, args.trace_sampling_ratio, "epp"))
+            RequestTracing(OTLPExporter(args.otlp_traces_endpoint), args.trace_sampling_ratio)
             if args.otlp_traces_endpoint
             else None
         )
@@ -262,6 +261,8 @@ class EndpointPicker:
         await self.health_server.stop(grace=None)
         await self.metrics_runner.cleanup()
         await self.datastore.close()
+        if self.tracing is not None:
+            await asyncio.to_thread(self.tracing.exporter.close)  # the last spans go out
 
     async def run(self, stop: asyncio.Event) -> None:
         """Start, serve until `stop` is set, stop."""

@@ -23,7 +23,6 @@ from epp.scheduling.decisions import DEFAULT_DECISIONS
 from epp.transport.h2 import MAX_CONNECTIONS
 from protocol import extproc
 from protocol.kv_events import DEFAULT_SUBSCRIBER_PORT
-from protocol.tracing import TracingUnavailable
 
 log = logging.getLogger("epp")
 # How long a thread that runs Python (a long prompt's tokenizing and block hashing in a worker, the KV-event
@@ -166,8 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--otlp-traces-endpoint",
         default=None,
         help="OpenTelemetry collector (OTLP/gRPC, host:port or URL) to export request traces to: a gateway.request "
-        "span per request with flow control and scheduling under it, its traceparent sent upstream (needs the "
-        "`tracing` extra; default: no tracing)",
+        "span per request with flow control and scheduling under it, its traceparent sent upstream (default: no "
+        "tracing)",
     )
     p.add_argument(
         "--trace-sampling-ratio",
@@ -218,5 +217,5 @@ def main(argv: list[str] | None = None) -> None:
     try:
         with contextlib.suppress(KeyboardInterrupt):
             uvloop.run(run())  # less per-callback overhead than asyncio's loop on the ext_proc path
-    except (ConfigError, PoolFileError, OSError, zmq.ZMQError, TracingUnavailable) as exc:
+    except (ConfigError, PoolFileError, OSError, zmq.ZMQError) as exc:
         raise SystemExit(f"epp: {exc}") from None

@@ -51,7 +51,6 @@ from epp.requestcontrol.types import RequestContext, RoutingDecision
 from epp.scheduling.errors import SchedulingError
 from epp.scheduling.scheduler import Scheduler
 from epp.scheduling.types import CycleState, ResponseInfo, SchedulingRequest
-from protocol import tracing
 from protocol.extproc import (
     FAIRNESS_ID_HEADER,
     MAX_REQUEST_ID_CHARS,
@@ -298,7 +297,7 @@ class Director:
             scores = {e.spec.hostport: total for e, total in zip(result.candidates, result.totals, strict=True)}
         if times is not None:
             times[3] = time_ns()
-            traceparent = tracing.traceparent(ctx.trace)
+            traceparent = ctx.trace.traceparent
         return RoutingDecision(request.request_id, result.endpoints, body, body_changed, scores, traceparent)
 
     def _observe_decision(self, ctx: RequestContext) -> None:
