@@ -1,7 +1,7 @@
 """The EPP's status page (epp/status.py) in a real headless browser: Debian's chromium driven by Playwright.
 
 Against a running stack (sim model servers, the EPP, Envoy) the page loads, updates as requests arrive without a
-reload and shows a decision; against a status page in this process holding 64 endpoints and 1,000 decisions of the
+reload and shows a decision, the same as the request's trace says; against a status page in this process holding 64 endpoints and 1,000 decisions of the
 default profile, it renders within the goal (1 s, docs/observability.md)."""
 
 import asyncio
@@ -19,6 +19,7 @@ from epp.scheduling.decisions import DecisionLog
 from epp.scheduling.scheduler import Scheduler
 from epp.scheduling.types import SchedulingRequest
 from epp.status import StatusPage
+from harness.otlp import TraceCollector
 from protocol.metrics import EndpointMetrics
 from tests.conftest import free_ports
 
@@ -39,8 +40,20 @@ async def browser_page(p):
     return browser, page
 
 
-async def test_the_page_follows_a_running_stack(make_stack):
-    stack = await make_stack(servers=2)
+async def test_the_page_follows_a_running_stack_and_matches_the_trace(make_stack):
+    (port,) = free_ports(1)
+    collector = TraceCollector(f"127.0.0.1:{port}")
+    await collector.start()
+    try:
+        stack = await make_stack(
+            servers=2, epp_args=["--refresh-metrics-interval", "20ms", "--otlp-traces-endpoint", f"127.0.0.1:{port}"]
+        )
+        await follow_the_stack(stack, collector)
+    finally:
+        await collector.stop()
+
+
+async def follow_the_stack(stack, collector: TraceCollector) -> None:
     async with playwright.async_playwright() as p:
         browser, page = await browser_page(p)
         try:
@@ -68,6 +81,21 @@ async def test_the_page_follows_a_running_stack(make_stack):
             assert await page.text_content("#detail-reason") == latest["reason"]
             rows = await page.locator("#detail-scores tbody tr").count()
             assert rows == latest["candidates"] == 2
+
+            # the same decision in the request's trace: the scheduling span under the request's span
+            def scheduling_span():
+                spans = collector.spans
+                request = next((s for s in spans if s.attributes.get("gateway.request_id") == request_ids[-1]), None)
+                return next((s for s in spans if request and s.parent_id == request.span_id), None)
+
+            for _ in range(100):
+                if scheduling_span() is not None:
+                    break
+                await asyncio.sleep(0.1)
+            traced = scheduling_span().attributes
+            assert traced["gateway.pick"] == latest["pick_address"]
+            assert traced["gateway.fallbacks"] == latest["fallbacks"]
+            assert max(traced["gateway.totals"]) == pytest.approx(latest["total"])
             # a click on an earlier decision shows that one
             await page.click(f"#decisions tbody tr[data-seq='{decisions[request_ids[0]]['seq']}']")
             await page.wait_for_function(
