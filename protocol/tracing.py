@@ -1,6 +1,6 @@
 """Traces both sides write: the W3C trace-context header that joins them, the span and attribute names, and the
-OpenTelemetry set-up (an OTLP/gRPC exporter behind a batch span processor, sampled by ratio) the EPP
-(`--otlp-traces-endpoint`, epp/app.py) and the model server (`--otlp-traces-endpoint`, as vLLM's flag) share.
+model server's OpenTelemetry set-up (`--otlp-traces-endpoint`, as vLLM's flag: an OTLP/gRPC exporter behind a batch
+span processor, sampled by ratio). The EPP writes its spans itself (epp/requestcontrol/tracing.py says why).
 
 The OpenTelemetry SDK is optional (the `tracing` extra): `tracer(...)` imports it only when tracing is asked for,
 and says how to install it when it is missing. Spans are built from timestamps taken on the request path, after the
@@ -82,12 +82,6 @@ def parent_context(traceparent: str | None, tracestate: str | None = None) -> An
     if traceparent and tracestate:
         carrier[TRACESTATE_HEADER] = tracestate
     return TraceContextTextMapPropagator().extract(carrier)
-
-
-def traceparent(span: Any) -> str:
-    """The W3C traceparent that makes `span` the parent of what receives it."""
-    context = span.get_span_context()
-    return f"00-{context.trace_id:032x}-{context.span_id:016x}-{int(context.trace_flags):02x}"
 
 
 def wall_ns(monotonic_seconds: float, now_monotonic: float | None = None, now_ns: int | None = None) -> int:
