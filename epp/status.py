@@ -195,20 +195,19 @@ class StatusPage:
         d = self.decisions.get(seq) if self.decisions is not None else None
         if d is None:
             return None
-        scorers = list(d.raw_scores)
         return {
             **self._summary(d),
-            "scorers": [{"name": n.name, "type": n.type, "weight": self.weights.get(n, 1.0)} for n in scorers],
+            "scorers": [{"name": n[1], "type": n[0], "weight": self.weights.get(n, 1.0)} for n, _ in d.raw_scores],
             "rows": [
                 {
                     "name": d.candidates[i].name,
                     "address": d.candidates[i].hostport,
                     "total": d.totals[i],
-                    "scores": [d.raw_scores[n][i] for n in scorers],
+                    "scores": [scores[i] for _, scores in d.raw_scores],
                 }
                 for i in ranked(d)
             ],
-            "timings": [{"plugin": str(n), "seconds": s} for n, s in d.timings],
+            "timings": [{"plugin": f"{n[0]}/{n[1]}", "seconds": s} for n, s in d.timings],
         }
 
     def add_routes(self, app: web.Application) -> None:

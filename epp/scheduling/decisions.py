@@ -1,9 +1,13 @@
 """The scheduler's last decisions, kept for the EPP's status page (`epp/status.py`): a ring of a fixed size.
 
-Recording one costs the request path a tuple of references to what the cycle built anyway (the result's endpoints,
-candidates, raw scores and timings; never its cycle state, which can hold a long prompt's tokens) and an append to
-a bounded deque. What the page shows of a decision beyond that (the runner-up, why the pick won) is worked out when
-the page asks (`explain`), not per request.
+Recording one costs the request path a few tuples of what the cycle built (the result's endpoints, candidates, raw
+scores, totals and timings; never its cycle state, which can hold a long prompt's tokens) and an append to a bounded
+deque. Tuples, not the result's own lists: a tuple of numbers, names and tuples of them stops being tracked by the
+garbage collector at its first collection, so the ring adds about three tracked objects per decision to the old
+generation, not the ~15 lists and dicts of the result. Holding the result's lists, the live EPP spent 0.289 ms of CPU
+per request against 0.238 with no ring (`epp-bench overhead`, concurrency 32): each full collection walked them.
+What the page shows of a decision beyond that (the runner-up, why the pick won) is worked out when the page asks
+(`explain`), not per request.
 """
 
 from __future__ import annotations
@@ -32,11 +36,12 @@ class Decision(NamedTuple):
     fairness_id: str | None
     prompt_tokens: int  # the estimate the scheduler used
     considered: int  # endpoints the filters started from (the pool, or the subset hint's share of it)
-    endpoints: list[Endpoint]  # the pick, then the fallbacks
-    candidates: list[Endpoint]  # after the filters, in the scores' order
-    raw_scores: dict[TypedName, list[float]]
-    totals: list[float]  # per candidate, the scorers' weighted sum
-    timings: list[tuple[TypedName, float]]
+    endpoints: tuple[Endpoint, ...]  # the pick, then the fallbacks
+    candidates: tuple[Endpoint, ...]  # after the filters, in the scores' order
+    # plugins as plain (type, name) tuples (equal to their TypedName): a NamedTuple is never untracked
+    raw_scores: tuple[tuple[tuple[str, str], tuple[float, ...]], ...]  # (scorer, its scores), in the profile's order
+    totals: tuple[float, ...]  # per candidate, the scorers' weighted sum
+    timings: tuple[tuple[tuple[str, str], float], ...]
 
 
 class DecisionLog:
@@ -47,6 +52,7 @@ class DecisionLog:
             raise ValueError(f"a decision log holds at least one decision, not {size}")
         self.entries: deque[Decision] = deque(maxlen=size)
         self.count = 0  # decisions recorded since start (the last one's seq)
+        self._plain: dict[TypedName, tuple[str, str]] = {}  # each plugin's identity as a plain tuple
 
     @property
     def size(self) -> int:
@@ -54,6 +60,10 @@ class DecisionLog:
 
     def record(self, request: SchedulingRequest, result: SchedulingResult, considered: int) -> None:
         self.count = seq = self.count + 1
+        plain = self._plain
+        for name, _ in result.timings:
+            if name not in plain:
+                plain[name] = (name.type, name.name)
         self.entries.append(
             Decision(
                 seq,
@@ -64,11 +74,11 @@ class DecisionLog:
                 request.fairness_id,
                 request.prompt_tokens_estimate,
                 considered,
-                result.endpoints,
-                result.candidates,
-                result.raw_scores,
-                result.totals,
-                result.timings,
+                tuple(result.endpoints),
+                tuple(result.candidates),
+                tuple([(plain[name], tuple(scores)) for name, scores in result.raw_scores.items()]),
+                tuple(result.totals),
+                tuple([(plain[name], seconds) for name, seconds in result.timings]),
             )
         )
 
@@ -123,12 +133,12 @@ def explain(decision: Decision, weights: Mapping[TypedName, float]) -> Explained
         return Explained(picked, runner, f"tied at {mine:.3f} with {ties} other(s): the picker broke the tie")
     margins = [
         (weights.get(name, 1.0) * (clamp_score(s[picked]) - clamp_score(s[runner])), name)
-        for name, s in decision.raw_scores.items()
+        for name, s in decision.raw_scores
     ]
     margin, scorer = max(margins, key=lambda m: m[0])
     return Explained(
         picked,
         runner,
         f"best total {mine:.3f}, {mine - second:.3f} ahead of {candidates[runner].name}; "
-        f"most from {scorer.name} (+{margin:.3f})",
+        f"most from {scorer[1]} (+{margin:.3f})",
     )

@@ -56,7 +56,7 @@ def test_the_ring_keeps_the_last_decisions_and_the_scheduler_records_each_one():
     assert last.considered == 2  # the stale endpoint is not a candidate while fresh ones are left
     assert [e.name for e in last.candidates] == ["e0", "e1"]
     assert last.endpoints[0].name == "e1"  # an empty queue beats a half-full KV cache at weight 2 against 1
-    assert TypedName("queue-scorer", "queue-scorer") in last.raw_scores
+    assert TypedName("queue-scorer", "queue-scorer") in dict(last.raw_scores)
 
 
 def test_explain_says_why_the_pick_won():
