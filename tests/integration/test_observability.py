@@ -34,6 +34,7 @@ async def test_one_trace_spans_envoy_the_epp_and_the_model_server(make_stack):
     collector = TraceCollector(f"127.0.0.1:{port}")
     await collector.start()
     endpoint = f"127.0.0.1:{port}"
+    stack = None
     try:
         stack = await make_stack(
             servers=2,
@@ -104,6 +105,8 @@ async def test_one_trace_spans_envoy_the_epp_and_the_model_server(make_stack):
         (request_2,) = await wait_for(continued)
         assert request_2.parent_id == client_span
     finally:
+        if stack is not None:
+            stack.stop()  # before the collector: the servers' last exports find it (else they retry to their timeout)
         await collector.stop()
 
 
