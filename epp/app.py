@@ -3,8 +3,8 @@ EndpointPickerConfig (read once, `epp.config.loader`), starts them and stops the
 
 The parts, bottom up: the pool's source (a pool file or Kubernetes) and the datastore with its endpoint sources (the
 scraper, the KV-event subscriber when the profile reads KV events); the scheduler; flow control; the director; the
-ext_proc transport (h2 or grpcio) and its handlers; gRPC health; the /metrics page, to which each part registers its
-collector; leader election (Kubernetes, several replicas)."""
+ext_proc transport (h2 or grpcio) and its handlers; gRPC health; the metrics port: the /metrics page, to which each
+part registers its collector, and the status page (`epp.status`, at /); leader election (Kubernetes, several replicas)."""
 
 from __future__ import annotations
 
@@ -38,7 +38,10 @@ from epp.health import HealthState
 from epp.leader import LeaseElector
 from epp.metrics import EPPMetrics, MetricsPage
 from epp.requestcontrol.director import Director
+from epp.requestcontrol.tracing import OTLPExporter, RequestTracing
+from epp.scheduling.decisions import DecisionLog
 from epp.scheduling.scheduler import Scheduler
+from epp.status import StatusPage
 from epp.transport.grpcio import access_log_service, ext_proc_service
 from epp.transport.h2 import ExtProcServer, UnaryMethod
 
@@ -73,6 +76,8 @@ class EndpointPicker:
         self.args = args
         config = load(Path(args.config_file).read_text() if args.config_file else args.config_text)
         self.scheduler = Scheduler.from_sections(config)
+        if args.status_decisions:
+            self.scheduler.decisions = DecisionLog(args.status_decisions)
         self.flow_config = FlowControlConfig.from_sections(config)
         self.pool_name = args.pool_name or Path(args.pool_file).stem
         self.source, initial, self.elector = self._pool_source()
@@ -88,7 +93,14 @@ class EndpointPicker:
         self.datastore.apply(initial)
         self.metrics = EPPMetrics(self.pool_name)
         self.flow_control = self._flow_control()
-        self.director = Director(self.datastore, self.scheduler, self.metrics, self.flow_control)
+        self.tracing = (
+            RequestTracing(OTLPExporter(args.otlp_traces_endpoint), args.trace_sampling_ratio)
+            if args.otlp_traces_endpoint
+            else None
+        )
+        self.director = Director(
+            self.datastore, self.scheduler, self.metrics, self.flow_control, args.emit_endpoint_scores, self.tracing
+        )
         self.body_budget = ByteBudget(args.max_buffered_body_bytes)
         self.server = self._ext_proc_server()
         self.health = HealthState()
@@ -163,18 +175,20 @@ class EndpointPicker:
         args = self.args
         director, body_budget = self.director, self.body_budget
 
-        def new_stream(reply: Reply) -> RequestStream:
-            return RequestStream(director, reply, body_budget, args.max_request_body_bytes)
+        def new_stream(reply: Reply, traceparent: str | None = None) -> RequestStream:
+            return RequestStream(director, reply, body_budget, args.max_request_body_bytes, traceparent)
+
+        traced = self.tracing is not None
 
         export_access_log = accesslog.ExportHandler(director.on_access_log)
         if args.ext_proc_transport == "h2":
             export = UnaryMethod(accesslog.ExportRecords, export_access_log, accesslog.MAX_EXPORT_BYTES)
             return ExtProcServer(
-                new_stream, {accesslog.EXPORT_PATH: export}, args.max_ext_proc_connections, ExtProcRequest
+                new_stream, {accesslog.EXPORT_PATH: export}, args.max_ext_proc_connections, ExtProcRequest, traced
             )
         server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 * 1024 * 1024)])
         server.add_generic_rpc_handlers(
-            [ext_proc_service(new_stream, ExtProcRequest), access_log_service(export_access_log)]
+            [ext_proc_service(new_stream, ExtProcRequest, traced), access_log_service(export_access_log)]
         )
         server.add_insecure_port(f"{args.bind_address}:{args.grpc_port}")
         return server
@@ -202,6 +216,8 @@ class EndpointPicker:
 
         app = web.Application()
         app.router.add_get("/metrics", metrics_handler)
+        status = StatusPage(self.pool_name, self.datastore, self.scheduler, self.flow_control, self.scheduler.decisions)
+        status.add_routes(app)
         return web.AppRunner(app, access_log=None)
 
     async def _report_health(self) -> None:
@@ -255,6 +271,8 @@ class EndpointPicker:
         await self.metrics_runner.cleanup()
         await self.datastore.close()
         await self.director.responses.close()
+        if self.tracing is not None:
+            await asyncio.to_thread(self.tracing.exporter.close)  # the last spans go out
 
     async def run(self, stop: asyncio.Event) -> None:
         """Start, serve until `stop` is set, stop."""

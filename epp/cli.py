@@ -20,6 +20,7 @@ from epp.config import ConfigError
 from epp.datalayer.kv_events import DEFAULT_MAX_ENTRIES
 from epp.datalayer.pool_file import PoolFileError
 from epp.handlers.extproc import DEFAULT_MAX_BODY_BYTES
+from epp.scheduling.decisions import DEFAULT_DECISIONS
 from epp.transport.h2 import MAX_CONNECTIONS
 from protocol import extproc
 from protocol.kv_events import DEFAULT_SUBSCRIBER_PORT
@@ -39,6 +40,28 @@ def duration(text: str) -> float:
         raise argparse.ArgumentTypeError(f"not a duration: {text!r} (use e.g. 50ms, 1s)")
     value, unit = float(match.group(1)), match.group(2) or "s"
     return value * {"ms": 0.001, "s": 1.0, "m": 60.0}[unit]
+
+
+def count(text: str) -> int:
+    """A whole number >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"not a whole number >= 0: {text!r}")
+    return value
+
+
+def ratio(text: str) -> float:
+    """A number within [0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"not a number within [0, 1]: {text!r}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -132,6 +155,34 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_MAX_ENTRIES,
         help="cap on the KV-event index's (block hash, endpoint) entries, ~194 bytes each (the default: ~460 MiB); "
         "over it, the largest endpoint's oldest go",
+    )
+    # Observability: the status page, the endpoints' scores in the gateway's metadata, traces (docs/observability.md)
+    p.add_argument(
+        "--status-decisions",
+        type=count,
+        default=DEFAULT_DECISIONS,
+        help="scheduling decisions the status page (GET / on --metrics-port) keeps, with every candidate's scores "
+        "(default %(default)s; 0: none kept)",
+    )
+    p.add_argument(
+        "--emit-endpoint-scores",
+        action="store_true",
+        help="put every scored endpoint's weighted total in the request's dynamic metadata (envoy.lb namespace, key "
+        "x-gateway-destination-endpoint-scores: a struct ip:port -> score), as llm-d's router, for the gateway to log",
+    )
+    p.add_argument(
+        "--otlp-traces-endpoint",
+        default=None,
+        help="OpenTelemetry collector (OTLP/gRPC, host:port or URL) to export request traces to: a gateway.request "
+        "span per request with flow control and scheduling under it, its traceparent sent upstream (default: no "
+        "tracing)",
+    )
+    p.add_argument(
+        "--trace-sampling-ratio",
+        type=ratio,
+        default=1.0,
+        help="share of new traces kept (a trace continued from the client or the gateway keeps its own decision; "
+        "default %(default)s)",
     )
     p.add_argument("-v", "--verbosity", type=int, default=0, help="0 info, 1+ debug")
     return p

@@ -88,6 +88,7 @@ def render_bootstrap(
     more_epp_endpoints: Sequence[str] = (),
     access_log_percent: int = 100,
     app_protocol: str = HTTP,
+    otlp_traces_endpoint: str | None = None,
 ) -> str:
     """The bootstrap YAML; `fallback_endpoints` are "host:port" strings of the pool (FailOpen routing);
     `more_epp_endpoints` ("host:port") are further EPP replicas beside epp_host:epp_port (round robin between them).
@@ -125,6 +126,9 @@ def render_bootstrap(
     failure_mode_allow) and balances those it did not route over the pool; FailClose answers both with an error, so no
     request reaches a model server the EPP did not pick. `app_protocol` "kubernetes.io/h2c" makes Envoy speak HTTP/2
     over cleartext (prior knowledge) to the model servers, "http" HTTP/1.1.
+    `otlp_traces_endpoint` ("host:port" of an OpenTelemetry collector, OTLP/gRPC): Envoy traces every request with
+    its OpenTelemetry tracer; its ext_proc call carries the trace context to the EPP, whose request span continues
+    it (`epp.requestcontrol.tracing`), and its upstream request to the model server.
     """
     request_body_mode = request_body_mode or ("BUFFERED" if fail_open else "FULL_DUPLEX_STREAMED")
     if fail_open and request_body_mode == "FULL_DUPLEX_STREAMED":
@@ -167,7 +171,44 @@ def render_bootstrap(
         ACCESS_LOG=_access_log(access_log_percent) if access_log_percent else "",
         UNPICKED_ACTION=unpicked_action,
         UPSTREAM_HTTP_CONFIG=UPSTREAM_HTTP_CONFIGS[app_protocol],
+        TRACING=_TRACING if otlp_traces_endpoint else "",
+        TRACING_CLUSTER=_tracing_cluster(otlp_traces_endpoint) if otlp_traces_endpoint else "",
     )
+
+
+# Envoy's OpenTelemetry tracer (YAML lines after `stream_idle_timeout`): every request traced, exported to the
+# `otlp_traces` cluster (_tracing_cluster). Envoy's default sampling reads its decision from the x-request-id, which
+# must then be a UUID of its own: a client's id (the EPP's docs invite one) left the request untraced.
+_TRACING = """
+          request_id_extension:
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.request_id.uuid.v3.UuidRequestIdConfig
+              use_request_id_for_trace_sampling: false
+          tracing:
+            random_sampling: {value: 100}
+            provider:
+              name: envoy.tracers.opentelemetry
+              typed_config:
+                "@type": type.googleapis.com/envoy.config.trace.v3.OpenTelemetryConfig
+                grpc_service: {envoy_grpc: {cluster_name: otlp_traces}, timeout: 1s}
+                service_name: gateway"""
+
+
+def _tracing_cluster(endpoint: str) -> str:
+    """The collector's cluster (HTTP/2: OTLP over gRPC), after the last cluster."""
+    return f"""
+  - name: otlp_traces
+    type: STRICT_DNS
+    connect_timeout: 1s
+    typed_extension_protocol_options:
+      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
+        "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
+        explicit_http_config: {{http2_protocol_options: {{}}}}
+    load_assignment:
+      cluster_name: otlp_traces
+      endpoints:
+      - lb_endpoints:
+{_endpoints_yaml([endpoint.split("://")[-1]])}"""
 
 
 ACCESS_LOG_RUNTIME_KEY = "gateway.access_log_percent"

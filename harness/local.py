@@ -68,6 +68,9 @@ class StackConfig:
     hash_seed: str = "0"  # PYTHONHASHSEED of the servers and the EPP: vLLM's block hashes are seeded by it
     # Active-active: this many EPPs behind Envoy (round robin), each subscribed to every server's publisher.
     epp_replicas: int = 1
+    # An OpenTelemetry collector (OTLP/gRPC "host:port") Envoy exports its request traces to (harness.envoy); the EPP
+    # and the model servers trace when their own --otlp-traces-endpoint flag is among epp_args / modelserver_args
+    otlp_traces_endpoint: str | None = None
 
 
 def epp_command(
@@ -262,6 +265,7 @@ class LocalStack:
             message_timeout=c.message_timeout,
             fallback_endpoints=[u.removeprefix("http://") for u in self.model_server_urls],
             more_epp_endpoints=[f"{c.host}:{grpc}" for grpc, _, _ in self.epp_ports[1:]],
+            otlp_traces_endpoint=c.otlp_traces_endpoint,
         )
         path = self.workdir / "envoy.yaml"
         path.write_text(bootstrap)

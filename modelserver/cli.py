@@ -24,6 +24,8 @@ from modelserver.engine.engine import AsyncEngine
 from modelserver.engine.kv_events import ZmqEventPublisher, should_bind
 from modelserver.engine.sim import SimExecutor, SimTiming
 from modelserver.metrics import default_stat_loggers
+from modelserver.tracing import RequestTracer
+from protocol import tracing
 from protocol.kv_events import DEFAULT_HASH_ALGO, HASH_ALGOS, KVEventsConfig, default_topic
 from protocol.tokenizer import load_tokenizer
 
@@ -73,6 +75,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="vLLM's KV events JSON, e.g. "
         '\'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}\'; with several --replicas a bound port '
         "is offset by the replica index; no topic: kv@<host:port>@<model> per replica",
+    )
+    p.add_argument(
+        "--otlp-traces-endpoint",
+        default=None,
+        help="OpenTelemetry collector (OTLP/gRPC, host:port or URL) for request traces, as vLLM's flag: an "
+        "llm_request span per request with gen_ai.* attributes and queue, prefill and decode spans under it, "
+        "continuing the request's traceparent (needs the `tracing` extra)",
+    )
+    p.add_argument(
+        "--trace-sampling-ratio",
+        type=float,
+        default=1.0,
+        help="share of new traces kept (a request that brings a traceparent keeps its decision; default %(default)s)",
     )
     p.add_argument("--kv-cache-metrics-sample", type=float, default=0.0, help="fraction of KV blocks sampled")
     p.add_argument("--max-request-body-bytes", type=int, default=32 * 1024 * 1024)
@@ -178,7 +193,19 @@ def build_engine(args: argparse.Namespace, index: int, tokenizer) -> AsyncEngine
         ),
         lora_modules=dict(args.lora_modules),
         kv_events=build_kv_events(args, index),
+        tracer=build_tracer(args),
     )
+
+
+def build_tracer(args: argparse.Namespace) -> RequestTracer | None:
+    """The request tracer when --otlp-traces-endpoint names a collector."""
+    if not args.otlp_traces_endpoint:
+        return None
+    try:
+        tracer = tracing.tracer(args.otlp_traces_endpoint, args.trace_sampling_ratio, "modelserver")
+    except (tracing.TracingUnavailable, ValueError) as error:
+        raise SystemExit(f"modelserver: {error}") from None
+    return RequestTracer(tracer, args.served_model_name)
 
 
 async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:

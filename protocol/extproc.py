@@ -4,6 +4,9 @@
 DESTINATION_ENDPOINT_HEADER = "x-gateway-destination-endpoint"
 DESTINATION_ENDPOINT_NAMESPACE = "envoy.lb"
 DESTINATION_ENDPOINT_KEY = DESTINATION_ENDPOINT_HEADER
+# llm-d's router (--emit-endpoint-scores): beside the pick in the same namespace, a struct "ip:port" -> the scheduler's
+# weighted total for every endpoint it scored, the ones it did not pick included.
+DESTINATION_ENDPOINT_SCORES_KEY = "x-gateway-destination-endpoint-scores"
 
 # Gateway-private headers (not part of the protocol) in which our EPP repeats the 2nd and 3rd endpoint of its pick
 # for our Envoy bootstrap: retry n goes to the ORIGINAL_DST cluster that reads header n.

@@ -176,6 +176,7 @@ def test_the_release_wheel_holds_the_runtime_packages_and_scripts_compiled(relea
     extensions = {n.split(".")[0] for n in names if n.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES))}
     assert extensions >= REQUEST_PATH
     assert not [n for n in names if n.endswith((".c", ".pxd"))]
+    assert "epp/status.html" in names  # the status page (epp/status.py reads it as package data)
 
 
 def test_the_developer_wheel_ships_the_workshop_and_its_scripts(installed_wheel):

@@ -90,6 +90,7 @@ class Endpoint:
     spec: EndpointSpec
     metrics: EndpointMetrics | None = None  # None until the first successful scrape
     stale: bool = True  # no successful scrape within the staleness threshold
+    stale_reason: str = ""  # why, as the latest failed scrape said ("" before the first scrape's outcome)
     in_flight_requests: int = 0
     in_flight_tokens: int = 0  # estimated prompt tokens of in-flight requests not answered yet (pending prefill)
     recent_ttft: float = 0.0  # mean TTFT of the streamed responses it served lately, weighted to the latest; 0 = none

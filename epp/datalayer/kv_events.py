@@ -127,6 +127,10 @@ class KVBlockIndex:
     def size(self) -> int:
         return self._size
 
+    def entries(self, endpoint: str) -> int:
+        """Blocks the endpoint (address:port) holds, as its events said."""
+        return len(self._by_endpoint.get(endpoint, ()))
+
     def publishes(self, endpoint: str) -> bool:
         """The endpoint (address:port) sends KV events: what it holds is known here."""
         return endpoint in self._models

@@ -165,7 +165,9 @@ class Scraper:
 
     @staticmethod
     def _set_stale(endpoint: Endpoint, stale: bool, reason: str = "") -> None:
-        """Logged once per change (a never-scraped endpoint starts stale; its first good page makes it ready)."""
+        """Logged once per change (a never-scraped endpoint starts stale; its first good page makes it ready); the
+        latest reason is kept for the status page."""
+        endpoint.stale_reason = reason
         if endpoint.stale == stale:
             return
         endpoint.stale = stale

@@ -3,7 +3,9 @@
 
 The ext_proc handler interface, which both gRPC transports (`epp.transport.h2`, the lean one; `epp.transport.grpcio`)
 drive the same way:
-* per ext_proc stream (one HTTP request) the transport makes one handler: `new_handler(reply)`;
+* per ext_proc stream (one HTTP request) the transport makes one handler: `new_handler(reply)`, or, when the EPP
+  traces requests, `new_handler(reply, traceparent)` with the W3C traceparent of the stream's gRPC metadata (None
+  without one: the proxy's own trace of the request, which the request's span continues);
 * `handle(message)` takes one ProcessingRequest and returns the answers to send now, in order (possibly none), each
   a serialized ProcessingResponse (the handler composes them from cached bytes: `epp.handlers.wire`);
 * an answer the handler cannot give at once (a request waiting in flow control) it gives later by calling
@@ -41,4 +43,4 @@ class ExtProcHandler(Protocol):
     def finish(self) -> None: ...
 
 
-NewHandler = Callable[[Reply], ExtProcHandler]
+NewHandler = Callable[..., ExtProcHandler]  # (reply) or (reply, traceparent)

@@ -37,7 +37,7 @@ from epp.handlers.wire import ExtProcRequest
 from epp.metrics import unlabelled
 from epp.requestcontrol.director import Director
 from epp.requestcontrol.types import RequestContext, RoutingDecision
-from protocol import extproc
+from protocol import extproc, tracing
 from protocol.openai import OpenAIError, load_json_body
 
 FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
@@ -74,6 +74,7 @@ def _set_header(named: bytes, value: bytes) -> bytes:
 
 
 _REQUEST_ID_KEY = _header_key(extproc.REQUEST_ID_HEADER)
+_TRACEPARENT_KEY = _header_key(tracing.TRACEPARENT_HEADER)
 _CONTENT_LENGTH_KEY = _header_key("content-length")
 _CONTENT_TYPE_JSON = _set_header(_header_key("content-type"), b"application/json")
 
@@ -81,13 +82,14 @@ _CONTENT_TYPE_JSON = _set_header(_header_key("content-type"), b"application/json
 MAX_CACHED_ROUTING_ANSWERS = 4096  # bounds _routing_answer (pools have at most a few hundred endpoints)
 
 
-@functools.lru_cache(maxsize=MAX_CACHED_ROUTING_ANSWERS)
-def _routing_answer(hostports: tuple[str, ...], headers_phase: bool) -> bytes:
-    """What every answer routing to these endpoints shares, serialized once per list and followed in each answer by
-    the request's own fields (`epp.handlers.wire`): the destination header, the fallback headers, clear_route_cache
-    and the dynamic metadata. The header carries the primary only: Envoy's ORIGINAL_DST cluster reads one ip:port.
-    The fallbacks are in the metadata's comma list (the protocol) and, for our Envoy bootstrap's retries, one per
-    header."""
+def _build_routing_answer(hostports: tuple[str, ...], headers_phase: bool, scores: dict[str, float] | None) -> bytes:
+    """What every answer routing to these endpoints shares, followed in each answer by the request's own fields
+    (`epp.handlers.wire`): the destination header, the fallback headers, clear_route_cache and the dynamic metadata.
+    The header carries the primary only: Envoy's ORIGINAL_DST cluster reads one ip:port. The fallbacks are in the
+    metadata's comma list (the protocol) and, for our Envoy bootstrap's retries, one per header. `scores` ("ip:port"
+    -> the candidate's weighted total) go beside the destination in the same namespace, as llm-d's router writes them
+    (a struct under x-gateway-destination-endpoint-scores): one namespace entry holds both, since a second would
+    replace the first when Envoy merges the answer."""
     answer = pb.ProcessingResponse()
     common = answer.request_headers.response if headers_phase else answer.request_body.response
     common.clear_route_cache = True
@@ -97,10 +99,17 @@ def _routing_answer(hostports: tuple[str, ...], headers_phase: bool) -> bytes:
         for i, name in enumerate(extproc.FALLBACK_ENDPOINT_HEADERS):
             set_headers.append(_set_header(_header_key(name), fallbacks[min(i, len(fallbacks) - 1)].encode()))
     common.header_mutation.MergeFromString(b"".join(set_headers))
-    answer.dynamic_metadata.get_or_create_struct(extproc.DESTINATION_ENDPOINT_NAMESPACE)[
-        extproc.DESTINATION_ENDPOINT_KEY
-    ] = ",".join(hostports)
+    namespace = answer.dynamic_metadata.get_or_create_struct(extproc.DESTINATION_ENDPOINT_NAMESPACE)
+    namespace[extproc.DESTINATION_ENDPOINT_KEY] = ",".join(hostports)
+    if scores is not None:
+        namespace.get_or_create_struct(extproc.DESTINATION_ENDPOINT_SCORES_KEY).update(scores)
     return answer.SerializeToString()
+
+
+@functools.lru_cache(maxsize=MAX_CACHED_ROUTING_ANSWERS)
+def _routing_answer(hostports: tuple[str, ...], headers_phase: bool) -> bytes:
+    """`_build_routing_answer` without scores, serialized once per list of endpoints."""
+    return _build_routing_answer(hostports, headers_phase, None)
 
 
 _STREAMED_RESPONSE_IN = {  # the fields that nest a StreamedBodyResponse in each direction's answer
@@ -234,6 +243,7 @@ class RequestStream:
         "response_full_duplex",
         "rewrite_back",
         "routed",
+        "traceparent",
     )
 
     def __init__(
@@ -242,8 +252,10 @@ class RequestStream:
         reply: Reply,
         budget: ByteBudget | None = None,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        traceparent: str | None = None,
     ):
         self.director = director
+        self.traceparent = traceparent  # the ext_proc stream's own (the proxy's trace of the request), when traced
         self.reply = reply
         self.budget = budget
         self.max_body_bytes = max_body_bytes
@@ -297,7 +309,7 @@ class RequestStream:
         if self.ctx is not None:  # one request per stream: a second one would leave the first in flight for good
             return [self._reject(OpenAIError("request headers came twice on one ext_proc stream", 400))]
         # the proxy attaches its metadata to the headers message
-        self.ctx = self.director.new_request(message.headers, subset_hint(message))
+        self.ctx = self.director.new_request(message.headers, subset_hint(message), self.traceparent)
         modes = message.body_modes
         if modes is not None:
             self.full_duplex = modes[0] == FULL_DUPLEX
@@ -396,13 +408,20 @@ class RequestStream:
         set_headers = _set_header(_REQUEST_ID_KEY, decision.request_id.encode())
         if body is not None:
             set_headers += _set_header(_CONTENT_LENGTH_KEY, str(len(body)).encode())
+        if decision.traceparent is not None:  # the model server continues the request's trace
+            set_headers += _set_header(_TRACEPARENT_KEY, decision.traceparent.encode())
         common = [wire.field(_HEADER_MUTATION, set_headers)]
         if not headers_phase and decision.body_changed:  # BUFFERED: the body response carries the rewritten body
             common += (_REPLACE + wire.nesting((_BODY_MUTATION, _WHOLE_BODY), len(body)), body)
         phase = _ANSWER_TO["request_headers" if headers_phase else "request_body"]
+        hostports = tuple([e.spec.hostport for e in decision.endpoints])
+        if decision.scores is None:
+            routing = _routing_answer(hostports, headers_phase)
+        else:  # (different for each request: not cached)
+            routing = _build_routing_answer(hostports, headers_phase, decision.scores)
         head = b"".join(
             (
-                _routing_answer(tuple([e.spec.hostport for e in decision.endpoints]), headers_phase),
+                routing,
                 wire.nesting((phase, _COMMON), sum(map(len, common))),
                 *common,
             )

@@ -42,13 +42,14 @@ import re
 import uuid
 from collections.abc import Awaitable
 from heapq import heappop, heappush
-from time import monotonic, perf_counter
+from time import monotonic, perf_counter, time_ns
 
 from epp.datalayer.datastore import Datastore
 from epp.datalayer.endpoint import Endpoint, ModelRewrite, PoolState
 from epp.flowcontrol import DEFAULT_FLOW, EVICTED_TTL, FlowController, FlowControlRejected
 from epp.metrics import EPPMetrics
 from epp.requestcontrol.stored_responses import HEAD_BYTES, ResponseLocator, gone
+from epp.requestcontrol.tracing import RequestTracing
 from epp.requestcontrol.types import RequestContext, RoutingDecision
 from epp.scheduling.errors import SchedulingError
 from epp.scheduling.scheduler import Scheduler
@@ -110,8 +111,12 @@ class Director:
         scheduler: Scheduler,
         metrics: EPPMetrics,
         flow_control: FlowController | None = None,
+        emit_endpoint_scores: bool = False,
+        tracing: RequestTracing | None = None,
     ):
         self.datastore = datastore
+        self.emit_endpoint_scores = emit_endpoint_scores  # each decision carries its candidates' totals
+        self.tracing = tracing
         self.scheduler = scheduler
         self.metrics = metrics
         self._labelled_state: PoolState | None = None  # the pool state whose model names the metrics pinned
@@ -131,12 +136,20 @@ class Director:
         self.untimed_since = 0.0  # when the first of them ended
         self.responses = ResponseLocator()  # where each stored Responses answer is (previous_response_id)
 
-    def new_request(self, headers: dict[str, str], subset: frozenset[str] | None) -> RequestContext:
+    def new_request(
+        self, headers: dict[str, str], subset: frozenset[str] | None, stream_traceparent: str | None = None
+    ) -> RequestContext:
+        """A request's context; traced (when tracing is on and it is sampled) from here, continuing the client's
+        traceparent, else `stream_traceparent` (what the proxy's ext_proc call carried)."""
         self.datastore.note_request()
         ctx = RequestContext(canonical_headers(headers), subset)
         path = headers.get(":path", "")
         ctx.kind = request_kind(path)
         ctx.error_style = error_style(path)
+        if self.tracing is not None:
+            ctx.trace = self.tracing.start(ctx.headers, stream_traceparent)
+            if ctx.trace is not None:
+                ctx.trace_times = [0, 0, 0, 0]
         return ctx
 
     # -- request path ------------------------------------------------------------------------------------------
@@ -213,6 +226,8 @@ class Director:
 
     async def _wait_for_turn(self, ctx, request, body, changed) -> RoutingDecision:
         flow_control = self.flow_control
+        if ctx.trace_times is not None:
+            ctx.trace_times[0] = time_ns()
         try:
             await flow_control.wait(
                 request.priority,
@@ -226,6 +241,8 @@ class Director:
                 raise self._failed(ctx, OpenAIError("no ready endpoint", 503)) from None
             reason = DROPPED_TTL_EXPIRED if rejected.outcome == EVICTED_TTL else DROPPED_SATURATED
             raise self._failed(ctx, OpenAIError(str(rejected), 429, retry_after=1, dropped_reason=reason)) from None
+        if ctx.trace_times is not None:
+            ctx.trace_times[1] = time_ns()
         ctx.dispatched = True
         try:
             decision = self._schedule(ctx, request, body, changed, waited=True)
@@ -255,6 +272,8 @@ class Director:
 
     def record_error(self, ctx: RequestContext, error: OpenAIError) -> None:
         self.metrics.errors.labels(*ctx.labels, str(error.status)).inc()
+        if ctx.trace is not None:
+            self.tracing.failed(ctx.trace, error.status, str(error))
 
     def _resolve_model(self, ctx: RequestContext, payload: dict | None, raw: bytes | None) -> tuple[bytes | None, bool]:
         if payload is None:
@@ -320,6 +339,9 @@ class Director:
     def _decide(self, ctx, request, body, body_changed, cycle_state: CycleState, waited: bool) -> RoutingDecision:
         metrics = self.metrics
         started = perf_counter()
+        times = ctx.trace_times
+        if times is not None:
+            times[2] = time_ns()
         if self.prefilling:
             self._release_prefilled(monotonic())
         endpoints = self.datastore.endpoints
@@ -346,7 +368,13 @@ class Director:
             heappush(self.prefilling, (ctx.routed_at + endpoint.recent_ttft, next(self._order), ctx))
         metrics.requests.labels(*ctx.labels).inc()
         metrics.running.labels(ctx.labels[0]).inc()
-        return RoutingDecision(request.request_id, result.endpoints, body, body_changed)
+        scores = traceparent = None
+        if self.emit_endpoint_scores:
+            scores = {e.spec.hostport: total for e, total in zip(result.candidates, result.totals, strict=True)}
+        if times is not None:
+            times[3] = time_ns()
+            traceparent = ctx.trace.traceparent
+        return RoutingDecision(request.request_id, result.endpoints, body, body_changed, scores, traceparent)
 
     def _observe_decision(self, ctx: RequestContext) -> None:
         """The decision's histograms (its time, each plugin's, the prompt's size, how old the metrics it picked on
@@ -355,6 +383,11 @@ class Director:
         if not seconds:
             return  # observed already (or never decided)
         ctx.scheduling_seconds = 0.0
+        times = ctx.trace_times
+        if times is not None:  # the decision's spans
+            ctx.trace_times = None
+            queued = (times[0], times[1]) if times[1] else None
+            self.tracing.decided(ctx.trace, ctx.request, ctx.result, queued, (times[2], times[3]))
         metrics = self.metrics
         metrics.scheduler_e2e.labels().observe(seconds)
         if ctx.metrics_age >= 0:
@@ -441,6 +474,9 @@ class Director:
         endpoint = ctx.endpoint
         request = ctx.request
         self._observe_decision(ctx)  # (when it ended before its answer was out: after_routed did not run)
+        if ctx.trace is not None:
+            self.tracing.finished(ctx.trace, ctx.status)
+            ctx.trace = None
         if endpoint is not None:  # first: flow control's next dispatch sees the slot this request frees
             self._release_prompt_tokens(ctx)
             ctx.endpoint = None

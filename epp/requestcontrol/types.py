@@ -35,6 +35,8 @@ class RequestContext:
         "streamed",
         "subset",
         "target_model",
+        "trace",
+        "trace_times",
     )
 
     def __init__(self, headers: dict[str, str], subset: frozenset[str] | None):
@@ -58,14 +60,21 @@ class RequestContext:
         self.kind: RequestKind | None = None  # the API its path names (None: another path)
         self.error_style = "openai"  # the shape of the errors the EPP answers it with (protocol.openai.error_style)
         self.response_head: bytes | None = None  # a stored Responses answer's first bytes, until its id is learnt
+        self.trace = None  # its gateway.request span, when traced (epp.requestcontrol.tracing)
+        # when traced: (queued from, queued until or 0, scheduled from, scheduled until), time_ns(), until its spans
+        # are made (Director.after_routed)
+        self.trace_times: list[int] | None = None
 
 
 @dataclass
 class RoutingDecision:
     """Where the request goes. `body` is the request body to send (the client's, or re-serialized after a model
-    rewrite; None for a request without body); `body_changed` says whether it differs from the client's."""
+    rewrite; None for a request without body); `body_changed` says whether it differs from the client's; `scores`:
+    each scored candidate's ("ip:port") weighted total, when the EPP emits them (--emit-endpoint-scores)."""
 
     request_id: str
     endpoints: list[Endpoint]  # the pick first, then fallbacks
     body: bytes | None
     body_changed: bool = False
+    scores: dict[str, float] | None = None
+    traceparent: str | None = None  # the request span's, for the request sent upstream (when traced)

@@ -157,6 +157,10 @@ class PrefixIndexStats(Plugin):
         """Entries in the index."""
 
     @abstractmethod
+    def entries(self, endpoint: Endpoint) -> int:
+        """Entries in the index for one endpoint (the status page)."""
+
+    @abstractmethod
     def cached_tokens(
         self, cycle_state: CycleState, request: SchedulingRequest, endpoints: Sequence[Endpoint]
     ) -> list[int]:

@@ -49,6 +49,7 @@ from epp.config.loader import EndpointPickerConfig, load
 from epp.datalayer.endpoint import Endpoint
 from epp.datalayer.kv_events import KVBlockIndex
 from epp.predictor import LatencyPredictor
+from epp.scheduling.decisions import DecisionLog
 from epp.scheduling.errors import NoEndpointError
 from epp.scheduling.framework import (
     Filter,
@@ -169,6 +170,7 @@ class Scheduler:
             p.use_predictions(predictions)
         self._trains_predictor = any(isinstance(p, ResponseTimed) for p in readers)
         self._kv_index: KVBlockIndex | None = None
+        self.decisions: DecisionLog | None = None  # the last decisions, when the status page keeps them
         # A plugin whose data source has given nothing yet would prepare nothing, pass every endpoint or abstain:
         # the latency predictor's readers until it predicts, the KV-event readers (`requires_kv_events`) until an
         # endpoint publishes events. A cycle leaves them out (cycle_plugins: no call, no timing); their hooks still
@@ -226,6 +228,16 @@ class Scheduler:
     def requires_kv_events(self) -> bool:
         """A plugin of the profile reads the KV-event index (the EPP then runs its subscriber)."""
         return any(p.requires_kv_events for p in self._kv_events)
+
+    @property
+    def kv_index(self) -> KVBlockIndex | None:
+        """The KV-event index the profile's plugins read, when the EPP runs its subscriber."""
+        return self._kv_index
+
+    @property
+    def weights(self) -> dict[TypedName, float]:
+        """Each scorer's weight in the profile (the status page's totals)."""
+        return {scorer.typed_name: weight for scorer, weight in self.profile.scorers}
 
     def use_kv_index(self, index: KVBlockIndex) -> None:
         self._kv_index = index
@@ -297,6 +309,7 @@ class Scheduler:
         if subset is not None:
             endpoints = [e for e in endpoints if e.hostport in subset]
         candidates = [e for e in endpoints if not e.stale] or list(endpoints)
+        considered = len(candidates)
         if not candidates:
             raise NoEndpointError("no endpoint in the subset hint" if subset is not None else "no ready endpoint")
         clock = perf_counter
@@ -333,7 +346,10 @@ class Scheduler:
         if len(picked) < RESULT_ENDPOINTS and len(candidates) > len(picked):
             picked = list(picked)
             add_best_scored(picked, candidates, totals, RESULT_ENDPOINTS)
-        return SchedulingResult(picked, self.profile.name, candidates, raw_scores, timings, cycle_state)
+        result = SchedulingResult(picked, self.profile.name, candidates, raw_scores, timings, cycle_state, totals)
+        if self.decisions is not None:  # the one place a decision is recorded
+            self.decisions.record(request, result, considered)
+        return result
 
     def on_picked(self, request: SchedulingRequest, result: SchedulingResult) -> None:
         """The pick is final: PreRequest plugins with `at_pick` record it, at record_picks() or before anything

@@ -90,6 +90,7 @@ class SchedulingResult:
         candidates' order (a scorer that abstained has no entry); `scores` gives them clamped to [0, 1], as the
         totals used them.
     timings: seconds each filter, scorer and the picker took, in the order they ran.
+    totals: per candidate, its scorers' weighted sum, as the picker saw it.
     cycle_state: what the plugins stored during the cycle, for the request's later hooks.
     """
 
@@ -99,6 +100,7 @@ class SchedulingResult:
     raw_scores: dict[TypedName, list[float]] = field(default_factory=dict)
     timings: list[tuple[TypedName, float]] = field(default_factory=list)
     cycle_state: CycleState = field(default_factory=CycleState)
+    totals: list[float] = field(default_factory=list)
 
     @property
     def primary(self) -> Endpoint:

@@ -16,26 +16,35 @@ from epp.transport import oversized_messages
 log = logging.getLogger("epp.transport.grpcio")
 
 
-def ext_proc_service(new_handler: NewHandler, request_type: type = pb.ProcessingRequest) -> grpc.GenericRpcHandler:
+def ext_proc_service(
+    new_handler: NewHandler, request_type: type = pb.ProcessingRequest, trace_context: bool = False
+) -> grpc.GenericRpcHandler:
     """ExternalProcessor/Process on this server; the handlers' answers are serialized already (sent as they are).
-    `request_type` is what the messages are parsed into, as on the h2 transport (`epp.transport.h2.ExtProcServer`)."""
+    `request_type` is what the messages are parsed into, and `trace_context` whether each handler gets the stream's
+    traceparent, as on the h2 transport (`epp.transport.h2.ExtProcServer`)."""
     return grpc.method_handlers_generic_handler(
         "envoy.service.ext_proc.v3.ExternalProcessor",
         {
             "Process": grpc.stream_stream_rpc_method_handler(
-                ExternalProcessor(new_handler).Process, request_deserializer=request_type.FromString
+                ExternalProcessor(new_handler, trace_context).Process, request_deserializer=request_type.FromString
             )
         },
     )
 
 
 class ExternalProcessor:
-    def __init__(self, new_handler: NewHandler):
+    def __init__(self, new_handler: NewHandler, trace_context: bool = False):
         self.new_handler = new_handler
+        self.trace_context = trace_context
 
     async def Process(self, request_iterator, context: grpc.aio.ServicerContext):
         replies: asyncio.Queue = asyncio.Queue()
-        handler = self.new_handler(replies.put_nowait)
+        if self.trace_context:
+            metadata = context.invocation_metadata() or ()
+            traceparent = next((value for key, value in metadata if key == "traceparent"), None)
+            handler = self.new_handler(replies.put_nowait, traceparent)
+        else:
+            handler = self.new_handler(replies.put_nowait)
         messages = aiter(request_iterator)
         try:
             while True:

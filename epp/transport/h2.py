@@ -508,7 +508,12 @@ class ExtProcConnection:
                 self.out.append(frame(RST_STREAM, 0, stream.id, U32.pack(REFUSED_STREAM)))
                 return
             if path == PROCESS_PATH:
-                stream.handler = self.server.new_handler(functools.partial(self._reply, stream))
+                reply = functools.partial(self._reply, stream)
+                if self.server.trace_context:
+                    traceparent = next((v.decode("latin-1") for n, v in headers if n == b"traceparent"), None)
+                    stream.handler = self.server.new_handler(reply, traceparent)
+                else:
+                    stream.handler = self.server.new_handler(reply)
                 stream.request_type = self.server.request_type
             elif path in self.server.unary:
                 stream.handler = method = self.server.unary[path]
@@ -776,7 +781,9 @@ class ExtProcServer:
     them. Its connections share one budget for the messages they reassemble, and there are at most
     `max_connections` of them: a peer that connects beyond gets SETTINGS and GOAWAY (ENHANCE_YOUR_CALM).
     `request_type` is what Process's messages are parsed into (its FromString): the message class, or the EPP
-    handler's `epp.handlers.wire.ExtProcRequest`, read from the wire bytes."""
+    handler's `epp.handlers.wire.ExtProcRequest`, read from the wire bytes. With `trace_context` (the EPP traces
+    requests) each handler is made as `new_handler(reply, traceparent)`, with the W3C traceparent of the stream's
+    gRPC metadata (the proxy's trace of the request) or None."""
 
     def __init__(
         self,
@@ -784,8 +791,10 @@ class ExtProcServer:
         unary: Mapping[bytes, UnaryMethod] | None = None,
         max_connections: int = MAX_CONNECTIONS,
         request_type: type = pb.ProcessingRequest,
+        trace_context: bool = False,
     ):
         self.new_handler = new_handler
+        self.trace_context = trace_context
         self.request_type = request_type
         self.unary = dict(unary or {})
         self.max_connections = max_connections

@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -83,6 +84,14 @@ def main(argv: list[str] | None = None) -> None:
         action="append",
         default=[],
         help="an EndpointPickerConfig file: one more target, the EPP with it (repeatable)",
+    )
+    over.add_argument(
+        "--epp-flags",
+        action="append",
+        default=[],
+        metavar="FLAGS",
+        help='more command-line flags for the EPP, quoted as one argument (e.g. "--status-decisions 0"): one more\n'
+        "target, the EPP with them (repeatable)",
     )
     cpu = sub.add_parser("handler-cpu", help="the EPP's CPU per request in process: transport, handler, scheduling")
     cpu.add_argument("--requests", type=int, default=4000, help="requests per round")
@@ -295,8 +304,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "overhead" and args.against is not None:
         if args.pairs < 1:
             parser.error("--pairs must be at least 1")
-        if args.epp_config:
-            parser.error("--against compares the two builds' default configs: leave out --epp-config")
+        if args.epp_config or args.epp_flags:
+            parser.error("--against compares the two builds' defaults: leave out --epp-config and --epp-flags")
         other = args.against.resolve()
         try:
             overhead.build_environment(other)  # refused now, not after the pool has started
@@ -342,6 +351,7 @@ def main(argv: list[str] | None = None) -> None:
                 streamed=args.streamed,
                 epp_configs=epp_configs,
                 pin=args.pin,
+                epp_flags=[shlex.split(flags) for flags in args.epp_flags],
             )
         )
         report = result.markdown()

@@ -23,7 +23,7 @@ import aiohttp
 
 from epp.config.loader import DEFAULT_CONFIG, LLM_D_DEFAULT_CONFIG
 from epp.scheduling.plugins.slo_headroom_filter import TPOT_HEADER, TTFT_HEADER
-from harness.bench import agentic, inference_perf
+from harness.bench import agentic, charts, inference_perf
 from harness.bench.decision import scorers_only_config
 from harness.bench.overhead import cpu_seconds, percentile
 from harness.bench.peers import peer_command, start_router
@@ -34,6 +34,7 @@ from harness.local import LocalStack, StackConfig
 from protocol.extproc import canonical_headers
 
 MODEL = "sim-llama-8b"
+LOAD_SAMPLE_SECONDS = 0.5  # how often a run samples each server's load (the load-per-server charts)
 SINGLE_SCORER = """plugins:\n- type: {0}\nschedulingProfiles:\n- name: {0}\n  plugins:\n  - pluginRef: {0}\n"""
 # The default profile before precise-prefix-cache-scorer: the approximate prefix index alone (no KV events)
 APPROXIMATE_CONFIG = DEFAULT_CONFIG.replace("- type: precise-prefix-cache-scorer\n", "").replace(
@@ -129,6 +130,7 @@ class TargetResult:
     load_generator: str = "builtin"  # or "inference-perf"
     follow_ups: int = 0  # Responses turns with previous_response_id (the agentic workload)
     follow_ups_ok: int = 0  # of those, answered with their stored conversation
+    ttft_samples_ms: list[float] = field(default_factory=list)  # every successful request's TTFT (the CDF charts)
 
 
 def _host_ticks() -> tuple[int, int]:
@@ -409,7 +411,7 @@ async def run_target(
             async def sample_load() -> None:
                 while True:
                     result.load_over_time.append(await _load(session, urls))
-                    await asyncio.sleep(0.5)
+                    await asyncio.sleep(LOAD_SAMPLE_SECONDS)
 
             sampler = asyncio.create_task(sample_load())
             url = f"{pool.url}/v1/completions"
@@ -509,6 +511,7 @@ def _from_outcomes(result: TargetResult, outcomes: list[Outcome], elapsed: float
         if o.status != 200:
             result.errors[str(o.status)] = result.errors.get(str(o.status), 0) + 1
     result.ttft_ms = _summary([o.ttft for o in ok])
+    result.ttft_samples_ms = [1e3 * o.ttft for o in ok]
     result.itl_ms = _summary([o.itl for o in ok])
     result.e2e_ms = _summary([o.e2e for o in ok])
     # TTFT split by whether the server had most of the prompt cached: routing quality (how many hits) apart from
@@ -681,13 +684,11 @@ def _goodput_table(rows: list[TargetResult]) -> list[str]:
 
 
 def plots(results: list[TargetResult], out: Path) -> list[Path]:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("epp-bench: matplotlib is not installed (pip install '.[bench]'); no plots written")
+    """PNG charts beside the tables: TTFT p90 against the load, the TTFT distribution of each target at each load,
+    each target's throughput, and each run's load per server over time."""
+    plt = charts.pyplot()
+    if plt is None:
+        print("epp-bench: matplotlib is not installed (pip install '.[harness]'); no plots written")
         return []
     paths = []
     for closed, xlabel, name in ((False, "requests/s", "rate"), (True, "concurrent clients", "concurrency")):
@@ -708,24 +709,26 @@ def plots(results: list[TargetResult], out: Path) -> list[Path]:
         paths.append(out / f"ttft_vs_{name}.png")
         fig.savefig(paths[-1], dpi=110)
         plt.close(fig)
+    loads = {_load_label(r): [q for q in results if _load_label(q) == _load_label(r)] for r in results}
+    for label, runs in loads.items():
+        series = {r.target: r.ttft_samples_ms for r in runs}
+        if any(series.values()):
+            tag = label.replace(" ", "").replace("/", "per")
+            paths.append(charts.cdf(series, out / f"ttft_cdf_{tag}.png", f"TTFT distribution at {label}"))
+    throughput = {label: {r.target: r.requests_per_s for r in runs} for label, runs in loads.items()}
+    paths.append(charts.bars(throughput, out / "throughput.png", "Throughput (successful requests)", "requests/s"))
     for r in results:
         if not r.load_over_time:
             continue
-        load = f"{r.concurrency} clients" if r.concurrency else f"{r.rate:g} req/s"
-        fig, ax = plt.subplots(figsize=(7, 3))
-        for server in range(len(r.load_over_time[0])):
-            ax.plot(
-                [0.5 * i for i in range(len(r.load_over_time))],
-                [s[server] for s in r.load_over_time],
-                label=f"server {server}",
-            )
-        ax.set(xlabel="seconds", ylabel="running + waiting", title=f"{r.target} at {load}: load per server")
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        paths.append(out / f"load_{r.target}_{f'c{r.concurrency}' if r.concurrency else f'{r.rate:g}'}.png")
-        fig.savefig(paths[-1], dpi=110)
-        plt.close(fig)
+        per_server = {f"server {i}": [s[i] for s in r.load_over_time] for i in range(len(r.load_over_time[0]))}
+        path = out / f"load_{r.target}_{f'c{r.concurrency}' if r.concurrency else f'{r.rate:g}'}.png"
+        title = f"{r.target} at {_load_label(r)}: load per server"
+        paths.append(charts.over_time(per_server, LOAD_SAMPLE_SECONDS, path, title, "running + waiting"))
     return paths
+
+
+def _load_label(r: TargetResult) -> str:
+    return f"{r.concurrency} clients" if r.concurrency else f"{r.rate:g} req/s"
 
 
 async def compare(

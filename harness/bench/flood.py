@@ -29,7 +29,8 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from epp.config.loader import DEFAULT_CONFIG
-from harness.bench.compare import ENVOY_TARGETS, MODEL, PEER_TARGETS, Outcome, Pool, _one
+from harness.bench import charts
+from harness.bench.compare import ENVOY_TARGETS, LOAD_SAMPLE_SECONDS, MODEL, PEER_TARGETS, Outcome, Pool, _load, _one
 from harness.bench.overhead import percentile
 from harness.bench.peers import peer_command
 
@@ -84,6 +85,11 @@ class FloodResult:
     pool_throughput_ratio: float = 0.0  # requests completed while the flood lasted, per second / capacity
     server_errors: int = 0
     accounted: bool | None = None  # the EPP's outcomes per tenant == requests sent (None: no flow control)
+    ttft_samples_ms: dict[str, list[float]] = field(default_factory=dict)  # per class, its served requests' TTFTs
+    completed_per_s: list[int] = field(default_factory=list)  # requests completed in each second from the start
+    load_over_time: list[list[int]] = field(
+        default_factory=list
+    )  # every LOAD_SAMPLE_SECONDS: running + waiting per server
 
 
 def _prompt(rng: random.Random) -> str:
@@ -166,6 +172,13 @@ async def run_target(
             connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=TTL + 60)
         ) as session:
             started = time.monotonic()
+
+            async def sample_load() -> None:
+                while True:
+                    result.load_over_time.append(await _load(session, pool.stack.model_server_urls))
+                    await asyncio.sleep(LOAD_SAMPLE_SECONDS)
+
+            sampler = asyncio.create_task(sample_load())
             tasks: list[tuple[str, float, asyncio.Task[Outcome]]] = []
             for offset, name in stream:
                 await asyncio.sleep(max(0.0, started + offset - time.monotonic()))
@@ -179,16 +192,22 @@ async def run_target(
                 }
                 tasks.append((name, offset, asyncio.create_task(_one(session, url, body, CLASSES[name][1]))))
             outcomes = [(name, offset, await task) for name, offset, task in tasks]
+            sampler.cancel()
             flow_outcomes = await _flow_control_outcomes(session, pool) if target == "epp" else None
     # While the flood lasts: what was completed before the arrivals stopped (after that the queues drain and every
     # tenant's backlog gets served, which says nothing about sharing under overload), after the first WARMUP seconds
     # (an empty pool completes nothing until its first requests have run their course).
     in_window = [(name, o) for name, offset, o in outcomes if o.status == 200 and WARMUP <= offset + o.e2e <= duration]
+    done = [int(offset + o.e2e) for _, offset, o in outcomes if o.status == 200]
+    result.completed_per_s = [0] * (max(done) + 1 if done else 0)
+    for second in done:
+        result.completed_per_s[second] += 1
     outcomes = [(name, o) for name, _, o in outcomes]
     for name in CLASSES:
         mine = [o for n, o in outcomes if n == name]
         ok = [o for o in mine if o.status == 200]
         ttfts = sorted(o.ttft for o in ok)
+        result.ttft_samples_ms[name] = [1e3 * t for t in ttfts]
         statuses: dict[str, int] = {}
         for o in mine:
             statuses[str(o.status)] = statuses.get(str(o.status), 0) + 1
@@ -282,6 +301,31 @@ async def unloaded_ttft_p99(servers: int, workdir: Path, requests: int = 30) -> 
     return percentile(ttfts, 0.99)
 
 
+def plots(results: list[FloodResult], out: Path) -> list[Path]:
+    """PNG charts beside flood.md: each overload's TTFT distribution per target and class, the requests each target
+    completed per second (its throughput over the flood and the drain after it), and each run's load per server."""
+    if charts.pyplot() is None:
+        print("epp-bench: matplotlib is not installed (pip install '.[harness]'); no plots written")
+        return []
+    paths = []
+    for overload in dict.fromkeys(r.overload for r in results):
+        runs = [r for r in results if r.overload == overload]
+        series = {f"{r.target} {name}": samples for r in runs for name, samples in r.ttft_samples_ms.items()}
+        title = f"TTFT at {overload:g}x capacity"
+        paths.append(charts.cdf(series, out / f"flood_ttft_cdf_{overload:g}x.png", title))
+        completed = {r.target: r.completed_per_s for r in runs}
+        title = f"Requests completed per second at {overload:g}x capacity"
+        paths.append(charts.over_time(completed, 1.0, out / f"flood_throughput_{overload:g}x.png", title, "requests/s"))
+        for r in runs:
+            if r.load_over_time:
+                servers = range(len(r.load_over_time[0]))
+                per_server = {f"server {i}": [sample[i] for sample in r.load_over_time] for i in servers}
+                path = out / f"flood_load_{r.target}_{overload:g}x.png"
+                title = f"{r.target} at {overload:g}x capacity: load per server"
+                paths.append(charts.over_time(per_server, LOAD_SAMPLE_SECONDS, path, title, "running + waiting"))
+    return paths
+
+
 async def flood(
     targets: list[str], overloads: list[float], duration: float, servers: int, out: Path | None
 ) -> list[FloodResult]:
@@ -305,5 +349,6 @@ async def flood(
     if out is not None:
         (out / "flood.md").write_text(report + "\n")
         (out / "flood.json").write_text(json.dumps([asdict(r) for r in results], indent=1))
+        plots(results, out)
     print("\n" + report)
     return results

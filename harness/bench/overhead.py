@@ -386,11 +386,13 @@ async def _start_epp_variant(
     config_text: str | None,
     access_log_percent: int,
     env: dict[str, str],
+    flags: tuple[str, ...] = (),
 ) -> LocalStack:
     """The stack's EPP build and Envoy bootstrap again, on ports of their own and over the stack's model servers,
     with one difference: the EPP's config (`flowControl: {enabled: false}`: flow control's cost is the difference to
     the stack's own EPP), the share of requests whose access-log record Envoy sends the EPP (`access_log_percent`:
-    the stack's gateway sends every one) or the EPP's build (`env`: another checkout's PYTHONPATH)."""
+    the stack's gateway sends every one), the EPP's build (`env`: another checkout's PYTHONPATH) or more of its
+    command-line flags (`flags`)."""
     grpc, health, metrics, listener, admin = free_ports(5)
     c = stack.config
     variant = LocalStack(
@@ -405,7 +407,7 @@ async def _start_epp_variant(
             workdir=stack.workdir / name,
             config_text=config_text,
             access_log_percent=access_log_percent,
-            epp_args=["--ext-proc-transport", transport],
+            epp_args=["--ext-proc-transport", transport, *flags],
             epp_env=env,
         )
     )
@@ -434,6 +436,7 @@ async def measure(
     epp_env: dict[str, str] | None = None,
     epp_builds: dict[str, dict[str, str]] | None = None,
     pin: bool = False,
+    epp_flags: list[list[str]] | None = None,
 ) -> OverheadResult:
     """Every target in one run over one pool: sequential latency interleaved request by request, then throughput
     in alternating order. Each target has processes of its own (its Envoy, its processor or router), so their CPU
@@ -444,7 +447,8 @@ async def measure(
     for the stack's EPP; `epp_builds`: name -> the environment of another build of the EPP (another checkout's
     PYTHONPATH), a target "envoy+epp (name)" each, with its own default config (`compare_builds`). `pin`: the
     client and the model servers on half the CPUs, every target's processes on the other half (`split_cpus`);
-    ValueError with fewer than two CPUs."""
+    ValueError with fewer than two CPUs. `epp_flags`: more command-line flags for the EPP, a target
+    "envoy+epp (flags)" each (e.g. the status page's ring off, or tracing on: what a flag costs, side by side)."""
     body = {**BODY, "stream": True} if streamed else BODY
     cpus = split_cpus(os.sched_getaffinity(0)) if pin else None
     base = free_port_block(servers)
@@ -516,6 +520,8 @@ async def measure(
             variants.append((f"{EPP} ({name})", f"config-{index}", config_text, 100, {}))
         for index, (name, env) in enumerate((epp_builds or {}).items()):
             variants.append((f"{EPP} ({name})", f"build-{index}", None, 100, env))
+        for index, flags in enumerate(epp_flags or ()):
+            variants.append((f"{EPP} ({' '.join(flags)})", f"flags-{index}", None, 100, {}, tuple(flags)))
         for target, *variant in variants:
             other = await _start_epp_variant(stack, transport, opened, *variant)
             targets[target] = f"{other.gateway_url}/v1/completions"

@@ -39,6 +39,7 @@ from protocol.openai import (
     valid_text,
 )
 from protocol.tokenizer import Tokenizer
+from protocol.tracing import TRACEPARENT_HEADER, TRACESTATE_HEADER
 
 log = logging.getLogger("modelserver.api")
 VERSION = "0.1.0"
@@ -376,13 +377,16 @@ class ModelServer:
             )
         prompt_ids = await self._prompt_ids(parsed)
         params = [self._sampling_params(parsed, len(ids)) for ids in prompt_ids]
+        trace = None  # the trace context the engine's spans continue, when it traces
+        if self.engine.tracer is not None:
+            trace = {n: request.headers[n] for n in (TRACEPARENT_HEADER, TRACESTATE_HEADER) if n in request.headers}
         base_id = ("chatcmpl-" if kind is RequestKind.CHAT else "cmpl-") + uuid.uuid4().hex
         choices, streams = [], []
         for p, ids in enumerate(prompt_ids):
             for j in range(parsed.n):
                 choice = _Choice(p * parsed.n + j, f"{base_id}-{p}-{j}")
                 choices.append(choice)
-                streams.append(self._run_choice(choice, ids, params[p], lora, parsed.stop))
+                streams.append(self._run_choice(choice, ids, params[p], lora, parsed.stop, trace))
         if parsed.stream:
             return await self._stream(request, parsed, base_id, choices, streams)
         try:
@@ -440,12 +444,18 @@ class ModelServer:
             pass
 
     async def _run_choice(
-        self, choice: _Choice, prompt_ids: list[int], params: SamplingParams, lora: str | None, stop: list[str]
+        self,
+        choice: _Choice,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        lora: str | None,
+        stop: list[str],
+        trace: dict[str, str] | None = None,
     ) -> AsyncIterator[None]:
         """Drive one engine request, keeping `choice.text` current; yields after each step's new text."""
         detokenizer = IncrementalDetokenizer(self.tokenizer.decode, stop, choice.token_ids)
         engine = self.engine
-        async for output in engine.generate(choice.request_id, prompt_ids, params, lora):
+        async for output in engine.generate(choice.request_id, prompt_ids, params, lora, trace):
             choice.num_prompt, choice.num_cached = output.num_prompt_tokens, output.num_cached_tokens
             if output.new_logprobs:
                 choice.logprobs += output.new_logprobs

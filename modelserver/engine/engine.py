@@ -11,7 +11,8 @@ import logging
 import os
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from modelserver.engine.block_manager import KVCacheManager
 from modelserver.engine.config import EngineConfig
@@ -22,6 +23,9 @@ from modelserver.engine.request import FinishReason, Request, RequestOutput, Req
 from modelserver.engine.scheduler import Scheduler, SchedulerOutput
 from modelserver.engine.stats import IterationStats, StatLogger
 from protocol.kv_events import KVEventBatch, block_hasher
+
+if TYPE_CHECKING:
+    from modelserver.tracing import RequestTracer
 
 log = logging.getLogger("modelserver.engine")
 
@@ -67,10 +71,12 @@ class AsyncEngine:
         stat_loggers: Sequence[StatLogger] = (),
         lora_modules: dict[str, str] | None = None,
         kv_events: ZmqEventPublisher | None = None,
+        tracer: RequestTracer | None = None,
     ):
         self.config = config
         self.executor = executor
         self.model_name = model_name
+        self.tracer = tracer  # request traces (--otlp-traces-endpoint), when on
         self.loras = LoRASlots(config.max_loras, config.max_cpu_loras)
         for name, path in (lora_modules or {}).items():
             self.loras.add(name, path)
@@ -151,9 +157,15 @@ class AsyncEngine:
 
     # -- requests ----------------------------------------------------------------------------------------------
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, lora_name: str | None = None
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        lora_name: str | None = None,
+        trace_headers: Mapping[str, str] | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Stream the request's outputs. Closing or cancelling the iterator aborts the request."""
+        """Stream the request's outputs. Closing or cancelling the iterator aborts the request. With a tracer,
+        the request's spans continue the trace context in `trace_headers` (vLLM's name) once it is over."""
         if self.is_dead:
             raise EngineDeadError(f"engine is dead: {self.dead_error!r}")
         if request_id in self._requests:
@@ -192,6 +204,8 @@ class AsyncEngine:
             if request.status is not RequestStatus.FINISHED:
                 self.abort(request_id)
             self._requests.pop(request_id, None)
+            if self.tracer is not None and trace_headers is not None:
+                self.tracer.finished(request, trace_headers)
 
     def abort(self, request_id: str, reason: str = FinishReason.ABORT) -> None:
         """Finish a request now (client gone: "abort"; a stop string seen by the frontend: "stop")."""

@@ -2,7 +2,7 @@
 
 import pytest
 
-from harness.bench.flood import _max_min_fair, jain_index
+from harness.bench.flood import ClassResult, FloodResult, _max_min_fair, jain_index, plots
 
 
 def test_max_min_fair_shares_give_small_demands_all_and_split_the_rest():
@@ -20,3 +20,28 @@ def test_max_min_fair_shares_give_small_demands_all_and_split_the_rest():
 )
 def test_jain_index_relative_to_max_min_fair_shares(served, demands, expected):
     assert jain_index(served, demands) == pytest.approx(expected)
+
+
+def test_plots_show_each_overloads_ttft_distribution_and_throughput(tmp_path):
+    results = [
+        FloodResult(
+            target,
+            2.0,
+            20.0,
+            10.0,
+            5.0,
+            classes={"critical": ClassResult(sent=3, ok=3)},
+            ttft_samples_ms={"critical": [40.0 * scale, 60.0 * scale, 90.0 * scale], "sheddable": [200.0 * scale]},
+            completed_per_s=[0, 8, 10, 9, 4],
+            load_over_time=[[0, 1], [4, 6], [8, 7], [2, 3]],
+        )
+        for target, scale in (("epp", 1.0), ("round-robin", 3.0))
+    ]
+    paths = plots(results, tmp_path)
+    assert {p.name for p in paths} == {
+        "flood_ttft_cdf_2x.png",
+        "flood_throughput_2x.png",
+        "flood_load_epp_2x.png",
+        "flood_load_round-robin_2x.png",
+    }
+    assert all(p.stat().st_size > 10_000 for p in paths)  # drawn, not empty

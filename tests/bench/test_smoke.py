@@ -35,7 +35,9 @@ def test_compare_smoke(tmp_path):
     assert all(0 < r.host_busy <= 1 for r in results)
     # The seeded requests repeat some of the 16 groups' system prompts: the EPP sends repeats where they are cached.
     assert 0 < results[0].cache_hit_requests < results[0].succeeded and results[0].ttft_hit_ms["mean"] > 0
-    assert {"ttft_vs_rate.png", "load_epp_6.png", "load_round-robin_6.png"} <= {p.name for p in tmp_path.glob("*.png")}
+    charts = {"ttft_vs_rate.png", "load_epp_6.png", "load_round-robin_6.png", "ttft_cdf_6reqpers.png", "throughput.png"}
+    assert charts <= {p.name for p in tmp_path.glob("*.png")}
+    assert all(len(r.ttft_samples_ms) == r.succeeded for r in results)  # the CDF's points
 
 
 def test_closed_loop_smoke(tmp_path):

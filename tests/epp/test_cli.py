@@ -4,6 +4,10 @@ import resource
 import subprocess
 import sys
 
+import pytest
+
+from epp.cli import build_parser
+
 
 def test_the_open_files_soft_limit_is_raised_to_the_hard_one():
     """A distribution's default soft limit (1,024) would stop accepting connections below --max-ext-proc-connections."""
@@ -21,3 +25,24 @@ def test_the_open_files_soft_limit_is_raised_to_the_hard_one():
         check=True,
     ).stdout.split()
     assert [int(v) for v in out] == [low, hard]
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--status-decisions", "-1"],
+        ["--status-decisions", "x"],
+        ["--trace-sampling-ratio", "1.5"],
+        ["--trace-sampling-ratio", "x"],
+    ],
+)
+def test_observability_flags_refuse_bad_values(flags, capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--pool-file", "pool.yaml", *flags])
+    assert "not a" in capsys.readouterr().err
+
+
+def test_observability_flags_default_to_a_ring_and_no_tracing():
+    args = build_parser().parse_args(["--pool-file", "pool.yaml"])
+    assert args.status_decisions == 1000 and not args.emit_endpoint_scores
+    assert args.otlp_traces_endpoint is None and args.trace_sampling_ratio == 1.0

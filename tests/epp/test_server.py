@@ -40,13 +40,15 @@ class NoScraper:
         return None
 
 
-def make_picker(state: PoolState | None = None, config: str | None = None) -> Director:
+def make_picker(
+    state: PoolState | None = None, config: str | None = None, emit_endpoint_scores: bool = False
+) -> Director:
     scheduler = Scheduler.from_config(config)
     datastore = Datastore([NoScraper()], scheduler.on_pool_changed)
     datastore.apply(
         state or PoolState(endpoints=(EndpointSpec("a", "10.0.0.1", 8000), EndpointSpec("b", "10.0.0.2", 8000)))
     )
-    return Director(datastore, scheduler, EPPMetrics("pool"))
+    return Director(datastore, scheduler, EPPMetrics("pool"), emit_endpoint_scores=emit_endpoint_scores)
 
 
 def new_stream(director: Director, budget: ByteBudget | None = None, **limits) -> ParsedStream:
@@ -253,6 +255,32 @@ def test_two_fallbacks_for_the_gateways_retries(config):
     listed = head.dynamic_metadata.fields["envoy.lb"].struct_value.fields["x-gateway-destination-endpoint"].string_value
     chosen = [headers[f"x-gateway-destination-endpoint{suffix}"] for suffix in ("", "-fallback-1", "-fallback-2")]
     assert listed.split(",") == chosen and len(set(chosen)) == 3
+
+
+QUEUE_SCORER = (
+    "plugins:\n- type: queue-scorer\n  name: queue\nschedulingProfiles:\n- name: d\n  plugins:\n"
+    "  - pluginRef: queue\n    weight: 2\n"
+)
+
+
+@pytest.mark.parametrize("emit", [True, False], ids=["--emit-endpoint-scores", "off by default"])
+def test_endpoint_scores_go_beside_the_pick_in_the_metadata(emit):
+    """llm-d's x-gateway-destination-endpoint-scores: a struct ip:port -> weighted total of every candidate the
+    scheduler scored, beside the destination in the envoy.lb namespace, only when asked for."""
+    director = make_picker(config=QUEUE_SCORER, emit_endpoint_scores=emit)
+    director.datastore.endpoints[0].in_flight_requests = 3  # a's queue is longer: b wins
+    stream = new_stream(director)
+    stream.handle(headers_message(BASE_HEADERS))
+    (head, *_) = stream.handle(body_message(b'{"model": "m", "prompt": "x"}'))
+    namespace = head.dynamic_metadata.fields["envoy.lb"].struct_value.fields
+    assert namespace["x-gateway-destination-endpoint"].string_value.split(",")[0] == "10.0.0.2:8000"
+    if not emit:
+        assert "x-gateway-destination-endpoint-scores" not in namespace
+        return
+    scores = {
+        k: v.number_value for k, v in namespace["x-gateway-destination-endpoint-scores"].struct_value.fields.items()
+    }
+    assert scores["10.0.0.2:8000"] == 2.0 and 0.0 <= scores["10.0.0.1:8000"] < 2.0  # weight 2 x the queue score
 
 
 def test_a_single_candidate_sends_no_fallback_headers():

@@ -296,6 +296,11 @@ class PrefixCacheScorer(Scorer, PreRequest, ResponseComplete, PoolChanged, Prefi
         """Entries in the index: (block hash, endpoint) pairs over all endpoints."""
         return sum(len(held) for held in self._held.values())
 
+    def entries(self, endpoint: Endpoint) -> int:
+        """Block hashes the index believes `endpoint` holds."""
+        held = self._held.get(endpoint.spec.name)
+        return len(held) if held is not None else 0
+
     @property
     def hit_ratio(self) -> float:
         """Share of the routed prompts' blocks that the chosen endpoint was already known to hold."""
