@@ -55,7 +55,8 @@ async def _snapshot(session: aiohttp.ClientSession, url: str) -> dict:
 
 
 def _table(urls: list[str], rows: list[dict], done: int, total: int, failures: int) -> Table:
-    table = Table(title=f"EPP demo: {done}/{total} requests done, {failures} failed")
+    title = f"EPP demo: {done}/{total} requests done, {failures} failed" if total else "the pool behind the gateway"
+    table = Table(title=title)
     # vLLM's lora_requests_info names the adapters of running and waiting requests (not every adapter loaded)
     for column in ("endpoint", "queue", "running", "KV", "LoRA in use", "served", "hit rate"):
         table.add_column(
@@ -81,6 +82,7 @@ def _table(urls: list[str], rows: list[dict], done: int, total: int, failures: i
 
 
 async def run_demo(stack, model: str, adapters: tuple[str, ...], total: int, stop: asyncio.Event, once: bool) -> bool:
+    """Send `total` requests (none: only the table) and show the table until they are done (`once`) or `stop`."""
     console = Console()
     client = AsyncOpenAI(base_url=f"{stack.gateway_url}/v1", api_key="demo", max_retries=0, timeout=120)
     rng = random.Random(7)
@@ -137,7 +139,7 @@ async def run_demo(stack, model: str, adapters: tuple[str, ...], total: int, sto
             if ttfts:
                 console.print(f"streaming requests: median TTFT {sorted(ttfts)[len(ttfts) // 2] * 1000:.0f} ms")
             if not once:
-                console.print("workload done; the stack stays up (Ctrl-C to stop)")
+                console.print("workload done; the stack stays up (Ctrl-C to stop)" if total else "Ctrl-C to stop")
                 while not stop.is_set():
                     live.update(_table(urls, await rows(), done, total, failures))
                     with contextlib.suppress(asyncio.TimeoutError):

@@ -17,6 +17,7 @@ from harness.conformance import gateway
 from harness.conformance.cli import finish, report_options, show
 from harness.conformance.framework import Result
 from harness.envoy import TEMPLATE
+from protocol.cli import command_parser
 
 
 async def run(args: argparse.Namespace) -> list[Result]:
@@ -33,16 +34,21 @@ async def run(args: argparse.Namespace) -> list[Result]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(
-        prog="gateway-conformance", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
-    )
+    p = command_parser("gateway-conformance", __doc__)
     p.add_argument("--envoy-template", type=Path, default=TEMPLATE, help="Envoy bootstrap template to test")
     p.add_argument(
         "--workdir", type=Path, help="where the Envoy, EPP and pool files and logs go (default: a new temp dir)"
     )
     report_options(p)
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
-    results = asyncio.run(run(args))
+    if not args.envoy_template.is_file():
+        p.error(f"--envoy-template {args.envoy_template}: no such file")
+    if args.workdir is not None and args.workdir.exists() and not args.workdir.is_dir():
+        p.error(f"--workdir {args.workdir}: not a directory")
+    try:
+        results = asyncio.run(run(args))
+    except (RuntimeError, TimeoutError, OSError, ValueError) as error:  # a process that did not start, a bad template
+        raise SystemExit(f"gateway-conformance: {error}") from None
     finish(args, "GatewayDataPath", results, str(args.envoy_template))
 
 
