@@ -140,6 +140,8 @@ class LocalStack:
             self._tmp = tempfile.TemporaryDirectory(prefix="epp-local-")
             config.workdir = Path(self._tmp.name)
         self.workdir = config.workdir
+        # the running servers' pool, when the stack starts none of its own
+        self.external = load_pool_file(config.model_server_pool) if config.model_server_pool is not None else None
         # (grpc, health, metrics) of each EPP replica; the first are the config's
         self.epp_ports = [(config.grpc_port, config.grpc_health_port, config.metrics_port)]
         self.publisher_port_offset: int | None = None
@@ -155,8 +157,6 @@ class LocalStack:
             self.replay_port_offset = self._free_block_offset()
         self.processes: dict[str, subprocess.Popen] = {}
         self.envoy: EnvoyProcess | None = None
-        # the running servers' pool, when the stack starts none of its own
-        self.external = load_pool_file(config.model_server_pool) if config.model_server_pool is not None else None
 
     def _free_block_offset(self) -> int:
         """The offset from the servers' ports of a block of free ports, one per server, clear of the stack's."""
@@ -720,10 +720,12 @@ def main(argv: list[str] | None = None) -> None:
     try:
         code = asyncio.run(main_async())
     finally:
-        if args.log_dir is None and code == 0:
-            shutil.rmtree(workdir, ignore_errors=True)
-        elif code != 0:
+        # the logs are kept when a process failed (or --log-dir asks), and a temporary folder removed otherwise
+        failed_logs = code != 0 and any(workdir.glob("*.log"))
+        if failed_logs:
             say(f"epp-local: logs kept in {workdir}", sys.stderr)
+        elif args.log_dir is None:
+            shutil.rmtree(workdir, ignore_errors=True)
     sys.exit(code)
 
 

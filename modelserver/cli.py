@@ -253,6 +253,26 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
             await engine.stop()
 
 
+def check_arguments(args: argparse.Namespace) -> str | None:
+    """The mistake, in one line naming the fix, that the parsed flags make before anything starts; None if none."""
+    if not all(math.isfinite(speed) and speed > 0 for speed in args.sim_speed):
+        return f"--sim-speed: every speed must be a finite number > 0, got {args.sim_speed}"
+    if args.backend != "torch":
+        return None  # the sim reads no model or adapter files
+    if importlib.util.find_spec("torch") is None:
+        return "--backend torch needs PyTorch, which is not installed: pip install -e '.[torch]'"
+    for name, path in args.lora_modules:  # the torch executor would need them only at their first use
+        missing = [f for f in ("adapter_config.json", "adapter_model.safetensors") if not (Path(path) / f).is_file()]
+        if missing:
+            return f"--lora-modules {name}={path}: no {' or '.join(missing)} there (a PEFT adapter dir)"
+    if not Path(args.model, "config.json").is_file():
+        return (
+            f"--model {args.model}: no config.json there; the torch backend loads a local Hugging Face model "
+            "directory (`modelserver make-tiny-model DIR` makes a small one)"
+        )
+    return None
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "make-tiny-model":
@@ -264,26 +284,11 @@ def main(argv: list[str] | None = None) -> None:
 
         make_tiny_model(argv[1:])
         return
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     args.served_model_name = args.served_model_name or args.model
-    if not all(math.isfinite(speed) and speed > 0 for speed in args.sim_speed):
-        parser.error(f"--sim-speed: every speed must be a finite number > 0, got {args.sim_speed}")
-    if args.backend == "torch":
-        if importlib.util.find_spec("torch") is None:
-            parser.error("--backend torch needs PyTorch, which is not installed: pip install -e '.[torch]'")
-        if not Path(args.model, "config.json").is_file():
-            parser.error(
-                f"--model {args.model}: no config.json there; the torch backend loads a local Hugging Face model "
-                "directory (`modelserver make-tiny-model DIR` makes a small one)"
-            )
-    if args.backend == "torch":  # the sim reads no adapter files; the torch executor needs them at the first use
-        for name, path in args.lora_modules:
-            missing = [
-                f for f in ("adapter_config.json", "adapter_model.safetensors") if not (Path(path) / f).is_file()
-            ]
-            if missing:
-                raise SystemExit(f"--lora-modules {name}={path}: no {' or '.join(missing)} there (a PEFT adapter dir)")
+    error = check_arguments(args)
+    if error:
+        raise SystemExit(f"modelserver: {error}")
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(name)s %(message)s"
     )

@@ -36,7 +36,7 @@ from harness.bench import (
     tokenize,
 )
 from harness.bench.workloads import WORKLOADS
-from protocol.cli import command_parser
+from protocol.cli import Parser, command_parser
 
 
 def _exit(signum: int, frame) -> None:
@@ -49,11 +49,7 @@ def say_written(paths: list[Path], note: str) -> None:
     print(f"{wrote}{'; ' + note if note else ''}")
 
 
-def main(argv: list[str] | None = None) -> None:
-    # SIGTERM (`timeout`, a CI job's end) and SIGHUP (the terminal closed) end a benchmark as Ctrl-C does: through
-    # its `finally`, which stops the processes it started in sessions of their own (they outlived it before)
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, _exit)
+def build_parser() -> Parser:
     parser = command_parser("epp-bench", __doc__)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     over = sub.add_parser("overhead", help="added latency and throughput: Envoy+EPP vs plain Envoy")
@@ -200,6 +196,15 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="the page server ignores the scraper's sample filter (name[]) and sends whole pages",
     )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    # SIGTERM (`timeout`, a CI job's end) and SIGHUP (the terminal closed) end a benchmark as Ctrl-C does: through
+    # its `finally`, which stops the processes it started in sessions of their own (they outlived it before)
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _exit)
+    parser = build_parser()
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if args.command == "flood":
         results = asyncio.run(flood.flood(args.targets, args.overloads, args.duration, args.servers, args.out))

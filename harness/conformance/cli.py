@@ -115,8 +115,7 @@ def report_options(p: Parser) -> None:
         p.needs(flag, "--report FILE (it is a field of the report)", lambda a: a.report is not None)
 
 
-def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
+def build_parser() -> Parser:
     p = command_parser("msp-conformance", __doc__)
     p.add_argument("--url", required=True, help="base URL of the model server, e.g. http://127.0.0.1:8000")
     p.add_argument("--model", help="model name to request (default: the first base model of /v1/models)")
@@ -134,7 +133,11 @@ def main(argv: list[str] | None = None) -> None:
     where = "--kv-events-endpoint or --kv-events-bind (where the server's KV events are)"
     for flag in ("--kv-replay-endpoint", "--kv-events-topic", "--kv-hash-seed", "--kv-hash-algo"):
         p.needs(flag, where, lambda a: bool(a.kv_events_endpoint or a.kv_events_bind))
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     try:
         base_url(args.url)
         results = asyncio.run(run(args))

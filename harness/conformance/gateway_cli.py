@@ -17,7 +17,7 @@ from harness.conformance import gateway
 from harness.conformance.cli import finish, report_options, show
 from harness.conformance.framework import Result
 from harness.envoy import TEMPLATE
-from protocol.cli import command_parser
+from protocol.cli import Parser, command_parser
 
 
 async def run(args: argparse.Namespace) -> list[Result]:
@@ -33,13 +33,18 @@ async def run(args: argparse.Namespace) -> list[Result]:
         await target.stop()
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> Parser:
     p = command_parser("gateway-conformance", __doc__)
     p.add_argument("--envoy-template", type=Path, default=TEMPLATE, help="Envoy bootstrap template to test")
     p.add_argument(
         "--workdir", type=Path, help="where the Envoy, EPP and pool files and logs go (default: a new temp dir)"
     )
     report_options(p)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = build_parser()
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     if not args.envoy_template.is_file():
         p.error(f"--envoy-template {args.envoy_template}: no such file")
