@@ -146,11 +146,8 @@ def flag_rules(p: Parser) -> None:
     for flag in ("--pool-namespace", "--pool-group", "--kubeconfig", "--ha-enable-leader-election"):
         p.needs(flag, kubernetes, lambda a: a.pool_name is not None)
     p.needs("--max-ext-proc-connections", "--ext-proc-transport h2", lambda a: a.ext_proc_transport == "h2")
-    p.needs(
-        "--kv-events-replay-port-offset",
-        "KV events on (--kv-events-port not 0, or --kv-events-connect-port-offset)",
-        lambda a: bool(a.kv_events_port) or a.kv_events_connect_port_offset is not None,
-    )
+    for flag in ("--kv-events-connect-port-offset", "--kv-events-replay-port-offset", "--kv-index-max-entries"):
+        p.needs(flag, "KV events on (--kv-events-port not 0)", lambda a: bool(a.kv_events_port))
 
 
 def raise_open_files_limit() -> int:

@@ -143,6 +143,11 @@ def build_parser() -> Parser:
     lora = "--enable-lora or --lora-modules"
     for flag in ("--max-loras", "--max-cpu-loras", "--max-lora-rank"):
         p.needs(flag, lora, lambda a: a.enable_lora or bool(a.lora_modules))
+    p.needs(
+        "--lora-root",
+        "--allow-runtime-lora-updating (or VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)",
+        lambda a: a.allow_runtime_lora_updating or runtime_lora_updating_from_env(),
+    )
     for flag in ("--device", "--dtype", "--gpu-memory-utilization"):
         p.needs(flag, "--backend torch", lambda a: a.backend == "torch")
     for action in sim._group_actions:

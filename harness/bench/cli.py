@@ -73,6 +73,7 @@ def build_parser() -> Parser:
         "one's in the same runs, the two swapped between two EPP targets in each pair of runs (overhead.compare_builds)",
     )
     over.add_argument("--pairs", type=int, default=4, help="pairs of runs for --against")
+    over.needs("--pairs", "--against DIR", lambda a: a.against is not None)
     over.add_argument(
         "--streamed", action="store_true", help='"stream": true requests: their access-log records train the predictor'
     )

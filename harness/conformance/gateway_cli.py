@@ -10,27 +10,38 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import shutil
 import sys
 from pathlib import Path
 
 from harness.conformance import gateway
 from harness.conformance.cli import finish, report_options, show
-from harness.conformance.framework import Result
+from harness.conformance.framework import Outcome, Result
 from harness.envoy import TEMPLATE
 from protocol.cli import Parser, command_parser
 
 
 async def run(args: argparse.Namespace) -> list[Result]:
+    """The suite's results. Its temporary folder (no --workdir) is removed unless a check failed or it did not start:
+    then its logs are kept, and named."""
     target = gateway.Gateway(envoy_template=args.envoy_template)
     if args.workdir:
         args.workdir.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(target.workdir)
         target.workdir = args.workdir
     print(f"Gateway data-path conformance: Envoy bootstrap {args.envoy_template} (logs in {target.workdir})")
+    results = None
     try:
         await target.start()
-        return await gateway.suite.run(target, set(args.only) if args.only else None, show)
+        results = await gateway.suite.run(target, set(args.only) if args.only else None, show)
+        return results
     finally:
         await target.stop()
+        if args.workdir is None:
+            if results is None or any(r.outcome is Outcome.FAIL for r in results):
+                print(f"logs kept in {target.workdir}")
+            else:
+                shutil.rmtree(target.workdir, ignore_errors=True)
 
 
 def build_parser() -> Parser:

@@ -128,3 +128,12 @@ def test_modelserver_names_a_torch_model_directory_without_a_model(tmp_path):
     args = cli.build_parser().parse_args(["--backend", "torch", "--model", str(tmp_path)])
     assert f"--model {tmp_path}: no config.json there" in cli.check_arguments(args)
     assert cli.check_arguments(cli.build_parser().parse_args([])) is None
+
+
+def test_epp_names_a_missing_cluster_and_a_missing_config_file(tmp_path):
+    line = one_line(run("epp", "--pool-name", "pool", "--kubeconfig", str(tmp_path / "kubeconfig")))
+    assert line.startswith("epp: --pool-name needs a Kubernetes cluster: --kubeconfig") and "--pool-file" in line
+    pool = tmp_path / "pool.yaml"
+    pool.write_text("endpoints: []\n")
+    line = one_line(run("epp", "--pool-file", str(pool), "--config-file", str(tmp_path / "nope.yaml")))
+    assert line == f"epp: cannot read --config-file {tmp_path / 'nope.yaml'}: No such file or directory"
