@@ -31,6 +31,7 @@ from pathlib import Path
 
 import aiohttp
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from epp.config import ConfigError
 from epp.config.loader import load as load_config
@@ -576,18 +577,41 @@ def own_servers_setup(args: argparse.Namespace, config: StackConfig) -> str | No
 
 async def your_servers_model(args: argparse.Namespace, stack: LocalStack) -> str:
     """The model the demo requests from servers epp-local did not start: --model, or the first one the first
-    server that answers lists. NotAModelServer when none answers; a warning line for each one that does not."""
-    errors = []
+    server that answers lists. A warning line for each server that does not answer as a model server;
+    NotAModelServer when none does."""
     async with aiohttp.ClientSession() as session:
-        for url in stack.model_server_urls:
-            try:
-                model = await default_model(session, url)
-            except NotAModelServer as error:
-                errors.append(str(error))
-                say(f"epp-local: warning: {error}; the EPP routes to it once it serves its metrics", sys.stderr)
-                continue
-            return args.model or model
-    raise NotAModelServer(errors[0] if len(errors) == 1 else f"none of the {len(errors)} model servers answers")
+        answers = await asyncio.gather(
+            *(default_model(session, url) for url in stack.model_server_urls), return_exceptions=True
+        )
+    models = []
+    for answer in answers:
+        if isinstance(answer, NotAModelServer):
+            say(f"epp-local: warning: {answer}; the EPP routes to it once it serves its metrics", sys.stderr)
+        elif isinstance(answer, BaseException):
+            raise answer
+        else:
+            models.append(answer)
+    if not models:
+        raise NotAModelServer(str(answers[0]) if len(answers) == 1 else f"none of the {len(answers)} servers answers")
+    return args.model or models[0]
+
+
+async def ready_endpoints(stack: LocalStack, wait: float = 3.0) -> int:
+    """How many of the pool's endpoints the EPP reads metrics from (its inference_pool_ready_pods), once all are or
+    `wait` seconds have passed."""
+    deadline = time.monotonic() + wait
+    ready = 0
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
+        while True:
+            with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError):
+                async with session.get(stack.epp_metrics_url) as response:
+                    page = await response.text()
+                for family in text_string_to_metric_families(page):
+                    if family.name == "inference_pool_ready_pods":
+                        ready = int(sum(sample.value for sample in family.samples))
+            if ready >= len(stack.model_server_urls) or time.monotonic() > deadline:
+                return ready
+            await asyncio.sleep(0.2)
 
 
 async def run(args: argparse.Namespace, stop: asyncio.Event, workdir: Path) -> int:
@@ -639,6 +663,10 @@ async def run(args: argparse.Namespace, stop: asyncio.Event, workdir: Path) -> i
         listed = f"adapters {', '.join(adapters)}" if adapters else "no adapters"
         say(f"gateway ready: {stack.gateway_url}/v1  (OpenAI API; model {model!r}, {listed})")
         say(f"EPP metrics: {stack.epp_metrics_url}   Envoy admin: http://127.0.0.1:{args.admin_port}")
+        if stack.external is not None:
+            ready, total = await ready_endpoints(stack), len(stack.model_server_urls)
+            note = "" if ready == total else f"; the others are not routed to (why: the WARNINGs in {workdir}/epp.log)"
+            say(f"the EPP reads the metrics of {ready} of the {total} model servers{note}")
         if args.demo or args.table:
             from harness.demo import run_demo
 

@@ -60,16 +60,24 @@ def test_epp_local_fronts_model_servers_it_did_not_start(tmp_path):
         wait_for(servers, f"ready on {urls[1]}")
         ports = epp_local_ports()
         listener = ports[ports.index("--listener-port") + 1]
+        down = f"http://127.0.0.1:{free_ports(1)[0]}"  # one that is not running: named, and never routed to
         stack = subprocess.Popen(
-            [sys.executable, "-m", "harness.local", *ports, *(a for u in urls for a in ("--model-server-url", u))],
+            [
+                *(sys.executable, "-m", "harness.local", *ports),
+                *(a for u in [*urls, down] for a in ("--model-server-url", u)),
+            ],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
             start_new_session=True,
         )
         started = wait_for(stack, "gateway ready")
-        assert "starting the EPP and Envoy in front of 2 model servers" in started
+        assert f"epp-local: warning: nothing answers at {down}" in started
+        assert "starting the EPP and Envoy in front of 3 model servers" in started
         assert "model 'mine', no adapters" in started
+        assert "the EPP reads the metrics of 2 of the 3 model servers; the others are not routed to" in wait_for(
+            stack, "the EPP reads"
+        )
         body = json.dumps({"model": "mine", "prompt": "hello", "max_tokens": 2}).encode()
         for _ in range(8):
             request = urllib.request.Request(
