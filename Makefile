@@ -77,7 +77,8 @@ test: $(STAMP) system-deps bench-inference-perf
 	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile -m "not slow"
 
 bench: $(STAMP)
-	$(BIN)/pip install -q -e '.[harness,bench]'
+	$(STEP) "bench: the benchmark extras (matplotlib, py-spy, the Rust routers) into $(VENV); pip lists what it installs"
+	$(PIP_INSTALL) -e '.[harness,bench]'
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m slow
 	$(BIN)/epp-bench overhead --out bench-results
 	$(BIN)/epp-bench decision
