@@ -60,7 +60,7 @@ wheel: | $(BIN)/python
 	EPP_RELEASE=1 $(BIN)/pip wheel --no-deps -q -w dist .
 
 demo: $(DEMO_STAMP)
-	$(STEP) "demo: starting 4 sim model servers, the EPP and Envoy (about 10 s to \"gateway ready\"), then 64 requests"
+	$(STEP) "demo: starting 4 sim model servers, the EPP and Envoy (about 5 s), then 64 requests through the gateway"
 	$(BIN)/epp-local --model-servers 4 --demo
 
 # Two pytest-xdist workers a core: about half of the suite's time is spent waiting on the servers it starts (2 cores:
