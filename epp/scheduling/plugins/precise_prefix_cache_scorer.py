@@ -152,6 +152,7 @@ class PrecisePrefixCacheScorer(Scorer, PrepareData, KVEventsConsumer):
 
     def use_kv_index(self, index: KVBlockIndex) -> None:
         self.index = index
+        index.hasher = self.block_hashes.hasher  # servers that hash otherwise are found out (KVEventSubscriber)
 
     def _active(self, request: SchedulingRequest) -> bool:
         """Something to match against: events flow and the request has a body (else no tokenizing at all)."""
