@@ -155,8 +155,10 @@ def flag_rules(p: Parser) -> None:
     for flag in ("--pool-namespace", "--pool-group", "--kubeconfig", "--ha-enable-leader-election"):
         p.needs(flag, kubernetes, lambda a: a.pool_name is not None)
     p.needs("--max-ext-proc-connections", "--ext-proc-transport h2", lambda a: a.ext_proc_transport == "h2")
-    for flag in ("--kv-events-connect-port-offset", "--kv-events-replay-port-offset", "--kv-index-max-entries"):
+    kv_flags = ("--kv-events-bind", "--kv-events-connect-port-offset", "--kv-events-replay-port-offset")
+    for flag in (*kv_flags, "--kv-index-max-entries"):
         p.needs(flag, "KV events on (--kv-events-port not 0)", lambda a: bool(a.kv_events_port))
+    p.needs("--kv-events-connect-port-offset", "no --kv-events-bind (it binds instead)", lambda a: not a.kv_events_bind)
 
 
 def raise_open_files_limit() -> int:

@@ -152,7 +152,7 @@ class LocalStack:
             taken = set(self.ports())
             more = [p for p in free_ports(len(taken) + 3 * (config.epp_replicas - 1)) if p not in taken]
             self.epp_ports += [tuple(more[i : i + 3]) for i in range(0, 3 * (config.epp_replicas - 1), 3)]
-        if config.kv_events_port:
+        if config.kv_events_port and self.external is None:  # servers it did not start publish where they do
             self.publisher_port_offset = self._free_block_offset()
             self.replay_port_offset = self._free_block_offset()
         self.processes: dict[str, subprocess.Popen] = {}
