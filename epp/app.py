@@ -197,6 +197,7 @@ class EndpointPicker:
         metrics = self.metrics
         metrics.register(PoolCollector(self.pool_name, self.datastore))
         metrics.register(self.scheduler)
+        metrics.register(self.director.responses)
         metrics.register(
             FlowControlCollector(metrics, self.flow_control, self.datastore, self.scheduler.detector.saturation)
         )
@@ -266,6 +267,7 @@ class EndpointPicker:
         await self.health_server.stop(grace=None)
         await self.metrics_runner.cleanup()
         await self.datastore.close()
+        await self.director.responses.close()
 
     async def run(self, stop: asyncio.Event) -> None:
         """Start, serve until `stop` is set, stop."""

@@ -167,7 +167,7 @@ class PrecisePrefixCacheScorer(Scorer, PrepareData, KVEventsConsumer):
         not yet found."""
         if len(request.prompt) <= self.thread_prompt_chars or not self._active(request):
             return False
-        prompt = self.tokenizer.prompt(request.payload)
+        prompt = self.tokenizer.prompt(request.payload, request.kind)
         return isinstance(prompt, str) and self.tokenizer.uncached_chars(prompt) > self.thread_prompt_chars
 
     def prepare(self, cycle_state: CycleState, request: SchedulingRequest) -> None:
@@ -180,7 +180,7 @@ class PrecisePrefixCacheScorer(Scorer, PrepareData, KVEventsConsumer):
         prompt held to its end is read whole and counted exactly."""
         if not self._active(request):
             return
-        prompt = self.tokenizer.prompt(request.payload)
+        prompt = self.tokenizer.prompt(request.payload, request.kind)
         if prompt is None:
             return
         index = self.index
