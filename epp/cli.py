@@ -23,6 +23,7 @@ from epp.handlers.extproc import DEFAULT_MAX_BODY_BYTES
 from epp.scheduling.decisions import DEFAULT_DECISIONS
 from epp.transport.h2 import MAX_CONNECTIONS
 from protocol import extproc
+from protocol.cli import Parser, command_parser
 from protocol.kv_events import DEFAULT_SUBSCRIBER_PORT
 
 log = logging.getLogger("epp")
@@ -64,23 +65,27 @@ def ratio(text: str) -> float:
     return value
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="epp", description=__doc__)
-    p.add_argument("--grpc-port", type=int, default=extproc.EPP_GRPC_PORT)
-    p.add_argument("--grpc-health-port", type=int, default=extproc.EPP_GRPC_HEALTH_PORT)
-    p.add_argument("--metrics-port", type=int, default=extproc.EPP_METRICS_PORT)
+def build_parser() -> Parser:
+    p = command_parser("epp", __doc__)
+    p.add_argument("--grpc-port", type=int, default=extproc.EPP_GRPC_PORT, help="Envoy's ext_proc (gRPC) port")
+    p.add_argument("--grpc-health-port", type=int, default=extproc.EPP_GRPC_HEALTH_PORT, help="gRPC health port")
+    p.add_argument("--metrics-port", type=int, default=extproc.EPP_METRICS_PORT, help="Prometheus /metrics port")
     p.add_argument("--bind-address", default="0.0.0.0", help="address the three servers listen on")
     p.add_argument("--pool-file", help="static pool (YAML); see epp/datalayer/pool_file.py")
     p.add_argument("--pool-name", help="InferencePool to watch (Kubernetes discovery)")
-    p.add_argument("--pool-namespace", default="default")
-    p.add_argument("--pool-group", default="inference.networking.k8s.io")
+    p.add_argument("--pool-namespace", default="default", help="with --pool-name: the InferencePool's namespace")
+    p.add_argument(
+        "--pool-group", default="inference.networking.k8s.io", help="with --pool-name: the InferencePool's API group"
+    )
     p.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster config, else ~/.kube/config)")
     p.add_argument(
         "--ha-enable-leader-election",
         action="store_true",
         help="several replicas: only the Lease holder serves (reports ready)",
     )
-    p.add_argument("--refresh-metrics-interval", type=duration, default=0.05)
+    p.add_argument(
+        "--refresh-metrics-interval", type=duration, default=0.05, help="scrape interval of each endpoint (seconds)"
+    )
     p.add_argument(
         "--refresh-metrics-idle-interval",
         type=duration,
@@ -90,10 +95,16 @@ def build_parser() -> argparse.ArgumentParser:
         "(capped at half the staleness threshold; default: 5x --refresh-metrics-interval; the same value as "
         "--refresh-metrics-interval turns it off)",
     )
-    p.add_argument("--metrics-staleness-threshold", type=duration, default=2.0)
-    p.add_argument("--scrape-timeout", type=duration, default=1.0)
-    p.add_argument("--config-file", help="EndpointPickerConfig YAML")
-    p.add_argument("--config-text", help="EndpointPickerConfig YAML, inline")
+    p.add_argument(
+        "--metrics-staleness-threshold",
+        type=duration,
+        default=2.0,
+        help="an endpoint with no good scrape for as long is routed to only when no fresh one is left (seconds)",
+    )
+    p.add_argument("--scrape-timeout", type=duration, default=1.0, help="timeout of one scrape (seconds)")
+    config = p.add_mutually_exclusive_group()
+    config.add_argument("--config-file", help="EndpointPickerConfig YAML (default: the built-in profile)")
+    config.add_argument("--config-text", help="EndpointPickerConfig YAML, inline")
     p.add_argument(
         "--ext-proc-transport",
         choices=["h2", "grpcio"],
@@ -185,7 +196,20 @@ def build_parser() -> argparse.ArgumentParser:
         "default %(default)s)",
     )
     p.add_argument("-v", "--verbosity", type=int, default=0, help="0 info, 1+ debug")
+    flag_rules(p)
     return p
+
+
+def flag_rules(p: Parser) -> None:
+    """The flags that mean something only beside another one: given alone they are refused, not ignored."""
+    kubernetes = "--pool-name (Kubernetes discovery)"
+    for flag in ("--pool-namespace", "--pool-group", "--kubeconfig", "--ha-enable-leader-election"):
+        p.needs(flag, kubernetes, lambda a: a.pool_name is not None)
+    p.needs("--max-ext-proc-connections", "--ext-proc-transport h2", lambda a: a.ext_proc_transport == "h2")
+    kv_flags = ("--kv-events-bind", "--kv-events-connect-port-offset", "--kv-events-replay-port-offset")
+    for flag in (*kv_flags, "--kv-index-max-entries"):
+        p.needs(flag, "KV events on (--kv-events-port not 0)", lambda a: bool(a.kv_events_port))
+    p.needs("--kv-events-connect-port-offset", "no --kv-events-bind (it binds instead)", lambda a: not a.kv_events_bind)
 
 
 def raise_open_files_limit() -> int:
@@ -200,9 +224,10 @@ def raise_open_files_limit() -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if bool(args.pool_file) == bool(args.pool_name):
-        raise SystemExit("epp: give exactly one of --pool-file or --pool-name")
+        parser.error("give exactly one of --pool-file FILE (a static pool) or --pool-name NAME (an InferencePool)")
     logging.basicConfig(
         level=logging.DEBUG if args.verbosity > 0 else logging.INFO,
         format='{"ts":"%(asctime)s","level":"%(levelname)s","logger":"%(name)s","msg":"%(message)s"}',

@@ -11,6 +11,7 @@ import time
 
 import aiohttp
 from openai import AsyncOpenAI
+from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
@@ -54,8 +55,26 @@ async def _snapshot(session: aiohttp.ClientSession, url: str) -> dict:
     }
 
 
+async def _epp_request_counts(session: aiohttp.ClientSession, url: str) -> dict[str, int]:
+    """The EPP's requests per model name (inference_objective_request_total, summed over target models)."""
+    try:
+        async with session.get(url) as response:
+            text = await response.text()
+    except (TimeoutError, aiohttp.ClientError, OSError):
+        return {}
+    counts: dict[str, int] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name == "inference_objective_request":
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    model = sample.labels.get("model_name", "")
+                    counts[model] = counts.get(model, 0) + int(sample.value)
+    return counts
+
+
 def _table(urls: list[str], rows: list[dict], done: int, total: int, failures: int) -> Table:
-    table = Table(title=f"EPP demo: {done}/{total} requests done, {failures} failed")
+    title = f"EPP demo: {done}/{total} requests done, {failures} failed" if total else "the pool behind the gateway"
+    table = Table(title=title)
     # vLLM's lora_requests_info names the adapters of running and waiting requests (not every adapter loaded)
     for column in ("endpoint", "queue", "running", "KV", "LoRA in use", "served", "hit rate"):
         table.add_column(
@@ -81,6 +100,7 @@ def _table(urls: list[str], rows: list[dict], done: int, total: int, failures: i
 
 
 async def run_demo(stack, model: str, adapters: tuple[str, ...], total: int, stop: asyncio.Event, once: bool) -> bool:
+    """Send `total` requests (none: only the table) and show the table until they are done (`once`) or `stop`."""
     console = Console()
     client = AsyncOpenAI(base_url=f"{stack.gateway_url}/v1", api_key="demo", max_retries=0, timeout=120)
     rng = random.Random(7)
@@ -136,8 +156,12 @@ async def run_demo(stack, model: str, adapters: tuple[str, ...], total: int, sto
             live.update(_table(urls, await rows(), done, total, failures))
             if ttfts:
                 console.print(f"streaming requests: median TTFT {sorted(ttfts)[len(ttfts) // 2] * 1000:.0f} ms")
+            if total:
+                counts = await _epp_request_counts(session, stack.epp_metrics_url)
+                counted = ", ".join(f"{model} {count}" for model, count in sorted(counts.items()))
+                console.print(f"the EPP counted requests per model: {counted or 'none (its metrics did not answer)'}")
             if not once:
-                console.print("workload done; the stack stays up (Ctrl-C to stop)")
+                console.print("workload done; the stack stays up (Ctrl-C to stop)" if total else "Ctrl-C to stop")
                 while not stop.is_set():
                     live.update(_table(urls, await rows(), done, total, failures))
                     with contextlib.suppress(asyncio.TimeoutError):

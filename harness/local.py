@@ -2,6 +2,9 @@
 
 epp-local --model-servers 4            # prints the gateway URL; Ctrl-C stops everything
 epp-local --model-servers 4 --demo     # + a mixed workload through the gateway and a live table
+epp-local --model-server-url http://127.0.0.1:8000 --model-server-url http://127.0.0.1:8001 --table
+                                       # the EPP and Envoy in front of model servers you already run
+epp-local --print-envoy-config         # the Envoy bootstrap it runs (python -m harness.envoy: Kubernetes')
 """
 
 from __future__ import annotations
@@ -10,14 +13,17 @@ import argparse
 import asyncio
 import contextlib
 import functools
+import importlib.util
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
 import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -25,10 +31,18 @@ from pathlib import Path
 
 import aiohttp
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
+from epp.config import ConfigError
+from epp.config.loader import load as load_config
+from epp.datalayer.pool_file import PoolFileError, load_pool_file
+from epp.flowcontrol import FlowControlConfig
+from epp.scheduling.scheduler import Scheduler
 from harness.bench.ports import free_port_block, free_ports
+from harness.conformance.msp import NotAModelServer, base_url, default_model
 from harness.envoy import EnvoyProcess, render_bootstrap, terminate
 from protocol import extproc
+from protocol.cli import Parser, command_parser, positive_int
 from protocol.kv_events import DEFAULT_SUBSCRIBER_PORT
 
 DEMO_ADAPTERS = ("sql-lora", "chat-lora")
@@ -53,6 +67,9 @@ class StackConfig:
     access_log_percent: int = 100  # of the requests whose access-log record goes to the EPP (render_bootstrap)
     separate_model_server_processes: bool = False  # one process per model server (so one can be killed)
     model: str = "sim-llama-8b"
+    # A pool file of model servers already running (vLLM, SGLang, ours): the stack starts none and its EPP reads this
+    # file (edits reach it while it runs); None: the stack starts `model_servers` of its own
+    model_server_pool: Path | None = None
     config_file: str | None = None
     config_text: str | None = None
     pool_extra: dict = field(default_factory=dict)  # more pool-file keys: objectives, models, rewrites
@@ -97,6 +114,12 @@ def epp_command(
     ]
 
 
+def last_line(log: Path) -> str:
+    """The last line of a process's log that says something (its error, when it exited on one)."""
+    lines = log.read_text(errors="replace").splitlines() if log.exists() else []
+    return next((line.strip() for line in reversed(lines) if line.strip()), "(its log is empty)")
+
+
 def wait_until_serving(epp: subprocess.Popen, metrics_url: str, log: Path, timeout: float = 60.0) -> None:
     """Until the EPP answers on its metrics port; RuntimeError naming its log if it exits or times out first."""
     deadline = time.monotonic() + timeout
@@ -120,6 +143,8 @@ class LocalStack:
             self._tmp = tempfile.TemporaryDirectory(prefix="epp-local-")
             config.workdir = Path(self._tmp.name)
         self.workdir = config.workdir
+        # the running servers' pool, when the stack starts none of its own
+        self.external = load_pool_file(config.model_server_pool) if config.model_server_pool is not None else None
         # (grpc, health, metrics) of each EPP replica; the first are the config's
         self.epp_ports = [(config.grpc_port, config.grpc_health_port, config.metrics_port)]
         self.publisher_port_offset: int | None = None
@@ -130,7 +155,7 @@ class LocalStack:
             taken = set(self.ports())
             more = [p for p in free_ports(len(taken) + 3 * (config.epp_replicas - 1)) if p not in taken]
             self.epp_ports += [tuple(more[i : i + 3]) for i in range(0, 3 * (config.epp_replicas - 1), 3)]
-        if config.kv_events_port:
+        if config.kv_events_port and self.external is None:  # servers it did not start publish where they do
             self.publisher_port_offset = self._free_block_offset()
             self.replay_port_offset = self._free_block_offset()
         self.processes: dict[str, subprocess.Popen] = {}
@@ -148,6 +173,8 @@ class LocalStack:
     @property
     def model_server_urls(self) -> list[str]:
         c = self.config
+        if self.external is not None:
+            return [f"http://{e.hostport}" for e in self.external.endpoints]
         return [f"http://{c.host}:{c.base_port + i}" for i in range(c.model_servers)]
 
     @property
@@ -187,6 +214,8 @@ class LocalStack:
 
     def start_model_servers(self) -> None:
         c = self.config
+        if self.external is not None:
+            return
         groups = (
             [(f"modelserver-{i}", c.base_port + i, 1) for i in range(c.model_servers)]
             if c.separate_model_server_processes
@@ -229,6 +258,8 @@ class LocalStack:
 
     def write_pool_file(self) -> Path:
         c = self.config
+        if c.model_server_pool is not None:
+            return c.model_server_pool
         path = self.workdir / "pool.yaml"
         endpoints = [{"name": f"ms-{i}", "address": c.host, "port": c.base_port + i} for i in range(c.model_servers)]
         path.write_text(yaml.safe_dump({"endpoints": endpoints, **c.pool_extra}))
@@ -249,9 +280,10 @@ class LocalStack:
                 argv += ["--config-text", c.config_text]
             self._spawn(name, argv, c.epp_env)
 
-    def start_envoy(self) -> None:
+    def envoy_bootstrap(self) -> str:
+        """The bootstrap of the stack's Envoy (`epp-local --print-envoy-config` prints it)."""
         c = self.config
-        bootstrap = render_bootstrap(
+        return render_bootstrap(
             epp_host=c.host,
             epp_port=c.grpc_port,
             listener_port=c.listener_port,
@@ -267,9 +299,11 @@ class LocalStack:
             more_epp_endpoints=[f"{c.host}:{grpc}" for grpc, _, _ in self.epp_ports[1:]],
             otlp_traces_endpoint=c.otlp_traces_endpoint,
         )
+
+    def start_envoy(self) -> None:
         path = self.workdir / "envoy.yaml"
-        path.write_text(bootstrap)
-        self.envoy = EnvoyProcess(path, c.admin_port, self.workdir / "envoy.log")
+        path.write_text(self.envoy_bootstrap())
+        self.envoy = EnvoyProcess(path, self.config.admin_port, self.workdir / "envoy.log")
         self.envoy.start()
 
     def _server_names(self) -> list[str]:
@@ -285,7 +319,8 @@ class LocalStack:
             while True:
                 process = self.processes.get(name)
                 if process is not None and process.poll() is not None:
-                    raise RuntimeError(f"{name} exited with {process.returncode}; see {self.workdir / name}.log")
+                    log = self.workdir / f"{name}.log"
+                    raise RuntimeError(f"{name} exited with code {process.returncode}: {last_line(log)} (log: {log})")
                 with contextlib.suppress(aiohttp.ClientError, OSError, asyncio.TimeoutError):
                     async with session.get(url) as response:
                         if response.status == 200:
@@ -297,7 +332,8 @@ class LocalStack:
     def ports(self) -> dict[int, str]:
         """Every port the stack listens on, and what listens there."""
         c = self.config
-        named = {c.base_port + i: f"model server {i}" for i in range(c.model_servers)}
+        own_servers = range(c.model_servers if self.external is None else 0)
+        named = {c.base_port + i: f"model server {i}" for i in own_servers}
         named.update(
             {
                 c.grpc_port: "EPP ext_proc (--grpc-port)",
@@ -310,10 +346,10 @@ class LocalStack:
         for i, ports in enumerate(self.epp_ports[1:], 1):
             named.update(dict(zip(ports, (f"EPP {i} ext_proc", f"EPP {i} health", f"EPP {i} metrics"), strict=True)))
         if self.publisher_port_offset is not None:
-            for i in range(c.model_servers):
+            for i in own_servers:
                 named[c.base_port + i + self.publisher_port_offset] = f"model server {i} KV events"
         if self.replay_port_offset is not None:
-            for i in range(c.model_servers):
+            for i in own_servers:
                 named[c.base_port + i + self.replay_port_offset] = f"model server {i} KV event replay"
         return named
 
@@ -349,11 +385,11 @@ class LocalStack:
             self.start_model_servers()
             self.start_epp()
             self.start_envoy()
+            own_servers = (
+                zip(self._server_names(), self.model_server_urls, strict=True) if self.external is None else ()
+            )
             await asyncio.gather(
-                *(
-                    self._wait_http(n, f"{u}/health", timeout)
-                    for n, u in zip(self._server_names(), self.model_server_urls, strict=True)
-                ),
+                *(self._wait_http(n, f"{u}/health", timeout) for n, u in own_servers),
                 *(self._wait_http(n, u, timeout) for n, u in zip(self.epp_names, self.epp_metrics_urls, strict=True)),
                 self.envoy.wait_ready(timeout),
             )
@@ -385,17 +421,39 @@ def _percent(text: str, lowest: int) -> int:
     return value
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="epp-local", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--model-servers", type=int, default=4)
-    p.add_argument("--backend", choices=["sim", "torch"], default="sim")
-    p.add_argument("--model", default=None, help="model name (sim) or directory (torch; default: a tiny model)")
-    p.add_argument("--base-port", type=int, default=extproc.MODEL_SERVER_PORT)
-    p.add_argument("--grpc-port", type=int, default=extproc.EPP_GRPC_PORT)
-    p.add_argument("--grpc-health-port", type=int, default=extproc.EPP_GRPC_HEALTH_PORT)
-    p.add_argument("--metrics-port", type=int, default=extproc.EPP_METRICS_PORT)
-    p.add_argument("--listener-port", type=int, default=extproc.ENVOY_LISTENER_PORT)
-    p.add_argument("--admin-port", type=int, default=extproc.ENVOY_ADMIN_PORT)
+def build_parser() -> Parser:
+    p = command_parser("epp-local", __doc__)
+    own = p.add_argument_group("the model servers epp-local starts (unless you give yours, below)")
+    own.add_argument("--model-servers", type=positive_int, default=4, help="how many")
+    own.add_argument(
+        "--backend", choices=["sim", "torch"], default="sim", help="sim: no GPU, no weights; torch: a real model"
+    )
+    own.add_argument("--base-port", type=int, default=extproc.MODEL_SERVER_PORT, help="the first one's port")
+    yours = p.add_argument_group("model servers you already run (vLLM, SGLang, `modelserver`): epp-local starts none")
+    where = yours.add_mutually_exclusive_group()
+    where.add_argument(
+        "--model-server-url",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a model server's base URL, e.g. http://127.0.0.1:8000 (repeat for each)",
+    )
+    where.add_argument(
+        "--pool-file",
+        type=Path,
+        help="a pool file listing them (the EPP's format: epp/datalayer/pool_file.py); edits reach the EPP live",
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        help="model name (sim) or directory (torch; default: a tiny model); with your own servers, the model the "
+        "demo requests (default: the first that the first server lists)",
+    )
+    p.add_argument("--grpc-port", type=int, default=extproc.EPP_GRPC_PORT, help="the EPP's ext_proc port")
+    p.add_argument("--grpc-health-port", type=int, default=extproc.EPP_GRPC_HEALTH_PORT, help="the EPP's health port")
+    p.add_argument("--metrics-port", type=int, default=extproc.EPP_METRICS_PORT, help="the EPP's /metrics port")
+    p.add_argument("--listener-port", type=int, default=extproc.ENVOY_LISTENER_PORT, help="the gateway's port")
+    p.add_argument("--admin-port", type=int, default=extproc.ENVOY_ADMIN_PORT, help="Envoy's admin port")
     p.add_argument(
         "--kv-events-port",
         type=int,
@@ -411,67 +469,78 @@ def build_parser() -> argparse.ArgumentParser:
         "ports; each subscribes to every server's KV events",
     )
     p.add_argument("--fail-open", action="store_true", help="Envoy keeps serving (round robin) when the EPP is down")
-    p.add_argument("--config-file", help="EndpointPickerConfig YAML for the EPP")
+    p.add_argument("--config-file", help="EndpointPickerConfig YAML for the EPP (default: its built-in profile)")
     p.add_argument(
         "--response-body-mode",
         choices=["NONE", "FULL_DUPLEX_STREAMED"],
         default="NONE",
-        help="Envoy sends response bodies through the EPP (FULL_DUPLEX_STREAMED): what predicted-latency-scorer\n"
+        help="Envoy sends response bodies through the EPP (FULL_DUPLEX_STREAMED): what predicted-latency-scorer "
         "learns from (each streamed token costs an ext_proc round trip)",
     )
     p.add_argument(
         "--observed-responses-percent",
         type=functools.partial(_percent, lowest=1),
         default=100,
-        help="with --response-body-mode FULL_DUPLEX_STREAMED: the share of requests (1-100) whose response bodies\n"
+        help="with --response-body-mode FULL_DUPLEX_STREAMED: the share of requests (1-100) whose response bodies "
         "go through the EPP; the others bypass it",
     )
     p.add_argument(
         "--access-log-percent",
         type=functools.partial(_percent, lowest=0),
         default=100,
-        help="the share of requests (0-100) whose access-log record Envoy sends to the EPP: what the latency\n"
+        help="the share of requests (0-100) whose access-log record Envoy sends to the EPP: what the latency "
         "predictor learns TTFT from without the response bodies (0: none; then it learns from bodies only)",
     )
     p.add_argument("--demo", action="store_true", help="send a mixed workload and show a live table")
     p.add_argument("--once", action="store_true", help="with --demo: exit after the workload")
-    p.add_argument("--requests", type=int, default=64, help="with --demo: how many requests")
+    p.add_argument("--requests", type=positive_int, default=64, help="with --demo: how many requests")
+    p.add_argument("--table", action="store_true", help="show the live table of the model servers (no workload)")
+    p.add_argument(
+        "--log-dir",
+        type=Path,
+        default=None,
+        help="keep the processes' logs here (default: a new temporary folder, removed on exit unless something failed)",
+    )
+    p.add_argument(
+        "--print-envoy-config", action="store_true", help="print the Envoy bootstrap epp-local runs, and exit"
+    )
+    p.needs("--once", "--demo", lambda a: a.demo)
+    p.needs("--requests", "--demo", lambda a: a.demo)
+    p.needs("--table", "no --demo (the demo shows the table)", lambda a: not a.demo)
+    p.needs(
+        "--observed-responses-percent",
+        "--response-body-mode FULL_DUPLEX_STREAMED",
+        lambda a: a.response_body_mode == "FULL_DUPLEX_STREAMED",
+    )
+    yours_given = "epp-local's own model servers (leave out --model-server-url and --pool-file)"
+    for flag in ("--model-servers", "--backend", "--base-port"):
+        p.needs(flag, yours_given, lambda a: not (a.model_server_url or a.pool_file))
     return p
 
 
-async def run(args: argparse.Namespace, stop: asyncio.Event) -> int:
-    model = args.model or ("sim-llama-8b" if args.backend == "sim" else None)
-    workdir = Path(tempfile.mkdtemp(prefix="epp-local-"))
-    modelserver_args = [
-        "--enable-lora",
-        "--max-loras",
-        "2",
-        "--num-gpu-blocks",
-        "4096",
-        "--lora-modules",
-        *(f"{a}={workdir / a}" for a in DEMO_ADAPTERS),
-    ]
-    if args.backend == "torch" and model is None:
-        from modelserver.torch.tiny import make_tiny_model
-
-        model = str(workdir / "tiny-model")
-        make_tiny_model(model, lora_names=DEMO_ADAPTERS)
-    if args.backend == "torch":  # real adapter files: the tiny model's, or DIR/loras/<name> of the user's model
-        adapters = [a for a in DEMO_ADAPTERS if (Path(model) / "loras" / a / "adapter_config.json").is_file()]
-        if args.demo and len(adapters) < len(DEMO_ADAPTERS):
-            print(
-                f"epp-local: the demo sends LoRA requests and needs PEFT adapters {', '.join(DEMO_ADAPTERS)} in "
-                f"{Path(model) / 'loras'} (`modelserver make-tiny-model DIR --lora sql-lora --lora chat-lora` makes "
-                "a tiny model with them); without --demo the stack runs without adapters",
-                file=sys.stderr,
+def servers_pool(urls: list[str]) -> dict:
+    """A pool file's content for model servers given by URL; ValueError naming a URL that is not http://HOST:PORT."""
+    endpoints = []
+    for url in urls:
+        try:
+            parsed = urllib.parse.urlsplit(base_url(url))
+        except NotAModelServer as error:
+            raise ValueError(f"--model-server-url: {error}") from None
+        if parsed.scheme != "http" or parsed.path not in ("", "/"):
+            raise ValueError(
+                f"--model-server-url {url}: give http://HOST:PORT (Envoy forwards plain HTTP, with the request's path)"
             )
-            return 2
-        modelserver_args = modelserver_args[: -len(DEMO_ADAPTERS)] + [
-            f"{a}={Path(model) / 'loras' / a}" for a in adapters
-        ]
-        if not adapters:
-            modelserver_args.remove("--lora-modules")
-    config = StackConfig(
+        endpoints.append({"address": parsed.hostname, "port": parsed.port or 80})
+    return {"endpoints": endpoints}
+
+
+def stack_config(args: argparse.Namespace, workdir: Path) -> StackConfig:
+    """The stack the command line describes (the model to serve is settled by `run`)."""
+    pool = args.pool_file
+    if args.model_server_url:
+        pool = workdir / "servers.yaml"
+        pool.write_text(yaml.safe_dump(servers_pool(args.model_server_url)))
+    return StackConfig(
         model_servers=args.model_servers,
         backend=args.backend,
         base_port=args.base_port,
@@ -486,19 +555,113 @@ async def run(args: argparse.Namespace, stop: asyncio.Event) -> int:
         response_body_mode=args.response_body_mode,
         observed_responses_percent=args.observed_responses_percent,
         access_log_percent=args.access_log_percent,
-        model=model,
+        model_server_pool=pool.resolve() if pool is not None else None,
         config_file=args.config_file,
-        modelserver_args=modelserver_args,
         workdir=workdir,
     )
+
+
+def own_servers_setup(args: argparse.Namespace, config: StackConfig) -> str | None:
+    """Settle the model and the adapters of the servers epp-local starts; an error message when it cannot."""
+    workdir = config.workdir
+    model = args.model or ("sim-llama-8b" if args.backend == "sim" else None)
+    adapters = list(DEMO_ADAPTERS)
+    if args.backend == "torch" and model is None:
+        from modelserver.torch.tiny import make_tiny_model
+
+        model = str(workdir / "tiny-model")
+        make_tiny_model(model, lora_names=DEMO_ADAPTERS)
+    if args.backend == "torch":  # real adapter files: the tiny model's, or DIR/loras/<name> of the user's model
+        adapters = [a for a in DEMO_ADAPTERS if (Path(model) / "loras" / a / "adapter_config.json").is_file()]
+        if args.demo and len(adapters) < len(DEMO_ADAPTERS):
+            return (
+                f"the demo sends LoRA requests and needs PEFT adapters {', '.join(DEMO_ADAPTERS)} in "
+                f"{Path(model) / 'loras'} (`modelserver make-tiny-model DIR --lora sql-lora --lora chat-lora` makes "
+                "a tiny model with them); without --demo the stack runs without adapters"
+            )
+    adapter_dir = Path(model) / "loras" if args.backend == "torch" else workdir
+    config.model = model
+    config.modelserver_args = ["--enable-lora", "--max-loras", "2", "--num-gpu-blocks", "4096"]
+    if adapters:
+        config.modelserver_args += ["--lora-modules", *(f"{a}={adapter_dir / a}" for a in adapters)]
+    # the pool declares what its servers serve: the EPP's metrics count every request under its model's own name
+    # from the first one (an undeclared name is `other` until a server has answered it), and other names get 404
+    config.pool_extra = {"models": [model, *adapters]}
+    return None
+
+
+async def your_servers_model(args: argparse.Namespace, stack: LocalStack) -> str:
+    """The model the demo requests from servers epp-local did not start: --model, or the first one the first
+    server that answers lists. A warning line for each server that does not answer as a model server;
+    NotAModelServer when none does."""
+    async with aiohttp.ClientSession() as session:
+        answers = await asyncio.gather(
+            *(default_model(session, url) for url in stack.model_server_urls), return_exceptions=True
+        )
+    models = []
+    for answer in answers:
+        if isinstance(answer, NotAModelServer):
+            say(f"epp-local: warning: {answer}; the EPP routes to it once it serves its metrics", sys.stderr)
+        elif isinstance(answer, BaseException):
+            raise answer
+        else:
+            models.append(answer)
+    if not models:
+        raise NotAModelServer(str(answers[0]) if len(answers) == 1 else f"none of the {len(answers)} servers answers")
+    return args.model or models[0]
+
+
+async def ready_endpoints(stack: LocalStack, wait: float = 3.0) -> int:
+    """How many of the pool's endpoints the EPP reads metrics from (its inference_pool_ready_pods), once all are or
+    `wait` seconds have passed."""
+    deadline = time.monotonic() + wait
+    ready = 0
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
+        while True:
+            with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError):
+                async with session.get(stack.epp_metrics_url) as response:
+                    page = await response.text()
+                for family in text_string_to_metric_families(page):
+                    if family.name == "inference_pool_ready_pods":
+                        ready = int(sum(sample.value for sample in family.samples))
+            if ready >= len(stack.model_server_urls) or time.monotonic() > deadline:
+                return ready
+            await asyncio.sleep(0.2)
+
+
+async def run(args: argparse.Namespace, stop: asyncio.Event, workdir: Path) -> int:
+    config = stack_config(args, workdir)
     stack = LocalStack(config)
-    say(f"starting {args.model_servers} {args.backend} model servers, the EPP and Envoy (logs in {workdir}) ...")
+    if stack.external is None:
+        error = own_servers_setup(args, config)
+        if error:
+            say(f"epp-local: {error}", sys.stderr)
+            return 2
+        model = config.model
+        adapters = DEMO_ADAPTERS if args.backend == "sim" else tuple(config.pool_extra["models"][1:])
+        what = f"{args.model_servers} {args.backend} model servers, the EPP and Envoy"
+    else:
+        if not stack.external.endpoints:
+            say(f"epp-local: the pool file {config.model_server_pool} lists no endpoints", sys.stderr)
+            return 2
+        try:
+            model = await your_servers_model(args, stack)
+        except NotAModelServer as error:
+            say(f"epp-local: {error}", sys.stderr)
+            return 2
+        adapters = ()
+        what = f"the EPP and Envoy in front of {len(stack.model_server_urls)} model servers"
+    say(f"starting {what} (logs in {workdir}) ...")
     try:
         stack.check_ports_free()
     except RuntimeError as error:
         say(f"epp-local: {error}", sys.stderr)
         return 2
-    await stack.start()
+    try:
+        await stack.start()
+    except (RuntimeError, TimeoutError) as error:
+        say(f"epp-local: {error}", sys.stderr)
+        return 1
     failed: list[str] = []
 
     async def watch_children() -> None:
@@ -512,14 +675,19 @@ async def run(args: argparse.Namespace, stop: asyncio.Event) -> int:
 
     watcher = asyncio.create_task(watch_children())
     try:
-        adapters = ", ".join(DEMO_ADAPTERS) if args.backend == "sim" else "see --lora-modules"
-        say(f"gateway ready: {stack.gateway_url}/v1  (OpenAI API; model {model!r}, adapters {adapters})")
+        listed = f"adapters {', '.join(adapters)}" if adapters else "no adapters"
+        say(f"gateway ready: {stack.gateway_url}/v1  (OpenAI API; model {model!r}, {listed})")
         say(f"EPP metrics: {stack.epp_metrics_url}   Envoy admin: http://127.0.0.1:{args.admin_port}")
-        if args.demo:
+        if stack.external is not None:
+            ready, total = await ready_endpoints(stack), len(stack.model_server_urls)
+            note = "" if ready == total else f"; the others are not routed to (why: the WARNINGs in {workdir}/epp.log)"
+            say(f"the EPP reads the metrics of {ready} of the {total} model servers{note}")
+        if args.demo or args.table:
             from harness.demo import run_demo
 
             try:
-                ok = await run_demo(stack, model, DEMO_ADAPTERS, args.requests, stop, once=args.once)
+                total = args.requests if args.demo else 0
+                ok = await run_demo(stack, model, adapters, total, stop, once=args.once)
             except BrokenPipeError:  # the terminal or pipe went away: stop like Ctrl-C
                 say("")
                 return 0
@@ -548,17 +716,60 @@ def say(text: str, stream=None) -> None:
             os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
 
 
+def check_arguments(parser: Parser, args: argparse.Namespace) -> None:
+    """The mistakes found before anything starts, each as one line naming the fix (SystemExit)."""
+    if args.backend == "torch" and importlib.util.find_spec("torch") is None:
+        parser.error("--backend torch needs PyTorch, which is not installed: pip install -e '.[torch]'")
+    if args.config_file:
+        try:
+            config = load_config(Path(args.config_file).read_text())
+            Scheduler.from_sections(config)
+            FlowControlConfig.from_sections(config)
+        except OSError as error:
+            raise SystemExit(f"epp-local: --config-file {args.config_file}: {error.strerror}") from None
+        except ConfigError as error:
+            raise SystemExit(f"epp-local: --config-file {args.config_file}: {error}") from None
+    if args.pool_file:
+        try:
+            load_pool_file(args.pool_file)
+        except PoolFileError as error:
+            raise SystemExit(f"epp-local: --pool-file: {error}") from None
+    try:
+        servers_pool(args.model_server_url)
+    except ValueError as error:
+        parser.error(str(error))
+
+
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    check_arguments(parser, args)
+    if args.print_envoy_config:
+        with tempfile.TemporaryDirectory(prefix="epp-local-") as workdir:
+            print(LocalStack(stack_config(args, Path(workdir))).envoy_bootstrap(), end="")
+        return
+    if args.log_dir is not None:
+        args.log_dir.mkdir(parents=True, exist_ok=True)
+    workdir = args.log_dir or Path(tempfile.mkdtemp(prefix="epp-local-"))
 
     async def main_async() -> int:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # SIGHUP: the terminal was closed
             loop.add_signal_handler(sig, stop.set)
-        return await run(args, stop)
+        return await run(args, stop, workdir)
 
-    sys.exit(asyncio.run(main_async()))
+    code = 1
+    try:
+        code = asyncio.run(main_async())
+    finally:
+        # the logs are kept when a process failed (or --log-dir asks), and a temporary folder removed otherwise
+        failed_logs = code != 0 and any(workdir.glob("*.log"))
+        if failed_logs:
+            say(f"epp-local: logs kept in {workdir}", sys.stderr)
+        elif args.log_dir is None:
+            shutil.rmtree(workdir, ignore_errors=True)
+    sys.exit(code)
 
 
 if __name__ == "__main__":

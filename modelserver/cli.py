@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import errno
+import importlib.util
 import logging
 import math
 import signal
@@ -26,10 +28,20 @@ from modelserver.engine.sim import SimExecutor, SimTiming
 from modelserver.metrics import default_stat_loggers
 from modelserver.tracing import RequestTracer
 from protocol import tracing
+from protocol.cli import Parser, command_parser, positive_int
 from protocol.kv_events import DEFAULT_HASH_ALGO, HASH_ALGOS, KVEventsConfig, default_topic
 from protocol.tokenizer import load_tokenizer
 
 log = logging.getLogger("modelserver")
+SIM_TIMING_HELP = {  # the --sim-* flags (modelserver/engine/sim.py, SimTiming)
+    "prefill_overhead": "seconds per step that prefills",
+    "prefill_time_per_token": "seconds per uncached prompt token",
+    "decode_base": "seconds per decode step at batch size 1",
+    "decode_per_seq": "extra seconds per sequence in the decode batch",
+    "lora_load_time": "seconds to load an adapter into a GPU slot",
+    "lora_cold_load_time": "extra seconds when the adapter is not in host memory (--max-cpu-loras)",
+    "jitter": "relative standard deviation of the step time",
+}
 
 
 def _lora_module(text: str) -> tuple[str, str]:
@@ -39,35 +51,62 @@ def _lora_module(text: str) -> tuple[str, str]:
     return name, path
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="modelserver", description=__doc__)
-    p.add_argument("--backend", choices=["sim", "torch"], default="sim")
+def build_parser() -> Parser:
+    p = command_parser("modelserver", __doc__)
+    p.add_argument(
+        "--backend",
+        choices=["sim", "torch"],
+        default="sim",
+        help="sim: a timing model instead of the forward pass (no GPU, no weights); torch: a real transformer",
+    )
     p.add_argument("--model", default="sim-llama-8b", help="local model directory (torch) or a name (sim)")
     p.add_argument("--served-model-name", default=None, help="name clients use in `model` (default: --model)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--replicas", type=int, default=1, help="independent servers on port .. port+N-1, one process")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (the first, with --replicas)")
+    p.add_argument(
+        "--replicas", type=positive_int, default=1, help="independent servers on port .. port+N-1, one process"
+    )
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     p.add_argument("--num-gpu-blocks", type=int, default=None, help="KV blocks (sim: 8192; torch: from memory)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-model-len", type=int, default=8192)
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens one engine step may compute")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="requests running at once (the batch)")
+    p.add_argument("--max-model-len", type=int, default=8192, help="longest prompt + output, in tokens")
+    p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the KV blocks of a prompt prefix seen before",
+    )
     p.add_argument(
         "--prefix-caching-hash-algo",
         choices=HASH_ALGOS,
         default=DEFAULT_HASH_ALGO,
         help="vLLM's block hash: sha256 (pickle) or sha256_cbor (canonical CBOR); seeded by PYTHONHASHSEED",
     )
-    p.add_argument("--enable-lora", action="store_true")
-    p.add_argument("--max-loras", type=int, default=1)
-    p.add_argument("--max-cpu-loras", type=int, default=None)
-    p.add_argument("--max-lora-rank", type=int, default=16)
-    p.add_argument("--lora-modules", nargs="*", type=_lora_module, default=[], metavar="NAME=PATH")
+    p.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters")
+    p.add_argument("--max-loras", type=int, default=1, help="adapters in the batch at once (GPU slots)")
+    p.add_argument(
+        "--max-cpu-loras", type=int, default=None, help="adapters kept loaded in CPU memory (default: --max-loras)"
+    )
+    p.add_argument("--max-lora-rank", type=int, default=16, help="the largest adapter rank served")
+    p.add_argument(
+        "--lora-modules",
+        nargs="*",
+        type=_lora_module,
+        default=[],
+        metavar="NAME=PATH",
+        help="adapters served from the start (turns LoRA on)",
+    )
     p.add_argument("--lora-root", action="append", default=[], help="directory runtime-loaded adapters must be in")
-    p.add_argument("--allow-runtime-lora-updating", action="store_true")
-    p.add_argument("--disable-log-stats", action="store_true")
-    p.add_argument("--show-hidden-metrics-for-version", default=None)
+    p.add_argument(
+        "--allow-runtime-lora-updating",
+        action="store_true",
+        help="serve /v1/load_lora_adapter and /v1/unload_lora_adapter (as VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)",
+    )
+    p.add_argument("--disable-log-stats", action="store_true", help="no periodic throughput line in the log")
+    p.add_argument(
+        "--show-hidden-metrics-for-version", default=None, help="also export the metrics vLLM hid after this version"
+    )
     p.add_argument(
         "--kv-events-config",
         type=KVEventsConfig.from_json,
@@ -90,7 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="share of new traces kept (a request that brings a traceparent keeps its decision; default %(default)s)",
     )
     p.add_argument("--kv-cache-metrics-sample", type=float, default=0.0, help="fraction of KV blocks sampled")
-    p.add_argument("--max-request-body-bytes", type=int, default=32 * 1024 * 1024)
+    p.add_argument(
+        "--max-request-body-bytes", type=int, default=32 * 1024 * 1024, help="larger request bodies are answered 413"
+    )
     p.add_argument(
         "--max-stored-responses",
         type=int,
@@ -103,14 +144,18 @@ def build_parser() -> argparse.ArgumentParser:
         default=256 * 1024 * 1024,
         help="Responses API: bytes the stored responses and their conversations may take (oldest dropped first)",
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (sim: its timing noise, per replica)")
     p.add_argument("--device", default="auto", help="torch: cuda, cpu or auto")
     p.add_argument("--dtype", default="auto", help="torch: bfloat16, float16, float32 or auto")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument(
+        "--gpu-memory-utilization", type=float, default=0.9, help="torch on a GPU: the share of its memory used"
+    )
     sim = p.add_argument_group("sim backend timing (seconds)")
     for f in fields(SimTiming):
         if f.name not in ("seed", "speed"):
-            sim.add_argument(f"--sim-{f.name.replace('_', '-')}", type=float, default=f.default)
+            sim.add_argument(
+                f"--sim-{f.name.replace('_', '-')}", type=float, default=f.default, help=SIM_TIMING_HELP[f.name]
+            )
     sim.add_argument(
         "--sim-speed",
         type=float,
@@ -121,7 +166,19 @@ def build_parser() -> argparse.ArgumentParser:
         "`1 0.5` makes every other replica half as fast, a pool mixing two GPU generations",
     )
     sim.add_argument("--sim-zero-delay", action="store_true", help="all modelled times 0 (overhead benchmarks)")
-    p.add_argument("-v", "--verbose", action="store_true")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    lora = "--enable-lora or --lora-modules"
+    for flag in ("--max-loras", "--max-cpu-loras", "--max-lora-rank"):
+        p.needs(flag, lora, lambda a: a.enable_lora or bool(a.lora_modules))
+    p.needs(
+        "--lora-root",
+        "--allow-runtime-lora-updating (or VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)",
+        lambda a: a.allow_runtime_lora_updating or runtime_lora_updating_from_env(),
+    )
+    for flag in ("--device", "--dtype", "--gpu-memory-utilization"):
+        p.needs(flag, "--backend torch", lambda a: a.backend == "torch")
+    for action in sim._group_actions:
+        p.needs(action.option_strings[0], "--backend sim", lambda a: a.backend == "sim")
     return p
 
 
@@ -242,26 +299,42 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
             await engine.stop()
 
 
+def check_arguments(args: argparse.Namespace) -> str | None:
+    """The mistake, in one line naming the fix, that the parsed flags make before anything starts; None if none."""
+    if not all(math.isfinite(speed) and speed > 0 for speed in args.sim_speed):
+        return f"--sim-speed: every speed must be a finite number > 0, got {args.sim_speed}"
+    if args.backend != "torch":
+        return None  # the sim reads no model or adapter files
+    if importlib.util.find_spec("torch") is None:
+        return "--backend torch needs PyTorch, which is not installed: pip install -e '.[torch]'"
+    for name, path in args.lora_modules:  # the torch executor would need them only at their first use
+        missing = [f for f in ("adapter_config.json", "adapter_model.safetensors") if not (Path(path) / f).is_file()]
+        if missing:
+            return f"--lora-modules {name}={path}: no {' or '.join(missing)} there (a PEFT adapter dir)"
+    if not Path(args.model, "config.json").is_file():
+        return (
+            f"--model {args.model}: no config.json there; the torch backend loads a local Hugging Face model "
+            "directory (`modelserver make-tiny-model DIR` makes a small one)"
+        )
+    return None
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "make-tiny-model":
+        if importlib.util.find_spec("torch") is None:
+            raise SystemExit(
+                "modelserver make-tiny-model needs PyTorch, which is not installed: pip install -e '.[torch]'"
+            )
         from modelserver.torch.tiny import main as make_tiny_model
 
         make_tiny_model(argv[1:])
         return
     args = build_parser().parse_args(argv)
     args.served_model_name = args.served_model_name or args.model
-    if args.replicas < 1:
-        raise SystemExit("--replicas must be >= 1")
-    if not all(math.isfinite(speed) and speed > 0 for speed in args.sim_speed):
-        raise SystemExit(f"--sim-speed: every speed must be a finite number > 0, got {args.sim_speed}")
-    if args.backend == "torch":  # the sim reads no adapter files; the torch executor needs them at the first use
-        for name, path in args.lora_modules:
-            missing = [
-                f for f in ("adapter_config.json", "adapter_model.safetensors") if not (Path(path) / f).is_file()
-            ]
-            if missing:
-                raise SystemExit(f"--lora-modules {name}={path}: no {' or '.join(missing)} there (a PEFT adapter dir)")
+    error = check_arguments(args)
+    if error:
+        raise SystemExit(f"modelserver: {error}")
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(name)s %(message)s"
     )
@@ -273,5 +346,10 @@ def main(argv: list[str] | None = None) -> None:
             loop.add_signal_handler(sig, stop.set)
         await serve(args, stop)
 
-    with contextlib.suppress(KeyboardInterrupt):
-        uvloop.run(run())  # cheaper callbacks when many replicas share one loop
+    try:
+        with contextlib.suppress(KeyboardInterrupt):
+            uvloop.run(run())  # cheaper callbacks when many replicas share one loop
+    except OSError as exc:
+        if exc.errno != errno.EADDRINUSE:
+            raise
+        raise SystemExit(f"modelserver: {exc} (another process holds the port: stop it, or choose --port)") from None

@@ -7,7 +7,8 @@
 | `flowControl`, `featureGates` | flow control (`epp.flowcontrol.FlowControlConfig.from_sections`) |
 
 A field outside these (and `apiVersion`, `kind`) is a ConfigError, as is any error an owner finds in its sections:
-all at startup, never on the request path. With no document at all, DEFAULT_CONFIG applies.
+all at startup, never on the request path. With no document at all, DEFAULT_CONFIG applies; a document with neither
+`plugins` nor `schedulingProfiles` (only a `flowControl:` section, say) keeps DEFAULT_CONFIG's scheduling profile.
 """
 
 from __future__ import annotations
@@ -130,7 +131,11 @@ def load(config_text: str | None) -> EndpointPickerConfig:
     if config.get("apiVersion", API_VERSIONS[0]) not in API_VERSIONS:
         raise ConfigError(f"scheduler config apiVersion must be one of {API_VERSIONS}, got {config['apiVersion']!r}")
     _convert_saturation_detector(config)
-    return EndpointPickerConfig(**{attribute: config.get(field) for field, attribute in SECTIONS.items()})
+    sections = {attribute: config.get(field) for field, attribute in SECTIONS.items()}
+    if config.get("plugins") is None and config.get("schedulingProfiles") is None:
+        default = yaml.safe_load(DEFAULT_CONFIG)
+        sections.update(plugins=default["plugins"], scheduling_profiles=default["schedulingProfiles"])
+    return EndpointPickerConfig(**sections)
 
 
 DETECTOR_TYPE = "utilization-detector"  # llm-d's saturation detector that ours is (queue depth, KV usage)

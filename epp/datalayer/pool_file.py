@@ -17,6 +17,7 @@ rewrites:               # optional: requests for `model` are sent as weighted ta
 from __future__ import annotations
 
 import asyncio
+import difflib
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -34,11 +35,38 @@ class PoolFileError(ValueError):
     pass
 
 
+# The fields each part of the file may have: any other is a mistake (`endpoint:` for `endpoints:`), refused as the
+# scheduler config refuses one, not read as an empty pool.
+FIELDS = {
+    "the pool file": ("endpoints", "objectives", "models", "rewrites"),
+    "endpoints": ("address", "port", "ports", "name", "engine", "labels"),
+    "objectives": ("name", "priority"),
+    "rewrites": ("model", "targets"),
+    "targets": ("model", "weight"),
+}
+
+
+def check_fields(item: dict, where: str, kind: str) -> None:
+    """PoolFileError naming the first field of `item` that FIELDS[kind] does not list, and the closest that it does."""
+    known = FIELDS[kind]
+    for key in item:
+        if key not in known:
+            close = difflib.get_close_matches(str(key), known, n=1)
+            hint = f"did you mean `{close[0]}`?" if close else f"the fields are {', '.join(known)}"
+            raise PoolFileError(f"{where}: unknown field `{key}` ({hint})")
+
+
 def parse_pool(data: Any) -> PoolState:
     if not isinstance(data, dict):
         raise PoolFileError("the pool file must be a mapping with an `endpoints` list")
+    check_fields(data, "the pool file", "the pool file")
+    for section in ("endpoints", "objectives", "rewrites"):
+        if not isinstance(data.get(section) or [], list):
+            raise PoolFileError(f"`{section}` must be a list")
     endpoints, names = [], set()
     for i, item in enumerate(data.get("endpoints") or []):
+        if isinstance(item, dict):
+            check_fields(item, f"endpoints[{i}]", "endpoints")
         if not isinstance(item, dict) or not isinstance(item.get("address"), str):
             raise PoolFileError(f"endpoints[{i}] needs an `address` string")
         if ("port" in item) == ("ports" in item):
@@ -70,6 +98,8 @@ def parse_pool(data: Any) -> PoolState:
             endpoints.append(EndpointSpec(name, item["address"], port, engine, labels))
     objectives = {}
     for i, item in enumerate(data.get("objectives") or []):
+        if isinstance(item, dict):
+            check_fields(item, f"objectives[{i}]", "objectives")
         if not isinstance(item, dict) or not isinstance(item.get("name"), str):
             raise PoolFileError(f"objectives[{i}] needs a `name`")
         priority = item.get("priority", 0)
@@ -81,6 +111,11 @@ def parse_pool(data: Any) -> PoolState:
         raise PoolFileError("`models` must be a list of names")
     rewrites = []
     for i, item in enumerate(data.get("rewrites") or []):
+        if isinstance(item, dict):
+            check_fields(item, f"rewrites[{i}]", "rewrites")
+            for j, target in enumerate(item.get("targets") or []):
+                if isinstance(target, dict):
+                    check_fields(target, f"rewrites[{i}].targets[{j}]", "targets")
         try:
             targets = tuple((str(t["model"]), int(t.get("weight", 1))) for t in item["targets"])
             rewrites.append(ModelRewrite(str(item["model"]), targets))
@@ -92,8 +127,12 @@ def parse_pool(data: Any) -> PoolState:
 def load_pool_file(path: str | Path) -> PoolState:
     try:
         return parse_pool(yaml.safe_load(Path(path).read_text()))
+    except OSError as exc:
+        raise PoolFileError(f"cannot read the pool file {path}: {exc.strerror or exc}") from None
     except yaml.YAMLError as exc:
         raise PoolFileError(f"{path}: not valid YAML: {exc}") from None
+    except PoolFileError as exc:
+        raise PoolFileError(f"{path}: {exc}") from None
 
 
 class PoolFileSource:

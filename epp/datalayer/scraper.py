@@ -14,7 +14,9 @@ request after every spell). The cost: load that appeared on an endpoint in the l
 first request only. Measured with `epp-bench idle [--busy]` and `epp-bench overhead`.
 
 A failed scrape never raises: the endpoint keeps its last metrics and becomes
-stale once no scrape succeeded within the staleness threshold (at once when the connection is refused). Each endpoint
+stale once no scrape succeeded within the staleness threshold (at once when the connection is refused). An endpoint
+that has not served a valid page yet is logged as a WARNING with what it answered, once per change of answer (the
+scheduler never picks it). Each endpoint
 keeps one HTTP/1.1 connection (`metrics_client.MetricsClient`).
 A scrape asks for only the samples the extractor reads (`name[]` parameters, which prometheus_client's exposition,
 hence vLLM's and SGLang's /metrics, honours): ~1 KB instead of a ~28 KB page of histograms, less to send, read and
@@ -68,6 +70,8 @@ class Scraper:
         # endpoint id -> time.monotonic() before which its whole page is not tried again (both pages failed)
         self._whole_page_retry: dict[int, float] = {}
         self._idle_waits: set[asyncio.Future] = set()
+        # endpoint id -> why its scrapes fail, for endpoints that have not served a valid page yet (logged per change)
+        self._never_read: dict[int, str] = {}
         self._last_request = -math.inf  # time.monotonic() of the latest wake()
         # requests this EPP holds that no endpoint has yet (flow control's queue): wired by the EPP's startup
         self.pending: Callable[[], int] = _nothing_pending
@@ -127,6 +131,7 @@ class Scraper:
         if client is not None:
             client.close()
         self._whole_page_retry.pop(id(endpoint), None)
+        self._never_read.pop(id(endpoint), None)
         endpoint.stale = True
 
     async def close(self) -> None:
@@ -139,12 +144,14 @@ class Scraper:
             client.close()
         self._clients.clear()
         self._whole_page_retry.clear()
+        self._never_read.clear()
 
     async def scrape_once(self, endpoint: Endpoint) -> bool:
         """One scrape; True when it succeeded. Updates the endpoint in place."""
         self.scrapes += 1
         try:
             await self._read(endpoint)
+            self._never_read.pop(id(endpoint), None)
             self._set_stale(endpoint, False)
             return True
         except ConnectionRefusedError as exc:
@@ -160,6 +167,18 @@ class Scraper:
     def _failed(self, endpoint: Endpoint, exc: BaseException, stale: bool) -> None:
         self.failures += 1
         log.debug("scrape of %s failed: %s", endpoint.name, exc)
+        if endpoint.metrics is None:  # never read: the scheduler does not pick it (a wrong port, not a model server)
+            reason = f"{type(exc).__name__}: {exc}"
+            if self._never_read.get(id(endpoint)) != reason:
+                self._never_read[id(endpoint)] = reason
+                log.warning(
+                    "endpoint %s (%s) has served no valid metrics page at %s, not routed to: %s (is a model server "
+                    "listening at that address and port?)",
+                    endpoint.name,
+                    endpoint.hostport,
+                    self.path,
+                    reason,
+                )
         if stale:
             self._set_stale(endpoint, True, f"{type(exc).__name__}: {exc}")
 

@@ -302,13 +302,15 @@ class Scheduler:
         NoEndpointError when nothing can serve it.
 
         Candidates are the endpoints in `request.subset` (when given) that are not stale; stale ones only when no
-        fresh one is left (an endpoint that missed a few scrapes may still serve, and a 503 certainly does not).
+        fresh one is left (an endpoint that missed a few scrapes may still serve, and a 503 certainly does not), and
+        never one that has not served a valid metrics page yet: it may be no model server at all (a wrong port, a
+        web server answering 404), whose answer the client would get instead of the 503.
         """
         self.record_picks()
         subset = request.subset
         if subset is not None:
             endpoints = [e for e in endpoints if e.hostport in subset]
-        candidates = [e for e in endpoints if not e.stale] or list(endpoints)
+        candidates = [e for e in endpoints if not e.stale] or [e for e in endpoints if e.metrics is not None]
         considered = len(candidates)
         if not candidates:
             raise NoEndpointError("no endpoint in the subset hint" if subset is not None else "no ready endpoint")

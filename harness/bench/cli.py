@@ -1,5 +1,9 @@
 """`epp-bench`: benchmarks of the EPP on a local sim pool.
 
+Each subcommand prints its measurements and the files it wrote (or that it wrote none). They report and exit 0,
+except `chaos`, which exits 1 when an attack misses a goal it reports, and `flood`, which exits 1 when a target
+left requests unaccounted for.
+
 epp-bench overhead [--servers 4] [--sequential 2000] [--concurrency 32] [--requests 2000] [--ext-proc-transport h2|grpcio]
                    [--streamed] [--pin] [--epp-config FILE ...] [--against DIR [--pairs 4]] [--out DIR]
 epp-bench handler-cpu [--requests 4000] [--batch 16] [--rounds 9] [--streamed] [--kv-events] [--config-file FILE]
@@ -8,7 +12,6 @@ epp-bench handler-cpu [--requests 4000] [--batch 16] [--rounds 9] [--streamed] [
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -16,6 +19,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from epp.config import ConfigError
@@ -34,31 +38,32 @@ from harness.bench import (
     tokenize,
 )
 from harness.bench.workloads import WORKLOADS
+from protocol.cli import Parser, command_parser
 
 
 def _exit(signum: int, frame) -> None:
     raise SystemExit(128 + signum)
 
 
-def main(argv: list[str] | None = None) -> None:
-    # SIGTERM (`timeout`, a CI job's end) and SIGHUP (the terminal closed) end a benchmark as Ctrl-C does: through
-    # its `finally`, which stops the processes it started in sessions of their own (they outlived it before)
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, _exit)
-    parser = argparse.ArgumentParser(
-        prog="epp-bench", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
+def say_written(paths: list[Path], note: str) -> None:
+    """The files a subcommand wrote, and `note`: what it did not write and why (or how to have it written)."""
+    wrote = f"wrote {', '.join(map(str, paths))}" if paths else "wrote no files"
+    print(f"{wrote}{'; ' + note if note else ''}")
+
+
+def build_parser() -> Parser:
+    parser = command_parser("epp-bench", __doc__)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     over = sub.add_parser("overhead", help="added latency and throughput: Envoy+EPP vs plain Envoy")
-    over.add_argument("--servers", type=int, default=4)
+    over.add_argument("--servers", type=int, default=4, help="sim model servers")
     over.add_argument(
         "--sequential",
         type=int,
         default=2000,
-        help="requests one at a time, per target (the p99 is the 20th slowest of 2,000; of 400 it was the 5th, and\n"
+        help="requests one at a time, per target (the p99 is the 20th slowest of 2,000; of 400 it was the 5th, and "
         "the floors' p99 / plain Envoy's ranged 1.05-2.12 between runs)",
     )
-    over.add_argument("--concurrency", type=int, default=32)
+    over.add_argument("--concurrency", type=int, default=32, help="concurrent requests of the throughput runs")
     over.add_argument("--requests", type=int, default=2000, help="requests per throughput run")
     over.add_argument("--ext-proc-transport", choices=["h2", "grpcio"], default="h2", help="the EPP's gRPC server")
     over.add_argument("--out", type=Path, default=None, help="directory for overhead.json and overhead.md")
@@ -66,10 +71,11 @@ def main(argv: list[str] | None = None) -> None:
         "--against",
         type=Path,
         default=None,
-        help="another checkout of this repository (its `epp` package built, or run as Python): its EPP against this\n"
+        help="another checkout of this repository (its `epp` package built, or run as Python): its EPP against this "
         "one's in the same runs, the two swapped between two EPP targets in each pair of runs (overhead.compare_builds)",
     )
     over.add_argument("--pairs", type=int, default=4, help="pairs of runs for --against")
+    over.needs("--pairs", "--against DIR", lambda a: a.against is not None)
     over.add_argument(
         "--streamed", action="store_true", help='"stream": true requests: their access-log records train the predictor'
     )
@@ -123,9 +129,9 @@ def main(argv: list[str] | None = None) -> None:
         "with --evict-mb, the lines of code and data fetched from beyond a simulated 1 MiB cache too",
     )
     capacity = sub.add_parser("sim-capacity", help="how many sim servers one core carries at a request rate")
-    capacity.add_argument("--replicas", type=int, default=16)
-    capacity.add_argument("--rates", type=float, nargs="+", default=[16.0, 32.0, 64.0])
-    capacity.add_argument("--duration", type=float, default=20.0)
+    capacity.add_argument("--replicas", type=int, default=16, help="sim servers in one process")
+    capacity.add_argument("--rates", type=float, nargs="+", default=[16.0, 32.0, 64.0], help="requests per second")
+    capacity.add_argument("--duration", type=float, default=20.0, help="seconds per rate")
     cmp = sub.add_parser("compare", help="routing quality of our EPP, plain Envoy and the Rust routers")
     workloads = sorted(p.stem for p in WORKLOADS.glob("*.yaml"))
     cmp.add_argument("--workload", default="shared-prefix", choices=workloads, help="one of: " + ", ".join(workloads))
@@ -148,16 +154,18 @@ def main(argv: list[str] | None = None) -> None:
         ],
         help="any of: " + ", ".join(targets) + " (the Rust routers need the [bench] extra)",
     )
-    cmp.add_argument("--rates", type=float, nargs="+", default=[8.0, 16.0, 24.0])
+    cmp.add_argument(
+        "--rates", type=float, nargs="+", default=[8.0, 16.0, 24.0], help="requests per second (open loop)"
+    )
     cmp.add_argument("--concurrency", type=int, nargs="+", default=[], help="closed-loop clients (instead of --rates)")
-    cmp.add_argument("--duration", type=float, default=60.0)
+    cmp.add_argument("--duration", type=float, default=60.0, help="seconds per target and load")
     cmp.add_argument(
         "--warmup",
         type=float,
         default=0.0,
         help="seconds of the same workload before each target's measured run, not counted (online learning warms)",
     )
-    cmp.add_argument("--servers", type=int, default=8)
+    cmp.add_argument("--servers", type=int, default=8, help="sim model servers")
     cmp.add_argument("--scale", type=float, default=1.0, help="shrink prompt lengths (smoke runs)")
     cmp.add_argument(
         "--load-generator",
@@ -166,20 +174,21 @@ def main(argv: list[str] | None = None) -> None:
         help="inference-perf: the standard client drives the load (shared-prefix workloads; "
         "`make bench-inference-perf` installs it)",
     )
-    cmp.add_argument("--out", type=Path, default=Path("bench-results"))
+    cmp.add_argument("--out", type=Path, default=Path("bench-results"), help="directory for the report and plots")
+    cmp.needs("--rates", "no --concurrency (a run is open loop at --rates or closed loop)", lambda a: not a.concurrency)
     flood_cmd = sub.add_parser("flood", help="tenants of different priority past the pool's capacity (flow control)")
-    flood_cmd.add_argument("--targets", nargs="+", default=list(flood.TARGETS))
+    flood_cmd.add_argument("--targets", nargs="+", default=list(flood.TARGETS), help="what routes the flood")
     flood_cmd.add_argument("--overloads", type=float, nargs="+", default=[1.5, 2.0], help="offered rate / capacity")
-    flood_cmd.add_argument("--duration", type=float, default=30.0)
-    flood_cmd.add_argument("--servers", type=int, default=4)
-    flood_cmd.add_argument("--out", type=Path, default=None)
+    flood_cmd.add_argument("--duration", type=float, default=30.0, help="seconds per target and overload")
+    flood_cmd.add_argument("--servers", type=int, default=4, help="sim model servers")
+    flood_cmd.add_argument("--out", type=Path, default=None, help="directory for flood.md and flood.json")
     sub.add_parser("decision", help="scheduler decision time vs pool size (8, 32, 128) and prompt length")
     sub.add_parser("tokenize", help="exact tokens and block hashes (precise prefix scorer) at 1k, 8k, 64k tokens")
     events_cmd = sub.add_parser("kv-events", help="the EPP's CPU for KV events and its step-to-index delay")
-    events_cmd.add_argument("--servers", type=int, default=8)
+    events_cmd.add_argument("--servers", type=int, default=8, help="sim model servers publishing events")
     events_cmd.add_argument("--rate", type=float, default=30.0, help="requests per second per server")
-    events_cmd.add_argument("--prompt-tokens", type=int, default=2000)
-    events_cmd.add_argument("--seconds", type=float, default=10.0)
+    events_cmd.add_argument("--prompt-tokens", type=int, default=2000, help="tokens per prompt")
+    events_cmd.add_argument("--seconds", type=float, default=10.0, help="measuring window")
     events_cmd.add_argument("--num-gpu-blocks", type=int, default=20000, help="per server: evictions start past it")
     events_cmd.add_argument("--step-ms", type=float, default=20.0, help="engine step: one batch per step")
     index_cmd = sub.add_parser("kv-index", help="prefix indexes: memory per entry, a huge KV event batch's loop stall")
@@ -196,7 +205,7 @@ def main(argv: list[str] | None = None) -> None:
     chaos_cmd = sub.add_parser("chaos", help="attacks and faults on a local stack while a well-behaved client runs")
     chaos_cmd.add_argument("--seconds", type=float, default=4.0, help="per attack")
     idle_cmd = sub.add_parser("idle", help="CPU of an idle EPP that only scrapes N endpoints")
-    idle_cmd.add_argument("--endpoints", type=int, nargs="+", default=[8, 64, 256])
+    idle_cmd.add_argument("--endpoints", type=int, nargs="+", default=[8, 64, 256], help="pool sizes")
     idle_cmd.add_argument("--seconds", type=float, default=10.0, help="measuring window per pool size")
     idle_cmd.add_argument("--epp-arg", action="append", default=[], help="extra flag for the EPP (repeatable)")
     idle_cmd.add_argument(
@@ -209,9 +218,25 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="the page server ignores the scraper's sample filter (name[]) and sends whole pages",
     )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    # SIGTERM (`timeout`, a CI job's end) and SIGHUP (the terminal closed) end a benchmark as Ctrl-C does: through
+    # its `finally`, which stops the processes it started in sessions of their own (they outlived it before)
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _exit)
+    parser = build_parser()
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if args.command == "flood":
-        asyncio.run(flood.flood(args.targets, args.overloads, args.duration, args.servers, args.out))
+        results = asyncio.run(flood.flood(args.targets, args.overloads, args.duration, args.servers, args.out))
+        if args.out:
+            say_written([args.out / "flood.md", args.out / "flood.json"], "")
+        else:
+            say_written([], "--out DIR keeps the report")
+        lost = [f"{r.target} at {r.overload:g}x" for r in results if r.accounted is False]
+        if lost:
+            raise SystemExit(f"epp-bench flood: requests not all accounted for: {', '.join(lost)}")
         return
     if args.command == "decision":
         decision.main()
@@ -223,6 +248,8 @@ def main(argv: list[str] | None = None) -> None:
         kv_events.main(args.servers, args.rate, args.prompt_tokens, args.seconds, args.num_gpu_blocks, args.step_ms)
     if args.command == "compare":
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+        started = time.time()
 
         runs = len(args.targets) * len(args.concurrency or args.rates)
         with Progress(
@@ -261,9 +288,17 @@ def main(argv: list[str] | None = None) -> None:
             )
             bar.update(task, completed=runs, description="done")
         print(compare.markdown(results))
-        print(f"results in {args.out}/{args.workload}.md, .json and *.png")
+        plots = sorted(p for p in args.out.glob("*.png") if p.stat().st_mtime >= started)
+        say_written(
+            [args.out / f"{args.workload}.md", args.out / f"{args.workload}.json", *plots],
+            "" if plots else "no plots (matplotlib is not installed: pip install -e '.[bench]')",
+        )
     if args.command == "chaos":
-        print(chaos.markdown(asyncio.run(chaos.run(seconds=args.seconds))))
+        report = asyncio.run(chaos.run(seconds=args.seconds))
+        print(chaos.markdown(report))
+        missed = [r.attack for r in report.results if chaos.missed_goals(report, r)]
+        if missed:
+            raise SystemExit(f"epp-bench chaos: goals missed by: {', '.join(missed)} (the table says which and why)")
     if args.command == "idle":
         print(
             idle.markdown(
@@ -326,11 +361,14 @@ def main(argv: list[str] | None = None) -> None:
         )
         report = comparison.markdown()
         print(report)
+        written = []
         if args.out:
             args.out.mkdir(parents=True, exist_ok=True)
             runs = [overhead.as_dict(run) for run in comparison.runs]
-            (args.out / "builds.json").write_text(json.dumps({"other": comparison.other, "runs": runs}, indent=2))
-            (args.out / "builds.md").write_text(report + "\n")
+            written = [args.out / "builds.json", args.out / "builds.md"]
+            written[0].write_text(json.dumps({"other": comparison.other, "runs": runs}, indent=2))
+            written[1].write_text(report + "\n")
+        say_written(written, "" if written else "--out DIR keeps the report")
     elif args.command == "overhead":
         epp_configs = {}
         for path in args.epp_config:
@@ -356,10 +394,13 @@ def main(argv: list[str] | None = None) -> None:
         )
         report = result.markdown()
         print(report)
+        written = []
         if args.out:
             args.out.mkdir(parents=True, exist_ok=True)
-            (args.out / "overhead.json").write_text(json.dumps(overhead.as_dict(result), indent=2))
-            (args.out / "overhead.md").write_text(report + "\n")
+            written = [args.out / "overhead.json", args.out / "overhead.md"]
+            written[0].write_text(json.dumps(overhead.as_dict(result), indent=2))
+            written[1].write_text(report + "\n")
+        say_written(written, "" if written else "--out DIR keeps the report")
 
 
 if __name__ == "__main__":

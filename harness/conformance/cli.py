@@ -20,26 +20,39 @@ from pathlib import Path
 import yaml
 
 from harness.conformance.framework import Level, Outcome, Result
-from harness.conformance.msp import KVEventsTarget, Target, default_model, open_session, served_adapters, suite
+from harness.conformance.msp import (
+    KVEventsTarget,
+    NotAModelServer,
+    Target,
+    base_url,
+    default_model,
+    list_models,
+    open_session,
+    served_adapters,
+    suite,
+)
 from harness.conformance.report import Implementation, conformance_report
+from protocol.cli import Parser, command_parser
 from protocol.kv_events import DEFAULT_HASH_ALGO, HASH_ALGOS
 from protocol.metrics import ENGINES
 
 
 async def run(args: argparse.Namespace) -> list[Result]:
     async with open_session() as session:
-        model = args.model or await default_model(session, args.url)
-        adapters = args.lora_adapter or await served_adapters(session, args.url, model)
-        target = Target(
-            args.url.rstrip("/"), model, args.engine, adapters, args.load_requests, session, kv_events_target(args)
-        )
+        url = base_url(args.url)
+        models = await list_models(session, url)  # a closed port or no model server: one line, before any check
+        model = args.model or await default_model(session, url)
+        if args.model is None and len(models) > 1:
+            print(f"checking model {model!r} of {len(models)} listed (--model chooses another)")
+        adapters = args.lora_adapter or await served_adapters(session, url, model)
+        target = Target(url, model, args.engine, adapters, args.load_requests, session, kv_events_target(args))
 
         print(f"Model Server Protocol conformance: {args.url} (model {model!r}, engine {args.engine})")
         return await suite.run(target, set(args.only) if args.only else None, show)
 
 
 def kv_events_target(args: argparse.Namespace) -> KVEventsTarget | None:
-    if args.kv_events_endpoint and args.kv_events_bind:
+    if args.kv_events_endpoint and args.kv_events_bind:  # the pytest plugin's options are not exclusive
         raise SystemExit("give --kv-events-endpoint or --kv-events-bind, not both")
     endpoint = args.kv_events_endpoint or args.kv_events_bind
     if not endpoint:
@@ -54,11 +67,13 @@ def kv_events_target(args: argparse.Namespace) -> KVEventsTarget | None:
     )
 
 
-def kv_events_options(add, prefix: str = "") -> None:
+def kv_events_options(add, prefix: str = "", add_where=None) -> None:
     """Declare the KV event options with `add` (argparse's add_argument or pytest's addoption; `prefix`: the pytest
-    plugin's "msp-")."""
-    add(f"--{prefix}kv-events-endpoint", default=None, help="connect to the server's KV event PUB socket here")
-    add(
+    plugin's "msp-"); `add_where`, when given, declares the two options that say where the events are (argparse: a
+    mutually exclusive group's add_argument)."""
+    add_where = add_where or add
+    add_where(f"--{prefix}kv-events-endpoint", default=None, help="connect to the server's KV event PUB socket here")
+    add_where(
         f"--{prefix}kv-events-bind",
         default=None,
         help="bind a SUB socket here; the server's --kv-events-config endpoint connects to it",
@@ -81,7 +96,7 @@ def finish(args: argparse.Namespace, results: list[Result], target: str, **versi
     print(f"{counts[Outcome.PASS]} passed, {counts[Outcome.FAIL]} failed, {counts[Outcome.SKIP]} skipped")
     if args.report:
         implementation = Implementation(
-            args.organization, args.project, args.implementation_url, args.version, args.contact
+            args.organization, args.project, args.implementation_url, args.implementation_version, args.contact
         )
         report = conformance_report(results, implementation, target, **versions)
         args.report.write_text(yaml.safe_dump(report, sort_keys=False))
@@ -89,23 +104,22 @@ def finish(args: argparse.Namespace, results: list[Result], target: str, **versi
     sys.exit(1 if must_failed else 0)
 
 
-def report_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--only", nargs="*", help="run only these checks")
+def report_options(p: Parser) -> None:
+    p.add_argument("--only", nargs="*", help="run only these checks (default: all)")
     p.add_argument("--report", type=Path, help="write a ConformanceReport YAML here")
-    g = p.add_argument_group("implementation under test (report fields)")
-    g.add_argument("--organization", default="unknown")
-    g.add_argument("--project", default="unknown")
+    g = p.add_argument_group("implementation under test (report fields, with --report)")
+    g.add_argument("--organization", default="unknown", help="who makes it")
+    g.add_argument("--project", default="unknown", help="its project name")
     g.add_argument("--implementation-url", default="", help="the project's home page")
-    g.add_argument("--version", default="unknown")
-    g.add_argument("--contact", action="append", default=[])
+    g.add_argument("--implementation-version", default="unknown", help="its version")
+    g.add_argument("--contact", action="append", default=[], help="a contact (repeat)")
+    for flag in ("--organization", "--project", "--implementation-url", "--implementation-version", "--contact"):
+        p.needs(flag, "--report FILE (it is a field of the report)", lambda a: a.report is not None)
 
 
-def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    p = argparse.ArgumentParser(
-        prog="msp-conformance", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
-    )
-    p.add_argument("--url", required=True, help="base URL of the model server")
+def build_parser() -> Parser:
+    p = command_parser("msp-conformance", __doc__)
+    p.add_argument("--url", required=True, help="base URL of the model server, e.g. http://127.0.0.1:8000")
     p.add_argument("--model", help="model name to request (default: the first base model of /v1/models)")
     p.add_argument("--lora-adapter", action="append", default=[], help="a LoRA adapter the server serves (repeat)")
     p.add_argument("--engine", choices=sorted(ENGINES), default="vllm", help="which metric names to expect")
@@ -115,8 +129,20 @@ def main(argv: list[str] | None = None) -> None:
         default=32,
         help="concurrent long requests that first load the server (then 4x, up to 64x, until requests queue)",
     )
-    kv_events_options(p.add_argument_group("KV cache events").add_argument)
+    events = p.add_argument_group("KV cache events")
+    kv_events_options(events.add_argument, add_where=events.add_mutually_exclusive_group().add_argument)
     report_options(p)
-    args = p.parse_args(argv)
-    results = asyncio.run(run(args))
+    where = "--kv-events-endpoint or --kv-events-bind (where the server's KV events are)"
+    for flag in ("--kv-replay-endpoint", "--kv-events-topic", "--kv-hash-seed", "--kv-hash-algo"):
+        p.needs(flag, where, lambda a: bool(a.kv_events_endpoint or a.kv_events_bind))
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        base_url(args.url)
+        results = asyncio.run(run(args))
+    except NotAModelServer as error:
+        raise SystemExit(f"msp-conformance: {error}") from None
     finish(args, results, args.url)

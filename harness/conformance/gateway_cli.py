@@ -14,39 +14,61 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import shutil
 import sys
 from pathlib import Path
 
 from harness.conformance import gateway
 from harness.conformance.cli import finish, report_options, show
-from harness.conformance.framework import Result
+from harness.conformance.framework import Outcome, Result
 from harness.envoy import TEMPLATE
+from protocol.cli import Parser, command_parser
 
 
 async def run(args: argparse.Namespace) -> list[Result]:
+    """The suite's results. Its temporary folder (no --workdir) is removed unless a check failed or it did not start:
+    then its logs are kept, and named."""
     target = gateway.Gateway(envoy_template=args.envoy_template)
     if args.workdir:
         args.workdir.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(target.workdir)
         target.workdir = args.workdir
     print(f"Gateway conformance: Envoy bootstrap {args.envoy_template} (logs in {target.workdir})")
+    results = None
     try:
         await target.start()
-        return await gateway.suite.run(target, set(args.only) if args.only else None, show)
+        results = await gateway.suite.run(target, set(args.only) if args.only else None, show)
+        return results
     finally:
         await target.stop()
+        if args.workdir is None:
+            if results is None or any(r.outcome is Outcome.FAIL for r in results):
+                print(f"logs kept in {target.workdir}")
+            else:
+                shutil.rmtree(target.workdir, ignore_errors=True)
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(
-        prog="gateway-conformance", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
-    )
+def build_parser() -> Parser:
+    p = command_parser("gateway-conformance", __doc__)
     p.add_argument("--envoy-template", type=Path, default=TEMPLATE, help="Envoy bootstrap template to test")
     p.add_argument(
         "--workdir", type=Path, help="where the Envoy, EPP and pool files and logs go (default: a new temp dir)"
     )
     report_options(p)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = build_parser()
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
-    results = asyncio.run(run(args))
+    if not args.envoy_template.is_file():
+        p.error(f"--envoy-template {args.envoy_template}: no such file")
+    if args.workdir is not None and args.workdir.exists() and not args.workdir.is_dir():
+        p.error(f"--workdir {args.workdir}: not a directory")
+    try:
+        results = asyncio.run(run(args))
+    except (RuntimeError, TimeoutError, OSError, ValueError) as error:  # a process that did not start, a bad template
+        raise SystemExit(f"gateway-conformance: {error}") from None
     finish(
         args,
         results,

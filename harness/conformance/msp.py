@@ -9,6 +9,7 @@ import asyncio
 import json
 import re
 import time
+import urllib.parse
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -131,11 +132,57 @@ def open_session() -> aiohttp.ClientSession:
     return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300), connector=aiohttp.TCPConnector(limit=0))
 
 
+class NotAModelServer(Exception):
+    """What is at a URL is not an OpenAI-compatible model server: the message says what answered and the fix."""
+
+
+def base_url(url: str) -> str:
+    """`url` without a trailing slash; NotAModelServer when it is not an http(s)://host[:port] URL."""
+    parsed = urllib.parse.urlsplit(url)
+    if parsed.scheme not in ("http", "https") or not parsed.hostname:
+        example = url if "://" in url else f"http://{url}"
+        raise NotAModelServer(f"{url!r} is not an http:// URL of a model server (write it as {example})")
+    try:
+        _ = parsed.port  # a ValueError when it is not a number in 0..65535
+    except ValueError:
+        raise NotAModelServer(f"{url!r}: the port is not a number in 1..65535") from None
+    return url.rstrip("/")
+
+
+async def list_models(session: aiohttp.ClientSession, url: str, timeout: float = 10.0) -> list[dict]:
+    """GET /v1/models's entries; NotAModelServer, naming what answered instead, when there are none to read."""
+    try:
+        async with session.get(f"{url}/v1/models", timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+            body = await r.read()
+            kind = r.content_type
+    except aiohttp.ClientConnectorError as exc:
+        reason = exc.os_error.strerror if exc.os_error is not None and exc.os_error.strerror else str(exc)
+        raise NotAModelServer(
+            f"nothing answers at {url} ({reason}): start the model server, or fix the host and port"
+        ) from None
+    except (aiohttp.ClientError, OSError) as exc:
+        raise NotAModelServer(f"{url}: GET /v1/models failed ({type(exc).__name__}: {exc})") from None
+    except TimeoutError:
+        raise NotAModelServer(f"{url}: no answer to GET /v1/models within {timeout:g} s") from None
+    if r.status != 200:
+        raise NotAModelServer(
+            f"{url}: GET /v1/models answered HTTP {r.status} ({kind}): not an OpenAI-compatible model server "
+            "(vLLM, SGLang, `modelserver`)? Check the port"
+        )
+    try:
+        data = json.loads(body)["data"]
+        if not isinstance(data, list) or not data or not all(isinstance(m.get("id"), str) for m in data):
+            raise ValueError
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise NotAModelServer(
+            f"{url}: GET /v1/models did not list models ({body[:80]!r}): not an OpenAI-compatible model server?"
+        ) from None
+    return data
+
+
 async def default_model(session: aiohttp.ClientSession, url: str) -> str:
-    """The first base model (not a LoRA adapter) of GET /v1/models."""
-    async with session.get(f"{url}/v1/models") as r:
-        expect(r.status == 200, f"GET /v1/models answered {r.status}")
-        data = (await r.json())["data"]
+    """The first base model (not a LoRA adapter) of GET /v1/models; NotAModelServer when it lists none."""
+    data = await list_models(session, url)
     base = [m["id"] for m in data if not m.get("parent")]
     return (base or [data[0]["id"]])[0]
 
@@ -143,9 +190,7 @@ async def default_model(session: aiohttp.ClientSession, url: str) -> str:
 async def served_adapters(session: aiohttp.ClientSession, url: str, model: str) -> list[str]:
     """The LoRA adapters GET /v1/models lists on top of `model` (vLLM: entries whose `parent` is the base model),
     so the LoRA checks run without naming adapters by hand."""
-    async with session.get(f"{url}/v1/models") as r:
-        data = (await r.json())["data"] if r.status == 200 else []
-    return [m["id"] for m in data if m.get("parent") == model]
+    return [m["id"] for m in await list_models(session, url) if m.get("parent") == model]
 
 
 def _usage_adds_up(usage: dict) -> None:

@@ -4,13 +4,13 @@ Deterministic for a given --seed; used by the tests and `epp-local --backend tor
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
+from protocol.cli import command_parser
 from protocol.tokenizer import EOS_TOKEN, build_default_tokenizer, save_tokenizer
 
 PROJECTIONS = {
@@ -115,11 +115,11 @@ def make_tiny_model(
 
 
 def main(argv: list[str]) -> None:
-    p = argparse.ArgumentParser(prog="modelserver make-tiny-model", description=__doc__)
-    p.add_argument("directory")
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--hidden", type=int, default=64)
-    p.add_argument("--seed", type=int, default=0)
+    p = command_parser("modelserver make-tiny-model", __doc__)
+    p.add_argument("directory", help="where to write the model (created)")
+    p.add_argument("--layers", type=int, default=2, help="transformer layers")
+    p.add_argument("--hidden", type=int, default=64, help="hidden size")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     p.add_argument("--lora", action="append", default=[], help="also write a PEFT adapter with this name")
     args = p.parse_args(argv)
     path = make_tiny_model(args.directory, layers=args.layers, hidden=args.hidden, seed=args.seed, lora_names=args.lora)

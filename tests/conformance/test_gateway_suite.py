@@ -60,7 +60,7 @@ def edited_template(tmp_path, *replacements: tuple[str, str]):
 
 
 def test_our_gateway_passes_and_reports_like_upstream(tmp_path):
-    result, report = run_suite(tmp_path, "--organization", "llm-routing-reference", "--version", "test")
+    result, report = run_suite(tmp_path, "--organization", "llm-routing-reference", "--implementation-version", "test")
     assert result.returncode == 0, result.stdout + result.stderr
     assert report["kind"] == "ConformanceReport" and report["apiVersion"] == "gateway.networking.k8s.io/v1"
     assert report["GatewayAPIInferenceExtensionVersion"] == "v1.6.0" and report["gatewayAPIVersion"] == "v1.6.1"

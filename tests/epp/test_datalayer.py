@@ -193,6 +193,40 @@ def test_bad_pool_files(data):
         parse_pool(data)
 
 
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        # `endpoint:` once started "ready ... 0 endpoints"
+        (
+            {"endpoint": [{"address": "a", "port": 1}]},
+            "the pool file: unknown field `endpoint` (did you mean `endpoints`?)",
+        ),
+        ({"endpoints": [{"adress": "a", "port": 1}]}, "endpoints[0]: unknown field `adress` (did you mean `address`?)"),
+        ({"endpoints": [{"address": "a", "port": 1, "zone": "b"}]}, "unknown field `zone` (the fields are address"),
+        ({"objectives": [{"name": "x", "prio": 1}]}, "objectives[0]: unknown field `prio` (did you mean `priority`?)"),
+        ({"rewrites": [{"model": "m", "target": []}]}, "rewrites[0]: unknown field `target` (did you mean `targets`?)"),
+        (
+            {"rewrites": [{"model": "m", "targets": [{"model": "n", "weigth": 1}]}]},
+            "targets[0]: unknown field `weigth`",
+        ),
+        ({"endpoints": {"address": "a"}}, "`endpoints` must be a list"),
+    ],
+)
+def test_unknown_pool_file_fields_are_refused_naming_the_closest_known_one(data, message):
+    with pytest.raises(PoolFileError) as error:
+        parse_pool(data)
+    assert message in str(error.value)
+
+
+def test_a_pool_file_error_names_the_file(tmp_path):
+    path = tmp_path / "pool.yaml"
+    path.write_text("endpoint:\n- {address: 127.0.0.1, port: 8000}\n")
+    with pytest.raises(PoolFileError, match=f"{path}: the pool file: unknown field `endpoint`"):
+        PoolFileSource(path).initial()
+    with pytest.raises(PoolFileError, match=r"cannot read the pool file .*nowhere\.yaml: No such file"):
+        PoolFileSource(tmp_path / "nowhere.yaml").initial()
+
+
 async def test_pool_file_reload_keeps_the_old_pool_on_a_broken_edit(tmp_path):
     path = tmp_path / "pool.yaml"
     path.write_text("endpoints: [{address: 10.0.0.1, port: 1}]\n")
@@ -455,6 +489,38 @@ async def test_invalid_values_make_an_endpoint_stale_at_once_logged_once_and_scr
             scraper.extractor = working
             await asyncio.sleep(0.1)
             assert not endpoint.stale  # the scraping task survived the unexpected error
+        finally:
+            await store.close()
+
+
+async def test_an_endpoint_that_never_served_a_page_is_named_in_a_warning_once_per_answer(caplog):
+    """A wrong port (a web server answering 404) used to be logged only at -v 1: now a WARNING says what it answered,
+    once, and again only when the answer changes; its first good page makes it ready."""
+    state = {"status": 404}
+
+    async def metrics(request):
+        if state["status"] != 200:
+            return web.Response(status=state["status"], text="<html>no</html>", content_type="text/html")
+        return web.Response(text=PAGE)
+
+    scraper = Scraper(interval=0.01, timeout=0.5, staleness=5.0)
+    store = Datastore([scraper])
+    caplog.set_level("INFO", logger="epp.scraper")
+    async with metrics_server(metrics) as port:
+        try:
+            store.apply(PoolState(endpoints=(EndpointSpec("web", "127.0.0.1", port),)))
+            endpoint = store.endpoints[0]
+            await asyncio.sleep(0.2)
+            state["status"] = 500
+            await asyncio.sleep(0.2)
+            warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+            assert len(warnings) == 2, warnings  # many failed scrapes, two answers
+            assert f"endpoint web (127.0.0.1:{port}) has served no valid metrics page at /metrics" in warnings[0]
+            assert "HTTP 404" in warnings[0] and "HTTP 500" in warnings[1]
+            assert endpoint.stale and endpoint.metrics is None
+            state["status"] = 200
+            await asyncio.sleep(0.1)
+            assert not endpoint.stale
         finally:
             await store.close()
 

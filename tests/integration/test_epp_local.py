@@ -17,6 +17,10 @@ def test_epp_local_demo_once():
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "gateway ready" in result.stdout
     assert "12/12 requests done, 0 failed" in result.stdout
+    # every request under its model's own name (the pool declares them), none under `other`
+    counted = next(line for line in result.stdout.splitlines() if "the EPP counted requests per model" in line)
+    counts = dict(part.rsplit(" ", 1) for part in counted.split(": ", 1)[1].split(", "))
+    assert set(counts) <= {"sim-llama-8b", "sql-lora", "chat-lora"} and sum(map(int, counts.values())) == 12, counted
     assert "stopping" in result.stdout
 
 

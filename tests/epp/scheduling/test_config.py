@@ -5,7 +5,8 @@ from pathlib import Path
 import pytest
 
 from epp.config import ConfigError
-from epp.config.loader import DEFAULT_CONFIG
+from epp.config.loader import DEFAULT_CONFIG, load
+from epp.flowcontrol import FlowControlConfig
 from epp.scheduling.scheduler import Scheduler
 
 
@@ -17,6 +18,15 @@ def shape(scheduler):
         [(s.typed_name.name, s.typed_name.type, w) for s, w in p.scorers],
         (p.picker.typed_name.name, p.picker.typed_name.type),
     )
+
+
+def test_a_config_of_flow_control_alone_keeps_the_default_profile():
+    """The README's `flowControl:` snippet as a whole file used to fail with a message about `plugins`."""
+    text = "flowControl:\n  maxRequests: 10k\n  defaultRequestTTL: 30s\n"
+    assert shape(Scheduler.from_config(text)) == shape(Scheduler.from_config(None))
+    assert FlowControlConfig.from_sections(load(text)).max_requests == 10_000
+    with pytest.raises(ConfigError, match="schedulingProfiles"):  # half a scheduling section is still a mistake
+        Scheduler.from_config("plugins: [{type: queue-scorer}]")
 
 
 @pytest.mark.parametrize("text", [None, "", DEFAULT_CONFIG])

@@ -63,6 +63,18 @@ def test_nothing_to_serve_is_no_endpoint_error(pool, subset, message):
     assert error.value.status == 503
 
 
+def test_an_endpoint_that_never_served_a_metrics_page_is_never_picked():
+    """Not even when nothing fresh is left: it may be no model server at all (a wrong port), whose answer (an HTML
+    404 or 501) the client got instead of the EPP's 503."""
+    never_read = endpoint(0, stale=True)
+    never_read.metrics = None
+    with pytest.raises(NoEndpointError, match="no ready endpoint") as error:
+        Scheduler.from_config(None).schedule(req(), [never_read])
+    assert error.value.status == 503
+    stale_but_read = endpoint(1, stale=True)  # it served pages until lately: better a try than a 503
+    assert Scheduler.from_config(None).schedule(req(), [never_read, stale_but_read]).primary.name == "e1"
+
+
 def test_a_filter_that_leaves_nothing_is_no_endpoint_error():
     config = (
         "plugins: [{type: header-based-testing-filter}]\nschedulingProfiles: [{name: t, plugins: "

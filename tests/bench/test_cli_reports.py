@@ -1,0 +1,71 @@
+"""epp-bench says what it wrote and what it did not, and exits 1 when a goal it reports is missed (chaos) or requests
+went unaccounted for (flood); the other subcommands only report."""
+
+import asyncio
+
+import pytest
+
+from harness.bench import chaos, cli, compare, flood
+
+
+@pytest.fixture(autouse=True)
+def no_signal_handlers(monkeypatch):
+    monkeypatch.setattr(cli.signal, "signal", lambda *args: None)  # the CLI's handlers are for its own process
+
+
+def report(**attack) -> chaos.ChaosReport:
+    fields = {"attack": "slowloris", "sent": 10, "answered_correctly": 10, "lost": 0, "probes": 20}
+    fields.update(peak_rss_mb=3.0, worst_ms=20.0)
+    fields.update(attack)
+    return chaos.ChaosReport(unloaded_p50_ms=10.0, idle_rss_mb=60.0, results=[chaos.AttackResult(**fields)])
+
+
+def test_chaos_names_each_missed_goal_and_exits_1(monkeypatch, capsys):
+    missed = report(lost=2, peak_rss_mb=80.0, answered_correctly=9, worst_ms=45.0)
+    assert chaos.missed_goals(missed, missed.results[0]) == [
+        "2 well-behaved request(s) lost",
+        "RSS +80 MB > 64 MB",
+        "1 of 10 attacks not answered as they should be",
+        "worst latency 45 ms > 3x unloaded p50 (30.0 ms)",
+    ]
+    assert "| NO: 2 well-behaved request(s) lost; RSS +80 MB > 64 MB;" in chaos.markdown(missed)
+
+    async def run(seconds):
+        return missed
+
+    monkeypatch.setattr(chaos, "run", run)
+    with pytest.raises(SystemExit) as exit_info:  # it printed "goals met: NO" and exited 0
+        cli.main(["chaos"])
+    assert exit_info.value.code == "epp-bench chaos: goals missed by: slowloris (the table says which and why)"
+    met = report()
+    assert chaos.missed_goals(met, met.results[0]) == [] and "| yes |" in chaos.markdown(met)
+    monkeypatch.setattr(chaos, "run", lambda seconds: asyncio.sleep(0, met))
+    cli.main(["chaos"])  # every goal met: exit 0
+
+
+def test_compare_says_which_files_it_wrote_and_that_it_drew_no_plots(monkeypatch, tmp_path, capsys):
+    async def no_plots(workload, targets, rates, duration, servers, out, *args, **kwargs):
+        out.mkdir(parents=True, exist_ok=True)
+        for suffix in (".md", ".json"):
+            (out / f"{workload}{suffix}").write_text("")
+        return []  # as compare() without matplotlib: no *.png
+
+    monkeypatch.setattr(compare, "compare", no_plots)
+    monkeypatch.setattr(compare, "markdown", lambda results: "")
+    cli.main(["compare", "--targets", "epp", "--rates", "8", "--out", str(tmp_path)])
+    last = capsys.readouterr().out.strip().splitlines()[-1]  # it claimed "*.png" whatever it wrote
+    assert last == (
+        f"wrote {tmp_path}/shared-prefix.md, {tmp_path}/shared-prefix.json; "
+        "no plots (matplotlib is not installed: pip install -e '.[bench]')"
+    )
+
+
+def test_flood_exits_1_when_requests_went_unaccounted_for(monkeypatch, capsys):
+    async def flooded(targets, overloads, duration, servers, out):
+        return [flood.FloodResult("epp", 2.0, offered_rate=20.0, capacity=10.0, duration=1.0, accounted=False)]
+
+    monkeypatch.setattr(flood, "flood", flooded)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["flood", "--targets", "epp"])
+    assert exit_info.value.code == "epp-bench flood: requests not all accounted for: epp at 2x"
+    assert "wrote no files; --out DIR keeps the report" in capsys.readouterr().out
