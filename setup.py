@@ -5,11 +5,14 @@ A developer's install (`make`, `pip install -e '.[harness,test]'`) and a plain `
 written, the workshop (`harness`) and its console scripts included: nothing is compiled. EPP_RELEASE=1, read here at
 build time only (`make wheel`, the Dockerfile's wheel stage), makes the runtime wheel the images install: the packages
 `protocol`, `modelserver` and `epp`, the console scripts `epp` and `modelserver`, and the modules in COMPILED
-compiled with Cython from their source as it is. Nothing is declared for the compiler: no .pxd beside them, and
-annotations stay annotations (Python semantics throughout), so the compiled modules behave as the Python does. That
-build needs a C compiler; pip fetches Cython into the build's own environment (`setup_requires` below is what
-setuptools' build backend answers pip's question for a wheel's build requirements with). The installed wheel needs
-neither, and runs no other code than the source it was built from.
+compiled with Cython from their source as it is. No .pxd beside them: what Cython types, the source says once, in
+Python (Cython's pure-Python mode: the hot classes' fields in `cython.declare` lines of the class body, their methods
+`@cython.ccall`, C integer locals `@cython.locals`; as Python, Cython's shadow module makes each a no-op). Other
+annotations stay annotations (Python semantics), except in a class or module that turns Cython's annotation typing
+on. That build needs a C compiler and Cython (pip fetches it into an isolated build's environment: `setup_requires`
+below is what setuptools' build backend answers pip's question for a wheel's build requirements with; `make wheel`
+builds in the developer's environment, where it is installed, for the profile-guided build, CompileWithCython.run).
+The installed wheel needs neither, and runs no other code than the source it was built from.
 """
 
 import os

@@ -36,7 +36,7 @@ METRICS_AGE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.
 SCHEDULER_BUCKETS = (0.00001, 0.00002, 0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1)
 
 
-@cython.annotation_typing(True)  # (where compiled, `float` is a C double)
+@cython.annotation_typing(True)
 @cython.final
 @cython.cclass
 class _Value:

@@ -212,7 +212,7 @@ DEFAULT_MAX_BODY_BYTES = 32 << 20  # like the model servers' request size limit
 MESSAGE_ENVELOPE_BYTES = 1 << 20
 
 
-@cython.annotation_typing(True)  # (where compiled, its annotations are C types; the module's other ones stay Python's)
+@cython.annotation_typing(True)
 @cython.cclass
 class RequestStream:
     """The ext_proc state machine of one stream (one HTTP request); see `epp.handlers` for the interface."""

@@ -87,7 +87,7 @@ UNTIMED_RESPONSES_WARNING = 100
 UNTIMED_WARNING_SECONDS = 2.0
 
 
-@cython.annotation_typing(True)  # (where compiled, its annotations are C types; the module's other ones stay Python's)
+@cython.annotation_typing(True)
 @cython.final
 @cython.cclass
 class Director:

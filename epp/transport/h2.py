@@ -160,7 +160,7 @@ class UnaryMethod:
         pass
 
 
-@cython.annotation_typing(True)  # (its annotations are C types where compiled: the rest of the module's stay Python's)
+@cython.annotation_typing(True)
 @cython.final
 @cython.cclass
 class _Stream:
@@ -194,7 +194,7 @@ class _Stream:
         self.handled = False  # a message reached the handler (a reset before that is "premature")
 
 
-@cython.annotation_typing(True)  # (its annotations are C types where compiled: the rest of the module's stay Python's)
+@cython.annotation_typing(True)
 @cython.final
 @cython.cclass
 class ExtProcConnection:
