@@ -122,19 +122,27 @@ class EndpointPicker:
         if not (args.kv_events_port and self.scheduler.requires_kv_events):
             return None
         index = KVBlockIndex(args.kv_index_max_entries)
-        subscriber = KVEventSubscriber(
-            index,
-            f"tcp://{args.bind_address.replace('0.0.0.0', '*')}:{args.kv_events_port}",
-            connect_port_offset=args.kv_events_connect_port_offset,
-            replay_port_offset=args.kv_events_replay_port_offset,
-        )
+        if args.kv_events_bind:
+            subscriber = KVEventSubscriber(
+                index,
+                f"tcp://{args.bind_address.replace('0.0.0.0', '*')}:{args.kv_events_port}",
+                replay_port_offset=args.kv_events_replay_port_offset,
+            )
+            where = f"bound on {subscriber.endpoint}; a sender must be at the address its topic names"
+        else:
+            subscriber = KVEventSubscriber(
+                index,
+                publisher_port=args.kv_events_port,
+                connect_port_offset=args.kv_events_connect_port_offset,
+                replay_port_offset=args.kv_events_replay_port_offset,
+            )
+            where = (
+                f"subscribing to each endpoint's publisher at port {args.kv_events_port}"
+                if args.kv_events_connect_port_offset is None
+                else f"subscribing to each endpoint's publisher at its port {args.kv_events_connect_port_offset:+d}"
+            )
         self.scheduler.use_kv_index(index)
-        log.info(
-            "KV events: %s",
-            f"bound on {subscriber.endpoint}"
-            if subscriber.endpoint
-            else f"connecting to each endpoint's port {args.kv_events_connect_port_offset:+d}",
-        )
+        log.info("KV events: %s", where)
         return subscriber
 
     def _flow_control(self) -> FlowController | None:
@@ -176,6 +184,7 @@ class EndpointPicker:
         metrics = self.metrics
         metrics.register(PoolCollector(self.pool_name, self.datastore))
         metrics.register(self.scheduler)
+        metrics.register(self.director.responses)
         metrics.register(
             FlowControlCollector(metrics, self.flow_control, self.datastore, self.scheduler.detector.saturation)
         )
@@ -245,6 +254,7 @@ class EndpointPicker:
         await self.health_server.stop(grace=None)
         await self.metrics_runner.cleanup()
         await self.datastore.close()
+        await self.director.responses.close()
 
     async def run(self, stop: asyncio.Event) -> None:
         """Start, serve until `stop` is set, stop."""

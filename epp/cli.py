@@ -17,6 +17,7 @@ import zmq
 
 from epp.app import EndpointPicker
 from epp.config import ConfigError
+from epp.datalayer.kv_events import DEFAULT_MAX_ENTRIES
 from epp.datalayer.pool_file import PoolFileError
 from epp.handlers.extproc import DEFAULT_MAX_BODY_BYTES
 from epp.transport.h2 import MAX_CONNECTIONS
@@ -99,17 +100,24 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-events-port",
         type=int,
         default=DEFAULT_SUBSCRIBER_PORT,
-        help="port of the ZMQ SUB socket for the model servers' KV events (vLLM --kv-events-config), bound on "
-        "--bind-address, as llm-d's EPP; it runs only when the scheduling profile has a scorer that reads the "
-        "events (precise-prefix-cache-scorer, in the default profile); 0: off",
+        help="port of each endpoint's KV-event publisher (vLLM --kv-events-config endpoint tcp://*:5557): the EPP "
+        "subscribes to every endpoint's own publisher as the pool lists it (llm-d's pod discovery), so an "
+        "endpoint's events come from that endpoint only; it runs only when the scheduling profile has a scorer that "
+        "reads the events (precise-prefix-cache-scorer, in the default profile); 0: off",
     )
     p.add_argument(
         "--kv-events-connect-port-offset",
         type=int,
         default=None,
-        help="instead of binding --kv-events-port, connect to each endpoint's own publisher at its address and its "
-        "serving port + this offset (servers that bind, e.g. vLLM's tcp://*:5557 beside port 8000: -2443); "
-        "every EPP replica then receives every server's events",
+        help="each endpoint's publisher listens at its serving port + this offset instead of --kv-events-port "
+        "(several servers on one address: each binds its own)",
+    )
+    p.add_argument(
+        "--kv-events-bind",
+        action="store_true",
+        help="bind --kv-events-port on --bind-address instead, for servers that connect to the EPP (vLLM endpoint "
+        "tcp://<epp>:5557); a message counts only when its sender's IP address is the one its topic names, so any "
+        "process on a server's host can speak for it: only where the network lets nothing else reach the port",
     )
     p.add_argument(
         "--kv-events-replay-port-offset",
@@ -121,8 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--kv-index-max-entries",
         type=int,
-        default=4_000_000,
-        help="cap on the KV-event index's (block hash, endpoint) entries; over it, the largest endpoint's oldest go",
+        default=DEFAULT_MAX_ENTRIES,
+        help="cap on the KV-event index's (block hash, endpoint) entries, ~194 bytes each (the default: ~460 MiB); "
+        "over it, the largest endpoint's oldest go",
     )
     p.add_argument("-v", "--verbosity", type=int, default=0, help="0 info, 1+ debug")
     return p

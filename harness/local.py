@@ -61,13 +61,12 @@ class StackConfig:
     # more environment for the EPP (another checkout's PYTHONPATH: harness.bench.overhead.build_environment)
     epp_env: dict[str, str] = field(default_factory=dict)
     workdir: Path | None = None
-    # The EPP's KV-event SUB port: every model server publishes its KV events there (vLLM --kv-events-config
-    # connecting to the EPP, as llm-d deploys it); None: a free port; 0: no events (the approximate index only)
+    # KV events: every model server binds its publisher (at its port + publisher_port_offset, a free block; vLLM
+    # --kv-events-config tcp://*:PORT) and every EPP subscribes to each (epp --kv-events-connect-port-offset);
+    # None: on; 0: no events (the approximate index only)
     kv_events_port: int | None = None
     hash_seed: str = "0"  # PYTHONHASHSEED of the servers and the EPP: vLLM's block hashes are seeded by it
-    # Active-active: this many EPPs behind Envoy (round robin). Every server then binds its KV-event publisher (at
-    # its port + publisher_port_offset, a free block) and every EPP connects to all of them: vLLM publishes to one
-    # endpoint, so with several subscribers the servers bind and the subscribers connect.
+    # Active-active: this many EPPs behind Envoy (round robin), each subscribed to every server's publisher.
     epp_replicas: int = 1
 
 
@@ -122,16 +121,17 @@ class LocalStack:
         self.epp_ports = [(config.grpc_port, config.grpc_health_port, config.metrics_port)]
         self.publisher_port_offset: int | None = None
         self.replay_port_offset: int | None = None  # each server's replay socket (a late EPP catches up from it)
-        if config.kv_events_port is None:  # a free port that none of the stack's other ports is
-            taken = set(self.ports())
-            config.kv_events_port = next(p for p in free_ports(len(taken) + 1) if p not in taken)
+        if config.kv_events_port is None:
+            config.kv_events_port = DEFAULT_SUBSCRIBER_PORT
         if config.epp_replicas > 1:
             taken = set(self.ports())
             more = [p for p in free_ports(len(taken) + 3 * (config.epp_replicas - 1)) if p not in taken]
             self.epp_ports += [tuple(more[i : i + 3]) for i in range(0, 3 * (config.epp_replicas - 1), 3)]
+        if config.kv_events_port:
             self.publisher_port_offset = self._free_block_offset()
             self.replay_port_offset = self._free_block_offset()
         self.processes: dict[str, subprocess.Popen] = {}
+        self._started: dict[str, tuple[list[str], dict[str, str] | None]] = {}  # name -> (argv, env): restart
         self.envoy: EnvoyProcess | None = None
 
     def _free_block_offset(self) -> int:
@@ -163,7 +163,12 @@ class LocalStack:
     def epp_metrics_urls(self) -> list[str]:
         return [f"http://{self.config.host}:{metrics}/metrics" for _, _, metrics in self.epp_ports]
 
+    def restart(self, name: str) -> subprocess.Popen:
+        """Start process `name` again as it was first started (after it died or was killed)."""
+        return self._spawn(name, *self._started[name])
+
     def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+        self._started[name] = (argv, env)
         log = (self.workdir / f"{name}.log").open("ab")
         process = subprocess.Popen(
             argv,
@@ -205,19 +210,18 @@ class LocalStack:
             self._spawn(name, argv)
 
     def kv_events_args(self, port: int) -> list[str]:
-        """The --kv-events-config of the model servers from `port` on: publish to the EPP's SUB port, or with EPP
-        replicas bind a publisher at port + publisher_port_offset (each replica of a process at its own port + the
-        offset); nothing when the caller configures it or events are off."""
+        """The --kv-events-config of the model servers from `port` on: bind a publisher at port +
+        publisher_port_offset (each replica of a process at its own port + the offset; vLLM binds only an endpoint
+        with '*'), and a replay socket; nothing when the caller configures it or events are off."""
         c = self.config
         if not c.kv_events_port or "--kv-events-config" in c.modelserver_args:
             return []
-        if self.publisher_port_offset is None:
-            endpoint = f"tcp://{c.host}:{c.kv_events_port}"
-        else:  # vLLM binds only an endpoint with '*'; the sockets are up while the stack runs
-            endpoint = f"tcp://*:{port + self.publisher_port_offset}"
-        config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint}
-        if self.replay_port_offset is not None:
-            config["replay_endpoint"] = f"tcp://*:{port + self.replay_port_offset}"
+        config = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://*:{port + self.publisher_port_offset}",
+            "replay_endpoint": f"tcp://*:{port + self.replay_port_offset}",
+        }
         return ["--kv-events-config", json.dumps(config)]
 
     def write_pool_file(self) -> Path:
@@ -299,8 +303,6 @@ class LocalStack:
                 c.admin_port: "Envoy admin (--admin-port)",
             }
         )
-        if c.kv_events_port:
-            named[c.kv_events_port] = "EPP KV events (--kv-events-port)"
         for i, ports in enumerate(self.epp_ports[1:], 1):
             named.update(dict(zip(ports, (f"EPP {i} ext_proc", f"EPP {i} health", f"EPP {i} metrics"), strict=True)))
         if self.publisher_port_offset is not None:
@@ -394,7 +396,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-events-port",
         type=int,
         default=DEFAULT_SUBSCRIBER_PORT,
-        help="the EPP's KV-event port; the model servers publish their KV events to it (0: no events)",
+        help="0: no KV events; else each model server binds a KV-event publisher (at a free port beside its own) "
+        "and the EPP subscribes to each",
+    )
+    p.add_argument(
+        "--epp-replicas",
+        type=int,
+        default=1,
+        help="EPP replicas, all active, behind Envoy (round robin); the first on the ports above, the others on free\n"
+        "ports; each subscribes to every server's KV events",
     )
     p.add_argument("--fail-open", action="store_true", help="Envoy keeps serving (round robin) when the EPP is down")
     p.add_argument("--config-file", help="EndpointPickerConfig YAML for the EPP")
@@ -467,6 +477,7 @@ async def run(args: argparse.Namespace, stop: asyncio.Event) -> int:
         listener_port=args.listener_port,
         admin_port=args.admin_port,
         kv_events_port=args.kv_events_port,
+        epp_replicas=args.epp_replicas,
         fail_open=args.fail_open,
         response_body_mode=args.response_body_mode,
         observed_responses_percent=args.observed_responses_percent,

@@ -76,6 +76,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--kv-cache-metrics-sample", type=float, default=0.0, help="fraction of KV blocks sampled")
     p.add_argument("--max-request-body-bytes", type=int, default=32 * 1024 * 1024)
+    p.add_argument(
+        "--max-stored-responses",
+        type=int,
+        default=4096,
+        help="Responses API: stored responses kept for previous_response_id (oldest dropped first)",
+    )
+    p.add_argument(
+        "--max-stored-response-bytes",
+        type=int,
+        default=256 * 1024 * 1024,
+        help="Responses API: bytes the stored responses and their conversations may take (oldest dropped first)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto", help="torch: cuda, cpu or auto")
     p.add_argument("--dtype", default="auto", help="torch: bfloat16, float16, float32 or auto")
@@ -186,6 +198,8 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
                 lora_roots=args.lora_root,
                 allow_runtime_lora_updating=args.allow_runtime_lora_updating or runtime_lora_updating_from_env(),
                 max_request_body_bytes=args.max_request_body_bytes,
+                max_stored_responses=args.max_stored_responses,
+                max_stored_response_bytes=args.max_stored_response_bytes,
             )
             server = ModelServer(engine, tokenizer, settings)
             runner = web.AppRunner(server.app, access_log=None, handler_cancellation=True)

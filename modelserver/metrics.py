@@ -32,6 +32,9 @@ from protocol.metrics import (
     LABEL_MODEL_NAME,
     LABEL_RUNNING_LORA_ADAPTERS,
     LABEL_WAITING_LORA_ADAPTERS,
+    MODELSERVER_STORED_RESPONSE_BYTES,
+    MODELSERVER_STORED_RESPONSES,
+    MODELSERVER_STORED_RESPONSES_EVICTED,
     VLLM_CACHE_CONFIG_INFO,
     VLLM_GENERATION_TOKENS,
     VLLM_GPU_PREFIX_CACHE_HITS,
@@ -201,6 +204,14 @@ class PrometheusStatLogger:
         self.running = gauge(VLLM_NUM_REQUESTS_RUNNING, "Number of requests in model execution batches.")
         self.waiting = gauge(VLLM_NUM_REQUESTS_WAITING, "Number of requests waiting to be processed.")
         self.kv_usage = gauge(VLLM_KV_CACHE_USAGE, "KV-cache usage. 1 means 100 percent usage.")
+        self.stored_responses = gauge(MODELSERVER_STORED_RESPONSES, "Responses stored for previous_response_id.")
+        self.stored_response_bytes = gauge(
+            MODELSERVER_STORED_RESPONSE_BYTES, "Bytes of the stored responses and their conversations (estimated)."
+        )
+        self.stored_responses_evicted = counter(
+            MODELSERVER_STORED_RESPONSES_EVICTED,
+            "Stored responses dropped, oldest first, to keep within --max-stored-responses and its byte limit.",
+        )
         # Deprecated names (vLLM v0 / before 0.11), only behind --show-hidden-metrics-for-version.
         self.gpu_cache_usage = self.gpu_prefix_queries = self.gpu_prefix_hits = self.tpot_deprecated = None
         hidden = f"shown because --show-hidden-metrics-for-version={show_hidden_metrics_for_version}."

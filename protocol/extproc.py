@@ -26,6 +26,11 @@ MAX_REQUEST_ID_CHARS = 256
 OBJECTIVE_HEADER = "x-gateway-inference-objective"
 FAIRNESS_ID_HEADER = "x-gateway-inference-fairness-id"
 MODEL_NAME_REWRITE_HEADER = "x-gateway-model-name-rewrite"
+# A client's session (session-affinity-scorer's default header) and the agents' own session headers, as llm-d's
+# agent-identity plugin reads them, first match wins: Claude Code, OpenCode, Codex (and its older spelling).
+SESSION_ID_HEADER = "x-session-id"
+AGENT_SESSION_HEADERS = ("x-claude-code-session-id", "x-session-affinity", "session-id", "session_id")
+MAX_SESSION_ID_CHARS = 256  # longer values are not keys (a header can be up to the proxy's limit)
 
 # Largest body chunk the EPP sends back to the proxy in FULL_DUPLEX_STREAMED mode.
 MAX_BODY_CHUNK_BYTES = 62_000
@@ -37,3 +42,12 @@ EPP_GRPC_HEALTH_PORT = 9003
 EPP_METRICS_PORT = 9090
 ENVOY_LISTENER_PORT = 8081
 ENVOY_ADMIN_PORT = 19000
+
+
+def agent_identity(headers: dict[str, str], names: tuple[str, ...] = AGENT_SESSION_HEADERS) -> str | None:
+    """The first non-empty of the named session headers (at most MAX_SESSION_ID_CHARS), or None."""
+    for name in names:
+        value = headers.get(name)
+        if value and len(value) <= MAX_SESSION_ID_CHARS:
+            return value
+    return None

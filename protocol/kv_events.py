@@ -26,7 +26,7 @@ import msgspec
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 MEDIUM_GPU = "GPU"
-DEFAULT_SUBSCRIBER_PORT = 5557  # the EPP's bound SUB socket (llm-d's default)
+DEFAULT_SUBSCRIBER_PORT = 5557  # a server's KV-event publisher (vLLM tcp://*:5557, llm-d's socketPort)
 
 
 class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -24,6 +24,11 @@ VLLM_KV_CACHE_USAGE_V0 = "vllm:gpu_cache_usage_perc"  # deprecated v0 name, acce
 VLLM_LORA_REQUESTS_INFO = "vllm:lora_requests_info"
 VLLM_CACHE_CONFIG_INFO = "vllm:cache_config_info"
 
+# The reference model server's stored Responses (previous_response_id): vLLM keeps them unbounded and has no series.
+MODELSERVER_STORED_RESPONSES = "modelserver:stored_responses"
+MODELSERVER_STORED_RESPONSE_BYTES = "modelserver:stored_response_bytes"
+MODELSERVER_STORED_RESPONSES_EVICTED = "modelserver:stored_responses_evicted"  # a counter (_total on the page)
+
 # The rest of vLLM V1's series the reference model server exposes (its metrics design; the EPP reads the ones above).
 VLLM_GENERATION_TOKENS = "vllm:generation_tokens"
 VLLM_GPU_PREFIX_CACHE_HITS = "vllm:gpu_prefix_cache_hits"

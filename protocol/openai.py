@@ -1,6 +1,7 @@
 """OpenAI Completions and Chat request shapes: parsing, validation with OpenAI-shaped errors, and the prompt text
 used for prefix hashing. Shared by the model server (which validates fully) and the EPP (which needs the model name
-and the prompt, and must not reject extensions that some model server accepts)."""
+and the prompt, and must not reject extensions that some model server accepts). The Responses and Anthropic Messages
+APIs (`protocol.responses`, `protocol.anthropic`) turn their bodies into the same chat messages and tools."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ import msgspec
 
 COMPLETIONS_PATH = "/v1/completions"
 CHAT_COMPLETIONS_PATH = "/v1/chat/completions"
+RESPONSES_PATH = "/v1/responses"
+MESSAGES_PATH = "/v1/messages"
 
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 MAX_N = 128
@@ -25,17 +28,39 @@ MAX_LOGPROBS = 20
 class RequestKind(StrEnum):
     COMPLETION = "completion"
     CHAT = "chat"
+    RESPONSES = "responses"  # OpenAI Responses (protocol.responses)
+    MESSAGES = "messages"  # Anthropic Messages (protocol.anthropic)
+
+
+_KIND_OF_PATH = {
+    COMPLETIONS_PATH: RequestKind.COMPLETION,
+    CHAT_COMPLETIONS_PATH: RequestKind.CHAT,
+    RESPONSES_PATH: RequestKind.RESPONSES,
+    MESSAGES_PATH: RequestKind.MESSAGES,
+}
 
 
 def request_kind(path: str) -> RequestKind | None:
-    """The kind of OpenAI request a URL path names (query string ignored), or None for any other path."""
-    path = path.partition("?")[0].rstrip("/")
-    if path == COMPLETIONS_PATH:
-        return RequestKind.COMPLETION
-    if path == CHAT_COMPLETIONS_PATH:
-        return RequestKind.CHAT
-    return None
+    """The kind of generation request a URL path names (query string ignored), or None for any other path."""
+    return _KIND_OF_PATH.get(path.partition("?")[0].rstrip("/"))
 
+
+def error_style(path: str) -> str:
+    """The error body shape of the API a path belongs to: "anthropic" under /v1/messages, else "openai"."""
+    path = path.partition("?")[0]
+    return "anthropic" if path == MESSAGES_PATH or path.startswith(MESSAGES_PATH + "/") else "openai"
+
+
+_ANTHROPIC_ERROR_TYPES = {  # Anthropic's error types by status (its API's errors page)
+    HTTPStatus.BAD_REQUEST: "invalid_request_error",
+    HTTPStatus.UNAUTHORIZED: "authentication_error",
+    HTTPStatus.FORBIDDEN: "permission_error",
+    HTTPStatus.NOT_FOUND: "not_found_error",
+    HTTPStatus.REQUEST_ENTITY_TOO_LARGE: "request_too_large",
+    HTTPStatus.TOO_MANY_REQUESTS: "rate_limit_error",
+    HTTPStatus.INTERNAL_SERVER_ERROR: "api_error",
+    HTTPStatus.SERVICE_UNAVAILABLE: "overloaded_error",
+}
 
 _ERROR_TYPES = {
     HTTPStatus.BAD_REQUEST: "invalid_request_error",
@@ -48,7 +73,8 @@ _ERROR_TYPES = {
 
 
 class OpenAIError(Exception):
-    """An error with an HTTP status and OpenAI's body shape {"error": {"message", "type", "param", "code"}}."""
+    """An error with an HTTP status and OpenAI's body shape {"error": {"message", "type", "param", "code"}}, or with
+    `style` "anthropic" Anthropic's {"type": "error", "error": {"type", "message"}} (a /v1/messages request's)."""
 
     def __init__(
         self,
@@ -65,12 +91,19 @@ class OpenAIError(Exception):
         self.param = param
         self.code = code
         self.retry_after = retry_after  # seconds, for a retry-after header (429, 503)
+        self.style = "openai"  # the body's shape: "openai", or "anthropic" for the Messages API (error_style)
 
     @property
     def type(self) -> str:
+        if self.style == "anthropic":
+            return _ANTHROPIC_ERROR_TYPES.get(
+                self.status, "api_error" if self.status >= 500 else "invalid_request_error"
+            )
         return _ERROR_TYPES.get(self.status, "invalid_request_error")
 
     def to_dict(self) -> dict[str, Any]:
+        if self.style == "anthropic":
+            return {"type": "error", "error": {"type": self.type, "message": self.message}}
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def to_json(self) -> bytes:
@@ -89,6 +122,7 @@ class CompletionRequest:
     model: str
     prompts: list[str | list[int]] = field(default_factory=list)
     messages: list[dict[str, Any]] = field(default_factory=list)
+    tools: list[dict[str, Any]] = field(default_factory=list)  # Chat's function tools, as the chat template reads them
     stream: bool = False
     include_usage: bool = False
     max_tokens: int | None = None
@@ -178,6 +212,24 @@ def _message_text(content: Any, index: int) -> str:
     raise OpenAIError(f"`messages[{index}].content` must be a string or a list of parts", param="messages")
 
 
+def _tool_calls(message: Mapping[str, Any], index: int) -> list[dict[str, Any]] | None:
+    calls = message.get("tool_calls")
+    if calls is None:
+        return None
+    if isinstance(calls, list) and all(
+        isinstance(c, dict)
+        and isinstance(c.get("function"), dict)
+        and isinstance(c["function"].get("name"), str)
+        and isinstance(c["function"].get("arguments"), str)
+        for c in calls
+    ):
+        return calls
+    raise OpenAIError(
+        f"`messages[{index}].tool_calls` must be a list of {{'function': {{'name': str, 'arguments': str}}}}",
+        param="messages",
+    )
+
+
 def chat_messages(payload: Mapping[str, Any]) -> list[dict[str, Any]]:
     """The validated `messages` of a Chat request, each content as text: what the chat template renders (the model
     server's and the EPP's)."""
@@ -191,7 +243,44 @@ def chat_messages(payload: Mapping[str, Any]) -> list[dict[str, Any]]:
         role = message.get("role")
         if role not in CHAT_ROLES:
             raise OpenAIError(f"`messages[{i}].role` must be one of {sorted(CHAT_ROLES)}", param="messages")
-        out.append({**message, "content": _message_text(message.get("content"), i)})
+        entry = {**message, "content": _message_text(message.get("content"), i)}
+        if _tool_calls(message, i) is None:
+            entry.pop("tool_calls", None)  # (a template may test for the key)
+        out.append(entry)
+    return out
+
+
+def function_tool(name: Any, description: Any, parameters: Any, param: str) -> dict[str, Any]:
+    """One function tool in Chat's shape, from any API's fields: the one form the chat template renders."""
+    if not isinstance(name, str) or not name:
+        raise OpenAIError(f"`{param}` needs a function name (a non-empty string)", param=param)
+    function: dict[str, Any] = {"name": name}
+    if description is not None:
+        if not isinstance(description, str):
+            raise OpenAIError(f"`{param}` description must be a string", param=param)
+        function["description"] = valid_text(description, param)
+    if parameters is not None:
+        if not isinstance(parameters, dict):
+            raise OpenAIError(f"`{param}` parameters must be a JSON schema object", param=param)
+        function["parameters"] = parameters
+    return {"type": "function", "function": function}
+
+
+def chat_tools(payload: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The `tools` of a Chat request: function tools, `{"type": "function", "function": {"name", ...}}`."""
+    tools = payload.get("tools")
+    if tools is None:
+        return []
+    if not isinstance(tools, list):
+        raise OpenAIError("`tools` must be a list", param="tools")
+    out = []
+    for tool in tools:
+        function = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
+        if not isinstance(function, dict):
+            raise OpenAIError("`tools` entries must be {'type': 'function', 'function': {...}}", param="tools")
+        out.append(
+            function_tool(function.get("name"), function.get("description"), function.get("parameters"), "tools")
+        )
     return out
 
 
@@ -242,6 +331,7 @@ def parse_request(body: bytes | str | Mapping[str, Any], kind: RequestKind) -> C
     request = CompletionRequest(kind=kind, model=model, raw=payload)
     if kind is RequestKind.CHAT:
         request.messages = chat_messages(payload)
+        request.tools = chat_tools(payload)
         max_tokens = _int_in(payload, "max_completion_tokens", 1)
         request.max_tokens = max_tokens if max_tokens is not None else _int_in(payload, "max_tokens", 1)
         if _expect(payload, "logprobs", bool, "a boolean"):
@@ -272,26 +362,80 @@ def parse_request(body: bytes | str | Mapping[str, Any], kind: RequestKind) -> C
     return request
 
 
-def chat_transcript(messages: list[Mapping[str, Any]]) -> str:
-    """A stable, prefix-preserving text of chat messages: a conversation that grows by turns keeps its prefix."""
-    return "".join(f"<|{m.get('role')}|>\n{_message_text(m.get('content'), i)}\n" for i, m in enumerate(messages))
+def _tojson(value: Any) -> str:
+    """Jinja's `tojson` filter: sorted keys, and <, >, & and ' escaped for HTML."""
+    text = json.dumps(value, sort_keys=True)
+    return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026").replace("'", "\\u0027")
 
 
-def prompt_text(request: CompletionRequest | Mapping[str, Any]) -> str:
-    """The text the EPP hashes for prefix affinity: the prompt, or the chat transcript.
+def chat_transcript(messages: list[Mapping[str, Any]], tools: list[Mapping[str, Any]] | None = None) -> str:
+    """A stable, prefix-preserving text of chat messages and tools: what the default chat template renders
+    (protocol.tokenizer), without the generation prompt. A conversation that grows by turns keeps its prefix, and
+    agents' long tool lists lead it."""
+    parts = []
+    if tools:
+        parts.append("<|tools|>\n")
+        parts += [_tojson(tool.get("function")) + "\n" for tool in tools]
+    for i, m in enumerate(messages):
+        parts.append(f"<|{m.get('role')}|>\n{_message_text(m.get('content'), i)}\n")
+        calls = m.get("tool_calls")
+        for call in calls if isinstance(calls, list) else ():
+            function = call.get("function") if isinstance(call, Mapping) else None
+            if isinstance(function, Mapping):
+                parts.append(f"<|tool_call|>{function.get('name')} {function.get('arguments')}\n")
+    return "".join(parts)
 
-    Accepts a validated request or a raw payload (the EPP does not validate what the model server will).
+
+def rendered_chat(payload: Mapping[str, Any], kind: RequestKind | None) -> tuple[list[dict], list[dict]]:
+    """The chat messages and tools a Chat, Responses or Messages body renders (validated: OpenAIError otherwise),
+    as the chat template reads them. (protocol.responses and protocol.anthropic import this module: they are
+    imported when first used.)"""
+    if kind is RequestKind.RESPONSES:
+        from protocol.responses import parse_responses_request
+
+        chat = parse_responses_request(payload, prior=[])
+    elif kind is RequestKind.MESSAGES:
+        from protocol.anthropic import parse_messages_request
+
+        chat = parse_messages_request(payload, counting=True)
+    else:
+        return chat_messages(payload), chat_tools(payload)
+    return chat.messages, chat.tools
+
+
+def _agent_api_transcript(payload: Mapping[str, Any], kind: RequestKind) -> str:
+    return chat_transcript(*rendered_chat(payload, kind))
+
+
+def prompt_text(request: CompletionRequest | Mapping[str, Any], kind: RequestKind | None = None) -> str:
+    """The text the EPP hashes for prefix affinity: the prompt, or the chat transcript (with the tools and system
+    blocks of a Responses or Messages body, as the chat template renders them).
+
+    Accepts a validated request or a raw payload (the EPP does not validate what the model server will) and the
+    request's kind (its path; None: told apart by its fields). A body it cannot read gives its JSON text (Chat, a
+    Messages body) or "" (a Responses body): the server answers it, and there is no prompt to match.
     Token-id prompts become their decimal ids joined by commas, which is stable and prefix-preserving.
     """
     if isinstance(request, CompletionRequest):
-        if request.kind is RequestKind.CHAT:
-            return chat_transcript(request.messages)
+        if request.kind is not RequestKind.COMPLETION:
+            return chat_transcript(request.messages, request.tools)
         prompt: Any = request.prompts[0] if len(request.prompts) == 1 else request.prompts
     else:
+        if kind is RequestKind.RESPONSES or (kind is None and "messages" not in request and "input" in request):
+            try:
+                return _agent_api_transcript(request, RequestKind.RESPONSES)
+            except OpenAIError:
+                return ""
         messages = request.get("messages")
         if isinstance(messages, list):
             try:
-                return chat_transcript([m for m in messages if isinstance(m, Mapping)])
+                if kind is RequestKind.MESSAGES:
+                    return _agent_api_transcript(request, kind)
+                try:
+                    tools = chat_tools(request)
+                except OpenAIError:
+                    tools = None
+                return chat_transcript([m for m in messages if isinstance(m, Mapping)], tools)
             except OpenAIError:
                 return json.dumps(messages, sort_keys=True, separators=(",", ":"))
         prompt = request.get("prompt")

@@ -16,8 +16,13 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 EOS_TOKEN = "<|endoftext|>"
+# Tools first (the long part agents share), then each message with its tool calls: protocol.openai.chat_transcript
+# writes the same text without the generation prompt (tests/protocol/test_agent_apis.py holds them equal).
 DEFAULT_CHAT_TEMPLATE = (
-    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n{% endfor %}"
+    "{% if tools %}<|tools|>\n{% for tool in tools %}{{ tool['function'] | tojson }}\n{% endfor %}{% endif %}"
+    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n"
+    "{% for call in message['tool_calls'] or [] %}<|tool_call|>{{ call['function']['name'] }} "
+    "{{ call['function']['arguments'] }}\n{% endfor %}{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 
@@ -111,9 +116,17 @@ class Tokenizer:
     def decode(self, token_ids: list[int]) -> str:
         return self._tokenizer.decode(token_ids, skip_special_tokens=True)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, tools: list[dict] | None = None
+    ) -> str:
+        """The prompt text of chat messages and the request's tools (OpenAI Chat's shape: `{"type": "function",
+        "function": {...}}`), as Hugging Face's apply_chat_template passes them to the template."""
         return self._template.render(
-            messages=messages, add_generation_prompt=add_generation_prompt, eos_token=self._eos_token, bos_token=""
+            messages=messages,
+            tools=tools or None,
+            add_generation_prompt=add_generation_prompt,
+            eos_token=self._eos_token,
+            bos_token="",
         )
 
     def filler_token_ids(self, count: int = 256) -> list[int]:

@@ -1,13 +1,15 @@
 """Precise prefix index from the model servers' own KV events (vLLM's wire format: protocol/kv_events.py).
 
 `KVBlockIndex` maps a block hash to the endpoints that hold it, and keeps each endpoint's hashes in the order they
-were stored so a memory cap can drop an endpoint's oldest entries first. `KVEventSubscriber` binds one SUB socket
-(`epp --kv-events-port`, default 5557 on all interfaces, as llm-d's EPP) that every server connects to (or, with
-`--kv-events-connect-port-offset`, connects to each server's bound publisher: several EPP replicas then all get
-every server's events, since vLLM publishes to one endpoint only), and applies each batch to the index on its own thread.
-Endpoints are identified by the topic `kv@<address:port>@<model>`, matched to the pool's endpoints by address:port
-(messages from any other sender are counted and ignored); an endpoint that has published is scored by
-precise-prefix-cache-scorer, the others keep the approximate index.
+were stored so a memory cap can drop an endpoint's oldest entries first. `KVEventSubscriber` opens one SUB socket per
+endpoint of the pool, connected to that endpoint's own publisher (`epp --kv-events-port`, default 5557 on each
+endpoint's address, vLLM's `tcp://*:5557`, as llm-d's pod discovery; or `--kv-events-connect-port-offset` from its
+serving port): an endpoint's events are what arrives on its socket, whatever their topic says, so no other process
+can add to or wipe its entries, and every EPP replica hears every server. `--kv-events-bind` keeps the older way
+(one bound socket the servers connect to), where a message counts only when its sender's address is its topic's.
+Its receiver thread applies each batch to the index; an endpoint that has published is scored by
+precise-prefix-cache-scorer, the others keep the approximate index. A server whose first blocks do not hash as this
+EPP hashes them (another PYTHONHASHSEED or hash algorithm) is logged, counted and left to the approximate index.
 
 Gaps: sequence numbers per topic must be consecutive. On a gap, with a replay endpoint known for the server
 (`replay_port_offset`: the server's replay ROUTER listens on its serving port + offset, vLLM's `replay_endpoint`),
@@ -18,7 +20,10 @@ restarted server), an AllBlocksCleared, and an endpoint that leaves the pool dro
 joins after a server started (a new EPP replica) asks the replay socket, when known, for what it still buffers of
 the earlier batches; without one it knows only what is stored from then on.
 Memory: `max_entries` caps the (block hash, endpoint) pairs over all endpoints; over it, the endpoint with the most
-entries loses its oldest. The EPP exports the index size, the entries the cap dropped, events applied, gaps,
+entries loses its oldest, in O(1) each. An entry costs ~194 bytes (`epp-bench kv-index`, tracemalloc, 8 servers):
+the default cap, 2,500,000 entries, is ~460 MiB, within a budget of 512 MiB (a quarter of the manifest's 2 GiB
+limit), and holds 80 servers of 31,250 blocks. Updates run in slices (`pace`), so a huge batch never stops the
+event loop for long. The EPP exports the index size, the entries the cap dropped, events applied, gaps,
 replays and the delay from a batch's step (its `ts`) to its application (inference_extension_kv_events_*).
 """
 
@@ -28,7 +33,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 
 import msgspec
 import zmq
@@ -38,12 +43,13 @@ from epp.datalayer.endpoint import Endpoint
 from epp.metrics import unlabelled
 from protocol.exposition import bucket_bounds, cumulative_buckets
 from protocol.kv_events import (
-    DEFAULT_SUBSCRIBER_PORT,
     END_SEQ,
     AllBlocksCleared,
+    BlockHasher,
     BlockRemoved,
     EventBatch,
     KVCacheEvent,
+    external_block_hash,
     parse_topic,
 )
 
@@ -57,10 +63,29 @@ MAX_MESSAGE_BYTES = 16 << 20
 # At most this many batches are asked of a replay socket (twice vLLM's default replay buffer, buffer_steps 10,000):
 # a larger gap could not be closed anyway, and what is replayed is held until it is all there.
 MAX_REPLAYED_BATCHES = 20_000
+# An index update (a batch's blocks stored, removed or cleared, the entries over the cap evicted) runs in chunks of
+# CHUNK_BLOCKS blocks, and lets the event loop's thread run once a slice of chunks has taken SLICE_SECONDS: a batch
+# of 150,000 new blocks at the cap then never stops routing for much longer than a slice.
+CHUNK_BLOCKS = 256
+SLICE_SECONDS = 0.001
+# Entries evicted from one endpoint before the largest is looked for again.
+EVICTION_RUN = 256
+DEFAULT_MAX_ENTRIES = 2_500_000  # ~460 MiB at ~194 bytes an entry: see the module's docstring
 # Senders outside the pool warned about once each (then only counted), at most this many.
 MAX_WARNED_ENDPOINTS = 64
 
 log = logging.getLogger(__name__)
+
+
+def pace(started: float) -> float:
+    """Between two chunks of an index update: once the update has run SLICE_SECONDS since `started`, let the other
+    threads (the event loop) run, and return when the next slice starts. A sleep releases the GIL and, unlike
+    sleep(0), lasts long enough for a thread waiting on it to take it: the compiled release build never switches
+    threads by itself, so without this a batch of 150,000 blocks stopped routing for as long as it took."""
+    if time.perf_counter() - started < SLICE_SECONDS:
+        return started
+    time.sleep(0.0001)
+    return time.perf_counter()
 
 
 class StoredBlocks(KVCacheEvent, tag="BlockStored"):
@@ -80,10 +105,12 @@ class IndexedBatch(EventBatch):
 
 
 class KVBlockIndex:
-    def __init__(self, max_entries: int = 4_000_000):
+    def __init__(self, max_entries: int = DEFAULT_MAX_ENTRIES):
         self.max_entries = max_entries
         self._holders: dict[int, str | set[str]] = {}  # block hash -> its holder, or the set of them
-        self._by_endpoint: dict[str, dict[int, None]] = {}  # endpoint -> its hashes, in the order stored
+        # endpoint -> its hashes, oldest first: an OrderedDict drops its oldest in O(1) (a dict's first key is found
+        # by skipping the slots its deletions left at the front: quadratic over a run of evictions)
+        self._by_endpoint: dict[str, OrderedDict[int, None]] = {}
         self._size = 0
         self.dropped_entries = 0
         self._models: dict[str, str] = {}  # endpoint -> the model its topic names (its base model)
@@ -91,6 +118,9 @@ class KVBlockIndex:
         # with every batch, from the subscriber's thread)
         self.base_models: frozenset[str] = frozenset()
         self.block_size: int | None = None  # the block size of the latest BlockStored (the servers' block size)
+        # how this EPP hashes a prompt's blocks (precise-prefix-cache-scorer's): the subscriber checks each
+        # server's first blocks against it
+        self.hasher: BlockHasher | None = None
         self._lock = threading.Lock()
 
     @property
@@ -117,56 +147,78 @@ class KVBlockIndex:
         self.clear(endpoint)
 
     def store(self, endpoint: str, block_hashes: list[int]) -> None:
+        started = time.perf_counter()
+        for start in range(0, len(block_hashes), CHUNK_BLOCKS):
+            if start:
+                started = pace(started)
+            with self._lock:
+                self._store(endpoint, block_hashes[start : start + CHUNK_BLOCKS])
+                self._evict()
+
+    def _store(self, endpoint: str, block_hashes: list[int]) -> None:
         # Bulk operations where the work is per block (a busy pool stores tens of thousands of blocks a second).
-        with self._lock:
-            owned = self._by_endpoint.get(endpoint)
-            if owned is None:
-                owned = self._by_endpoint[endpoint] = {}
-            new = [h for h in block_hashes if h not in owned]
-            owned.update(dict.fromkeys(new))
-            holders = self._holders
-            setdefault = holders.setdefault
-            for block_hash in new:
-                held = setdefault(block_hash, endpoint)  # one holder: the name itself, no set (most blocks)
-                if held != endpoint:
-                    if type(held) is str:
-                        holders[block_hash] = {held, endpoint}
-                    else:
-                        held.add(endpoint)
-            self._size += len(new)
-            while self._size > self.max_entries:
-                largest = max(self._by_endpoint, key=lambda e: len(self._by_endpoint[e]))
-                owned = self._by_endpoint[largest]
-                oldest = next(iter(owned))
-                del owned[oldest]
-                self._unlink(oldest, largest)
-                self.dropped_entries += 1
+        owned = self._by_endpoint.get(endpoint)
+        if owned is None:
+            owned = self._by_endpoint[endpoint] = OrderedDict()
+        new = [h for h in block_hashes if h not in owned]
+        owned.update(dict.fromkeys(new))
+        holders = self._holders
+        setdefault = holders.setdefault
+        for block_hash in new:
+            held = setdefault(block_hash, endpoint)  # one holder: the name itself, no set (most blocks)
+            if held != endpoint:
+                if type(held) is str:
+                    holders[block_hash] = {held, endpoint}
+                else:
+                    held.add(endpoint)
+        self._size += len(new)
+
+    def _evict(self) -> None:
+        """Over the cap, the endpoint with the most entries loses its oldest, EVICTION_RUN at a time (so finding
+        the largest endpoint costs little per entry; it may end up to a run below the next largest)."""
+        over = self._size - self.max_entries
+        while over > 0:
+            endpoint, owned = max(self._by_endpoint.items(), key=lambda item: len(item[1]))
+            run = min(over, EVICTION_RUN, len(owned))
+            self._unlink_all([owned.popitem(last=False)[0] for _ in range(run)], endpoint)
+            self.dropped_entries += run
+            over -= run
 
     def remove(self, endpoint: str, block_hashes: list[int]) -> None:
-        with self._lock:
-            owned = self._by_endpoint.get(endpoint)
-            if owned is None:
-                return
-            for block_hash in block_hashes:
-                if block_hash in owned:
-                    del owned[block_hash]
-                    self._unlink(block_hash, endpoint)
+        started = time.perf_counter()
+        for start in range(0, len(block_hashes), CHUNK_BLOCKS):
+            if start:
+                started = pace(started)
+            with self._lock:
+                owned = self._by_endpoint.get(endpoint)
+                if owned is None:
+                    return
+                pop = owned.pop
+                gone = [h for h in block_hashes[start : start + CHUNK_BLOCKS] if pop(h, owned) is not owned]  # held
+                self._unlink_all(gone, endpoint)
 
     def clear(self, endpoint: str) -> None:
         with self._lock:
-            for block_hash in self._by_endpoint.pop(endpoint, ()):
-                self._unlink(block_hash, endpoint)
+            owned = list(self._by_endpoint.pop(endpoint, ()))
+        started = time.perf_counter()
+        for start in range(0, len(owned), CHUNK_BLOCKS):
+            if start:
+                started = pace(started)
+            with self._lock:
+                self._unlink_all(owned[start : start + CHUNK_BLOCKS], endpoint)
 
-    def _unlink(self, block_hash: int, endpoint: str) -> None:
+    def _unlink_all(self, block_hashes: list[int], endpoint: str) -> None:
+        """The endpoint no longer holds these hashes (already gone from its own entries)."""
         holders = self._holders
-        held = holders[block_hash]
-        if type(held) is str:
-            del holders[block_hash]
-        else:
-            held.discard(endpoint)
-            if len(held) == 1:
-                holders[block_hash] = next(iter(held))
-        self._size -= 1
+        for block_hash in block_hashes:
+            held = holders[block_hash]
+            if type(held) is str:
+                del holders[block_hash]
+            else:
+                held.discard(endpoint)
+                if len(held) == 1:
+                    holders[block_hash] = next(iter(held))
+        self._size -= len(block_hashes)
 
     def extend_run(self, block_hashes: list[int], run: set[str] | None) -> tuple[int, set[str] | None]:
         """How many of `block_hashes` (a prompt's next blocks, in order) the endpoints of `run` (those that hold
@@ -222,34 +274,41 @@ class KVBlockIndex:
 
 
 class KVEventSubscriber:
-    """An endpoint source (`epp.datalayer.source`) pushed to by the model servers: one SUB socket bound for all of
-    them (each publishes on its own `kv@<address:port>@<model>` topic); a receiver thread applies each batch to
-    the index. An endpoint that leaves the pool loses its entries."""
+    """An endpoint source (`epp.datalayer.source`) fed by the model servers' KV-event publishers; a receiver thread
+    applies each batch to the index. An endpoint that leaves the pool loses its entries.
+
+    Where events come from decides whose they are. By default (`publisher_port` or `connect_port_offset`) the EPP
+    opens one SUB socket per endpoint, connected to that endpoint's own publisher (the servers bind, as vLLM's
+    `tcp://*:5557`): whatever arrives on it is that endpoint's, whatever its topic says, and nothing else can reach
+    the EPP's index. With `endpoint` (a bound address) the servers connect in instead, and a message counts only when
+    its sender's IP address (ZMQ's Peer-Address) is the one its topic names: weaker (any process on a server's host,
+    or another port of it, can speak for it) and for networks where only the servers reach that port."""
 
     name = "kv-events"
 
     def __init__(
         self,
         index: KVBlockIndex,
-        endpoint: str = f"tcp://*:{DEFAULT_SUBSCRIBER_PORT}",
+        endpoint: str | None = None,
         *,
+        publisher_port: int | None = None,
         connect_port_offset: int | None = None,
         replay_port_offset: int | None = None,
         replay_timeout: float = 1.0,
     ):
+        if (endpoint is None) == (publisher_port is None and connect_port_offset is None):
+            raise ValueError("KV events: either a bound endpoint or the servers' publisher port (or offset)")
         self.index = index
         self._ctx = zmq.Context()
-        self._sub = self._ctx.socket(zmq.SUB)
-        self._sub.setsockopt(zmq.SUBSCRIBE, b"kv@")
-        self._sub.setsockopt(zmq.LINGER, 0)
-        self._sub.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-        self._connect = connect_port_offset is not None
+        self._poller = zmq.Poller()
+        self._sources: dict[zmq.Socket, str | None] = {}  # socket -> the endpoint it hears (None: the bound one)
+        self._connected: dict[str, zmq.Socket] = {}  # endpoint (address:port) -> its publisher's socket
+        self.publisher_port = publisher_port
         self.connect_port_offset = connect_port_offset
         self._bound: str | None = None
-        self._targets: deque[tuple[bool, str]] = deque()  # (join?, publisher) from the loop, for the thread
-        if not self._connect:
-            self._sub.bind(endpoint)
-            self._bound = self._sub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._targets: deque[tuple[bool, str, str]] = deque()  # (join?, endpoint, publisher) from the loop
+        if endpoint is not None:
+            self._bound = self._socket(endpoint, None, bind=True).getsockopt_string(zmq.LAST_ENDPOINT)
         self.replay_port_offset = replay_port_offset
         self.replay_timeout = replay_timeout
         self._next_seq: dict[str, int] = {}
@@ -260,9 +319,13 @@ class KVEventSubscriber:
         self.restarts = 0
         self.replays = 0  # gaps closed by a replay
         self.bad_messages = 0
-        # Only the pool's servers are indexed: the SUB socket binds on every interface, and an entry per topic
-        # (a sequence number, a model) for any address:port a sender names would grow without bound. Replaced whole
-        # on the loop (start/stop) and read by the receiver thread.
+        self.unverified = 0  # bound socket: messages whose sender is not at the address their topic names
+        # endpoints whose block hashes this EPP cannot reproduce (another PYTHONHASHSEED or hash algorithm): their
+        # events are ignored until they restart, and the approximate index covers them
+        self.mismatched: set[str] = set()
+        self._verified: set[str] = set()  # endpoints whose first blocks hashed as this EPP hashes them
+        # Only the pool's servers are indexed: an entry per topic (a sequence number, a model) for any address:port a
+        # sender names would grow without bound. Replaced whole on the loop (start/stop), read by the receiver thread.
         self._pool: frozenset[str] = frozenset()
         self.outside_pool = 0  # messages from servers not in the pool, ignored
         self._warned: set[str] = set()
@@ -278,19 +341,21 @@ class KVEventSubscriber:
         return self._bound
 
     def publisher(self, endpoint: Endpoint) -> str:
-        """Where a server that binds its publisher listens: its address, its serving port + the offset."""
-        return f"tcp://{endpoint.spec.address}:{endpoint.spec.port + self.connect_port_offset}"
+        """Where a server's publisher listens: its address at `publisher_port`, or at its serving port + the offset."""
+        spec = endpoint.spec
+        port = self.publisher_port if self.connect_port_offset is None else spec.port + self.connect_port_offset
+        return f"tcp://{endpoint.hostport.rpartition(':')[0]}:{port}"
 
     def start(self, endpoint: Endpoint) -> None:
         self._pool = self._pool | {endpoint.hostport}
-        if self._connect:  # servers that bind (vLLM's `tcp://*:5557`): connect to each one's publisher
-            self._targets.append((True, self.publisher(endpoint)))
+        if self._bound is None:
+            self._targets.append((True, endpoint.hostport, self.publisher(endpoint)))
 
     def stop(self, endpoint: Endpoint) -> None:
         self._pool = self._pool - {endpoint.hostport}
         self._forget.append(endpoint.hostport)  # the receiver thread owns the index: it clears it there
-        if self._connect:
-            self._targets.append((False, self.publisher(endpoint)))
+        if self._bound is None:
+            self._targets.append((False, endpoint.hostport, self.publisher(endpoint)))
 
     def wake(self) -> None:
         pass
@@ -311,6 +376,12 @@ class KVEventSubscriber:
                 "inference_extension_kv_events_index_max_entries",
                 "The KV-event index's cap on entries.",
                 index.max_entries,
+            ),
+            (
+                "inference_extension_kv_events_hash_mismatched_endpoints",
+                "Endpoints whose KV events hash blocks otherwise than this EPP (another PYTHONHASHSEED or hash "
+                "algorithm): their events are ignored.",
+                len(self.mismatched),
             ),
         )
         yield from unlabelled(GaugeMetricFamily, gauges)
@@ -335,6 +406,11 @@ class KVEventSubscriber:
                 "KV event messages from servers not in the pool, ignored.",
                 self.outside_pool,
             ),
+            (
+                "inference_extension_kv_events_unverified_messages",
+                "KV event messages on the bound socket from another address than their topic names, ignored.",
+                self.unverified,
+            ),
         )
         yield from unlabelled(CounterMetricFamily, counters)
         lag = HistogramMetricFamily(
@@ -347,8 +423,37 @@ class KVEventSubscriber:
     def shutdown(self) -> None:
         self._stop.set()
         self._thread.join(timeout=2.0)
-        self._sub.close(linger=0)
+        for socket in self._sources:
+            socket.close(linger=0)
         self._ctx.term()
+
+    def _socket(self, address: str, source: str | None, *, bind: bool = False) -> zmq.Socket:
+        socket = self._ctx.socket(zmq.SUB)
+        socket.setsockopt(zmq.SUBSCRIBE, b"kv@")
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        # a server not up yet is retried less and less often, at most a second apart (what it publishes before the
+        # connection is made is replayed from its replay socket, when known: a late joiner's history)
+        socket.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        socket.bind(address) if bind else socket.connect(address)
+        self._sources[socket] = source
+        self._poller.register(socket, zmq.POLLIN)
+        return socket
+
+    def _follow(self) -> None:
+        """Open or close the sockets of the endpoints that joined or left (on the thread: sockets are its own)."""
+        while self._targets:
+            join, endpoint, address = self._targets.popleft()
+            socket = self._connected.pop(endpoint, None)
+            if socket is not None:
+                self._poller.unregister(socket)
+                del self._sources[socket]
+                socket.close(linger=0)
+            if join:
+                try:
+                    self._connected[endpoint] = self._socket(address, endpoint)
+                except zmq.ZMQError as exc:
+                    log.warning("KV events: cannot connect to %s for %s: %s", address, endpoint, exc)
 
     def _run(self) -> None:
         decode = msgspec.msgpack.Decoder(IndexedBatch).decode
@@ -358,44 +463,55 @@ class KVEventSubscriber:
                 endpoint = self._forget.popleft()
                 self.index.forget(endpoint)
                 self._next_seq.pop(endpoint, None)
-            while self._connect and self._targets:
-                join, address = self._targets.popleft()
-                try:
-                    self._sub.connect(address) if join else self._sub.disconnect(address)
-                except zmq.ZMQError as exc:
-                    log.warning("KV events: cannot %s %s: %s", "connect" if join else "disconnect", address, exc)
-            if not self._sub.poll(100):
-                continue
-            while True:  # drain what has arrived: one poll per burst, not per message
-                try:
-                    frames = self._sub.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                try:
-                    topic_bytes, seq_bytes, payload = frames
-                    parsed = topics.get(topic_bytes)
-                    if parsed is None:
-                        parsed = parse_topic(topic_bytes.decode())
+                self._verified.discard(endpoint)
+                self.mismatched.discard(endpoint)
+            self._follow()
+            for socket, _ in self._poller.poll(100):
+                source = self._sources[socket]
+                while True:  # drain what has arrived: one poll per burst, not per message
+                    try:
+                        frames = socket.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    try:
+                        if len(frames) != 3:
+                            raise ValueError(f"{len(frames)} frames, not 3")
+                        topic_bytes, seq_bytes = frames[0].bytes, frames[1].bytes
+                        parsed = topics.get(topic_bytes)
                         if parsed is None:
-                            raise ValueError("not a kv@<address:port>@<model> topic")
-                        if len(topics) < 65536:  # bounded: topics are per server
-                            topics[topic_bytes] = parsed
-                    if parsed[0] not in self._pool:
-                        self._outside_pool(parsed[0])
+                            parsed = parse_topic(topic_bytes.decode())
+                            if parsed is None:
+                                raise ValueError("not a kv@<address:port>@<model> topic")
+                            if len(topics) < 65536:  # bounded: topics are per server
+                                topics[topic_bytes] = parsed
+                        endpoint = source or parsed[0]  # a publisher's own socket speaks for its endpoint only
+                        if endpoint not in self._pool:
+                            self._outside_pool(endpoint)
+                            continue
+                        if source is None and frames[0].get("Peer-Address") != endpoint.rpartition(":")[0].strip("[]"):
+                            self._unverified(endpoint, frames[0].get("Peer-Address"))
+                            continue
+                        if len(seq_bytes) != 8:
+                            raise ValueError("not an 8-byte sequence number")
+                        batch = decode(frames[2].buffer)
+                    except (ValueError, UnicodeDecodeError, msgspec.DecodeError) as exc:
+                        self.bad_messages += 1  # one bad publisher must not stop the others' events
+                        log.debug("ignoring a malformed KV event message: %s", exc)
                         continue
-                    if len(seq_bytes) != 8:
-                        raise ValueError("not an 8-byte sequence number")
-                    batch = decode(payload)
-                except (ValueError, UnicodeDecodeError, msgspec.DecodeError) as exc:
-                    self.bad_messages += 1  # one bad publisher must not stop the others' events
-                    log.debug("ignoring a malformed KV event message: %s", exc)
-                    continue
-                try:
-                    self._receive(parsed[0], parsed[1], int.from_bytes(seq_bytes, "big"), batch)
-                except Exception:  # a bug costs this batch (and the endpoint's sync), not every server's events
-                    log.exception("KV events: applying a batch from %s failed", parsed[0])
-                    self.index.clear(parsed[0])
-                    self._next_seq.pop(parsed[0], None)
+                    try:
+                        self._receive(endpoint, parsed[1], int.from_bytes(seq_bytes, "big"), batch)
+                    except Exception:  # a bug costs this batch (and the endpoint's sync), not every server's events
+                        log.exception("KV events: applying a batch from %s failed", endpoint)
+                        self.index.clear(endpoint)
+                        self._next_seq.pop(endpoint, None)
+
+    def _unverified(self, endpoint: str, sender: str) -> None:
+        self.unverified += 1
+        if f"unverified {endpoint}" not in self._warned and len(self._warned) < MAX_WARNED_ENDPOINTS:
+            self._warned.add(f"unverified {endpoint}")
+            log.warning(
+                "KV events for %s sent from %s are ignored: only its own address may speak for it", endpoint, sender
+            )
 
     def _outside_pool(self, endpoint: str) -> None:
         self.outside_pool += 1
@@ -409,23 +525,29 @@ class KVEventSubscriber:
 
     def _receive(self, endpoint: str, model: str, seq: int, batch: IndexedBatch) -> None:
         expected = self._next_seq.get(endpoint)
-        if expected is None and seq > 0 and self._replay(endpoint, 0, seq, whole=False):
+        if expected is None and seq > 0 and self._replay(endpoint, model, 0, seq, whole=False):
             self.replays += 1  # a subscriber that joined late: what the server still buffers of its history
         elif expected is not None and seq != expected:
             if seq < expected:
                 self.restarts += 1  # its sequence started over: a new process whose cache starts empty
                 self.index.clear(endpoint)
-            elif self._replay(endpoint, expected, seq):
+                self._verified.discard(endpoint)  # perhaps with another seed
+                self.mismatched.discard(endpoint)
+            elif self._replay(endpoint, model, expected, seq):
                 self.replays += 1
             else:
                 self.gaps += 1  # missed batches: what we know of it may be stale
                 self.index.clear(endpoint)
-        self.index.saw(endpoint, model)
-        self._apply(endpoint, seq, batch)
+        self._apply(endpoint, model, seq, batch)
 
-    def _apply(self, endpoint: str, seq: int, batch: IndexedBatch) -> None:
+    def _apply(self, endpoint: str, model: str, seq: int, batch: IndexedBatch) -> None:
         self._next_seq[endpoint] = seq + 1
         index = self.index
+        if endpoint in self.mismatched:
+            return
+        if endpoint not in self._verified and index.hasher is not None and not self._hashes_match(endpoint, batch):
+            return
+        index.saw(endpoint, model)
         for event in batch.events:
             if type(event) is StoredBlocks:
                 index.store(endpoint, event.block_hashes)
@@ -443,7 +565,33 @@ class KVEventSubscriber:
             bucket += 1
         self.lag_buckets[bucket] += 1
 
-    def _replay(self, endpoint: str, start: int, until: int, whole: bool = True) -> bool:
+    def _hashes_match(self, endpoint: str, batch: IndexedBatch) -> bool:
+        """Whether the endpoint hashes blocks as this EPP does, from the first block of a sequence it stored (no
+        parent, no adapter: its hash is a function of its tokens and the seed alone). A server started with
+        another PYTHONHASHSEED or hash algorithm sends hashes no request's will ever match: its events are
+        ignored (and its entries dropped) until it restarts, the approximate index covering it meanwhile."""
+        for event in batch.events:
+            if type(event) is not StoredBlocks or event.parent_block_hash is not None or event.lora_id is not None:
+                continue
+            tokens = msgspec.msgpack.decode(event.token_ids, type=list[int])[: event.block_size]
+            if len(tokens) < event.block_size or not event.block_hashes:
+                continue
+            if external_block_hash(self.index.hasher.hash_block(None, tokens)) == event.block_hashes[0]:
+                self._verified.add(endpoint)
+                return True
+            self.mismatched.add(endpoint)
+            self.index.forget(endpoint)
+            log.warning(
+                "KV events from %s: its block hashes are not this EPP's (the server runs with another "
+                "PYTHONHASHSEED or --prefix-caching-hash-algo than precise-prefix-cache-scorer's hashSeed / "
+                "hashAlgo): its events can never match a request and are ignored until it restarts "
+                "(inference_extension_kv_events_hash_mismatched_endpoints)",
+                endpoint,
+            )
+            return False
+        return True  # nothing to check in this batch: it is applied, and a later one is checked
+
+    def _replay(self, endpoint: str, model: str, start: int, until: int, whole: bool = True) -> bool:
         """Fetch and apply batches [start, until) from the server's replay socket; False when there is none or it
         does not have them all in time. With `whole` False (a late joiner's history) the latest run the server
         still buffers will do: a suffix of its history adds no block it evicted, it only misses older ones."""
@@ -483,7 +631,7 @@ class KVEventSubscriber:
             if not replayed or replayed[-1][0] != until - 1:
                 return False  # the server's buffer no longer holds them all
             for seq, batch in replayed:
-                self._apply(endpoint, seq, batch)
+                self._apply(endpoint, model, seq, batch)
             return True
         except (zmq.ZMQError, msgspec.DecodeError, ValueError) as exc:
             log.warning("KV events: replay from %s failed: %s", address, exc)

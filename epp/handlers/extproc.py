@@ -422,6 +422,7 @@ class RequestStream:
     @cython.ccall
     def _reject(self, error: OpenAIError) -> bytes:
         if self.ctx is not None:
+            error.style = self.ctx.error_style  # (a Messages request's errors are Anthropic's shape)
             self.director.record_error(self.ctx, error)
         return immediate_response(error)
 

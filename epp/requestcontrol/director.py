@@ -10,6 +10,8 @@ queue, no await); otherwise `route` returns an awaitable that resolves to the de
 comes (by priority band, fairly between flows; it is then scheduled among the endpoints that can start it now), or
 raises 429 with retry-after when it expires or does not fit (503 when the pool has emptied meanwhile).
 Without flow control, sheddable requests (priority < 0) get 429 while the pool is saturated and the rest go on.
+A Responses follow-up (previous_response_id; GET and DELETE /v1/responses/{id}) is pinned to the endpoint that stored
+its response, which `epp.requestcontrol.stored_responses` knows or finds by asking the pool (404 when none has it).
 After the proxy has the answer, `after_routed` runs the scheduler's pre-request hooks (the prefix index records the
 pick; the at-pick ones, unless the next decision came first) and observes the decision's histograms, off the
 request's critical path.
@@ -48,6 +50,7 @@ from epp.datalayer.datastore import Datastore
 from epp.datalayer.endpoint import Endpoint, ModelRewrite, PoolState
 from epp.flowcontrol import DEFAULT_FLOW, FlowController, FlowControlRejected
 from epp.metrics import EPPMetrics
+from epp.requestcontrol.stored_responses import HEAD_BYTES, ResponseLocator, gone
 from epp.requestcontrol.types import RequestContext, RoutingDecision
 from epp.scheduling.errors import SchedulingError
 from epp.scheduling.scheduler import Scheduler
@@ -58,8 +61,18 @@ from protocol.extproc import (
     MODEL_NAME_REWRITE_HEADER,
     OBJECTIVE_HEADER,
     REQUEST_ID_HEADER,
+    agent_identity,
 )
-from protocol.openai import OpenAIError, model_not_found, prompt_text
+from protocol.openai import (
+    RESPONSES_PATH,
+    OpenAIError,
+    RequestKind,
+    error_style,
+    model_not_found,
+    prompt_text,
+    request_kind,
+)
+from protocol.responses import RESPONSE_ID_PREFIX
 
 log = logging.getLogger("epp.requestcontrol")
 
@@ -105,6 +118,7 @@ class Director:
     _order = cython.declare(object, visibility="public")
     untimed_responses = cython.declare(cython.Py_ssize_t, visibility="public")
     untimed_since = cython.declare(cython.double, visibility="public")
+    responses = cython.declare(object, visibility="public")
 
     def __init__(
         self,
@@ -130,14 +144,18 @@ class Director:
         self._order = itertools.count()
         self.untimed_responses = 0  # successful responses while no timings ever came (-1: some did, or it was said)
         self.untimed_since = 0.0  # when the first of them ended
+        self.responses = ResponseLocator()  # where each stored Responses answer is (previous_response_id)
 
     @cython.ccall
     def new_request(self, headers: dict[str, str], subset: frozenset[str] | None) -> RequestContext:
         self.datastore.note_request()
-        return RequestContext(headers, subset)
+        ctx = RequestContext(headers, subset)
+        path = headers.get(":path", "")
+        ctx.kind = request_kind(path)
+        ctx.error_style = error_style(path)
+        return ctx
 
     # -- request path ------------------------------------------------------------------------------------------
-    @cython.ccall
     def route(
         self, ctx: RequestContext, payload: dict | None, raw: bytes | None
     ) -> RoutingDecision | Awaitable[RoutingDecision]:
@@ -147,23 +165,67 @@ class Director:
         try:
             body, changed = self._resolve_model(ctx, payload, raw)
             request = self._scheduling_request(ctx, payload)
-            if request.subset is not None and not request.subset:
-                raise OpenAIError("the subset hint allows no endpoint", 503)
-            endpoints = self.datastore.endpoints
-            flow_control = self.flow_control
-            if flow_control is None:
-                self.scheduler.admit(request, endpoints)
-            elif not endpoints:
-                raise OpenAIError("no ready endpoint", 503)  # waiting would not make one
-            elif flow_control.try_dispatch(request.priority, request.fairness_id or DEFAULT_FLOW):
-                ctx.dispatched = True
-            else:
-                return self._wait_for_turn(ctx, request, body, changed)
-            return self._schedule(ctx, request, body, changed)
+            previous = self._stored_response(ctx, payload)
+            if previous is not None:  # a follow-up (or a GET, DELETE): only the endpoint that stored it can answer
+                known = self.responses.known(previous)
+                # (a stale endpoint, its scrapes failing, may be gone: asking the pool tells)
+                if known is None or not any(e.hostport == known and not e.stale for e in self.datastore.endpoints):
+                    return self._find_then_admit(ctx, request, body, changed, previous, known)
+                request.subset = _pinned(request.subset, known)
+                self.responses.routed_known += 1
+            return self._admit(ctx, request, body, changed)
         except SchedulingError as error:
             raise self._failed(ctx, _openai_error(error)) from None
         except OpenAIError as error:
             raise self._failed(ctx, error) from None
+
+    @staticmethod
+    def _stored_response(ctx: RequestContext, payload: dict | None) -> str | None:
+        """The stored response a request needs: a Responses follow-up's previous_response_id, or the id in the path
+        of GET or DELETE /v1/responses/{id}. A Responses answer to be stored is learnt from its first bytes."""
+        if ctx.kind is RequestKind.RESPONSES:
+            if payload is None:
+                return None
+            if payload.get("store") is not False:
+                ctx.response_head = b""
+            previous = payload.get("previous_response_id")
+            return previous if isinstance(previous, str) and previous.startswith(RESPONSE_ID_PREFIX) else None
+        path = ctx.headers.get(":path", "").partition("?")[0]
+        if path.startswith(RESPONSES_PATH + "/" + RESPONSE_ID_PREFIX):
+            return path[len(RESPONSES_PATH) + 1 :].partition("/")[0]
+        return None
+
+    async def _find_then_admit(self, ctx, request, body, changed, previous: str, known: str | None) -> RoutingDecision:
+        """A follow-up whose stored response this replica has not seen (or whose endpoint left): ask the pool."""
+        subset = request.subset
+        hostports = [e.hostport for e in self.datastore.endpoints if subset is None or e.hostport in subset]
+        found = await self.responses.find(previous, hostports)
+        if found is None:
+            raise self._failed(ctx, gone(previous, known))
+        request.subset = _pinned(subset, found)
+        try:
+            decision = self._admit(ctx, request, body, changed)
+        except SchedulingError as error:
+            raise self._failed(ctx, _openai_error(error)) from None
+        except OpenAIError as error:
+            raise self._failed(ctx, error) from None
+        return decision if isinstance(decision, RoutingDecision) else await decision
+
+    def _admit(self, ctx, request, body, changed) -> RoutingDecision | Awaitable[RoutingDecision]:
+        """Admission (flow control), then scheduling."""
+        if request.subset is not None and not request.subset:
+            raise OpenAIError("the subset hint allows no endpoint", 503)
+        endpoints = self.datastore.endpoints
+        flow_control = self.flow_control
+        if flow_control is None:
+            self.scheduler.admit(request, endpoints)
+        elif not endpoints:
+            raise OpenAIError("no ready endpoint", 503)  # waiting would not make one
+        elif flow_control.try_dispatch(request.priority, request.fairness_id or DEFAULT_FLOW):
+            ctx.dispatched = True
+        else:
+            return self._wait_for_turn(ctx, request, body, changed)
+        return self._schedule(ctx, request, body, changed)
 
     async def _wait_for_turn(self, ctx, request, body, changed) -> RoutingDecision:
         flow_control = self.flow_control
@@ -200,6 +262,7 @@ class Director:
 
     @cython.ccall
     def _failed(self, ctx: RequestContext, error: OpenAIError) -> OpenAIError:
+        error.style = ctx.error_style
         if ctx.dispatched:  # its turn in flow control is over
             ctx.dispatched = False
             self.flow_control.complete()
@@ -238,7 +301,7 @@ class Director:
     def _scheduling_request(self, ctx: RequestContext, payload: dict | None) -> SchedulingRequest:
         headers = ctx.headers
         objective = headers.get(OBJECTIVE_HEADER)
-        prompt = prompt_text(payload) if payload is not None else ""
+        prompt = prompt_text(payload, ctx.kind) if payload is not None else ""
         request_id = headers.get(REQUEST_ID_HEADER)
         if not request_id or len(request_id) > MAX_REQUEST_ID_CHARS:
             request_id = str(uuid.uuid4())
@@ -249,10 +312,12 @@ class Director:
             prompt_tokens_estimate=len(prompt) // 4,
             priority=self.datastore.priority(objective),
             objective=objective,
-            fairness_id=headers.get(FAIRNESS_ID_HEADER),
+            # an agent's turns share one flow (llm-d's agent-identity) when the client names no fairness id
+            fairness_id=headers.get(FAIRNESS_ID_HEADER) or agent_identity(headers),
             max_tokens=_max_tokens(payload),
             streamed=ctx.streamed,
             payload=payload,
+            kind=ctx.kind,
             headers=headers,
             subset=ctx.subset,
         )
@@ -269,7 +334,6 @@ class Director:
             return self._decide(ctx, request, body, body_changed, prepared, waited)
         return self._schedule_prepared(ctx, request, body, body_changed, prepared, waited)
 
-    @cython.ccall
     def _decide(self, ctx, request, body, body_changed, cycle_state: CycleState, waited: bool) -> RoutingDecision:
         metrics = self.metrics
         started = perf_counter()
@@ -277,7 +341,11 @@ class Director:
             self._release_prefilled(monotonic())
         endpoints = self.datastore.endpoints
         if waited:
-            endpoints = self.scheduler.detector.with_room(endpoints)
+            roomy = self.scheduler.detector.with_room(endpoints)
+            subset = request.subset
+            # (a follow-up pinned to its stored response's endpoint goes there, room or not: nowhere else answers it)
+            if subset is None or any(e.hostport in subset for e in roomy):
+                endpoints = roomy
         result = self.scheduler.schedule(request, endpoints, cycle_state)
         self.scheduler.on_picked(request, result)
         ctx.scheduling_seconds = perf_counter() - started  # observed once the proxy has its answer
@@ -368,6 +436,8 @@ class Director:
     def on_response_chunk(self, ctx: RequestContext, chunk: bytes, rewrite: bool) -> bytes:
         """Keep the tail (the usage is at the end); with `rewrite`, the chunk with the client's model name."""
         if chunk:
+            if ctx.response_head is not None:
+                self._learn_response_id(ctx, chunk)
             if not ctx.first_chunk_at:
                 ctx.first_chunk_at = monotonic()
             ctx.response_tail = (ctx.response_tail + chunk)[-_USAGE_TAIL_BYTES:]
@@ -375,6 +445,15 @@ class Director:
                 pattern = re.compile(rb'("model"\s*:\s*)' + re.escape(json.dumps(ctx.target_model).encode()))
                 chunk = pattern.sub(lambda m: m.group(1) + json.dumps(ctx.model).encode(), chunk)
         return chunk
+
+    def _learn_response_id(self, ctx: RequestContext, chunk: bytes) -> None:
+        """A stored Responses answer names its id in its first bytes: its follow-ups go where it was served."""
+        head = ctx.response_head + chunk
+        where = ctx.served or (ctx.endpoint.hostport if ctx.endpoint is not None else None)
+        if where is None or self.responses.learn_from_body(head, where) or len(head) >= HEAD_BYTES:
+            ctx.response_head = None
+        else:
+            ctx.response_head = head
 
     @cython.ccall
     def on_complete(self, ctx: RequestContext) -> None:
@@ -544,8 +623,13 @@ def _usage(pattern: re.Pattern[bytes], tail: bytes) -> int | None:
 def _max_tokens(payload: dict | None) -> int | None:
     if payload is None:
         return None
-    value = payload.get("max_tokens", payload.get("max_completion_tokens"))
+    value = payload.get("max_tokens", payload.get("max_completion_tokens", payload.get("max_output_tokens")))
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def _pinned(subset: frozenset[str] | None, hostport: str) -> frozenset[str]:
+    """Only `hostport`, if the proxy's subset hint allows it."""
+    return frozenset((hostport,)) if subset is None or hostport in subset else frozenset()
 
 
 def _openai_error(error: SchedulingError) -> OpenAIError:

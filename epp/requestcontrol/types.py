@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from epp.datalayer.endpoint import Endpoint
 from epp.scheduling.types import SchedulingRequest, SchedulingResult
+from protocol.openai import RequestKind
 
 
 class RequestContext:
@@ -15,13 +16,16 @@ class RequestContext:
     __slots__ = (
         "dispatched",
         "endpoint",
+        "error_style",
         "first_chunk_at",
         "headers",
         "in_flight_tokens",
+        "kind",
         "labels",
         "metrics_age",
         "model",
         "request",
+        "response_head",
         "response_tail",
         "result",
         "routed_at",
@@ -51,6 +55,9 @@ class RequestContext:
         self.dispatched = False  # flow control let it through: its completion frees the turn
         self.first_chunk_at = 0.0  # when the first response body chunk came through (monotonic), 0 = none yet
         self.streamed = False  # the client asked for a streamed response (its first chunk is then the first token)
+        self.kind: RequestKind | None = None  # the API its path names (None: another path)
+        self.error_style = "openai"  # the shape of the errors the EPP answers it with (protocol.openai.error_style)
+        self.response_head: bytes | None = None  # a stored Responses answer's first bytes, until its id is learnt
 
 
 @dataclass

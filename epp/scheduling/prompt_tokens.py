@@ -45,7 +45,7 @@ from typing import Any
 
 import xxhash
 
-from protocol.openai import OpenAIError, chat_messages
+from protocol.openai import OpenAIError, RequestKind, rendered_chat
 from protocol.tokenizer import Tokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -323,14 +323,16 @@ class PromptTokenizer:
     def cached_tokens(self) -> int:
         return self._cached_tokens
 
-    def prompt(self, payload: Mapping[str, Any]) -> str | list[int] | None:
-        """What the server tokenizes: the rendered chat text, the prompt text, or the prompt's token ids; None when
-        the body has neither a usable `messages` nor `prompt` (the server answers it 400; nothing to match)."""
-        if "messages" in payload:
+    def prompt(self, payload: Mapping[str, Any], kind: RequestKind | None = None) -> str | list[int] | None:
+        """What the server tokenizes: the rendered chat text (its tools too; of a Chat, Responses or Messages body,
+        `kind` the request's API), the prompt text, or the prompt's token ids; None when the body has nothing usable
+        (the server answers it 400; nothing to match)."""
+        if kind in (RequestKind.RESPONSES, RequestKind.MESSAGES) or "messages" in payload:
             try:
-                return self.tokenizer.apply_chat_template(chat_messages(payload))
+                messages, tools = rendered_chat(payload, kind)
             except OpenAIError:
                 return None
+            return self.tokenizer.apply_chat_template(messages, tools=tools)
         prompt = payload.get("prompt")
         if isinstance(prompt, list) and prompt:
             prompt = prompt[0] if isinstance(prompt[0], str | list) else prompt

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, NamedTuple, TypeVar
 
 from epp.datalayer.endpoint import Endpoint
+from protocol.openai import RequestKind
 
 T = TypeVar("T")
 
@@ -76,6 +77,7 @@ class SchedulingRequest:
     max_tokens: int | None = None  # the body's max_tokens / max_completion_tokens, when it gives one
     streamed: bool = False  # the body asks for a streamed response: only its timings can come back (a TTFT)
     payload: dict[str, Any] | None = None  # the parsed JSON body (PrepareData plugins tokenize it)
+    kind: RequestKind | None = None  # the API its path names (Completions, Chat, Responses, Messages); None: another
 
 
 @dataclass

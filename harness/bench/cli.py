@@ -27,6 +27,7 @@ from harness.bench import (
     handler_cpu,
     idle,
     kv_events,
+    kv_index,
     overhead,
     sim_capacity,
     tokenize,
@@ -172,6 +173,17 @@ def main(argv: list[str] | None = None) -> None:
     events_cmd.add_argument("--seconds", type=float, default=10.0)
     events_cmd.add_argument("--num-gpu-blocks", type=int, default=20000, help="per server: evictions start past it")
     events_cmd.add_argument("--step-ms", type=float, default=20.0, help="engine step: one batch per step")
+    index_cmd = sub.add_parser("kv-index", help="prefix indexes: memory per entry, a huge KV event batch's loop stall")
+    index_cmd.add_argument("--cap", type=int, default=150_000, help="the index's cap, and the big batch's hashes")
+    index_cmd.add_argument("--entries", type=int, default=400_000, help="entries for the memory measurement")
+    index_cmd.add_argument("--batches", type=int, default=300, help="500-hash batches below and at the cap")
+    index_cmd.add_argument(
+        "--switch-interval",
+        type=float,
+        default=1000.0,
+        help="sys.setswitchinterval during the stall test (1000: threads switch only where the code yields, as in "
+        "the compiled release build; 0.005: CPython's default)",
+    )
     chaos_cmd = sub.add_parser("chaos", help="attacks and faults on a local stack while a well-behaved client runs")
     chaos_cmd.add_argument("--seconds", type=float, default=4.0, help="per attack")
     idle_cmd = sub.add_parser("idle", help="CPU of an idle EPP that only scrapes N endpoints")
@@ -196,6 +208,8 @@ def main(argv: list[str] | None = None) -> None:
         decision.main()
     if args.command == "tokenize":
         tokenize.main()
+    if args.command == "kv-index":
+        kv_index.main(args.cap, args.entries, args.batches, args.switch_interval)
     if args.command == "kv-events":
         kv_events.main(args.servers, args.rate, args.prompt_tokens, args.seconds, args.num_gpu_blocks, args.step_ms)
     if args.command == "compare":

@@ -23,7 +23,7 @@ import aiohttp
 
 from epp.config.loader import DEFAULT_CONFIG
 from epp.scheduling.plugins.slo_headroom_filter import TPOT_HEADER, TTFT_HEADER
-from harness.bench import inference_perf
+from harness.bench import agentic, inference_perf
 from harness.bench.decision import scorers_only_config
 from harness.bench.overhead import cpu_seconds, percentile
 from harness.bench.peers import peer_command, start_router
@@ -41,12 +41,20 @@ APPROXIMATE_CONFIG = DEFAULT_CONFIG.replace("- type: precise-prefix-cache-scorer
 # epp-predicted learns from this share of the responses: its predictor's memory (~500 observations, decay 0.998)
 # then spans ~2 minutes at 16 req/s, and streaming costs a quarter of what it costs for every response.
 OBSERVED_RESPONSES_PERCENT = 25
+# The default profile with session affinity (agent sessions send a session header): docs/agents.md measures it
+SESSIONS_CONFIG = DEFAULT_CONFIG.replace(
+    "- type: max-score-picker\n", "- type: session-affinity-scorer\n- type: max-score-picker\n"
+).replace(
+    "  - pluginRef: max-score-picker\n",
+    "  - pluginRef: session-affinity-scorer\n    weight: 3\n  - pluginRef: max-score-picker\n",
+)
 EPP_TARGETS = {
     # the default profile: the latency predictor's filters, learning TTFT from the gateway's access log, then the
     # scorers (precise for endpoints that publish KV events: epp-local's servers do)
     "epp": None,
     "epp-no-predictor": scorers_only_config(),  # the default profile's scorers alone (and no access log)
     "epp-approximate": APPROXIMATE_CONFIG,
+    "epp-sessions": SESSIONS_CONFIG,
     "epp-3-replicas": None,  # the default profile on 3 EPPs behind one Envoy (round robin), all fed the KV events
     "queue-only": SINGLE_SCORER.format("queue-scorer"),
     "kv-only": SINGLE_SCORER.format("kv-cache-utilization-scorer"),
@@ -117,6 +125,8 @@ class TargetResult:
     # summed over the replicas
     epp_index: dict[str, float] = field(default_factory=dict)
     load_generator: str = "builtin"  # or "inference-perf"
+    follow_ups: int = 0  # Responses turns with previous_response_id (the agentic workload)
+    follow_ups_ok: int = 0  # of those, answered with their stored conversation
 
 
 def _host_ticks() -> tuple[int, int]:
@@ -348,6 +358,9 @@ async def run_target(
     go first and count for nothing: what learns online (the latency predictor, the prefix caches) starts warm."""
     if warmup and (concurrency or load_generator != "builtin"):
         raise ValueError("--warmup needs the builtin load generator at a fixed rate (--rates)")
+    agent = spec["name"] == "agentic"
+    if agent and (concurrency or load_generator != "builtin"):
+        raise ValueError("the agentic workload runs sessions at a rate (--rates: sessions per second)")
     lora_args = []
     if spec["name"] == "multi-lora":
         names = lora_names(spec)
@@ -359,7 +372,10 @@ async def run_target(
             *(f"{n}={workdir}/{n}" for n in names),
         ]
     # A closed loop draws from a stream generated fast enough never to run dry.
-    stream = requests(spec, MODEL, rate or concurrency * 50, duration, seed, scale)
+    if agent:
+        stream = agentic.sessions(spec, rate, duration, seed, scale)
+    else:
+        stream = requests(spec, MODEL, rate or concurrency * 50, duration, seed, scale)
     result = TargetResult(
         target, 0.0 if concurrency else rate, concurrency, requests=len(stream), load_generator=load_generator
     )
@@ -369,7 +385,10 @@ async def run_target(
         async with aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=300)
         ) as session:
-            if warmup:
+            if warmup and agent:
+                runner = agentic.AgentRunner(session, pool.url, MODEL, spec, scale, _send)
+                await runner.run(agentic.sessions(spec, rate, warmup, seed + 1, scale), time.monotonic())
+            elif warmup:
                 warm = []
                 warm_started = time.monotonic()
                 for request in requests(spec, MODEL, rate, warmup, seed + 1, scale):
@@ -392,7 +411,14 @@ async def run_target(
             sampler = asyncio.create_task(sample_load())
             url = f"{pool.url}/v1/completions"
             outcomes = []
-            if load_generator == "inference-perf":
+            if agent:
+                turns = await agentic.AgentRunner(session, pool.url, MODEL, spec, scale, _send).run(stream, started)
+                outcomes = [
+                    Outcome(t.status, t.ttft, t.itl, t.e2e, t.output_tokens, t.cached_share, kind=t.kind) for t in turns
+                ]
+                follow_ups = [t.follow_up for t in turns if t.follow_up is not None]
+                result.follow_ups, result.follow_ups_ok = len(follow_ups), sum(follow_ups)
+            elif load_generator == "inference-perf":
                 summary = await inference_perf.run(
                     spec, pool.url, MODEL, rate, concurrency, duration, scale, workdir, seed
                 )
@@ -587,6 +613,13 @@ def markdown(results: list[TargetResult]) -> str:
                     f"{i.get('prefix_indexer_size', 0):.0f} entries, EPP resident memory {i['rss_mb']:.0f} MB",
                     "",
                 ]
+        follow_ups = [r for r in rows if r.follow_ups]
+        if follow_ups:
+            lines += [
+                "Responses follow-ups (previous_response_id) answered with their stored conversation: "
+                + ", ".join(f"{r.target} {r.follow_ups_ok}/{r.follow_ups}" for r in follow_ups),
+                "",
+            ]
         lines += _by_kind_table(rows, base)
         lines += _goodput_table(rows)
         for r in rows:

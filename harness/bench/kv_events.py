@@ -1,8 +1,8 @@
 """`epp-bench kv-events`: what the model servers' KV events cost the EPP, and how fresh its index is.
 
 One EPP process (the default profile, so its KV-event subscriber runs) with a pool of N endpoints; this process
-plays N vLLM servers: each publishes on its own topic `kv@<address:port>@<model>` (a PUB socket connected to the
-EPP's port, vLLM's wire format) what a server does at `rate` requests per second of `prompt_tokens`-token prompts:
+plays N vLLM servers: each publishes on its own topic `kv@<address:port>@<model>` (a PUB socket bound beside the
+server's port, to which the EPP subscribes; vLLM's wire format) what a server does at `rate` requests per second of `prompt_tokens`-token prompts:
 every engine step (`step_ms`) one batch with a BlockStored per request that finished its prefill in that step (its
 blocks, parent hash and token ids, as vLLM sends them) and, once its `num_gpu_blocks` are full, a BlockRemoved of
 as many old blocks. Measured side by side in one EPP: its CPU over a window without events, then with them (the
@@ -12,6 +12,7 @@ application in the index (the EPP's inference_extension_kv_events_lag_seconds hi
 
 from __future__ import annotations
 
+import os
 import random
 import re
 import subprocess
@@ -25,11 +26,12 @@ import yaml
 import zmq
 
 from harness.bench.overhead import bucket_quantile, cpu_seconds, histogram_buckets
-from harness.bench.ports import free_ports
+from harness.bench.ports import free_port_block, free_ports
 from harness.local import epp_command, wait_until_serving
-from protocol.kv_events import BlockRemoved, BlockStored, KVEventBatch
+from protocol.kv_events import BlockRemoved, BlockStored, KVEventBatch, request_block_hashes
 
 LAG = "inference_extension_kv_events_lag_seconds"
+HASH_SEED = "0"
 _GAUGE = re.compile(r"^(inference_extension_kv_events_\w+) (\S+)$", re.M)
 
 
@@ -58,12 +60,14 @@ def _publisher(
 ) -> None:
     ctx = zmq.Context.instance()
     pub = ctx.socket(zmq.PUB)
-    pub.connect(endpoint)
-    time.sleep(0.3)  # the connection, before the first message
+    pub.bind(endpoint)  # as vLLM's tcp://*:5557: the EPP subscribes to each server's publisher
+    time.sleep(1.5)  # the EPP's connection (it retries a missing publisher up to a second apart), then messages
     rng = random.Random(seed)
     encode = msgspec.msgpack.Encoder().encode
     blocks_per_request = prompt_tokens // 16
     tokens = [rng.randrange(32000) for _ in range(blocks_per_request * 16)]  # what they are does not matter here
+    # but a sequence's first block hashes as the EPP (PYTHONHASHSEED 0) hashes it: it checks a server's seed on it
+    first = request_block_hashes(tokens[:16], 16, hash_seed=HASH_SEED)[0]
     held: list[int] = []
     seq, next_arrival = 0, time.monotonic()
     while time.monotonic() < until:
@@ -71,7 +75,7 @@ def _publisher(
         events: list = []
         while next_arrival <= started:
             next_arrival += rng.expovariate(rate)
-            hashes = [rng.getrandbits(64) for _ in range(blocks_per_request)]
+            hashes = [first] + [rng.getrandbits(64) for _ in range(blocks_per_request - 1)]
             events.append(BlockStored(hashes, None, tokens, 16, None, "GPU"))
             held += hashes
             if len(held) > num_gpu_blocks:
@@ -87,8 +91,10 @@ def _publisher(
 def measure(servers: int, rate: float, prompt_tokens: int, seconds: float, num_gpu_blocks: int, step_ms: float) -> dict:
     with tempfile.TemporaryDirectory(prefix="epp-kv-events-") as tmp:
         workdir = Path(tmp)
-        ports = free_ports(4 + servers)
-        grpc, health, metrics, kv_port, server_ports = ports[0], ports[1], ports[2], ports[3], ports[4:]
+        grpc, health, metrics = free_ports(3)
+        first = free_port_block(servers)
+        server_ports = list(range(first, first + servers))  # nothing listens there: only the pool names them
+        publisher_offset = free_port_block(servers) - first  # each server's publisher: its port + the offset
         pool = workdir / "pool.yaml"
         pool.write_text(
             yaml.safe_dump(
@@ -100,8 +106,11 @@ def measure(servers: int, rate: float, prompt_tokens: int, seconds: float, num_g
             )
         )
         log = (workdir / "epp.log").open("wb")
-        argv = epp_command(str(pool), "127.0.0.1", grpc, health, metrics, kv_port)
-        epp = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+        argv = epp_command(str(pool), "127.0.0.1", grpc, health, metrics, 1)
+        argv += ["--kv-events-connect-port-offset", str(publisher_offset)]
+        epp = subprocess.Popen(
+            argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONHASHSEED": HASH_SEED}
+        )
         log.close()
         url = f"http://127.0.0.1:{metrics}/metrics"
         try:
@@ -110,12 +119,12 @@ def measure(servers: int, rate: float, prompt_tokens: int, seconds: float, num_g
             cpu_before, started = cpu_seconds(epp.pid), time.monotonic()
             time.sleep(seconds)
             idle_cpu = (cpu_seconds(epp.pid) - cpu_before) / (time.monotonic() - started)
-            until = time.monotonic() + seconds + 0.5
+            until = time.monotonic() + 2.0 + seconds  # after the 2 s the publishers take to be connected to
             threads = [
                 threading.Thread(
                     target=_publisher,
                     args=(
-                        f"tcp://127.0.0.1:{kv_port}",
+                        f"tcp://127.0.0.1:{p + publisher_offset}",
                         f"kv@127.0.0.1:{p}@m",
                         rate,
                         prompt_tokens,
@@ -129,7 +138,7 @@ def measure(servers: int, rate: float, prompt_tokens: int, seconds: float, num_g
             ]
             for t in threads:
                 t.start()
-            time.sleep(0.5)
+            time.sleep(2.0)  # the publishers bound and connected to
             before = _scrape(url)
             cpu_before, started = cpu_seconds(epp.pid), time.monotonic()
             for t in threads:

@@ -241,6 +241,40 @@ async def unknown_model(t: Target) -> None:
 
 
 @suite.check(
+    "responses-stored",
+    SHOULD,
+    "POST /v1/responses answers a response, GET /v1/responses/{id} returns it, and a follow-up naming it as "
+    "previous_response_id holds its conversation (vLLM's Responses API)",
+)
+async def responses_stored(t: Target) -> None:
+    first = await t.json_post("/v1/responses", {"model": t.model, "input": "Say hello.", "max_output_tokens": 4})
+    expect(first.get("object") == "response" and str(first.get("id")).startswith("resp_"), f"not a response: {first}")
+    async with t.session.get(f"{t.url}/v1/responses/{first['id']}") as r:
+        expect(
+            r.status == 200 and (await r.json()).get("id") == first["id"], f"GET of the response answered {r.status}"
+        )
+    body = {"model": t.model, "previous_response_id": first["id"], "input": "Again.", "max_output_tokens": 2}
+    follow_up = await t.json_post("/v1/responses", body)
+    seen = first["usage"]["input_tokens"] + first["usage"]["output_tokens"]
+    expect(follow_up["usage"]["input_tokens"] > seen, "the follow-up's prompt does not hold the stored conversation")
+    status, payload = await t.post("/v1/responses", {**body, "previous_response_id": "resp_no_such_response"})
+    expect(status == 404, f"an unknown previous_response_id answered {status}")
+    _error_shape(payload)
+
+
+@suite.check("anthropic-messages", SHOULD, "POST /v1/messages answers an Anthropic message, errors in its shape")
+async def anthropic_messages(t: Target) -> None:
+    message = await t.json_post(
+        "/v1/messages", {"model": t.model, "max_tokens": 4, "messages": [{"role": "user", "content": "Say hello."}]}
+    )
+    expect(message.get("type") == "message" and message.get("role") == "assistant", f"not a message: {message}")
+    expect(message["content"][0].get("type") == "text" and message["usage"]["output_tokens"] <= 4, str(message))
+    status, payload = await t.post("/v1/messages", {"model": t.model, "messages": [{"role": "user", "content": "x"}]})
+    error = json.loads(payload)
+    expect(status == 400 and error.get("type") == "error" and "message" in error.get("error", {}), f"{status} {error}")
+
+
+@suite.check(
     "openai-sdk",
     MUST,
     "the official OpenAI Python SDK reads completions and chat, streamed and not, "

@@ -1,7 +1,9 @@
-"""OpenAI Completions and Chat, model listing, tokenization, LoRA admin, health and metrics, like vLLM's server.
+"""OpenAI Completions and Chat, model listing, tokenization, LoRA admin, health and metrics, like vLLM's server; the
+Responses and Anthropic Messages APIs (`modelserver.api.responses`, `modelserver.api.messages`) on the same engine.
 
-Requests are validated by `protocol.openai`; everything that goes wrong answers in OpenAI's error shape with
-vLLM's status codes, and an unexpected exception in one handler never affects another request.
+Requests are validated by `protocol.openai` (and `protocol.responses`, `protocol.anthropic`); everything that goes
+wrong answers in its API's error shape (OpenAI's; Anthropic's under /v1/messages) with vLLM's status codes, and an
+unexpected exception in one handler never affects another request.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from modelserver.api.detokenizer import IncrementalDetokenizer
+from modelserver.api.messages import MessagesAPI
+from modelserver.api.responses import ResponsesAPI, ResponseStore
 from modelserver.engine.engine import AsyncEngine, EngineDeadError
 from modelserver.engine.lora import LoRAError
 from modelserver.engine.request import FinishReason, SamplingParams
@@ -28,6 +32,7 @@ from protocol.openai import (
     CompletionRequest,
     OpenAIError,
     RequestKind,
+    error_style,
     load_json_body,
     model_not_found,
     parse_request,
@@ -50,6 +55,8 @@ class ServerSettings:
     lora_roots: list[str] = field(default_factory=list)
     allow_runtime_lora_updating: bool = False
     max_request_body_bytes: int = 32 * 1024 * 1024
+    max_stored_responses: int = 4096  # stored Responses (previous_response_id), oldest dropped first
+    max_stored_response_bytes: int = 256 * 1024 * 1024
     extra_info: dict = field(default_factory=dict)
 
 
@@ -57,7 +64,9 @@ def runtime_lora_updating_from_env() -> bool:
     return os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").strip().lower() in ("1", "true", "yes")
 
 
-def _error_response(error: OpenAIError) -> web.Response:
+def _error_response(error: OpenAIError, path: str = "") -> web.Response:
+    """The error in the shape of the API its path belongs to (error_style)."""
+    error.style = error_style(path)
     return web.Response(status=error.status, body=error.to_json(), content_type="application/json")
 
 
@@ -66,19 +75,19 @@ async def openai_errors(request: web.Request, handler):
     try:
         return await handler(request)
     except OpenAIError as error:
-        return _error_response(error)
+        return _error_response(error, request.path)
     except EngineDeadError as error:
-        return _error_response(OpenAIError(str(error), 503))
+        return _error_response(OpenAIError(str(error), 503), request.path)
     except web.HTTPException as http:
         if http.status < 400:
             raise
         message = "request body too large" if http.status == 413 else (http.reason or "error")
-        return _error_response(OpenAIError(message, http.status))
+        return _error_response(OpenAIError(message, http.status), request.path)
     except asyncio.CancelledError:
         raise
     except Exception as exc:
         log.exception("unexpected error in %s %s", request.method, request.path)
-        return _error_response(OpenAIError(f"internal error: {type(exc).__name__}", 500))
+        return _error_response(OpenAIError(f"internal error: {type(exc).__name__}", 500), request.path)
 
 
 class _Choice:
@@ -136,6 +145,11 @@ class ModelServer:
         self.app.router.add_post("/v1/load_lora_adapter", self.load_lora_adapter)
         self.app.router.add_post("/v1/unload_lora_adapter", self.unload_lora_adapter)
         self.app.router.add_post("/reset_prefix_cache", self.reset_prefix_cache)
+        store = ResponseStore(
+            settings.max_stored_responses, settings.max_stored_response_bytes, prometheus_logger(engine.stat_loggers)
+        )
+        ResponsesAPI(self, store).add_routes(self.app.router)
+        MessagesAPI(self).add_routes(self.app.router)
 
     # -- info endpoints ----------------------------------------------------------------------------------------
     async def health(self, request: web.Request) -> web.Response:
@@ -216,7 +230,9 @@ class ModelServer:
         payload = load_json_body(await request.read())
         if "messages" in payload:
             chat = parse_request({"model": self.settings.served_model_name, **payload}, RequestKind.CHAT)
-            text = self.tokenizer.apply_chat_template(chat.messages, payload.get("add_generation_prompt", True) is True)
+            text = self.tokenizer.apply_chat_template(
+                chat.messages, payload.get("add_generation_prompt", True) is True, chat.tools
+            )
         elif isinstance(payload.get("prompt"), str):
             text = valid_text(payload["prompt"], "prompt")
         else:
@@ -302,8 +318,9 @@ class ModelServer:
         return await asyncio.to_thread(self.tokenizer.encode, text)
 
     async def _prompt_ids(self, parsed: CompletionRequest) -> list[list[int]]:
-        if parsed.kind is RequestKind.CHAT:
-            return [await self._encode(self.tokenizer.apply_chat_template(parsed.messages), "messages")]
+        if parsed.kind is not RequestKind.COMPLETION:  # Chat, Responses, Messages: the chat template's text
+            text = self.tokenizer.apply_chat_template(parsed.messages, tools=parsed.tools)
+            return [await self._encode(text, "messages")]
         vocab = self.tokenizer.vocab_size
         prompts = []
         for prompt in parsed.prompts:
@@ -373,6 +390,49 @@ class ModelServer:
         except (ValueError, KeyError) as error:
             raise OpenAIError(str(error)) from None
         return web.json_response(self._full_response(parsed, base_id, choices))
+
+    async def start_chat(self, parsed: CompletionRequest, request_id: str) -> tuple[_Choice, AsyncIterator[str]]:
+        """One sequence of a Responses or Messages request: its choice and its text deltas. The first step runs
+        before this returns, so that bad input is an error with a status, not a broken stream."""
+        if self.engine.is_dead:
+            raise OpenAIError("engine is dead", 503)
+        lora = self._resolve_model(parsed.model)
+        (prompt_ids,) = await self._prompt_ids(parsed)
+        params = self._sampling_params(parsed, len(prompt_ids))
+        choice = _Choice(0, request_id)
+        steps = self._run_choice(choice, prompt_ids, params, lora, parsed.stop)
+        try:
+            await anext(steps)
+        except StopAsyncIteration:
+            pass
+        except (ValueError, KeyError) as error:
+            await steps.aclose()
+            raise OpenAIError(str(error)) from None
+        return choice, self._deltas(choice, steps)
+
+    @staticmethod
+    async def _deltas(choice: _Choice, steps: AsyncIterator[None]) -> AsyncIterator[str]:
+        """The choice's new text after each step (an incomplete UTF-8 character waits for the next token); the engine
+        request is aborted when the consumer stops early (the client went away)."""
+        try:
+            while True:
+                text = choice.text[choice.sent :]
+                if choice.finish_reason is None and text.endswith("\ufffd"):
+                    text = text[:-1]
+                if text:
+                    choice.sent += len(text)
+                    yield text
+                try:
+                    await anext(steps)
+                except StopAsyncIteration:
+                    break
+        finally:
+            await steps.aclose()
+            if choice.finish_reason is None:
+                choice.finish_reason = FinishReason.ABORT
+
+    def usage(self, choice: _Choice) -> dict:
+        return self._usage([choice])
 
     @staticmethod
     async def _drain(stream: AsyncIterator[None]) -> None:

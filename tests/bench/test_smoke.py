@@ -468,3 +468,20 @@ def test_another_checkout_s_epp_is_what_its_environment_runs_even_from_this_chec
     assert Path(chosen.stdout.strip()) == other / "epp" / "__init__.py"
     with pytest.raises(ValueError, match="not to that checkout's package"):
         overhead.build_environment(tmp_path / "not-a-checkout")
+
+
+def test_agentic_smoke(tmp_path):
+    """Agent sessions: chat turns, subagents and Responses follow-ups, all answered through the EPP."""
+    from harness.bench import agentic
+    from harness.bench.workloads import load_workload
+
+    plan = agentic.sessions(load_workload("agentic"), 4.0, 3.0, 0, 0.1)
+    assert plan == agentic.sessions(load_workload("agentic"), 4.0, 3.0, 0, 0.1)  # seeded: every target the same
+    assert {s.api for s in plan} == {"chat", "responses"} and any(st.fork for s in plan for st in s.steps)
+    (epp,) = asyncio.run(
+        compare.compare("agentic", ["epp"], [4.0], 3.0, 2, tmp_path, scale=0.1, progress=lambda m: None)
+    )
+    assert epp.succeeded == epp.requests > len(plan) and epp.follow_ups_ok == epp.follow_ups > 0
+    assert set(epp.by_kind) == {"chat turns", "subagent turns", "responses turns"}
+    report = (tmp_path / "agentic.md").read_text()
+    assert f"answered with their stored conversation: epp {epp.follow_ups}/{epp.follow_ups}" in report

@@ -135,14 +135,14 @@ def test_our_server_conforms(our_server, tmp_path):
     )
     assert result.returncode == 0, result.stdout + result.stderr
     lines = [line for line in result.stdout.splitlines() if line.startswith(("PASS", "FAIL", "SKIP"))]
-    assert len(lines) == 24 and all(line.startswith("PASS") for line in lines), result.stdout
+    assert len(lines) == 26 and all(line.startswith("PASS") for line in lines), result.stdout
     parsed = yaml.safe_load(report.read_text())
     assert parsed["kind"] == "ConformanceReport" and parsed["GatewayAPIInferenceExtensionVersion"].startswith("v")
     assert parsed["implementation"]["project"] == "llm-routing-reference"
     profile = parsed["profiles"][0]
     assert profile["name"] == "ModelServerProtocol"
     assert profile["core"] == {"result": "success", "statistics": {"Failed": 0, "Passed": 14, "Skipped": 0}}
-    assert profile["extended"]["statistics"]["Passed"] == 10
+    assert profile["extended"]["statistics"]["Passed"] == 12
 
 
 def test_pytest_plugin_runs_every_check_with_the_servers_adapters(sim_server):
@@ -173,7 +173,7 @@ def test_pytest_plugin_runs_every_check_with_the_servers_adapters(sim_server):
         timeout=240,
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "24 passed" in result.stdout and "skipped" not in result.stdout, result.stdout
+    assert "26 passed" in result.stdout and "skipped" not in result.stdout, result.stdout
     assert time.monotonic() - started < 60
 
 

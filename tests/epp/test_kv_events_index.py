@@ -1,6 +1,8 @@
 """The EPP's KV event subscriber and index against the model server's real publisher and block manager."""
 
 import asyncio
+import sys
+import threading
 import time
 
 import msgspec
@@ -16,10 +18,12 @@ from modelserver.engine.kv_events import ZmqEventPublisher
 from modelserver.engine.request import SamplingParams
 from modelserver.engine.sim import SimExecutor, SimTiming
 from protocol.kv_events import (
+    AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     KVEventBatch,
     KVEventsConfig,
+    block_hasher,
     external_block_hash,
     request_block_hashes,
 )
@@ -107,14 +111,24 @@ def test_a_gap_or_a_restart_drops_that_endpoint_only_and_resyncs():
         subscriber.shutdown()
 
 
+def publishers(subscriber: KVEventSubscriber, ctx: zmq.Context, count: int) -> list[tuple[str, zmq.Socket]]:
+    """`count` servers' publishers (bound, as vLLM's tcp://*:5557), in the pool of a subscriber that connects to
+    each at its endpoint's port + 0."""
+    out = []
+    for _ in range(count):
+        pub = ctx.socket(zmq.PUB)
+        hostport = f"127.0.0.1:{pub.bind_to_random_port('tcp://127.0.0.1')}"
+        in_pool(subscriber, hostport)
+        out.append((hostport, pub))
+    time.sleep(0.3)
+    return out
+
+
 def test_malformed_messages_are_counted_and_do_not_stop_the_subscriber():
     index = KVBlockIndex()
-    subscriber = KVEventSubscriber(index, "tcp://127.0.0.1:*")
-    in_pool(subscriber, "x:1", "y:1", "z:1", "w:1")
+    subscriber = KVEventSubscriber(index, connect_port_offset=0)
     ctx = zmq.Context()
-    pub = ctx.socket(zmq.PUB)
-    pub.connect(subscriber.endpoint)
-    time.sleep(0.3)
+    (x, pub), (y, pub_y), (z, pub_z), (w, pub_w) = publishers(subscriber, ctx, 4)
     try:
         pub.send_multipart([b"kv@x:1@m", (0).to_bytes(8, "big"), b"\xc1garbage"])
         pub.send_multipart([b"kv@nope", (0).to_bytes(8, "big"), b""])
@@ -123,7 +137,7 @@ def test_malformed_messages_are_counted_and_do_not_stop_the_subscriber():
         deadline = time.monotonic() + 3
         while index.size == 0 and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert subscriber.bad_messages == 2 and index.prefix_blocks([9], ["x:1"]) == {"x:1": 1}
+        assert subscriber.bad_messages == 2 and index.prefix_blocks([9], [x]) == {x: 1}
         # a bug applying one batch costs that batch (and that server's entries), not the subscriber's thread
         apply, failed = subscriber._apply, []
 
@@ -136,27 +150,80 @@ def test_malformed_messages_are_counted_and_do_not_stop_the_subscriber():
         while not failed and time.monotonic() < deadline + 3:
             time.sleep(0.01)
         subscriber._apply = apply
-        pub.send_multipart([b"kv@y:1@m", (0).to_bytes(8, "big"), msgspec.msgpack.encode(good)])
-        while index.prefix_blocks([9], ["y:1"]) != {"y:1": 1} and time.monotonic() < deadline + 6:
+        pub_y.send_multipart([b"kv@y:1@m", (0).to_bytes(8, "big"), msgspec.msgpack.encode(good)])
+        while index.prefix_blocks([9], [y]) != {y: 1} and time.monotonic() < deadline + 6:
             time.sleep(0.01)
-        assert failed and index.prefix_blocks([9], ["x:1", "y:1"]) == {"x:1": 0, "y:1": 1}
+        assert failed and index.prefix_blocks([9], [x, y]) == {x: 0, y: 1}
         # a message over MAX_MESSAGE_BYTES is dropped (with its sender's connection) unread; the others go on
         big = KVEventBatch(0.0, [BlockStored([5], None, list(range(16)), 16, None, "GPU")])
         oversized, bad = msgspec.msgpack.encode(big) + b"\0" * MAX_MESSAGE_BYTES, subscriber.bad_messages
-        pub.send_multipart([b"kv@z:1@m", (0).to_bytes(8, "big"), oversized])
-        other = ctx.socket(zmq.PUB)
-        other.connect(subscriber.endpoint)
-        time.sleep(0.3)
-        other.send_multipart([b"kv@w:1@m", (0).to_bytes(8, "big"), msgspec.msgpack.encode(big)])
-        while index.prefix_blocks([5], ["w:1"]) != {"w:1": 1} and time.monotonic() < deadline + 9:
+        pub_z.send_multipart([b"kv@z:1@m", (0).to_bytes(8, "big"), oversized])
+        pub_w.send_multipart([b"kv@w:1@m", (0).to_bytes(8, "big"), msgspec.msgpack.encode(big)])
+        while index.prefix_blocks([5], [w]) != {w: 1} and time.monotonic() < deadline + 9:
             time.sleep(0.01)
-        other.close(linger=0)
-        assert index.prefix_blocks([5], ["w:1", "z:1"]) == {"w:1": 1, "z:1": 0}
+        assert index.prefix_blocks([5], [w, z]) == {w: 1, z: 0}
         assert subscriber.bad_messages == bad  # never received, so never decoded
     finally:
-        pub.close(linger=0)
+        for socket in (pub, pub_y, pub_z, pub_w):
+            socket.close(linger=0)
         ctx.term()
         subscriber.shutdown()
+
+
+def test_events_count_only_from_the_endpoint_s_own_publisher():
+    """A forger (a process that is not the endpoint) publishing BlockStored, and a seq-0 AllBlocksCleared, under
+    another endpoint's topic: neither reaches that endpoint's entries. Subscribed to each endpoint's own publisher,
+    the EPP has nothing a forger can connect to, and a server's socket speaks for that server only, whatever its
+    topic names; on a bound socket, a sender from another address than its topic names is ignored."""
+    index = KVBlockIndex()
+    subscriber = KVEventSubscriber(index, connect_port_offset=0)
+    ctx = zmq.Context()
+    (victim, pub), (other, pub_other) = publishers(subscriber, ctx, 2)
+    forger = ctx.socket(zmq.PUB)
+    forger.bind_to_random_port("tcp://127.0.0.1")  # a publisher of its own, outside the pool
+    try:
+        stored = KVEventBatch(0.0, [BlockStored(list(range(1, 470)), None, [0] * 16, 16, None, "GPU")])
+        pub.send_multipart([f"kv@{victim}@m".encode(), (0).to_bytes(8, "big"), msgspec.msgpack.encode(stored)])
+        deadline = time.monotonic() + 3
+        while index.size < 469 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert index.prefix_blocks([1, 2], [victim]) == {victim: 2}
+        lure = KVEventBatch(0.0, [BlockStored([1000, 1001], None, [0] * 32, 16, None, "GPU")])
+        wipe = KVEventBatch(0.0, [AllBlocksCleared()])
+        for sender in (forger, pub_other):
+            for seq, batch in enumerate((lure, wipe)):
+                sender.send_multipart(
+                    [f"kv@{victim}@m".encode(), seq.to_bytes(8, "big"), msgspec.msgpack.encode(batch)]
+                )
+        while subscriber.batches < 3 and time.monotonic() < deadline + 3:
+            time.sleep(0.01)
+        time.sleep(0.2)  # the forger's messages, had any arrived, would have been applied by now
+        assert subscriber.batches == 3  # the victim's and the other server's two, as its own
+        assert index.prefix_blocks([1, 2], [victim]) == {victim: 2} and index.size == 469  # 0 entries wiped
+        assert index.prefix_blocks([1000], [victim, other]) == {victim: 0, other: 0}  # 0 steered to the victim
+    finally:
+        for socket in (pub, pub_other, forger):
+            socket.close(linger=0)
+        ctx.term()
+        subscriber.shutdown()
+
+    bound_index = KVBlockIndex()
+    bound = KVEventSubscriber(bound_index, "tcp://127.0.0.1:*")
+    in_pool(bound, "10.0.0.1:8000")
+    ctx = zmq.Context()
+    sender = ctx.socket(zmq.PUB)
+    sender.connect(bound.endpoint)
+    time.sleep(0.3)
+    try:
+        sender.send_multipart([b"kv@10.0.0.1:8000@m", (0).to_bytes(8, "big"), msgspec.msgpack.encode(lure)])
+        deadline = time.monotonic() + 3
+        while bound.unverified == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert bound.unverified == 1 and bound_index.size == 0 and not bound_index.publishes("10.0.0.1:8000")
+    finally:
+        sender.close(linger=0)
+        ctx.term()
+        bound.shutdown()
 
 
 def test_the_memory_cap_drops_the_largest_endpoint_s_oldest_entries_and_counts_them():
@@ -323,11 +390,11 @@ def test_a_replay_socket_that_sends_garbage_or_a_sequence_far_ahead_costs_that_e
 
 
 def test_only_the_pools_servers_are_indexed_and_a_server_that_leaves_is_forgotten():
-    """The subscriber binds on every interface: a sender naming any other address:port (or a server after it
-    left the pool) is counted and ignored, so what it keeps per server is bounded by the pool."""
+    """A bound subscriber: a sender naming any other address:port (or a server after it left the pool) is counted
+    and ignored, so what it keeps per server is bounded by the pool."""
     index = KVBlockIndex()
     subscriber = KVEventSubscriber(index, "tcp://127.0.0.1:*")
-    in_pool(subscriber, "10.0.0.1:8000")
+    in_pool(subscriber, "127.0.0.1:8000")
     ctx = zmq.Context()
     pub = ctx.socket(zmq.PUB)
     pub.connect(subscriber.endpoint)
@@ -336,17 +403,17 @@ def test_only_the_pools_servers_are_indexed_and_a_server_that_leaves_is_forgotte
     try:
         for n in range(200):  # a sender making up servers
             pub.send_multipart([f"kv@10.9.{n // 250}.{n % 250}:8000@m".encode(), (0).to_bytes(8, "big"), batch])
-        pub.send_multipart([b"kv@10.0.0.1:8000@m", (0).to_bytes(8, "big"), batch])
+        pub.send_multipart([b"kv@127.0.0.1:8000@m", (0).to_bytes(8, "big"), batch])
         deadline = time.monotonic() + 3
-        while not index.publishes("10.0.0.1:8000") and time.monotonic() < deadline:
+        while not index.publishes("127.0.0.1:8000") and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert subscriber.outside_pool == 200 and index.prefix_blocks([9], ["10.0.0.1:8000"]) == {"10.0.0.1:8000": 1}
+        assert subscriber.outside_pool == 200 and index.prefix_blocks([9], ["127.0.0.1:8000"]) == {"127.0.0.1:8000": 1}
         assert index.size == 1 and len(subscriber._next_seq) == 1
-        subscriber.stop(Endpoint(EndpointSpec("gone", "10.0.0.1", 8000)))
-        pub.send_multipart([b"kv@10.0.0.1:8000@m", (1).to_bytes(8, "big"), batch])
+        subscriber.stop(Endpoint(EndpointSpec("gone", "127.0.0.1", 8000)))
+        pub.send_multipart([b"kv@127.0.0.1:8000@m", (1).to_bytes(8, "big"), batch])
         while subscriber.outside_pool == 200 and time.monotonic() < deadline + 3:
             time.sleep(0.01)
-        assert subscriber.outside_pool == 201 and index.size == 0 and not index.publishes("10.0.0.1:8000")
+        assert subscriber.outside_pool == 201 and index.size == 0 and not index.publishes("127.0.0.1:8000")
     finally:
         pub.close(linger=0)
         ctx.term()
@@ -378,3 +445,65 @@ def test_each_endpoint_matches_the_leading_blocks_it_holds_whoever_else_holds_th
         expected[endpoint] = count
     assert index.prefix_blocks(prompt, endpoints) == expected
     assert index.prefix_blocks(prompt, endpoints[:1]) == {endpoints[0]: expected[endpoints[0]]}
+
+
+def test_a_server_hashing_with_another_seed_is_found_out_and_left_to_the_approximate_index(caplog):
+    """A server started with another PYTHONHASHSEED: its first block's hash is not what this EPP computes from
+    the same tokens. Its events are ignored (a log line, the mismatched-endpoints gauge) so that it is not
+    scored from an index that can never match; restarted with the right seed, it is indexed again."""
+    index = KVBlockIndex()
+    index.hasher = block_hasher("sha256", "0")  # as precise-prefix-cache-scorer sets it
+    subscriber = KVEventSubscriber(index, connect_port_offset=0)
+    tokens = list(range(32))
+
+    def stored(seed: str) -> IndexedBatch:
+        hashes = request_block_hashes(tokens, 16, hash_seed=seed)
+        return wire(KVEventBatch(time.time(), [BlockStored(hashes, None, tokens, 16, None, "GPU")]))
+
+    try:
+        subscriber._receive("a:1", "m", 0, stored("1"))
+        subscriber._receive("a:1", "m", 1, stored("1"))
+        assert subscriber.mismatched == {"a:1"} and index.size == 0 and not index.publishes("a:1")
+        gauge = next(m for m in subscriber.collect() if m.name.endswith("hash_mismatched_endpoints"))
+        assert gauge.samples[0].value == 1
+        assert sum("another PYTHONHASHSEED" in r.getMessage() for r in caplog.records) == 1
+        subscriber._receive("b:1", "m", 0, stored("0"))
+        assert index.publishes("b:1") and index.size == 2
+        subscriber._receive("a:1", "m", 0, stored("0"))  # restarted, now with the pool's seed
+        assert subscriber.mismatched == set() and index.publishes("a:1") and index.size == 4
+    finally:
+        subscriber.shutdown()
+
+
+async def test_a_huge_batch_at_the_cap_neither_takes_long_nor_stops_the_event_loop():
+    """60,000 new hashes into an index full at 60,000: every entry evicted, in O(1) each (the dict-based index
+    took seconds, its cost growing with the square of the evictions), and applied on another thread in slices
+    that give the GIL up: with the interpreter never switching threads by itself (as the compiled release build),
+    the event loop still runs every few milliseconds."""
+    index = KVBlockIndex(max_entries=60_000)
+    index.store("a:1", list(range(60_000)))
+    gaps, stop = [], threading.Event()
+
+    async def ticker() -> None:
+        last = time.monotonic()
+        while not stop.is_set():
+            await asyncio.sleep(0.001)
+            now = time.monotonic()
+            gaps.append(now - last)
+            last = now
+
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1000)
+    try:
+        ticking = asyncio.create_task(ticker())
+        await asyncio.sleep(0.05)
+        started = time.monotonic()
+        await asyncio.to_thread(index.store, "b:1", list(range(100_000, 160_000)))
+        took = time.monotonic() - started
+        stop.set()
+        await ticking
+    finally:
+        sys.setswitchinterval(switch)
+    assert index.size == 60_000 and index.dropped_entries == 60_000
+    assert index.prefix_blocks([0], ["a:1"]) == {"a:1": 0} and index.prefix_blocks([159_999], ["b:1"]) == {"b:1": 1}
+    assert took < 3.0 and max(gaps) < 0.25, (took, max(gaps))

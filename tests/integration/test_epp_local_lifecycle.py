@@ -50,6 +50,11 @@ def children_of(workdir: Path) -> list[int]:
     return found
 
 
+def epps_of(workdir: Path) -> list[int]:
+    """The stack's EPP processes (each is given the pool file in the work directory)."""
+    return [pid for pid in children_of(workdir) if b"--pool-file" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+
+
 def assert_all_gone(workdir: Path, ports: list[int]) -> None:
     deadline = time.monotonic() + 15
     while children_of(workdir) and time.monotonic() < deadline:
@@ -63,8 +68,10 @@ def assert_all_gone(workdir: Path, ports: list[int]) -> None:
 @pytest.mark.parametrize("how", ["SIGINT", "SIGTERM", "SIGHUP", "closed-pipe"])
 def test_every_way_to_end_it_stops_every_child(how):
     args, ports = epp_local_ports()
-    process, workdir = start(args)
+    replicas = 2 if how == "SIGTERM" else 1  # --epp-replicas: active-active EPPs, stopped like the rest
+    process, workdir = start([*args, "--epp-replicas", str(replicas)])
     assert children_of(workdir)
+    assert len(epps_of(workdir)) == replicas
     if how == "closed-pipe":  # `epp-local | head`, then Ctrl-C: stdout is a closed pipe when it says "stopping"
         process.stdout.close()
         process.send_signal(signal.SIGINT)

@@ -20,6 +20,7 @@ from epp.scheduling.plugins.prefix_cache_scorer import PrefixCacheScorer
 from epp.scheduling.plugins.queue_scorer import QueueScorer
 from epp.scheduling.plugins.random_picker import RandomPicker
 from epp.scheduling.plugins.running_requests_size_scorer import RunningRequestsSizeScorer
+from epp.scheduling.plugins.session_affinity_scorer import SessionAffinityScorer
 from epp.scheduling.plugins.slo_headroom_filter import SLOHeadroomFilter
 from epp.scheduling.plugins.slo_interference_filter import SLOInterferenceFilter
 from epp.scheduling.plugins.weighted_random_picker import WeightedRandomPicker
@@ -38,6 +39,7 @@ BUILTIN_PLUGINS: tuple[type[Plugin], ...] = (
     QueueScorer,
     RandomPicker,
     RunningRequestsSizeScorer,
+    SessionAffinityScorer,
     SLOHeadroomFilter,
     SLOInterferenceFilter,
     WeightedRandomPicker,

@@ -152,6 +152,7 @@ class PrecisePrefixCacheScorer(Scorer, PrepareData, KVEventsConsumer):
 
     def use_kv_index(self, index: KVBlockIndex) -> None:
         self.index = index
+        index.hasher = self.block_hashes.hasher  # servers that hash otherwise are found out (KVEventSubscriber)
 
     def _active(self, request: SchedulingRequest) -> bool:
         """Something to match against: events flow and the request has a body (else no tokenizing at all)."""
@@ -166,7 +167,7 @@ class PrecisePrefixCacheScorer(Scorer, PrepareData, KVEventsConsumer):
         not yet found."""
         if len(request.prompt) <= self.thread_prompt_chars or not self._active(request):
             return False
-        prompt = self.tokenizer.prompt(request.payload)
+        prompt = self.tokenizer.prompt(request.payload, request.kind)
         return isinstance(prompt, str) and self.tokenizer.uncached_chars(prompt) > self.thread_prompt_chars
 
     def prepare(self, cycle_state: CycleState, request: SchedulingRequest) -> None:
@@ -179,7 +180,7 @@ class PrecisePrefixCacheScorer(Scorer, PrepareData, KVEventsConsumer):
         prompt held to its end is read whole and counted exactly."""
         if not self._active(request):
             return
-        prompt = self.tokenizer.prompt(request.payload)
+        prompt = self.tokenizer.prompt(request.payload, request.kind)
         if prompt is None:
             return
         index = self.index

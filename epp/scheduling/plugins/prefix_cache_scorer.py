@@ -36,8 +36,15 @@ shrinks by the difference and its oldest entries go; when it had more, the capac
 num_gpu_blocks. Mixed pools: with the KV-event index (KVEventsConsumer), endpoints that publish KV events are left
 to precise-prefix-cache-scorer (scored 0 here, their picks not recorded); the rest are scored as above.
 
+Memory: an entry (a block hash an endpoint was sent) costs ~143 bytes (`epp-bench kv-index`, tracemalloc); however
+many blocks the servers say they hold, the index keeps at most maxIndexEntries over all endpoints (each endpoint's
+LRU at most its share of them), 1,800,000 by default: ~245 MiB, a budget of 256 MiB, 57 servers of 31,250 blocks.
+Eviction is O(1) an entry (the LRU's oldest), and one pick trims at most MAX_TRIM entries, so a capacity that falls
+a long way is reached over a few picks, never in one long stop of the event loop.
+
 Parameters: blockSize (16 tokens), maxPrefixBlocksToMatch (256), lruCapacityPerServer (31250 blocks, used when the
-endpoint does not publish num_gpu_blocks), autoTune (true), loadGuardQueueGap (8; 0 = off).
+endpoint does not publish num_gpu_blocks), maxIndexEntries (1,800,000), autoTune (true), loadGuardQueueGap (8;
+0 = off).
 Trade-offs: approximate: it knows where it sent a prefix, not what the server kept (evictions under memory
 pressure, restarts); text blocks only roughly align with the server's token blocks; a prompt shorter than one
 block scores 0 everywhere.
@@ -68,6 +75,8 @@ from epp.scheduling.plugins.precise_prefix_cache_scorer import PROMPT_BLOCKS
 from epp.scheduling.types import CycleState, ResponseInfo, SchedulingRequest, SchedulingResult, StateKey
 
 CHARS_PER_TOKEN = 4
+# The most entries one pick (or one response) trims from an endpoint's LRU: ~0.2 ms of the event loop.
+MAX_TRIM = 1024
 PREFIX_HASHES: StateKey[list[int]] = StateKey("prefix-hashes")  # the prompt's chained block hashes
 # (blocks the index believed the pick held, blocks of the whole prompt), recorded with the pick
 PREFIX_BELIEF: StateKey[tuple[int, float]] = StateKey("prefix-belief")
@@ -97,6 +106,7 @@ class PrefixCacheScorer(Scorer, PreRequest, ResponseComplete, PoolChanged, Prefi
         self.block_size = p.get("blockSize", 16, int, minimum=1)
         self.max_blocks = p.get("maxPrefixBlocksToMatch", 256, int, minimum=1)
         self.default_capacity = p.get("lruCapacityPerServer", 31250, int, minimum=1)
+        self.max_entries = p.get("maxIndexEntries", 1_800_000, int, minimum=1)
         self.auto_tune = p.get("autoTune", True, bool)
         self.load_guard_gap = float(p.get("loadGuardQueueGap", 8, (int, float), minimum=0))
         p.done()
@@ -208,14 +218,17 @@ class PrefixCacheScorer(Scorer, PreRequest, ResponseComplete, PoolChanged, Prefi
             else:
                 held[h] = None
         self._heads.setdefault(hashes[0], set()).add(name)
-        self._trim(name, held, self._capacity.get(name) or self.server_capacity(endpoint))
+        full = self.server_capacity(endpoint)
+        self._trim(name, held, min(self._capacity.get(name) or full, full))
 
     def server_capacity(self, endpoint: Endpoint) -> int:
+        """The blocks the server holds (its num_gpu_blocks), at most its share of maxIndexEntries."""
         m = endpoint.metrics
-        return m.num_gpu_blocks if m is not None and m.num_gpu_blocks else self.default_capacity
+        blocks = m.num_gpu_blocks if m is not None and m.num_gpu_blocks else self.default_capacity
+        return min(blocks, self.max_entries // max(1, len(self._held)))
 
     def _trim(self, name: str, held: OrderedDict[int, None], capacity: int) -> None:
-        for _ in range(len(held) - capacity):
+        for _ in range(min(len(held) - capacity, MAX_TRIM)):
             self._forget(name, held.popitem(last=False)[0])
 
     def response_complete(

@@ -4,7 +4,7 @@ import pytest
 import xxhash
 
 from epp.scheduling.plugins import build_plugin
-from epp.scheduling.plugins.prefix_cache_scorer import PREFIX_HASHES
+from epp.scheduling.plugins.prefix_cache_scorer import MAX_TRIM, PREFIX_HASHES
 from epp.scheduling.types import CycleState, SchedulingRequest, SchedulingResult
 from tests.epp.helpers import endpoint
 
@@ -85,6 +85,29 @@ def test_default_capacity_applies_when_the_endpoint_publishes_no_num_gpu_blocks(
     s, e = scorer(lruCapacityPerServer=5), endpoint(0, num_gpu_blocks=None)
     route(s, SYSTEM, e, [e])
     assert s.index_size == 5
+
+
+def test_the_whole_index_is_capped_and_a_large_fall_in_capacity_is_trimmed_over_several_picks():
+    """maxIndexEntries bounds the index whatever the servers' num_gpu_blocks (each endpoint's LRU at most its
+    share); a capacity that falls by more than MAX_TRIM entries is reached over several picks, never in one."""
+    s = scorer(maxIndexEntries=20)
+    pool = [endpoint(0, num_gpu_blocks=10**9), endpoint(1, num_gpu_blocks=10**9)]
+    route(s, SYSTEM, pool[0], pool)
+    route(s, SYSTEM + "x" * 64 * 10, pool[1], pool)  # 26 blocks: its share is 20 // 2
+    assert len(s._held[pool[0].spec.name]) == 16 and len(s._held[pool[1].spec.name]) == 10
+    route(s, SYSTEM, pool[0], pool)
+    assert s.index_size == 20
+
+    big = scorer(maxIndexEntries=10**6, maxPrefixBlocksToMatch=4096)
+    e = endpoint(0, num_gpu_blocks=5000)
+    route(big, "y" * 64 * 4000, e, [e])
+    assert big.index_size == 4000
+    e.metrics.num_gpu_blocks = 10  # the server came back far smaller
+    route(big, "z" * 64, e, [e])
+    assert big.index_size == 4000 + 1 - MAX_TRIM
+    for _ in range(3):
+        route(big, "z" * 64, e, [e])
+    assert big.index_size == 10
 
 
 def test_removed_endpoints_are_forgotten():

@@ -153,3 +153,56 @@ def test_logprobs_over_http(tmp_path):
     finally:
         server.terminate()
         server.wait(10)
+
+
+def test_responses_and_messages_answer_like_chat_on_the_torch_executor(tmp_path):
+    """One conversation with a system prompt through Chat, Responses and Messages: greedy decoding gives the same
+    text (one chat template, one engine), and a Responses follow-up continues the stored conversation."""
+    import asyncio
+
+    from anthropic import AsyncAnthropic
+    from openai import AsyncOpenAI
+
+    model = make_tiny_model(tmp_path / "tiny")
+    (port,) = free_ports(1)
+    command = [sys.executable, "-m", "modelserver", "--backend", "torch", "--model", str(model), "--port", str(port)]
+    server = subprocess.Popen(
+        [*command, "--served-model-name", "tiny", "--disable-log-stats"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        while not (line := server.stdout.readline().decode()).startswith("ready on"):
+            assert line, "the torch server exited before it was ready"
+
+        async def ask():
+            oai = AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x")
+            claude = AsyncAnthropic(base_url=f"http://127.0.0.1:{port}", api_key="x")
+            system, user = "You are terse.", "Say hi."
+            chat = await oai.chat.completions.create(
+                model="tiny",
+                messages=[{"role": "system", "content": system}, {"role": "user", "content": user}],
+                max_tokens=4,
+                temperature=0,
+            )
+            first = await oai.responses.create(
+                model="tiny", instructions=system, input=user, max_output_tokens=4, temperature=0
+            )
+            message = await claude.messages.create(
+                model="tiny",
+                system=system,
+                messages=[{"role": "user", "content": user}],
+                max_tokens=4,
+                extra_body={"temperature": 0},  # (this SDK's create no longer takes it)
+            )
+            follow_up = await oai.responses.create(
+                model="tiny", previous_response_id=first.id, input="Again.", max_output_tokens=2, temperature=0
+            )
+            return chat, first, message, follow_up
+
+        chat, first, message, follow_up = asyncio.run(ask())
+        assert first.output_text == chat.choices[0].message.content == message.content[0].text
+        assert follow_up.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+    finally:
+        server.terminate()
+        server.wait(10)
