@@ -1,6 +1,6 @@
 """Flow control: at saturation requests wait in the EPP, by priority band and fairly between flows (tenants).
 
-A request's band is its objective's priority; its flow is its `x-gateway-inference-fairness-id` (none = one
+A request's band is its objective's priority; its flow is its `x-llm-d-inference-fairness-id` (none = one
 default flow). Each flow has one queue in its band. `try_dispatch` is the fast path: with nothing queued and room
 in the pool it answers True synchronously (no queue, no future, no await). Otherwise `wait` queues the request and
 resolves when `pump` (called when a request completes or a scrape shows room) takes it: highest non-empty band
@@ -44,7 +44,7 @@ EVICTED_TTL = "EvictedTTL"
 EVICTED_CANCELLED = "EvictedContextCancelled"
 OUTCOMES = (DISPATCHED, REJECTED_CAPACITY, EVICTED_TTL, EVICTED_CANCELLED)
 
-DEFAULT_FLOW = "default"  # the flow of requests without x-gateway-inference-fairness-id
+DEFAULT_FLOW = "default"  # the flow of requests without x-llm-d-inference-fairness-id
 # llm-d's policy names (its bands name their policies with fairnessPolicyRef / orderingPolicyRef)
 FAIRNESS_POLICIES = {"round-robin-fairness-policy": "round-robin", "global-strict-fairness-policy": "global-strict"}
 ORDERING_POLICIES = {"fcfs-ordering-policy": "fcfs", "edf-ordering-policy": "edf"}
@@ -99,11 +99,22 @@ class FlowControlRejected(Exception):
         self.outcome = outcome
 
 
+# llm-d's defaults (pkg/epp/flowcontrol: registry and controller config): each band holds at most 5,000 requests and
+# 1 GB, a request waits at most 60 s; a band's 0 means its default. Ours adds a limit over all bands together
+# (MAX_REQUESTS, MAX_BYTES; llm-d's global limits are unset by default): bands come and go with the objectives'
+# priorities, and what clients can make the EPP hold must have one bound.
+BAND_MAX_REQUESTS = 5000
+BAND_MAX_BYTES = 1_000_000_000
+DEFAULT_REQUEST_TTL = 60.0
+MAX_REQUESTS = 10_000
+MAX_BYTES = 1 << 30
+
+
 @dataclass
 class BandConfig:
     priority: int
-    max_requests: int = 0  # 0 = only the global limit applies
-    max_bytes: int = 0
+    max_requests: int = BAND_MAX_REQUESTS
+    max_bytes: int = BAND_MAX_BYTES
     fairness_policy: str = "round-robin"
     fairness_cost: str = "requests"  # or "tokens": deficit round robin by prompt tokens
     quantum: int = 1
@@ -114,9 +125,9 @@ class BandConfig:
 @dataclass
 class FlowControlConfig:
     enabled: bool = True
-    max_requests: int = 10_000
-    max_bytes: int = 1 << 30
-    default_request_ttl: float = 30.0
+    max_requests: int = MAX_REQUESTS
+    max_bytes: int = MAX_BYTES
+    default_request_ttl: float = DEFAULT_REQUEST_TTL
     bands: dict[int, BandConfig] = field(default_factory=dict)
     default_band: BandConfig = field(default_factory=lambda: BandConfig(priority=0))
     default_negative_band: BandConfig | None = None  # the template of priorities below 0 (else default_band's)
@@ -167,9 +178,9 @@ class FlowControlConfig:
         p = Parameters("flowControl", raw)
         cfg = cls(
             enabled=p.get("enabled", True, bool),
-            max_requests=_quantity(p, "maxRequests", 10_000) or 10_000,  # 0: unset, llm-d's convention
-            max_bytes=_quantity(p, "maxBytes", 1 << 30) or 1 << 30,
-            default_request_ttl=_duration(p, "defaultRequestTTL", 30.0),
+            max_requests=_quantity(p, "maxRequests", MAX_REQUESTS) or MAX_REQUESTS,  # 0: unset, llm-d's convention
+            max_bytes=_quantity(p, "maxBytes", MAX_BYTES) or MAX_BYTES,
+            default_request_ttl=_duration(p, "defaultRequestTTL", DEFAULT_REQUEST_TTL),
         )
         if cfg.default_request_ttl <= 0:
             raise ConfigError("flowControl: defaultRequestTTL must be > 0 (a request must not wait forever)")
@@ -204,8 +215,8 @@ def _band_from(raw: dict[str, Any] | None, priority: int) -> BandConfig:
         raise ConfigError(f"flowControl band {priority}: orderingPolicyRef must be one of {sorted(ORDERING_POLICIES)}")
     band = BandConfig(
         priority=priority,
-        max_requests=_quantity(p, "maxRequests", 0),
-        max_bytes=_quantity(p, "maxBytes", 0),
+        max_requests=_quantity(p, "maxRequests", BAND_MAX_REQUESTS) or BAND_MAX_REQUESTS,
+        max_bytes=_quantity(p, "maxBytes", BAND_MAX_BYTES) or BAND_MAX_BYTES,
         fairness_policy=FAIRNESS_POLICIES[fairness],
         fairness_cost=p.get("fairnessCost", "requests", str),
         quantum=p.get("quantum", 1, int, minimum=1),

@@ -1,4 +1,9 @@
-"""The EPP's own Prometheus metrics, named like GIE's: a leaf that imports nothing of the EPP. Its parts register
+"""The EPP's own Prometheus metrics: a leaf that imports nothing of the EPP.
+
+Names: llm-d router v1's `llm_d_epp_*` (docs/metrics.md there), each beside its older twin (`inference_objective_*`,
+`inference_pool_*`, `inference_extension_*`: GIE's names), as llm-d emits both while dashboards migrate. The parts
+write only the older name; the registry adds the twin to every family it exports (`DualEmission`, one table of
+renames, CURRENT_NAMES), so no part writes a name twice. Its parts register
 their collectors here (`EPPMetrics.register`), read when Prometheus scrapes (no work on the request path). Per-request
 series are plain numbers updated on the event loop and turned into samples only
 when Prometheus scrapes (`_Series`): prometheus_client's own children take a lock and check observability on every
@@ -14,7 +19,7 @@ from collections.abc import Iterable, Iterator
 
 import cython
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from protocol.exposition import bucket_bounds, cumulative_buckets
@@ -23,11 +28,91 @@ DURATION_BUCKETS = (0.005, 0.025, 0.05, 0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 1.25, 1.5,
                     45, 60, 120, 180, 240, 300, 360, 480, 600, 900, 1200, 1800, 2700, 3600)  # fmt: skip
 TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32778, 65536, 131072, 262144,
                  524288, 1048576)  # fmt: skip
-OTHER_MODEL = "other"  # the label value of model names that are neither declared by the pool nor served yet
-MAX_SERVED_MODEL_LABELS = 100
 QUEUE_BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-OTHER_FLOW = "other"  # the label value of fairness ids beyond MAX_FAIRNESS_ID_LABELS (clients choose them)
-MAX_FAIRNESS_ID_LABELS = 100
+# Label values clients choose (model names from the body, fairness ids from a header) are capped as llm-d caps them
+# (pkg/epp/metrics/cardinality.go): the first MAX_LABEL_VALUES distinct values of each get series, the rest share
+# OVERFLOW_LABEL; model names the pool declares or its rewrite rules name are pinned (always their own label, not
+# counted).
+MAX_LABEL_VALUES = 1000
+OVERFLOW_LABEL = "other"
+
+# The llm_d_epp_* name of each older family (as prometheus_client names it: a counter without `_total`), with the
+# labels llm-d renamed; a family not listed here takes llm_d_epp_ in place of its older prefix (PREFIXES).
+CURRENT_PREFIX = "llm_d_epp_"
+LEGACY_PREFIXES = ("inference_objective_", "inference_pool_", "inference_extension_")
+CURRENT_NAMES: dict[str, tuple[str, dict[str, str]]] = {
+    "inference_objective_input_tokens": ("llm_d_epp_request_input_tokens", {}),
+    "inference_objective_output_tokens": ("llm_d_epp_request_output_tokens", {}),
+    "inference_objective_running_requests": ("llm_d_epp_request_running", {}),
+    "inference_pool_ready_pods": ("llm_d_epp_ready_endpoints", {}),
+    "inference_pool_per_pod_queue_size": (
+        "llm_d_epp_per_endpoint_queue_size",
+        {"model_server_pod": "model_server_endpoint"},
+    ),
+}
+
+
+def current_name(legacy: str) -> tuple[str, dict[str, str]] | None:
+    """The llm_d_epp_* name (and label renames) of an older family name; None for a name without a twin."""
+    renamed = CURRENT_NAMES.get(legacy)
+    if renamed is not None:
+        return renamed
+    for prefix in LEGACY_PREFIXES:
+        if legacy.startswith(prefix):
+            return CURRENT_PREFIX + legacy[len(prefix) :], {}
+    return None
+
+
+def twin(family: Metric) -> Metric | None:
+    """`family` under its llm_d_epp_* name, the same samples (their labels renamed as llm-d did); None without one."""
+    renamed = current_name(family.name)
+    if renamed is None:
+        return None
+    name, labels = renamed
+    copy = Metric(name, family.documentation, family.type, family.unit)
+    start = len(family.name)
+    copy.samples = [
+        sample._replace(
+            name=name + sample.name[start:],
+            labels={labels.get(k, k): v for k, v in sample.labels.items()} if labels else sample.labels,
+        )
+        for sample in family.samples
+    ]
+    return copy
+
+
+class DualEmission:
+    """A collector's families, each followed by its llm_d_epp_* twin (`twin`)."""
+
+    def __init__(self, collector: Collector):
+        self.collector = collector
+
+    def collect(self):
+        for family in self.collector.collect():
+            yield family
+            current = twin(family)
+            if current is not None:
+                yield current
+
+
+class BoundedLabel:
+    """A free-form label's values: pinned ones and the first `limit` others are themselves, the rest OVERFLOW_LABEL.
+    A value once admitted stays admitted (an increment and its decrement land on the same series); "" passes."""
+
+    def __init__(self, limit: int = MAX_LABEL_VALUES):
+        self.limit = limit
+        self.seen: set[str] = set()
+        self.pinned: frozenset[str] = frozenset()
+
+    def __call__(self, value: str) -> str:
+        if not value or value in self.seen or value in self.pinned:
+            return value
+        if len(self.seen) < self.limit:
+            self.seen.add(value)
+            return value
+        return OVERFLOW_LABEL
+
+
 # The metrics a pick read are as old as the time since its endpoint's latest scrape: at most about the refresh interval
 # (50 ms) under traffic, up to the quiet interval (250 ms) for the first request after a quiet spell.
 PICKED_METRICS_AGE = "inference_extension_scheduler_picked_metrics_age_seconds"
@@ -183,7 +268,7 @@ class EPPMetrics:
 
     def __init__(self, pool_name: str):
         self.pool_name = pool_name
-        self.registry = reg = CollectorRegistry()
+        self.registry = CollectorRegistry()
         model_labels = ["model_name", "target_model_name"]
         self.requests = _Series(
             "counter",
@@ -273,22 +358,14 @@ class EPPMetrics:
             self.served,
             self.queue_duration,
         )
-        reg.register(_SeriesCollector(series))
-        self._served_models: set[str] = set()
-        self._fairness_ids: set[str] = set()
+        self.register(_SeriesCollector(series))
+        self.model_names = BoundedLabel()
+        self.fairness_label = BoundedLabel()
 
     def register(self, collector: Collector) -> None:
-        """Export what `collector.collect()` yields (metric families) on every scrape, after what is registered."""
-        self.registry.register(collector)
-
-    def fairness_label(self, flow_id: str) -> str:
-        """Fairness ids are the clients' choice: the first MAX_FAIRNESS_ID_LABELS get series, the rest share one."""
-        if flow_id in self._fairness_ids:
-            return flow_id
-        if len(self._fairness_ids) < MAX_FAIRNESS_ID_LABELS:
-            self._fairness_ids.add(flow_id)
-            return flow_id
-        return OTHER_FLOW
+        """Export what `collector.collect()` yields (metric families) on every scrape, after what is registered, each
+        family with its llm_d_epp_* twin (DualEmission)."""
+        self.registry.register(DualEmission(collector))
 
     def flow_control_outcome(self, priority: int, flow_id: str, outcome: str, seconds: float) -> None:
         """FlowController's observer: every request's outcome and its time in flow control."""
@@ -296,14 +373,6 @@ class EPPMetrics:
             seconds
         )
 
-    def model_label(self, name: str, declared: frozenset[str] | None) -> str:
-        """Clients choose model names, so label values are bounded: a name is its own label once the pool declares
-        it or a model server answered a request for it with success (at most MAX_SERVED_MODEL_LABELS of those);
-        every other name is OTHER_MODEL."""
-        if name in self._served_models or (declared is not None and name in declared) or not name:
-            return name
-        return OTHER_MODEL
-
-    def model_served(self, name: str) -> None:
-        if name not in self._served_models and len(self._served_models) < MAX_SERVED_MODEL_LABELS:
-            self._served_models.add(name)
+    def model_label(self, name: str) -> str:
+        """A client's model name as a label value (BoundedLabel; the director pins the pool's names)."""
+        return self.model_names(name)

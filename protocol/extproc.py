@@ -23,9 +23,38 @@ REQUEST_ID_HEADER = "x-request-id"
 # the EPP's own on the routed request, and an access-log record with one is not read: the ids key tables that
 # wait for records, and a client's header or a sender of records may be up to the proxy's header limit (60 KB).
 MAX_REQUEST_ID_CHARS = 256
-OBJECTIVE_HEADER = "x-gateway-inference-objective"
-FAIRNESS_ID_HEADER = "x-gateway-inference-fairness-id"
-MODEL_NAME_REWRITE_HEADER = "x-gateway-model-name-rewrite"
+# llm-d router v1's names (pkg/epp/metadata/consts.go); each reads its older name as a deprecated alias, and the new
+# name wins when a request carries both (`canonical_headers`).
+OBJECTIVE_HEADER = "x-llm-d-inference-objective"
+FAIRNESS_ID_HEADER = "x-llm-d-inference-fairness-id"
+MODEL_NAME_REWRITE_HEADER = "x-llm-d-model-name-rewrite"
+SLO_TTFT_HEADER = "x-llm-d-slo-ttft-ms"  # the request's time-to-first-token objective, milliseconds
+SLO_TPOT_HEADER = "x-llm-d-slo-tpot-ms"  # its time-per-output-token objective, milliseconds
+HEADER_ALIASES = {
+    OBJECTIVE_HEADER: "x-gateway-inference-objective",
+    FAIRNESS_ID_HEADER: "x-gateway-inference-fairness-id",
+    MODEL_NAME_REWRITE_HEADER: "x-gateway-model-name-rewrite",
+    SLO_TTFT_HEADER: "x-slo-ttft-ms",
+    SLO_TPOT_HEADER: "x-slo-tpot-ms",
+}
+
+
+def canonical_headers(headers: dict[str, str]) -> dict[str, str]:
+    """`headers` (lower-case names), with each deprecated alias's value copied under its current name unless the
+    current name is there (present, even empty, it wins, as in llm-d); in place, and returned."""
+    for name, alias in HEADER_ALIASES.items():
+        if name not in headers and alias in headers:
+            headers[name] = headers[alias]
+    return headers
+
+
+# On every request the EPP drops (an ImmediateResponse 429 or 503), llm-d's header naming why, with llm-d's values
+# (pkg/common/error/error.go): a drop without a more precise reason gets its status's.
+DROPPED_REASON_HEADER = "x-llm-d-request-dropped-reason"
+DROPPED_SATURATED = "rejected-saturated"  # 429: endpoints exist, none has room (shed, a full queue, filtered out)
+DROPPED_NO_ENDPOINTS = "rejected-no-endpoints"  # 503: no endpoint can serve it
+DROPPED_TTL_EXPIRED = "rejected-ttl-expired"  # 429: its wait in flow control outlived its TTL
+DROPPED_REASONS_BY_STATUS = {429: DROPPED_SATURATED, 503: DROPPED_NO_ENDPOINTS}
 # A client's session (session-affinity-scorer's default header) and the agents' own session headers, as llm-d's
 # agent-identity plugin reads them, first match wins: Claude Code, OpenCode, Codex (and its older spelling).
 SESSION_ID_HEADER = "x-session-id"

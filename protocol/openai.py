@@ -84,6 +84,7 @@ class OpenAIError(Exception):
         param: str | None = None,
         code: str | None = None,
         retry_after: int | None = None,
+        dropped_reason: str | None = None,
     ):
         super().__init__(message)
         self.message = message
@@ -91,6 +92,8 @@ class OpenAIError(Exception):
         self.param = param
         self.code = code
         self.retry_after = retry_after  # seconds, for a retry-after header (429, 503)
+        # why a gateway dropped the request (429, 503): extproc.DROPPED_REASON_HEADER, its status's default when None
+        self.dropped_reason = dropped_reason
         self.style = "openai"  # the body's shape: "openai", or "anthropic" for the Messages API (error_style)
 
     @property

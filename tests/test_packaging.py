@@ -141,7 +141,9 @@ def test_the_wheel_runs_the_demo_and_the_gateway_suite_from_elsewhere(installed_
         env=OUTSIDE,
     )
     assert suite.returncode == 0, suite.stdout[-2000:] + suite.stderr[-2000:]
-    assert yaml.safe_load(report.read_text())["profiles"][0]["core"]["result"] == "success"
+    profiles = {p["name"]: p for p in yaml.safe_load(report.read_text())["profiles"]}
+    assert profiles["Gateway"]["core"]["statistics"]["Failed"] == 0  # partial: the tests that need a cluster skip
+    assert profiles["GatewayDataPath"]["core"]["result"] == "success"
 
 
 REQUEST_PATH = {

@@ -20,7 +20,7 @@ import yaml
 from epp.config import ConfigError
 
 DEFAULT_CONFIG = """\
-apiVersion: inference.networking.x-k8s.io/v1alpha1
+apiVersion: llm-d.ai/v1
 kind: EndpointPickerConfig
 plugins:
 - type: slo-headroom-filter
@@ -57,7 +57,35 @@ schedulingProfiles:
     weight: 1
   - pluginRef: max-score-picker
 """
+# llm-d router v1.0's default profile, "sticky until saturated" (its prefix-cache-affinity-filter, token-load-scorer,
+# active-request-scorer and max-score-picker, with their defaults), as written here from their documentation; only
+# peakPrefillThroughput is set, to the reference model server's sim (~10k prefill tokens a second), as llm-d asks of
+# its users. docs/llm-d-names.md has its measure against DEFAULT_CONFIG.
+LLM_D_DEFAULT_CONFIG = """\
+apiVersion: llm-d.ai/v1
+kind: EndpointPickerConfig
+plugins:
+- type: prefix-cache-affinity-filter
+  parameters: {affinityThreshold: 0.80, maxTTFTPenaltyMs: 18000, peakPrefillThroughput: 10000}
+- type: token-load-scorer
+- type: active-request-scorer
+- type: max-score-picker
+schedulingProfiles:
+- name: default
+  plugins:
+  - pluginRef: prefix-cache-affinity-filter
+  - pluginRef: token-load-scorer
+    weight: 1
+  - pluginRef: active-request-scorer
+    weight: 1
+  - pluginRef: max-score-picker
+"""
+# llm-d router v1's apiVersion first; the older ones are read as the same document (their fields are a subset of
+# v1's, with the saturation detector at the top level, where v1 still accepts it).
+API_VERSION = "llm-d.ai/v1"
 API_VERSIONS = (
+    API_VERSION,
+    "llm-d.ai/v1alpha1",
     "inference.networking.x-k8s.io/v1alpha1",
     "config.apix.gateway-api-inference-extension.sigs.k8s.io/v1alpha1",
 )
@@ -101,4 +129,39 @@ def load(config_text: str | None) -> EndpointPickerConfig:
         raise ConfigError(f"scheduler config kind must be {KIND}, got {config.get('kind')!r}")
     if config.get("apiVersion", API_VERSIONS[0]) not in API_VERSIONS:
         raise ConfigError(f"scheduler config apiVersion must be one of {API_VERSIONS}, got {config['apiVersion']!r}")
+    _convert_saturation_detector(config)
     return EndpointPickerConfig(**{attribute: config.get(field) for field, attribute in SECTIONS.items()})
+
+
+DETECTOR_TYPE = "utilization-detector"  # llm-d's saturation detector that ours is (queue depth, KV usage)
+
+
+def _convert_saturation_detector(config: dict) -> None:
+    """llm-d's saturation detector as ours reads it, in place. llm-d names it by reference: `flowControl:
+    {saturationDetector: {pluginRef: name}}` (v1; the top-level `saturationDetector` is v1alpha1's place, the
+    new one wins when both are set), `name` being a `utilization-detector` of `plugins` whose parameters are ours
+    (queueDepthThreshold, kvCacheUtilThreshold). That plugin leaves `plugins` and its parameters become the
+    top-level `saturationDetector` (the older GIE shape, read as is); a reference to anything else stays for the
+    scheduler to refuse by name."""
+    flow_control = config.get("flowControl")
+    detector = flow_control.get("saturationDetector") if isinstance(flow_control, dict) else None
+    if detector is not None:
+        config["flowControl"] = {k: v for k, v in flow_control.items() if k != "saturationDetector"}
+    else:
+        detector = config.get("saturationDetector")
+    if not isinstance(detector, dict) or "pluginRef" not in detector:
+        if detector is not None:
+            config["saturationDetector"] = detector
+        return
+    if set(detector) != {"pluginRef"}:
+        raise ConfigError(f"saturationDetector: unknown field(s) {', '.join(sorted(set(detector) - {'pluginRef'}))}")
+    plugins = config.get("plugins") if isinstance(config.get("plugins"), list) else []
+    ref = detector["pluginRef"]
+    spec = next((p for p in plugins if isinstance(p, dict) and (p.get("name") or p.get("type")) == ref), None)
+    if spec is None:
+        raise ConfigError(f"saturationDetector refers to plugin {ref!r}, which `plugins` does not list")
+    if spec.get("type") != DETECTOR_TYPE:
+        config.pop("saturationDetector", None)  # the plugin's unsupported type is the error (the scheduler's)
+        return
+    config["plugins"] = [p for p in plugins if p is not spec]
+    config["saturationDetector"] = spec.get("parameters") or {}

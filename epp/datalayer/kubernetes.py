@@ -10,8 +10,11 @@ when it differs from the last one:
 
 * a Pod is an endpoint when its labels match the pool's selector, it has an IP, it is Ready and not terminating;
 * each Pod x target port is one endpoint `<pod>-rank-<i>` at `podIP:port` (data-parallel ranks);
-* the engine type comes from the label `inference.networking.k8s.io/engine-type` (default vllm);
+* the engine type comes from the label `llm-d.ai/engine-type`, else `inference.networking.k8s.io/engine-type`
+  (default vllm);
 * no pool (deleted or not yet created) means no endpoints;
+* InferenceObjectives and InferenceModelRewrites are read from llm-d's group `llm-d.ai` when the API server serves
+  the kind there (discovery, at each list), else from the older `inference.networking.x-k8s.io`;
 * InferenceObjectives give priorities by name; InferenceModelRewrites become ModelRewrites in upstream's
   precedence (exact model matches before catch-all rules; then the oldest resource; then rule order), so the
   first rewrite that fits a request is the one that applies.
@@ -38,10 +41,15 @@ from epp.datalayer.endpoint import EndpointSpec, ModelRewrite, PoolState
 from protocol.metrics import DEFAULT_ENGINE, ENGINES
 
 log = logging.getLogger("epp.kubernetes")
-ENGINE_LABEL = "inference.networking.k8s.io/engine-type"
+# A Pod's engine (which metric names its server speaks): llm-d's label, else the older GIE one (llm-d's fallback).
+ENGINE_LABEL = "llm-d.ai/engine-type"
+LEGACY_ENGINE_LABEL = "inference.networking.k8s.io/engine-type"
 POOL_GROUP = "inference.networking.k8s.io"
 POOL_VERSIONS = {POOL_GROUP: "v1", "inference.networking.x-k8s.io": "v1alpha2"}
-X_GROUP, X_VERSION = "inference.networking.x-k8s.io", "v1alpha2"  # InferenceObjective, InferenceModelRewrite
+# InferenceObjective and InferenceModelRewrite: llm-d's group (its config/crd/bases), and the older GIE group, read only
+# while the API server does not serve the kind in llm-d's (llm-d's rule: with both installed the legacy one is ignored).
+CRD_GROUP, CRD_VERSION = "llm-d.ai", "v1alpha2"
+LEGACY_CRD_GROUP, LEGACY_CRD_VERSION = "inference.networking.x-k8s.io", "v1alpha2"
 # Retries after an error: doubling from 0.25 s, capped at 2 s (so watching resumes within ~2 s of the API server
 # answering again), each wait jittered to 50-100 % so that replicas do not retry in step after a restart.
 BACKOFF_INITIAL, BACKOFF_MAX = 0.25, 2.0
@@ -127,7 +135,7 @@ def pool_state(
         labels = pod.get("metadata", {}).get("labels") or {}
         if not selector or any(labels.get(k) != v for k, v in selector.items()) or not _ready(pod):
             continue
-        engine = labels.get(ENGINE_LABEL, DEFAULT_ENGINE)
+        engine = labels.get(ENGINE_LABEL) or labels.get(LEGACY_ENGINE_LABEL, DEFAULT_ENGINE)
         if engine not in ENGINES:
             log.warning("pod %s: unknown engine type %r, reading %s metrics", name, engine, DEFAULT_ENGINE)
             engine = DEFAULT_ENGINE
@@ -165,18 +173,45 @@ class KubernetesSource:
         def custom_list(group: str, version: str, plural: str) -> Callable[..., object]:
             return lambda **kw: custom.list_namespaced_custom_object(group, version, namespace, plural, **kw)
 
+        def crd_list(kind: str, plural: str) -> Callable[..., object]:
+            """Lists from the group that serves `kind` (asked at each list; a watch follows its list's group)."""
+            chosen = [LEGACY_CRD_GROUP, LEGACY_CRD_VERSION]
+
+            def call(**kw):
+                if not kw.get("watch"):
+                    chosen[:] = self._crd_group(custom, kind)
+                return custom.list_namespaced_custom_object(*chosen, namespace, plural, **kw)
+
+            return call
+
         self._resources = [
             _Resource("pods", lambda **kw: core.list_namespaced_pod(namespace, **kw), {}),
             _Resource("inferencepools", custom_list(pool_group, POOL_VERSIONS[pool_group], "inferencepools"), {}),
-            _Resource("inferenceobjectives", custom_list(X_GROUP, X_VERSION, "inferenceobjectives"), {}),
-            _Resource("inferencemodelrewrites", custom_list(X_GROUP, X_VERSION, "inferencemodelrewrites"), {}),
+            _Resource("inferenceobjectives", crd_list("InferenceObjective", "inferenceobjectives"), {}),
+            _Resource("inferencemodelrewrites", crd_list("InferenceModelRewrite", "inferencemodelrewrites"), {}),
         ]
+        self.crd_groups: dict[str, str] = {}  # kind -> the group its objects were last listed from
         self._lock = threading.Lock()  # guards every _Resource and _publish_pending
         self._stop = threading.Event()
         self._open_watches: set = set()  # streaming responses, shut down on stop to unblock their threads
         self._publish_pending = False
         self._published: PoolState | None = None
         self.relists = 0
+
+    def _crd_group(self, custom: k8s.CustomObjectsApi, kind: str) -> tuple[str, str]:
+        """(group, version) to read `kind` from: llm-d's when the API server serves the kind there, else the
+        legacy one (a 404: llm-d's CRDs are not installed). Other errors raise (the watcher backs off)."""
+        try:
+            served = {r.kind for r in custom.get_api_resources(CRD_GROUP, CRD_VERSION, _request_timeout=10).resources}
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+            served = set()
+        group = (CRD_GROUP, CRD_VERSION) if kind in served else (LEGACY_CRD_GROUP, LEGACY_CRD_VERSION)
+        if self.crd_groups.get(kind) != group[0]:
+            log.info("%s: reading %s/%s%s", kind, *group, " (legacy group ignored)" if group[0] == CRD_GROUP else "")
+            self.crd_groups[kind] = group[0]
+        return group
 
     def state(self) -> PoolState:
         pods, pools, objectives, rewrites = (r.objects for r in self._resources)

@@ -2,8 +2,8 @@
 
 endpoints:
 - address: 127.0.0.1
-  port: 8000
-  name: ms-0            # optional, default "address:port"
+  port: 8000            # or `ports: [8000, 8001]`: one endpoint per data-parallel rank, named <name>-rank-<i>
+  name: ms-0            # optional, default "address:port" (with ports: "address")
   engine: vllm          # optional: vllm | sglang | trtllm-serve | triton-tensorrt-llm
   labels: {zone: a}     # optional
 objectives:             # optional: x-gateway-inference-objective name -> priority (negative = sheddable)
@@ -41,26 +41,33 @@ def parse_pool(data: Any) -> PoolState:
     for i, item in enumerate(data.get("endpoints") or []):
         if not isinstance(item, dict) or not isinstance(item.get("address"), str):
             raise PoolFileError(f"endpoints[{i}] needs an `address` string")
-        port = item.get("port")
-        if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
-            raise PoolFileError(f"endpoints[{i}].port must be an integer in 1..65535")
+        if ("port" in item) == ("ports" in item):
+            raise PoolFileError(f"endpoints[{i}] needs either `port` or `ports` (one per data-parallel rank)")
+        ports = [item["port"]] if "port" in item else item["ports"]
+        if not isinstance(ports, list) or not ports or len(set(map(repr, ports))) < len(ports):
+            raise PoolFileError(f"endpoints[{i}].ports must be a non-empty list of distinct ports")
+        for port in ports:
+            if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+                raise PoolFileError(f"endpoints[{i}]: a port must be an integer in 1..65535, not {port!r}")
         engine = item.get("engine", "vllm")
         try:
             engine_spec(engine)
         except ValueError as exc:
             raise PoolFileError(f"endpoints[{i}]: {exc}") from None
-        name = str(item.get("name") or f"{item['address']}:{port}")
-        if name in names:
-            raise PoolFileError(f"duplicate endpoint name {name!r}")
-        names.add(name)
         labels = item.get("labels") or {}
         if not isinstance(labels, dict):
             raise PoolFileError(f"endpoints[{i}].labels must be a mapping")
-        endpoints.append(
-            EndpointSpec(
-                name, item["address"], port, engine, tuple(sorted((str(k), str(v)) for k, v in labels.items()))
-            )
-        )
+        labels = tuple(sorted((str(k), str(v)) for k, v in labels.items()))
+        if "port" in item:
+            ranks = [(str(item.get("name") or f"{item['address']}:{item['port']}"), item["port"])]
+        else:
+            pod = str(item.get("name") or item["address"])
+            ranks = [(f"{pod}-rank-{rank}", port) for rank, port in enumerate(ports)]
+        for name, port in ranks:
+            if name in names:
+                raise PoolFileError(f"duplicate endpoint name {name!r}")
+            names.add(name)
+            endpoints.append(EndpointSpec(name, item["address"], port, engine, labels))
     objectives = {}
     for i, item in enumerate(data.get("objectives") or []):
         if not isinstance(item, dict) or not isinstance(item.get("name"), str):

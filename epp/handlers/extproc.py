@@ -153,18 +153,22 @@ def _wait_answer(seconds: int) -> bytes:
     return pb.ProcessingResponse(override_message_timeout=duration_pb2.Duration(seconds=seconds)).SerializeToString()
 
 
+_DROPPED_REASON_KEY = _header_key(extproc.DROPPED_REASON_HEADER)
+
+
 def immediate_response(error: OpenAIError) -> bytes:
+    """The ImmediateResponse of a request the EPP does not route: its status and OpenAI error body, retry-after when
+    the error has one, and on a drop (429, 503) llm-d's dropped-reason header."""
+    headers = _CONTENT_TYPE_JSON
+    if error.retry_after is not None:
+        headers += _set_header(_header_key("retry-after"), str(error.retry_after).encode())
+    reason = error.dropped_reason or extproc.DROPPED_REASONS_BY_STATUS.get(error.status)
+    if reason is not None:
+        headers += _set_header(_DROPPED_REASON_KEY, reason.encode())
     return pb.ProcessingResponse(
         immediate_response=pb.ImmediateResponse(
             status=http_status_pb2.HttpStatus(code=error.status),
-            headers=pb.HeaderMutation.FromString(
-                _CONTENT_TYPE_JSON
-                + (
-                    _set_header(_header_key("retry-after"), str(error.retry_after).encode())
-                    if error.retry_after is not None
-                    else b""
-                )
-            ),
+            headers=pb.HeaderMutation.FromString(headers),
             body=error.to_json(),
             details=error.message[:200],
         )

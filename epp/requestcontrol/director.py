@@ -1,7 +1,7 @@
 """The director: a request's lifecycle in the EPP, from its headers to the end of its response.
 
 Request path (`route`): the model (validated against the pool's declared models) -> rewrite (the
-x-gateway-model-name-rewrite header or the pool's InferenceModelRewrite rules) -> objective lookup (priority) ->
+x-llm-d-model-name-rewrite header or the pool's InferenceModelRewrite rules) -> objective lookup (priority) ->
 admission -> scheduling -> in-flight accounting and metrics -> a RoutingDecision. Errors are OpenAIError with the
 status the client gets.
 Admission: the subset hint must allow an endpoint and the pool must have one (else 503). With flow control
@@ -48,7 +48,7 @@ import cython
 
 from epp.datalayer.datastore import Datastore
 from epp.datalayer.endpoint import Endpoint, ModelRewrite, PoolState
-from epp.flowcontrol import DEFAULT_FLOW, FlowController, FlowControlRejected
+from epp.flowcontrol import DEFAULT_FLOW, EVICTED_TTL, FlowController, FlowControlRejected
 from epp.metrics import EPPMetrics
 from epp.requestcontrol.stored_responses import HEAD_BYTES, ResponseLocator, gone
 from epp.requestcontrol.types import RequestContext, RoutingDecision
@@ -56,12 +56,15 @@ from epp.scheduling.errors import SchedulingError
 from epp.scheduling.scheduler import Scheduler
 from epp.scheduling.types import CycleState, ResponseInfo, SchedulingRequest
 from protocol.extproc import (
+    DROPPED_SATURATED,
+    DROPPED_TTL_EXPIRED,
     FAIRNESS_ID_HEADER,
     MAX_REQUEST_ID_CHARS,
     MODEL_NAME_REWRITE_HEADER,
     OBJECTIVE_HEADER,
     REQUEST_ID_HEADER,
     agent_identity,
+    canonical_headers,
 )
 from protocol.openai import (
     RESPONSES_PATH,
@@ -130,6 +133,7 @@ class Director:
         self.datastore = datastore
         self.scheduler = scheduler
         self.metrics = metrics
+        self._labelled_state: PoolState | None = None  # the pool state whose model names the metrics pinned
         self.flow_control = flow_control
         # request id -> (ended at, its context, the pick, its output tokens): ended requests waiting for their
         # access-log record
@@ -149,7 +153,7 @@ class Director:
     @cython.ccall
     def new_request(self, headers: dict[str, str], subset: frozenset[str] | None) -> RequestContext:
         self.datastore.note_request()
-        ctx = RequestContext(headers, subset)
+        ctx = RequestContext(canonical_headers(headers), subset)
         path = headers.get(":path", "")
         ctx.kind = request_kind(path)
         ctx.error_style = error_style(path)
@@ -240,7 +244,8 @@ class Director:
         except FlowControlRejected as rejected:
             if not self.datastore.endpoints:  # the pool emptied while it waited: no retry would be served sooner
                 raise self._failed(ctx, OpenAIError("no ready endpoint", 503)) from None
-            raise self._failed(ctx, OpenAIError(str(rejected), 429, retry_after=1)) from None
+            reason = DROPPED_TTL_EXPIRED if rejected.outcome == EVICTED_TTL else DROPPED_SATURATED
+            raise self._failed(ctx, OpenAIError(str(rejected), 429, retry_after=1, dropped_reason=reason)) from None
         ctx.dispatched = True
         try:
             decision = self._schedule(ctx, request, body, changed, waited=True)
@@ -290,8 +295,11 @@ class Director:
         target = target or _rewrite(model, state.rewrites)
         ctx.model, ctx.target_model = model, target or model
         ctx.streamed = payload.get("stream") is True
+        if state is not self._labelled_state:
+            self._labelled_state = state
+            self.metrics.model_names.pinned = pinned_model_names(state)
         label = self.metrics.model_label
-        ctx.labels = (label(model, state.models), label(ctx.target_model, state.models))
+        ctx.labels = (label(model), label(ctx.target_model))
         if target and target != model:
             payload["model"] = target
             return json.dumps(payload, separators=(",", ":")).encode(), True
@@ -541,11 +549,7 @@ class Director:
             elif wants_timings and self.untimed_responses >= 0:
                 self._untimed(ended)
         metrics = self.metrics
-        if status.startswith("2"):  # a model server knows these names: from now on they are labels of their own
-            metrics.model_served(ctx.model)
-            metrics.model_served(ctx.target_model)
-            declared = self.datastore.state.models
-            ctx.labels = (metrics.model_label(ctx.model, declared), metrics.model_label(ctx.target_model, declared))
+        if status.startswith("2"):
             metrics.duration.labels(*ctx.labels).observe(ended - ctx.routed_at)
         elif status:
             metrics.errors.labels(*ctx.labels, status[:3]).inc()
@@ -625,6 +629,16 @@ def _max_tokens(payload: dict | None) -> int | None:
         return None
     value = payload.get("max_tokens", payload.get("max_completion_tokens", payload.get("max_output_tokens")))
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def pinned_model_names(state: PoolState) -> frozenset[str]:
+    """The model names that are always their own metric label: those the pool declares and its rewrite rules name
+    (llm-d pins its InferenceModelRewrite rules' names the same way)."""
+    names = set(state.models or ())
+    for rule in state.rewrites:
+        names.add(rule.model)
+        names.update(target for target, _ in rule.targets)
+    return frozenset(names)
 
 
 def _pinned(subset: frozenset[str] | None, hostport: str) -> frozenset[str]:

@@ -167,6 +167,24 @@ class PrefixIndexStats(Plugin):
     def hit_ratio(self) -> float:
         """Share of the routed prompts' blocks found on the chosen endpoint."""
 
+    @abstractmethod
+    def match_fractions(
+        self, cycle_state: CycleState, request: SchedulingRequest, endpoints: Sequence[Endpoint]
+    ) -> list[float]:
+        """The share of `request`'s prompt blocks each of `endpoints` probably holds (0 to 1), without any load
+        correction; computed once per cycle (llm-d's PrefixCacheMatchInfo: match blocks / total blocks)."""
+
+
+class PrefixMatchReader(Plugin):
+    """Reads the profile's prefix index (`PrefixIndexStats.match_fractions`), handed over by the scheduler
+    (`use_prefix_index`). A profile with such a reader and no prefix index gets a `prefix-cache-scorer` that only
+    records picks (it scores nothing), as llm-d creates its approximate prefix producer for its readers."""
+
+    prefix_index: PrefixIndexStats
+
+    def use_prefix_index(self, index: PrefixIndexStats) -> None:
+        self.prefix_index = index
+
 
 class LatencyPredictionReader(Plugin):
     """Reads the latency predictor's predictions (`epp.scheduling.predictions.CandidatePredictions`). A scheduler has one

@@ -58,6 +58,7 @@ from epp.scheduling.framework import (
     Plugin,
     PoolChanged,
     PrefixIndexStats,
+    PrefixMatchReader,
     PrepareData,
     PreRequest,
     ResponseComplete,
@@ -65,7 +66,7 @@ from epp.scheduling.framework import (
     Scorer,
     check_data_dependencies,
 )
-from epp.scheduling.plugins import build_plugin
+from epp.scheduling.plugins import PLUGIN_TYPES, build_plugin
 from epp.scheduling.predictions import CandidatePredictions
 from epp.scheduling.saturation import SaturationDetector, admit
 from epp.scheduling.types import (
@@ -153,6 +154,11 @@ class Scheduler:
         self._response_timed = [p for p in plugins if isinstance(p, ResponseTimed)]
         self._pool_changed = [p for p in plugins if isinstance(p, PoolChanged)]
         self.prefix_index: PrefixIndexStats | None = next((p for p in plugins if isinstance(p, PrefixIndexStats)), None)
+        for p in plugins:
+            if isinstance(p, PrefixMatchReader):
+                if self.prefix_index is None:
+                    raise ConfigError(f"profile {profile.name!r}: {p.typed_name} reads a prefix index it has none of")
+                p.use_prefix_index(self.prefix_index)
         # One latency predictor for every plugin of the profile that reads one (`predictions`, when given, is one
         # trained elsewhere); its predictions count what the prefix index expects cached.
         readers = [p for p in plugins if isinstance(p, LatencyPredictionReader)]
@@ -380,21 +386,37 @@ class Scheduler:
 
 
 def _build_plugins(specs: Any) -> dict[str, Plugin]:
+    """The plugin instances by name. Every plugin is built before any error is raised, so that one ConfigError names
+    every unknown type and every unsupported parameter of the document (a config written for llm-d's router fails
+    at startup with the whole list, never runs in part)."""
     if not isinstance(specs, list):
         raise ConfigError("scheduler config: `plugins` must be a list of {type, name, parameters}")
     plugins: dict[str, Plugin] = {}
+    errors: list[str] = []
+    unknown_types: list[str] = []
     for spec in specs:
-        if not isinstance(spec, dict) or not isinstance(spec.get("type"), str):
-            raise ConfigError(f"each plugin needs a `type` string: {spec!r}")
-        unknown = set(spec) - {"type", "name", "parameters"}
-        if unknown:
-            raise ConfigError(f"plugin {spec['type']!r}: unknown field(s) {', '.join(sorted(map(str, unknown)))}")
-        name = spec.get("name") or spec["type"]
-        if not isinstance(name, str):
-            raise ConfigError(f"plugin name must be a string, got {name!r}")
-        if name in plugins:
-            raise ConfigError(f"duplicate plugin name {name!r}")
-        plugins[name] = build_plugin(spec["type"], spec.get("parameters"), name)
+        if isinstance(spec, dict) and isinstance(spec.get("type"), str) and spec["type"] not in PLUGIN_TYPES:
+            unknown_types.append(spec["type"])
+            continue
+        try:
+            if not isinstance(spec, dict) or not isinstance(spec.get("type"), str):
+                raise ConfigError(f"each plugin needs a `type` string: {spec!r}")
+            unknown = set(spec) - {"type", "name", "parameters"}
+            if unknown:
+                raise ConfigError(f"plugin {spec['type']!r}: unknown field(s) {', '.join(sorted(map(str, unknown)))}")
+            name = spec.get("name") or spec["type"]
+            if not isinstance(name, str):
+                raise ConfigError(f"plugin name must be a string, got {name!r}")
+            if name in plugins:
+                raise ConfigError(f"duplicate plugin name {name!r}")
+            plugins[name] = build_plugin(spec["type"], spec.get("parameters"), name)
+        except ConfigError as error:
+            errors.append(str(error))
+    if unknown_types:
+        known = ", ".join(sorted(PLUGIN_TYPES))
+        errors.insert(0, f"unsupported plugin type(s) {', '.join(unknown_types)} (known: {known})")
+    if errors:
+        raise ConfigError("; ".join(errors) if len(errors) == 1 else f"{len(errors)} errors: " + "; ".join(errors))
     return plugins
 
 
@@ -407,6 +429,9 @@ def _build_profile(specs: Any, plugins: dict[str, Plugin]) -> Profile:
     if not isinstance(spec, dict) or not isinstance(spec.get("name", "default"), str):
         raise ConfigError(f"a scheduling profile is a mapping with a `name` string: {spec!r}")
     name = spec.get("name", "default")
+    unknown = set(spec) - {"name", "plugins"}
+    if unknown:
+        raise ConfigError(f"profile {name!r}: unknown field(s) {', '.join(sorted(map(str, unknown)))}")
     refs = spec.get("plugins") or []
     if not isinstance(refs, list):
         raise ConfigError(f"profile {name!r}: `plugins` must be a list of {{pluginRef, weight}}")
@@ -416,6 +441,9 @@ def _build_profile(specs: Any, plugins: dict[str, Plugin]) -> Profile:
         plugin_name = ref.get("pluginRef") if isinstance(ref, dict) else None
         if plugin_name not in plugins:
             raise ConfigError(f"profile {name!r} refers to unknown plugin {ref!r}")
+        unknown = set(ref) - {"pluginRef", "weight"}
+        if unknown:
+            raise ConfigError(f"profile {name!r}, {plugin_name!r}: unknown field(s) {', '.join(sorted(unknown))}")
         if plugin_name in referred:
             raise ConfigError(f"profile {name!r} refers to {plugin_name!r} twice")
         referred[plugin_name] = plugins[plugin_name]
@@ -429,6 +457,10 @@ def _build_profile(specs: Any, plugins: dict[str, Plugin]) -> Profile:
         raise ConfigError(f"profile {name!r} has more than one picker: {', '.join(p.typed_name.name for p in pickers)}")
     picker = pickers[0] if pickers else build_plugin("max-score-picker")
     members = tuple(referred.values()) if pickers else (*referred.values(), picker)
+    if any(isinstance(p, PrefixMatchReader) for p in members) and not any(
+        isinstance(p, PrefixIndexStats) for p in members
+    ):  # the readers' prefix index, recording picks without scoring (framework.PrefixMatchReader)
+        members = (*members, build_plugin("prefix-cache-scorer"))
     filters = tuple(p for p in members if isinstance(p, Filter))
     scorers.sort(key=lambda pair: not pair[0].replaces)  # replacing scorers first (Scorer.replaces); stable
     return Profile(name, members, filters, tuple(scorers), picker)

@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import aiohttp
 
-from epp.config.loader import DEFAULT_CONFIG
+from epp.config.loader import DEFAULT_CONFIG, LLM_D_DEFAULT_CONFIG
 from epp.scheduling.plugins.slo_headroom_filter import TPOT_HEADER, TTFT_HEADER
 from harness.bench import agentic, inference_perf
 from harness.bench.decision import scorers_only_config
@@ -31,6 +31,7 @@ from harness.bench.ports import free_port_block, free_ports
 from harness.bench.workloads import load_workload, lora_names, requests
 from harness.envoy import EnvoyProcess, render_baseline
 from harness.local import LocalStack, StackConfig
+from protocol.extproc import canonical_headers
 
 MODEL = "sim-llama-8b"
 SINGLE_SCORER = """plugins:\n- type: {0}\nschedulingProfiles:\n- name: {0}\n  plugins:\n  - pluginRef: {0}\n"""
@@ -54,6 +55,7 @@ EPP_TARGETS = {
     "epp": None,
     "epp-no-predictor": scorers_only_config(),  # the default profile's scorers alone (and no access log)
     "epp-approximate": APPROXIMATE_CONFIG,
+    "llm-d-default": LLM_D_DEFAULT_CONFIG,  # llm-d router v1.0's default profile, "sticky until saturated"
     "epp-sessions": SESSIONS_CONFIG,
     "epp-3-replicas": None,  # the default profile on 3 EPPs behind one Envoy (round robin), all fed the KV events
     "queue-only": SINGLE_SCORER.format("queue-scorer"),
@@ -189,6 +191,7 @@ def missed_objectives(headers: dict[str, str], outcome: Outcome) -> str | None:
     """Which objectives its headers state (milliseconds) a request missed: "" none, "error" (not a 200), else "ttft",
     "tpot" or "ttft+tpot" (the time per output token is the mean gap between token chunks the client saw); None
     when it states none."""
+    headers = canonical_headers(dict(headers))  # a workload may state them by the older names
     ttft, tpot = headers.get(TTFT_HEADER), headers.get(TPOT_HEADER)
     if ttft is None and tpot is None:
         return None

@@ -190,7 +190,7 @@ def measure_predicted(size: int, prompt_bytes: int, repeats: int = 300, seed: in
         prompt_bytes,
         repeats,
         seed,
-        headers={"x-slo-ttft-ms": "500", "x-slo-tpot-ms": "50"},
+        headers={"x-llm-d-slo-ttft-ms": "500", "x-llm-d-slo-tpot-ms": "50"},
         predictor=trained_predictor(_pool(size, random.Random(seed))),
         max_tokens=64,
         streamed=True,

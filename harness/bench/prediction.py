@@ -241,7 +241,7 @@ def decision_time(predictor: LatencyPredictor, size: int = 32, repeats: int = 30
         size,
         4000,
         repeats,
-        headers={"x-slo-ttft-ms": "500"},
+        headers={"x-llm-d-slo-ttft-ms": "500"},
         predictor=predictor,
     )
 

@@ -74,14 +74,16 @@ def show(result: Result) -> None:
     print(f"{result.outcome:<4} {result.check.level:<6} {result.check.name}{note}", flush=True)
 
 
-def finish(args: argparse.Namespace, suite_name: str, results: list[Result], target: str) -> None:
+def finish(args: argparse.Namespace, results: list[Result], target: str, **versions: str) -> None:
+    """Print the totals, write the report (`versions`: conformance_report's version fields) and exit: 1 when a MUST
+    check failed."""
     counts = {o: sum(1 for r in results if r.outcome is o) for o in Outcome}
     print(f"{counts[Outcome.PASS]} passed, {counts[Outcome.FAIL]} failed, {counts[Outcome.SKIP]} skipped")
     if args.report:
         implementation = Implementation(
             args.organization, args.project, args.implementation_url, args.version, args.contact
         )
-        report = conformance_report(suite_name, results, implementation, target)
+        report = conformance_report(results, implementation, target, **versions)
         args.report.write_text(yaml.safe_dump(report, sort_keys=False))
     must_failed = any(r.outcome is Outcome.FAIL and r.check.level is Level.MUST for r in results)
     sys.exit(1 if must_failed else 0)
@@ -117,4 +119,4 @@ def main(argv: list[str] | None = None) -> None:
     report_options(p)
     args = p.parse_args(argv)
     results = asyncio.run(run(args))
-    finish(args, suite.name, results, args.url)
+    finish(args, results, args.url)

@@ -42,6 +42,7 @@ class Check:
     level: Level
     description: str
     run: Callable[[Any], Awaitable[None]]
+    profile: str  # the report's profile the check belongs to (its suite's name unless it says otherwise)
 
 
 @dataclass
@@ -57,9 +58,9 @@ class Suite:
     name: str
     checks: list[Check] = field(default_factory=list)
 
-    def check(self, name: str, level: Level, description: str):
+    def check(self, name: str, level: Level, description: str, profile: str | None = None):
         def register(fn: Callable[[Any], Awaitable[None]]):
-            self.checks.append(Check(name, level, description, fn))
+            self.checks.append(Check(name, level, description, fn, profile or self.name))
             return fn
 
         return register

@@ -150,10 +150,34 @@ def test_parse_pool_file():
     assert state.rewrites[0].targets == (("m2", 3),)
 
 
+def test_a_pool_file_pod_with_several_ports_is_one_endpoint_per_rank():
+    state = parse_pool(
+        {
+            "endpoints": [
+                {"address": "10.0.0.1", "ports": [3000, 3002, 3004], "labels": {"zone": "a"}},
+                {"name": "pod-b", "address": "10.0.0.2", "ports": [3000]},
+            ]
+        }
+    )
+    assert [(e.name, e.hostport) for e in state.endpoints] == [
+        ("10.0.0.1-rank-0", "10.0.0.1:3000"),
+        ("10.0.0.1-rank-1", "10.0.0.1:3002"),
+        ("10.0.0.1-rank-2", "10.0.0.1:3004"),
+        ("pod-b-rank-0", "10.0.0.2:3000"),
+    ]
+    assert {e.labels for e in state.endpoints[:3]} == {(("zone", "a"),)}
+
+
 @pytest.mark.parametrize(
     "data",
     [
         [],
+        {"endpoints": [{"address": "a"}]},
+        {"endpoints": [{"address": "a", "port": 1, "ports": [2]}]},
+        {"endpoints": [{"address": "a", "ports": []}]},
+        {"endpoints": [{"address": "a", "ports": [1, 1]}]},
+        {"endpoints": [{"address": "a", "ports": [1, 70000]}]},
+        {"endpoints": [{"address": "a", "ports": 1}]},
         {"endpoints": [{"port": 1}]},
         {"endpoints": [{"address": "a", "port": 0}]},
         {"endpoints": [{"address": "a", "port": True}]},

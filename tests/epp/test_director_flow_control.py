@@ -11,10 +11,16 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from epp.datalayer.endpoint import PoolState
 from epp.flowcontrol import DISPATCHED, EVICTED_CANCELLED, FlowControlCollector, FlowControlConfig, FlowController
-from epp.metrics import MAX_FAIRNESS_ID_LABELS, OTHER_FLOW, EPPMetrics
+from epp.metrics import OVERFLOW_LABEL, BoundedLabel, EPPMetrics
 from protocol.metrics import EndpointMetrics
 from tests.epp.helpers import ParsedStream
 from tests.epp.test_server import BASE_HEADERS, body_message, headers_message, make_picker
+
+
+def dropped_reason(answer: pb.ProcessingResponse) -> bytes | None:
+    """llm-d's x-llm-d-request-dropped-reason on an ImmediateResponse, None without one."""
+    headers = {h.header.key: h.header.raw_value for h in answer.immediate_response.headers.set_headers}
+    return headers.get("x-llm-d-request-dropped-reason")
 
 
 class Room:
@@ -52,7 +58,7 @@ async def test_saturation_queues_and_completion_dispatches_the_next_in_fair_orde
     queued = [start(director, replies, tenant) for tenant in ("a", "a", "b")]
     for stream, answers in queued:
         (wait,) = answers  # the proxy is told to wait: flow control's longest TTL and a margin
-        assert wait.override_message_timeout.seconds == 32 and stream.awaiting_reply
+        assert wait.override_message_timeout.seconds == 62 and stream.awaiting_reply  # 60 s: llm-d's TTL
     await asyncio.sleep(0)  # the waits start (in arrival order)
     assert director.flow_control.count == 3
     first.after_reply()
@@ -133,6 +139,7 @@ async def test_a_request_queued_when_the_pool_empties_gets_503_at_its_ttl():
     await asyncio.sleep(0.05)
     (answers,) = replies
     assert answers[0].immediate_response.status.code == 503
+    assert dropped_reason(answers[0]) == b"rejected-no-endpoints"
     stream.finish()
     assert director.flow_control.in_flight == 0 and director.flow_control.count == 0
 
@@ -150,6 +157,7 @@ async def test_a_request_waits_for_its_objectives_ttl_and_gets_429_with_retry_af
     assert status.status.code == 429
     headers = {h.header.key: h.header.raw_value for h in status.headers.set_headers}
     assert headers["content-type"] == b"application/json" and int(headers["retry-after"]) >= 0
+    assert headers["x-llm-d-request-dropped-reason"] == b"rejected-ttl-expired"
     stream.finish()
 
 
@@ -173,28 +181,32 @@ async def test_the_response_trailers_end_a_request_not_its_first_byte_and_only_o
     assert director.flow_control.in_flight == 0 and all(e.in_flight_requests == 0 for e in director.datastore.endpoints)
 
 
+LABELS = 40
+
+
 async def test_flow_control_metrics_by_band_and_flow_with_bounded_fairness_labels():
     director, _, _ = setup(slots=0)
     metrics = director.metrics = EPPMetrics("pool")
+    metrics.fairness_label = BoundedLabel(LABELS)  # the cap's rule, with fewer flows than its default 1,000
     detector = director.scheduler.detector
     metrics.register(FlowControlCollector(metrics, director.flow_control, director.datastore, detector.saturation))
     director.flow_control.observer = metrics.flow_control_outcome
     for e in director.datastore.endpoints:
         e.metrics, e.stale = EndpointMetrics(), False
     replies: list = []
-    streams = [start(director, replies, f"tenant-{i}")[0] for i in range(MAX_FAIRNESS_ID_LABELS + 5)]
+    streams = [start(director, replies, f"tenant-{i}")[0] for i in range(LABELS + 5)]
     await asyncio.sleep(0)
     streams[0].finish()  # one client gave up while queued
     await asyncio.sleep(0)
     page = generate_latest(metrics.registry).decode()
     families = {f.name: f for f in text_string_to_metric_families(page)}
     sizes = families["inference_extension_flow_control_queue_size"].samples
-    # the first 100 fairness ids are labels of their own (tenant-0 left its queue), the rest share "other"
-    assert {s.labels["fairness_id"] for s in sizes} == {f"tenant-{i}" for i in range(1, 100)} | {OTHER_FLOW}
-    assert sum(s.value for s in sizes) == MAX_FAIRNESS_ID_LABELS + 4
-    assert next(s for s in sizes if s.labels["fairness_id"] == OTHER_FLOW).value == 5
+    # the first LABELS fairness ids are labels of their own (tenant-0 left its queue), the rest share "other"
+    assert {s.labels["fairness_id"] for s in sizes} == {f"tenant-{i}" for i in range(1, LABELS)} | {OVERFLOW_LABEL}
+    assert sum(s.value for s in sizes) == LABELS + 4
+    assert next(s for s in sizes if s.labels["fairness_id"] == OVERFLOW_LABEL).value == 5
     (per_endpoint,) = families["inference_extension_flow_control_queued_requests_per_ready_endpoint"].samples
-    assert per_endpoint.value == (MAX_FAIRNESS_ID_LABELS + 4) / 2  # two ready endpoints
+    assert per_endpoint.value == (LABELS + 4) / 2  # two ready endpoints
     waits = families["inference_extension_flow_control_request_queue_duration_seconds"].samples
     cancelled = [s for s in waits if s.name.endswith("_count") and s.labels["outcome"] == EVICTED_CANCELLED]
     assert [(s.labels["fairness_id"], s.labels["priority"], s.value) for s in cancelled] == [("tenant-0", "0", 1)]

@@ -231,8 +231,15 @@ def test_invalid_config_is_a_clear_error(raw):
 def test_config_defaults_and_disable():
     assert FlowControlConfig.from_config(None).enabled is True
     assert FlowControlConfig.from_config({"enabled": False}).enabled is False
-    cfg = FlowControlConfig.from_config({"priorityBands": [{"priority": 1, "maxRequests": 5}]})
-    assert cfg.band(1).max_requests == 5 and cfg.band(7).max_requests == 0
+    cfg = FlowControlConfig.from_config({"priorityBands": [{"priority": 1, "maxRequests": 5}, {"priority": 2}]})
+    assert cfg.band(1).max_requests == 5
+    # llm-d's defaults: 60 s in the queue, 5,000 requests and 1 GB per band (0 = unset = the default); ours adds a
+    # bound over all bands together
+    assert cfg.default_request_ttl == 60.0
+    assert cfg.band(2).max_requests == cfg.band(7).max_requests == cfg.band(0).max_requests == 5000
+    assert cfg.band(7).max_bytes == 1_000_000_000 and (cfg.max_requests, cfg.max_bytes) == (10_000, 1 << 30)
+    zero = FlowControlConfig.from_config({"priorityBands": [{"priority": 1, "maxRequests": 0, "maxBytes": 0}]})
+    assert (zero.band(1).max_requests, zero.band(1).max_bytes) == (5000, 1_000_000_000)
 
 
 def test_llm_d_style_config_quantities_durations_policy_refs_and_feature_gate():
@@ -248,7 +255,7 @@ def test_llm_d_style_config_quantities_durations_policy_refs_and_feature_gate():
     assert (cfg.max_bytes, cfg.max_requests, cfg.default_request_ttl) == (1 << 30, 2000, 90.0)
     assert cfg.band(1).max_bytes == 500_000_000 and cfg.band(1).ordering_policy == "edf"
     assert cfg.band(-3).max_requests == 10 and cfg.band(-3).fairness_policy == "global-strict"
-    assert cfg.band(0).max_requests == 0 and cfg.band(0).fairness_policy == "round-robin"  # the default template
+    assert cfg.band(0).max_requests == 5000 and cfg.band(0).fairness_policy == "round-robin"  # the default template
     assert FlowControlConfig.from_text("featureGates: [flowControl=false]\n").enabled is False
     assert FlowControlConfig.from_text("featureGates: [flowControl]\n").enabled is True
     with pytest.raises(ConfigError):

@@ -59,4 +59,4 @@ def test_bad_flags_and_config_fail_clearly(tmp_path):
         text=True,
         timeout=30,
     )
-    assert result.returncode != 0 and "unknown plugin type" in result.stderr
+    assert result.returncode != 0 and "unsupported plugin type(s) nope" in result.stderr

@@ -13,7 +13,7 @@ from epp.datalayer.datastore import Datastore
 from epp.datalayer.endpoint import EndpointSpec, ModelRewrite, PoolState
 from epp.handlers.budget import ByteBudget
 from epp.handlers.extproc import MESSAGE_ENVELOPE_BYTES
-from epp.metrics import EPPMetrics
+from epp.metrics import MAX_LABEL_VALUES, BoundedLabel, EPPMetrics
 from epp.requestcontrol.director import Director
 from epp.scheduling.scheduler import Scheduler
 from protocol.metrics import EndpointMetrics
@@ -368,35 +368,34 @@ def finish_with_status(stream: ParsedStream, status: bytes) -> None:
 
 def test_client_chosen_model_names_cannot_grow_the_metrics():
     picker = make_picker()  # the pool declares no models: any name is routed, and model servers answer 404
+    assert MAX_LABEL_VALUES == 1000  # llm-d's cap
+    picker.metrics.model_names = BoundedLabel(50)  # the same rule with fewer requests
     registry = picker.metrics.registry
-    for i in range(500):
+    for i in range(100):
         stream = new_stream(picker)
         stream.handle(headers_message(BASE_HEADERS))
         stream.handle(body_message(json.dumps({"model": f"random-{i}", "prompt": "x"}).encode()))
         finish_with_status(stream, b"404")
     labels = {s.labels.get("model_name") for m in registry.collect() for s in m.samples if "model_name" in s.labels}
-    assert labels == {"other"}
-    assert (
-        registry.get_sample_value(
-            "inference_objective_request_error_total",
-            {"model_name": "other", "target_model_name": "other", "error_code": "404"},
-        )
-        == 500
+    # the first 50 names are labels of their own (as llm-d: first come), the rest share "other"
+    assert labels == {f"random-{i}" for i in range(50)} | {"other"}
+    for name in ("inference_objective_request_error_total", "llm_d_epp_request_error_total"):
+        labels = {"model_name": "other", "target_model_name": "other", "error_code": "404"}
+        assert registry.get_sample_value(name, labels) == 50
+    # a name the pool's rewrite rules give is pinned: its own label past the cap
+    picker.datastore.state = PoolState(
+        picker.datastore.state.endpoints, rewrites=(ModelRewrite("real", (("real-v2", 1),)),)
     )
-    # a name a model server served gets its own label
-    for _ in range(2):
-        stream = new_stream(picker)
-        stream.handle(headers_message(BASE_HEADERS))
-        stream.handle(body_message(b'{"model": "real", "prompt": "x"}'))
-        finish_with_status(stream, b"200")
+    stream = new_stream(picker)
+    stream.handle(headers_message(BASE_HEADERS))
+    stream.handle(body_message(b'{"model": "real", "prompt": "x"}'))
+    finish_with_status(stream, b"200")
     assert (
-        registry.get_sample_value(
-            "inference_objective_request_total", {"model_name": "real", "target_model_name": "real"}
-        )
+        registry.get_sample_value("llm_d_epp_request_total", {"model_name": "real", "target_model_name": "real-v2"})
         == 1
-    )  # the first request, before any was served, counted under "other"
-    # a few series per label set and per plugin of the profile, not one per name (500 of them)
-    assert sum(len(series.children) for series in picker.metrics.series) < 40
+    )
+    # at most a series per admitted name, "other" and the pinned one in each family: none per name past the cap
+    assert max(len(series.children) for series in picker.metrics.series) <= 52
 
 
 def test_the_decisions_histograms_are_observed_once_the_answer_is_out_or_when_the_request_ends_first():
@@ -411,7 +410,7 @@ def test_the_decisions_histograms_are_observed_once_the_answer_is_out_or_when_th
                 {"extension_point": "scheduler", "plugin_type": "max-score-picker", "plugin_name": "max-score-picker"},
             ),
             registry.get_sample_value(
-                "inference_objective_input_tokens_count", {"model_name": "other", "target_model_name": "other"}
+                "inference_objective_input_tokens_count", {"model_name": "m", "target_model_name": "m"}
             ),
         )
 

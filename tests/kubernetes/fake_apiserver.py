@@ -17,7 +17,11 @@ PATHS = {
     "x-inferencepools": "/apis/inference.networking.x-k8s.io/v1alpha2/namespaces/{ns}/inferencepools",
     "inferenceobjectives": "/apis/inference.networking.x-k8s.io/v1alpha2/namespaces/{ns}/inferenceobjectives",
     "inferencemodelrewrites": "/apis/inference.networking.x-k8s.io/v1alpha2/namespaces/{ns}/inferencemodelrewrites",
+    "llm-d-inferenceobjectives": "/apis/llm-d.ai/v1alpha2/namespaces/{ns}/inferenceobjectives",
+    "llm-d-inferencemodelrewrites": "/apis/llm-d.ai/v1alpha2/namespaces/{ns}/inferencemodelrewrites",
 }
+# The discovery document of llm-d's group: served while `llm_d_kinds` names a kind (its CRD is installed), else 404.
+LLM_D_DISCOVERY = "/apis/llm-d.ai/v1alpha2"
 LEASES = "/apis/coordination.k8s.io/v1/namespaces/{ns}/leases"
 
 
@@ -38,7 +42,9 @@ class FakeAPIServer:
         self.fail_requests = 0  # the next n list/watch requests get 500
         self.gone_as_status = False
         self.lease_stall = 0.0  # seconds every lease request hangs before it is answered (an unreachable API)
+        self.llm_d_kinds: set[str] = set()  # the kinds whose llm-d.ai CRDs are installed
         self.app = web.Application(middlewares=[self._stall_leases])
+        self.app.router.add_get(LLM_D_DISCOVERY, self.discovery)
         for kind, path in PATHS.items():
             self.app.router.add_get(path, self._handler(kind))
         self.app.router.add_get(LEASES + "/{name}", self.get_lease)
@@ -152,6 +158,18 @@ class FakeAPIServer:
             if response in self.watches:
                 self.watches.remove(response)
         return response
+
+    async def discovery(self, request: web.Request) -> web.Response:
+        if not self.llm_d_kinds:
+            return web.json_response({"kind": "Status", "code": 404, "reason": "NotFound"}, status=404)
+        plurals = {"InferenceObjective": "inferenceobjectives", "InferenceModelRewrite": "inferencemodelrewrites"}
+        resources = [
+            {"name": plurals[kind], "singularName": "", "namespaced": True, "kind": kind, "verbs": ["list", "watch"]}
+            for kind in sorted(self.llm_d_kinds)
+        ]
+        return web.json_response(
+            {"kind": "APIResourceList", "apiVersion": "v1", "groupVersion": "llm-d.ai/v1alpha2", "resources": resources}
+        )
 
     # -- leases ------------------------------------------------------------------------------------------------
     @web.middleware

@@ -303,3 +303,41 @@ async def test_an_outage_is_logged_once_and_watching_resumes_within_two_seconds(
     resources = {w.split(":")[0] for w in warnings}
     assert len(warnings) == len(resources) == 4, warnings  # once per resource, not once per retry
     assert sum("answers again" in r.getMessage() for r in caplog.records) == 4
+
+
+async def test_llm_d_crd_group_wins_and_the_legacy_group_is_ignored_while_it_is_installed(apiserver):
+    server, api = apiserver
+    server.apply("inferencepools", pool())
+    server.apply("pods", pod("a", "10.0.0.1", labels={"llm-d.ai/engine-type": "sglang"}))
+    server.apply("pods", pod("b", "10.0.0.2", labels={"inference.networking.k8s.io/engine-type": "sglang"}))
+    both = {"llm-d.ai/engine-type": "vllm", "inference.networking.k8s.io/engine-type": "sglang"}
+    server.apply("pods", pod("c", "10.0.0.3", labels=both))
+
+    def objective(name, priority):
+        return {"metadata": {"name": name}, "spec": {"priority": priority, "poolRef": {"name": "pool"}}}
+
+    food = [{"matches": [{"model": {"value": "food"}}], "targets": [{"modelRewrite": "food-llm-d"}]}]
+    server.apply("inferenceobjectives", objective("legacy", -1))
+    server.apply("llm-d-inferenceobjectives", objective("current", 4))
+    server.apply("llm-d-inferencemodelrewrites", rewrite("r", food))
+    async with discovery(api) as seen:  # llm-d's CRDs not installed: the legacy group's objects
+        state = await seen.until(lambda s: s.endpoints)
+        # llm-d's engine label, else the older one; llm-d's wins where both are set
+        assert {e.name: e.engine for e in state.endpoints} == {
+            "a-rank-0": "sglang",
+            "b-rank-0": "sglang",
+            "c-rank-0": "vllm",
+        }
+        assert state.objectives == {"legacy": -1} and state.rewrites == ()
+    server.llm_d_kinds = {"InferenceObjective", "InferenceModelRewrite"}
+    async with discovery(api) as seen:  # both installed: llm-d's group alone
+        state = await seen.until(lambda s: s.endpoints)
+        assert state.objectives == {"current": 4}
+        assert [(r.model, r.targets) for r in state.rewrites] == [("food", (("food-llm-d", 1),))]
+        server.apply("llm-d-inferenceobjectives", objective("later", 1))  # watched in llm-d's group
+        state = await seen.until(lambda s: "later" in s.objectives)
+        assert state.objectives == {"current": 4, "later": 1}
+    server.llm_d_kinds = {"InferenceModelRewrite"}  # the choice is per kind, as llm-d's
+    async with discovery(api) as seen:
+        state = await seen.until(lambda s: s.endpoints)
+        assert state.objectives == {"legacy": -1} and len(state.rewrites) == 1

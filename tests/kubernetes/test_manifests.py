@@ -76,6 +76,8 @@ def test_overlays_bring_up_pool_epp_and_gateway():
     crds = {o["metadata"]["name"] for o in build("crds")}
     assert crds == {
         "inferencepools.inference.networking.k8s.io",
+        "inferenceobjectives.llm-d.ai",
+        "inferencemodelrewrites.llm-d.ai",
         "inferenceobjectives.inference.networking.x-k8s.io",
         "inferencemodelrewrites.inference.networking.x-k8s.io",
     }
@@ -118,7 +120,8 @@ def test_rbac_is_least_privilege():
         {("", "pods", v) for v in read}
         | {("inference.networking.k8s.io", "inferencepools", v) for v in read}
         | {
-            ("inference.networking.x-k8s.io", r, v)
+            (g, r, v)
+            for g in ("llm-d.ai", "inference.networking.x-k8s.io")
             for r in ("inferenceobjectives", "inferencemodelrewrites")
             for v in read
         }
@@ -260,9 +263,60 @@ def with_change(obj, path, value):
     return obj
 
 
-@pytest.mark.parametrize("obj", [POOL, REWRITE, OBJECTIVE], ids=["pool", "rewrite", "objective"])
+LLMD_REWRITE = {**REWRITE, "apiVersion": "llm-d.ai/v1alpha2"}
+LLMD_OBJECTIVE = {**OBJECTIVE, "apiVersion": "llm-d.ai/v1alpha2"}
+
+
+@pytest.mark.parametrize(
+    "obj",
+    [
+        POOL,
+        REWRITE,
+        OBJECTIVE,
+        LLMD_REWRITE,
+        LLMD_OBJECTIVE,
+        # what upstream's schemas accept and ours did not: no rules; a target listed twice (weights add up)
+        with_change(LLMD_REWRITE, ["spec", "rules"], []),
+        with_change(REWRITE, ["spec", "rules", 0, "targets"], [{"modelRewrite": "x"}, {"modelRewrite": "x"}]),
+        # v1.6: endpointPickerRef is optional in the schema (InferencePoolMissingEPPRef), h2c, several ranks
+        with_change(POOL, ["spec", "endpointPickerRef"], ...),
+        with_change(POOL, ["spec", "appProtocol"], "kubernetes.io/h2c"),
+        with_change(POOL, ["spec", "targetPorts"], [{"number": 3000}, {"number": 3002}, {"number": 3004}]),
+    ],
+    ids=[
+        "pool",
+        "rewrite",
+        "objective",
+        "llm-d-rewrite",
+        "llm-d-objective",
+        "no-rules",
+        "repeated-target",
+        "no-picker",
+        "h2c",
+        "ranks",
+    ],
+)
 def test_valid_custom_resources_are_accepted(obj):
     assert validate_custom_resource(obj) == []
+
+
+def test_llm_d_and_legacy_crds_have_one_schema():
+    """A resource written for either group validates the same way; only the group (and the name) differ."""
+    for kind in ("inferenceobjectives", "inferencemodelrewrites"):
+        legacy = yaml.safe_load((CRD_DIR / f"inference.networking.x-k8s.io_{kind}.yaml").read_text())
+        llmd = yaml.safe_load((CRD_DIR / f"llm-d.ai_{kind}.yaml").read_text())
+        assert llmd["spec"]["group"] == "llm-d.ai" and llmd["metadata"]["name"] == f"{kind}.llm-d.ai"
+        assert llmd["spec"]["versions"] == legacy["spec"]["versions"], kind
+        assert llmd["spec"]["names"] == legacy["spec"]["names"], kind
+
+
+def test_the_pool_crd_is_gie_v1_6():
+    pool = yaml.safe_load((CRD_DIR / "inference.networking.k8s.io_inferencepools.yaml").read_text())
+    assert pool["metadata"]["annotations"]["inference.networking.k8s.io/bundle-version"] == "v1.6.0"
+    spec = pool["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    assert spec["required"] == ["selector", "targetPorts"]
+    assert spec["properties"]["appProtocol"]["default"] == "http"
+    assert spec["properties"]["endpointPickerRef"]["properties"]["failureMode"]["default"] == "FailClose"
 
 
 @pytest.mark.parametrize(
@@ -276,12 +330,9 @@ def test_valid_custom_resources_are_accepted(obj):
         (with_change(POOL, ["spec", "endpointPickerRef", "port"], ...), "port is required"),
         (with_change(POOL, ["spec", "endpointPickerRef", "failureMode"], "FailSometimes"), "is not one of"),
         (with_change(POOL, ["spec", "appProtocol"], "grpc"), "is not one of"),
-        (with_change(REWRITE, ["spec", "rules"], []), "should be non-empty"),
+        (with_change(REWRITE, ["spec", "rules", 0, "targets"], []), "should be non-empty"),
         (with_change(REWRITE, ["spec", "rules", 0, "targets"], [{"modelRewrite": "x", "weight": 0}]), "minimum"),
-        (
-            with_change(REWRITE, ["spec", "rules", 0, "targets"], [{"modelRewrite": "x"}, {"modelRewrite": "x"}]),
-            "unique",
-        ),
+        (with_change(REWRITE, ["spec", "rules", 0, "matches", 0, "model", "type"], "Prefix"), "is not one of"),
         (with_change(OBJECTIVE, ["spec", "poolRef"], ...), "poolRef"),
         (with_change(OBJECTIVE, ["spec", "priority"], "high"), "integer"),
     ],

@@ -8,6 +8,7 @@ from typing import Any
 
 from epp.config import ConfigError
 from epp.scheduling.framework import Plugin
+from epp.scheduling.plugins.active_request_scorer import ActiveRequestScorer
 from epp.scheduling.plugins.header_based_testing_filter import HeaderBasedTestingFilter
 from epp.scheduling.plugins.in_flight_tokens_scorer import InFlightTokensScorer
 from epp.scheduling.plugins.kv_cache_utilization_scorer import KVCacheUtilizationScorer
@@ -16,6 +17,7 @@ from epp.scheduling.plugins.max_score_picker import MaxScorePicker
 from epp.scheduling.plugins.precise_prefix_cache_scorer import PrecisePrefixCacheScorer
 from epp.scheduling.plugins.predicted_latency_filter import PredictedLatencyFilter
 from epp.scheduling.plugins.predicted_latency_scorer import PredictedLatencyScorer
+from epp.scheduling.plugins.prefix_cache_affinity_filter import PrefixCacheAffinityFilter
 from epp.scheduling.plugins.prefix_cache_scorer import PrefixCacheScorer
 from epp.scheduling.plugins.queue_scorer import QueueScorer
 from epp.scheduling.plugins.random_picker import RandomPicker
@@ -23,10 +25,12 @@ from epp.scheduling.plugins.running_requests_size_scorer import RunningRequestsS
 from epp.scheduling.plugins.session_affinity_scorer import SessionAffinityScorer
 from epp.scheduling.plugins.slo_headroom_filter import SLOHeadroomFilter
 from epp.scheduling.plugins.slo_interference_filter import SLOInterferenceFilter
+from epp.scheduling.plugins.token_load_scorer import TokenLoadScorer
 from epp.scheduling.plugins.weighted_random_picker import WeightedRandomPicker
 from epp.scheduling.types import TypedName
 
 BUILTIN_PLUGINS: tuple[type[Plugin], ...] = (
+    ActiveRequestScorer,
     HeaderBasedTestingFilter,
     InFlightTokensScorer,
     KVCacheUtilizationScorer,
@@ -35,6 +39,7 @@ BUILTIN_PLUGINS: tuple[type[Plugin], ...] = (
     PrecisePrefixCacheScorer,
     PredictedLatencyFilter,
     PredictedLatencyScorer,
+    PrefixCacheAffinityFilter,
     PrefixCacheScorer,
     QueueScorer,
     RandomPicker,
@@ -42,6 +47,7 @@ BUILTIN_PLUGINS: tuple[type[Plugin], ...] = (
     SessionAffinityScorer,
     SLOHeadroomFilter,
     SLOInterferenceFilter,
+    TokenLoadScorer,
     WeightedRandomPicker,
 )
 

@@ -42,9 +42,10 @@ LRU at most its share of them), 1,800,000 by default: ~245 MiB, a budget of 256 
 Eviction is O(1) an entry (the LRU's oldest), and one pick trims at most MAX_TRIM entries, so a capacity that falls
 a long way is reached over a few picks, never in one long stop of the event loop.
 
-Parameters: blockSize (16 tokens), maxPrefixBlocksToMatch (256), lruCapacityPerServer (31250 blocks, used when the
-endpoint does not publish num_gpu_blocks), maxIndexEntries (1,800,000), autoTune (true), loadGuardQueueGap (8;
-0 = off).
+Parameters: blockSizeTokens (16; `blockSize`, also in tokens, is its older alias), maxPrefixBlocksToMatch (256) or
+maxPrefixTokensToMatch (llm-d's, which wins when set), lruCapacityPerServer (31250 blocks, used when the endpoint does
+not publish num_gpu_blocks), maxIndexEntries (1,800,000), autoTune (true), loadGuardQueueGap (8; 0 = off; ours,
+not llm-d's).
 Trade-offs: approximate: it knows where it sent a prefix, not what the server kept (evictions under memory
 pressure, restarts); text blocks only roughly align with the server's token blocks; a prompt shorter than one
 block scores 0 everywhere.
@@ -78,6 +79,8 @@ CHARS_PER_TOKEN = 4
 # The most entries one pick (or one response) trims from an endpoint's LRU: ~0.2 ms of the event loop.
 MAX_TRIM = 1024
 PREFIX_HASHES: StateKey[list[int]] = StateKey("prefix-hashes")  # the prompt's chained block hashes
+# the share of the prompt's blocks each endpoint that holds its first block holds (match_fractions), by endpoint name
+PREFIX_MATCH: StateKey[dict[str, float]] = StateKey("prefix-match")
 # (blocks the index believed the pick held, blocks of the whole prompt), recorded with the pick
 PREFIX_BELIEF: StateKey[tuple[int, float]] = StateKey("prefix-belief")
 
@@ -99,12 +102,17 @@ def longest_prefix(hashes: list[int], held: OrderedDict[int, None] | None) -> in
 @register("prefix-cache-scorer")
 class PrefixCacheScorer(Scorer, PreRequest, ResponseComplete, PoolChanged, PrefixIndexStats, KVEventsConsumer):
     consumes = ("block_size", "num_gpu_blocks", *QUEUE_DEPTH_READS, QUEUE_DEPTHS, PREFIX_HASHES)
-    produces = (PREFIX_HASHES, QUEUE_DEPTHS, PREFIX_BELIEF)
+    produces = (PREFIX_HASHES, QUEUE_DEPTHS, PREFIX_BELIEF, PREFIX_MATCH)
 
     def __init__(self, parameters: dict | None):
         p = Parameters("prefix-cache-scorer", parameters)
-        self.block_size = p.get("blockSize", 16, int, minimum=1)
-        self.max_blocks = p.get("maxPrefixBlocksToMatch", 256, int, minimum=1)
+        # llm-d's blockSizeTokens wins over our older blockSize (in tokens too, where llm-d's deprecated one counts
+        # characters); its maxPrefixTokensToMatch, when given, over maxPrefixBlocksToMatch
+        block_size = p.get("blockSize", 16, int, minimum=1)
+        self.block_size = p.get("blockSizeTokens", block_size, int, minimum=1)
+        max_blocks = p.get("maxPrefixBlocksToMatch", 256, int, minimum=1)
+        max_tokens = p.get("maxPrefixTokensToMatch", 0, int, minimum=0)
+        self.max_blocks = max(1, max_tokens // self.block_size) if max_tokens else max_blocks
         self.default_capacity = p.get("lruCapacityPerServer", 31250, int, minimum=1)
         self.max_entries = p.get("maxIndexEntries", 1_800_000, int, minimum=1)
         self.auto_tune = p.get("autoTune", True, bool)
@@ -162,6 +170,18 @@ class PrefixCacheScorer(Scorer, PreRequest, ResponseComplete, PoolChanged, Prefi
         else:  # endpoints that publish KV events are scored by precise-prefix-cache-scorer
             scores = [0.0 if index.publishes(e.hostport) else matched.get(e.spec.name, 0.0) for e in endpoints]
         return guard_load(scores, cycle_state, endpoints, self.load_guard_gap)
+
+    def match_fractions(
+        self, cycle_state: CycleState, request: SchedulingRequest, endpoints: Sequence[Endpoint]
+    ) -> list[float]:
+        matched = cycle_state.read(PREFIX_MATCH)
+        if matched is None:
+            hashes = self.hashes(cycle_state, request, endpoints)
+            holders = self._heads.get(hashes[0]) if hashes else None
+            held, blocks = self._held, len(hashes)
+            matched = {name: longest_prefix(hashes, held[name]) / blocks for name in holders or ()}
+            cycle_state.write(PREFIX_MATCH, matched)
+        return [matched.get(e.spec.name, 0.0) for e in endpoints]
 
     def cached_tokens(
         self, cycle_state: CycleState, request: SchedulingRequest, endpoints: Sequence[Endpoint]

@@ -1,6 +1,7 @@
 """slo-headroom-filter: a request that states latency objectives goes to an endpoint predicted to meet them.
 
-Reads: the request headers `x-slo-ttft-ms` and `x-slo-tpot-ms` (GIE/llm-d's names; milliseconds, either or both)
+Reads: the request headers `x-llm-d-slo-ttft-ms` and `x-llm-d-slo-tpot-ms` (llm-d's names, the older `x-slo-ttft-ms` /
+`x-slo-tpot-ms` as aliases: epp.requestcontrol.director copies them; milliseconds, either or both)
 and the scheduler's latency predictor (`LatencyPredictionReader`), as predicted-latency-scorer does.
 Keeps the candidates predicted to meet the objectives with the headroom the predictor's own recent error calls
 for: a candidate qualifies when prediction x margin is within the objective, where the margin is the `confidence`
@@ -29,9 +30,10 @@ from epp.datalayer.endpoint import Endpoint
 from epp.scheduling.framework import Filter, LatencyPredictionReader, Parameters, register
 from epp.scheduling.predictions import CACHED_TOKENS, PREDICTED_LATENCY, PREDICTION_READS
 from epp.scheduling.types import CycleState, SchedulingRequest
+from protocol.extproc import SLO_TPOT_HEADER, SLO_TTFT_HEADER
 
-TTFT_HEADER = "x-slo-ttft-ms"
-TPOT_HEADER = "x-slo-tpot-ms"
+TTFT_HEADER = SLO_TTFT_HEADER
+TPOT_HEADER = SLO_TPOT_HEADER
 
 
 def objective_seconds(headers: dict[str, str], name: str) -> float | None:

@@ -10,7 +10,7 @@ the scorers send it to the emptiest endpoint, and there its ~0.6 s of prefill (o
 s) stretches the decode of the chat turns whose 50 ms per-token objective leaves ~1 s of slack over 64 tokens, and
 holds back the first token of a chat turn routed there a moment before it (300 ms objective, ~100 ms predicted).
 
-Reads: the request headers `x-slo-ttft-ms` / `x-slo-tpot-ms` (slo-headroom-filter's) and its `max_tokens`; the
+Reads: the request headers `x-llm-d-slo-ttft-ms` / `x-llm-d-slo-tpot-ms` (slo-headroom-filter's) and its `max_tokens`; the
 scheduler's latency predictor (`LatencyPredictionReader`): the request's predicted TTFT and TPOT on the endpoint it
 was routed to, the prefix match (cached tokens, `CandidatePredictions.cached_tokens`, which the scheduler wires to
 its profile's prefix index; without one every prompt counts as uncached) and the learnt prefill rate (seconds per uncached

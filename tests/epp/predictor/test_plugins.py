@@ -81,14 +81,14 @@ def test_filter_keeps_endpoints_predicted_to_meet_the_objective_with_the_error_m
     endpoints = pool_of_three(predictions)
     ttfts = [t for t, _ in predictions.get(CycleState(), req(), endpoints, tpot=False)]
     slo_ms = max(ttfts[0], ttfts[2]) * margin * 1e3 * 1.001  # 0 and 2 meet it with the margin, 1 does not
-    assert f.filter(CycleState(), req(headers={"x-slo-ttft-ms": f"{slo_ms:.4f}"}), endpoints) == [
+    assert f.filter(CycleState(), req(headers={"x-llm-d-slo-ttft-ms": f"{slo_ms:.4f}"}), endpoints) == [
         endpoints[0],
         endpoints[2],
     ]
     without_margin = f"{ttfts[2] * 1e3 * 1.001:.4f}"  # 2 is predicted within it, but not with the margin
-    assert endpoints[2] not in f.filter(CycleState(), req(headers={"x-slo-ttft-ms": without_margin}), endpoints)
+    assert endpoints[2] not in f.filter(CycleState(), req(headers={"x-llm-d-slo-ttft-ms": without_margin}), endpoints)
     tight = f"{ttfts[0] * 1e3 * 0.9:.3f}"  # nobody meets it: the best one is kept
-    assert f.filter(CycleState(), req(headers={"x-slo-ttft-ms": tight}), endpoints) == [endpoints[0]]
+    assert f.filter(CycleState(), req(headers={"x-llm-d-slo-ttft-ms": tight}), endpoints) == [endpoints[0]]
 
 
 def test_the_margin_follows_the_predictor_error(predictions):
@@ -106,10 +106,12 @@ def test_filter_checks_tpot_objectives(predictions):
     endpoints = pool_of_three(predictions)
     tpots = [p for _, p in predictions.get(CycleState(), req(), endpoints, tpot=True)]
     limit = f"{(tpots[0] + tpots[2]) / 2 * 1e3:.4f}"  # the 15-request decode batch of endpoint 2 misses it
-    assert endpoints[2] not in f.filter(CycleState(), req(headers={"x-slo-tpot-ms": limit}), endpoints)
+    assert endpoints[2] not in f.filter(CycleState(), req(headers={"x-llm-d-slo-tpot-ms": limit}), endpoints)
 
 
-@pytest.mark.parametrize("headers", [{}, {"x-slo-ttft-ms": "abc"}, {"x-slo-ttft-ms": "-5"}, {"x-slo-tpot-ms": "nan"}])
+@pytest.mark.parametrize(
+    "headers", [{}, {"x-llm-d-slo-ttft-ms": "abc"}, {"x-llm-d-slo-ttft-ms": "-5"}, {"x-llm-d-slo-tpot-ms": "nan"}]
+)
 def test_filter_passes_everything_without_a_usable_objective(predictions, headers):
     trained(predictions)
     endpoints = pool_of_three(predictions)
@@ -121,7 +123,7 @@ def test_filter_passes_everything_without_a_usable_objective(predictions, header
 def test_filter_passes_everything_while_cold(predictions):
     endpoints = pool_of_three(predictions)
     f = reading("slo-headroom-filter", predictions)
-    assert f.filter(CycleState(), req(headers={"x-slo-ttft-ms": "1"}), endpoints) == endpoints
+    assert f.filter(CycleState(), req(headers={"x-llm-d-slo-ttft-ms": "1"}), endpoints) == endpoints
 
 
 @pytest.mark.parametrize(
@@ -154,7 +156,7 @@ def test_profile_with_both_plugins_routes_to_the_fastest(predictions):
     trained(predictions)
     scheduler = profile_of(predictions, "slo-headroom-filter", "predicted-latency-scorer")
     endpoints = pool_of_three(predictions)
-    result = scheduler.schedule(req(headers={"x-slo-ttft-ms": "10000"}), endpoints)
+    result = scheduler.schedule(req(headers={"x-llm-d-slo-ttft-ms": "10000"}), endpoints)
     assert result.primary is endpoints[0]
 
 

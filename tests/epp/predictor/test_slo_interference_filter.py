@@ -7,7 +7,7 @@ from epp.scheduling.types import CycleState, ResponseInfo, SchedulingRequest, Sc
 from tests.epp.helpers import endpoint
 from tests.epp.predictor.conftest import reading, trained
 
-CHAT = {"x-slo-ttft-ms": "300", "x-slo-tpot-ms": "30"}
+CHAT = {"x-llm-d-slo-ttft-ms": "300", "x-llm-d-slo-tpot-ms": "30"}
 
 
 def req(prompt_tokens, headers=None, max_tokens=None):
@@ -46,7 +46,7 @@ def test_every_later_prefill_on_the_endpoint_takes_its_time_off_the_slack(predic
     trained(predictions)
     plugin = reading("slo-interference-filter", predictions)
     e0 = endpoint(0)
-    routed(plugin, req(200, {"x-slo-tpot-ms": "100"}, max_tokens=256), e0)
+    routed(plugin, req(200, {"x-llm-d-slo-tpot-ms": "100"}, max_tokens=256), e0)
     before = slacks(plugin, "e0")[0]
     routed(plugin, req(3000), e0)  # no objective of its own: it still stalls the decode there
     rate = predictions.predictor.backlog.seconds_per_token
@@ -74,7 +74,9 @@ def test_a_long_prefill_avoids_an_endpoint_where_a_request_waits_for_its_first_t
     trained(predictions)
     plugin = reading("slo-interference-filter", predictions)
     e0, e1 = endpoint(0), endpoint(1)
-    chat = req(200, {"x-slo-ttft-ms": "300", "x-slo-tpot-ms": "100"}, max_tokens=256)  # a loose TPOT objective
+    chat = req(
+        200, {"x-llm-d-slo-ttft-ms": "300", "x-llm-d-slo-tpot-ms": "100"}, max_tokens=256
+    )  # a loose TPOT objective
     routed(plugin, chat, e0)
     ledger = plugin.ledgers["e0"]
     (entry,) = ledger.pending

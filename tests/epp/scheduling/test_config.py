@@ -102,7 +102,15 @@ PROFILE = "schedulingProfiles: [{name: a, plugins: [{pluginRef: queue-scorer}]}]
         ("plugins: [{name: q}]\n" + PROFILE, "needs a `type`"),
         ("plugins: [{type: queue-scorer, weight: 2}]\n" + PROFILE, r"unknown field\(s\) weight"),
         ("plugins: [{type: queue-scorer}, {type: queue-scorer}]\n" + PROFILE, "duplicate plugin name 'queue-scorer'"),
-        ("plugins: [{type: nope}]\n" + PROFILE, "unknown plugin type 'nope'"),
+        (
+            "plugins: [{type: queue-scorer}]\nschedulingProfiles: [{name: a, plugins: [{pluginRef: queue-scorer, wieght: 2}]}]",
+            "'queue-scorer': unknown field.s. wieght",
+        ),
+        (
+            "plugins: [{type: queue-scorer}]\nschedulingProfiles: [{name: a, handler: x, plugins: [{pluginRef: queue-scorer}]}]",
+            "profile 'a': unknown field.s. handler",
+        ),
+        ("plugins: [{type: nope}]\n" + PROFILE, r"unsupported plugin type\(s\) nope \(known: "),
         ("plugins: [{type: queue-scorer, parameters: {x: 1}}]\n" + PROFILE, "queue-scorer: unknown parameter"),
         ("plugins: [{type: queue-scorer, parameters: 3}]\n" + PROFILE, "parameters must be a mapping"),
         ("plugins: [{type: prefix-cache-scorer, parameters: {blockSize: -4}}]\n" + PROFILE, "blockSize must be >= 1"),

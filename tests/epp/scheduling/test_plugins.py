@@ -5,11 +5,12 @@ from collections import Counter
 import pytest
 
 from epp.config import ConfigError
-from epp.datalayer.endpoint import MAX_KNOWN_ADAPTERS
+from epp.datalayer.endpoint import MAX_KNOWN_ADAPTERS, Endpoint, EndpointSpec
 from epp.datalayer.load import queue_depth, running_requests
 from epp.scheduling.load import queue_depths
 from epp.scheduling.plugins import PLUGIN_TYPES, build_plugin
 from epp.scheduling.types import CycleState, SchedulingRequest, SchedulingResult
+from protocol.metrics import EndpointMetrics
 from tests.epp.helpers import endpoint
 
 
@@ -165,12 +166,18 @@ def test_lora_affinity_remembers_adapters_used_lately_while_they_idle_in_their_s
         ("127.0.0.1:8002", ["e2"]),
         ("127.0.0.1:8002, 127.0.0.1:8000", ["e2", "e0"]),  # the order given
         ("10.0.0.1:80", []),  # not in the pool
+        ("127.0.0.1", ["e0", "e1", "e2"]),  # a bare pod IP: every rank (port) of that pod
+        ("10.0.0.2", ["r0", "r1"]),
+        ("10.0.0.2:8001,10.0.0.2", ["r1", "r0"]),  # each once, in the order first named
+        ("[fd00::1]:8000, fd00::1", ["v6"]),
     ],
 )
 def test_header_based_testing_filter(header, expected):
     headers = {} if header is None else {"test-epp-endpoint-selection": header}
+    ranks = [Endpoint(EndpointSpec(f"r{i}", "10.0.0.2", 8000 + i), EndpointMetrics()) for i in range(2)]
+    v6 = Endpoint(EndpointSpec("v6", "fd00::1", 8000), EndpointMetrics())
     kept = build_plugin("header-based-testing-filter").filter(
-        CycleState(), req(headers=headers), [endpoint(i) for i in range(3)]
+        CycleState(), req(headers=headers), [endpoint(i) for i in range(3)] + ([] if header is None else [*ranks, v6])
     )
     assert [e.name for e in kept] == expected
 
