@@ -122,6 +122,7 @@ class Director:
     untimed_responses = cython.declare(cython.Py_ssize_t, visibility="public")
     untimed_since = cython.declare(cython.double, visibility="public")
     responses = cython.declare(object, visibility="public")
+    _labelled_state = cython.declare(object, visibility="public")
 
     def __init__(
         self,
