@@ -4,8 +4,9 @@
 #   docker build --target modelserver-sim   -t ghcr.io/llm-routing-reference/modelserver-sim:0.1.0 .
 #   docker build --target modelserver-torch -t ghcr.io/llm-routing-reference/modelserver-torch:0.1.0 .
 # The wheel: the release build (setup.py, EPP_RELEASE=1): the runtime packages and their console scripts only (no
-# harness), the EPP's request path compiled with Cython. The compiler stays in this stage: the images get only the
-# wheel.
+# harness), the EPP's request path compiled with Cython, profile-guided: setup.py trains it on the workshop's
+# handler-cpu bench, which this stage alone holds, with the runtime's dependencies installed here (Cython among them).
+# The compiler stays in this stage: the images get only the wheel.
 FROM python:3.11-slim AS wheel
 ENV PYTHONDONTWRITEBYTECODE=1 PIP_NO_CACHE_DIR=1 EPP_RELEASE=1
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*
@@ -14,7 +15,8 @@ COPY pyproject.toml setup.py README.md ./
 COPY protocol ./protocol
 COPY modelserver ./modelserver
 COPY epp ./epp
-RUN pip wheel --no-deps --wheel-dir /wheels .
+COPY harness ./harness
+RUN EPP_RELEASE=0 pip install ".[epp]" && rm -rf build *.egg-info && pip wheel --no-deps --no-build-isolation --wheel-dir /wheels .
 
 FROM python:3.11-slim AS source
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 HOME=/tmp

@@ -54,11 +54,12 @@ bench-inference-perf:
 	    || echo "warning: could not install inference-perf"; fi; }
 
 # The release wheel the images install (setup.py, EPP_RELEASE=1): the runtime packages and their two console scripts,
-# the request path compiled with Cython (needs a C compiler; pip fetches Cython for the build), into dist/. Built from
-# a fresh build directory: an earlier build's files never slip in.
+# the request path compiled with Cython (needs a C compiler), into dist/. Built in this environment (no build
+# isolation), where the runtime's dependencies and the workshop are: the build is profile-guided, trained on the
+# request path (setup.py's CompileWithCython.run). From a fresh build directory: an earlier build's files never slip in.
 wheel: | $(BIN)/python
 	rm -rf build
-	EPP_RELEASE=1 $(BIN)/pip wheel --no-deps -q -w dist .
+	EPP_RELEASE=1 $(BIN)/pip wheel --no-deps --no-build-isolation -q -w dist .
 
 demo: $(DEMO_STAMP)
 	$(STEP) "demo: starting 4 sim model servers, the EPP and Envoy (about 5 s), then 64 requests through the gateway"

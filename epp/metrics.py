@@ -17,6 +17,7 @@ import time
 from bisect import bisect_left
 from collections.abc import Iterable, Iterator
 
+import cython
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -120,10 +121,13 @@ METRICS_AGE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.
 SCHEDULER_BUCKETS = (0.00001, 0.00002, 0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1)
 
 
+@cython.annotation_typing(True)
+@cython.final
+@cython.cclass
 class _Value:
     """A counter's or gauge's child."""
 
-    __slots__ = ("value",)
+    value = cython.declare(cython.double, visibility="public")
 
     def __init__(self) -> None:
         self.value = 0.0
@@ -135,10 +139,15 @@ class _Value:
         self.value -= amount
 
 
+@cython.annotation_typing(True)
+@cython.final
+@cython.cclass
 class _Buckets:
     """A histogram's child: a count per bucket (the last one above every bound) and the sum."""
 
-    __slots__ = ("bounds", "counts", "sum")
+    bounds = cython.declare(tuple, visibility="public")
+    counts = cython.declare(list, visibility="public")
+    sum = cython.declare(cython.double, visibility="public")
 
     def __init__(self, bounds: tuple[float, ...]) -> None:
         self.bounds = bounds
@@ -152,9 +161,19 @@ class _Buckets:
         self.sum += value
 
 
+@cython.final
+@cython.cclass
 class _Series:
     """One labelled metric family of plain-number children, exported by `collect` when Prometheus scrapes (a scrape
     runs in a worker thread: it copies each child's numbers, which the GIL keeps whole)."""
+
+    kind = cython.declare(str, visibility="public")
+    name = cython.declare(str, visibility="public")
+    documentation = cython.declare(str, visibility="public")
+    labelnames = cython.declare(tuple, visibility="public")
+    buckets = cython.declare(tuple, visibility="public")
+    les = cython.declare(object, visibility="public")
+    children = cython.declare(dict, visibility="public")
 
     def __init__(self, kind: str, name: str, documentation: str, labelnames=(), buckets: tuple[float, ...] = ()):
         self.kind, self.name, self.documentation = kind, name, documentation

@@ -146,14 +146,24 @@ def test_the_wheel_runs_the_demo_and_the_gateway_suite_from_elsewhere(installed_
     assert profiles["GatewayDataPath"]["core"]["result"] == "success"
 
 
-REQUEST_PATH = {"epp/transport/h2", "epp/handlers/extproc", "epp/requestcontrol/director", "epp/scheduling/scheduler"}
+REQUEST_PATH = {
+    "epp/transport/h2",
+    "epp/handlers/extproc",
+    "epp/handlers/wire",
+    "epp/requestcontrol/director",
+    "epp/scheduling/scheduler",
+    "epp/metrics",
+}
 # The request path's tests the release build runs against its compiled modules: the transport, the ext_proc handler
-# with the director, the director with flow control, and one gateway integration test (real Envoy, the EPP started
-# from the wheel's modules)
+# with the director, the director with flow control, the wire reader (C-typed loops) against the message classes,
+# the metric children (C doubles), and one gateway integration test (real Envoy, the EPP started from the wheel's
+# modules)
 COMPILED_PATH_TESTS = [
     "tests/epp/test_grpc_h2.py",
     "tests/epp/test_server.py",
     "tests/epp/test_director_flow_control.py",
+    "tests/epp/test_wire.py",
+    "tests/epp/test_metrics_series.py",
     "tests/integration/test_gateway.py::test_load_prefix_and_lora_aware_routing",
 ]
 

@@ -24,6 +24,7 @@ import functools
 import logging
 import math
 
+import cython
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -224,27 +225,27 @@ DEFAULT_MAX_BODY_BYTES = 32 << 20  # like the model servers' request size limit
 MESSAGE_ENVELOPE_BYTES = 1 << 20
 
 
+@cython.annotation_typing(True)
+@cython.cclass
 class RequestStream:
     """The ext_proc state machine of one stream (one HTTP request); see `epp.handlers` for the interface."""
 
-    __slots__ = (
-        "body_bytes",
-        "body_chunks",
-        "body_done",
-        "budget",
-        "completed",
-        "ctx",
-        "director",
-        "full_duplex",
-        "held",
-        "max_body_bytes",
-        "pending",
-        "reply",
-        "response_full_duplex",
-        "rewrite_back",
-        "routed",
-        "traceparent",
-    )
+    director = cython.declare(object, visibility="public")
+    reply = cython.declare(object, visibility="public")
+    budget = cython.declare(object, visibility="public")
+    max_body_bytes = cython.declare(cython.Py_ssize_t, visibility="public")
+    ctx = cython.declare(object, visibility="public")
+    body_chunks = cython.declare(list, visibility="public")
+    body_bytes = cython.declare(cython.Py_ssize_t, visibility="public")
+    body_done = cython.declare(cython.bint, visibility="public")
+    full_duplex = cython.declare(cython.bint, visibility="public")
+    response_full_duplex = cython.declare(cython.bint, visibility="public")
+    rewrite_back = cython.declare(cython.bint, visibility="public")
+    routed = cython.declare(cython.bint, visibility="public")
+    pending = cython.declare(object, visibility="public")
+    held = cython.declare(list, visibility="public")
+    completed = cython.declare(cython.bint, visibility="public")
+    traceparent = cython.declare(object, visibility="public")
 
     def __init__(
         self,
@@ -286,6 +287,7 @@ class RequestStream:
             return []
         return self._handle(message)
 
+    @cython.ccall
     def _handle(self, message: ExtProcRequest) -> list[bytes]:
         kind = message.kind
         if kind == "request_body":
@@ -305,6 +307,7 @@ class RequestStream:
         return []
 
     # -- request path ------------------------------------------------------------------------------------------
+    @cython.ccall
     def _on_request_headers(self, message: ExtProcRequest) -> list[bytes]:
         if self.ctx is not None:  # one request per stream: a second one would leave the first in flight for good
             return [self._reject(OpenAIError("request headers came twice on one ext_proc stream", 400))]
@@ -334,6 +337,7 @@ class RequestStream:
     def _too_large(self) -> OpenAIError:
         return OpenAIError(f"request body is larger than {self.max_body_bytes} bytes", 413)
 
+    @cython.ccall
     def _on_request_body(self, chunk: bytes, end_of_stream: bool) -> list[bytes]:
         if self.body_done:
             return []  # answered already (413): the rest of the body is dropped
@@ -361,17 +365,20 @@ class RequestStream:
             return [self._reject(error)]
         return self._route(payload, raw, headers_phase=self.full_duplex)
 
+    @cython.ccall
     def _release_body(self) -> None:
         self.body_chunks = []
         if self.budget is not None:
             self.budget.release(self.body_bytes)
         self.body_bytes = 0
 
+    @cython.ccall
     def _refuse_body(self, error: OpenAIError) -> list[bytes]:
         self.body_done = True
         self._release_body()
         return [self._reject(error)]
 
+    @cython.ccall
     def _route(self, payload: dict | None, raw: bytes | None, headers_phase: bool) -> list[bytes]:
         try:
             decision = self.director.route(self.ctx, payload, raw)
@@ -401,6 +408,7 @@ class RequestStream:
         answers, self.held = answers + self.held, []
         self.reply(answers)
 
+    @cython.ccall
     def _answers(self, decision: RoutingDecision, headers_phase: bool) -> list[bytes]:
         self.routed = True
         self.rewrite_back = self.response_full_duplex and self.director.rewrites_response(self.ctx)
@@ -434,6 +442,7 @@ class RequestStream:
             for start in range(0, len(body), size) or (0,)
         ]
 
+    @cython.ccall
     def _reject(self, error: OpenAIError) -> bytes:
         if self.ctx is not None:
             error.style = self.ctx.error_style  # (a Messages request's errors are Anthropic's shape)
@@ -441,12 +450,14 @@ class RequestStream:
         return immediate_response(error)
 
     # -- response path -----------------------------------------------------------------------------------------
+    @cython.ccall
     def _on_response_headers(self, message: ExtProcRequest) -> list[bytes]:
         status = message.headers.get(":status", "")
         if self.ctx is not None:
             self.director.on_response_headers(self.ctx, status, served_endpoint(message))
         return [_RESPONSE_HEADERS_REFRAMED if self.rewrite_back else _RESPONSE_HEADERS_ANSWER]
 
+    @cython.ccall
     def _on_response_body(self, chunk: bytes, end_of_stream: bool) -> list[bytes]:
         if self.ctx is not None:
             chunk = self.director.on_response_chunk(self.ctx, chunk, self.rewrite_back)
@@ -469,6 +480,7 @@ class RequestStream:
             self.pending = None
         self._complete()
 
+    @cython.ccall
     def _complete(self) -> None:
         """The director hears once that the request is over: at its response trailers or when the stream ends."""
         if self.ctx is not None and not self.completed:

@@ -1,3 +1,4 @@
+# cython: annotation_typing=True
 """Protobuf's wire format, by hand: composed for the answers the ext_proc handler sends on every request, and read
 for the messages it takes (ext_proc requests, the access log's records).
 
@@ -21,6 +22,7 @@ descriptors, and everything read against what the message classes read).
 
 from __future__ import annotations
 
+import cython
 from google.protobuf.message import DecodeError, Message
 
 LENGTH_DELIMITED, VARINT = 2, 0
@@ -47,7 +49,8 @@ def key(message_type: type[Message], name: str) -> bytes:
     return varint(field.number << 3 | wire_type)
 
 
-def nesting(keys: tuple[bytes, ...], size: int) -> bytes:
+@cython.locals(length=cython.Py_ssize_t)
+def nesting(keys: tuple[bytes, ...], size: cython.Py_ssize_t) -> bytes:
     """What goes before `size` bytes of content to nest them in the length-delimited fields `keys`, outermost first:
     each key and the length of what it holds. The content follows it unchanged (a large body is copied once)."""
     prefix = b""
@@ -57,6 +60,7 @@ def nesting(keys: tuple[bytes, ...], size: int) -> bytes:
     return prefix
 
 
+@cython.locals(size=cython.Py_ssize_t)
 def field(field_key: bytes, payload: bytes) -> bytes:
     """One length-delimited field: a string, bytes or a submessage's bytes."""
     size = len(payload)
@@ -67,7 +71,11 @@ class WireError(DecodeError):
     """Bytes that are not a well-formed protobuf message."""
 
 
-def _varint(data: bytes, position: int, end: int) -> tuple[int, int]:
+@cython.cfunc
+@cython.locals(value=cython.Py_ssize_t, shift=cython.Py_ssize_t, byte=cython.Py_ssize_t)
+def _varint(
+    data: bytes, position: cython.Py_ssize_t, end: cython.Py_ssize_t
+) -> tuple[cython.Py_ssize_t, cython.Py_ssize_t]:
     """The varint at `position` and the position after it; position -1 when it is cut off by `end` or longer than
     what this reads (63 bits: a C integer)."""
     value = shift = 0
@@ -81,7 +89,18 @@ def _varint(data: bytes, position: int, end: int) -> tuple[int, int]:
     return 0, -1
 
 
-def _next_field(data: bytes, position: int, end: int) -> tuple[int, int, int]:
+@cython.cfunc
+@cython.locals(
+    key=cython.Py_ssize_t,
+    byte=cython.Py_ssize_t,
+    wire_type=cython.Py_ssize_t,
+    start=cython.Py_ssize_t,
+    length=cython.Py_ssize_t,
+    size=cython.Py_ssize_t,
+)
+def _next_field(
+    data: bytes, position: cython.Py_ssize_t, end: cython.Py_ssize_t
+) -> tuple[cython.Py_ssize_t, cython.Py_ssize_t, cython.Py_ssize_t]:
     """The field at `position`: its key (field number << 3 | wire type), where its value starts and where it ends
     (a length-delimited field's value is its payload). Key -1: the bytes up to `end` are not a well-formed field."""
     key, position = _varint(data, position, end)
@@ -107,7 +126,11 @@ def _next_field(data: bytes, position: int, end: int) -> tuple[int, int, int]:
     return key, position, position + size
 
 
-def _fields(data: bytes, start: int, end: int, wanted: int) -> list[tuple[int, int]]:
+@cython.cfunc
+@cython.locals(position=cython.Py_ssize_t, key=cython.Py_ssize_t, value_at=cython.Py_ssize_t)
+def _fields(
+    data: bytes, start: cython.Py_ssize_t, end: cython.Py_ssize_t, wanted: cython.Py_ssize_t
+) -> list[tuple[int, int]]:
     """Where the values of the fields with key `wanted` lie in the message between `start` and `end`, in order."""
     found = []
     position = start
@@ -120,7 +143,9 @@ def _fields(data: bytes, start: int, end: int, wanted: int) -> list[tuple[int, i
     return found
 
 
-def _string_value(data: bytes, start: int, end: int) -> str:
+@cython.cfunc
+@cython.locals(position=cython.Py_ssize_t, key=cython.Py_ssize_t, value_at=cython.Py_ssize_t)
+def _string_value(data: bytes, start: cython.Py_ssize_t, end: cython.Py_ssize_t) -> str:
     """An OTLP AnyValue's string_value, "" when it holds another kind of value (the message classes' reading)."""
     value = ""
     position = start
@@ -133,7 +158,21 @@ def _string_value(data: bytes, start: int, end: int) -> str:
     return value
 
 
-def _add_headers(headers: dict[str, str], data: bytes, start: int, end: int) -> None:
+@cython.cfunc
+@cython.locals(
+    position=cython.Py_ssize_t,
+    key=cython.Py_ssize_t,
+    header_at=cython.Py_ssize_t,
+    inner=cython.Py_ssize_t,
+    field_at=cython.Py_ssize_t,
+    name_at=cython.Py_ssize_t,
+    name_end=cython.Py_ssize_t,
+    value_at=cython.Py_ssize_t,
+    value_end=cython.Py_ssize_t,
+    raw_at=cython.Py_ssize_t,
+    raw_end=cython.Py_ssize_t,
+)
+def _add_headers(headers: dict[str, str], data: bytes, start: cython.Py_ssize_t, end: cython.Py_ssize_t) -> None:
     """The headers of the HeaderMap (envoy.config.core.v3) between `start` and `end`, added to `headers` as the
     ext_proc handler keeps them: each name lowercased, each value its raw_value decoded as UTF-8 (invalid bytes
     replaced), or its value when raw_value is empty; a name that comes twice keeps its last value."""
@@ -162,6 +201,19 @@ def _add_headers(headers: dict[str, str], data: bytes, start: int, end: int) -> 
         headers[name] = data[value_at:value_end].decode("utf-8", "replace")
 
 
+@cython.locals(
+    resource_at=cython.Py_ssize_t,
+    resource_end=cython.Py_ssize_t,
+    scope_at=cython.Py_ssize_t,
+    scope_end=cython.Py_ssize_t,
+    record_at=cython.Py_ssize_t,
+    record_end=cython.Py_ssize_t,
+    position=cython.Py_ssize_t,
+    key=cython.Py_ssize_t,
+    value_at=cython.Py_ssize_t,
+    inner=cython.Py_ssize_t,
+    field_at=cython.Py_ssize_t,
+)
 def log_records(data: bytes) -> list[tuple[str, dict[str, str]]]:
     """The records of a serialized OTLP ExportLogsServiceRequest, in order: each one's body and attributes, as strings
     (AnyValue string_value; "" for a value of another kind, as the message classes read it; invalid UTF-8 replaced,
@@ -235,6 +287,19 @@ class ExtProcRequest:
 ExtProcRequest.__name__ = "ProcessingRequest"  # the transports' refusals name the message the proxy sent
 
 
+@cython.locals(
+    position=cython.Py_ssize_t,
+    end=cython.Py_ssize_t,
+    kind=cython.Py_ssize_t,
+    key=cython.Py_ssize_t,
+    number=cython.Py_ssize_t,
+    value_at=cython.Py_ssize_t,
+    inner=cython.Py_ssize_t,
+    field_at=cython.Py_ssize_t,
+    request_mode=cython.Py_ssize_t,
+    response_mode=cython.Py_ssize_t,
+    start=cython.Py_ssize_t,
+)
 def processing_request(data: bytes) -> ExtProcRequest:
     """The fields of a serialized ProcessingRequest the ext_proc handler reads (`ExtProcRequest`), read as the
     message classes read them: of the oneof the last member wins, and a member that comes twice merges (headers

@@ -44,6 +44,8 @@ from collections.abc import Awaitable
 from heapq import heappop, heappush
 from time import monotonic, perf_counter, time_ns
 
+import cython
+
 from epp.datalayer.datastore import Datastore
 from epp.datalayer.endpoint import Endpoint, ModelRewrite, PoolState
 from epp.flowcontrol import DEFAULT_FLOW, EVICTED_TTL, FlowController, FlowControlRejected
@@ -102,8 +104,28 @@ UNTIMED_RESPONSES_WARNING = 100
 UNTIMED_WARNING_SECONDS = 2.0
 
 
+@cython.annotation_typing(True)
+@cython.final
+@cython.cclass
 class Director:
     """Everything one EPP needs per request: the live pool, the scheduler and the metrics."""
+
+    datastore = cython.declare(object, visibility="public")
+    scheduler = cython.declare(object, visibility="public")
+    metrics = cython.declare(object, visibility="public")
+    flow_control = cython.declare(object, visibility="public")
+    awaiting_records = cython.declare(dict, visibility="public")
+    early_records = cython.declare(dict, visibility="public")
+    access_log_seen = cython.declare(cython.bint, visibility="public")
+    response_headers_seen = cython.declare(cython.bint, visibility="public")
+    prefilling = cython.declare(list, visibility="public")
+    _order = cython.declare(object, visibility="public")
+    untimed_responses = cython.declare(cython.Py_ssize_t, visibility="public")
+    untimed_since = cython.declare(cython.double, visibility="public")
+    responses = cython.declare(object, visibility="public")
+    _labelled_state = cython.declare(object, visibility="public")
+    emit_endpoint_scores = cython.declare(cython.bint, visibility="public")
+    tracing = cython.declare(object, visibility="public")
 
     def __init__(
         self,
@@ -136,6 +158,7 @@ class Director:
         self.untimed_since = 0.0  # when the first of them ended
         self.responses = ResponseLocator()  # where each stored Responses answer is (previous_response_id)
 
+    @cython.ccall
     def new_request(
         self, headers: dict[str, str], subset: frozenset[str] | None, stream_traceparent: str | None = None
     ) -> RequestContext:
@@ -262,6 +285,7 @@ class Director:
         """The longest a request may wait in flow control (the proxy must wait as long for its answer)."""
         return None if self.flow_control is None else self.flow_control.longest_ttl
 
+    @cython.ccall
     def _failed(self, ctx: RequestContext, error: OpenAIError) -> OpenAIError:
         error.style = ctx.error_style
         if ctx.dispatched:  # its turn in flow control is over
@@ -270,11 +294,13 @@ class Director:
         self.record_error(ctx, error)
         return error
 
+    @cython.ccall
     def record_error(self, ctx: RequestContext, error: OpenAIError) -> None:
         self.metrics.errors.labels(*ctx.labels, str(error.status)).inc()
         if ctx.trace is not None:
             self.tracing.failed(ctx.trace, error.status, str(error))
 
+    @cython.ccall
     def _resolve_model(self, ctx: RequestContext, payload: dict | None, raw: bytes | None) -> tuple[bytes | None, bool]:
         if payload is None:
             return None, False
@@ -301,6 +327,7 @@ class Director:
             return json.dumps(payload, separators=(",", ":")).encode(), True
         return raw, False
 
+    @cython.ccall
     def _scheduling_request(self, ctx: RequestContext, payload: dict | None) -> SchedulingRequest:
         headers = ctx.headers
         objective = headers.get(OBJECTIVE_HEADER)
@@ -325,6 +352,7 @@ class Director:
             subset=ctx.subset,
         )
 
+    @cython.ccall
     def _schedule(
         self, ctx, request, body, body_changed, waited: bool = False
     ) -> RoutingDecision | Awaitable[RoutingDecision]:
@@ -376,6 +404,7 @@ class Director:
             traceparent = ctx.trace.traceparent
         return RoutingDecision(request.request_id, result.endpoints, body, body_changed, scores, traceparent)
 
+    @cython.ccall
     def _observe_decision(self, ctx: RequestContext) -> None:
         """The decision's histograms (its time, each plugin's, the prompt's size, how old the metrics it picked on
         were), once per routed request."""
@@ -401,6 +430,7 @@ class Director:
         if ctx.model:  # (a request with a body)
             metrics.input_tokens.labels(*ctx.labels).observe(ctx.request.prompt_tokens_estimate)
 
+    @cython.ccall
     def after_routed(self, ctx: RequestContext) -> None:
         """The proxy has its answer: what it need not have waited for. The scheduler's at-pick hooks (unless a later
         decision ran them first), the decision's histograms, then the other pre-request hooks (the prefix index)."""
@@ -413,11 +443,13 @@ class Director:
             request.payload = None
 
     # -- response path -----------------------------------------------------------------------------------------
+    @cython.ccall
     def on_response_headers(self, ctx: RequestContext, status: str, served: str | None) -> None:
         ctx.status, ctx.served = status, served
         self.response_headers_seen = True
         self._release_prompt_tokens(ctx)
 
+    @cython.ccall
     def _release_prefilled(self, now: float) -> None:
         """Without response headers the EPP does not see an endpoint answer: a request's prompt stops counting as
         pending there once the endpoint's recent TTFT has passed since it was routed (or at its end, if sooner; or
@@ -440,6 +472,7 @@ class Director:
             ctx.endpoint.in_flight_tokens -= ctx.in_flight_tokens
             ctx.in_flight_tokens = 0
 
+    @cython.ccall
     def rewrites_response(self, ctx: RequestContext) -> bool:
         """A rewritten model's name goes back to the client's name in the response (its length then changes)."""
         return bool(ctx.target_model) and ctx.target_model != ctx.model
@@ -466,6 +499,7 @@ class Director:
         else:
             ctx.response_head = head
 
+    @cython.ccall
     def on_complete(self, ctx: RequestContext) -> None:
         """The request is over, whether or not its response came through the EPP. What the proxy has not told yet
         (its status and the endpoint that served, when it sent no response headers; a streamed response's TTFT)
@@ -528,6 +562,7 @@ class Director:
             return
         self._settle(ctx, endpoint, now, output_tokens, None, "", None)
 
+    @cython.ccall
     def _settle(
         self,
         ctx: RequestContext,
@@ -566,6 +601,7 @@ class Director:
                 log.debug("request %s was served by %s, not the pick %s", request.request_id, served, endpoint.hostport)
 
     # -- outcomes from the proxy's access log -------------------------------------------------------------------
+    @cython.ccall
     def on_access_log(self, request_id: str, ttft: float | None, status: str, served: str | None) -> None:
         """The proxy's access-log record of an ended request: `ttft` seconds from sending it to the model server
         to the first byte of the response body (the first token of a streamed response; None when no body came),
@@ -587,10 +623,12 @@ class Director:
                 AWAITING_RECORDS_LIMIT,
             )
 
+    @cython.ccall
     def _timed(self, request, result, endpoint, ttft: float, tpot: float | None) -> None:
         self.untimed_responses = -1
         self.scheduler.on_timed(request, result, endpoint, ttft, tpot)
 
+    @cython.ccall
     def _untimed(self, now: float) -> None:
         self.untimed_responses += 1
         if self.untimed_responses == 1:

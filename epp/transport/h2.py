@@ -24,6 +24,7 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from operator import attrgetter
 
+import cython
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf.message import DecodeError, Message
 from hpack import Decoder
@@ -159,74 +160,73 @@ class UnaryMethod:
         pass
 
 
+@cython.annotation_typing(True)
+@cython.final
+@cython.cclass
 class _Stream:
-    __slots__ = (
-        "closed",
-        "handled",
-        "handler",
-        "header_block",
-        "headers_sent",
-        "id",
-        "max_message",
-        "message",
-        "pending",
-        "recv_unacked",
-        "request_type",
-        "send_window",
-        "skip",
-    )
+    id = cython.declare(cython.Py_ssize_t, visibility="public")
+    send_window = cython.declare(cython.Py_ssize_t, visibility="public")
+    handler = cython.declare(object, visibility="public")
+    request_type = cython.declare(object, visibility="public")
+    max_message = cython.declare(cython.Py_ssize_t, visibility="public")
+    header_block = cython.declare(bytes, visibility="public")
+    headers_sent = cython.declare(cython.bint, visibility="public")
+    closed = cython.declare(cython.bint, visibility="public")
+    message = cython.declare(bytearray, visibility="public")
+    skip = cython.declare(cython.Py_ssize_t, visibility="public")
+    pending = cython.declare(object, visibility="public")
+    recv_unacked = cython.declare(cython.Py_ssize_t, visibility="public")
+    handled = cython.declare(cython.bint, visibility="public")
 
     def __init__(self, stream_id: int, send_window: int):
         self.id = stream_id
         self.send_window = send_window
         self.handler = None  # the stream's handler once the headers named a method we serve
-        self.request_type: type[Message] | None = None  # what its messages are: set with its handler
+        self.request_type = None  # what its messages are (a message class, its FromString): set with its handler
         self.max_message = MAX_MESSAGE  # the largest of them it takes
         self.header_block = b""
         self.headers_sent = False
         self.closed = False  # our trailers are queued
         self.message = bytearray()  # gRPC framing across DATA frames
         self.skip = 0  # bytes still to come of a message the handler refused unread (see _refused_unread)
-        self.pending: deque[bytes | tuple[bytes]] = deque()  # DATA payloads waiting for window; a tuple = trailers
+        self.pending = deque()  # DATA payloads (bytes) waiting for window; a tuple (bytes,) = trailers
         self.recv_unacked = 0
         self.handled = False  # a message reached the handler (a reset before that is "premature")
 
 
+@cython.annotation_typing(True)
+@cython.final
+@cython.cclass
 class ExtProcConnection:
     """One HTTP/2 connection from Envoy; each stream is one HTTP request's ext_proc exchange."""
 
-    # (slots: the hot path reads these on every frame, and with its 30th attribute in a dict an instance stopped
-    # sharing its keys with the class (CPython 3.11's limit) and every read took the slow path: 964 -> 973 k
-    # instructions per request in `epp-bench handler-cpu --instructions`)
-    __slots__ = (
-        "after",
-        "backlog",
-        "buffer",
-        "continuation_flags",
-        "continuation_of",
-        "control_frames",
-        "control_window_start",
-        "decoded_blocks",
-        "decoder",
-        "last_stream_id",
-        "opened",
-        "out",
-        "partial",
-        "peer_initial_window",
-        "peer_max_frame",
-        "preface_seen",
-        "preface_timer",
-        "premature_resets",
-        "queued",
-        "recv_unacked",
-        "refused",
-        "refused_streams",
-        "send_window",
-        "server",
-        "streams",
-        "transport",
-        "unsent_trailers",
-    )
+    server = cython.declare(object, visibility="public")
+    partial = cython.declare(object, visibility="public")
+    backlog = cython.declare(cython.Py_ssize_t, visibility="public")
+    queued = cython.declare(cython.Py_ssize_t, visibility="public")
+    transport = cython.declare(object, visibility="public")
+    buffer = cython.declare(bytearray, visibility="public")
+    preface_seen = cython.declare(cython.bint, visibility="public")
+    refused = cython.declare(cython.bint, visibility="public")
+    preface_timer = cython.declare(object, visibility="public")
+    streams = cython.declare(dict, visibility="public")
+    decoder = cython.declare(object, visibility="public")
+    decoded_blocks = cython.declare(dict, visibility="public")
+    out = cython.declare(list, visibility="public")
+    unsent_trailers = cython.declare(dict, visibility="public")
+    after = cython.declare(list, visibility="public")
+    send_window = cython.declare(cython.Py_ssize_t, visibility="public")
+    peer_initial_window = cython.declare(cython.Py_ssize_t, visibility="public")
+    peer_max_frame = cython.declare(cython.Py_ssize_t, visibility="public")
+    recv_unacked = cython.declare(cython.Py_ssize_t, visibility="public")
+    continuation_of = cython.declare(cython.Py_ssize_t, visibility="public")
+    continuation_flags = cython.declare(cython.Py_ssize_t, visibility="public")
+    last_stream_id = cython.declare(cython.Py_ssize_t, visibility="public")
+    opened = cython.declare(cython.Py_ssize_t, visibility="public")
+    premature_resets = cython.declare(cython.Py_ssize_t, visibility="public")
+    refused_streams = cython.declare(cython.Py_ssize_t, visibility="public")
+    control_frames = cython.declare(cython.Py_ssize_t, visibility="public")
+    control_window_start = cython.declare(cython.double, visibility="public")
 
     def __init__(self, server: ExtProcServer):
         self.server = server
@@ -309,6 +309,17 @@ class ExtProcConnection:
         self.unsent_trailers.clear()
         transport.close()
 
+    @cython.locals(
+        position=cython.Py_ssize_t,
+        size=cython.Py_ssize_t,
+        high=cython.Py_ssize_t,
+        low=cython.Py_ssize_t,
+        kind=cython.Py_ssize_t,
+        flags=cython.Py_ssize_t,
+        stream_id=cython.Py_ssize_t,
+        length=cython.Py_ssize_t,
+        end=cython.Py_ssize_t,
+    )
     def data_received(self, data: bytes) -> None:
         buffer = self.buffer
         if buffer or not self.preface_seen:  # a frame (or the preface) began in an earlier read
@@ -363,6 +374,7 @@ class ExtProcConnection:
             buffer += data[position:]
         self._write()
 
+    @cython.ccall
     def _write(self) -> None:
         if self.out:
             data = b"".join(self.out)
@@ -384,6 +396,7 @@ class ExtProcConnection:
             for handler in after:
                 handler.after_reply()
 
+    @cython.ccall
     def _count_backlog(self) -> int:
         """This connection's answers the peer has not read (in the socket's buffer, and queued for flow-control
         window: a peer that opens no window reads nothing either), brought up to date in the EPP-wide count; returns
@@ -405,7 +418,10 @@ class ExtProcConnection:
         """The proxy closed its side: the transport closes (answers to a closed peer go nowhere)."""
 
     # -- frames --------------------------------------------------------------------------------------------------
-    def _on_frame(self, kind: int, flags: int, stream_id: int, payload: bytes) -> None:
+    @cython.locals(stream=_Stream)
+    def _on_frame(
+        self, kind: cython.Py_ssize_t, flags: cython.Py_ssize_t, stream_id: cython.Py_ssize_t, payload: bytes
+    ) -> None:
         if self.continuation_of and kind != CONTINUATION:
             raise ValueError("expected CONTINUATION")
         size = FIXED_PAYLOAD.get(kind)
@@ -463,6 +479,7 @@ class ExtProcConnection:
             raise ValueError("a client cannot push")
         # PRIORITY and unknown frame types are ignored (RFC 9113 5.5)
 
+    @cython.ccall
     def _count_control_frame(self) -> None:
         self.control_frames += 1
         if self.control_frames > MAX_CONTROL_FRAMES_PER_SECOND:
@@ -471,7 +488,9 @@ class ExtProcConnection:
                 raise H2ConnectionError(ENHANCE_YOUR_CALM, "a flood of PING or SETTINGS frames")
             self.control_frames, self.control_window_start = 0, now
 
-    def _on_headers(self, flags: int, stream_id: int, payload: bytes) -> None:
+    @cython.ccall
+    @cython.locals(stream=_Stream)
+    def _on_headers(self, flags: cython.Py_ssize_t, stream_id: cython.Py_ssize_t, payload: bytes) -> None:
         if flags & PADDED:
             payload = _unpad(payload)
         if flags & PRIORITY_FLAG:
@@ -491,7 +510,8 @@ class ExtProcConnection:
         else:
             self.continuation_of, self.continuation_flags = stream_id, flags
 
-    def _on_header_block(self, stream: _Stream, flags: int) -> None:
+    @cython.ccall
+    def _on_header_block(self, stream: _Stream, flags: cython.Py_ssize_t) -> None:
         block, stream.header_block = stream.header_block, b""
         headers = self._decode(block)
         if stream.handler is None and not stream.headers_sent:  # the request's headers (else: trailers)
@@ -524,6 +544,7 @@ class ExtProcConnection:
         if flags & END_STREAM:
             self._end_of_requests(stream)
 
+    @cython.ccall
     def _decode(self, block: bytes) -> list:
         """HPACK-decode a header block; a block seen before that left the dynamic table as it was is answered from
         a cache. Envoy's header block for a new ext_proc stream is the same few indexed fields every time, and hpack's
@@ -546,7 +567,18 @@ class ExtProcConnection:
             self.decoded_blocks.clear()
         return headers
 
-    def _on_data(self, flags: int, stream_id: int, payload: bytes) -> None:
+    @cython.ccall
+    @cython.locals(
+        received=cython.Py_ssize_t,
+        offset=cython.Py_ssize_t,
+        size=cython.Py_ssize_t,
+        compressed=cython.Py_ssize_t,
+        length=cython.Py_ssize_t,
+        end=cython.Py_ssize_t,
+        dropped=cython.Py_ssize_t,
+        stream=_Stream,
+    )
+    def _on_data(self, flags: cython.Py_ssize_t, stream_id: cython.Py_ssize_t, payload: bytes) -> None:
         received = len(payload)  # padding counts against flow control too
         if flags & PADDED:
             payload = _unpad(payload)
@@ -628,7 +660,8 @@ class ExtProcConnection:
             self.out.append(frame(WINDOW_UPDATE, 0, stream_id, _pack_u32(stream.recv_unacked)))
             stream.recv_unacked = 0
 
-    def _refused_unread(self, stream: _Stream, length: int) -> bool:
+    @cython.ccall
+    def _refused_unread(self, stream: _Stream, length: cython.Py_ssize_t) -> bool:
         """Whether the handler refuses a message of `length` bytes before it is buffered (its answers are sent):
         a request body over the EPP's limit in one message (Envoy coalesces the chunks of a fast upload) would
         otherwise be held three times over (here, parsed, as bytes) before the handler could refuse it."""
@@ -647,6 +680,7 @@ class ExtProcConnection:
             self.after.append(handler)
         return True
 
+    @cython.ccall
     def _handle(self, stream: _Stream, request: Message) -> None:
         stream.handled = True
         handler = stream.handler
@@ -661,6 +695,7 @@ class ExtProcConnection:
         if responses:
             self.after.append(handler)
 
+    @cython.ccall
     def _reply(self, stream: _Stream, responses: list[bytes]) -> None:
         """A handler's deferred answers (a request that waited in flow control): sent at once."""
         if stream.closed or stream.handler is None or self.transport is None or self.transport.is_closing():
@@ -671,6 +706,7 @@ class ExtProcConnection:
             self.after.append(stream.handler)
         self._write()
 
+    @cython.ccall
     def _on_settings(self, payload: bytes) -> None:
         for offset in range(0, len(payload) - len(payload) % 6, 6):
             key, value = SETTING.unpack_from(payload, offset)
@@ -683,7 +719,9 @@ class ExtProcConnection:
         self.out.append(frame(SETTINGS, ACK, 0))
         self._flush_all()
 
-    def _on_window_update(self, stream_id: int, increment: int) -> None:
+    @cython.ccall
+    @cython.locals(stream=_Stream)
+    def _on_window_update(self, stream_id: cython.Py_ssize_t, increment: cython.Py_ssize_t) -> None:
         if stream_id == 0:
             self.send_window += increment
             if self.send_window > MAX_WINDOW:
@@ -698,6 +736,8 @@ class ExtProcConnection:
             self._flush(stream)
 
     # -- sending -------------------------------------------------------------------------------------------------
+    @cython.ccall
+    @cython.locals(size=cython.Py_ssize_t)
     def _send_message(self, stream: _Stream, message: bytes) -> None:
         if not stream.headers_sent:
             self.out.append(frame(HEADERS, END_HEADERS, stream.id, RESPONSE_HEADERS))
@@ -720,10 +760,12 @@ class ExtProcConnection:
         self.queued += size
         self._flush(stream)
 
+    @cython.ccall
     def _end_of_requests(self, stream: _Stream) -> None:
         """The proxy half-closed the stream: the HTTP request is over; answer with OK trailers."""
         self._close_stream(stream, OK_TRAILERS)
 
+    @cython.ccall
     def _close_stream(self, stream: _Stream, trailers: bytes) -> None:
         if stream.closed:
             return
@@ -736,21 +778,27 @@ class ExtProcConnection:
         self._finish(stream)
         self._flush(stream)
 
+    @cython.ccall
     def _drop_message(self, stream: _Stream) -> None:
         self.partial.held -= len(stream.message)
         stream.message = bytearray()
 
+    @cython.ccall
     def _finish(self, stream: _Stream) -> None:
         self._drop_message(stream)
         handler, stream.handler = stream.handler, None
         if handler is not None:
             handler.finish()
 
+    @cython.ccall
+    @cython.locals(stream=_Stream)
     def _flush_all(self) -> None:
         for stream in list(self.streams.values()):
             if stream.pending:
                 self._flush(stream)
 
+    @cython.ccall
+    @cython.locals(allowed=cython.Py_ssize_t)
     def _flush(self, stream: _Stream) -> None:
         pending, out = stream.pending, self.out
         while pending:
