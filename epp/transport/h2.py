@@ -530,7 +530,11 @@ class ExtProcConnection:
             if path == PROCESS_PATH:
                 reply = functools.partial(self._reply, stream)
                 if self.server.trace_context:
-                    traceparent = next((v.decode("latin-1") for n, v in headers if n == b"traceparent"), None)
+                    traceparent = None
+                    for name, value in headers:  # a loop: a generator cannot be compiled in this method
+                        if name == b"traceparent":
+                            traceparent = value.decode("latin-1")
+                            break
                     stream.handler = self.server.new_handler(reply, traceparent)
                 else:
                     stream.handler = self.server.new_handler(reply)
