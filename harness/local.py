@@ -675,11 +675,14 @@ async def run(args: argparse.Namespace, stop: asyncio.Event, workdir: Path) -> i
 
     watcher = asyncio.create_task(watch_children())
     try:
+        # "ready" only once the EPP has read the servers' metrics: it routes to no endpoint before (503)
+        ready, total = await ready_endpoints(stack), len(stack.model_server_urls)
         listed = f"adapters {', '.join(adapters)}" if adapters else "no adapters"
         say(f"gateway ready: {stack.gateway_url}/v1  (OpenAI API; model {model!r}, {listed})")
+        status_page = stack.epp_metrics_url.removesuffix("metrics")
+        say(f"EPP status page: {status_page}  (every endpoint, flow control, the last decisions and why)")
         say(f"EPP metrics: {stack.epp_metrics_url}   Envoy admin: http://127.0.0.1:{args.admin_port}")
         if stack.external is not None:
-            ready, total = await ready_endpoints(stack), len(stack.model_server_urls)
             note = "" if ready == total else f"; the others are not routed to (why: the WARNINGs in {workdir}/epp.log)"
             say(f"the EPP reads the metrics of {ready} of the {total} model servers{note}")
         if args.demo or args.table:

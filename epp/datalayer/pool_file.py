@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import difflib
 import logging
+import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -95,7 +96,7 @@ def parse_pool(data: Any) -> PoolState:
             if name in names:
                 raise PoolFileError(f"duplicate endpoint name {name!r}")
             names.add(name)
-            endpoints.append(EndpointSpec(name, item["address"], port, engine, labels))
+            endpoints.append(EndpointSpec(name, ip_address(item["address"], f"endpoints[{i}]"), port, engine, labels))
     objectives = {}
     for i, item in enumerate(data.get("objectives") or []):
         if isinstance(item, dict):
@@ -124,6 +125,22 @@ def parse_pool(data: Any) -> PoolState:
     return PoolState(tuple(endpoints), objectives, frozenset(models) if models is not None else None, tuple(rewrites))
 
 
+def ip_address(address: str, where: str) -> str:
+    """The address as an IP: the proxy connects to the "ip:port" the EPP picks (Envoy's ORIGINAL_DST cluster takes no
+    host name), so a host name is resolved when the file is read, again at each reload."""
+    try:
+        socket.inet_pton(socket.AF_INET6 if ":" in address else socket.AF_INET, address)
+        return address
+    except OSError:
+        pass
+    try:
+        found = socket.getaddrinfo(address, None, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        raise PoolFileError(f"{where}.address {address!r} does not resolve: {exc.strerror or exc}") from None
+    found.sort(key=lambda info: info[0] != socket.AF_INET)  # IPv4 first, as `localhost` usually means
+    return found[0][4][0]
+
+
 def load_pool_file(path: str | Path) -> PoolState:
     try:
         return parse_pool(yaml.safe_load(Path(path).read_text()))
@@ -149,7 +166,7 @@ class PoolFileSource:
         return load_pool_file(self.path)
 
     async def run(self, on_update: Callable[[PoolState], None]) -> None:
-        last = self._stamp()
+        last = self._stamp()  # reloads read (and resolve host names) in a thread: the event loop keeps routing
         while True:
             await asyncio.sleep(self.poll_interval)
             stamp = self._stamp()
@@ -157,7 +174,7 @@ class PoolFileSource:
                 continue
             last = stamp
             try:
-                on_update(load_pool_file(self.path))
+                on_update(await asyncio.to_thread(load_pool_file, self.path))
                 log.info("pool file %s reloaded", self.path)
             except (OSError, PoolFileError) as exc:
                 log.error("pool file %s not reloaded, keeping the current pool: %s", self.path, exc)

@@ -150,6 +150,14 @@ def test_parse_pool_file():
     assert state.rewrites[0].targets == (("m2", 3),)
 
 
+def test_a_pool_file_host_name_is_resolved_to_the_ip_the_proxy_connects_to():
+    # Envoy's ORIGINAL_DST cluster connects to the picked "ip:port" and takes no host name ("no healthy upstream")
+    (spec,) = parse_pool({"endpoints": [{"address": "localhost", "port": 8000}]}).endpoints
+    assert (spec.name, spec.address) == ("localhost:8000", "127.0.0.1")
+    with pytest.raises(PoolFileError, match=r"endpoints\[0\]\.address 'no-such-host.invalid' does not resolve"):
+        parse_pool({"endpoints": [{"address": "no-such-host.invalid", "port": 8000}]})
+
+
 def test_a_pool_file_pod_with_several_ports_is_one_endpoint_per_rank():
     state = parse_pool(
         {
