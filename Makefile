@@ -40,7 +40,10 @@ system-deps:
 	  printf '\n==> setup: installing Prometheus (promtool) with apt-get, for the tests that use it (about 30 s)\n'; \
 	  $(APT_INSTALL) prometheus >/dev/null 2>&1 || (apt-get update -qq && $(APT_INSTALL) prometheus >/dev/null) \
 	  || echo "warning: could not install prometheus; tests that need it will be skipped"; }
-	@command -v chromium >/dev/null 2>&1 || $(APT_INSTALL) chromium >/dev/null 2>&1 || echo "warning: could not install chromium; the status page's browser tests will be skipped"
+	@command -v chromium >/dev/null 2>&1 || { \
+	  printf '\n==> setup: installing chromium with apt-get, for the browser tests of the status page (about 1 min)\n'; \
+	  $(APT_INSTALL) chromium >/dev/null 2>&1 || (apt-get update -qq && $(APT_INSTALL) chromium >/dev/null) \
+	  || echo "warning: could not install chromium; the status page's browser tests will be skipped"; }
 
 # inference-perf (a load generator epp-bench can use) needs Python >= 3.12: its own venv, from pyenv's 3.12 or
 # python3.12 on PATH. Optional: without it the test that uses it is skipped with this reason.
