@@ -36,22 +36,24 @@ _SUCCESS = re.compile(r"^vllm:request_success_total\{[^}]*\} ([0-9.e+]+)$", re.M
 _PREFIX = re.compile(r"^vllm:prefix_cache_(hits|queries)_total\{[^}]*\} ([0-9.e+]+)$", re.MULTILINE)
 
 
-async def _snapshot(session: aiohttp.ClientSession, url: str) -> dict:
+async def _snapshot(session: aiohttp.ClientSession, url: str, engine: str) -> dict:
+    """One server's row, read from its metrics in its engine's names (requests served and prefix hits: vLLM's only)."""
     try:
         async with session.get(f"{url}/metrics") as response:
             text = await response.text()
-        m = parse_metrics(text)
+        m = parse_metrics(text, engine=engine)
     except (TimeoutError, aiohttp.ClientError, OSError, MetricsParseError):
         return {"down": True}
     prefix = {k: float(v) for k, v in _PREFIX.findall(text)}
+    served = _SUCCESS.findall(text)
     return {
         "waiting": m.waiting,
         "running": m.running,
         "kv": m.kv_usage,
         "adapters": ",".join(sorted(m.running_adapters))
         + "".join(f" ({a} waiting)" for a in sorted(m.waiting_adapters - m.running_adapters)),
-        "served": int(sum(float(v) for v in _SUCCESS.findall(text))),
-        "hit": prefix.get("hits", 0) / prefix["queries"] if prefix.get("queries") else 0.0,
+        "served": str(int(sum(float(v) for v in served))) if served else "-",
+        "hit": f"{prefix.get('hits', 0) / prefix['queries']:.0%}" if prefix.get("queries") else "-",
     }
 
 
@@ -93,8 +95,8 @@ def _table(urls: list[str], rows: list[dict], done: int, total: int, failures: i
             str(row["running"]),
             f"{row['kv']:.1%}",
             row["adapters"] or "-",
-            str(row["served"]),
-            f"{row['hit']:.0%}",
+            row["served"],
+            row["hit"],
         )
     return table
 
@@ -137,11 +139,11 @@ async def run_demo(stack, model: str, adapters: tuple[str, ...], total: int, sto
         async with semaphore:
             await one(i)
 
-    urls = stack.model_server_urls
+    urls, engines = stack.model_server_urls, stack.model_server_engines
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1)) as session:
 
         async def rows() -> list[dict]:
-            return list(await asyncio.gather(*(_snapshot(session, u) for u in urls)))
+            return list(await asyncio.gather(*(_snapshot(session, u, e) for u, e in zip(urls, engines, strict=True))))
 
         with Live(_table(urls, await rows(), 0, total, 0), console=console, refresh_per_second=4) as live:
             workload = asyncio.gather(*(limited(i) for i in range(total)))

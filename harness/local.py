@@ -44,6 +44,7 @@ from harness.envoy import EnvoyProcess, render_bootstrap, terminate
 from protocol import extproc
 from protocol.cli import Parser, command_parser, positive_int
 from protocol.kv_events import DEFAULT_SUBSCRIBER_PORT
+from protocol.metrics import DEFAULT_ENGINE
 
 DEMO_ADAPTERS = ("sql-lora", "chat-lora")
 
@@ -176,6 +177,13 @@ class LocalStack:
         if self.external is not None:
             return [f"http://{e.hostport}" for e in self.external.endpoints]
         return [f"http://{c.host}:{c.base_port + i}" for i in range(c.model_servers)]
+
+    @property
+    def model_server_engines(self) -> list[str]:
+        """The engine of each of `model_server_urls` (which metric names it publishes)."""
+        if self.external is not None:
+            return [e.engine for e in self.external.endpoints]
+        return [DEFAULT_ENGINE] * self.config.model_servers
 
     @property
     def gateway_url(self) -> str:
