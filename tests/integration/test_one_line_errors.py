@@ -30,7 +30,7 @@ def test_epp_local_names_a_mistyped_plugin_before_starting_anything(tmp_path):
     )
     result = run("harness.local", "--config-file", str(config))
     assert result.stderr.strip().count("\n") == 0  # one line: it printed 27 and hid the cause in the EPP's log
-    assert f"--config-file {config}: unknown plugin type 'queue-scorr'; known: " in one_line(result)
+    assert f"--config-file {config}: unsupported plugin type(s) queue-scorr (known: " in one_line(result)
     assert "starting" not in result.stdout
 
 
