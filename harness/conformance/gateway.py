@@ -27,6 +27,7 @@ import json
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -53,6 +54,7 @@ INFERENCE_EXTENSION_VERSION = "v1.6.0"  # the conformance tests these checks fol
 GATEWAY_API_VERSION = "v1.6.1"  # the Gateway API release GIE v1.6.0's conformance suite builds on
 SELECT = "test-epp-endpoint-selection"
 SUBSET = "test-subset-hint"
+READY_SECONDS = 60  # for the EPP to start and read the pods: seconds on a loaded 2-core machine
 PODS = ("127.0.0.2", "127.0.0.3", "127.0.0.4")  # the pool's pods, each its own loopback address
 BROKEN_POD = "127.0.0.5"  # in the pool, scraped fine, resets every inference connection
 TEST_CONFIG = """\
@@ -184,7 +186,8 @@ class Gateway:
             self.admin_urls[name] = f"http://127.0.0.1:{admin}"
         self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60))
         await asyncio.gather(*(e.wait_ready() for e in self._envoys))
-        for _ in range(200):  # the EPP is up and has scraped the pods
+        deadline = time.monotonic() + READY_SECONDS
+        while time.monotonic() < deadline:  # the EPP is up and has scraped the pods
             try:
                 status, _ = await self.send(headers={SELECT: self.endpoints[0]})
                 if status == 200:
@@ -192,7 +195,7 @@ class Gateway:
             except aiohttp.ClientError:
                 pass
             await asyncio.sleep(0.05)
-        raise RuntimeError(f"the gateway never routed a request; see {self.workdir}")
+        raise RuntimeError(f"the gateway routed no request within {READY_SECONDS} s; see {self.workdir}")
 
     async def send(
         self,

@@ -85,8 +85,9 @@ async def test_epp_replicas_discover_and_elect(apiserver, tmp_path):
             log.close()  # the child holds its own descriptor
             replicas.append((process, health_port, metrics_port))
         async with aiohttp.ClientSession() as session:
+            deadline = time.monotonic() + 60  # the replicas start side by side: slow on a loaded 2-core machine
             for _, _, metrics_port in replicas:
-                for _ in range(150):
+                while time.monotonic() < deadline:
                     try:
                         async with session.get(f"http://127.0.0.1:{metrics_port}/metrics") as r:
                             if 'inference_pool_ready_pods{name="pool"} 1.0' in await r.text():
