@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "compare":
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-        started = time.time()
+        began = time.time()  # the plots written since, this run's
 
         runs = len(args.targets) * len(args.concurrency or args.rates)
         with Progress(
@@ -288,7 +288,7 @@ def main(argv: list[str] | None = None) -> None:
             )
             bar.update(task, completed=runs, description="done")
         print(compare.markdown(results))
-        plots = sorted(p for p in args.out.glob("*.png") if p.stat().st_mtime >= started)
+        plots = sorted(p for p in args.out.glob("*.png") if p.stat().st_mtime >= began)
         say_written(
             [args.out / f"{args.workload}.md", args.out / f"{args.workload}.json", *plots],
             "" if plots else "no plots (matplotlib is not installed: pip install -e '.[bench]')",
