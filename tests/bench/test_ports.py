@@ -1,6 +1,8 @@
+
 """Free ports come from below the ephemeral range, so no outgoing connection can take one before its server binds."""
 
 import socket
+from collections import deque
 
 from harness.bench import ports
 from harness.bench.ports import _ephemeral_low, free_port_block, free_ports
@@ -27,6 +29,8 @@ def test_a_port_block_is_consecutive_and_skips_a_taken_port():
 
 
 def test_ports_handed_out_but_not_yet_bound_are_not_handed_out_again(monkeypatch):
+    # the blocks earlier tests of this worker handed out (256-port page servers among them) could leave no room
+    monkeypatch.setattr(ports, "_handed_out", deque(maxlen=ports._handed_out.maxlen))
     block = range(base := free_port_block(256), base + 256)  # a page server about to bind 256 ports
     picks = iter([block.start + 7, block.stop - 3, block.stop + 1000])  # random first lands inside the block
     monkeypatch.setattr(ports.random, "randrange", lambda low, high: next(picks))

@@ -177,7 +177,8 @@ async def test_oversized_prompts_are_rejected_before_tokenizing_and_metrics_neve
 
             # within the bound but long: tokenized in worker threads while /metrics keeps answering. One takes
             # 24-40 ms to tokenize here, so 48 of them on the event loop would hold /metrics for over a second; in
-            # threads the loop still shares 2 cores with them (a 0.1 s bound failed once at 0.104 s in a CI run)
+            # threads the loop still shares 2 cores with them and a loaded machine (a 0.1 s bound failed at 0.104 s in a
+            # CI run, 0.3 s at 0.445 s beside the whole suite): half of what tokenizing on the loop would hold it
             long_prompt = {
                 "model": MODEL,
                 "prompt": "The quick brown fox jumps over the lazy dog. " * 1100,
@@ -188,7 +189,7 @@ async def test_oversized_prompts_are_rejected_before_tokenizing_and_metrics_neve
             for post in posts:
                 async with await post as r:
                     assert r.status in (200, 400)
-            assert worst < 0.3, worst
+            assert worst < 0.6, worst
     finally:
         await runner.cleanup()
         await running.engine.stop()
