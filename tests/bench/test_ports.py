@@ -1,4 +1,3 @@
-
 """Free ports come from below the ephemeral range, so no outgoing connection can take one before its server binds."""
 
 import socket
