@@ -40,7 +40,7 @@ import logging
 import random
 import re
 import uuid
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from heapq import heappop, heappush
 from time import monotonic, perf_counter, time_ns
 
@@ -126,6 +126,7 @@ class Director:
     _labelled_state = cython.declare(object, visibility="public")
     emit_endpoint_scores = cython.declare(cython.bint, visibility="public")
     tracing = cython.declare(object, visibility="public")
+    load_changed = cython.declare(object, visibility="public")
 
     def __init__(
         self,
@@ -157,6 +158,8 @@ class Director:
         self.untimed_responses = 0  # successful responses while no timings ever came (-1: some did, or it was said)
         self.untimed_since = 0.0  # when the first of them ended
         self.responses = ResponseLocator()  # where each stored Responses answer is (previous_response_id)
+        # told each time this EPP's in-flight counts change, when peer replicas share them (epp.replicas)
+        self.load_changed: Callable[[], None] | None = None
 
     @cython.ccall
     def new_request(
@@ -388,6 +391,8 @@ class Director:
         endpoint.in_flight_tokens += request.prompt_tokens_estimate
         ctx.in_flight_tokens = request.prompt_tokens_estimate
         endpoint.routed_total += 1
+        if self.load_changed is not None:
+            self.load_changed()
         ctx.routed_at = monotonic()
         picked_metrics = endpoint.metrics
         if picked_metrics is not None and picked_metrics.scraped_at > 0:  # (0: metrics no scrape made)
@@ -448,6 +453,8 @@ class Director:
         ctx.status, ctx.served = status, served
         self.response_headers_seen = True
         self._release_prompt_tokens(ctx)
+        if self.load_changed is not None:
+            self.load_changed()
 
     @cython.ccall
     def _release_prefilled(self, now: float) -> None:
@@ -515,6 +522,8 @@ class Director:
             self._release_prompt_tokens(ctx)
             ctx.endpoint = None
             endpoint.in_flight_requests -= 1
+            if self.load_changed is not None:
+                self.load_changed()
         if ctx.dispatched:
             ctx.dispatched = False
             self.flow_control.complete()

@@ -1,0 +1,464 @@
+"""Active-active replicas that agree on load (`--replica-peers`): each EPP tells its peers what it routed and what
+finished, so N replicas behind one gateway place a burst as one EPP would (docs/replicas.md).
+
+What is shared, over UDP on `--replica-port` (no external store):
+* **Load, as idempotent snapshots.** A replica sends each peer its own in-flight requests and prompt tokens per
+  endpoint (`Endpoint.in_flight_requests` / `in_flight_tokens` less what its peers contributed), coalesced: the first
+  change schedules one send FLUSH_SECONDS later, which carries everything changed meanwhile. A heartbeat resends it
+  every HEARTBEAT_SECONDS. A snapshot replaces the sender's previous one whole, so a lost datagram is healed by the
+  next, and a peer that stops (killed, partitioned) stops counting once its last snapshot is EXPIRY_SECONDS old.
+  The receiver adds the sum of its fresh peers' snapshots to each endpoint's in-flight counts and remembers that sum
+  (`peer_in_flight_requests` / `peer_in_flight_tokens`), so every reader of the counts (the load scorers, the queue
+  estimates of `epp.datalayer.load`, the saturation detector, the latency predictor's features) sees the pool's
+  load with no change of its own, and the director's accounting stays its own.
+* **The approximate prefix index's learning, as deltas**: the block hashes a pick recorded (`SharedPrefixIndex`:
+  prefix-cache-scorer), which each peer records for the same endpoint. A lost delta is a missed hint, not an error.
+  Endpoints that publish KV events need none of this: every replica subscribes to their events.
+
+Peers: `--replica-peers` is a comma list of host:port; a host that resolves to several addresses (a headless
+Service) means all of them, resolved again every RESOLVE_SECONDS. A replica finds itself among them when a datagram
+carrying its own instance id comes back, and stops sending there.
+
+Trust: a datagram counts only when it comes from a resolved peer address (any other source is dropped unparsed), is
+at most MAX_DATAGRAM_BYTES, parses whole within its limits, and is newer than the sender's last one. UDP sources can
+be spoofed from within the network, so the channel relies on the NetworkPolicy letting only the EPP's own pods reach
+the port; `--replica-secret-file` adds an HMAC-SHA256 tag (16 bytes) keyed by a shared secret, checked before
+anything is parsed. The most a forger who passes those checks can do is add load to endpoints for EXPIRY_SECONDS or
+entries to the prefix index, never crash the EPP or make it hold more than MAX_PEERS snapshots.
+
+Cost: on the request path, one call per change (`load_changed`: a flag check, a timer when none is pending) and a
+list append per recorded pick (`learned`); encoding, sending and merging run in one callback a few milliseconds
+later, on the event loop, without blocking (a full socket buffer drops deltas, never snapshots).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import logging
+import os
+import socket
+import struct
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from epp.datalayer.datastore import Datastore
+from epp.metrics import unlabelled
+from epp.scheduling.framework import SharedPrefixIndex
+
+log = logging.getLogger("epp.replicas")
+
+DEFAULT_REPLICA_PORT = 9005
+# A change is sent this long after the first one since the last send: a burst's picks go out together, and a peer
+# knows of them a few milliseconds later (a replica picks in well under a millisecond, so a burst split between
+# replicas still sees most of itself).
+FLUSH_SECONDS = 0.002
+HEARTBEAT_SECONDS = 0.5
+# A peer's snapshot counts for this long after it came (4 heartbeats: one or two lost datagrams do not matter).
+EXPIRY_SECONDS = 2.0
+RESOLVE_SECONDS = 5.0
+MAX_PEERS = 64  # peer addresses sent to and believed; a resolution that yields more keeps the first ones
+# One datagram: what fits unfragmented on loopback and, fragmented by IP, across a pod network; a snapshot larger
+# than this (thousands of busy endpoints) keeps its busiest endpoints.
+MAX_DATAGRAM_BYTES = 60_000
+# Deltas waiting in the socket's send buffer: beyond this the next ones are dropped (a peer that reads nothing, a
+# loop that runs behind).
+MAX_PENDING_SEND_BYTES = 1 << 20
+TAG_BYTES = 16
+MAGIC = b"EPPr"
+HEADER = struct.Struct("!4sQQB")  # magic, sender's instance id, sequence, kind
+SNAPSHOT, LEARNED = 1, 2
+_COUNT = struct.Struct("!H")
+_LOAD = struct.Struct("!II")  # in-flight requests, in-flight prompt tokens
+_U32 = 0xFFFFFFFF
+
+
+@dataclass
+class Peer:
+    """What one peer (a source address) last said: its instance (a new one after a restart), its last sequence
+    number, when its last snapshot came, and the snapshot: endpoint hostport -> (requests, prompt tokens)."""
+
+    instance: int
+    sequence: int = 0
+    seen_at: float = 0.0
+    load: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+
+class MalformedDatagram(ValueError):
+    pass
+
+
+def parse_peers(text: str) -> list[tuple[str, int]]:
+    """`--replica-peers`: "host:port,host:port" ("[ipv6]:port" too) -> [(host, port)]; ValueError naming the bad one."""
+    peers = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        host, _, port = item.rpartition(":")
+        host = host.removeprefix("[").removesuffix("]")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"not host:port: {item!r}")
+        peers.append((host, int(port)))
+    return peers
+
+
+def encode_load(load: dict[str, tuple[int, int]]) -> bytes:
+    """A snapshot's body: entry count, then (hostport length, hostport, requests, tokens) per endpoint; the busiest
+    endpoints first when they do not all fit in one datagram."""
+    room = MAX_DATAGRAM_BYTES - HEADER.size - TAG_BYTES - _COUNT.size
+    parts, count = [], 0
+    items = load.items()
+    if sum(len(h) + 1 + _LOAD.size for h in load) > room:
+        items = sorted(items, key=lambda item: -item[1][0])
+    for hostport, (requests, tokens) in items:
+        name = hostport.encode()
+        size = 1 + len(name) + _LOAD.size
+        if size > room or len(name) > 255:
+            continue
+        room -= size
+        parts += (bytes((len(name),)), name, _LOAD.pack(min(requests, _U32), min(tokens, _U32)))
+        count += 1
+    return _COUNT.pack(count) + b"".join(parts)
+
+
+def decode_load(body: memoryview) -> dict[str, tuple[int, int]]:
+    """The inverse of encode_load; MalformedDatagram for anything that does not parse exactly."""
+    try:
+        (count,), offset = _COUNT.unpack_from(body), _COUNT.size
+        load = {}
+        for _ in range(count):
+            size = body[offset]
+            hostport = bytes(body[offset + 1 : offset + 1 + size]).decode()
+            offset += 1 + size
+            load[hostport] = _LOAD.unpack_from(body, offset)
+            offset += _LOAD.size
+    except (IndexError, struct.error, UnicodeDecodeError):
+        raise MalformedDatagram("truncated snapshot") from None
+    if offset != len(body):
+        raise MalformedDatagram("trailing bytes after a snapshot")
+    return load
+
+
+def encode_learned(entries: Sequence[tuple[str, list[int]]]) -> list[bytes]:
+    """Deltas' bodies: entry count, then (hostport length, hostport, hash count, hashes as u64) per pick; as many
+    bodies as it takes to keep each datagram within MAX_DATAGRAM_BYTES."""
+    room = MAX_DATAGRAM_BYTES - HEADER.size - TAG_BYTES - _COUNT.size
+    bodies, parts, count, used = [], [], 0, 0
+    for hostport, hashes in entries:
+        name = hostport.encode()
+        hashes = hashes[: (room - 3 - len(name)) // 8]
+        part = bytes((len(name),)) + name + _COUNT.pack(len(hashes)) + struct.pack(f"!{len(hashes)}Q", *hashes)
+        if used + len(part) > room:
+            bodies.append(_COUNT.pack(count) + b"".join(parts))
+            parts, count, used = [], 0, 0
+        parts.append(part)
+        count += 1
+        used += len(part)
+    if parts:
+        bodies.append(_COUNT.pack(count) + b"".join(parts))
+    return bodies
+
+
+def decode_learned(body: memoryview) -> list[tuple[str, tuple[int, ...]]]:
+    """The inverse of encode_learned; MalformedDatagram for anything that does not parse exactly."""
+    try:
+        (count,), offset = _COUNT.unpack_from(body), _COUNT.size
+        entries = []
+        for _ in range(count):
+            size = body[offset]
+            hostport = bytes(body[offset + 1 : offset + 1 + size]).decode()
+            offset += 1 + size
+            (n,) = _COUNT.unpack_from(body, offset)
+            offset += _COUNT.size
+            entries.append((hostport, struct.unpack_from(f"!{n}Q", body, offset)))
+            offset += 8 * n
+    except (IndexError, struct.error, UnicodeDecodeError):
+        raise MalformedDatagram("truncated deltas") from None
+    if offset != len(body):
+        raise MalformedDatagram("trailing bytes after deltas")
+    return entries
+
+
+class ReplicaChannel(asyncio.DatagramProtocol):
+    """This replica's side of the channel: binds `port`, sends to and hears from `peers` ((host, port) pairs),
+    merges what they say into the datastore's endpoints and the scheduler's shared prefix index. `load_changed`
+    (the director, on every change of its in-flight counts) and `learned` (the prefix index, on every pick it
+    records) are its inputs from the request path."""
+
+    def __init__(
+        self,
+        datastore: Datastore,
+        prefix_index: SharedPrefixIndex | None,
+        port: int,
+        peers: Sequence[tuple[str, int]],
+        bind_address: str = "0.0.0.0",
+        secret: bytes | None = None,
+    ):
+        self.datastore, self.prefix_index = datastore, prefix_index
+        self.port, self.peers_wanted, self.bind_address = port, list(peers), bind_address
+        self.family = socket.AF_INET6 if ":" in bind_address else socket.AF_INET
+        self.secret = secret
+        self.instance = int.from_bytes(os.urandom(8), "big")
+        self.sequence = 0
+        self.addresses: list[tuple[str, int]] = []  # resolved peers, this replica's own address(es) left out
+        self.allowed: set[tuple[str, int]] = set()  # resolved peers: the only sources heard
+        self.own_addresses: set[tuple[str, int]] = set()  # where datagrams with our own instance id came from
+        self._resolved: dict[tuple[str, int], list[tuple[str, int]]] = {}  # peer -> its last good resolution
+        self._unresolved: set[tuple[str, int]] = set()  # peers whose resolution failed (logged once)
+        self.peers: dict[tuple[str, int], Peer] = {}  # source address -> what it said
+        self._transport: asyncio.DatagramTransport | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._flush_pending = False
+        self._sent_load: dict[str, tuple[int, int]] | None = {}  # None: send the next snapshot, changed or not
+        self._learned: list[tuple[str, list[int]]] = []
+        self._tasks: list[asyncio.Task] = []
+        self._rejected_logged: set[tuple[str, str]] = set()
+        self.sent = 0
+        self.received: dict[str, int] = dict.fromkeys(
+            ("accepted", "unknown_peer", "bad_signature", "malformed", "stale", "oversized"), 0
+        )
+        self.learned_dropped = 0
+        if prefix_index is not None:
+            prefix_index.learned = self.learned
+
+    # -- the request path's inputs -------------------------------------------------------------------------------
+    def load_changed(self) -> None:
+        """This replica's in-flight counts changed: a snapshot goes out within FLUSH_SECONDS."""
+        if not self._flush_pending and self._loop is not None:
+            self._flush_pending = True
+            self._loop.call_later(FLUSH_SECONDS, self._flush)
+
+    def learned(self, hostport: str, hashes: list[int]) -> None:
+        """The prefix index recorded a pick of `hostport` for these block hashes: peers record it too."""
+        if self._loop is not None and self.addresses:
+            self._learned.append((hostport, hashes))
+            self.load_changed()
+
+    # -- sending -------------------------------------------------------------------------------------------------
+    def own_load(self) -> dict[str, tuple[int, int]]:
+        """This replica's own in-flight requests and prompt tokens per endpoint (the non-zero ones)."""
+        load = {}
+        for e in self.datastore.endpoints:
+            requests = e.in_flight_requests - e.peer_in_flight_requests
+            tokens = e.in_flight_tokens - e.peer_in_flight_tokens
+            if requests > 0 or tokens > 0:
+                load[e.hostport] = (max(requests, 0), max(tokens, 0))
+        return load
+
+    def _flush(self, heartbeat: bool = False) -> None:
+        self._flush_pending = False
+        load = self.own_load()
+        if heartbeat or load != self._sent_load:
+            self._sent_load = load
+            self._send(SNAPSHOT, encode_load(load))
+        if self._learned:
+            learned, self._learned = self._learned, []
+            if self._transport is not None and self._transport.get_write_buffer_size() > MAX_PENDING_SEND_BYTES:
+                self.learned_dropped += len(learned)
+                return
+            for body in encode_learned(learned):
+                self._send(LEARNED, body)
+
+    def _send(self, kind: int, body: bytes) -> None:
+        transport = self._transport
+        if transport is None or not self.addresses:
+            return
+        self.sequence += 1
+        datagram = HEADER.pack(MAGIC, self.instance, self.sequence, kind) + body
+        if self.secret is not None:
+            datagram += hmac.digest(self.secret, datagram, hashlib.sha256)[:TAG_BYTES]
+        for address in self.addresses:
+            transport.sendto(datagram, address)
+        self.sent += len(self.addresses)
+
+    # -- receiving -----------------------------------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport
+
+    def error_received(self, exc: Exception) -> None:
+        pass  # a peer that is not there (yet): its snapshots simply stop counting
+
+    def datagram_received(self, data: bytes, address: tuple) -> None:
+        source = (address[0], address[1])
+        if source not in self.allowed:
+            self.received["unknown_peer"] += 1
+            return
+        if len(data) > MAX_DATAGRAM_BYTES:
+            self.received["oversized"] += 1
+            return
+        view = memoryview(data)
+        if self.secret is not None:
+            if len(data) < HEADER.size + TAG_BYTES or not hmac.compare_digest(
+                hmac.digest(self.secret, view[:-TAG_BYTES], hashlib.sha256)[:TAG_BYTES], view[-TAG_BYTES:]
+            ):
+                self._reject(source, "bad_signature", "its tag does not match --replica-secret-file")
+                return
+            view = view[:-TAG_BYTES]
+        if len(view) < HEADER.size:
+            self._reject(source, "malformed", "too short")
+            return
+        magic, instance, sequence, kind = HEADER.unpack_from(view)
+        if magic != MAGIC or kind not in (SNAPSHOT, LEARNED):
+            self._reject(
+                source,
+                "malformed",
+                "not a replica datagram (another version, or --replica-secret-file on one side only)",
+            )
+            return
+        if instance == self.instance:
+            self._found_self(source)
+            return
+        peer = self.peers.get(source)
+        if peer is not None and peer.instance == instance and sequence <= peer.sequence:
+            self.received["stale"] += 1
+            return
+        try:
+            if kind == SNAPSHOT:
+                load = decode_load(view[HEADER.size :])
+            else:
+                learned = decode_learned(view[HEADER.size :])
+        except MalformedDatagram as exc:
+            self._reject(source, "malformed", str(exc))
+            return
+        if peer is None or peer.instance != instance:
+            if peer is None and len(self.peers) >= MAX_PEERS:
+                self.received["unknown_peer"] += 1
+                return
+            old = peer.load if peer is not None else {}
+            peer = self.peers[source] = Peer(instance)
+            if old:
+                self._apply(old.keys())  # a restarted peer: what its old self had in flight is gone
+            self._sent_load = None  # a new peer hears this replica's load now, not at the next heartbeat
+            self.load_changed()
+        peer.sequence = sequence
+        self.received["accepted"] += 1
+        if kind == SNAPSHOT:
+            old, peer.load, peer.seen_at = peer.load, load, time.monotonic()
+            self._apply([h for h in old.keys() | load.keys() if old.get(h) != load.get(h)])
+        elif self.prefix_index is not None:
+            by_hostport = self.datastore.by_hostport
+            for hostport, hashes in learned:
+                endpoint = by_hostport(hostport)
+                if endpoint is not None and hashes:
+                    self.prefix_index.learn(endpoint, list(hashes))
+
+    def _reject(self, source: tuple[str, int], outcome: str, why: str) -> None:
+        self.received[outcome] += 1
+        if (source[0], outcome) not in self._rejected_logged and len(self._rejected_logged) < MAX_PEERS:
+            self._rejected_logged.add((source[0], outcome))
+            log.warning("replica datagram from %s:%d ignored: %s", source[0], source[1], why)
+
+    def _found_self(self, source: tuple[str, int]) -> None:
+        if source not in self.own_addresses:
+            self.own_addresses.add(source)
+            self.addresses = [a for a in self.addresses if a != source]
+            log.info("replica channel: %s:%d is this replica; %d peers", *source, len(self.addresses))
+
+    def _apply(self, hostports) -> None:
+        """Set each endpoint's share of its peers' load to the sum of their fresh snapshots."""
+        peers = self.peers.values()
+        by_hostport = self.datastore.by_hostport
+        for hostport in hostports:
+            endpoint = by_hostport(hostport)
+            if endpoint is None:
+                continue
+            requests = tokens = 0
+            for peer in peers:
+                load = peer.load.get(hostport)
+                if load is not None:
+                    requests += load[0]
+                    tokens += load[1]
+            endpoint.in_flight_requests += requests - endpoint.peer_in_flight_requests
+            endpoint.peer_in_flight_requests = requests
+            endpoint.in_flight_tokens += tokens - endpoint.peer_in_flight_tokens
+            endpoint.peer_in_flight_tokens = tokens
+
+    # -- upkeep --------------------------------------------------------------------------------------------------
+    def heartbeat(self) -> None:
+        """Drop peers whose last snapshot is too old, bring every endpoint's peer share up to date (endpoints that
+        joined since), and resend this replica's snapshot."""
+        now = time.monotonic()
+        for source in [s for s, p in self.peers.items() if now - p.seen_at > EXPIRY_SECONDS]:
+            del self.peers[source]
+        self._apply([e.hostport for e in self.datastore.endpoints])
+        self._flush(heartbeat=True)
+
+    async def resolve(self) -> None:
+        """Each peer's addresses now; a peer that does not resolve keeps its last addresses (logged once)."""
+        loop = asyncio.get_running_loop()
+        for peer in self.peers_wanted:
+            try:
+                infos = await loop.getaddrinfo(*peer, family=self.family, type=socket.SOCK_DGRAM)
+            except (OSError, UnicodeError) as exc:
+                if peer not in self._unresolved:
+                    self._unresolved.add(peer)
+                    log.warning(
+                        "replica peer %s:%d does not resolve (%s); retrying every %gs", *peer, exc, RESOLVE_SECONDS
+                    )
+                continue
+            self._unresolved.discard(peer)
+            self._resolved[peer] = sorted({(info[4][0], info[4][1]) for info in infos})
+        resolved = list(dict.fromkeys(a for addresses in self._resolved.values() for a in addresses))[:MAX_PEERS]
+        if set(resolved) != self.allowed:
+            log.info("replica peers: %s", ", ".join(f"{h}:{p}" for h, p in resolved) or "none")
+        self.allowed = set(resolved)
+        self.addresses = [a for a in resolved if a not in self.own_addresses]
+        for source in [s for s in self.peers if s not in self.allowed]:
+            self._apply(self.peers.pop(source).load.keys())
+
+    async def _run(self) -> None:
+        next_resolve = 0.0
+        while True:
+            if time.monotonic() >= next_resolve:
+                await self.resolve()
+                next_resolve = time.monotonic() + RESOLVE_SECONDS
+            self.heartbeat()
+            await asyncio.sleep(HEARTBEAT_SECONDS)
+
+    async def start(self) -> None:
+        await self.resolve()  # first: a peer's datagram that comes as soon as the port is bound counts
+        self._loop = asyncio.get_running_loop()
+        await self._loop.create_datagram_endpoint(
+            lambda: self, local_addr=(self.bind_address, self.port), family=self.family
+        )
+        self._tasks.append(asyncio.create_task(self._run()))
+        log.info("replica channel on udp %s:%d, %d peer addresses", self.bind_address, self.port, len(self.addresses))
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._transport is not None:
+            self._transport.close()
+        self._loop = None
+
+    def collect(self):
+        """inference_extension_replica_*: fresh peers, datagrams sent and received by outcome, deltas dropped."""
+        yield from unlabelled(
+            GaugeMetricFamily,
+            [("inference_extension_replica_peers", "Peer EPP replicas whose load snapshot is fresh.", len(self.peers))],
+        )
+        sent = CounterMetricFamily("inference_extension_replica_datagrams_sent", "Datagrams sent to peer replicas.")
+        sent.add_metric([], self.sent)
+        yield sent
+        received = CounterMetricFamily(
+            "inference_extension_replica_datagrams_received",
+            "Datagrams from the replica port, by outcome (accepted; or ignored: unknown_peer, bad_signature, "
+            "malformed, stale, oversized).",
+            labels=["outcome"],
+        )
+        for outcome, value in self.received.items():
+            received.add_metric([outcome], value)
+        yield received
+        yield from unlabelled(
+            CounterMetricFamily,
+            [
+                (
+                    "inference_extension_replica_learned_dropped",
+                    "Prefix-index deltas not sent: the socket's send buffer was full.",
+                    self.learned_dropped,
+                )
+            ],
+        )
