@@ -4,7 +4,8 @@ finished, so N replicas behind one gateway place a burst as one EPP would (docs/
 What is shared, over UDP on `--replica-port` (no external store):
 * **Load, as idempotent snapshots.** A replica sends each peer its own in-flight requests and prompt tokens per
   endpoint (`Endpoint.in_flight_requests` / `in_flight_tokens` less what its peers contributed), coalesced: the first
-  change schedules one send FLUSH_SECONDS later, which carries everything changed meanwhile. A heartbeat resends it
+  change schedules one send at the end of the event loop's current pass, which carries everything changed in it (a
+  busy loop's passes are longer: the busier, the more one datagram carries). A heartbeat resends it
   every HEARTBEAT_SECONDS. A snapshot replaces the sender's previous one whole, so a lost datagram is healed by the
   next, and a peer that stops (killed, partitioned) stops counting once its last snapshot is EXPIRY_SECONDS old.
   The receiver adds the sum of its fresh peers' snapshots to each endpoint's in-flight counts and remembers that sum
@@ -26,9 +27,10 @@ the port; `--replica-secret-file` adds an HMAC-SHA256 tag (16 bytes) keyed by a 
 anything is parsed. The most a forger who passes those checks can do is add load to endpoints for EXPIRY_SECONDS or
 entries to the prefix index, never crash the EPP or make it hold more than MAX_PEERS snapshots.
 
-Cost: on the request path, one call per change (`load_changed`: a flag check, a timer when none is pending) and a
-list append per recorded pick (`learned`); encoding, sending and merging run in one callback a few milliseconds
-later, on the event loop, without blocking (a full socket buffer drops deltas, never snapshots).
+Cost: on the request path, one call per change (`load_changed`: a flag check, a callback when none is pending) and
+a list append per recorded pick (`learned`); encoding and sending run in that one callback once the loop's pass is
+done, and merging when a datagram comes, both on the event loop and never blocking (a send buffer over
+MAX_PENDING_SEND_BYTES drops deltas, never snapshots).
 """
 
 from __future__ import annotations
@@ -53,10 +55,6 @@ from epp.scheduling.framework import SharedPrefixIndex
 log = logging.getLogger("epp.replicas")
 
 DEFAULT_REPLICA_PORT = 9005
-# A change is sent this long after the first one since the last send: a burst's picks go out together, and a peer
-# knows of them a few milliseconds later (a replica picks in well under a millisecond, so a burst split between
-# replicas still sees most of itself).
-FLUSH_SECONDS = 0.002
 HEARTBEAT_SECONDS = 0.5
 # A peer's snapshot counts for this long after it came (4 heartbeats: one or two lost datagrams do not matter).
 EXPIRY_SECONDS = 2.0
@@ -225,10 +223,12 @@ class ReplicaChannel(asyncio.DatagramProtocol):
 
     # -- the request path's inputs -------------------------------------------------------------------------------
     def load_changed(self) -> None:
-        """This replica's in-flight counts changed: a snapshot goes out within FLUSH_SECONDS."""
+        """This replica's in-flight counts changed: a snapshot goes out once the event loop's current pass is done.
+        Not later: the replicas decide a burst's requests within a millisecond or two of each other, and a snapshot
+        held back for coalescing arrives after the decisions it was for."""
         if not self._flush_pending and self._loop is not None:
             self._flush_pending = True
-            self._loop.call_later(FLUSH_SECONDS, self._flush)
+            self._loop.call_soon(self._flush)
 
     def learned(self, hostport: str, hashes: list[int]) -> None:
         """The prefix index recorded a pick of `hostport` for these block hashes: peers record it too."""
