@@ -99,6 +99,13 @@ def build_parser() -> Parser:
         help='more command-line flags for the EPP, quoted as one argument (e.g. "--status-decisions 0"): one more\n'
         "target, the EPP with them (repeatable)",
     )
+    over.add_argument(
+        "--epp-replicas",
+        type=int,
+        default=1,
+        help="above 1: two more targets, that many EPP replicas behind one Envoy sharing their load and not (what\n"
+        "sharing costs a replica per request)",
+    )
     cpu = sub.add_parser("handler-cpu", help="the EPP's CPU per request in process: transport, handler, scheduling")
     cpu.add_argument("--requests", type=int, default=4000, help="requests per round")
     cpu.add_argument("--batch", type=int, default=16, help="requests per read (1: one at a time)")
@@ -418,6 +425,7 @@ def main(argv: list[str] | None = None) -> None:
                 epp_configs=epp_configs,
                 pin=args.pin,
                 epp_flags=[shlex.split(flags) for flags in args.epp_flags],
+                epp_replicas=args.epp_replicas,
             )
         )
         report = result.markdown()
