@@ -73,6 +73,8 @@ SNAPSHOT, LEARNED = 1, 2
 _COUNT = struct.Struct("!H")
 _LOAD = struct.Struct("!II")  # in-flight requests, in-flight prompt tokens
 _U32 = 0xFFFFFFFF
+MAX_HEADS = 65536
+_HEADS: dict[str, bytes] = {}  # hostport -> its encoded entry head (_entry_head)
 
 
 @dataclass
@@ -102,21 +104,35 @@ def parse_peers(text: str) -> list[tuple[str, int]]:
     return peers
 
 
+def _entry_head(hostport: str) -> bytes:
+    """A hostport as a snapshot entry starts: its length and its bytes (b"" when longer than 255 bytes), encoded
+    once per hostport (at most MAX_HEADS remembered)."""
+    head = _HEADS.get(hostport)
+    if head is None:
+        name = hostport.encode()
+        head = bytes((len(name),)) + name if len(name) < 256 else b""
+        if len(_HEADS) < MAX_HEADS:
+            _HEADS[hostport] = head
+    return head
+
+
 def encode_load(load: dict[str, tuple[int, int]]) -> bytes:
     """A snapshot's body: entry count, then (hostport length, hostport, requests, tokens) per endpoint; the busiest
-    endpoints first when they do not all fit in one datagram."""
+    endpoints first when they may not all fit in one datagram."""
     room = MAX_DATAGRAM_BYTES - HEADER.size - TAG_BYTES - _COUNT.size
     parts, count = [], 0
     items = load.items()
-    if sum(len(h) + 1 + _LOAD.size for h in load) > room:
+    if len(load) * (256 + _LOAD.size) > room:
         items = sorted(items, key=lambda item: -item[1][0])
+    append, pack = parts.append, _LOAD.pack
     for hostport, (requests, tokens) in items:
-        name = hostport.encode()
-        size = 1 + len(name) + _LOAD.size
-        if size > room or len(name) > 255:
+        head = _entry_head(hostport)
+        size = len(head) + _LOAD.size
+        if not head or size > room:
             continue
         room -= size
-        parts += (bytes((len(name),)), name, _LOAD.pack(min(requests, _U32), min(tokens, _U32)))
+        append(head)
+        append(pack(requests if requests < _U32 else _U32, tokens if tokens < _U32 else _U32))
         count += 1
     return _COUNT.pack(count) + b"".join(parts)
 
@@ -126,12 +142,12 @@ def decode_load(body: memoryview) -> dict[str, tuple[int, int]]:
     try:
         (count,), offset = _COUNT.unpack_from(body), _COUNT.size
         load = {}
+        unpack = _LOAD.unpack_from
         for _ in range(count):
-            size = body[offset]
-            hostport = bytes(body[offset + 1 : offset + 1 + size]).decode()
-            offset += 1 + size
-            load[hostport] = _LOAD.unpack_from(body, offset)
-            offset += _LOAD.size
+            end = offset + 1 + body[offset]
+            hostport = str(body[offset + 1 : end], "utf-8")
+            load[hostport] = unpack(body, end)
+            offset = end + 8
     except (IndexError, struct.error, UnicodeDecodeError):
         raise MalformedDatagram("truncated snapshot") from None
     if offset != len(body):
@@ -244,7 +260,7 @@ class ReplicaChannel(asyncio.DatagramProtocol):
             requests = e.in_flight_requests - e.peer_in_flight_requests
             tokens = e.in_flight_tokens - e.peer_in_flight_tokens
             if requests > 0 or tokens > 0:
-                load[e.hostport] = (max(requests, 0), max(tokens, 0))
+                load[e.spec.hostport] = (requests if requests > 0 else 0, tokens if tokens > 0 else 0)
         return load
 
     def _flush(self, heartbeat: bool = False) -> None:
