@@ -198,6 +198,7 @@ class EndpointPicker:
             secret,
         )
         self.director.load_changed = channel.load_changed
+        channel.release_prefilled = self.director.release_prefilled
         return channel
 
     def _flow_control(self) -> FlowController | None:

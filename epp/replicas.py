@@ -43,7 +43,7 @@ import os
 import socket
 import struct
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -225,6 +225,9 @@ class ReplicaChannel(asyncio.DatagramProtocol):
         self._transport: asyncio.DatagramTransport | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._flush_pending = False
+        # the director's release of prompts whose prefill should be over; it returns when the next is due
+        self.release_prefilled: Callable[[], float] | None = None
+        self._release_at = 0.0  # when the flush that releases the next one is scheduled (0: none)
         self._sent_load: dict[str, tuple[int, int]] | None = {}  # None: send the next snapshot, changed or not
         self._learned: list[tuple[str, list[int]]] = []
         self._tasks: list[asyncio.Task] = []
@@ -265,6 +268,8 @@ class ReplicaChannel(asyncio.DatagramProtocol):
 
     def _flush(self, heartbeat: bool = False) -> None:
         self._flush_pending = False
+        if self.release_prefilled is not None:
+            self._schedule_release(self.release_prefilled())
         load = self.own_load()
         if heartbeat or load != self._sent_load:
             self._sent_load = load
@@ -276,6 +281,17 @@ class ReplicaChannel(asyncio.DatagramProtocol):
                 return
             for body in encode_learned(learned):
                 self._send(LEARNED, body)
+
+    def _schedule_release(self, due: float) -> None:
+        """A flush when the next prompt's prefill is due: peers see it released then, not at this replica's next
+        decision (a single EPP releases them when a decision starts, which is all that reads them)."""
+        if due and (not self._release_at or due < self._release_at) and self._loop is not None:
+            self._release_at = due
+            self._loop.call_later(max(0.0, due - time.monotonic()), self._released)
+
+    def _released(self) -> None:
+        self._release_at = 0.0
+        self._flush()
 
     def _send(self, kind: int, body: bytes) -> None:
         transport = self._transport

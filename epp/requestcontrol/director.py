@@ -468,6 +468,15 @@ class Director:
         while due and due[0][0] <= now:
             self._release_prompt_tokens(heappop(due)[2])
 
+    def release_prefilled(self) -> float:
+        """Release the prompts whose pick's recent TTFT has passed (`_release_prefilled`) now; when the next one is
+        due (monotonic seconds; 0: none waits). Peer replicas read this EPP's pending prefill between its own
+        decisions (epp.replicas), so each is released when due, not at the next decision."""
+        due = self.prefilling
+        if due:
+            self._release_prefilled(monotonic())
+        return due[0][0] if due else 0.0
+
     @staticmethod
     def _release_prompt_tokens(ctx: RequestContext) -> None:
         """The endpoint has answered (the response headers came, or its recent TTFT passed), or the request is over:

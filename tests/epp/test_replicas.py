@@ -56,8 +56,14 @@ def pool(n: int = 3) -> Datastore:
 
 
 class FakeLoop:
+    def __init__(self):
+        self.timers = []
+
     def call_soon(self, callback):
         pass  # flushed by hand in these tests
+
+    def call_later(self, delay, callback):
+        self.timers.append((delay, callback))
 
 
 def channel(me, peers, datastore=None, secret=None, prefix_index=None) -> tuple[ReplicaChannel, Wire]:
@@ -139,6 +145,31 @@ def test_replayed_and_reordered_datagrams_are_ignored():
         b.datagram_received(data, A)
     assert b.datastore.endpoints[0].in_flight_requests == 0
     assert b.received["stale"] == 2
+
+
+def test_a_prompt_is_released_to_peers_when_its_prefill_is_due_not_at_the_next_decision():
+    a, wire = channel(A, [B])
+    b, _ = channel(B, [A])
+    endpoint = a.datastore.endpoints[0]
+    endpoint.in_flight_requests, endpoint.in_flight_tokens = 1, 500
+    due = [time.monotonic() + 0.02]  # the director's pending prefill: the pick's recent TTFT from now
+
+    def release() -> float:
+        if due and due[0] <= time.monotonic():
+            endpoint.in_flight_tokens = 0
+            due.clear()
+        return due[0] if due else 0.0
+
+    a.release_prefilled = release
+    a._flush()
+    deliver(wire, A, b, B)
+    assert b.datastore.endpoints[0].in_flight_tokens == 500
+    ((delay, flush),) = a._loop.timers
+    assert 0 < delay <= 0.02
+    time.sleep(delay)
+    flush()
+    deliver(wire, A, b, B)
+    assert (b.datastore.endpoints[0].in_flight_requests, b.datastore.endpoints[0].in_flight_tokens) == (1, 0)
 
 
 def test_an_endpoint_that_joins_later_gets_its_peer_share_at_the_next_heartbeat():
