@@ -199,6 +199,8 @@ class EndpointPicker:
         )
         self.director.load_changed = channel.load_changed
         channel.release_prefilled = self.director.release_prefilled
+        self.director.forward_record = channel.forward_record
+        channel.match_record = self.director.match_record
         return channel
 
     def _flow_control(self) -> FlowController | None:

@@ -15,6 +15,9 @@ What is shared, over UDP on `--replica-port` (no external store):
 * **The approximate prefix index's learning, as deltas**: the block hashes a pick recorded (`SharedPrefixIndex`:
   prefix-cache-scorer), which each peer records for the same endpoint. A lost delta is a missed hint, not an error.
   Endpoints that publish KV events need none of this: every replica subscribes to their events.
+* **Access-log records** of requests another replica routed: the gateway sends a request's record (its TTFT, status
+  and served endpoint) to any replica, and a replica forwards the records that match none of its requests, so the
+  latency predictor of the replica that routed a request learns from it (`Director.forward_record`, `match_record`).
 
 Peers: `--replica-peers` is a comma list of host:port; a host that resolves to several addresses (a headless
 Service) means all of them, resolved again every RESOLVE_SECONDS. A replica finds itself among them when a datagram
@@ -39,6 +42,7 @@ import asyncio
 import hashlib
 import hmac
 import logging
+import math
 import os
 import socket
 import struct
@@ -69,9 +73,10 @@ MAX_PENDING_SEND_BYTES = 1 << 20
 TAG_BYTES = 16
 MAGIC = b"EPPr"
 HEADER = struct.Struct("!4sQQB")  # magic, sender's instance id, sequence, kind
-SNAPSHOT, LEARNED = 1, 2
+SNAPSHOT, LEARNED, RECORDS = 1, 2, 3
 _COUNT = struct.Struct("!H")
 _LOAD = struct.Struct("!II")  # in-flight requests, in-flight prompt tokens
+_TTFT = struct.Struct("!d")  # NaN: none
 _U32 = 0xFFFFFFFF
 MAX_HEADS = 65536
 _HEADS: dict[str, bytes] = {}  # hostport -> its encoded entry head (_entry_head)
@@ -195,6 +200,55 @@ def decode_learned(body: memoryview) -> list[tuple[str, tuple[int, ...]]]:
     return entries
 
 
+def _text(value: str) -> bytes:
+    data = value.encode("utf-8", "surrogatepass")[:255]
+    return bytes((len(data),)) + data
+
+
+def encode_records(records: Sequence[tuple[str, float | None, str, str | None]]) -> list[bytes]:
+    """Access-log records' bodies: entry count, then (request id, TTFT or NaN, status, served endpoint or "") per
+    record, each string as its length and bytes (at most 255); as many bodies as keep each datagram within
+    MAX_DATAGRAM_BYTES."""
+    room = MAX_DATAGRAM_BYTES - HEADER.size - TAG_BYTES - _COUNT.size
+    bodies, parts, used = [], [], 0
+    for request_id, ttft, status, served in records:
+        part = b"".join(
+            (_text(request_id), _TTFT.pack(math.nan if ttft is None else ttft), _text(status), _text(served or ""))
+        )
+        if used + len(part) > room:
+            bodies.append(_COUNT.pack(len(parts)) + b"".join(parts))
+            parts, used = [], 0
+        parts.append(part)
+        used += len(part)
+    if parts:
+        bodies.append(_COUNT.pack(len(parts)) + b"".join(parts))
+    return bodies
+
+
+def decode_records(body: memoryview) -> list[tuple[str, float | None, str, str | None]]:
+    """The inverse of encode_records; MalformedDatagram for anything that does not parse exactly."""
+    try:
+        (count,), offset = _COUNT.unpack_from(body), _COUNT.size
+        records = []
+        for _ in range(count):
+            end = offset + 1 + body[offset]
+            request_id = str(body[offset + 1 : end], "utf-8")
+            (ttft,) = _TTFT.unpack_from(body, end)
+            offset = end + _TTFT.size
+            end = offset + 1 + body[offset]
+            status = str(body[offset + 1 : end], "utf-8")
+            offset = end
+            end = offset + 1 + body[offset]
+            served = str(body[offset + 1 : end], "utf-8")
+            offset = end
+            records.append((request_id, None if math.isnan(ttft) else ttft, status, served or None))
+    except (IndexError, struct.error, UnicodeDecodeError):
+        raise MalformedDatagram("truncated records") from None
+    if offset != len(body):
+        raise MalformedDatagram("trailing bytes after records")
+    return records
+
+
 class ReplicaChannel(asyncio.DatagramProtocol):
     """This replica's side of the channel: binds `port`, sends to and hears from `peers` ((host, port) pairs),
     merges what they say into the datastore's endpoints and the scheduler's shared prefix index. `load_changed`
@@ -230,6 +284,9 @@ class ReplicaChannel(asyncio.DatagramProtocol):
         self._release_at = 0.0  # when the flush that releases the next one is scheduled (0: none)
         self._sent_load: dict[str, tuple[int, int]] | None = {}  # None: send the next snapshot, changed or not
         self._learned: list[tuple[str, list[int]]] = []
+        self._records: list[tuple[str, float | None, str, str | None]] = []
+        # the director's match of an access-log record with a request it saw end (a peer forwarded the record)
+        self.match_record: Callable[[str, float | None, str, str | None], bool] | None = None
         self._tasks: list[asyncio.Task] = []
         self._rejected_logged: set[tuple[str, str]] = set()
         self.sent = 0
@@ -255,6 +312,14 @@ class ReplicaChannel(asyncio.DatagramProtocol):
             self._learned.append((hostport, hashes))
             self.load_changed()
 
+    def forward_record(self, request_id: str, ttft: float | None, status: str, served: str | None) -> None:
+        """An access-log record that matched none of this replica's requests: peers get it, as it may be theirs
+        (the gateway sends its records to any replica); the latency predictor of the one that routed the request
+        learns from it."""
+        if self._loop is not None and self.addresses:
+            self._records.append((request_id, ttft, status, served))
+            self.load_changed()
+
     # -- sending -------------------------------------------------------------------------------------------------
     def own_load(self) -> dict[str, tuple[int, int]]:
         """This replica's own in-flight requests and prompt tokens per endpoint (the non-zero ones)."""
@@ -274,13 +339,15 @@ class ReplicaChannel(asyncio.DatagramProtocol):
         if heartbeat or load != self._sent_load:
             self._sent_load = load
             self._send(SNAPSHOT, encode_load(load))
-        if self._learned:
-            learned, self._learned = self._learned, []
+        if self._learned or self._records:
+            learned, records, self._learned, self._records = self._learned, self._records, [], []
             if self._transport is not None and self._transport.get_write_buffer_size() > MAX_PENDING_SEND_BYTES:
-                self.learned_dropped += len(learned)
+                self.learned_dropped += len(learned) + len(records)
                 return
             for body in encode_learned(learned):
                 self._send(LEARNED, body)
+            for body in encode_records(records):
+                self._send(RECORDS, body)
 
     def _schedule_release(self, due: float) -> None:
         """A flush when the next prompt's prefill is due: peers see it released then, not at this replica's next
@@ -332,7 +399,7 @@ class ReplicaChannel(asyncio.DatagramProtocol):
             self._reject(source, "malformed", "too short")
             return
         magic, instance, sequence, kind = HEADER.unpack_from(view)
-        if magic != MAGIC or kind not in (SNAPSHOT, LEARNED):
+        if magic != MAGIC or kind not in (SNAPSHOT, LEARNED, RECORDS):
             self._reject(
                 source,
                 "malformed",
@@ -349,8 +416,10 @@ class ReplicaChannel(asyncio.DatagramProtocol):
         try:
             if kind == SNAPSHOT:
                 load = decode_load(view[HEADER.size :])
-            else:
+            elif kind == LEARNED:
                 learned = decode_learned(view[HEADER.size :])
+            else:
+                records = decode_records(view[HEADER.size :])
         except MalformedDatagram as exc:
             self._reject(source, "malformed", str(exc))
             return
@@ -369,6 +438,10 @@ class ReplicaChannel(asyncio.DatagramProtocol):
         if kind == SNAPSHOT:
             old, peer.load, peer.seen_at = peer.load, load, time.monotonic()
             self._apply([h for h in old.keys() | load.keys() if old.get(h) != load.get(h)])
+        elif kind == RECORDS:
+            if self.match_record is not None:
+                for record in records:
+                    self.match_record(*record)
         elif self.prefix_index is not None:
             by_hostport = self.datastore.by_hostport
             for hostport, hashes in learned:
@@ -489,7 +562,7 @@ class ReplicaChannel(asyncio.DatagramProtocol):
             [
                 (
                     "inference_extension_replica_learned_dropped",
-                    "Prefix-index deltas not sent: the socket's send buffer was full.",
+                    "Prefix-index deltas and access-log records not sent: the socket's send buffer was full.",
                     self.learned_dropped,
                 )
             ],

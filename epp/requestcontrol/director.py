@@ -127,6 +127,7 @@ class Director:
     emit_endpoint_scores = cython.declare(cython.bint, visibility="public")
     tracing = cython.declare(object, visibility="public")
     load_changed = cython.declare(object, visibility="public")
+    forward_record = cython.declare(object, visibility="public")
 
     def __init__(
         self,
@@ -160,6 +161,9 @@ class Director:
         self.responses = ResponseLocator()  # where each stored Responses answer is (previous_response_id)
         # told each time this EPP's in-flight counts change, when peer replicas share them (epp.replicas)
         self.load_changed: Callable[[], None] | None = None
+        # given each access-log record that matches no request this EPP saw end: the gateway sends a replica the
+        # records of every replica's requests, and the one that routed it learns from it (epp.replicas)
+        self.forward_record: Callable[[str, float | None, str, str | None], None] | None = None
 
     @cython.ccall
     def new_request(
@@ -626,20 +630,29 @@ class Director:
         its status ("" when the record has none) and the endpoint that served it. Its time per output token is the
         endpoint's own mean gap between tokens from then to the request's end (`Endpoint.inter_token_latency`, None
         when the engine publishes no such histogram or the decode was too short to see in its scrapes). A record
-        that comes before the EPP saw its request end waits for it in `early_records`."""
+        that comes before the EPP saw its request end waits for it in `early_records`; with peer replicas, it goes
+        to them too (`forward_record`): it may be one of theirs."""
+        if not self.match_record(request_id, ttft, status, served) and self.forward_record is not None:
+            self.forward_record(request_id, ttft, status, served)
+
+    @cython.ccall
+    def match_record(self, request_id: str, ttft: float | None, status: str, served: str | None) -> bool:
+        """An access-log record, from the proxy or forwarded by a peer replica (`on_access_log`); whether it settled
+        a request this EPP saw end."""
         self.access_log_seen = True
         entry = self.awaiting_records.pop(request_id, None)
         if entry is not None:
             ended, ctx, endpoint, output_tokens = entry
             self._settle(ctx, endpoint, ended, output_tokens, ttft, status, served)
-        else:
-            _remember(
-                self.early_records,
-                request_id,
-                (monotonic(), ttft, status, served),
-                EARLY_RECORDS_SECONDS,
-                AWAITING_RECORDS_LIMIT,
-            )
+            return True
+        _remember(
+            self.early_records,
+            request_id,
+            (monotonic(), ttft, status, served),
+            EARLY_RECORDS_SECONDS,
+            AWAITING_RECORDS_LIMIT,
+        )
+        return False
 
     @cython.ccall
     def _timed(self, request, result, endpoint, ttft: float, tpot: float | None) -> None:

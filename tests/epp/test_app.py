@@ -32,6 +32,8 @@ async def test_the_config_is_read_once_and_every_part_registers_its_metrics(tmp_
         assert picker.flow_control.config.max_requests == 7  # flow control's
         assert picker.subscriber is not None  # the default profile reads KV events
         assert picker.director.load_changed == picker.replicas.load_changed  # the replicas hear of every change
+        assert picker.director.forward_record == picker.replicas.forward_record  # and of others' access-log records
+        assert picker.replicas.match_record == picker.director.match_record
         assert picker.replicas.prefix_index is picker.scheduler.shared_prefix_index is not None
         page = generate_latest(picker.metrics.registry).decode()
         for name in (

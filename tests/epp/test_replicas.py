@@ -16,13 +16,16 @@ from epp.replicas import (
     LEARNED,
     MAGIC,
     MAX_DATAGRAM_BYTES,
+    RECORDS,
     SNAPSHOT,
     MalformedDatagram,
     ReplicaChannel,
     decode_learned,
     decode_load,
+    decode_records,
     encode_learned,
     encode_load,
+    encode_records,
     parse_peers,
 )
 from epp.scheduling.plugins.prefix_cache_scorer import PrefixCacheScorer
@@ -199,6 +202,22 @@ def test_a_pick_recorded_by_one_replica_is_learnt_by_its_peers():
     assert scorers[1].lookups == 0  # the peer's pick is not counted as this replica's own
 
 
+def test_an_access_log_record_no_request_here_matched_goes_to_the_peers():
+    """The gateway sends a request's access-log record to any replica: the one that routed it learns from it."""
+    a, wire = channel(A, [B])
+    b, _ = channel(B, [A])
+    matched = []
+    b.match_record = lambda *record: matched.append(record) or True
+    a.forward_record("req-1", 0.125, "200", "10.0.0.1:8001")
+    a.forward_record("req-2", None, "", None)
+    a._flush()
+    deliver(wire, A, b, B)
+    assert matched == [("req-1", 0.125, "200", "10.0.0.1:8001"), ("req-2", None, "", None)]
+    records = [(f"id-{i}" * 20, i / 7, "503", None) for i in range(2000)]
+    bodies = encode_records(records)
+    assert len(bodies) > 1 and [r for body in bodies for r in decode_records(memoryview(body))] == records
+
+
 def test_bad_input_is_counted_and_ignored():
     b, _ = channel(B, [A])
     endpoint = b.datastore.endpoints[0]
@@ -216,7 +235,7 @@ def test_bad_input_is_counted_and_ignored():
         HEADER.pack(MAGIC, 5, 5, SNAPSHOT) + b"\0\1\2\xff\xfe" + bytes(8),  # a hostport that is not UTF-8
     ]
     bad += [
-        HEADER.pack(MAGIC, 5, 10 + i, rng.choice((SNAPSHOT, LEARNED))) + os.urandom(rng.randrange(64))
+        HEADER.pack(MAGIC, 5, 10 + i, rng.choice((SNAPSHOT, LEARNED, RECORDS))) + os.urandom(rng.randrange(64))
         for i in range(300)
     ]
     for data in bad:
