@@ -201,6 +201,10 @@ class EndpointPicker:
         channel.release_prefilled = self.director.release_prefilled
         self.director.forward_record = channel.forward_record
         channel.match_record = self.director.match_record
+        predictor = self.scheduler.latency_predictor
+        if predictor is not None:
+            predictor.observed = channel.observed
+            channel.predictor = predictor
         return channel
 
     def _flow_control(self) -> FlowController | None:

@@ -18,6 +18,8 @@ What is shared, over UDP on `--replica-port` (no external store):
 * **Access-log records** of requests another replica routed: the gateway sends a request's record (its TTFT, status
   and served endpoint) to any replica, and a replica forwards the records that match none of its requests, so the
   latency predictor of the replica that routed a request learns from it (`Director.forward_record`, `match_record`).
+* **The latency predictor's observations** (a request's features at the pick, its TTFT and TPOT), which every peer's
+  predictor learns from too (`LatencyPredictor.observed`): each learns from every request, as one EPP's would.
 
 Peers: `--replica-peers` is a comma list of host:port; a host that resolves to several addresses (a headless
 Service) means all of them, resolved again every RESOLVE_SECONDS. A replica finds itself among them when a datagram
@@ -54,6 +56,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from epp.datalayer.datastore import Datastore
 from epp.metrics import unlabelled
+from epp.predictor import LatencyPredictor
+from epp.predictor.features import Features
 from epp.scheduling.framework import SharedPrefixIndex
 
 log = logging.getLogger("epp.replicas")
@@ -73,10 +77,13 @@ MAX_PENDING_SEND_BYTES = 1 << 20
 TAG_BYTES = 16
 MAGIC = b"EPPr"
 HEADER = struct.Struct("!4sQQB")  # magic, sender's instance id, sequence, kind
-SNAPSHOT, LEARNED, RECORDS = 1, 2, 3
+SNAPSHOT, LEARNED, RECORDS, OBSERVED = 1, 2, 3, 4
 _COUNT = struct.Struct("!H")
 _LOAD = struct.Struct("!II")  # in-flight requests, in-flight prompt tokens
-_TTFT = struct.Struct("!d")  # NaN: none
+_F64 = struct.Struct("!d")
+# an observation's waiting, running, in-flight tokens, prompt tokens, cached tokens, KV usage, backlog tokens,
+# adapter loaded, TTFT, TPOT (NaN: none)
+_FEATURES = struct.Struct("!IIIIIdd?dd")
 _U32 = 0xFFFFFFFF
 MAX_HEADS = 65536
 _HEADS: dict[str, bytes] = {}  # hostport -> its encoded entry head (_entry_head)
@@ -160,93 +167,114 @@ def decode_load(body: memoryview) -> dict[str, tuple[int, int]]:
     return load
 
 
-def encode_learned(entries: Sequence[tuple[str, list[int]]]) -> list[bytes]:
-    """Deltas' bodies: entry count, then (hostport length, hostport, hash count, hashes as u64) per pick; as many
-    bodies as it takes to keep each datagram within MAX_DATAGRAM_BYTES."""
-    room = MAX_DATAGRAM_BYTES - HEADER.size - TAG_BYTES - _COUNT.size
-    bodies, parts, count, used = [], [], 0, 0
-    for hostport, hashes in entries:
-        name = hostport.encode()
-        hashes = hashes[: (room - 3 - len(name)) // 8]
-        part = bytes((len(name),)) + name + _COUNT.pack(len(hashes)) + struct.pack(f"!{len(hashes)}Q", *hashes)
-        if used + len(part) > room:
-            bodies.append(_COUNT.pack(count) + b"".join(parts))
-            parts, count, used = [], 0, 0
-        parts.append(part)
-        count += 1
-        used += len(part)
-    if parts:
-        bodies.append(_COUNT.pack(count) + b"".join(parts))
-    return bodies
-
-
-def decode_learned(body: memoryview) -> list[tuple[str, tuple[int, ...]]]:
-    """The inverse of encode_learned; MalformedDatagram for anything that does not parse exactly."""
-    try:
-        (count,), offset = _COUNT.unpack_from(body), _COUNT.size
-        entries = []
-        for _ in range(count):
-            size = body[offset]
-            hostport = bytes(body[offset + 1 : offset + 1 + size]).decode()
-            offset += 1 + size
-            (n,) = _COUNT.unpack_from(body, offset)
-            offset += _COUNT.size
-            entries.append((hostport, struct.unpack_from(f"!{n}Q", body, offset)))
-            offset += 8 * n
-    except (IndexError, struct.error, UnicodeDecodeError):
-        raise MalformedDatagram("truncated deltas") from None
-    if offset != len(body):
-        raise MalformedDatagram("trailing bytes after deltas")
-    return entries
-
-
 def _text(value: str) -> bytes:
+    """A string as an entry holds it: its length (one byte) and its UTF-8 bytes, cut at 255."""
     data = value.encode("utf-8", "surrogatepass")[:255]
     return bytes((len(data),)) + data
 
 
-def encode_records(records: Sequence[tuple[str, float | None, str, str | None]]) -> list[bytes]:
-    """Access-log records' bodies: entry count, then (request id, TTFT or NaN, status, served endpoint or "") per
-    record, each string as its length and bytes (at most 255); as many bodies as keep each datagram within
+def _optional(value: float | None) -> float:
+    return math.nan if value is None else value
+
+
+def learned_entry(hostport: str, hashes: list[int]) -> bytes:
+    """A pick the prefix index recorded: the endpoint and the prompt's block hashes (as many as fit a datagram)."""
+    hashes = hashes[: (MAX_DATAGRAM_BYTES - HEADER.size - TAG_BYTES - 3 - 256) // 8]
+    return _text(hostport) + _COUNT.pack(len(hashes)) + struct.pack(f"!{len(hashes)}Q", *hashes)
+
+
+def record_entry(request_id: str, ttft: float | None, status: str, served: str | None) -> bytes:
+    """An access-log record: request id, TTFT (NaN: none), status, served endpoint ("" none)."""
+    return _text(request_id) + _F64.pack(_optional(ttft)) + _text(status) + _text(served or "")
+
+
+def observation_entry(features: Features, ttft: float, tpot: float | None) -> bytes:
+    """What the latency predictor learnt from a request: its features at the pick, its TTFT and TPOT (NaN: none)."""
+    f = features
+    numbers = _FEATURES.pack(
+        *(min(max(v, 0), _U32) for v in (f.waiting, f.running, f.in_flight_tokens, f.prompt_tokens, f.cached_tokens)),
+        f.kv_usage,
+        f.backlog_tokens,
+        f.adapter_loaded,
+        ttft,
+        _optional(tpot),
+    )
+    return numbers + _text(f.endpoint)
+
+
+def bodies(entries: Sequence[bytes]) -> list[bytes]:
+    """Entries as datagram bodies: each an entry count and entries, as many bodies as keep each datagram within
     MAX_DATAGRAM_BYTES."""
     room = MAX_DATAGRAM_BYTES - HEADER.size - TAG_BYTES - _COUNT.size
-    bodies, parts, used = [], [], 0
-    for request_id, ttft, status, served in records:
-        part = b"".join(
-            (_text(request_id), _TTFT.pack(math.nan if ttft is None else ttft), _text(status), _text(served or ""))
-        )
-        if used + len(part) > room:
-            bodies.append(_COUNT.pack(len(parts)) + b"".join(parts))
-            parts, used = [], 0
-        parts.append(part)
-        used += len(part)
-    if parts:
-        bodies.append(_COUNT.pack(len(parts)) + b"".join(parts))
-    return bodies
+    out, batch, used = [], [], 0
+    for entry in entries:
+        if used + len(entry) > room and batch:
+            out.append(_COUNT.pack(len(batch)) + b"".join(batch))
+            batch, used = [], 0
+        batch.append(entry)
+        used += len(entry)
+    if batch:
+        out.append(_COUNT.pack(len(batch)) + b"".join(batch))
+    return out
 
 
-def decode_records(body: memoryview) -> list[tuple[str, float | None, str, str | None]]:
-    """The inverse of encode_records; MalformedDatagram for anything that does not parse exactly."""
+class _Reader:
+    """Reads a body's fields in order; IndexError or struct.error past its end."""
+
+    def __init__(self, body: memoryview):
+        self.body, self.offset = body, 0
+
+    def text(self) -> str:
+        end = self.offset + 1 + self.body[self.offset]
+        if end > len(self.body):
+            raise IndexError("text past the end")
+        value = str(self.body[self.offset + 1 : end], "utf-8")
+        self.offset = end
+        return value
+
+    def unpack(self, layout: struct.Struct) -> tuple:
+        values = layout.unpack_from(self.body, self.offset)
+        self.offset += layout.size
+        return values
+
+    def hashes(self) -> list[int]:
+        (n,) = self.unpack(_COUNT)
+        return list(self.unpack(struct.Struct(f"!{n}Q")))
+
+
+def _learned(r: _Reader) -> tuple[str, list[int]]:
+    return r.text(), r.hashes()
+
+
+def _record(r: _Reader) -> tuple[str, float | None, str, str | None]:
+    request_id, (ttft,), status, served = r.text(), r.unpack(_F64), r.text(), r.text()
+    return request_id, None if math.isnan(ttft) else ttft, status, served or None
+
+
+def _observation(r: _Reader) -> tuple[Features, float, float | None]:
+    waiting, running, tokens, prompt, cached, kv, backlog, loaded, ttft, tpot = r.unpack(_FEATURES)
+    if not (all(math.isfinite(v) for v in (kv, backlog, ttft)) and ttft > 0 and (math.isnan(tpot) or tpot > 0)):
+        raise ValueError("a number out of range")
+    features = Features(waiting, running, kv, tokens, prompt, cached, loaded, backlog, r.text())  # or ValueError
+    return features, ttft, None if math.isnan(tpot) else tpot
+
+
+def decode(body: memoryview, entry) -> list:
+    """A body's entries, each read by `entry` (`_learned`, `_record`, `_observation`); MalformedDatagram for anything
+    that does not parse exactly."""
+    reader = _Reader(body)
     try:
-        (count,), offset = _COUNT.unpack_from(body), _COUNT.size
-        records = []
-        for _ in range(count):
-            end = offset + 1 + body[offset]
-            request_id = str(body[offset + 1 : end], "utf-8")
-            (ttft,) = _TTFT.unpack_from(body, end)
-            offset = end + _TTFT.size
-            end = offset + 1 + body[offset]
-            status = str(body[offset + 1 : end], "utf-8")
-            offset = end
-            end = offset + 1 + body[offset]
-            served = str(body[offset + 1 : end], "utf-8")
-            offset = end
-            records.append((request_id, None if math.isnan(ttft) else ttft, status, served or None))
-    except (IndexError, struct.error, UnicodeDecodeError):
-        raise MalformedDatagram("truncated records") from None
-    if offset != len(body):
-        raise MalformedDatagram("trailing bytes after records")
-    return records
+        (count,) = reader.unpack(_COUNT)
+        entries = [entry(reader) for _ in range(count)]
+    except (IndexError, ValueError, struct.error, UnicodeDecodeError) as exc:
+        raise MalformedDatagram(f"truncated or invalid entries ({exc})") from None
+    if reader.offset != len(body):
+        raise MalformedDatagram("trailing bytes after the entries")
+    return entries
+
+
+# What each kind of delta datagram holds, read by
+ENTRIES = {LEARNED: _learned, RECORDS: _record, OBSERVED: _observation}
 
 
 class ReplicaChannel(asyncio.DatagramProtocol):
@@ -283,10 +311,10 @@ class ReplicaChannel(asyncio.DatagramProtocol):
         self.release_prefilled: Callable[[], float] | None = None
         self._release_at = 0.0  # when the flush that releases the next one is scheduled (0: none)
         self._sent_load: dict[str, tuple[int, int]] | None = {}  # None: send the next snapshot, changed or not
-        self._learned: list[tuple[str, list[int]]] = []
-        self._records: list[tuple[str, float | None, str, str | None]] = []
+        self._deltas: dict[int, list[bytes]] = {LEARNED: [], RECORDS: [], OBSERVED: []}  # kind -> entries to send
         # the director's match of an access-log record with a request it saw end (a peer forwarded the record)
         self.match_record: Callable[[str, float | None, str, str | None], bool] | None = None
+        self.predictor: LatencyPredictor | None = None  # learns from the peers' observations too
         self._tasks: list[asyncio.Task] = []
         self._rejected_logged: set[tuple[str, str]] = set()
         self.sent = 0
@@ -308,16 +336,21 @@ class ReplicaChannel(asyncio.DatagramProtocol):
 
     def learned(self, hostport: str, hashes: list[int]) -> None:
         """The prefix index recorded a pick of `hostport` for these block hashes: peers record it too."""
-        if self._loop is not None and self.addresses:
-            self._learned.append((hostport, hashes))
-            self.load_changed()
+        self._queue(LEARNED, learned_entry, hostport, hashes)
 
     def forward_record(self, request_id: str, ttft: float | None, status: str, served: str | None) -> None:
         """An access-log record that matched none of this replica's requests: peers get it, as it may be theirs
-        (the gateway sends its records to any replica); the latency predictor of the one that routed the request
-        learns from it."""
+        (the gateway sends its records to any replica); the replica that routed the request learns from it."""
+        self._queue(RECORDS, record_entry, request_id, ttft, status, served)
+
+    def observed(self, features: Features, ttft: float, tpot: float | None) -> None:
+        """The latency predictor learnt from a request this replica routed: peers' predictors learn from it too, so
+        each learns from every request, as one EPP's would."""
+        self._queue(OBSERVED, observation_entry, features, ttft, tpot)
+
+    def _queue(self, kind: int, entry: Callable[..., bytes], *fields) -> None:
         if self._loop is not None and self.addresses:
-            self._records.append((request_id, ttft, status, served))
+            self._deltas[kind].append(entry(*fields))
             self.load_changed()
 
     # -- sending -------------------------------------------------------------------------------------------------
@@ -339,15 +372,15 @@ class ReplicaChannel(asyncio.DatagramProtocol):
         if heartbeat or load != self._sent_load:
             self._sent_load = load
             self._send(SNAPSHOT, encode_load(load))
-        if self._learned or self._records:
-            learned, records, self._learned, self._records = self._learned, self._records, [], []
+        for kind, entries in self._deltas.items():
+            if not entries:
+                continue
+            self._deltas[kind] = []
             if self._transport is not None and self._transport.get_write_buffer_size() > MAX_PENDING_SEND_BYTES:
-                self.learned_dropped += len(learned) + len(records)
-                return
-            for body in encode_learned(learned):
-                self._send(LEARNED, body)
-            for body in encode_records(records):
-                self._send(RECORDS, body)
+                self.learned_dropped += len(entries)
+                continue
+            for body in bodies(entries):
+                self._send(kind, body)
 
     def _schedule_release(self, due: float) -> None:
         """A flush when the next prompt's prefill is due: peers see it released then, not at this replica's next
@@ -399,7 +432,7 @@ class ReplicaChannel(asyncio.DatagramProtocol):
             self._reject(source, "malformed", "too short")
             return
         magic, instance, sequence, kind = HEADER.unpack_from(view)
-        if magic != MAGIC or kind not in (SNAPSHOT, LEARNED, RECORDS):
+        if magic != MAGIC or (kind != SNAPSHOT and kind not in ENTRIES):
             self._reject(
                 source,
                 "malformed",
@@ -416,10 +449,8 @@ class ReplicaChannel(asyncio.DatagramProtocol):
         try:
             if kind == SNAPSHOT:
                 load = decode_load(view[HEADER.size :])
-            elif kind == LEARNED:
-                learned = decode_learned(view[HEADER.size :])
             else:
-                records = decode_records(view[HEADER.size :])
+                entries = decode(view[HEADER.size :], ENTRIES[kind])
         except MalformedDatagram as exc:
             self._reject(source, "malformed", str(exc))
             return
@@ -438,16 +469,18 @@ class ReplicaChannel(asyncio.DatagramProtocol):
         if kind == SNAPSHOT:
             old, peer.load, peer.seen_at = peer.load, load, time.monotonic()
             self._apply([h for h in old.keys() | load.keys() if old.get(h) != load.get(h)])
-        elif kind == RECORDS:
-            if self.match_record is not None:
-                for record in records:
-                    self.match_record(*record)
-        elif self.prefix_index is not None:
+        elif kind == LEARNED and self.prefix_index is not None:
             by_hostport = self.datastore.by_hostport
-            for hostport, hashes in learned:
+            for hostport, hashes in entries:
                 endpoint = by_hostport(hostport)
                 if endpoint is not None and hashes:
-                    self.prefix_index.learn(endpoint, list(hashes))
+                    self.prefix_index.learn(endpoint, hashes)
+        elif kind == RECORDS and self.match_record is not None:
+            for record in entries:
+                self.match_record(*record)
+        elif kind == OBSERVED and self.predictor is not None:
+            for features, ttft, tpot in entries:
+                self.predictor.observe(features, ttft, tpot, own=False)
 
     def _reject(self, source: tuple[str, int], outcome: str, why: str) -> None:
         self.received[outcome] += 1

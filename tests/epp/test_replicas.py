@@ -12,21 +12,23 @@ from epp import replicas
 from epp.datalayer.datastore import Datastore
 from epp.datalayer.endpoint import EndpointSpec, PoolState
 from epp.replicas import (
+    ENTRIES,
     HEADER,
     LEARNED,
     MAGIC,
     MAX_DATAGRAM_BYTES,
+    OBSERVED,
     RECORDS,
     SNAPSHOT,
     MalformedDatagram,
     ReplicaChannel,
-    decode_learned,
+    bodies,
+    decode,
     decode_load,
-    decode_records,
-    encode_learned,
     encode_load,
-    encode_records,
+    learned_entry,
     parse_peers,
+    record_entry,
 )
 from epp.scheduling.plugins.prefix_cache_scorer import PrefixCacheScorer
 from epp.scheduling.types import CycleState, SchedulingRequest, SchedulingResult
@@ -214,8 +216,29 @@ def test_an_access_log_record_no_request_here_matched_goes_to_the_peers():
     deliver(wire, A, b, B)
     assert matched == [("req-1", 0.125, "200", "10.0.0.1:8001"), ("req-2", None, "", None)]
     records = [(f"id-{i}" * 20, i / 7, "503", None) for i in range(2000)]
-    bodies = encode_records(records)
-    assert len(bodies) > 1 and [r for body in bodies for r in decode_records(memoryview(body))] == records
+    sent = bodies([record_entry(*r) for r in records])
+    assert len(sent) > 1 and [r for body in sent for r in decode(memoryview(body), ENTRIES[RECORDS])] == records
+
+
+def test_what_a_replicas_predictor_learns_its_peers_learn():
+    from epp.predictor import LatencyPredictor
+    from epp.predictor.features import Features
+
+    a, wire = channel(A, [B])
+    b, _ = channel(B, [A])
+    b.predictor = LatencyPredictor()
+    own = LatencyPredictor()
+    own.observed = a.observed
+    features = Features(2, 3, 0.5, 900, 1200, 600, True, 250.0, "e1")
+    own.observe(features, 0.08, 0.02)
+    own.observe(features, 0.09, None)
+    a._flush()
+    deliver(wire, A, b, B)
+    assert b.predictor.ttft.model.count == own.ttft.model.count == 2 and b.predictor.tpot.model.count == 1
+    b.predictor.observed = lambda *observation: pytest.fail("a peer's observation went back out")
+    bad = HEADER.pack(MAGIC, a.instance, a.sequence + 1, OBSERVED) + bodies([b"\0" * 10])[0]
+    b.datagram_received(bad, A)
+    assert b.received["malformed"] == 1
 
 
 def test_bad_input_is_counted_and_ignored():
@@ -235,7 +258,8 @@ def test_bad_input_is_counted_and_ignored():
         HEADER.pack(MAGIC, 5, 5, SNAPSHOT) + b"\0\1\2\xff\xfe" + bytes(8),  # a hostport that is not UTF-8
     ]
     bad += [
-        HEADER.pack(MAGIC, 5, 10 + i, rng.choice((SNAPSHOT, LEARNED, RECORDS))) + os.urandom(rng.randrange(64))
+        HEADER.pack(MAGIC, 5, 10 + i, rng.choice((SNAPSHOT, LEARNED, RECORDS, OBSERVED)))
+        + os.urandom(rng.randrange(64))
         for i in range(300)
     ]
     for data in bad:
@@ -270,11 +294,11 @@ def test_codecs_round_trip_and_refuse_what_does_not_fit():
     assert len(decoded) < len(load) and min(r for r, _ in decoded.values()) > 3000  # the busiest kept
     assert all(load[h] == v for h, v in decoded.items())
     picks = [(f"10.0.0.{i}:8000", list(range(i * 1000, i * 1000 + 500))) for i in range(40)]
-    bodies = encode_learned(picks)
-    assert len(bodies) > 1 and all(len(body) <= MAX_DATAGRAM_BYTES for body in bodies)
-    assert [(h, list(x)) for body in bodies for h, x in decode_learned(memoryview(body))] == picks
+    sent = bodies([learned_entry(*pick) for pick in picks])
+    assert len(sent) > 1 and all(len(body) <= MAX_DATAGRAM_BYTES for body in sent)
+    assert [entry for body in sent for entry in decode(memoryview(body), ENTRIES[LEARNED])] == picks
     with pytest.raises(MalformedDatagram):
-        decode_learned(memoryview(bodies[0][:-1]))
+        decode(memoryview(sent[0][:-1]), ENTRIES[LEARNED])
     assert parse_peers("epp-replicas.ns.svc:9005, [::1]:9006,") == [("epp-replicas.ns.svc", 9005), ("::1", 9006)]
     for text in ("nohost", "host:0", "host:port", ":9005"):
         with pytest.raises(ValueError):
