@@ -64,6 +64,9 @@ log = logging.getLogger("epp.replicas")
 
 DEFAULT_REPLICA_PORT = 9005
 HEARTBEAT_SECONDS = 0.5
+# Deltas (prefix picks, access-log records, predictor observations) go out at most this long after they were made,
+# with the next snapshot if it is sooner.
+DELTA_SECONDS = 0.05
 # A peer's snapshot counts for this long after it came (4 heartbeats: one or two lost datagrams do not matter).
 EXPIRY_SECONDS = 2.0
 RESOLVE_SECONDS = 5.0
@@ -312,6 +315,7 @@ class ReplicaChannel(asyncio.DatagramProtocol):
         self._release_at = 0.0  # when the flush that releases the next one is scheduled (0: none)
         self._sent_load: dict[str, tuple[int, int]] | None = {}  # None: send the next snapshot, changed or not
         self._deltas: dict[int, list[bytes]] = {LEARNED: [], RECORDS: [], OBSERVED: []}  # kind -> entries to send
+        self._deltas_due = False  # a flush for them is scheduled
         # the director's match of an access-log record with a request it saw end (a peer forwarded the record)
         self.match_record: Callable[[str, float | None, str, str | None], bool] | None = None
         self.predictor: LatencyPredictor | None = None  # learns from the peers' observations too
@@ -349,9 +353,13 @@ class ReplicaChannel(asyncio.DatagramProtocol):
         self._queue(OBSERVED, observation_entry, features, ttft, tpot)
 
     def _queue(self, kind: int, entry: Callable[..., bytes], *fields) -> None:
+        """Deltas wait up to DELTA_SECONDS (or the next snapshot): nothing reads them within milliseconds, and at a
+        few requests a second per replica a datagram each would cost more than the rest of the channel."""
         if self._loop is not None and self.addresses:
             self._deltas[kind].append(entry(*fields))
-            self.load_changed()
+            if not self._deltas_due:
+                self._deltas_due = True
+                self._loop.call_later(DELTA_SECONDS, self.load_changed)
 
     # -- sending -------------------------------------------------------------------------------------------------
     def own_load(self) -> dict[str, tuple[int, int]]:
@@ -365,7 +373,7 @@ class ReplicaChannel(asyncio.DatagramProtocol):
         return load
 
     def _flush(self, heartbeat: bool = False) -> None:
-        self._flush_pending = False
+        self._flush_pending = self._deltas_due = False
         if self.release_prefilled is not None:
             self._schedule_release(self.release_prefilled())
         load = self.own_load()
