@@ -9,6 +9,7 @@ import re
 import signal
 
 import aiohttp
+import pytest
 
 from tests.integration.conftest import FAST_SIM
 
@@ -32,6 +33,7 @@ async def server_loads(session: aiohttp.ClientSession, urls: list[str]) -> list[
     return loads
 
 
+@pytest.mark.timing  # the burst's requests 80 ms apart: each replica must hear of the others' picks within that
 async def test_three_replicas_place_a_burst_as_one_share_the_index_and_survive_one_killed(make_stack):
     # Scrapes far apart: what the replicas know of a burst between two scrapes is only what they routed and heard
     stack = await make_stack(
