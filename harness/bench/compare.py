@@ -50,6 +50,11 @@ SESSIONS_CONFIG = DEFAULT_CONFIG.replace(
     "  - pluginRef: max-score-picker\n",
     "  - pluginRef: session-affinity-scorer\n    weight: 3\n  - pluginRef: max-score-picker\n",
 )
+# The default profile with the precise prefix score counted beyond what every candidate holds (an agent's tools prompt)
+BEYOND_SHARED_CONFIG = DEFAULT_CONFIG.replace(
+    "- type: precise-prefix-cache-scorer\n",
+    "- type: precise-prefix-cache-scorer\n  parameters: {scoreBeyondShared: true}\n",
+)
 EPP_TARGETS = {
     # the default profile: the latency predictor's filters, learning TTFT from the gateway's access log, then the
     # scorers (precise for endpoints that publish KV events: epp-local's servers do)
@@ -58,6 +63,7 @@ EPP_TARGETS = {
     "epp-approximate": APPROXIMATE_CONFIG,
     "llm-d-default": LLM_D_DEFAULT_CONFIG,  # llm-d router v1.0's default profile, "sticky until saturated"
     "epp-sessions": SESSIONS_CONFIG,
+    "epp-beyond-shared": BEYOND_SHARED_CONFIG,
     "epp-3-replicas": None,  # the default profile on 3 EPPs behind one Envoy (round robin), all fed the KV events
     "queue-only": SINGLE_SCORER.format("queue-scorer"),
     "kv-only": SINGLE_SCORER.format("kv-cache-utilization-scorer"),
