@@ -40,7 +40,7 @@ import logging
 import random
 import re
 import uuid
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from heapq import heappop, heappush
 from time import monotonic, perf_counter, time_ns
 
@@ -183,6 +183,8 @@ class Director:
     _labelled_state = cython.declare(object, visibility="public")
     emit_endpoint_scores = cython.declare(cython.bint, visibility="public")
     tracing = cython.declare(object, visibility="public")
+    load_changed = cython.declare(object, visibility="public")
+    forward_record = cython.declare(object, visibility="public")
 
     def __init__(
         self,
@@ -214,6 +216,11 @@ class Director:
         self.untimed_responses = 0  # successful responses while no timings ever came (-1: some did, or it was said)
         self.untimed_since = 0.0  # when the first of them ended
         self.responses = ResponseLocator()  # where each stored Responses answer is (previous_response_id)
+        # told each time this EPP's in-flight counts change, when peer replicas share them (epp.replicas)
+        self.load_changed: Callable[[], None] | None = None
+        # given each access-log record that matches no request this EPP saw end: the gateway sends a replica the
+        # records of every replica's requests, and the one that routed it learns from it (epp.replicas)
+        self.forward_record: Callable[[str, float | None, str, str | None], None] | None = None
 
     @cython.ccall
     def new_request(
@@ -447,6 +454,8 @@ class Director:
         endpoint.in_flight_tokens += request.prompt_tokens_estimate
         ctx.in_flight_tokens = request.prompt_tokens_estimate
         endpoint.routed_total += 1
+        if self.load_changed is not None:
+            self.load_changed()
         ctx.routed_at = monotonic()
         picked_metrics = endpoint.metrics
         if picked_metrics is not None and picked_metrics.scraped_at > 0:  # (0: metrics no scrape made)
@@ -507,6 +516,8 @@ class Director:
         ctx.status, ctx.served = status, served
         self.response_headers_seen = True
         self._release_prompt_tokens(ctx)
+        if self.load_changed is not None:
+            self.load_changed()
 
     @cython.ccall
     def _release_prefilled(self, now: float) -> None:
@@ -519,6 +530,15 @@ class Director:
         due = self.prefilling
         while due and due[0][0] <= now:
             self._release_prompt_tokens(heappop(due)[2])
+
+    def release_prefilled(self) -> float:
+        """Release the prompts whose pick's recent TTFT has passed (`_release_prefilled`) now; when the next one is
+        due (monotonic seconds; 0: none waits). Peer replicas read this EPP's pending prefill between its own
+        decisions (epp.replicas), so each is released when due, not at the next decision."""
+        due = self.prefilling
+        if due:
+            self._release_prefilled(monotonic())
+        return due[0][0] if due else 0.0
 
     @staticmethod
     def _release_prompt_tokens(ctx: RequestContext) -> None:
@@ -574,6 +594,8 @@ class Director:
             self._release_prompt_tokens(ctx)
             ctx.endpoint = None
             endpoint.in_flight_requests -= 1
+            if self.load_changed is not None:
+                self.load_changed()
         if ctx.dispatched:
             ctx.dispatched = False
             self.flow_control.complete()
@@ -667,20 +689,29 @@ class Director:
         its status ("" when the record has none) and the endpoint that served it. Its time per output token is the
         endpoint's own mean gap between tokens from then to the request's end (`Endpoint.inter_token_latency`, None
         when the engine publishes no such histogram or the decode was too short to see in its scrapes). A record
-        that comes before the EPP saw its request end waits for it in `early_records`."""
+        that comes before the EPP saw its request end waits for it in `early_records`; with peer replicas, it goes
+        to them too (`forward_record`): it may be one of theirs."""
+        if not self.match_record(request_id, ttft, status, served) and self.forward_record is not None:
+            self.forward_record(request_id, ttft, status, served)
+
+    @cython.ccall
+    def match_record(self, request_id: str, ttft: float | None, status: str, served: str | None) -> bool:
+        """An access-log record, from the proxy or forwarded by a peer replica (`on_access_log`); whether it settled
+        a request this EPP saw end."""
         self.access_log_seen = True
         entry = self.awaiting_records.pop(request_id, None)
         if entry is not None:
             ended, ctx, endpoint, output_tokens = entry
             self._settle(ctx, endpoint, ended, output_tokens, ttft, status, served)
-        else:
-            _remember(
-                self.early_records,
-                request_id,
-                (monotonic(), ttft, status, served),
-                EARLY_RECORDS_SECONDS,
-                AWAITING_RECORDS_LIMIT,
-            )
+            return True
+        _remember(
+            self.early_records,
+            request_id,
+            (monotonic(), ttft, status, served),
+            EARLY_RECORDS_SECONDS,
+            AWAITING_RECORDS_LIMIT,
+        )
+        return False
 
     @cython.ccall
     def _timed(self, request, result, endpoint, ttft: float, tpot: float | None) -> None:

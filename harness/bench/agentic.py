@@ -108,14 +108,16 @@ def _steps(rng: random.Random, spec: dict, scale: float, turns: tuple[int, int],
 def sessions(spec: dict, rate: float, duration: float, seed: int = 0, scale: float = 1.0) -> list[Session]:
     rng = random.Random(seed)
     out, t = [], 0.0
+    burst = int(spec.get("arrival", {}).get("burst", 1))  # sessions that start at once
     while True:
-        t += rng.expovariate(rate)
+        t += rng.expovariate(rate / burst)
         if t >= duration:
             return out
-        api = "responses" if rng.random() < spec.get("responses_share", 0.0) else "chat"
-        session = Session(t, f"session-{seed}-{len(out)}", api, _text(rng, spec["task_tokens"] * scale))
-        session.steps = _steps(rng, spec, scale, tuple(spec["turns"]), 0)
-        out.append(session)
+        for _ in range(burst):
+            api = "responses" if rng.random() < spec.get("responses_share", 0.0) else "chat"
+            session = Session(t, f"session-{seed}-{len(out)}", api, _text(rng, spec["task_tokens"] * scale))
+            session.steps = _steps(rng, spec, scale, tuple(spec["turns"]), 0)
+            out.append(session)
 
 
 @dataclass

@@ -99,6 +99,13 @@ def build_parser() -> Parser:
         help='more command-line flags for the EPP, quoted as one argument (e.g. "--status-decisions 0"): one more\n'
         "target, the EPP with them (repeatable)",
     )
+    over.add_argument(
+        "--epp-replicas",
+        type=int,
+        default=1,
+        help="above 1: two more targets, that many EPP replicas behind one Envoy sharing their load and not (what\n"
+        "sharing costs a replica per request)",
+    )
     cpu = sub.add_parser("handler-cpu", help="the EPP's CPU per request in process: transport, handler, scheduling")
     cpu.add_argument("--requests", type=int, default=4000, help="requests per round")
     cpu.add_argument("--batch", type=int, default=16, help="requests per read (1: one at a time)")
@@ -166,6 +173,28 @@ def build_parser() -> Parser:
         help="seconds of the same workload before each target's measured run, not counted (online learning warms)",
     )
     cmp.add_argument("--servers", type=int, default=8, help="sim model servers")
+    cmp.add_argument(
+        "--epp-replicas",
+        type=int,
+        nargs="+",
+        default=[1],
+        help="run each EPP target on this many EPP replicas behind its Envoy (several counts: one run each)",
+    )
+    cmp.add_argument(
+        "--replica-sharing",
+        choices=["on", "off"],
+        nargs="+",
+        default=["on"],
+        help="with --epp-replicas above 1: the replicas share their in-flight load and prefix learning (on), or "
+        "each counts its own (off); both: one run each",
+    )
+    cmp.add_argument(
+        "--burst",
+        type=int,
+        default=0,
+        help="arrivals (requests, or agent sessions) come this many at once, at the same mean rate (0: the "
+        "workload's own)",
+    )
     cmp.add_argument("--scale", type=float, default=1.0, help="shrink prompt lengths (smoke runs)")
     cmp.add_argument(
         "--load-generator",
@@ -251,7 +280,10 @@ def main(argv: list[str] | None = None) -> None:
 
         began = time.time()  # the plots written since, this run's
 
-        runs = len(args.targets) * len(args.concurrency or args.rates)
+        sharing = [choice == "on" for choice in args.replica_sharing]
+        runs = len(args.concurrency or args.rates) * sum(
+            len(compare.replica_variants(t, args.epp_replicas, sharing)) for t in args.targets
+        )
         with Progress(
             TextColumn("{task.description}"),
             BarColumn(),
@@ -284,6 +316,9 @@ def main(argv: list[str] | None = None) -> None:
                     concurrencies=args.concurrency,
                     load_generator=args.load_generator,
                     warmup=args.warmup,
+                    replicas=args.epp_replicas,
+                    sharing=sharing,
+                    burst=args.burst,
                 )
             )
             bar.update(task, completed=runs, description="done")
@@ -390,6 +425,7 @@ def main(argv: list[str] | None = None) -> None:
                 epp_configs=epp_configs,
                 pin=args.pin,
                 epp_flags=[shlex.split(flags) for flags in args.epp_flags],
+                epp_replicas=args.epp_replicas,
             )
         )
         report = result.markdown()

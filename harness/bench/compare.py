@@ -64,7 +64,6 @@ EPP_TARGETS = {
     "llm-d-default": LLM_D_DEFAULT_CONFIG,  # llm-d router v1.0's default profile, "sticky until saturated"
     "epp-sessions": SESSIONS_CONFIG,
     "epp-beyond-shared": BEYOND_SHARED_CONFIG,
-    "epp-3-replicas": None,  # the default profile on 3 EPPs behind one Envoy (round robin), all fed the KV events
     "queue-only": SINGLE_SCORER.format("queue-scorer"),
     "kv-only": SINGLE_SCORER.format("kv-cache-utilization-scorer"),
     "prefix-only": SINGLE_SCORER.format("prefix-cache-scorer"),
@@ -275,8 +274,11 @@ class Pool:
         epp_config: str | None = None,
         pool_extra: dict | None = None,
         router_args: list[str] = (),
+        replicas: int = 1,
+        sharing: bool = True,
     ):
         self.target, self.servers, self.workdir = target, servers, workdir
+        self.replicas, self.sharing = replicas, sharing
         self.modelserver_args = modelserver_args
         self.epp_config = epp_config if epp_config is not None else EPP_TARGETS.get(target)
         self.pool_extra = pool_extra or {}
@@ -304,7 +306,8 @@ class Pool:
             response_body_mode="FULL_DUPLEX_STREAMED" if self.target in STREAMED_RESPONSES else "NONE",
             observed_responses_percent=STREAMED_RESPONSES.get(self.target, 100),
             access_log_percent=0 if self.target in WITHOUT_ACCESS_LOG else 100,
-            epp_replicas=3 if self.target == "epp-3-replicas" else 1,
+            epp_replicas=self.replicas,
+            replica_sharing=self.sharing,
         )
         self.stack = LocalStack(config)
         hostports = [u.removeprefix("http://") for u in self.stack.model_server_urls]
@@ -368,9 +371,12 @@ async def run_target(
     concurrency: int = 0,
     load_generator: str = "builtin",
     warmup: float = 0.0,
+    replicas: int = 1,
+    sharing: bool = True,
 ) -> TargetResult:
     """One target under the workload for `duration` s; `warmup` s of the same workload (another draw, at `rate`)
-    go first and count for nothing: what learns online (the latency predictor, the prefix caches) starts warm."""
+    go first and count for nothing: what learns online (the latency predictor, the prefix caches) starts warm. An
+    EPP target runs on `replicas` EPPs behind its Envoy, sharing their load (`sharing`) or not (`target_label`)."""
     if warmup and (concurrency or load_generator != "builtin"):
         raise ValueError("--warmup needs the builtin load generator at a fixed rate (--rates)")
     agent = spec["name"] == "agentic"
@@ -394,10 +400,14 @@ async def run_target(
     else:
         stream = requests(spec, MODEL, rate or concurrency * 50, duration, seed, scale)
     result = TargetResult(
-        target, 0.0 if concurrency else rate, concurrency, requests=len(stream), load_generator=load_generator
+        target_label(target, replicas, sharing),
+        0.0 if concurrency else rate,
+        concurrency,
+        requests=len(stream),
+        load_generator=load_generator,
     )
     server_args = ["--disable-log-stats", *lora_args, *map(str, spec.get("modelserver_args", []))]
-    async with Pool(target, servers, workdir, server_args) as pool:
+    async with Pool(target, servers, workdir, server_args, replicas=replicas, sharing=sharing) as pool:
         urls = pool.stack.model_server_urls
         async with aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=300)
@@ -515,6 +525,22 @@ async def run_target(
     # spare: then the modelled GPU steps stretch and the comparison measures the host, not the routing.
     result.valid = max(result.machine_busy, result.host_busy) < 0.9 and max(result.cpu_seconds.values()) / elapsed < 0.9
     return result
+
+
+def target_label(target: str, replicas: int, sharing: bool) -> str:
+    """A run's name in the report: the target, and for several EPP replicas how many and whether they share their
+    load ("epp x3", "epp x3 unshared")."""
+    if replicas == 1:
+        return target
+    return f"{target} x{replicas}" + ("" if sharing else " unshared")
+
+
+def replica_variants(target: str, replicas: list[int], sharing: list[bool]) -> list[tuple[int, bool]]:
+    """The (replicas, sharing) runs of one target: each count for an EPP target (one replica shares with nobody),
+    one replica for the others."""
+    if target not in EPP_TARGETS:
+        return [(1, True)]
+    return list(dict.fromkeys((n, share if n > 1 else True) for n in replicas for share in sharing))
 
 
 def _from_outcomes(result: TargetResult, outcomes: list[Outcome], elapsed: float) -> None:
@@ -773,12 +799,19 @@ async def compare(
     concurrencies: list[int] = (),
     load_generator: str = "builtin",
     warmup: float = 0.0,
+    replicas: list[int] = (1,),
+    sharing: list[bool] = (True,),
+    burst: int = 0,
 ) -> list[TargetResult]:
+    """Each target at each load; an EPP target once per replica count and sharing choice (`replica_variants`).
+    `burst` > 0: arrivals (requests, or agent sessions) come in bursts of that many at once, at the same rate."""
     known = {**EPP_TARGETS, **ENVOY_TARGETS, **PEER_TARGETS, **dict.fromkeys(ORACLE_TARGETS)}
     unknown = [t for t in targets if t not in known]
     if unknown:  # before anything starts
         raise ValueError(f"unknown target(s) {', '.join(unknown)}; known: {', '.join(known)}")
     spec = load_workload(workload)
+    if burst:
+        spec["arrival"] = {**spec.get("arrival", {}), "burst": burst}
     out.mkdir(parents=True, exist_ok=True)
     results = []
     loads = [(0.0, c) for c in concurrencies] or [(rate, 0) for rate in rates]
@@ -787,24 +820,29 @@ async def compare(
             if target in PEER_TARGETS and peer_command(PEER_TARGETS[target][0]) is None:
                 progress(f"skip {target}: not installed (pip install '.[bench]')")
                 continue
-            load = f"{concurrency} concurrent clients" if concurrency else f"{rate:g} req/s"
-            progress(f"{workload}: {target} at {load} for {duration:g} s on {servers} servers ...")
-            workdir = out / "runs" / f"{target}-{f'c{concurrency}' if concurrency else f'{rate:g}'}"
-            workdir.mkdir(parents=True, exist_ok=True)
-            results.append(
-                await run_target(
-                    target,
-                    spec,
-                    rate,
-                    duration,
-                    servers,
-                    workdir,
-                    scale,
-                    concurrency=concurrency,
-                    load_generator=load_generator,
-                    warmup=warmup,
+            for n, share in replica_variants(target, list(replicas), list(sharing)):
+                label = target_label(target, n, share)
+                load = f"{concurrency} concurrent clients" if concurrency else f"{rate:g} req/s"
+                progress(f"{workload}: {label} at {load} for {duration:g} s on {servers} servers ...")
+                run = label.replace(" ", "-")
+                workdir = out / "runs" / f"{run}-{f'c{concurrency}' if concurrency else f'{rate:g}'}"
+                workdir.mkdir(parents=True, exist_ok=True)
+                results.append(
+                    await run_target(
+                        target,
+                        spec,
+                        rate,
+                        duration,
+                        servers,
+                        workdir,
+                        scale,
+                        concurrency=concurrency,
+                        load_generator=load_generator,
+                        warmup=warmup,
+                        replicas=n,
+                        sharing=share,
+                    )
                 )
-            )
     (out / f"{workload}.json").write_text(json.dumps([asdict(r) for r in results], indent=2))
     floors = {}
     if spec["name"] == "agentic" and not concurrencies:

@@ -239,6 +239,15 @@ class OverheadResult:
             f"added latency of the EPP (ext_proc transport {self.transport}): p50 {self.added_latency_ms['p50']:+.2f} ms, "
             f"p99 {self.added_latency_ms['p99']:+.2f} ms; throughput ratio EPP/plain {self.throughput_ratio:.2f}"
         )
+        for target in [t for t in self.cpu_ms_per_request_loaded if f"{t} unshared" in self.cpu_ms_per_request_loaded]:
+            shared, unshared = (
+                sum(v for k, v in self.cpu_ms_per_request_loaded[t].items() if k.startswith("epp"))
+                for t in (target, f"{target} unshared")
+            )
+            lines.append(
+                f"{target}: the replicas' CPU per request at concurrency {self.concurrency}, summed, sharing their load "
+                f"{shared:.3f} ms, not sharing {unshared:.3f} ms: sharing adds {shared / unshared - 1:+.1%}"
+            )
         if self.flow_control_added_ms:
             lines.append(
                 f"added latency of flow control (unsaturated, the same build without it): p50 "
@@ -387,12 +396,14 @@ async def _start_epp_variant(
     access_log_percent: int,
     env: dict[str, str],
     flags: tuple[str, ...] = (),
+    replicas: int = 1,
+    sharing: bool = True,
 ) -> LocalStack:
     """The stack's EPP build and Envoy bootstrap again, on ports of their own and over the stack's model servers,
     with one difference: the EPP's config (`flowControl: {enabled: false}`: flow control's cost is the difference to
     the stack's own EPP), the share of requests whose access-log record Envoy sends the EPP (`access_log_percent`:
-    the stack's gateway sends every one), the EPP's build (`env`: another checkout's PYTHONPATH) or more of its
-    command-line flags (`flags`)."""
+    the stack's gateway sends every one), the EPP's build (`env`: another checkout's PYTHONPATH), more of its
+    command-line flags (`flags`), or several EPP replicas behind the Envoy, sharing their load or not."""
     grpc, health, metrics, listener, admin = free_ports(5)
     c = stack.config
     variant = LocalStack(
@@ -409,13 +420,18 @@ async def _start_epp_variant(
             access_log_percent=access_log_percent,
             epp_args=["--ext-proc-transport", transport, *flags],
             epp_env=env,
+            epp_replicas=replicas,
+            replica_sharing=sharing,
         )
     )
     variant.workdir.mkdir(exist_ok=True)
     opened.append(variant)
     variant.start_epp()
     variant.start_envoy()
-    await asyncio.gather(variant._wait_http("epp", variant.epp_metrics_url, 60), variant.envoy.wait_ready(60))
+    await asyncio.gather(
+        *(variant._wait_http(n, u, 60) for n, u in zip(variant.epp_names, variant.epp_metrics_urls, strict=True)),
+        variant.envoy.wait_ready(60),
+    )
     return variant
 
 
@@ -437,6 +453,7 @@ async def measure(
     epp_builds: dict[str, dict[str, str]] | None = None,
     pin: bool = False,
     epp_flags: list[list[str]] | None = None,
+    epp_replicas: int = 1,
 ) -> OverheadResult:
     """Every target in one run over one pool: sequential latency interleaved request by request, then throughput
     in alternating order. Each target has processes of its own (its Envoy, its processor or router), so their CPU
@@ -448,7 +465,9 @@ async def measure(
     PYTHONPATH), a target "envoy+epp (name)" each, with its own default config (`compare_builds`). `pin`: the
     client and the model servers on half the CPUs, every target's processes on the other half (`split_cpus`);
     ValueError with fewer than two CPUs. `epp_flags`: more command-line flags for the EPP, a target
-    "envoy+epp (flags)" each (e.g. the status page's ring off, or tracing on: what a flag costs, side by side)."""
+    "envoy+epp (flags)" each (e.g. the status page's ring off, or tracing on: what a flag costs, side by side).
+    `epp_replicas` > 1: two more targets, that many EPP replicas behind one Envoy sharing their load
+    ("envoy+epp xN") and not ("envoy+epp xN unshared"): what sharing costs, the replicas' CPU summed."""
     body = {**BODY, "stream": True} if streamed else BODY
     cpus = split_cpus(os.sched_getaffinity(0)) if pin else None
     base = free_port_block(servers)
@@ -522,10 +541,23 @@ async def measure(
             variants.append((f"{EPP} ({name})", f"build-{index}", None, 100, env))
         for index, flags in enumerate(epp_flags or ()):
             variants.append((f"{EPP} ({' '.join(flags)})", f"flags-{index}", None, 100, {}, tuple(flags)))
+        variants += [
+            (
+                f"{EPP} x{epp_replicas}" + ("" if sharing else " unshared"),
+                f"replicas-{sharing}",
+                None,
+                100,
+                {},
+                (),
+                epp_replicas,
+                sharing,
+            )
+            for sharing in ((True, False) if epp_replicas > 1 else ())
+        ]
         for target, *variant in variants:
             other = await _start_epp_variant(stack, transport, opened, *variant)
             targets[target] = f"{other.gateway_url}/v1/completions"
-            pids[target] = {"envoy": other.envoy.process.pid, "epp": other.processes["epp"].pid}
+            pids[target] = {"envoy": other.envoy.process.pid, **{n: other.processes[n].pid for n in other.epp_names}}
         for kind in ("sglang", "vllm") if with_peers else ():  # the Rust routers, when the [bench] extra installed them
             if peer_command(kind) is not None:
                 process, url = await start_router(

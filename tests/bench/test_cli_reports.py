@@ -69,3 +69,23 @@ def test_flood_exits_1_when_requests_went_unaccounted_for(monkeypatch, capsys):
         cli.main(["flood", "--targets", "epp"])
     assert exit_info.value.code == "epp-bench flood: requests not all accounted for: epp at 2x"
     assert "wrote no files; --out DIR keeps the report" in capsys.readouterr().out
+
+
+def test_compare_runs_each_epp_target_per_replica_count_and_sharing_choice():
+    from harness.bench import agentic
+    from harness.bench.workloads import load_workload
+
+    assert compare.replica_variants("epp", [1, 3], [True, False]) == [(1, True), (3, True), (3, False)]
+    assert compare.replica_variants("round-robin", [1, 3], [True, False]) == [(1, True)]
+    assert [compare.target_label("epp", n, s) for n, s in ((1, True), (3, True), (3, False))] == [
+        "epp",
+        "epp x3",
+        "epp x3 unshared",
+    ]
+    spec = load_workload("agentic")
+    bursts = agentic.sessions({**spec, "arrival": {"burst": 4}}, 2.0, 20.0, 0, 0.1)
+    starts = [s.at for s in bursts]
+    assert len(starts) % 4 == 0 and all(starts[i] == starts[i + 3] for i in range(0, len(starts), 4))
+    assert agentic.sessions(spec, 2.0, 20.0, 0, 0.1) == agentic.sessions(
+        {**spec, "arrival": {"burst": 1}}, 2.0, 20.0, 0, 0.1
+    )

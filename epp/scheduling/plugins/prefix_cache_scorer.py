@@ -36,6 +36,9 @@ shrinks by the difference and its oldest entries go; when it had more, the capac
 num_gpu_blocks. Mixed pools: with the KV-event index (KVEventsConsumer), endpoints that publish KV events are left
 to precise-prefix-cache-scorer (scored 0 here, their picks not recorded); the rest are scored as above.
 
+Replicas (`--replica-peers`, epp/replicas.py): every pick it records goes to the peer replicas, which record it as
+their own (`learn`), so each replica's index knows what all of them routed.
+
 Memory: an entry (a block hash an endpoint was sent) costs ~143 bytes (`epp-bench kv-index`, tracemalloc); however
 many blocks the servers say they hold, the index keeps at most maxIndexEntries over all endpoints (each endpoint's
 LRU at most its share of them), 1,800,000 by default: ~245 MiB, a budget of 256 MiB, 57 servers of 31,250 blocks.
@@ -69,6 +72,7 @@ from epp.scheduling.framework import (
     PreRequest,
     ResponseComplete,
     Scorer,
+    SharedPrefixIndex,
     register,
 )
 from epp.scheduling.load import QUEUE_DEPTHS, guard_load
@@ -100,7 +104,9 @@ def longest_prefix(hashes: list[int], held: OrderedDict[int, None] | None) -> in
 
 
 @register("prefix-cache-scorer")
-class PrefixCacheScorer(Scorer, PreRequest, ResponseComplete, PoolChanged, PrefixIndexStats, KVEventsConsumer):
+class PrefixCacheScorer(
+    Scorer, PreRequest, ResponseComplete, PoolChanged, PrefixIndexStats, KVEventsConsumer, SharedPrefixIndex
+):
     consumes = ("block_size", "num_gpu_blocks", *QUEUE_DEPTH_READS, QUEUE_DEPTHS, PREFIX_HASHES)
     produces = (PREFIX_HASHES, QUEUE_DEPTHS, PREFIX_BELIEF, PREFIX_MATCH)
 
@@ -231,6 +237,20 @@ class PrefixCacheScorer(Scorer, PreRequest, ResponseComplete, PoolChanged, Prefi
         self.lookups += 1
         self.matched_blocks += believed
         self.total_blocks += len(hashes)
+        self._record(endpoint, name, held, hashes)
+        if self.learned is not None:
+            self.learned(endpoint.hostport, hashes)
+
+    def learn(self, endpoint: Endpoint, hashes: list[int]) -> None:
+        if self._kv_index is not None and self._kv_index.publishes(endpoint.hostport):
+            return
+        name = endpoint.spec.name
+        held = self._held.get(name)
+        if held is None:
+            held = self._held[name] = OrderedDict()
+        self._record(endpoint, name, held, hashes)
+
+    def _record(self, endpoint: Endpoint, name: str, held: OrderedDict[int, None], hashes: list[int]) -> None:
         touch = held.move_to_end
         for h in reversed(hashes):  # the head is touched last: evicted last
             if h in held:
