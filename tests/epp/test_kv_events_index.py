@@ -6,10 +6,12 @@ import threading
 import time
 
 import msgspec
+import pytest
 import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from epp.datalayer import kv_events
 from epp.datalayer.endpoint import Endpoint, EndpointSpec
 from epp.datalayer.kv_events import MAX_MESSAGE_BYTES, IndexedBatch, KVBlockIndex, KVEventSubscriber
 from modelserver.engine.config import EngineConfig
@@ -83,7 +85,12 @@ async def test_the_index_follows_each_server_s_cache_through_evictions():
                 pass
         kv = engines[0].kv
         cached = {external_block_hash(d) for d in kv._cached}
-        await wait_for(lambda: index._by_endpoint.get("127.0.0.1:8000", {}).keys() == cached)
+        await wait_for(
+            lambda: (
+                index.entries("127.0.0.1:8000") == len(cached)
+                and all(index.prefix_blocks([h], ["127.0.0.1:8000"])["127.0.0.1:8000"] for h in cached)
+            )
+        )
         assert index.prefix_blocks(hashes, endpoints)["127.0.0.1:8000"] == 0
         assert subscriber.gaps == 0 and subscriber.bad_messages == 0
     finally:
@@ -242,7 +249,7 @@ async def test_an_endpoint_that_leaves_the_pool_loses_its_entries():
         index.store("10.0.0.1:8000", [1, 2, 3])
         index.store("10.0.0.2:8000", [1, 2])
         subscriber.stop(Endpoint(EndpointSpec("a", "10.0.0.1", 8000)))  # the datastore: it left the pool
-        await wait_for(lambda: "10.0.0.1:8000" not in index._by_endpoint)
+        await wait_for(lambda: index.entries("10.0.0.1:8000") == 0)
         assert index.prefix_blocks([1, 2, 3], ["10.0.0.1:8000", "10.0.0.2:8000"]) == {
             "10.0.0.1:8000": 0,
             "10.0.0.2:8000": 2,
@@ -418,6 +425,67 @@ def test_only_the_pools_servers_are_indexed_and_a_server_that_leaves_is_forgotte
         pub.close(linger=0)
         ctx.term()
         subscriber.shutdown()
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    operations=st.lists(
+        st.tuples(
+            st.sampled_from(["store", "remove", "clear"]),
+            st.integers(0, 2),
+            st.lists(st.integers(0, 15), max_size=6),
+        ),
+        max_size=40,
+    ),
+    cap=st.integers(1, 24),
+)
+def test_stores_removals_clears_and_the_cap_keep_the_index_true_to_the_events(operations, cap):
+    """Against the events' own account: the index never lists a block its endpoint does not hold, counts what it
+    lists, stays within its cap and, until the cap drops something, lists all of it. Small chunks and eviction
+    runs, so that logs are compacted and runs cut short by blocks listed twice or no longer held."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(kv_events, "CHUNK_BLOCKS", 2)
+        patch.setattr(kv_events, "EVICTION_RUN", 3)
+        index = KVBlockIndex(max_entries=cap)
+        endpoints = ["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"]
+        truth: dict[str, set[int]] = {e: set() for e in endpoints}
+        for operation, i, blocks in operations:
+            endpoint, dropped = endpoints[i], index.dropped_entries
+            if operation == "store":
+                index.store(endpoint, blocks)
+                truth[endpoint].update(blocks)
+            elif operation == "remove":
+                index.remove(endpoint, blocks)
+                truth[endpoint].difference_update(blocks)
+            else:
+                index.clear(endpoint)
+                truth[endpoint].clear()
+            listed = {e: {h for h in range(16) if index.prefix_blocks([h], [e])[e]} for e in endpoints}
+            assert all(listed[e] <= truth[e] and index.entries(e) == len(listed[e]) for e in endpoints)
+            assert index.size == sum(map(len, listed.values())) <= cap
+            if index.dropped_entries > dropped:
+                assert index.size == cap
+            if index.dropped_entries == 0:
+                assert listed == truth
+
+
+def test_blocks_stored_and_removed_over_and_over_keep_their_endpoint_s_log_short_and_rarely_compacted():
+    """vLLM evicting and recomputing the same blocks: each removal leaves a stale place in the endpoint's log and
+    each store a new one. A compaction keeps each held block once, at its latest place, so the log never outgrows
+    twice its entries and a chunk, and compactions come once per that many removals (keeping every place listed
+    would leave the log over its bound after each one, and compact it at every removal)."""
+    index, compactions = KVBlockIndex(), []
+    compact = KVBlockIndex._compact
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(KVBlockIndex, "_compact", lambda *args: (compactions.append(1), compact(*args)))
+        index.store("a", list(range(300)))
+        for _ in range(4):
+            for block in range(300):
+                index.remove("a", [block])
+                index.store("a", [block])
+                assert len(index._entries["a"].log) <= 2 * (300 + kv_events.CHUNK_BLOCKS)
+    assert index.entries("a") == 300 and index.prefix_blocks(list(range(300)), ["a"]) == {"a": 300}
+    assert 1 <= len(compactions) <= 4 * 300 // kv_events.CHUNK_BLOCKS
 
 
 @settings(max_examples=300, deadline=None)
