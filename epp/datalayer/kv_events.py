@@ -20,10 +20,11 @@ restarted server), an AllBlocksCleared, and an endpoint that leaves the pool dro
 joins after a server started (a new EPP replica) asks the replay socket, when known, for what it still buffers of
 the earlier batches; without one it knows only what is stored from then on.
 Memory: `max_entries` caps the (block hash, endpoint) pairs over all endpoints; over it, the endpoint with the most
-entries loses its oldest, in O(1) each. An entry costs ~194 bytes (`epp-bench kv-index`, tracemalloc, 8 servers):
-the default cap, 2,500,000 entries, is ~460 MiB, within a budget of 512 MiB (a quarter of the manifest's 2 GiB
-limit), and holds 80 servers of 31,250 blocks. Updates run in slices (`pace`), so a huge batch never stops the
-event loop for long. The EPP exports the index size, the entries the cap dropped, events applied, gaps,
+entries loses its oldest, a few C operations each (`_Entries`: a list in the order stored, not an OrderedDict). At
+its cap an entry costs ~150 bytes, ~208 at the peak while the hash table is rebuilt (`epp-bench kv-index`,
+tracemalloc, cap 400,000 over 8 servers, each entry evicted once; ~96 just filled): the default cap, 2,500,000
+entries, peaks under ~500 MiB, within a budget of 512 MiB (a quarter of the manifest's 2 GiB limit), and holds 80
+servers of 31,250 blocks. Updates run in slices (`pace`), so a huge batch never stops the event loop for long. The EPP exports the index size, the entries the cap dropped, events applied, gaps,
 replays and the delay from a batch's step (its `ts`) to its application (inference_extension_kv_events_*).
 """
 
@@ -65,14 +66,16 @@ MAX_MESSAGE_BYTES = 16 << 20
 # a larger gap could not be closed anyway, and what is replayed is held until it is all there.
 MAX_REPLAYED_BATCHES = 20_000
 # An index update (a batch's blocks stored, removed or cleared, the entries over the cap evicted) runs in chunks of
-# CHUNK_BLOCKS blocks, and lets the event loop's thread run once a slice of chunks has taken SLICE_SECONDS: a batch
-# of 150,000 new blocks at the cap then never stops routing for much longer than a slice.
+# CHUNK_BLOCKS blocks (~0.1 ms), and lets the event loop's thread run once a slice of chunks has taken SLICE_SECONDS:
+# a batch of 150,000 new blocks at the cap then never stops routing for much longer than a slice. A request that
+# arrives meanwhile waits for the slice under way, at each of the few times it needs the GIL: with 1 ms slices its
+# p50 was 2.5-2.9x its unloaded p50, with 0.25 ms 1.0-1.5x, the batch taking ~1.5x as long (`epp-bench kv-index`).
 CHUNK_BLOCKS = 256
-SLICE_SECONDS = 0.001
+SLICE_SECONDS = 0.00025
 # Entries evicted from one endpoint before the largest is looked for again.
 EVICTION_RUN = 256
 EVICTED = (None,) * EVICTION_RUN  # what an evicted slot of an endpoint's log holds until the log drops it
-DEFAULT_MAX_ENTRIES = 2_500_000  # ~460 MiB at ~194 bytes an entry: see the module's docstring
+DEFAULT_MAX_ENTRIES = 2_500_000  # under ~500 MiB at ~208 bytes an entry at the peak: see the module's docstring
 # Senders outside the pool warned about once each (then only counted), at most this many.
 MAX_WARNED_ENDPOINTS = 64
 
