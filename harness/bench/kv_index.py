@@ -7,7 +7,8 @@ Four measurements, side by side in one process:
   each hash held by one of them, as vLLM's chained hashes make it) and of the approximate index
   (`prefix-cache-scorer`'s per-endpoint LRUs), each filled with `entries` entries;
 * steady batches: 500-hash batches applied straight to a KV-event index below its cap and to one at its cap (each
-  batch evicts 500), the thread's CPU time per batch (mean and worst: the machine's other load moves wall time more);
+  batch evicts 500), as one event of 500 blocks and as 500 events of one (vLLM's while it decodes), the thread's CPU
+  time per batch (mean and worst: the machine's other load moves wall time more);
 * steady picks: the approximate index's records of picks of 256-block prompts below its cap and at it (each pick
   evicts 256), CPU time per pick, likewise;
 * stall: a real `KVEventSubscriber` (its thread, a PUB socket in this process) at a cap of `cap` entries, already
@@ -144,16 +145,22 @@ def _cpu_per_call(call, arguments: list) -> tuple[float, float]:
     return statistics.fmean(times), max(times)
 
 
-def steady_batches(cap: int, batches: int, index_module: ModuleType) -> dict[str, float]:
-    """CPU seconds per 500-hash batch (mean, max) below the cap and at it."""
+def _apply(index, endpoint: str, hashes: list[int], event_blocks: int) -> None:
+    for start in range(0, len(hashes), event_blocks):
+        index.store(endpoint, hashes[start : start + event_blocks])
+
+
+def steady_batches(cap: int, batches: int, index_module: ModuleType, event_blocks: int = 500) -> dict[str, float]:
+    """CPU seconds per batch of 500 new hashes (mean, max) below the cap and at it, in events of `event_blocks`
+    blocks (500: one BlockStored; 1: vLLM's while it decodes, a block at a time)."""
     rng = random.Random(2)
     out = {}
     for name, max_entries in (("below", 10 * cap), ("at", cap)):
         index = index_module.KVBlockIndex(max_entries=max_entries)
         for i in range(cap // 1000):
             index.store(f"e{i % SERVERS}", _hashes(1000, rng))
-        work = [(f"e{i % SERVERS}", _hashes(500, rng)) for i in range(batches)]
-        out[f"steady_{name}_cap_mean_s"], out[f"steady_{name}_cap_max_s"] = _cpu_per_call(index.store, work)
+        work = [(index, f"e{i % SERVERS}", _hashes(500, rng), event_blocks) for i in range(batches)]
+        out[f"steady_{name}_cap_mean_s"], out[f"steady_{name}_cap_max_s"] = _cpu_per_call(_apply, work)
         out[f"steady_{name}_cap_dropped"] = index.dropped_entries
     return out
 
@@ -253,6 +260,7 @@ def measure(
     index_module, scorer_module = modules
     result = memory_per_entry(entries, index_module, scorer_module)
     result.update(steady_batches(cap, batches, index_module))
+    result.update({f"{key}_1": value for key, value in steady_batches(cap, batches, index_module, 1).items()})
     result.update(steady_picks(cap, batches, scorer_module))
     before = sys.getswitchinterval()
     sys.setswitchinterval(switch_interval)
@@ -274,6 +282,10 @@ def report(name: str, r: dict[str, float], cap: int, entries: int) -> str:
         f"({ms * r['steady_below_cap_max_s']:.2f} max), at the cap {ms * r['steady_at_cap_mean_s']:.3f} ms mean "
         f"({ms * r['steady_at_cap_max_s']:.2f} max, {r['steady_at_cap_dropped']} evicted): at / below "
         f"{r['steady_at_cap_mean_s'] / r['steady_below_cap_mean_s']:.2f}\n"
+        f"  the same as 500 one-block events (vLLM decoding): below the cap {ms * r['steady_below_cap_mean_s_1']:.3f} "
+        f"ms mean ({ms * r['steady_below_cap_max_s_1']:.2f} max), at the cap {ms * r['steady_at_cap_mean_s_1']:.3f} ms "
+        f"mean ({ms * r['steady_at_cap_max_s_1']:.2f} max): at / below "
+        f"{r['steady_at_cap_mean_s_1'] / r['steady_below_cap_mean_s_1']:.2f}\n"
         f"  approximate index, picks of {PICK_BLOCKS} new blocks (CPU): below the cap "
         f"{ms * r['picks_below_cap_mean_s']:.3f} ms mean ({ms * r['picks_below_cap_max_s']:.2f} max), at the cap "
         f"{ms * r['picks_at_cap_mean_s']:.3f} ms mean ({ms * r['picks_at_cap_max_s']:.2f} max, "
