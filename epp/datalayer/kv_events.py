@@ -21,10 +21,10 @@ joins after a server started (a new EPP replica) asks the replay socket, when kn
 the earlier batches; without one it knows only what is stored from then on.
 Memory: `max_entries` caps the (block hash, endpoint) pairs over all endpoints; over it, the endpoint with the most
 entries loses its oldest, a few C operations each (`_Entries`: a list in the order stored, not an OrderedDict). At
-its cap an entry costs ~150 bytes, ~208 at the peak while the hash table is rebuilt (`epp-bench kv-index`,
-tracemalloc, cap 400,000 over 8 servers, each entry evicted once; ~96 just filled): the default cap, 2,500,000
-entries, peaks under ~500 MiB, within a budget of 512 MiB (a quarter of the manifest's 2 GiB limit), and holds 80
-servers of 31,250 blocks. Updates run in slices (`pace`), so a huge batch never stops the event loop for long. The EPP exports the index size, the entries the cap dropped, events applied, gaps,
+its cap an entry costs 116-151 bytes, 146-208 at the peak while the hash table is rebuilt (`epp-bench kv-index`,
+tracemalloc, caps of 2,500,000 and 400,000 over 8 servers, each entry evicted once; 78-96 just filled): the default
+cap, 2,500,000 entries, peaks under ~500 MiB, within a budget of 512 MiB (a quarter of the manifest's 2 GiB limit),
+and holds 80 servers of 31,250 blocks. Updates run in slices (`pace`), so a huge batch never stops the event loop for long. The EPP exports the index size, the entries the cap dropped, events applied, gaps,
 replays and the delay from a batch's step (its `ts`) to its application (inference_extension_kv_events_*).
 """
 
@@ -69,7 +69,7 @@ MAX_REPLAYED_BATCHES = 20_000
 # CHUNK_BLOCKS blocks (~0.1 ms), and lets the event loop's thread run once a slice of chunks has taken SLICE_SECONDS:
 # a batch of 150,000 new blocks at the cap then never stops routing for much longer than a slice. A request that
 # arrives meanwhile waits for the slice under way, at each of the few times it needs the GIL: with 1 ms slices its
-# p50 was 2.5-2.9x its unloaded p50, with 0.25 ms 1.0-1.5x, the batch taking ~1.5x as long (`epp-bench kv-index`).
+# p50 was 2-3x its unloaded p50, with 0.25 ms 0.8-1.5x (`epp-bench kv-index`, docs/kv-events.md).
 CHUNK_BLOCKS = 256
 SLICE_SECONDS = 0.00025
 # Entries evicted from one endpoint before the largest is looked for again.
@@ -113,7 +113,7 @@ class _Entries:
     """One endpoint's entries: how many, and its hashes in the order it stored them (`log[head:]`; the slots before
     `head`, evicted, are None until the list drops them). The log may still list hashes the endpoint no longer holds
     (removed; listed twice when stored again): an eviction skips those, and once they outnumber its entries the log
-    is compacted. 8 bytes an entry, where an OrderedDict costs ~100."""
+    is compacted. 8 bytes an entry (16 at most with the stale places), where an OrderedDict cost 100-170 more."""
 
     __slots__ = ("count", "head", "log")
 

@@ -36,11 +36,11 @@ shrinks by the difference and its oldest entries go; when it had more, the capac
 num_gpu_blocks. Mixed pools: with the KV-event index (KVEventsConsumer), endpoints that publish KV events are left
 to precise-prefix-cache-scorer (scored 0 here, their picks not recorded); the rest are scored as above.
 
-Memory: an entry (a block hash an endpoint was sent) costs ~216 bytes at the cap, ~220 at the peak (`epp-bench
-kv-index`, tracemalloc, cap 400,000 over 8 servers, each entry evicted once; ~143 just filled: an LRU's hash table
-is rebuilt at three times its entries); however many blocks the servers say they hold, the index keeps at most
-maxIndexEntries over all endpoints (each endpoint's LRU at most its share of them), 1,200,000 by default: ~252 MiB,
-a budget of 256 MiB, 38 servers of 31,250 blocks. Eviction is O(1) an entry (the LRU's oldest; one pass in C finds
+Memory: an entry (a block hash an endpoint was sent) costs 163-216 bytes at the cap, 166-220 at the peak
+(`epp-bench kv-index`, tracemalloc, caps of 400,000 to 2,500,000 over 8 servers, each entry evicted once; 116-143
+just filled: an LRU's hash table is rebuilt at three times its entries); however many blocks the servers say they
+hold, the index keeps at most maxIndexEntries over all endpoints (each endpoint's LRU at most its share of them),
+1,200,000 by default: ~252 MiB at the worst peak measured, a budget of 256 MiB, 38 servers of 31,250 blocks. Eviction is O(1) an entry (the LRU's oldest; one pass in C finds
 the few evicted blocks that begin a prompt), and one pick trims at most MAX_TRIM entries, so a capacity that falls a
 long way is reached over a few picks, never in one long stop of the event loop.
 
