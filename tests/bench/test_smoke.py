@@ -335,6 +335,7 @@ def test_decision_time_smoke():
     assert 0 < decision.measure_director(8, 1000, repeats=20) < 50_000
 
 
+@pytest.mark.slow  # a benchmark through another load generator, in its own Python 3.12 venv: make bench makes it
 @pytest.mark.skipif(
     inference_perf.command() is None,
     reason="inference-perf is not installed (needs Python 3.12: make bench-inference-perf)",
