@@ -48,6 +48,6 @@ def test_a_batch_of_150000_new_hashes_at_the_cap_keeps_the_event_loop_routing():
         result = asyncio.run(kv_index._stall(150_000, kv_events))
     finally:
         sys.setswitchinterval(switch)
-    assert result["stall_dropped"] == 150_000
+    assert 150_000 <= result["stall_dropped"] <= 150_000 + kv_events.EVICTION_RUN  # down to a run below the cap
     assert result["stall_max_loop_lag_s"] < 0.05
     assert result["stall_request_p50_during_s"] < 3 * result["stall_request_p50_unloaded_s"]
