@@ -24,8 +24,9 @@ entries loses its oldest, a few C operations each (`_Entries`: a list in the ord
 its cap an entry costs 116-151 bytes, 146-208 at the peak while the hash table is rebuilt (`epp-bench kv-index`,
 tracemalloc, caps of 2,500,000 and 400,000 over 8 servers, each entry evicted once; 78-96 just filled): the default
 cap, 2,500,000 entries, peaks under ~500 MiB, within a budget of 512 MiB (a quarter of the manifest's 2 GiB limit),
-and holds 80 servers of 31,250 blocks. Updates run in slices (`pace`), so a huge batch never stops the event loop for long. The EPP exports the index size, the entries the cap dropped, events applied, gaps,
-replays and the delay from a batch's step (its `ts`) to its application (inference_extension_kv_events_*).
+and holds 80 servers of 31,250 blocks. Updates run in slices (`pace`), so a huge batch never stops the event loop
+for long. The EPP exports the index size, the entries the cap dropped, events applied, gaps, replays and the delay
+from a batch's step (its `ts`) to its application (inference_extension_kv_events_*).
 """
 
 from __future__ import annotations

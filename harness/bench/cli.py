@@ -256,6 +256,8 @@ def main(argv: list[str] | None = None) -> None:
         tokenize.main()
     if args.command == "kv-index":
         other = None
+        if args.rounds < 1:
+            parser.error("--rounds must be at least 1")
         if args.against is not None:
             try:
                 other = (str(args.against), kv_index.load(args.against.resolve()))

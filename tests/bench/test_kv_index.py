@@ -30,12 +30,15 @@ def test_another_checkout_s_indexes_are_measured_beside_this_one_s(capsys):
         assert picks["picks_below_cap_dropped"] == 0 and picks["picks_at_cap_dropped"] == 4 * kv_index.PICK_BLOCKS
 
 
-def test_a_checkout_without_the_indexes_is_refused_in_one_line(tmp_path, capsys, monkeypatch):
+def test_a_checkout_without_the_indexes_or_no_rounds_is_refused_in_one_line(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(cli.signal, "signal", lambda *args: None)
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["kv-index", "--against", str(tmp_path)])
     assert exit_info.value.code == 2
     assert f"--against {tmp_path}: no epp/datalayer/kv_events.py in {tmp_path}" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["kv-index", "--against", str(ROOT), "--rounds", "0"])
+    assert "--rounds must be at least 1" in capsys.readouterr().err
 
 
 @pytest.mark.slow  # a latency measurement: 4 workers on 2 cores would decide it (make bench runs it)

@@ -40,9 +40,10 @@ Memory: an entry (a block hash an endpoint was sent) costs 163-216 bytes at the 
 (`epp-bench kv-index`, tracemalloc, caps of 400,000 to 2,500,000 over 8 servers, each entry evicted once; 116-143
 just filled: an LRU's hash table is rebuilt at three times its entries); however many blocks the servers say they
 hold, the index keeps at most maxIndexEntries over all endpoints (each endpoint's LRU at most its share of them),
-1,200,000 by default: ~252 MiB at the worst peak measured, a budget of 256 MiB, 38 servers of 31,250 blocks. Eviction is O(1) an entry (the LRU's oldest; one pass in C finds
-the few evicted blocks that begin a prompt), and one pick trims at most MAX_TRIM entries, so a capacity that falls a
-long way is reached over a few picks, never in one long stop of the event loop.
+1,200,000 by default: ~252 MiB at the worst peak measured, a budget of 256 MiB, 38 servers of 31,250 blocks.
+Eviction is O(1) an entry (the LRU's oldest; one pass in C finds the few evicted blocks that begin a prompt), and
+one pick trims at most MAX_TRIM entries, so a capacity that falls a long way is reached over a few picks, never in
+one long stop of the event loop.
 
 Parameters: blockSizeTokens (16; `blockSize`, also in tokens, is its older alias), maxPrefixBlocksToMatch (256) or
 maxPrefixTokensToMatch (llm-d's, which wins when set), lruCapacityPerServer (31250 blocks, used when the endpoint does
