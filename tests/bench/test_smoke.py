@@ -360,6 +360,7 @@ def test_inference_perf_as_the_load_generator(tmp_path):
     assert "(load generator: inference-perf)" in (tmp_path / "shared-prefix.md").read_text()
 
 
+@pytest.mark.timing
 def test_cli_lists_workloads_and_targets_and_rejects_unknown_ones_before_starting_anything():
     import subprocess
     import sys
