@@ -192,8 +192,8 @@ def build_parser() -> Parser:
         "--kv-index-max-entries",
         type=int,
         default=DEFAULT_MAX_ENTRIES,
-        help="cap on the KV-event index's (block hash, endpoint) entries, ~194 bytes each (the default: ~460 MiB); "
-        "over it, the largest endpoint's oldest go",
+        help="cap on the KV-event index's (block hash, endpoint) entries, ~150-208 bytes each (the default: under "
+        "~500 MiB); over it, the largest endpoint's oldest go",
     )
     # Observability: the status page, the endpoints' scores in the gateway's metadata, traces (docs/observability.md)
     p.add_argument(

@@ -6,6 +6,7 @@ left requests unaccounted for.
 
 epp-bench overhead [--servers 4] [--sequential 2000] [--concurrency 32] [--requests 2000] [--ext-proc-transport h2|grpcio]
                    [--streamed] [--pin] [--epp-config FILE ...] [--against DIR [--pairs 4]] [--out DIR]
+epp-bench kv-index [--cap 150000] [--entries 400000] [--batches 300] [--switch-interval 1000] [--against DIR [--rounds 2]]
 epp-bench handler-cpu [--requests 4000] [--batch 16] [--rounds 9] [--streamed] [--kv-events] [--config-file FILE]
                       [--evict-mb N] [--instructions]
 """
@@ -223,7 +224,18 @@ def build_parser() -> Parser:
     index_cmd = sub.add_parser("kv-index", help="prefix indexes: memory per entry, a huge KV event batch's loop stall")
     index_cmd.add_argument("--cap", type=int, default=150_000, help="the index's cap, and the big batch's hashes")
     index_cmd.add_argument("--entries", type=int, default=400_000, help="entries for the memory measurement")
-    index_cmd.add_argument("--batches", type=int, default=300, help="500-hash batches below and at the cap")
+    index_cmd.add_argument(
+        "--batches", type=int, default=300, help="500-hash batches (and approximate-index picks) below and at the cap"
+    )
+    index_cmd.add_argument(
+        "--against",
+        type=Path,
+        default=None,
+        help="another checkout of this repository: its KV-event index and approximate index (their modules loaded "
+        "beside this one's) measured in the same run, alternating with this checkout's",
+    )
+    index_cmd.add_argument("--rounds", type=int, default=2, help="measurements of each checkout, with --against")
+    index_cmd.needs("--rounds", "--against DIR", lambda a: a.against is not None)
     index_cmd.add_argument(
         "--switch-interval",
         type=float,
@@ -272,7 +284,15 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "tokenize":
         tokenize.main()
     if args.command == "kv-index":
-        kv_index.main(args.cap, args.entries, args.batches, args.switch_interval)
+        other = None
+        if args.rounds < 1:
+            parser.error("--rounds must be at least 1")
+        if args.against is not None:
+            try:
+                other = (str(args.against), kv_index.load(args.against.resolve()))
+            except (ValueError, ImportError) as error:
+                parser.error(f"--against {args.against}: {error}")
+        kv_index.main(args.cap, args.entries, args.batches, args.switch_interval, other, args.rounds)
     if args.command == "kv-events":
         kv_events.main(args.servers, args.rate, args.prompt_tokens, args.seconds, args.num_gpu_blocks, args.step_ms)
     if args.command == "compare":
