@@ -35,6 +35,7 @@ from typing import Any
 import grpc
 
 from epp.scheduling.types import SchedulingRequest, SchedulingResult
+from epp.wireformat import varint
 from protocol import tracing
 
 log = logging.getLogger("epp.tracing")
@@ -52,24 +53,9 @@ _pack_q = struct.Struct("<Q").pack
 _pack_d = struct.Struct("<d").pack
 
 
-def _varint(value: int) -> bytes:
-    if value < _SMALL_VARINTS:
-        return _VARINTS[value]
-    out = bytearray()
-    while value > 0x7F:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-_SMALL_VARINTS = 1 << 14
-_VARINTS = [bytes((n,)) if n < 0x80 else bytes(((n & 0x7F) | 0x80, n >> 7)) for n in range(_SMALL_VARINTS)]
-
-
 def _field(tag: int, payload: bytes) -> bytes:
     """A length-delimited field: its tag byte (field number << 3 | 2), the length, the payload."""
-    return _TAGS[tag] + _varint(len(payload)) + payload
+    return _TAGS[tag] + varint(len(payload)) + payload
 
 
 _TAGS = [bytes((n,)) for n in range(256)]
@@ -83,7 +69,7 @@ def _any(value: Any) -> bytes:
     if isinstance(value, bool):
         return b"\x10" + (b"\x01" if value else b"\x00")
     if isinstance(value, int):
-        return b"\x18" + _varint(value & 0xFFFFFFFFFFFFFFFF)
+        return b"\x18" + varint(value & 0xFFFFFFFFFFFFFFFF)
     if isinstance(value, float):
         return b"\x21" + _pack_d(value)
     if value and isinstance(value[0], str):
@@ -114,10 +100,10 @@ _repeated = functools.lru_cache(maxsize=4096)(attribute)
 
 def _doubles(key: str, values: list[float]) -> bytes:
     items = b"".join([_DOUBLE_ITEM + _pack_d(v) for v in values])
-    array = b"\x2a" + _varint(len(items)) + items
-    value = b"\x12" + _varint(len(array)) + array
+    array = b"\x2a" + varint(len(items)) + items
+    value = b"\x12" + varint(len(array)) + array
     key_field = _key(key)
-    return b"".join((b"\x4a", _varint(len(key_field) + len(value)), key_field, value))
+    return b"".join((b"\x4a", varint(len(key_field) + len(value)), key_field, value))
 
 
 _SERVER_KIND = b"\x30\x02"  # Span.kind = SPAN_KIND_SERVER
