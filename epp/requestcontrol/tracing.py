@@ -161,7 +161,7 @@ def _name(text: str, kind: bytes) -> bytes:
     return _field(b"\x2a", text.encode()) + kind + b"\x39"
 
 
-_REQUEST_NAME = _name(tracing.EPP_REQUEST_SPAN, _SERVER_KIND)
+REQUEST_NAME = _name(tracing.EPP_REQUEST_SPAN, _SERVER_KIND)
 _FLOW_CONTROL_NAME = _name(tracing.EPP_FLOW_CONTROL_SPAN, _INTERNAL_KIND)
 _SCHEDULING_NAME = _name(tracing.EPP_SCHEDULING_SPAN, _INTERNAL_KIND)
 
@@ -354,5 +354,5 @@ class RequestTracing:
             rest += _repeated("http.response.status_code", int(status[:3]))
         if trace.error is not None:  # Status (field 15): message 2, code 3 (STATUS_CODE_ERROR = 2)
             rest += _field(b"\x7a", _field(b"\x12", trace.error.encode()) + b"\x18\x02")
-        request = span(trace.trace_id, trace.span_id, trace.parent_id, _REQUEST_NAME, trace.start, time_ns(), rest)
+        request = span(trace.trace_id, trace.span_id, trace.parent_id, REQUEST_NAME, trace.start, time_ns(), rest)
         self.exporter.add(trace.children + request)

@@ -123,6 +123,13 @@ def build_parser() -> Parser:
         "live EPP behind Envoy on a 2-core host finds them)",
     )
     cpu.add_argument(
+        "--tracing",
+        choices=list(handler_cpu.TRACING),
+        default="off",
+        help="every request traced (on: its spans encoded as the exporter does, but not sent), tracing's floor (bare: "
+        "ids, the traceparent upstream and one span without attributes) or not",
+    )
+    cpu.add_argument(
         "--instructions",
         action="store_true",
         help="count instructions per request under valgrind's callgrind (exact and repeatable) instead of CPU time; "
@@ -312,7 +319,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "handler-cpu":
         if args.instructions:
             per_request = handler_cpu.instructions(
-                args.requests, args.batch, args.streamed, args.config_file, args.kv_events, args.evict_mb
+                args.requests, args.batch, args.streamed, args.config_file, args.kv_events, args.evict_mb, args.tracing
             )
             fetched = (
                 f"; from beyond a 1 MiB cache after {args.evict_mb} MiB written before each read: "
@@ -328,7 +335,14 @@ def main(argv: list[str] | None = None) -> None:
         else:
             config = args.config_file.read_text() if args.config_file else handler_cpu.DEFAULT_CONFIG
             result = handler_cpu.measure(
-                args.requests, args.batch, args.rounds, args.streamed, config, args.evict_mb, args.kv_events
+                args.requests,
+                args.batch,
+                args.rounds,
+                args.streamed,
+                config,
+                args.evict_mb,
+                args.kv_events,
+                tracing=args.tracing,
             )
             print(result.markdown())
     if args.command == "overhead" and args.pin:
