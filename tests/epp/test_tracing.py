@@ -3,6 +3,7 @@ opentelemetry-proto as a collector would: which context the request span continu
 traceparent sent upstream, sampling; and the model server's spans (modelserver/tracing.py, the OpenTelemetry SDK)
 from an engine request's timestamps."""
 
+import asyncio
 from types import SimpleNamespace
 
 import pytest
@@ -16,8 +17,10 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 
-from epp.requestcontrol.tracing import RequestTracing, export_request
+from epp.requestcontrol.tracing import OTLPExporter, RequestTracing, export_request
 from epp.scheduling.types import SchedulingRequest, SchedulingResult, TypedName
+from harness.bench.ports import free_ports
+from harness.otlp import TraceCollector
 from modelserver.engine.request import Request, SamplingParams
 from modelserver.tracing import RequestTracer
 from protocol.tracing import GenAI, tracer
@@ -158,6 +161,25 @@ def test_the_exporter_batches_into_one_export_request():
     (resource_spans,) = request.resource_spans
     assert resource_spans.resource.attributes[0].value.string_value == "epp"
     assert [s.name for s in resource_spans.scope_spans[0].spans] == ["gateway.request"] * 3
+
+
+@pytest.mark.parametrize("keep", [True, False], ids=["kept", "counted"])
+async def test_the_exporter_sends_each_requests_spans_to_a_collector_over_grpc(keep):
+    """OTLPExporter's thread through real gRPC into harness.otlp's collector (which keeps them, or only counts them:
+    `python -m harness.otlp`); closing sends what is pending."""
+    port = free_ports(1)[0]
+    collector = TraceCollector(f"127.0.0.1:{port}", keep=keep)
+    await collector.start()
+    try:
+        exporter = OTLPExporter(f"http://127.0.0.1:{port}")
+        traced = RequestTracing(exporter)
+        for _ in range(3):
+            traced.finished(traced.start({}, None), "200")
+        await asyncio.to_thread(exporter.close)
+        assert exporter.exported == 3 and exporter.dropped == 0 and collector.received == 3
+        assert [(s.service, s.name) for s in collector.spans] == [("epp", "gateway.request")] * 3 * keep
+    finally:
+        await collector.stop()
 
 
 def test_the_model_servers_spans_carry_vllms_attributes_and_its_phases():
