@@ -11,14 +11,19 @@ Why not the OpenTelemetry SDK here (the model server uses it, as vLLM does): its
 request itself. Measured in process (`epp-bench handler-cpu`'s path, default profile, docs/observability.md): 160 us
 of CPU per request untraced, 318 us with the SDK's spans (a request and a scheduling span with these attributes,
 batch processor, OTLP exporter); a bare SDK span costs ~18 us to make and ~40 us to encode. So the spans are written
-here straight into the OTLP protobuf (`ExportTraceServiceRequest`) from pre-encoded field keys, and a thread sends
-them in batches to the collector's TraceService/Export over gRPC (`OTLPExporter`), off the request path, bounded
-(MAX_PENDING_SPANS: beyond, spans are dropped and counted).
+here straight into the OTLP protobuf (`ExportTraceServiceRequest`), and a thread sends them in batches to the
+collector's TraceService/Export over gRPC (`OTLPExporter`), off the request path, bounded (MAX_PENDING_REQUESTS:
+beyond, spans are dropped and counted).
 
-What the request path pays when a request is sampled: its ids and start time when its headers arrive, the
-traceparent string of the answer, and two clock readings around scheduling; the spans' bytes are made after the
-answer has gone out (`Director.after_routed`) and at the request's end. A request that is not sampled costs a
-random number.
+Written so that a request's spans cost few Python operations, whatever the pool's size: what repeats is encoded
+once and looked up (attribute keys, the model, the status; the candidates, and the pick with its fallbacks, per list
+of endpoints; the profile and the plugins' names per layout); the scheduling span's numbers (the totals, each
+scorer's scores, each plugin's seconds) are packed by one struct per layout (`_Shape`); a request's spans are
+entries of ScopeSpans.spans when made, so the exporter only joins them, and go to it in one `add` at the request's
+end. What the request path pays when a request is sampled: its ids and start time when its headers arrive, the
+traceparent of the answer, and two clock readings around scheduling; the spans' bytes are made after the answer has
+gone out (`Director.after_routed`) and at the request's end. A request that is not sampled costs a random number.
+`epp-bench handler-cpu --tracing on|bare` measures it in process (docs/observability.md).
 """
 
 from __future__ import annotations
