@@ -5,7 +5,8 @@ except `chaos`, which exits 1 when an attack misses a goal it reports, and `floo
 left requests unaccounted for.
 
 epp-bench overhead [--servers 4] [--sequential 2000] [--concurrency 32] [--requests 2000] [--ext-proc-transport h2|grpcio]
-                   [--streamed] [--pin] [--epp-config FILE ...] [--against DIR [--pairs 4]] [--out DIR]
+                   [--streamed] [--pin] [--epp-config FILE ...] [--epp-flags FLAGS ...] [--rounds 1]
+                   [--against DIR [--pairs 4]] [--out DIR]
 epp-bench handler-cpu [--requests 4000] [--batch 16] [--rounds 9] [--streamed] [--kv-events] [--config-file FILE]
                       [--evict-mb N] [--instructions]
 """
@@ -38,7 +39,7 @@ from harness.bench import (
     tokenize,
 )
 from harness.bench.workloads import WORKLOADS
-from protocol.cli import Parser, command_parser
+from protocol.cli import Parser, command_parser, positive_int
 
 
 def _exit(signum: int, frame) -> None:
@@ -75,6 +76,13 @@ def build_parser() -> Parser:
         "one's in the same runs, the two swapped between two EPP targets in each pair of runs (overhead.compare_builds)",
     )
     over.add_argument("--pairs", type=int, default=4, help="pairs of runs for --against")
+    over.add_argument(
+        "--rounds",
+        type=positive_int,
+        default=1,
+        help="pairs of throughput passes over the targets (forward, then back): more passes, each EPP variant compared "
+        "with the default EPP pass by pass",
+    )
     over.needs("--pairs", "--against DIR", lambda a: a.against is not None)
     over.add_argument(
         "--streamed", action="store_true", help='"stream": true requests: their access-log records train the predictor'
@@ -353,8 +361,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "overhead" and args.against is not None:
         if args.pairs < 1:
             parser.error("--pairs must be at least 1")
-        if args.epp_config or args.epp_flags:
-            parser.error("--against compares the two builds' defaults: leave out --epp-config and --epp-flags")
+        if args.epp_config or args.epp_flags or args.rounds != 1:
+            parser.error(
+                "--against compares the two builds' defaults in --pairs runs: leave out --epp-config, --epp-flags and "
+                "--rounds"
+            )
         other = args.against.resolve()
         try:
             overhead.build_environment(other)  # refused now, not after the pool has started
@@ -404,6 +415,7 @@ def main(argv: list[str] | None = None) -> None:
                 epp_configs=epp_configs,
                 pin=args.pin,
                 epp_flags=[shlex.split(flags) for flags in args.epp_flags],
+                rounds=args.rounds,
             )
         )
         report = result.markdown()
