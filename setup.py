@@ -38,6 +38,7 @@ WORKSHOP_SCRIPTS = [
 COMPILED = [
     "epp/transport/h2.py",
     "epp/metrics.py",
+    "epp/wireformat.py",
     "epp/datalayer/load.py",
     "epp/handlers/*.py",
     "epp/requestcontrol/*.py",

@@ -515,10 +515,19 @@ class ExtProcConnection:
         block, stream.header_block = stream.header_block, b""
         headers = self._decode(block)
         if stream.handler is None and not stream.headers_sent:  # the request's headers (else: trailers)
+            # One walk finds the path and, when the EPP traces, the trace context the proxy's call carries (a loop, not
+            # a generator: Cython compiles no closure in this method). Pseudo-headers come first (RFC 9113 8.3), so
+            # it stops at the path unless it looks for a traceparent, then at that.
             path = b""
-            for name, value in headers:  # (a loop, not a generator: it runs once per request)
+            traceparent = None
+            trace_context = self.server.trace_context
+            for name, value in headers:
                 if name == b":path":
                     path = value
+                    if not trace_context:
+                        break
+                elif name == b"traceparent":
+                    traceparent = value.decode("latin-1")
                     break
             if len(self.streams) > MAX_CONCURRENT_STREAMS:
                 self.streams.pop(stream.id)
@@ -529,12 +538,7 @@ class ExtProcConnection:
                 return
             if path == PROCESS_PATH:
                 reply = functools.partial(self._reply, stream)
-                if self.server.trace_context:
-                    traceparent = None
-                    for name, value in headers:  # a loop: a generator cannot be compiled in this method
-                        if name == b"traceparent":
-                            traceparent = value.decode("latin-1")
-                            break
+                if trace_context:
                     stream.handler = self.server.new_handler(reply, traceparent)
                 else:
                     stream.handler = self.server.new_handler(reply)

@@ -5,10 +5,11 @@ except `chaos`, which exits 1 when an attack misses a goal it reports, and `floo
 left requests unaccounted for.
 
 epp-bench overhead [--servers 4] [--sequential 2000] [--concurrency 32] [--requests 2000] [--ext-proc-transport h2|grpcio]
-                   [--streamed] [--pin] [--epp-config FILE ...] [--against DIR [--pairs 4]] [--out DIR]
+                   [--streamed] [--pin] [--epp-config FILE ...] [--epp-flags FLAGS ...] [--rounds 1]
+                   [--epp-replicas N] [--against DIR [--pairs 4]] [--out DIR]
 epp-bench kv-index [--cap 150000] [--entries 400000] [--batches 300] [--switch-interval 1000] [--against DIR [--rounds 2]]
 epp-bench handler-cpu [--requests 4000] [--batch 16] [--rounds 9] [--streamed] [--kv-events] [--config-file FILE]
-                      [--evict-mb N] [--instructions]
+                      [--evict-mb N] [--instructions] [--tracing off|bare|on]
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from harness.bench import (
     tokenize,
 )
 from harness.bench.workloads import WORKLOADS
-from protocol.cli import Parser, command_parser
+from protocol.cli import Parser, command_parser, positive_int
 
 
 def _exit(signum: int, frame) -> None:
@@ -76,6 +77,13 @@ def build_parser() -> Parser:
         "one's in the same runs, the two swapped between two EPP targets in each pair of runs (overhead.compare_builds)",
     )
     over.add_argument("--pairs", type=int, default=4, help="pairs of runs for --against")
+    over.add_argument(
+        "--rounds",
+        type=positive_int,
+        default=1,
+        help="pairs of throughput passes over the targets (forward, then back): more passes, each EPP variant compared "
+        "with the default EPP pass by pass",
+    )
     over.needs("--pairs", "--against DIR", lambda a: a.against is not None)
     over.add_argument(
         "--streamed", action="store_true", help='"stream": true requests: their access-log records train the predictor'
@@ -129,6 +137,13 @@ def build_parser() -> Parser:
         default=0,
         help="MiB of memory written before each read, untimed: caches as other processes leave them (16-24: as a "
         "live EPP behind Envoy on a 2-core host finds them)",
+    )
+    cpu.add_argument(
+        "--tracing",
+        choices=list(handler_cpu.TRACING),
+        default="off",
+        help="every request traced (on: its spans encoded as the exporter does, but not sent), tracing's floor (bare: "
+        "ids, the traceparent upstream and one span without attributes) or not",
     )
     cpu.add_argument(
         "--instructions",
@@ -367,7 +382,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "handler-cpu":
         if args.instructions:
             per_request = handler_cpu.instructions(
-                args.requests, args.batch, args.streamed, args.config_file, args.kv_events, args.evict_mb
+                args.requests, args.batch, args.streamed, args.config_file, args.kv_events, args.evict_mb, args.tracing
             )
             fetched = (
                 f"; from beyond a 1 MiB cache after {args.evict_mb} MiB written before each read: "
@@ -383,7 +398,14 @@ def main(argv: list[str] | None = None) -> None:
         else:
             config = args.config_file.read_text() if args.config_file else handler_cpu.DEFAULT_CONFIG
             result = handler_cpu.measure(
-                args.requests, args.batch, args.rounds, args.streamed, config, args.evict_mb, args.kv_events
+                args.requests,
+                args.batch,
+                args.rounds,
+                args.streamed,
+                config,
+                args.evict_mb,
+                args.kv_events,
+                tracing=args.tracing,
             )
             print(result.markdown())
     if args.command == "overhead" and args.pin:
@@ -394,8 +416,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "overhead" and args.against is not None:
         if args.pairs < 1:
             parser.error("--pairs must be at least 1")
-        if args.epp_config or args.epp_flags:
-            parser.error("--against compares the two builds' defaults: leave out --epp-config and --epp-flags")
+        if args.epp_config or args.epp_flags or args.rounds != 1:
+            parser.error(
+                "--against compares the two builds' defaults in --pairs runs: leave out --epp-config, --epp-flags and "
+                "--rounds"
+            )
         other = args.against.resolve()
         try:
             overhead.build_environment(other)  # refused now, not after the pool has started
@@ -446,6 +471,7 @@ def main(argv: list[str] | None = None) -> None:
                 pin=args.pin,
                 epp_flags=[shlex.split(flags) for flags in args.epp_flags],
                 epp_replicas=args.epp_replicas,
+                rounds=args.rounds,
             )
         )
         report = result.markdown()

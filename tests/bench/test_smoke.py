@@ -234,6 +234,16 @@ def test_the_zero_cost_ceiling_is_plain_envoy_s_machine_cpu_over_the_native_floo
     assert result.zero_cost_ceiling() is None
 
 
+def test_each_epp_variant_is_compared_with_the_default_epp_pass_by_pass():
+    result = overhead.OverheadResult("h2", 4, 10, 32, 100)
+    result.epp_phase_cpu_ms = {overhead.EPP: [0.30, 0.40, 0.35]}
+    assert "pass by pass" not in "\n".join(result._phase_lines())  # nothing to compare with
+    result.epp_phase_cpu_ms["envoy+epp (--flag)"] = [0.33, 0.40, 0.42]
+    lines = result._phase_lines()
+    assert "envoy+epp 0.300 0.400 0.350; envoy+epp (--flag) 0.330 0.400 0.420" in lines[0]
+    assert lines[1] == "envoy+epp (--flag) / envoy+epp, pass by pass: median 1.100, 1.000-1.200 over 3 passes"
+
+
 def test_cpus_split_between_the_load_and_the_targets():
     assert overhead.split_cpus([1, 0]) == ({0}, {1})
     assert overhead.split_cpus(range(5)) == ({0, 1}, {2, 3, 4})
@@ -284,8 +294,10 @@ def test_pinned_the_load_and_every_target_s_processes_run_on_their_own_cpus(monk
             without_access_log=False,
             with_picker_only=False,
             pin=True,
+            rounds=2,
         )
     )
+    assert len(result.epp_phase_cpu_ms[overhead.EPP]) == 4  # two passes forward and back: the EPP's CPU in each
     assert os.sched_getaffinity(0) == before
     *targets_and_servers, (client, during), (_, after) = seen
     assert client == os.getpid() and during == {load_cpus} and after == {frozenset(before)}  # every thread

@@ -117,6 +117,29 @@ def test_header_blocks_are_decoded_once_while_the_hpack_table_stays_the_same():
     assert connection._decode(encoder.encode(first)) == [(b":path", b"/a"), (b"x-new", b"1")]  # still in step
 
 
+def test_a_traced_server_hands_each_stream_the_trace_context_its_call_carried():
+    """With `trace_context` the stream's handler gets the call's traceparent (Envoy's trace of the request), None
+    without one; untraced, the handler is made without it."""
+    from hpack import Encoder
+
+    from epp.transport.h2 import END_HEADERS, HEADERS, PROCESS_PATH, ExtProcConnection
+
+    made = []
+    call = [(":method", "POST"), (":path", PROCESS_PATH.decode()), ("content-type", "application/grpc")]
+    context = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    for traced, extra, expected in (
+        (True, [("traceparent", context)], (context,)),
+        (True, [], (None,)),
+        (False, [("traceparent", context)], ()),
+    ):
+        connection = ExtProcConnection(ExtProcServer(lambda reply, *args: made.append(args), trace_context=traced))
+        connection.connection_made(CountingTransport())
+        connection.data_received(
+            PREFACE + frame(4, 0, 0) + frame(HEADERS, END_HEADERS, 1, Encoder().encode(call + extra))
+        )
+        assert made.pop() == expected
+
+
 class RecordingTransport(CountingTransport):
     """Keeps what it is written, too."""
 
