@@ -85,7 +85,9 @@ async def test_health_services_then_a_drain_on_sigterm(tmp_path):
                 == health_pb2.HealthCheckResponse.NOT_SERVING
             )
             assert await status("liveness") == health_pb2.HealthCheckResponse.SERVING  # draining, not dead
-            assert refused(grpc_port)  # a new connection goes to another replica
+            while not refused(grpc_port):  # a new connection goes to another replica (the listener closes next)
+                assert time.monotonic() - began < DRAIN_TIMEOUT
+                await asyncio.sleep(0.05)
             body = json.dumps({"model": "m", "prompt": "hello"}).encode()
             await finishing.write(pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True)))
             answers = [(await asyncio.wait_for(finishing.read(), 5)).WhichOneof("response") for _ in range(2)]
