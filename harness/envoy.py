@@ -37,7 +37,14 @@ def envoy_binary() -> str:
 HTTP, H2C = "http", "kubernetes.io/h2c"  # the InferencePool's appProtocol values (v1)
 UPSTREAM_HTTP_CONFIGS = {HTTP: "{http_protocol_options: {}}", H2C: "{http2_protocol_options: {}}"}
 # The route of requests without the EPP's pick: under FailOpen the pool balances them, under FailClose they stop here.
-UNPICKED_FAIL_OPEN = "route: {cluster: pool_fallback, timeout: 0s, idle_timeout: 600s}"
+# FailOpen retries a server that refuses or resets the connection on another one (previous_hosts): requests fail open
+# exactly when something died, and a model server may have died too (without the retry, 42 requests that failed open
+# got 503 while one of 8 servers was down: `epp-bench failover`, docs/operations.md).
+UNPICKED_FAIL_OPEN = (
+    "route: {cluster: pool_fallback, timeout: 0s, idle_timeout: 600s, retry_policy: {retry_on: 'connect-failure,reset', "
+    "num_retries: 2, retry_host_predicate: [{name: envoy.retry_host_predicates.previous_hosts, typed_config: "
+    "{'@type': type.googleapis.com/envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate}}]}}"
+)
 UNPICKED_FAIL_CLOSE = 'direct_response: {status: 503, body: {inline_string: "the endpoint picker did not route it"}}'
 
 

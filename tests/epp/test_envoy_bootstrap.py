@@ -81,6 +81,9 @@ def test_a_fail_open_h2c_pool_with_three_ranks():
     assert ext_proc(bootstrap)["failure_mode_allow"] is True
     assert ext_proc(bootstrap)["processing_mode"]["request_body_mode"] == "BUFFERED"  # Envoy fails open only so
     assert routes(bootstrap)["not-picked-by-epp"]["route"]["cluster"] == "pool_fallback"
+    retry = routes(bootstrap)["not-picked-by-epp"]["route"]["retry_policy"]  # it failed open: a server may be down too
+    assert retry["retry_on"] == "connect-failure,reset" and retry["num_retries"] == 2
+    assert retry["retry_host_predicate"][0]["name"] == "envoy.retry_host_predicates.previous_hosts"
     for name in MODEL_SERVER_CLUSTERS:
         options = clusters(bootstrap)[name]["typed_extension_protocol_options"]
         assert options["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]["explicit_http_config"] == {
