@@ -240,6 +240,9 @@ def test_epp_replicas_behind_headless_services_with_a_disruption_budget():
     (budget,) = [o for o in objects if o["kind"] == "PodDisruptionBudget"]
     assert budget["spec"]["selector"]["matchLabels"] == deployment["spec"]["selector"]["matchLabels"]
     assert budget["spec"]["maxUnavailable"] < replicas
+    (monitor,) = [o for o in build("monitoring") if o["kind"] == "ServiceMonitor"]  # scrapes every replica
+    epp_service = next(o for o in objects if o["kind"] == "Service" and o["metadata"]["name"] == "epp")
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= epp_service["metadata"]["labels"].items()
     # the gateway's Envoy: every replica by the headless name, each health-checked on its gRPC health port
     bootstrap = yaml.safe_load(
         next(o for o in objects if o["metadata"]["name"] == "envoy-bootstrap")["data"]["envoy.yaml"]
