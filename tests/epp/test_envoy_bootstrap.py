@@ -168,7 +168,8 @@ def test_envoy_accepts_the_kubernetes_bootstrap_of_a_pool(tmp_path, pool):
 
 def test_epp_replicas_are_health_checked_and_a_stream_that_cannot_start_is_retried_elsewhere():
     """Each EPP replica's ext_proc gRPC health is checked on its own health port (a draining replica says NOT_SERVING);
-    an ext_proc stream refused by one replica (connection refused, REFUSED_STREAM) starts on another."""
+    an ext_proc stream refused by one replica (connection refused, REFUSED_STREAM, a reset before its first answer)
+    starts on another."""
     text = render_bootstrap(
         epp_host="127.0.0.1",
         epp_port=9002,
@@ -188,7 +189,7 @@ def test_epp_replicas_are_health_checked_and_a_stream_that_cannot_start_is_retri
     manager = bootstrap["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
     (ext_proc,) = [f for f in manager["http_filters"] if f["name"] == "envoy.filters.http.ext_proc"]
     retry = ext_proc["typed_config"]["grpc_service"]["retry_policy"]
-    assert set(retry["retry_on"].split(",")) == {"connect-failure", "refused-stream"}
+    assert set(retry["retry_on"].split(",")) == {"connect-failure", "refused-stream", "reset"}
     assert retry["retry_host_predicate"][0]["name"] == "envoy.retry_host_predicates.previous_hosts"
     plain = yaml.safe_load(render_bootstrap(epp_host="h", epp_port=1, fallback_endpoints=["h:2"]))
     (cluster,) = [c for c in plain["static_resources"]["clusters"] if c["name"] == "epp"]
