@@ -10,6 +10,7 @@ import sys
 import time
 
 import grpc
+import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -28,6 +29,7 @@ def refused(port: int) -> bool:
     return False
 
 
+@pytest.mark.timing  # it exits within --drain-timeout (plus the rest of its stop)
 async def test_health_services_then_a_drain_on_sigterm(tmp_path):
     pool = tmp_path / "pool.yaml"
     pool.write_text("endpoints: [{address: 127.0.0.1, port: 1}]\n")
