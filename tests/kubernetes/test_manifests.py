@@ -211,6 +211,10 @@ def _deployment(objects: list[dict], name: str) -> dict:
     return next(o for o in objects if o["kind"] == "Deployment" and o["metadata"]["name"] == name)
 
 
+def _cores(quantity: str) -> float:
+    return float(quantity.removesuffix("m")) / 1000 if quantity.endswith("m") else float(quantity)
+
+
 def _flags(container: dict) -> dict[str, str]:
     return dict(arg.removeprefix("--").split("=", 1) if "=" in arg else (arg[2:], "") for arg in container["args"])
 
@@ -240,6 +244,14 @@ def test_epp_replicas_behind_headless_services_with_a_disruption_budget():
     (budget,) = [o for o in objects if o["kind"] == "PodDisruptionBudget"]
     assert budget["spec"]["selector"]["matchLabels"] == deployment["spec"]["selector"]["matchLabels"]
     assert budget["spec"]["maxUnavailable"] < replicas
+    # a small local cluster (the README's kind recipe) schedules all of it: 4 cores (kind shares the host's)
+    requested = sum(
+        o["spec"]["replicas"] * _cores(c["resources"]["requests"]["cpu"])
+        for o in objects
+        if o["kind"] == "Deployment"
+        for c in o["spec"]["template"]["spec"]["containers"]
+    )
+    assert requested <= 3.5, requested
     (monitor,) = [o for o in build("monitoring") if o["kind"] == "ServiceMonitor"]  # scrapes every replica
     epp_service = next(o for o in objects if o["kind"] == "Service" and o["metadata"]["name"] == "epp")
     assert monitor["spec"]["selector"]["matchLabels"].items() <= epp_service["metadata"]["labels"].items()
