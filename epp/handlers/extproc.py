@@ -36,8 +36,8 @@ from epp.handlers import Reply, wire
 from epp.handlers.budget import ByteBudget
 from epp.handlers.wire import ExtProcRequest
 from epp.metrics import unlabelled
-from epp.requestcontrol.director import Director
-from epp.requestcontrol.types import RequestContext, RoutingDecision
+from epp.requestcontrol.director import Director, RequestContext
+from epp.requestcontrol.types import RoutingDecision
 from protocol import extproc, tracing
 from protocol.openai import OpenAIError, load_json_body
 

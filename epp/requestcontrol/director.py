@@ -52,10 +52,10 @@ from epp.flowcontrol import DEFAULT_FLOW, EVICTED_TTL, FlowController, FlowContr
 from epp.metrics import EPPMetrics
 from epp.requestcontrol.stored_responses import HEAD_BYTES, ResponseLocator, gone
 from epp.requestcontrol.tracing import RequestTracing
-from epp.requestcontrol.types import RequestContext, RoutingDecision
+from epp.requestcontrol.types import RoutingDecision
 from epp.scheduling.errors import SchedulingError
 from epp.scheduling.scheduler import Scheduler
-from epp.scheduling.types import CycleState, ResponseInfo, SchedulingRequest
+from epp.scheduling.types import CycleState, ResponseInfo, SchedulingRequest, SchedulingResult
 from protocol.extproc import (
     DROPPED_SATURATED,
     DROPPED_TTL_EXPIRED,
@@ -102,6 +102,63 @@ EARLY_RECORDS_SECONDS = 2.0
 # first access-log flush (0.1 s in our bootstrap).
 UNTIMED_RESPONSES_WARNING = 100
 UNTIMED_WARNING_SECONDS = 2.0
+
+
+@cython.final
+@cython.cclass
+class RequestContext:
+    """One request's state from its headers to the end of its response; owned by the director, held by the
+    handler of the request's ext_proc stream."""
+
+    dispatched = cython.declare(cython.bint, visibility="public")
+    endpoint = cython.declare(object, visibility="public")
+    error_style = cython.declare(object, visibility="public")
+    first_chunk_at = cython.declare(cython.double, visibility="public")
+    headers = cython.declare(object, visibility="public")
+    in_flight_tokens = cython.declare(cython.Py_ssize_t, visibility="public")
+    kind = cython.declare(object, visibility="public")
+    labels = cython.declare(object, visibility="public")
+    metrics_age = cython.declare(cython.double, visibility="public")
+    model = cython.declare(object, visibility="public")
+    request = cython.declare(object, visibility="public")
+    response_head = cython.declare(object, visibility="public")
+    response_tail = cython.declare(object, visibility="public")
+    result = cython.declare(object, visibility="public")
+    routed_at = cython.declare(cython.double, visibility="public")
+    scheduling_seconds = cython.declare(cython.double, visibility="public")
+    served = cython.declare(object, visibility="public")
+    status = cython.declare(object, visibility="public")
+    streamed = cython.declare(cython.bint, visibility="public")
+    subset = cython.declare(object, visibility="public")
+    target_model = cython.declare(object, visibility="public")
+    trace = cython.declare(object, visibility="public")
+    trace_times = cython.declare(object, visibility="public")
+
+    def __init__(self, headers: dict[str, str], subset: frozenset[str] | None):
+        self.headers = headers
+        self.subset = subset  # allowed "ip:port" from the proxy's subset hint; None = no hint
+        self.model = self.target_model = ""  # the client's model name and the one the model server will see
+        self.labels = ("", "")  # the metrics' model and target model labels (bounded: EPPMetrics.model_label)
+        self.request: SchedulingRequest | None = None
+        self.result: SchedulingResult | None = None
+        self.endpoint: Endpoint | None = None  # the pick, while the request is in flight
+        self.in_flight_tokens = 0  # its prompt tokens counted in the pick's in_flight_tokens, until it answers
+        self.routed_at = 0.0
+        self.metrics_age = -1.0  # how old the pick's metrics (its latest scrape) were when it was picked; -1 = none
+        self.scheduling_seconds = 0.0  # the decision's time, until its histograms observe it (Director.after_routed)
+        self.served: str | None = None  # the endpoint that answered, as the proxy reports it
+        self.status = ""  # the response's HTTP status
+        self.response_tail = b""  # the last bytes of the response body (where the usage is)
+        self.dispatched = False  # flow control let it through: its completion frees the turn
+        self.first_chunk_at = 0.0  # when the first response body chunk came through (monotonic), 0 = none yet
+        self.streamed = False  # the client asked for a streamed response (its first chunk is then the first token)
+        self.kind: RequestKind | None = None  # the API its path names (None: another path)
+        self.error_style = "openai"  # the shape of the errors the EPP answers it with (protocol.openai.error_style)
+        self.response_head: bytes | None = None  # a stored Responses answer's first bytes, until its id is learnt
+        self.trace = None  # its gateway.request span, when traced (epp.requestcontrol.tracing)
+        # when traced: (queued from, queued until or 0, scheduled from, scheduled until), time_ns(), until its spans
+        # are made (Director.after_routed)
+        self.trace_times: list[int] | None = None
 
 
 @cython.annotation_typing(True)
@@ -231,7 +288,7 @@ class Director:
             raise self._failed(ctx, error) from None
         return decision if isinstance(decision, RoutingDecision) else await decision
 
-    def _admit(self, ctx, request, body, changed) -> RoutingDecision | Awaitable[RoutingDecision]:
+    def _admit(self, ctx: RequestContext, request, body, changed) -> RoutingDecision | Awaitable[RoutingDecision]:
         """Admission (flow control), then scheduling."""
         if request.subset is not None and not request.subset:
             raise OpenAIError("the subset hint allows no endpoint", 503)
@@ -364,7 +421,9 @@ class Director:
             return self._decide(ctx, request, body, body_changed, prepared, waited)
         return self._schedule_prepared(ctx, request, body, body_changed, prepared, waited)
 
-    def _decide(self, ctx, request, body, body_changed, cycle_state: CycleState, waited: bool) -> RoutingDecision:
+    def _decide(
+        self, ctx: RequestContext, request, body, body_changed, cycle_state: CycleState, waited: bool
+    ) -> RoutingDecision:
         metrics = self.metrics
         started = perf_counter()
         times = ctx.trace_times

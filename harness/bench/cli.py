@@ -136,7 +136,7 @@ def build_parser() -> Parser:
     cmp = sub.add_parser("compare", help="routing quality of our EPP, plain Envoy and the Rust routers")
     workloads = sorted(p.stem for p in WORKLOADS.glob("*.yaml"))
     cmp.add_argument("--workload", default="shared-prefix", choices=workloads, help="one of: " + ", ".join(workloads))
-    targets = [*compare.EPP_TARGETS, *compare.ENVOY_TARGETS, *compare.PEER_TARGETS]
+    targets = [*compare.EPP_TARGETS, *compare.ENVOY_TARGETS, *compare.PEER_TARGETS, *sorted(compare.ORACLE_TARGETS)]
     cmp.add_argument(
         "--targets",
         nargs="+",

@@ -50,6 +50,11 @@ SESSIONS_CONFIG = DEFAULT_CONFIG.replace(
     "  - pluginRef: max-score-picker\n",
     "  - pluginRef: session-affinity-scorer\n    weight: 3\n  - pluginRef: max-score-picker\n",
 )
+# The default profile with the precise prefix score counted beyond what every candidate holds (an agent's tools prompt)
+BEYOND_SHARED_CONFIG = DEFAULT_CONFIG.replace(
+    "- type: precise-prefix-cache-scorer\n",
+    "- type: precise-prefix-cache-scorer\n  parameters: {scoreBeyondShared: true}\n",
+)
 EPP_TARGETS = {
     # the default profile: the latency predictor's filters, learning TTFT from the gateway's access log, then the
     # scorers (precise for endpoints that publish KV events: epp-local's servers do)
@@ -58,6 +63,7 @@ EPP_TARGETS = {
     "epp-approximate": APPROXIMATE_CONFIG,
     "llm-d-default": LLM_D_DEFAULT_CONFIG,  # llm-d router v1.0's default profile, "sticky until saturated"
     "epp-sessions": SESSIONS_CONFIG,
+    "epp-beyond-shared": BEYOND_SHARED_CONFIG,
     "epp-3-replicas": None,  # the default profile on 3 EPPs behind one Envoy (round robin), all fed the KV events
     "queue-only": SINGLE_SCORER.format("queue-scorer"),
     "kv-only": SINGLE_SCORER.format("kv-cache-utilization-scorer"),
@@ -74,6 +80,8 @@ WITHOUT_ACCESS_LOG = {"epp-no-predictor"}
 # (harness.envoy.render_bootstrap's observed_responses_percent): epp-streamed shows what streaming every one costs.
 STREAMED_RESPONSES = {"epp-streamed": 100, "epp-predicted": OBSERVED_RESPONSES_PERCENT}
 ENVOY_TARGETS = {"round-robin": "ROUND_ROBIN", "least-request": "LEAST_REQUEST", "random": "RANDOM"}
+# The agentic workload's perfect-information reference (agentic.Oracle): the client routes, straight to the servers
+ORACLE_TARGETS = {"oracle"}
 PEER_TARGETS = {
     "sglang-cache-aware": ("sglang", "cache_aware"),
     "sglang-round-robin": ("sglang", "round_robin"),
@@ -308,6 +316,8 @@ class Pool:
         await asyncio.gather(
             *(self.stack._wait_http("modelserver", f"{u}/health", 60) for u in self.stack.model_server_urls)
         )
+        if self.target in ORACLE_TARGETS:
+            return self
         if self.target in ENVOY_TARGETS:
             path = self.workdir / "baseline.yaml"
             path.write_text(
@@ -366,6 +376,8 @@ async def run_target(
     agent = spec["name"] == "agentic"
     if agent and (concurrency or load_generator != "builtin"):
         raise ValueError("the agentic workload runs sessions at a rate (--rates: sessions per second)")
+    if target in ORACLE_TARGETS and not agent:
+        raise ValueError(f"{target}: only the agentic workloads have a perfect-information reference")
     lora_args = []
     if spec["name"] == "multi-lora":
         names = lora_names(spec)
@@ -390,8 +402,9 @@ async def run_target(
         async with aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=300)
         ) as session:
+            oracle = agentic.Oracle(urls) if target in ORACLE_TARGETS else None
             if warmup and agent:
-                runner = agentic.AgentRunner(session, pool.url, MODEL, spec, scale, _send)
+                runner = agentic.AgentRunner(session, pool.url, MODEL, spec, scale, _send, oracle)
                 await runner.run(agentic.sessions(spec, rate, warmup, seed + 1, scale), time.monotonic())
             elif warmup:
                 warm = []
@@ -417,7 +430,8 @@ async def run_target(
             url = f"{pool.url}/v1/completions"
             outcomes = []
             if agent:
-                turns = await agentic.AgentRunner(session, pool.url, MODEL, spec, scale, _send).run(stream, started)
+                runner = agentic.AgentRunner(session, pool.url, MODEL, spec, scale, _send, oracle)
+                turns = await runner.run(stream, started)
                 outcomes = [
                     Outcome(t.status, t.ttft, t.itl, t.e2e, t.output_tokens, t.cached_share, kind=t.kind) for t in turns
                 ]
@@ -557,7 +571,8 @@ def _from_inference_perf(result: TargetResult, summary: dict) -> None:
     result.output_tokens_per_s = throughput.get("output_tokens_per_sec", 0.0)
 
 
-def markdown(results: list[TargetResult]) -> str:
+def markdown(results: list[TargetResult], floors: dict[float, agentic.Floor] | None = None) -> str:
+    """The report; `floors`: the agentic plan's idle-server floor per rate (agentic.floor)."""
     lines = []
     for rate, concurrency in sorted({(r.rate, r.concurrency) for r in results}):
         rows = [r for r in results if (r.rate, r.concurrency) == (rate, concurrency)]
@@ -602,6 +617,21 @@ def markdown(results: list[TargetResult]) -> str:
                 f"{'yes' if r.valid else f'no (CPU: ours {r.machine_busy:.0%}, host {r.host_busy:.0%})'} |"
             )
         lines.append("")
+        floor = (floors or {}).get(rate)
+        if floor is not None:
+            vs_rr = (
+                f"; round robin's client TTFT is {base.ttft_ms['mean'] / floor.held['mean']:.1f}x / "
+                f"{base.ttft_ms['p90'] / floor.held['p90']:.1f}x the first"
+                if base and base.ttft_ms
+                else ""
+            )
+            lines += [
+                f"the plan's floor ({floor.requests} requests, each alone on an idle server, the sim's timing model): "
+                f"TTFT mean / p90 {floor.held['mean']:.0f} / {floor.held['p90']:.0f} ms where the server holds all "
+                f"its earlier context, {floor.shared_only['mean']:.0f} / {floor.shared_only['p90']:.0f} ms where it "
+                f"holds only the shared prompt{vs_rr}",
+                "",
+            ]
         lines += [
             "mean TTFT at the model servers (client's): "
             + ", ".join(
@@ -744,7 +774,7 @@ async def compare(
     load_generator: str = "builtin",
     warmup: float = 0.0,
 ) -> list[TargetResult]:
-    known = {**EPP_TARGETS, **ENVOY_TARGETS, **PEER_TARGETS}
+    known = {**EPP_TARGETS, **ENVOY_TARGETS, **PEER_TARGETS, **dict.fromkeys(ORACLE_TARGETS)}
     unknown = [t for t in targets if t not in known]
     if unknown:  # before anything starts
         raise ValueError(f"unknown target(s) {', '.join(unknown)}; known: {', '.join(known)}")
@@ -776,6 +806,9 @@ async def compare(
                 )
             )
     (out / f"{workload}.json").write_text(json.dumps([asdict(r) for r in results], indent=2))
-    (out / f"{workload}.md").write_text(markdown(results))
+    floors = {}
+    if spec["name"] == "agentic" and not concurrencies:
+        floors = {rate: agentic.floor(spec, agentic.sessions(spec, rate, duration, 0, scale), scale) for rate in rates}
+    (out / f"{workload}.md").write_text(markdown(results, floors))
     plots(results, out)
     return results
