@@ -125,9 +125,9 @@ class EndpointPicker:
         self.health_server.add_insecure_port(f"{args.bind_address}:{args.grpc_health_port}")
         self._register_collectors()
         self.metrics_runner = self._metrics_page()
-        # Readiness: the pool is known (the pool file is read at start; Kubernetes: every resource listed once) and,
-        # with leader election, this replica serves. Recomputed whenever either changes.
-        self.readiness = {"pool synced": bool(args.pool_file), "serving": self.elector is None}
+        # Readiness: the pool is known (the pool file is read at start; Kubernetes: every resource listed once),
+        # with leader election this replica serves, and it is not draining (stop). Recomputed whenever one changes.
+        self.readiness = {"pool synced": bool(args.pool_file), "serving": self.elector is None, "not draining": True}
         self.tasks: list[asyncio.Task] = []
 
     def _pool_source(self) -> tuple[PoolSource, PoolState, LeaseElector | None]:
@@ -314,13 +314,19 @@ class EndpointPicker:
         print(f"epp ready on {args.bind_address}:{args.grpc_port}", flush=True)
 
     async def stop(self) -> None:
-        """Stop every part, whatever start reached."""
+        """Drain, then stop every part, whatever start reached. The drain (--drain-timeout): not ready (the gateway's
+        health checks and Kubernetes' readiness probe stop sending streams here), the Lease given up so that a
+        standby takes over, and the ext_proc transport's streams in flight finished while the gateway opens new
+        ones on another replica (GOAWAY); the scrapes and the in-flight accounting keep running for them."""
+        self.readiness["not draining"] = False
+        await self._report_health()
         for task in self.tasks:
             task.cancel()
         # Awaited here, not left to asyncio.run's last cancellation (which would cut the elector's release short).
         await asyncio.gather(*self.tasks, return_exceptions=True)
+        log.info("draining: new ext_proc streams go elsewhere, those in flight have up to %gs", self.args.drain_timeout)
+        await self.server.stop(grace=self.args.drain_timeout)
         await self.health.set(live=False, ready=False)
-        await self.server.stop(grace=1.0)
         await self.health_server.stop(grace=None)
         if self.replicas is not None:
             await self.replicas.stop()

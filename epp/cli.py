@@ -33,6 +33,9 @@ log = logging.getLogger("epp")
 # wake-up of the loop behind such a thread could wait that long. Heterogeneous workload, 16 req/s on 8 sims, 4 pairs:
 # Envoy's arrival-to-upstream-send, medians, 16.9 -> 14.8 ms for 200-token prompts, 54.9 -> 49.7 ms for 6,000-token ones.
 GIL_SWITCH_INTERVAL_SECONDS = 0.0005
+# Kubernetes' default terminationGracePeriodSeconds, which our Deployment sets a little above it
+# (manifests/base/epp.yaml): a stream in flight is one request until its response ends.
+DEFAULT_DRAIN_TIMEOUT_SECONDS = 30.0
 
 
 def duration(text: str) -> float:
@@ -222,6 +225,15 @@ def build_parser() -> Parser:
         default=1.0,
         help="share of new traces kept (a trace continued from the client or the gateway keeps its own decision; "
         "default %(default)s)",
+    )
+    p.add_argument(
+        "--drain-timeout",
+        type=duration,
+        default=DEFAULT_DRAIN_TIMEOUT_SECONDS,
+        help="on SIGTERM or SIGINT: report not ready (gRPC health), tell the gateway to open new ext_proc streams "
+        "elsewhere (HTTP/2 GOAWAY; no new connection is accepted) and wait up to this long for the streams in flight, "
+        "which last until their responses end, before exiting; keep it below the pod's terminationGracePeriodSeconds "
+        "(seconds; 0: exit at once)",
     )
     p.add_argument("-v", "--verbosity", type=int, default=0, help="0 info, 1+ debug")
     flag_rules(p)

@@ -316,6 +316,7 @@ class LocalStack:
             message_timeout=c.message_timeout,
             fallback_endpoints=[u.removeprefix("http://") for u in self.model_server_urls],
             more_epp_endpoints=[f"{c.host}:{grpc}" for grpc, _, _ in self.epp_ports[1:]],
+            epp_health_ports=[health for _, health, _ in self.epp_ports],
             otlp_traces_endpoint=c.otlp_traces_endpoint,
         )
 

@@ -1,8 +1,8 @@
 """`epp-bench`: benchmarks of the EPP on a local sim pool.
 
 Each subcommand prints its measurements and the files it wrote (or that it wrote none). They report and exit 0,
-except `chaos`, which exits 1 when an attack misses a goal it reports, and `flood`, which exits 1 when a target
-left requests unaccounted for.
+except `chaos`, which exits 1 when an attack misses a goal it reports, `failover`, which exits 1 when a fault failed
+a request it should not have, and `flood`, which exits 1 when a target left requests unaccounted for.
 
 epp-bench overhead [--servers 4] [--sequential 2000] [--concurrency 32] [--requests 2000] [--ext-proc-transport h2|grpcio]
                    [--streamed] [--pin] [--epp-config FILE ...] [--epp-flags FLAGS ...] [--rounds 1]
@@ -30,6 +30,7 @@ from harness.bench import (
     chaos,
     compare,
     decision,
+    failover,
     flood,
     handler_cpu,
     idle,
@@ -260,6 +261,15 @@ def build_parser() -> Parser:
     )
     chaos_cmd = sub.add_parser("chaos", help="attacks and faults on a local stack while a well-behaved client runs")
     chaos_cmd.add_argument("--seconds", type=float, default=4.0, help="per attack")
+    fail_cmd = sub.add_parser(
+        "failover", help="an EPP replica killed, one drained, a model server killed, each under streaming load"
+    )
+    fail_cmd.add_argument("--servers", type=int, default=8, help="sim model servers (one process each)")
+    fail_cmd.add_argument("--replicas", type=int, default=3, help="EPP replicas behind Envoy")
+    fail_cmd.add_argument("--clients", type=int, default=32, help="streaming clients, back to back")
+    fail_cmd.add_argument("--seconds", type=float, default=6.0, help="per fault")
+    fail_cmd.add_argument("--fail-close", action="store_true", help="FailClose instead of FailOpen")
+    fail_cmd.add_argument("--drain-timeout", type=float, default=10.0, help="the replicas' --drain-timeout (seconds)")
     idle_cmd = sub.add_parser("idle", help="CPU of an idle EPP that only scrapes N endpoints")
     idle_cmd.add_argument("--endpoints", type=int, nargs="+", default=[8, 64, 256], help="pool sizes")
     idle_cmd.add_argument("--seconds", type=float, default=10.0, help="measuring window per pool size")
@@ -369,6 +379,21 @@ def main(argv: list[str] | None = None) -> None:
         missed = [r.attack for r in report.results if chaos.missed_goals(report, r)]
         if missed:
             raise SystemExit(f"epp-bench chaos: goals missed by: {', '.join(missed)} (the table says which and why)")
+    if args.command == "failover":
+        report = asyncio.run(
+            failover.run(
+                servers=args.servers,
+                replicas=args.replicas,
+                clients=args.clients,
+                seconds=args.seconds,
+                fail_open=not args.fail_close,
+                drain_timeout=args.drain_timeout,
+            )
+        )
+        print(failover.markdown(report))
+        missed = failover.missed_goals(report)
+        if missed:
+            raise SystemExit(f"epp-bench failover: requests failed in: {', '.join(missed)}")
     if args.command == "idle":
         print(
             idle.markdown(
