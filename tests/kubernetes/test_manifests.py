@@ -476,3 +476,27 @@ def test_unknown_fields_are_rejected_like_strict_decoding():
     assert any('unknown field "nmber"' in e for e in validate_custom_resource(nested))
     labelled = with_change(POOL, ["metadata", "labels"], {"app": "x"})  # ObjectMeta is not the CRD's to check
     assert validate_custom_resource(labelled) == []
+
+
+@pytest.mark.parametrize("path", ["base", "overlays/sim", "overlays/gpu"])
+def test_every_container_s_arguments_are_flags_its_command_knows(path):
+    """The Deployments' arguments parse with the parsers of the commands they run (`kubectl` would not notice a
+    renamed or removed flag; the pod would crash-loop on `unrecognized arguments`)."""
+    from epp.cli import build_parser as epp_parser
+    from modelserver.cli import build_parser as modelserver_parser
+
+    parsers = {"epp": epp_parser, "modelserver": modelserver_parser}
+    checked = set()
+    for obj in build(path):
+        if obj["kind"] != "Deployment":
+            continue
+        for container in obj["spec"]["template"]["spec"]["containers"]:
+            image = container["image"].rsplit("/", 1)[-1].split(":")[0]
+            command = "epp" if image == "epp" else "modelserver" if image.startswith("modelserver") else None
+            if command is None:
+                continue
+            # the kubelet expands $(VAR) from the container's env before the process starts
+            args = [arg.replace("$(POD_NAMESPACE)", "default") for arg in container.get("args", [])]
+            parsers[command]().parse_args(args)  # argparse exits 2 naming an unknown or malformed flag
+            checked.add(command)
+    assert checked == {"epp", "modelserver"}, checked
