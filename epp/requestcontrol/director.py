@@ -321,7 +321,7 @@ class Director:
             self._labelled_state = state
             self.metrics.model_names.pinned = pinned_model_names(state)
         label = self.metrics.model_label
-        ctx.labels = (label(model), label(ctx.target_model))
+        ctx.labels = (label(model), label(ctx.target_model), *ctx.labels[2:])
         if target and target != model:
             payload["model"] = target
             return json.dumps(payload, separators=(",", ":")).encode(), True
@@ -335,15 +335,19 @@ class Director:
         request_id = headers.get(REQUEST_ID_HEADER)
         if not request_id or len(request_id) > MAX_REQUEST_ID_CHARS:
             request_id = str(uuid.uuid4())
+        priority = self.datastore.priority(objective)
+        # an agent's turns share one flow (llm-d's agent-identity) when the client names no fairness id
+        fairness_id = headers.get(FAIRNESS_ID_HEADER) or agent_identity(headers)
+        labels = ctx.labels
+        ctx.labels = (labels[0], labels[1], self.metrics.fairness_label(fairness_id or DEFAULT_FLOW), str(priority))
         return SchedulingRequest(
             request_id=request_id,
             model=ctx.target_model,
             prompt=prompt,
             prompt_tokens_estimate=len(prompt) // 4,
-            priority=self.datastore.priority(objective),
+            priority=priority,
             objective=objective,
-            # an agent's turns share one flow (llm-d's agent-identity) when the client names no fairness id
-            fairness_id=headers.get(FAIRNESS_ID_HEADER) or agent_identity(headers),
+            fairness_id=fairness_id,
             max_tokens=_max_tokens(payload),
             streamed=ctx.streamed,
             payload=payload,
@@ -395,7 +399,7 @@ class Director:
         if endpoint.recent_ttft and not self.response_headers_seen:
             heappush(self.prefilling, (ctx.routed_at + endpoint.recent_ttft, next(self._order), ctx))
         metrics.requests.labels(*ctx.labels).inc()
-        metrics.running.labels(ctx.labels[0]).inc()
+        metrics.running.labels(*ctx.labels).inc()
         scores = traceparent = None
         if self.emit_endpoint_scores:
             scores = {e.spec.hostport: total for e, total in zip(result.candidates, result.totals, strict=True)}
@@ -534,7 +538,7 @@ class Director:
         if not timed:  # from here on only timings read the result
             ctx.result = None  # (most of what a request awaiting its access-log record would hold, for ~0.1 s)
         metrics = self.metrics
-        metrics.running.labels(ctx.labels[0]).dec()
+        metrics.running.labels(*ctx.labels).dec()
         status = ctx.status
         wants_timings = timed and status.startswith("2")
         if ctx.first_chunk_at and ctx.streamed and status.startswith("2"):  # the body came through: its timings

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from epp.datalayer.endpoint import Endpoint
+from epp.flowcontrol import DEFAULT_FLOW
 from epp.scheduling.types import SchedulingRequest, SchedulingResult
 from protocol.openai import RequestKind
 
@@ -43,7 +44,10 @@ class RequestContext:
         self.headers = headers
         self.subset = subset  # allowed "ip:port" from the proxy's subset hint; None = no hint
         self.model = self.target_model = ""  # the client's model name and the one the model server will see
-        self.labels = ("", "")  # the metrics' model and target model labels (bounded: EPPMetrics.model_label)
+        # the per-request metrics' labels (epp.metrics.REQUEST_LABELS): model, target model (bounded:
+        # EPPMetrics.model_label), fairness id (bounded: EPPMetrics.fairness_label) and priority, as llm-d's are before
+        # it knows them
+        self.labels = ("", "", DEFAULT_FLOW, "0")
         self.request: SchedulingRequest | None = None
         self.result: SchedulingResult | None = None
         self.endpoint: Endpoint | None = None  # the pick, while the request is in flight
