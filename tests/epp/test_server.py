@@ -41,9 +41,12 @@ class NoScraper:
 
 
 def make_picker(
-    state: PoolState | None = None, config: str | None = None, emit_endpoint_scores: bool = False
+    state: PoolState | None = None,
+    config: str | None = None,
+    emit_endpoint_scores: bool = False,
+    allow_experimental_plugins: bool = False,
 ) -> Director:
-    scheduler = Scheduler.from_config(config)
+    scheduler = Scheduler.from_config(config, allow_experimental_plugins=allow_experimental_plugins)
     datastore = Datastore([NoScraper()], scheduler.on_pool_changed)
     datastore.apply(
         state or PoolState(endpoints=(EndpointSpec("a", "10.0.0.1", 8000), EndpointSpec("b", "10.0.0.2", 8000)))

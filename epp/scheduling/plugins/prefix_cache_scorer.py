@@ -69,6 +69,7 @@ from epp.scheduling.framework import (
     PreRequest,
     ResponseComplete,
     Scorer,
+    Stability,
     register,
 )
 from epp.scheduling.load import QUEUE_DEPTHS, guard_load
@@ -99,7 +100,7 @@ def longest_prefix(hashes: list[int], held: OrderedDict[int, None] | None) -> in
     return low
 
 
-@register("prefix-cache-scorer")
+@register("prefix-cache-scorer", Stability.BETA)
 class PrefixCacheScorer(Scorer, PreRequest, ResponseComplete, PoolChanged, PrefixIndexStats, KVEventsConsumer):
     consumes = ("block_size", "num_gpu_blocks", *QUEUE_DEPTH_READS, QUEUE_DEPTHS, PREFIX_HASHES)
     produces = (PREFIX_HASHES, QUEUE_DEPTHS, PREFIX_BELIEF, PREFIX_MATCH)
