@@ -19,6 +19,8 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
+# the wheels' builds (the release one compiled and trained) and installs: minutes on a loaded machine
+pytestmark = pytest.mark.timeout(900)
 IMAGES = {"epp": "epp", "modelserver-sim": "modelserver", "modelserver-torch": "torch"}  # target -> extra
 # the modules each part must be able to run without (imported at start-up = a missing dependency in its image)
 OUTSIDE = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # nothing of the checkout on the path

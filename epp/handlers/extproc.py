@@ -95,10 +95,11 @@ def _build_routing_answer(hostports: tuple[str, ...], headers_phase: bool, score
     common = answer.request_headers.response if headers_phase else answer.request_body.response
     common.clear_route_cache = True
     set_headers = [_set_header(_header_key(extproc.DESTINATION_ENDPOINT_HEADER), hostports[0].encode())]
-    fallbacks = hostports[1:]
-    if fallbacks:
-        for i, name in enumerate(extproc.FALLBACK_ENDPOINT_HEADERS):
-            set_headers.append(_set_header(_header_key(name), fallbacks[min(i, len(fallbacks) - 1)].encode()))
+    # A lone pick is its own fallback: without a host in the retry's header, a reset of the pick's connection (its
+    # server busy restarting a peer's streams) ends in Envoy's "no healthy upstream" 503 instead of a retry there.
+    fallbacks = hostports[1:] or hostports
+    for i, name in enumerate(extproc.FALLBACK_ENDPOINT_HEADERS):
+        set_headers.append(_set_header(_header_key(name), fallbacks[min(i, len(fallbacks) - 1)].encode()))
     common.header_mutation.MergeFromString(b"".join(set_headers))
     namespace = answer.dynamic_metadata.get_or_create_struct(extproc.DESTINATION_ENDPOINT_NAMESPACE)
     namespace[extproc.DESTINATION_ENDPOINT_KEY] = ",".join(hostports)

@@ -335,6 +335,7 @@ def test_decision_time_smoke():
     assert 0 < decision.measure_director(8, 1000, repeats=20) < 50_000
 
 
+@pytest.mark.slow  # a benchmark through another load generator, in its own Python 3.12 venv: make bench makes it
 @pytest.mark.skipif(
     inference_perf.command() is None,
     reason="inference-perf is not installed (needs Python 3.12: make bench-inference-perf)",
@@ -359,6 +360,7 @@ def test_inference_perf_as_the_load_generator(tmp_path):
     assert "(load generator: inference-perf)" in (tmp_path / "shared-prefix.md").read_text()
 
 
+@pytest.mark.timing
 def test_cli_lists_workloads_and_targets_and_rejects_unknown_ones_before_starting_anything():
     import subprocess
     import sys

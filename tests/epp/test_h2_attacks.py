@@ -36,6 +36,9 @@ from epp.transport.h2 import (
 from tests.epp import test_grpc_h2
 from tests.epp.test_transports import PROCESS, body, headers
 
+# each test bounds how long a well-behaved client waits beside the attack
+pytestmark = pytest.mark.timing
+
 END_STREAM, END_HEADERS = 0x1, 0x4
 server = test_grpc_h2.server  # the fixture: an ExtProcServer of EchoHandlers on a free port
 REQUEST_HEADERS = [

@@ -6,6 +6,7 @@ import threading
 import time
 
 import msgspec
+import pytest
 import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -350,6 +351,7 @@ def test_a_late_subscriber_fetches_what_the_server_still_buffers():
         subscriber.shutdown()
 
 
+@pytest.mark.timing
 def test_a_replay_socket_that_sends_garbage_or_a_sequence_far_ahead_costs_that_endpoint_only():
     """A malformed batch from a replay socket, or a sequence number ~2^62 ahead (a gap no buffer could close), is a
     gap for that server: counted, its entries dropped, nothing held for the range, and the subscriber goes on."""
@@ -475,6 +477,7 @@ def test_a_server_hashing_with_another_seed_is_found_out_and_left_to_the_approxi
         subscriber.shutdown()
 
 
+@pytest.mark.timing
 async def test_a_huge_batch_at_the_cap_neither_takes_long_nor_stops_the_event_loop():
     """60,000 new hashes into an index full at 60,000: every entry evicted, in O(1) each (the dict-based index
     took seconds, its cost growing with the square of the evictions), and applied on another thread in slices

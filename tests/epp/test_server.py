@@ -286,13 +286,15 @@ def test_endpoint_scores_go_beside_the_pick_in_the_metadata(emit):
     assert scores["10.0.0.2:8000"] == 2.0 and 0.0 <= scores["10.0.0.1:8000"] < 2.0  # weight 2 x the queue score
 
 
-def test_a_single_candidate_sends_no_fallback_headers():
-    """Fallbacks come from the candidates the filters and the subset hint left: a pin stays a pin."""
+def test_a_single_candidate_is_its_own_fallback():
+    """Fallbacks come from the candidates the filters and the subset hint left: a pin stays a pin, and the gateway's
+    retries (on a reset connection) go to it again rather than to no host."""
     stream = new_stream(make_picker())
     stream.handle(headers_message(BASE_HEADERS, subset=["10.0.0.2:8000"]))
     (head, *_) = stream.handle(body_message(b'{"model": "m", "prompt": "x"}'))
-    assert set_headers(head)["x-gateway-destination-endpoint"] == "10.0.0.2:8000"
-    assert not any("fallback" in name for name in set_headers(head))
+    headers = set_headers(head)
+    assert headers["x-gateway-destination-endpoint"] == "10.0.0.2:8000"
+    assert {value for name, value in headers.items() if "fallback" in name} == {"10.0.0.2:8000"}
 
 
 def test_response_path_reads_served_endpoint_and_usage():

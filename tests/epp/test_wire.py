@@ -47,9 +47,8 @@ def _expected(decision: RoutingDecision, headers_phase: bool) -> list[pb.Process
     common.clear_route_cache = True
     hostports = [e.spec.hostport for e in decision.endpoints]
     headers = [(extproc.DESTINATION_ENDPOINT_HEADER, hostports[0])]
-    fallbacks = hostports[1:]
-    if fallbacks:
-        headers += [(n, fallbacks[min(i, len(fallbacks) - 1)]) for i, n in enumerate(extproc.FALLBACK_ENDPOINT_HEADERS)]
+    fallbacks = hostports[1:] or hostports  # a lone pick is its own fallback
+    headers += [(n, fallbacks[min(i, len(fallbacks) - 1)]) for i, n in enumerate(extproc.FALLBACK_ENDPOINT_HEADERS)]
     headers.append((extproc.REQUEST_ID_HEADER, decision.request_id))
     if decision.body is not None:
         headers.append(("content-length", str(len(decision.body))))

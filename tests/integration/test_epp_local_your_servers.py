@@ -147,5 +147,8 @@ async def test_a_pool_of_no_model_server_answers_503_not_the_servers_page(tmp_pa
     finally:
         stack.stop()
         await runner.cleanup()
-    log = (tmp_path / "epp.log").read_text()
-    assert log.count("has served no valid metrics page") == 1 and "HTTP 404" in log
+    # once per change of what it answered: a loaded machine can time the first scrape out before the 404s
+    warnings = [
+        line for line in (tmp_path / "epp.log").read_text().splitlines() if "has served no valid metrics" in line
+    ]
+    assert sum("HTTP 404" in line for line in warnings) == 1, warnings

@@ -10,6 +10,7 @@ import time
 from collections.abc import Mapping
 
 import aiohttp
+import pytest
 
 from epp.config.loader import DEFAULT_CONFIG
 from tests.integration.conftest import FAST_SIM
@@ -67,6 +68,7 @@ async def test_a_request_queued_longer_than_the_message_timeout_is_answered(make
     assert re.search(waited_long, page)  # its wait is in the histogram, under its tenant
 
 
+@pytest.mark.timing
 async def test_a_request_whose_ttl_runs_out_gets_429_with_retry_after(make_stack):
     stack = await make_stack(
         servers=1,

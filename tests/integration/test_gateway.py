@@ -271,6 +271,7 @@ async def test_the_predictor_learns_from_the_gateways_access_log_without_respons
         assert await observations(stack, session) == learnt
 
 
+@pytest.mark.timing
 async def test_the_gateway_sends_each_access_log_record_within_its_flush_interval(make_stack):
     """Envoy flushes the access log every ACCESS_LOG_FLUSH_INTERVAL (0.1 s), not only once 16 KiB of records have
     gathered: each request's record teaches the predictor well inside half a second of the request's end. (Envoy
@@ -331,6 +332,7 @@ async def until_access_log_records_teach(stack: LocalStack, session: aiohttp.Cli
 OBSERVATIONS = "inference_extension_latency_predictor_observations_total"
 
 
+@pytest.mark.timing
 async def test_without_response_bodies_the_predictor_learns_time_per_output_token_from_the_servers(make_stack):
     """The access log gives TTFT; the time per output token comes from the server's own inter-token latency
     histogram, scraped over each request's decode: the predictor's TPOT error appears in the EPP's metrics with no

@@ -282,6 +282,7 @@ async def test_watchers_leave_the_default_executor_free(apiserver):
         executor.shutdown(wait=False)
 
 
+@pytest.mark.timing
 async def test_an_outage_is_logged_once_and_watching_resumes_within_two_seconds(apiserver, caplog):
     server, api = apiserver
     server.apply("inferencepools", pool())

@@ -94,6 +94,7 @@ async def test_two_replicas_one_leader_and_fail_over_when_the_leader_dies(replic
     assert group.overlaps == 0
 
 
+@pytest.mark.timing
 async def test_a_clean_stop_releases_the_lease(replicas):
     server, group = replicas
     group.start("epp-a")

@@ -5,6 +5,7 @@ import json
 import time
 
 import aiohttp
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -155,6 +156,7 @@ async def test_bad_lora_paths_are_400(model_server, tmp_path):
                 assert len((await r.json())["error"]["message"]) < 400
 
 
+@pytest.mark.timing
 async def test_oversized_prompts_are_rejected_before_tokenizing_and_metrics_never_wait(tmp_path):
     running, runner = await start_server(tmp_path, max_request_body_bytes=64 * 1024 * 1024)
     url = running.url

@@ -49,6 +49,7 @@ async def test_idle_replicas_block_instead_of_spinning():
             await engine.stop()
 
 
+@pytest.mark.timing
 async def test_replicas_on_one_loop_serve_concurrently():
     timing = SimTiming(prefill_overhead=0.05, prefill_time_per_token=0.0, decode_base=0.0, decode_per_seq=0.0)
     engines = [make_engine(timing, i) for i in range(8)]
@@ -94,6 +95,7 @@ async def test_random_cancellations_free_everything_and_count_every_request():
         await engine.stop()
 
 
+@pytest.mark.timing
 async def test_lora_load_latency_only_when_the_adapter_enters_a_slot():
     timing = SimTiming(
         prefill_overhead=0.0,

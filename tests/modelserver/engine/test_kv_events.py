@@ -273,6 +273,7 @@ async def test_sequence_numbers_are_gapless_and_replay_answers_as_vllm_even_afte
         ctx.term()
 
 
+@pytest.mark.timing
 def test_publishing_never_blocks_and_stays_bounded_when_nobody_reads():
     config = KVEventsConfig.from_json(
         '{"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:*", "hwm": 10, "buffer_steps": 50,'

@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+from harness.envoy import terminate
 from modelserver.torch.tiny import make_tiny_model
 from tests.conftest import free_ports
 
@@ -84,8 +85,7 @@ def test_msp_conformance_in_torch_mode(tmp_path):
         assert result.returncode == 0, result.stdout + result.stderr
         assert f"{len(CHECKS)} passed, 0 failed" in result.stdout, result.stdout
     finally:
-        server.terminate()
-        server.wait(10)
+        terminate(server, timeout=30)  # SIGTERM, then SIGKILL: torch's exit is slow on a loaded machine
 
 
 def test_logprobs_over_http(tmp_path):
@@ -151,8 +151,7 @@ def test_logprobs_over_http(tmp_path):
         assert len(content) == 3 and all(len(c.top_logprobs) <= 2 for c in content)
         assert sum(len(s.content) for s in streamed) == 3
     finally:
-        server.terminate()
-        server.wait(10)
+        terminate(server, timeout=30)  # SIGTERM, then SIGKILL: torch's exit is slow on a loaded machine
 
 
 def test_responses_and_messages_answer_like_chat_on_the_torch_executor(tmp_path):
@@ -204,5 +203,4 @@ def test_responses_and_messages_answer_like_chat_on_the_torch_executor(tmp_path)
         assert first.output_text == chat.choices[0].message.content == message.content[0].text
         assert follow_up.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
     finally:
-        server.terminate()
-        server.wait(10)
+        terminate(server, timeout=30)  # SIGTERM, then SIGKILL: torch's exit is slow on a loaded machine
