@@ -33,15 +33,22 @@ WORKSHOP_SCRIPTS = [
     "epp-bench = harness.bench.cli:main",
 ]
 # What the release build compiles: the modules every request goes through, from the ext_proc bytes to the scheduler's
-# pick. Measured (README, "The release build"): these cost as little CPU per request as the 45 modules of the request
-# path, scrapes and predictor together, and compile in a third of the time. Package __init__ files stay Python.
+# pick and its plugins, the latency predictor, flow control, the endpoints and the request's prompt: as Python they
+# were some 35 interpreted calls a request (docs/2026-11-29-redesign.md). Package __init__ files stay Python.
 COMPILED = [
     "epp/transport/h2.py",
     "epp/metrics.py",
+    "epp/wireformat.py",
     "epp/datalayer/load.py",
     "epp/handlers/*.py",
     "epp/requestcontrol/*.py",
     "epp/scheduling/*.py",
+    "epp/scheduling/plugins/*.py",
+    "epp/predictor/*.py",
+    "epp/flowcontrol.py",
+    "epp/datalayer/endpoint.py",
+    "epp/datalayer/datastore.py",
+    "protocol/openai.py",
 ]
 
 

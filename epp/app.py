@@ -4,7 +4,8 @@ EndpointPickerConfig (read once, `epp.config.loader`), starts them and stops the
 The parts, bottom up: the pool's source (a pool file or Kubernetes) and the datastore with its endpoint sources (the
 scraper, the KV-event subscriber when the profile reads KV events); the scheduler; flow control; the director; the
 ext_proc transport (h2 or grpcio) and its handlers; gRPC health; the metrics port: the /metrics page, to which each
-part registers its collector, and the status page (`epp.status`, at /); leader election (Kubernetes, several replicas)."""
+part registers its collector, and the status page (`epp.status`, at /); leader election (Kubernetes, several replicas);
+the channel to peer replicas (`epp.replicas`, --replica-peers)."""
 
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ from epp.handlers.wire import ExtProcRequest
 from epp.health import HealthState
 from epp.leader import LeaseElector
 from epp.metrics import EPPMetrics, MetricsPage
+from epp.replicas import ReplicaChannel
 from epp.requestcontrol.director import Director
 from epp.requestcontrol.tracing import OTLPExporter, RequestTracing
 from epp.scheduling.decisions import DecisionLog
@@ -114,6 +116,7 @@ class EndpointPicker:
         self.director = Director(
             self.datastore, self.scheduler, self.metrics, self.flow_control, args.emit_endpoint_scores, self.tracing
         )
+        self.replicas = self._replica_channel()
         self.body_budget = ByteBudget(args.max_buffered_body_bytes)
         self.server = self._ext_proc_server()
         self.health = HealthState()
@@ -122,9 +125,9 @@ class EndpointPicker:
         self.health_server.add_insecure_port(f"{args.bind_address}:{args.grpc_health_port}")
         self._register_collectors()
         self.metrics_runner = self._metrics_page()
-        # Readiness: the pool is known (the pool file is read at start; Kubernetes: every resource listed once) and,
-        # with leader election, this replica serves. Recomputed whenever either changes.
-        self.readiness = {"pool synced": bool(args.pool_file), "serving": self.elector is None}
+        # Readiness: the pool is known (the pool file is read at start; Kubernetes: every resource listed once),
+        # with leader election this replica serves, and it is not draining (stop). Recomputed whenever one changes.
+        self.readiness = {"pool synced": bool(args.pool_file), "serving": self.elector is None, "not draining": True}
         self.tasks: list[asyncio.Task] = []
 
     def _pool_source(self) -> tuple[PoolSource, PoolState, LeaseElector | None]:
@@ -169,6 +172,40 @@ class EndpointPicker:
         self.scheduler.use_kv_index(index)
         log.info("KV events: %s", where)
         return subscriber
+
+    def _replica_channel(self) -> ReplicaChannel | None:
+        """The channel to the peer replicas (--replica-peers), told of every change of the director's in-flight
+        counts and of every pick the shared prefix index records."""
+        args = self.args
+        if not args.replica_peers:
+            return None
+        secret = None
+        if args.replica_secret_file:
+            try:
+                secret = Path(args.replica_secret_file).read_bytes().strip()
+            except OSError as exc:
+                raise ConfigError(
+                    f"cannot read --replica-secret-file {args.replica_secret_file}: {exc.strerror}"
+                ) from None
+            if not secret:
+                raise ConfigError(f"--replica-secret-file {args.replica_secret_file} is empty")
+        channel = ReplicaChannel(
+            self.datastore,
+            self.scheduler.shared_prefix_index,
+            args.replica_port,
+            args.replica_peers,
+            args.bind_address,
+            secret,
+        )
+        self.director.load_changed = channel.load_changed
+        channel.release_prefilled = self.director.release_prefilled
+        self.director.forward_record = channel.forward_record
+        channel.match_record = self.director.match_record
+        predictor = self.scheduler.latency_predictor
+        if predictor is not None:
+            predictor.observed = channel.observed
+            channel.predictor = predictor
+        return channel
 
     def _flow_control(self) -> FlowController | None:
         if not self.flow_config.enabled:
@@ -217,6 +254,8 @@ class EndpointPicker:
         )
         if self.subscriber is not None:
             metrics.register(self.subscriber)
+        if self.replicas is not None:
+            metrics.register(self.replicas)
         metrics.register(BufferedBodyCollector(self.body_budget))
         if isinstance(self.server, ExtProcServer):
             metrics.register(self.server)
@@ -256,6 +295,8 @@ class EndpointPicker:
         else:
             await self.server.start()
         await self.health_server.start()
+        if self.replicas is not None:
+            await self.replicas.start()
         await self.metrics_runner.setup()
         await web.TCPSite(self.metrics_runner, args.bind_address, args.metrics_port).start()
         await self._report_health()
@@ -273,14 +314,22 @@ class EndpointPicker:
         print(f"epp ready on {args.bind_address}:{args.grpc_port}", flush=True)
 
     async def stop(self) -> None:
-        """Stop every part, whatever start reached."""
+        """Drain, then stop every part, whatever start reached. The drain (--drain-timeout): not ready (the gateway's
+        health checks and Kubernetes' readiness probe stop sending streams here), the Lease given up so that a
+        standby takes over, and the ext_proc transport's streams in flight finished while the gateway opens new
+        ones on another replica (GOAWAY); the scrapes and the in-flight accounting keep running for them."""
+        self.readiness["not draining"] = False
+        await self._report_health()
         for task in self.tasks:
             task.cancel()
         # Awaited here, not left to asyncio.run's last cancellation (which would cut the elector's release short).
         await asyncio.gather(*self.tasks, return_exceptions=True)
+        log.info("draining: new ext_proc streams go elsewhere, those in flight have up to %gs", self.args.drain_timeout)
+        await self.server.stop(grace=self.args.drain_timeout)
         await self.health.set(live=False, ready=False)
-        await self.server.stop(grace=1.0)
         await self.health_server.stop(grace=None)
+        if self.replicas is not None:
+            await self.replicas.stop()
         await self.metrics_runner.cleanup()
         await self.datastore.close()
         await self.director.responses.close()

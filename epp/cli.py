@@ -20,6 +20,7 @@ from epp.config import ConfigError
 from epp.datalayer.kv_events import DEFAULT_MAX_ENTRIES
 from epp.datalayer.pool_file import PoolFileError
 from epp.handlers.extproc import DEFAULT_MAX_BODY_BYTES
+from epp.replicas import DEFAULT_REPLICA_PORT, parse_peers
 from epp.scheduling.decisions import DEFAULT_DECISIONS
 from epp.transport.h2 import MAX_CONNECTIONS
 from protocol import extproc
@@ -32,6 +33,9 @@ log = logging.getLogger("epp")
 # wake-up of the loop behind such a thread could wait that long. Heterogeneous workload, 16 req/s on 8 sims, 4 pairs:
 # Envoy's arrival-to-upstream-send, medians, 16.9 -> 14.8 ms for 200-token prompts, 54.9 -> 49.7 ms for 6,000-token ones.
 GIL_SWITCH_INTERVAL_SECONDS = 0.0005
+# Kubernetes' default terminationGracePeriodSeconds, which our Deployment sets a little above it
+# (manifests/base/epp.yaml): a stream in flight is one request until its response ends.
+DEFAULT_DRAIN_TIMEOUT_SECONDS = 30.0
 
 
 def duration(text: str) -> float:
@@ -65,6 +69,14 @@ def ratio(text: str) -> float:
     return value
 
 
+def replica_peers(text: str) -> list[tuple[str, int]]:
+    """--replica-peers: a comma list of host:port."""
+    try:
+        return parse_peers(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def build_parser() -> Parser:
     p = command_parser("epp", __doc__)
     p.add_argument("--grpc-port", type=int, default=extproc.EPP_GRPC_PORT, help="Envoy's ext_proc (gRPC) port")
@@ -82,6 +94,25 @@ def build_parser() -> Parser:
         "--ha-enable-leader-election",
         action="store_true",
         help="several replicas: only the Lease holder serves (reports ready)",
+    )
+    p.add_argument(
+        "--replica-port",
+        type=int,
+        default=DEFAULT_REPLICA_PORT,
+        help="UDP port of the channel on which active-active replicas share their in-flight load and prefix-index "
+        "learning (docs/replicas.md); with --replica-peers",
+    )
+    p.add_argument(
+        "--replica-peers",
+        type=replica_peers,
+        default=[],
+        help="the other replicas, host:port,...: a host that resolves to several addresses (a headless Service) means "
+        "all of them, resolved again every few seconds; this replica skips itself (default: no sharing)",
+    )
+    p.add_argument(
+        "--replica-secret-file",
+        help="file holding a secret shared by the replicas: every datagram on the replica channel is signed "
+        "(HMAC-SHA256) and unsigned ones are ignored",
     )
     p.add_argument(
         "--refresh-metrics-interval", type=duration, default=0.05, help="scrape interval of each endpoint (seconds)"
@@ -169,8 +200,8 @@ def build_parser() -> Parser:
         "--kv-index-max-entries",
         type=int,
         default=DEFAULT_MAX_ENTRIES,
-        help="cap on the KV-event index's (block hash, endpoint) entries, ~194 bytes each (the default: ~460 MiB); "
-        "over it, the largest endpoint's oldest go",
+        help="cap on the KV-event index's (block hash, endpoint) entries, ~150-208 bytes each (the default: under "
+        "~500 MiB); over it, the largest endpoint's oldest go",
     )
     # Observability: the status page, the endpoints' scores in the gateway's metadata, traces (docs/observability.md)
     p.add_argument(
@@ -200,6 +231,15 @@ def build_parser() -> Parser:
         help="share of new traces kept (a trace continued from the client or the gateway keeps its own decision; "
         "default %(default)s)",
     )
+    p.add_argument(
+        "--drain-timeout",
+        type=duration,
+        default=DEFAULT_DRAIN_TIMEOUT_SECONDS,
+        help="on SIGTERM or SIGINT: report not ready (gRPC health), tell the gateway to open new ext_proc streams "
+        "elsewhere (HTTP/2 GOAWAY; no new connection is accepted) and wait up to this long for the streams in flight, "
+        "which last until their responses end, before exiting; keep it below the pod's terminationGracePeriodSeconds "
+        "(seconds; 0: exit at once)",
+    )
     p.add_argument("-v", "--verbosity", type=int, default=0, help="0 info, 1+ debug")
     flag_rules(p)
     return p
@@ -210,6 +250,8 @@ def flag_rules(p: Parser) -> None:
     kubernetes = "--pool-name (Kubernetes discovery)"
     for flag in ("--pool-namespace", "--pool-group", "--kubeconfig", "--ha-enable-leader-election"):
         p.needs(flag, kubernetes, lambda a: a.pool_name is not None)
+    for flag in ("--replica-port", "--replica-secret-file"):
+        p.needs(flag, "--replica-peers", lambda a: bool(a.replica_peers))
     p.needs("--max-ext-proc-connections", "--ext-proc-transport h2", lambda a: a.ext_proc_transport == "h2")
     kv_flags = ("--kv-events-bind", "--kv-events-connect-port-offset", "--kv-events-replay-port-offset")
     for flag in (*kv_flags, "--kv-index-max-entries"):

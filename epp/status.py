@@ -91,6 +91,7 @@ class StatusPage:
                     "running_estimate": running_requests(e),
                     "in_flight": e.in_flight_requests,
                     "in_flight_tokens": e.in_flight_tokens,
+                    "peer_in_flight": e.peer_in_flight_requests,  # of in_flight, what peer replicas routed
                     "kv_usage": m.kv_usage if m else None,
                     "adapters": adapters,
                     "max_lora": m.max_lora if m else None,

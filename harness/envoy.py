@@ -20,6 +20,8 @@ import aiohttp
 import yaml
 
 from epp.handlers.accesslog import STATUS_ATTRIBUTE, TTFT_ATTRIBUTE, UPSTREAM_ATTRIBUTE
+from epp.health import EXT_PROC_SERVICE
+from protocol.extproc import EPP_GRPC_HEALTH_PORT, EPP_GRPC_PORT
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"  # package data: installed with the wheel
 TEMPLATE = TEMPLATES / "envoy.yaml.tmpl"
@@ -35,7 +37,14 @@ def envoy_binary() -> str:
 HTTP, H2C = "http", "kubernetes.io/h2c"  # the InferencePool's appProtocol values (v1)
 UPSTREAM_HTTP_CONFIGS = {HTTP: "{http_protocol_options: {}}", H2C: "{http2_protocol_options: {}}"}
 # The route of requests without the EPP's pick: under FailOpen the pool balances them, under FailClose they stop here.
-UNPICKED_FAIL_OPEN = "route: {cluster: pool_fallback, timeout: 0s, idle_timeout: 600s}"
+# FailOpen retries a server that refuses or resets the connection on another one (previous_hosts): requests fail open
+# exactly when something died, and a model server may have died too (without the retry, 42 requests that failed open
+# got 503 while one of 8 servers was down: `epp-bench failover`, docs/operations.md).
+UNPICKED_FAIL_OPEN = (
+    "route: {cluster: pool_fallback, timeout: 0s, idle_timeout: 600s, retry_policy: {retry_on: 'connect-failure,reset', "
+    "num_retries: 2, retry_host_predicate: [{name: envoy.retry_host_predicates.previous_hosts, typed_config: "
+    "{'@type': type.googleapis.com/envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate}}]}}"
+)
 UNPICKED_FAIL_CLOSE = 'direct_response: {status: 503, body: {inline_string: "the endpoint picker did not route it"}}'
 
 
@@ -86,12 +95,16 @@ def render_bootstrap(
     admin_address: str | None = None,
     message_timeout: float = 10.0,
     more_epp_endpoints: Sequence[str] = (),
+    epp_health_ports: Sequence[int] | None = None,
     access_log_percent: int = 100,
     app_protocol: str = HTTP,
     otlp_traces_endpoint: str | None = None,
 ) -> str:
     """The bootstrap YAML; `fallback_endpoints` are "host:port" strings of the pool (FailOpen routing);
     `more_epp_endpoints` ("host:port") are further EPP replicas beside epp_host:epp_port (round robin between them).
+    `epp_health_ports` (one per EPP endpoint, in that order; None: no active health checks): Envoy checks each
+    replica's gRPC health there every second (EPP_HEALTH_INTERVAL) for the ext_proc service and sends no new stream
+    to one that says NOT_SERVING: a replica draining after SIGTERM, or a standby under leader election.
 
     The request body mode defaults to FULL_DUPLEX_STREAMED, or BUFFERED with FailOpen: Envoy can fail open only
     until the first body chunk went to the ext_proc server, which in full-duplex mode is at once, so a dead EPP
@@ -150,12 +163,16 @@ def render_bootstrap(
     if app_protocol not in UPSTREAM_HTTP_CONFIGS:
         raise ValueError(f"app_protocol must be one of {sorted(UPSTREAM_HTTP_CONFIGS)}")
     unpicked_action = UNPICKED_FAIL_OPEN if fail_open else UNPICKED_FAIL_CLOSE
+    epp_endpoints = [f"{epp_host}:{epp_port}", *more_epp_endpoints]
+    if epp_health_ports is not None and len(epp_health_ports) != len(epp_endpoints):
+        raise ValueError(f"epp_health_ports needs one port per EPP endpoint ({len(epp_endpoints)})")
     return string.Template(template.read_text()).substitute(
         BIND_ADDRESS=bind_address,
         LISTENER_PORT=listener_port,
         ADMIN_ADDRESS=admin_address or bind_address,
         ADMIN_PORT=admin_port,
-        EPP_ENDPOINTS=_endpoints_yaml([f"{epp_host}:{epp_port}", *more_epp_endpoints]),
+        EPP_ENDPOINTS=_endpoints_yaml(epp_endpoints, epp_health_ports),
+        EPP_HEALTH_CHECKS=_EPP_HEALTH_CHECKS if epp_health_ports is not None else "",
         FAILURE_MODE_ALLOW="true" if fail_open else "false",
         MESSAGE_TIMEOUT=f"{message_timeout:g}s",
         REQUEST_BODY_MODE=request_body_mode,
@@ -175,6 +192,20 @@ def render_bootstrap(
         TRACING_CLUSTER=_tracing_cluster(otlp_traces_endpoint) if otlp_traces_endpoint else "",
     )
 
+
+# The EPP replicas' active health checks (YAML lines after the epp cluster's outlier detection): the ext_proc service's
+# gRPC health (epp/health.py), on each endpoint's health port (_endpoints_yaml). One failed check takes a replica out
+# of the balancing, one good one brings it back: a drain (SIGTERM) is seen within a second, and a replica that comes
+# back has already passed its own readiness. A check costs the EPP ~0.17 ms of CPU (grpcio) a second.
+EPP_HEALTH_INTERVAL = "1s"
+_EPP_HEALTH_CHECKS = f"""
+    health_checks:
+    - timeout: 1s
+      interval: {EPP_HEALTH_INTERVAL}
+      no_traffic_interval: {EPP_HEALTH_INTERVAL}
+      unhealthy_threshold: 1
+      healthy_threshold: 1
+      grpc_health_check: {{service_name: {EXT_PROC_SERVICE}}}"""
 
 # Envoy's OpenTelemetry tracer (YAML lines after `stream_idle_timeout`): every request traced, exported to the
 # `otlp_traces` cluster (_tracing_cluster). Envoy's default sampling reads its decision from the x-request-id, which
@@ -289,12 +320,13 @@ KUBERNETES_POOL = MANIFESTS / "base" / "inferencepool.yaml"
 
 def render_kubernetes_bootstrap(pool: dict | None = None) -> str:
     """The bootstrap the `gateways/envoy` kustomization ships, for the InferencePool `pool` (default: the one
-    `manifests/base` ships): the EPP by Service name, FailOpen/FailClose and the model servers' protocol from the
+    `manifests/base` ships): every EPP replica by its headless Service's name (DNS answers each ready pod's address), FailOpen/FailClose and the model servers' protocol from the
     pool, and for the FailOpen fallback every target port of the model servers' headless Service (each rank)."""
     gateway = GatewayPool.from_inference_pool(pool or yaml.safe_load(KUBERNETES_POOL.read_text()))
     return render_bootstrap(
         epp_host="epp",
-        epp_port=9002,
+        epp_port=EPP_GRPC_PORT,
+        epp_health_ports=[EPP_GRPC_HEALTH_PORT],
         fallback_endpoints=gateway.endpoints(["model-server"]),
         listener_port=8081,
         admin_port=19000,
@@ -326,15 +358,17 @@ def render_baseline(
     )
 
 
-def _endpoints_yaml(endpoints: list[str]) -> str:
+def _endpoints_yaml(endpoints: list[str], health_ports: Sequence[int] | None = None) -> str:
+    """A cluster's lb_endpoints, each with its active health checks' port when `health_ports` are given."""
     if not endpoints:
         raise ValueError("a cluster needs at least one endpoint")
     lines = []
-    for hostport in endpoints:
+    for index, hostport in enumerate(endpoints):
         host, _, port = hostport.rpartition(":")
+        health = f"\n            health_check_config: {{port_value: {health_ports[index]}}}" if health_ports else ""
         lines.append(
             f"        - endpoint:\n            address:\n              socket_address: "
-            f"{{address: {host.strip('[]')}, port_value: {int(port)}}}"
+            f"{{address: {host.strip('[]')}, port_value: {int(port)}}}{health}"
         )
     return "\n".join(lines)
 

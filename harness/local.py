@@ -85,8 +85,10 @@ class StackConfig:
     # None: on; 0: no events (the approximate index only)
     kv_events_port: int | None = None
     hash_seed: str = "0"  # PYTHONHASHSEED of the servers and the EPP: vLLM's block hashes are seeded by it
-    # Active-active: this many EPPs behind Envoy (round robin), each subscribed to every server's publisher.
+    # Active-active: this many EPPs behind Envoy (round robin), each subscribed to every server's publisher, and
+    # with replica_sharing each telling the others its in-flight load and prefix-index learning (epp --replica-peers)
     epp_replicas: int = 1
+    replica_sharing: bool = True
     # An OpenTelemetry collector (OTLP/gRPC "host:port") Envoy exports its request traces to (harness.envoy); the EPP
     # and the model servers trace when their own --otlp-traces-endpoint flag is among epp_args / modelserver_args
     otlp_traces_endpoint: str | None = None
@@ -149,6 +151,7 @@ class LocalStack:
         self.external = load_pool_file(config.model_server_pool) if config.model_server_pool is not None else None
         # (grpc, health, metrics) of each EPP replica; the first are the config's
         self.epp_ports = [(config.grpc_port, config.grpc_health_port, config.metrics_port)]
+        self.replica_ports: list[int] = []  # each replica's UDP port for the replica channel, when they share
         self.publisher_port_offset: int | None = None
         self.replay_port_offset: int | None = None  # each server's replay socket (a late EPP catches up from it)
         if config.kv_events_port is None:
@@ -157,6 +160,11 @@ class LocalStack:
             taken = set(self.ports())
             more = [p for p in free_ports(len(taken) + 3 * (config.epp_replicas - 1)) if p not in taken]
             self.epp_ports += [tuple(more[i : i + 3]) for i in range(0, 3 * (config.epp_replicas - 1), 3)]
+        if config.epp_replicas > 1 and config.replica_sharing:
+            taken = set(self.ports())
+            self.replica_ports = [p for p in free_ports(len(taken) + config.epp_replicas) if p not in taken][
+                : config.epp_replicas
+            ]
         if config.kv_events_port and self.external is None:  # servers it did not start publish where they do
             self.publisher_port_offset = self._free_block_offset()
             self.replay_port_offset = self._free_block_offset()
@@ -277,12 +285,15 @@ class LocalStack:
     def start_epp(self) -> None:
         c = self.config
         pool_file = str(self.write_pool_file())
-        for name, (grpc, health, metrics) in zip(self.epp_names, self.epp_ports, strict=True):
+        for index, (name, (grpc, health, metrics)) in enumerate(zip(self.epp_names, self.epp_ports, strict=True)):
             argv = epp_command(pool_file, c.host, grpc, health, metrics, c.kv_events_port or 0, c.epp_args)
             if self.publisher_port_offset is not None:
                 argv += ["--kv-events-connect-port-offset", str(self.publisher_port_offset)]
             if self.replay_port_offset is not None:
                 argv += ["--kv-events-replay-port-offset", str(self.replay_port_offset)]
+            if self.replica_ports:
+                peers = ",".join(f"{c.host}:{port}" for port in self.replica_ports)
+                argv += ["--replica-port", str(self.replica_ports[index]), "--replica-peers", peers]
             if c.config_file:
                 argv += ["--config-file", c.config_file]
             if c.config_text:
@@ -306,6 +317,7 @@ class LocalStack:
             message_timeout=c.message_timeout,
             fallback_endpoints=[u.removeprefix("http://") for u in self.model_server_urls],
             more_epp_endpoints=[f"{c.host}:{grpc}" for grpc, _, _ in self.epp_ports[1:]],
+            epp_health_ports=[health for _, health, _ in self.epp_ports],
             otlp_traces_endpoint=c.otlp_traces_endpoint,
         )
 
@@ -354,6 +366,8 @@ class LocalStack:
         )
         for i, ports in enumerate(self.epp_ports[1:], 1):
             named.update(dict(zip(ports, (f"EPP {i} ext_proc", f"EPP {i} health", f"EPP {i} metrics"), strict=True)))
+        for i, port in enumerate(self.replica_ports):
+            named[port] = f"EPP {i} replica channel (UDP)"
         if self.publisher_port_offset is not None:
             for i in own_servers:
                 named[c.base_port + i + self.publisher_port_offset] = f"model server {i} KV events"
@@ -475,7 +489,13 @@ def build_parser() -> Parser:
         type=int,
         default=1,
         help="EPP replicas, all active, behind Envoy (round robin); the first on the ports above, the others on free\n"
-        "ports; each subscribes to every server's KV events",
+        "ports; each subscribes to every server's KV events and tells the others its in-flight load and what its\n"
+        "prefix index learnt (epp --replica-peers, docs/replicas.md)",
+    )
+    p.add_argument(
+        "--no-replica-sharing",
+        action="store_true",
+        help="with --epp-replicas: each replica counts only its own in-flight load (the comparison sharing is for)",
     )
     p.add_argument("--fail-open", action="store_true", help="Envoy keeps serving (round robin) when the EPP is down")
     p.add_argument("--config-file", help="EndpointPickerConfig YAML for the EPP (default: its built-in profile)")
@@ -519,6 +539,7 @@ def build_parser() -> Parser:
         "--print-envoy-config", action="store_true", help="print the Envoy bootstrap epp-local runs, and exit"
     )
     p.needs("--once", "--demo", lambda a: a.demo)
+    p.needs("--no-replica-sharing", "--epp-replicas 2 or more", lambda a: a.epp_replicas > 1)
     p.needs("--requests", "--demo", lambda a: a.demo)
     p.needs("--table", "no --demo (the demo shows the table)", lambda a: not a.demo)
     p.needs(
@@ -565,6 +586,7 @@ def stack_config(args: argparse.Namespace, workdir: Path) -> StackConfig:
         admin_port=args.admin_port,
         kv_events_port=args.kv_events_port,
         epp_replicas=args.epp_replicas,
+        replica_sharing=not args.no_replica_sharing,
         fail_open=args.fail_open,
         response_body_mode=args.response_body_mode,
         observed_responses_percent=args.observed_responses_percent,

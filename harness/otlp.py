@@ -1,16 +1,20 @@
 """A small OpenTelemetry trace collector: the collector's TraceService/Export over gRPC (opentelemetry-proto), keeping
 what it receives in memory. For tests and local runs: point the EPP's, the model servers' and Envoy's
 --otlp-traces-endpoint (`harness.envoy.render_bootstrap(otlp_traces_endpoint=...)`) at it and read whole traces back.
+`python -m harness.otlp` runs one that only counts.
 """
 
 from __future__ import annotations
 
 import asyncio
+import signal
 from collections import defaultdict
 from dataclasses import dataclass, field
 
 import grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+from protocol.cli import command_parser
 
 
 @dataclass
@@ -35,10 +39,13 @@ def _value(any_value):
 
 
 class TraceCollector(trace_service_pb2_grpc.TraceServiceServicer):
-    """Serves Export on `address` ("host:port") once started; `spans` holds every span received."""
+    """Serves Export on `address` ("host:port") once started; `spans` holds every span received (with `keep`;
+    without, it only counts them in `received`: a sink that costs what parsing the requests costs)."""
 
-    def __init__(self, address: str):
+    def __init__(self, address: str, keep: bool = True):
         self.address = address
+        self.keep = keep
+        self.received = 0
         self.spans: list[Span] = []
         self.arrived = asyncio.Event()
         self.server = grpc.aio.server()
@@ -47,6 +54,9 @@ class TraceCollector(trace_service_pb2_grpc.TraceServiceServicer):
 
     async def Export(self, request, context):  # the collector's method name
         for resource_spans in request.resource_spans:
+            self.received += sum(len(scope.spans) for scope in resource_spans.scope_spans)
+            if not self.keep:
+                continue
             attributes = {a.key: _value(a.value) for a in resource_spans.resource.attributes}
             service = attributes.get("service.name", "")
             for scope in resource_spans.scope_spans:
@@ -78,3 +88,29 @@ class TraceCollector(trace_service_pb2_grpc.TraceServiceServicer):
 
     async def stop(self) -> None:
         await self.server.stop(grace=None)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """A collector that counts the spans it receives, printing the count when stopped (SIGINT or SIGTERM): a sink
+    for measuring what tracing costs its senders, e.g. `epp-bench overhead --epp-flags "--otlp-traces-endpoint
+    127.0.0.1:4317"`."""
+    parser = command_parser("python -m harness.otlp", main.__doc__)
+    parser.add_argument("--listen", default="127.0.0.1:4317", help="the address to serve TraceService/Export on")
+    args = parser.parse_args(argv)
+
+    async def serve() -> None:
+        collector = TraceCollector(args.listen, keep=False)
+        await collector.start()
+        print(f"collecting on {args.listen}", flush=True)
+        stopped = asyncio.Event()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            asyncio.get_running_loop().add_signal_handler(signum, stopped.set)
+        await stopped.wait()
+        await collector.stop()
+        print(f"received {collector.received} spans", flush=True)
+
+    asyncio.run(serve())
+
+
+if __name__ == "__main__":
+    main()

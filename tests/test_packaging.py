@@ -154,16 +154,25 @@ REQUEST_PATH = {
     "epp/handlers/wire",
     "epp/requestcontrol/director",
     "epp/scheduling/scheduler",
+    "epp/scheduling/types",
+    "epp/scheduling/plugins/prefix_cache_scorer",
+    "epp/predictor/predictor",
+    "epp/datalayer/endpoint",
+    "epp/flowcontrol",
+    "protocol/openai",
     "epp/metrics",
 }
 # The request path's tests the release build runs against its compiled modules: the transport, the ext_proc handler
-# with the director, the director with flow control, the wire reader (C-typed loops) against the message classes,
-# the metric children (C doubles), and one gateway integration test (real Envoy, the EPP started from the wheel's
-# modules)
+# with the director (its RequestContext an extension type), the director with flow control and with the latency
+# predictor, the scheduler and its plugins (the per-request dataclasses extension types), the wire reader (C-typed
+# loops) against the message classes, the metric children (C doubles), and one gateway integration test (real Envoy,
+# the EPP started from the wheel's modules)
 COMPILED_PATH_TESTS = [
     "tests/epp/test_grpc_h2.py",
     "tests/epp/test_server.py",
     "tests/epp/test_director_flow_control.py",
+    "tests/epp/test_director_predictor.py",
+    "tests/epp/scheduling",
     "tests/epp/test_wire.py",
     "tests/epp/test_metrics_series.py",
     "tests/integration/test_gateway.py::test_load_prefix_and_lora_aware_routing",

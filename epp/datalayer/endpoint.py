@@ -91,7 +91,7 @@ class Endpoint:
     metrics: EndpointMetrics | None = None  # None until the first successful scrape
     stale: bool = True  # no successful scrape within the staleness threshold
     stale_reason: str = ""  # why, as the latest failed scrape said ("" before the first scrape's outcome)
-    in_flight_requests: int = 0
+    in_flight_requests: int = 0  # with peer replicas (epp.replicas), theirs included
     in_flight_tokens: int = 0  # estimated prompt tokens of in-flight requests not answered yet (pending prefill)
     recent_ttft: float = 0.0  # mean TTFT of the streamed responses it served lately, weighted to the latest; 0 = none
     routed_total: int = 0
@@ -99,6 +99,10 @@ class Endpoint:
     # requests routed and finished since then are the difference), and the most requests the endpoint was seen
     # running while others waited (its batch is full at that count; None until a scrape showed a waiting request).
     in_flight_at_scrape: int = 0
+    # Of in_flight_requests and in_flight_tokens, what peer EPP replicas said they routed there (`epp.replicas`):
+    # the counts every reader sees are the pool's; the director's own accounting is the rest.
+    peer_in_flight_requests: int = 0
+    peer_in_flight_tokens: int = 0
     batch_slots: int | None = None
     # (scraped_at, inter-token seconds, inter-tokens): the engine's histogram totals over time (`inter_token_latency`)
     inter_token_totals: deque[tuple[float, float, float]] = field(

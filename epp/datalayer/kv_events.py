@@ -20,11 +20,13 @@ restarted server), an AllBlocksCleared, and an endpoint that leaves the pool dro
 joins after a server started (a new EPP replica) asks the replay socket, when known, for what it still buffers of
 the earlier batches; without one it knows only what is stored from then on.
 Memory: `max_entries` caps the (block hash, endpoint) pairs over all endpoints; over it, the endpoint with the most
-entries loses its oldest, in O(1) each. An entry costs ~194 bytes (`epp-bench kv-index`, tracemalloc, 8 servers):
-the default cap, 2,500,000 entries, is ~460 MiB, within a budget of 512 MiB (a quarter of the manifest's 2 GiB
-limit), and holds 80 servers of 31,250 blocks. Updates run in slices (`pace`), so a huge batch never stops the
-event loop for long. The EPP exports the index size, the entries the cap dropped, events applied, gaps,
-replays and the delay from a batch's step (its `ts`) to its application (inference_extension_kv_events_*).
+entries loses its oldest, a few C operations each (`_Entries`: a list in the order stored, not an OrderedDict). At
+its cap an entry costs 116-151 bytes, 146-208 at the peak while the hash table is rebuilt (`epp-bench kv-index`,
+tracemalloc, caps of 2,500,000 and 400,000 over 8 servers, each entry evicted once; 78-96 just filled): the default
+cap, 2,500,000 entries, peaks under ~500 MiB, within a budget of 512 MiB (a quarter of the manifest's 2 GiB limit),
+and holds 80 servers of 31,250 blocks. Updates run in slices (`pace`), so a huge batch never stops the event loop
+for long. The EPP exports the index size, the entries the cap dropped, events applied, gaps, replays and the delay
+from a batch's step (its `ts`) to its application (inference_extension_kv_events_*).
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ import asyncio
 import logging
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
+from itertools import repeat
 
 import msgspec
 import zmq
@@ -64,13 +67,16 @@ MAX_MESSAGE_BYTES = 16 << 20
 # a larger gap could not be closed anyway, and what is replayed is held until it is all there.
 MAX_REPLAYED_BATCHES = 20_000
 # An index update (a batch's blocks stored, removed or cleared, the entries over the cap evicted) runs in chunks of
-# CHUNK_BLOCKS blocks, and lets the event loop's thread run once a slice of chunks has taken SLICE_SECONDS: a batch
-# of 150,000 new blocks at the cap then never stops routing for much longer than a slice.
+# CHUNK_BLOCKS blocks (~0.1 ms), and lets the event loop's thread run once a slice of chunks has taken SLICE_SECONDS:
+# a batch of 150,000 new blocks at the cap then never stops routing for much longer than a slice. A request that
+# arrives meanwhile waits for the slice under way, at each of the few times it needs the GIL: with 1 ms slices its
+# p50 was 2-3x its unloaded p50, with 0.25 ms 0.8-1.5x (`epp-bench kv-index`, docs/kv-events.md).
 CHUNK_BLOCKS = 256
-SLICE_SECONDS = 0.001
+SLICE_SECONDS = 0.00025
 # Entries evicted from one endpoint before the largest is looked for again.
 EVICTION_RUN = 256
-DEFAULT_MAX_ENTRIES = 2_500_000  # ~460 MiB at ~194 bytes an entry: see the module's docstring
+EVICTED = (None,) * EVICTION_RUN  # what an evicted slot of an endpoint's log holds until the log drops it
+DEFAULT_MAX_ENTRIES = 2_500_000  # under ~500 MiB at ~208 bytes an entry at the peak: see the module's docstring
 # Senders outside the pool warned about once each (then only counted), at most this many.
 MAX_WARNED_ENDPOINTS = 64
 
@@ -104,13 +110,33 @@ class IndexedBatch(EventBatch):
     events: list[StoredBlocks | BlockRemoved | AllBlocksCleared]
 
 
+class _Entries:
+    """One endpoint's entries: how many, and its hashes in the order it stored them (`log[head:]`; the slots before
+    `head`, evicted, are None until the list drops them). The log may still list hashes the endpoint no longer holds
+    (removed; listed twice when stored again): an eviction skips those, and once they outnumber its entries the log
+    is compacted. 8 bytes an entry (16 at most with the stale places), where an OrderedDict cost 100-170 more."""
+
+    __slots__ = ("count", "head", "log")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.head = 0
+        self.log: list[int | None] = []
+
+    @property
+    def stale(self) -> int:
+        """Hashes listed in the log that are not (or no longer) entries."""
+        return len(self.log) - self.head - self.count
+
+
 class KVBlockIndex:
+    """Which endpoints hold each block hash. One thread writes it (the subscriber's; in tests, the caller's), in
+    slices between which other threads read it without a lock: a reader may see a batch partly applied."""
+
     def __init__(self, max_entries: int = DEFAULT_MAX_ENTRIES):
         self.max_entries = max_entries
         self._holders: dict[int, str | set[str]] = {}  # block hash -> its holder, or the set of them
-        # endpoint -> its hashes, oldest first: an OrderedDict drops its oldest in O(1) (a dict's first key is found
-        # by skipping the slots its deletions left at the front: quadratic over a run of evictions)
-        self._by_endpoint: dict[str, OrderedDict[int, None]] = {}
+        self._entries: dict[str, _Entries] = {}  # endpoint -> its entries, oldest first
         self._size = 0
         self.dropped_entries = 0
         self._models: dict[str, str] = {}  # endpoint -> the model its topic names (its base model)
@@ -121,7 +147,6 @@ class KVBlockIndex:
         # how this EPP hashes a prompt's blocks (precise-prefix-cache-scorer's): the subscriber checks each
         # server's first blocks against it
         self.hasher: BlockHasher | None = None
-        self._lock = threading.Lock()
 
     @property
     def size(self) -> int:
@@ -129,7 +154,8 @@ class KVBlockIndex:
 
     def entries(self, endpoint: str) -> int:
         """Blocks the endpoint (address:port) holds, as its events said."""
-        return len(self._by_endpoint.get(endpoint, ()))
+        mine = self._entries.get(endpoint)
+        return mine.count if mine is not None else 0
 
     def publishes(self, endpoint: str) -> bool:
         """The endpoint (address:port) sends KV events: what it holds is known here."""
@@ -155,74 +181,123 @@ class KVBlockIndex:
         for start in range(0, len(block_hashes), CHUNK_BLOCKS):
             if start:
                 started = pace(started)
-            with self._lock:
-                self._store(endpoint, block_hashes[start : start + CHUNK_BLOCKS])
-                self._evict()
+            self._store(endpoint, block_hashes[start : start + CHUNK_BLOCKS])
+            self._evict()
 
     def _store(self, endpoint: str, block_hashes: list[int]) -> None:
-        # Bulk operations where the work is per block (a busy pool stores tens of thousands of blocks a second).
-        owned = self._by_endpoint.get(endpoint)
-        if owned is None:
-            owned = self._by_endpoint[endpoint] = OrderedDict()
-        new = [h for h in block_hashes if h not in owned]
-        owned.update(dict.fromkeys(new))
+        mine = self._entries.get(endpoint)
+        if mine is None:
+            mine = self._entries[endpoint] = _Entries()
         holders = self._holders
-        setdefault = holders.setdefault
-        for block_hash in new:
-            held = setdefault(block_hash, endpoint)  # one holder: the name itself, no set (most blocks)
-            if held != endpoint:
-                if type(held) is str:
+        if holders.keys().isdisjoint(block_hashes):  # every block new (nearly always): one pass in C
+            before = len(holders)
+            holders.update(zip(block_hashes, repeat(endpoint)))
+            added = len(holders) - before  # short of len(block_hashes) only if one is listed twice
+            mine.log += block_hashes
+        else:
+            fresh = []
+            for block_hash in block_hashes:
+                held = holders.get(block_hash)
+                if held is None:
+                    holders[block_hash] = endpoint  # one holder: the name itself, no set (most blocks)
+                elif type(held) is str:
+                    if held == endpoint:
+                        continue
                     holders[block_hash] = {held, endpoint}
+                elif endpoint in held:
+                    continue
                 else:
                     held.add(endpoint)
-        self._size += len(new)
+                fresh.append(block_hash)
+            added = len(fresh)
+            mine.log += fresh
+        mine.count += added
+        self._size += added
 
     def _evict(self) -> None:
         """Over the cap, the endpoint with the most entries loses its oldest, EVICTION_RUN at a time (so finding
-        the largest endpoint costs little per entry; it may end up to a run below the next largest)."""
+        the largest endpoint costs little per entry; it may end up to a run below the next largest), down to a run
+        below the cap (at most a 64th of it): the stores that follow fill that room instead of each evicting its
+        own few blocks (vLLM sends a block at a time while it decodes: one at the cap then cost 2.4x one below it)."""
         over = self._size - self.max_entries
+        if over > 0:
+            over += min(EVICTION_RUN, self.max_entries // 64)
         while over > 0:
-            endpoint, owned = max(self._by_endpoint.items(), key=lambda item: len(item[1]))
-            run = min(over, EVICTION_RUN, len(owned))
-            self._unlink_all([owned.popitem(last=False)[0] for _ in range(run)], endpoint)
-            self.dropped_entries += run
-            over -= run
+            endpoint, mine = max(self._entries.items(), key=lambda item: item[1].count)
+            log, head = mine.log, mine.head
+            oldest = log[head : head + min(over, EVICTION_RUN)]
+            log[head : head + len(oldest)] = EVICTED[: len(oldest)]  # the hashes go with `oldest`
+            head += len(oldest)
+            if head * 2 >= len(log):  # moves at most one slot per slot evicted
+                del log[:head]
+                head = 0
+            mine.head = head
+            gone = self._unlink(endpoint, oldest)
+            mine.count -= gone
+            self.dropped_entries += gone
+            over -= gone
 
     def remove(self, endpoint: str, block_hashes: list[int]) -> None:
+        mine = self._entries.get(endpoint)
+        if mine is None:
+            return
         started = time.perf_counter()
         for start in range(0, len(block_hashes), CHUNK_BLOCKS):
             if start:
                 started = pace(started)
-            with self._lock:
-                owned = self._by_endpoint.get(endpoint)
-                if owned is None:
-                    return
-                pop = owned.pop
-                gone = [h for h in block_hashes[start : start + CHUNK_BLOCKS] if pop(h, owned) is not owned]  # held
-                self._unlink_all(gone, endpoint)
+            mine.count -= self._unlink(endpoint, block_hashes[start : start + CHUNK_BLOCKS])
+        if mine.stale > mine.count + CHUNK_BLOCKS:
+            self._compact(endpoint, mine)
 
     def clear(self, endpoint: str) -> None:
-        with self._lock:
-            owned = list(self._by_endpoint.pop(endpoint, ()))
-        started = time.perf_counter()
-        for start in range(0, len(owned), CHUNK_BLOCKS):
-            if start:
+        mine = self._entries.pop(endpoint, None)
+        if mine is None:
+            return
+        log, started = mine.log, time.perf_counter()
+        for start in range(mine.head, len(log), CHUNK_BLOCKS):
+            if start > mine.head:
                 started = pace(started)
-            with self._lock:
-                self._unlink_all(owned[start : start + CHUNK_BLOCKS], endpoint)
+            self._unlink(endpoint, log[start : start + CHUNK_BLOCKS])
 
-    def _unlink_all(self, block_hashes: list[int], endpoint: str) -> None:
-        """The endpoint no longer holds these hashes (already gone from its own entries)."""
+    def _unlink(self, endpoint: str, block_hashes: list[int]) -> int:
+        """The endpoint no longer holds these hashes (its log's own count is the caller's): how many it held. One
+        pass in C where it was their only holder (most blocks); a hash that others hold too, or that this endpoint
+        no longer held, is put back (a reader in the meantime finds it missing: a lost hit, never a false one)."""
         holders = self._holders
-        for block_hash in block_hashes:
-            held = holders[block_hash]
-            if type(held) is str:
-                del holders[block_hash]
-            else:
-                held.discard(endpoint)
-                if len(held) == 1:
-                    holders[block_hash] = next(iter(held))
-        self._size -= len(block_hashes)
+        held_by = list(map(holders.pop, block_hashes, repeat(None)))
+        gone = held_by.count(endpoint)
+        if gone < len(block_hashes):
+            for block_hash, held in zip(block_hashes, held_by, strict=True):
+                if held is None or (type(held) is str and held == endpoint):
+                    continue
+                if type(held) is set and endpoint in held:
+                    held.discard(endpoint)
+                    gone += 1
+                    holders[block_hash] = next(iter(held)) if len(held) == 1 else held
+                else:
+                    holders[block_hash] = held  # another endpoint's: this one's was a stale listing
+        self._size -= gone
+        return gone
+
+    def _compact(self, endpoint: str, mine: _Entries) -> None:
+        """Rewrite the endpoint's log with only the hashes it holds, each at the place it was last stored. Runs in
+        slices like an update (it is a pass over the log, once per as many removals as the log lists entries); it
+        holds a set of the endpoint's hashes meanwhile."""
+        log, holders = mine.log, self._holders
+        kept: list[int | None] = []
+        seen: set[int] = set()
+        started = time.perf_counter()
+        for end in range(len(log), mine.head, -CHUNK_BLOCKS):
+            if end < len(log):
+                started = pace(started)
+            for block_hash in reversed(log[max(mine.head, end - CHUNK_BLOCKS) : end]):
+                if block_hash not in seen:
+                    held = holders.get(block_hash)
+                    if held == endpoint or (type(held) is set and endpoint in held):
+                        seen.add(block_hash)
+                        kept.append(block_hash)
+        kept.reverse()
+        mine.log, mine.head = kept, 0
 
     def extend_run(self, block_hashes: list[int], run: set[str] | None) -> tuple[int, set[str] | None]:
         """How many of `block_hashes` (a prompt's next blocks, in order) the endpoints of `run` (those that hold

@@ -36,8 +36,9 @@ from epp.handlers import Reply, wire
 from epp.handlers.budget import ByteBudget
 from epp.handlers.wire import ExtProcRequest
 from epp.metrics import unlabelled
-from epp.requestcontrol.director import Director
-from epp.requestcontrol.types import RequestContext, RoutingDecision
+from epp.requestcontrol.director import Director, RequestContext
+from epp.requestcontrol.types import RoutingDecision
+from epp.wireformat import varint
 from protocol import extproc, tracing
 from protocol.openai import OpenAIError, load_json_body
 
@@ -57,10 +58,10 @@ _STATUS = wire.key(pb.CommonResponse, "status")
 _BODY_MUTATION = wire.key(pb.CommonResponse, "body_mutation")
 _SET_HEADER = wire.key(pb.HeaderMutation, "set_headers")
 _OPTION_HEADER = wire.key(base_pb2.HeaderValueOption, "header")
-_OVERWRITE = wire.key(base_pb2.HeaderValueOption, "append_action") + wire.varint(OVERWRITE)
+_OVERWRITE = wire.key(base_pb2.HeaderValueOption, "append_action") + varint(OVERWRITE)
 _HEADER_KEY, _RAW_VALUE = wire.key(base_pb2.HeaderValue, "key"), wire.key(base_pb2.HeaderValue, "raw_value")
 _WHOLE_BODY = wire.key(pb.BodyMutation, "body")
-_REPLACE = _STATUS + wire.varint(CONTINUE_AND_REPLACE)
+_REPLACE = _STATUS + varint(CONTINUE_AND_REPLACE)
 
 
 def _header_key(name: str) -> bytes:
@@ -124,7 +125,7 @@ _STREAMED_RESPONSE_IN = {  # the fields that nest a StreamedBodyResponse in each
     for direction in ("request", "response")
 }
 _STREAMED_BODY = wire.key(pb.StreamedBodyResponse, "body")
-_STREAMED_END = wire.key(pb.StreamedBodyResponse, "end_of_stream") + wire.varint(True)
+_STREAMED_END = wire.key(pb.StreamedBodyResponse, "end_of_stream") + varint(True)
 
 
 def streamed_chunk(direction: str, chunk: bytes, last: bool) -> bytes:

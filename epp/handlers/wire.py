@@ -25,21 +25,9 @@ from __future__ import annotations
 import cython
 from google.protobuf.message import DecodeError, Message
 
+from epp.wireformat import CACHED, VARINTS, varint
+
 LENGTH_DELIMITED, VARINT = 2, 0
-
-
-_ONE_BYTE = [bytes((value,)) for value in range(0x80)]  # the varints of one byte, made once
-
-
-def varint(value: int) -> bytes:
-    if value < 0x80:
-        return _ONE_BYTE[value]
-    out = bytearray()
-    while value > 0x7F:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
 
 
 def key(message_type: type[Message], name: str) -> bytes:
@@ -56,7 +44,7 @@ def nesting(keys: tuple[bytes, ...], size: cython.Py_ssize_t) -> bytes:
     prefix = b""
     for field_key in reversed(keys):
         length = size + len(prefix)
-        prefix = field_key + (_ONE_BYTE[length] if length < 0x80 else varint(length)) + prefix
+        prefix = field_key + (VARINTS[length] if length < CACHED else varint(length)) + prefix
     return prefix
 
 
@@ -64,7 +52,7 @@ def nesting(keys: tuple[bytes, ...], size: cython.Py_ssize_t) -> bytes:
 def field(field_key: bytes, payload: bytes) -> bytes:
     """One length-delimited field: a string, bytes or a submessage's bytes."""
     size = len(payload)
-    return field_key + (_ONE_BYTE[size] if size < 0x80 else varint(size)) + payload
+    return field_key + (VARINTS[size] if size < CACHED else varint(size)) + payload
 
 
 class WireError(DecodeError):

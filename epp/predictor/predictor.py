@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Callable
 from time import monotonic
 
 import numpy as np
@@ -170,6 +171,8 @@ class LatencyPredictor:
         self.tpot = _Target(TPOT_FLOOR, window, decay, refit_every)
         self.ttft_ready = self.tpot_ready = False
         self.backlog = PrefillBacklog()
+        # told of every observation this EPP makes, when peer replicas learn from it too (epp.replicas)
+        self.observed: Callable[[Features, float, float | None], None] | None = None
         # (the fitted coefficients it was built from, SIZE x k matrix, floors, each column's factors): _coefficients
         self._matrix: tuple[tuple, np.ndarray, np.ndarray, tuple[tuple[float, ...], ...]] | None = None
 
@@ -190,10 +193,15 @@ class LatencyPredictor:
         ahead = self.backlog.add(endpoint.spec.name, uncached, now)
         return endpoint_features(endpoint, prompt_tokens, cached_tokens, adapter, ahead) if timed else None
 
-    def observe(self, features: Features, ttft: float, tpot: float | None, now: float | None = None) -> None:
-        """Learn from one completed request: seconds to its first token and mean seconds per later token."""
+    def observe(
+        self, features: Features, ttft: float, tpot: float | None, now: float | None = None, own: bool = True
+    ) -> None:
+        """Learn from one completed request: seconds to its first token and mean seconds per later token. `own`:
+        this EPP routed it (`observed` hears of it); False: a peer replica did and sent what it learnt."""
         if not (math.isfinite(ttft) and ttft > 0.0) or (tpot is not None and not (math.isfinite(tpot) and tpot > 0)):
             raise ValueError(f"observed latencies must be finite and positive, got ttft={ttft!r} tpot={tpot!r}")
+        if own and self.observed is not None:
+            self.observed(features, ttft, tpot)
         backlog, name = self.backlog, features.endpoint
         # the slowness the prediction was scored with: before this request's own sample
         slowness = backlog.slowness(name)

@@ -40,7 +40,7 @@ import logging
 import random
 import re
 import uuid
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from heapq import heappop, heappush
 from time import monotonic, perf_counter, time_ns
 
@@ -52,10 +52,10 @@ from epp.flowcontrol import DEFAULT_FLOW, EVICTED_TTL, FlowController, FlowContr
 from epp.metrics import EPPMetrics
 from epp.requestcontrol.stored_responses import HEAD_BYTES, ResponseLocator, gone
 from epp.requestcontrol.tracing import RequestTracing
-from epp.requestcontrol.types import RequestContext, RoutingDecision
+from epp.requestcontrol.types import RoutingDecision
 from epp.scheduling.errors import SchedulingError
 from epp.scheduling.scheduler import Scheduler
-from epp.scheduling.types import CycleState, ResponseInfo, SchedulingRequest
+from epp.scheduling.types import CycleState, ResponseInfo, SchedulingRequest, SchedulingResult
 from protocol.extproc import (
     DROPPED_SATURATED,
     DROPPED_TTL_EXPIRED,
@@ -104,6 +104,66 @@ UNTIMED_RESPONSES_WARNING = 100
 UNTIMED_WARNING_SECONDS = 2.0
 
 
+@cython.final
+@cython.cclass
+class RequestContext:
+    """One request's state from its headers to the end of its response; owned by the director, held by the
+    handler of the request's ext_proc stream."""
+
+    dispatched = cython.declare(cython.bint, visibility="public")
+    endpoint = cython.declare(object, visibility="public")
+    error_style = cython.declare(object, visibility="public")
+    first_chunk_at = cython.declare(cython.double, visibility="public")
+    headers = cython.declare(object, visibility="public")
+    in_flight_tokens = cython.declare(cython.Py_ssize_t, visibility="public")
+    kind = cython.declare(object, visibility="public")
+    labels = cython.declare(object, visibility="public")
+    metrics_age = cython.declare(cython.double, visibility="public")
+    model = cython.declare(object, visibility="public")
+    request = cython.declare(object, visibility="public")
+    response_head = cython.declare(object, visibility="public")
+    response_tail = cython.declare(object, visibility="public")
+    result = cython.declare(object, visibility="public")
+    routed_at = cython.declare(cython.double, visibility="public")
+    scheduling_seconds = cython.declare(cython.double, visibility="public")
+    served = cython.declare(object, visibility="public")
+    status = cython.declare(object, visibility="public")
+    streamed = cython.declare(cython.bint, visibility="public")
+    subset = cython.declare(object, visibility="public")
+    target_model = cython.declare(object, visibility="public")
+    trace = cython.declare(object, visibility="public")
+    trace_times = cython.declare(object, visibility="public")
+
+    def __init__(self, headers: dict[str, str], subset: frozenset[str] | None):
+        self.headers = headers
+        self.subset = subset  # allowed "ip:port" from the proxy's subset hint; None = no hint
+        self.model = self.target_model = ""  # the client's model name and the one the model server will see
+        # the per-request metrics' labels (epp.metrics.REQUEST_LABELS): model, target model (bounded:
+        # EPPMetrics.model_label), fairness id (bounded: EPPMetrics.fairness_label) and priority, as llm-d's are before
+        # it knows them
+        self.labels = ("", "", DEFAULT_FLOW, "0")
+        self.request: SchedulingRequest | None = None
+        self.result: SchedulingResult | None = None
+        self.endpoint: Endpoint | None = None  # the pick, while the request is in flight
+        self.in_flight_tokens = 0  # its prompt tokens counted in the pick's in_flight_tokens, until it answers
+        self.routed_at = 0.0
+        self.metrics_age = -1.0  # how old the pick's metrics (its latest scrape) were when it was picked; -1 = none
+        self.scheduling_seconds = 0.0  # the decision's time, until its histograms observe it (Director.after_routed)
+        self.served: str | None = None  # the endpoint that answered, as the proxy reports it
+        self.status = ""  # the response's HTTP status
+        self.response_tail = b""  # the last bytes of the response body (where the usage is)
+        self.dispatched = False  # flow control let it through: its completion frees the turn
+        self.first_chunk_at = 0.0  # when the first response body chunk came through (monotonic), 0 = none yet
+        self.streamed = False  # the client asked for a streamed response (its first chunk is then the first token)
+        self.kind: RequestKind | None = None  # the API its path names (None: another path)
+        self.error_style = "openai"  # the shape of the errors the EPP answers it with (protocol.openai.error_style)
+        self.response_head: bytes | None = None  # a stored Responses answer's first bytes, until its id is learnt
+        self.trace = None  # its gateway.request span, when traced (epp.requestcontrol.tracing)
+        # when traced: (queued from, queued until or 0, scheduled from, scheduled until), time_ns(), until its spans
+        # are made (Director.after_routed)
+        self.trace_times: list[int] | None = None
+
+
 @cython.annotation_typing(True)
 @cython.final
 @cython.cclass
@@ -126,6 +186,8 @@ class Director:
     _labelled_state = cython.declare(object, visibility="public")
     emit_endpoint_scores = cython.declare(cython.bint, visibility="public")
     tracing = cython.declare(object, visibility="public")
+    load_changed = cython.declare(object, visibility="public")
+    forward_record = cython.declare(object, visibility="public")
 
     def __init__(
         self,
@@ -157,6 +219,11 @@ class Director:
         self.untimed_responses = 0  # successful responses while no timings ever came (-1: some did, or it was said)
         self.untimed_since = 0.0  # when the first of them ended
         self.responses = ResponseLocator()  # where each stored Responses answer is (previous_response_id)
+        # told each time this EPP's in-flight counts change, when peer replicas share them (epp.replicas)
+        self.load_changed: Callable[[], None] | None = None
+        # given each access-log record that matches no request this EPP saw end: the gateway sends a replica the
+        # records of every replica's requests, and the one that routed it learns from it (epp.replicas)
+        self.forward_record: Callable[[str, float | None, str, str | None], None] | None = None
 
     @cython.ccall
     def new_request(
@@ -231,7 +298,7 @@ class Director:
             raise self._failed(ctx, error) from None
         return decision if isinstance(decision, RoutingDecision) else await decision
 
-    def _admit(self, ctx, request, body, changed) -> RoutingDecision | Awaitable[RoutingDecision]:
+    def _admit(self, ctx: RequestContext, request, body, changed) -> RoutingDecision | Awaitable[RoutingDecision]:
         """Admission (flow control), then scheduling."""
         if request.subset is not None and not request.subset:
             raise OpenAIError("the subset hint allows no endpoint", 503)
@@ -368,7 +435,9 @@ class Director:
             return self._decide(ctx, request, body, body_changed, prepared, waited)
         return self._schedule_prepared(ctx, request, body, body_changed, prepared, waited)
 
-    def _decide(self, ctx, request, body, body_changed, cycle_state: CycleState, waited: bool) -> RoutingDecision:
+    def _decide(
+        self, ctx: RequestContext, request, body, body_changed, cycle_state: CycleState, waited: bool
+    ) -> RoutingDecision:
         metrics = self.metrics
         started = perf_counter()
         times = ctx.trace_times
@@ -392,6 +461,8 @@ class Director:
         endpoint.in_flight_tokens += request.prompt_tokens_estimate
         ctx.in_flight_tokens = request.prompt_tokens_estimate
         endpoint.routed_total += 1
+        if self.load_changed is not None:
+            self.load_changed()
         ctx.routed_at = monotonic()
         picked_metrics = endpoint.metrics
         if picked_metrics is not None and picked_metrics.scraped_at > 0:  # (0: metrics no scrape made)
@@ -452,6 +523,8 @@ class Director:
         ctx.status, ctx.served = status, served
         self.response_headers_seen = True
         self._release_prompt_tokens(ctx)
+        if self.load_changed is not None:
+            self.load_changed()
 
     @cython.ccall
     def _release_prefilled(self, now: float) -> None:
@@ -464,6 +537,15 @@ class Director:
         due = self.prefilling
         while due and due[0][0] <= now:
             self._release_prompt_tokens(heappop(due)[2])
+
+    def release_prefilled(self) -> float:
+        """Release the prompts whose pick's recent TTFT has passed (`_release_prefilled`) now; when the next one is
+        due (monotonic seconds; 0: none waits). Peer replicas read this EPP's pending prefill between its own
+        decisions (epp.replicas), so each is released when due, not at the next decision."""
+        due = self.prefilling
+        if due:
+            self._release_prefilled(monotonic())
+        return due[0][0] if due else 0.0
 
     @staticmethod
     def _release_prompt_tokens(ctx: RequestContext) -> None:
@@ -519,6 +601,8 @@ class Director:
             self._release_prompt_tokens(ctx)
             ctx.endpoint = None
             endpoint.in_flight_requests -= 1
+            if self.load_changed is not None:
+                self.load_changed()
         if ctx.dispatched:
             ctx.dispatched = False
             self.flow_control.complete()
@@ -612,20 +696,29 @@ class Director:
         its status ("" when the record has none) and the endpoint that served it. Its time per output token is the
         endpoint's own mean gap between tokens from then to the request's end (`Endpoint.inter_token_latency`, None
         when the engine publishes no such histogram or the decode was too short to see in its scrapes). A record
-        that comes before the EPP saw its request end waits for it in `early_records`."""
+        that comes before the EPP saw its request end waits for it in `early_records`; with peer replicas, it goes
+        to them too (`forward_record`): it may be one of theirs."""
+        if not self.match_record(request_id, ttft, status, served) and self.forward_record is not None:
+            self.forward_record(request_id, ttft, status, served)
+
+    @cython.ccall
+    def match_record(self, request_id: str, ttft: float | None, status: str, served: str | None) -> bool:
+        """An access-log record, from the proxy or forwarded by a peer replica (`on_access_log`); whether it settled
+        a request this EPP saw end."""
         self.access_log_seen = True
         entry = self.awaiting_records.pop(request_id, None)
         if entry is not None:
             ended, ctx, endpoint, output_tokens = entry
             self._settle(ctx, endpoint, ended, output_tokens, ttft, status, served)
-        else:
-            _remember(
-                self.early_records,
-                request_id,
-                (monotonic(), ttft, status, served),
-                EARLY_RECORDS_SECONDS,
-                AWAITING_RECORDS_LIMIT,
-            )
+            return True
+        _remember(
+            self.early_records,
+            request_id,
+            (monotonic(), ttft, status, served),
+            EARLY_RECORDS_SECONDS,
+            AWAITING_RECORDS_LIMIT,
+        )
+        return False
 
     @cython.ccall
     def _timed(self, request, result, endpoint, ttft: float, tpot: float | None) -> None:

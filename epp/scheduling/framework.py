@@ -14,7 +14,7 @@ which the director may run in a worker thread.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import fields
 from enum import StrEnum
 from typing import Any, ClassVar
@@ -160,6 +160,17 @@ class PoolChanged(Plugin):
     @abstractmethod
     def pool_changed(self, endpoints: Sequence[Endpoint]) -> None:
         """Discovery added or removed endpoints; `endpoints` is the whole pool now."""
+
+
+class SharedPrefixIndex(Plugin):
+    """A prefix index that EPP replicas share (`epp.replicas`): it hands each pick it records to `learned`
+    (endpoint hostport, the prompt's block hashes) when replicas are wired, and records a peer's pick in `learn`."""
+
+    learned: Callable[[str, list[int]], None] | None = None
+
+    @abstractmethod
+    def learn(self, endpoint: Endpoint, hashes: list[int]) -> None:
+        """A peer replica routed a prompt with these block hashes to `endpoint`: remember it as if this one had."""
 
 
 class PrefixIndexStats(Plugin):

@@ -65,6 +65,7 @@ from epp.scheduling.framework import (
     ResponseComplete,
     ResponseTimed,
     Scorer,
+    SharedPrefixIndex,
     Stability,
     check_data_dependencies,
 )
@@ -156,6 +157,8 @@ class Scheduler:
         self._response_timed = [p for p in plugins if isinstance(p, ResponseTimed)]
         self._pool_changed = [p for p in plugins if isinstance(p, PoolChanged)]
         self.prefix_index: PrefixIndexStats | None = next((p for p in plugins if isinstance(p, PrefixIndexStats)), None)
+        # the prefix index EPP replicas share (epp.replicas), when the profile has one
+        self.shared_prefix_index = next((p for p in plugins if isinstance(p, SharedPrefixIndex)), None)
         for p in plugins:
             if isinstance(p, PrefixMatchReader):
                 if self.prefix_index is None:

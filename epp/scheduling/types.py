@@ -6,6 +6,8 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Generic, NamedTuple, TypeVar
 
+import cython
+
 from epp.datalayer.endpoint import Endpoint
 from protocol.openai import RequestKind
 
@@ -36,9 +38,12 @@ class StateKey(Generic[T]):
         return f"StateKey({self.name!r})"
 
 
+@cython.cclass
 class CycleState:
     """Data any plugin may write and read during one scheduling cycle; the SchedulingResult carries it on to the
     request's later hooks (pre-request, response-complete). One request at a time: no locking."""
+
+    _data = cython.declare(dict)
 
     def __init__(self) -> None:
         self._data: dict[StateKey[Any], Any] = {}
@@ -50,6 +55,7 @@ class CycleState:
         self._data[key] = value
 
 
+@cython.cclass
 @dataclass
 class ResponseInfo:
     """How a routed request's response went, as the EPP saw it (for ResponseComplete plugins; its timings go to
@@ -61,6 +67,7 @@ class ResponseInfo:
     cached_tokens: int | None = None  # the usage's prompt_tokens_details.cached_tokens: the server's prefix hit
 
 
+@cython.cclass
 @dataclass
 class SchedulingRequest:
     """What the scheduler may read of one request. Built once per request on the ext_proc path."""
@@ -80,6 +87,7 @@ class SchedulingRequest:
     kind: RequestKind | None = None  # the API its path names (Completions, Chat, Responses, Messages); None: another
 
 
+@cython.cclass
 @dataclass
 class SchedulingResult:
     """One scheduling cycle's outcome.

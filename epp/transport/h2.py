@@ -45,6 +45,7 @@ DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY, WINDO
 END_STREAM, ACK, END_HEADERS, PADDED, PRIORITY_FLAG = 0x1, 0x1, 0x4, 0x8, 0x20
 SETTINGS_MAX_CONCURRENT_STREAMS, SETTINGS_INITIAL_WINDOW_SIZE, SETTINGS_MAX_FRAME_SIZE = 0x3, 0x4, 0x5
 PROTOCOL_ERROR, FLOW_CONTROL_ERROR, FRAME_SIZE_ERROR, REFUSED_STREAM, ENHANCE_YOUR_CALM = 0x1, 0x3, 0x6, 0x7, 0xB
+NO_ERROR = 0x0
 INVALID_ARGUMENT, UNIMPLEMENTED, INTERNAL, RESOURCE_EXHAUSTED = 3, 12, 13, 8  # gRPC status codes
 
 FRAME_HEADER = struct.Struct(">BHBBL")  # 24-bit length as (high byte, low 16 bits), type, flags, stream id
@@ -67,6 +68,7 @@ MAX_RECEIVE_FRAME = 1 << 20
 MAX_MESSAGE = 64 << 20  # what the grpcio transport allows (grpc.max_receive_message_length)
 DEFAULT_WINDOW = 65_535
 MAX_WINDOW = (1 << 31) - 1
+MAX_STREAM_ID = (1 << 31) - 1
 # Limits of a real server (nghttp2 advertises 100 streams by default, Envoy 2^31-1 with per-stream buffer limits;
 # Envoy as a client opens another connection when it reaches ours): a peer that breaks one gets GOAWAY and loses
 # only its own connection.
@@ -95,6 +97,12 @@ MAX_DECODED_BLOCKS = 64  # header blocks remembered per connection (ExtProcConne
 MAX_DECODED_BLOCK_BYTES = 1024  # only blocks this short are remembered (Envoy 1.40's for a new stream: 46 bytes)
 SMALL_MESSAGE = 4096  # a message this short is parsed from a copy: cheaper than through a memoryview
 FIXED_PAYLOAD = {PRIORITY: 5, RST_STREAM: 4, PING: 8, WINDOW_UPDATE: 4}
+# A drain (ExtProcServer.stop) is gRPC servers' two-step GOAWAY: first with the highest stream id there can be, so the
+# proxy opens no new stream here and the streams it opened meanwhile are still taken; then, once the proxy answered
+# this PING (so it has seen the first GOAWAY), with the last stream id taken: a later stream is refused
+# (REFUSED_STREAM), which a proxy may retry on another replica.
+DRAIN_PING = b"epp-drai"
+DRAIN_POLL_SECONDS = 0.02
 
 
 class H2ConnectionError(Exception):
@@ -227,6 +235,7 @@ class ExtProcConnection:
     refused_streams = cython.declare(cython.Py_ssize_t, visibility="public")
     control_frames = cython.declare(cython.Py_ssize_t, visibility="public")
     control_window_start = cython.declare(cython.double, visibility="public")
+    last_taken = cython.declare(cython.Py_ssize_t, visibility="public")
 
     def __init__(self, server: ExtProcServer):
         self.server = server
@@ -254,6 +263,7 @@ class ExtProcConnection:
         self.continuation_of = 0
         self.continuation_flags = 0
         self.last_stream_id = 0
+        self.last_taken = MAX_STREAM_ID  # the highest stream id this connection still takes (drain)
         self.opened = self.premature_resets = self.refused_streams = 0
         self.control_frames, self.control_window_start = 0, time.monotonic()
 
@@ -293,9 +303,16 @@ class ExtProcConnection:
         for stream in streams.values():
             self._finish(stream)
 
-    def goaway(self) -> None:
+    def drain(self) -> None:
+        """The first GOAWAY of a drain (see DRAIN_PING); the second follows the PING's answer."""
         if self.transport is not None and not self.transport.is_closing():
-            self.transport.write(frame(GOAWAY, 0, 0, U32.pack(self.last_stream_id) + U32.pack(0)))
+            self.transport.write(
+                frame(GOAWAY, 0, 0, U32.pack(MAX_STREAM_ID) + U32.pack(NO_ERROR)) + frame(PING, 0, 0, DRAIN_PING)
+            )
+
+    def _last_goaway(self) -> None:
+        self.last_taken = self.last_stream_id
+        self.out.append(frame(GOAWAY, 0, 0, U32.pack(self.last_taken) + U32.pack(NO_ERROR)))
 
     def _fail(self, code: int, reason: str) -> None:
         log.warning("closing ext_proc connection: %s", reason)
@@ -461,6 +478,8 @@ class ExtProcConnection:
             if not flags & ACK:
                 self._count_control_frame()
                 self.out.append(frame(PING, ACK, 0, payload))
+            elif payload == DRAIN_PING and self.last_taken == MAX_STREAM_ID:
+                self._last_goaway()
         elif kind == RST_STREAM:
             stream = self.streams.pop(stream_id, None)
             unsent = self.unsent_trailers.pop(stream_id, None)
@@ -515,11 +534,24 @@ class ExtProcConnection:
         block, stream.header_block = stream.header_block, b""
         headers = self._decode(block)
         if stream.handler is None and not stream.headers_sent:  # the request's headers (else: trailers)
+            # One walk finds the path and, when the EPP traces, the trace context the proxy's call carries (a loop, not
+            # a generator: Cython compiles no closure in this method). Pseudo-headers come first (RFC 9113 8.3), so
+            # it stops at the path unless it looks for a traceparent, then at that.
             path = b""
-            for name, value in headers:  # (a loop, not a generator: it runs once per request)
+            traceparent = None
+            trace_context = self.server.trace_context
+            for name, value in headers:
                 if name == b":path":
                     path = value
+                    if not trace_context:
+                        break
+                elif name == b"traceparent":
+                    traceparent = value.decode("latin-1")
                     break
+            if stream.id > self.last_taken:  # opened after our last GOAWAY: another replica takes it
+                self.streams.pop(stream.id)
+                self.out.append(frame(RST_STREAM, 0, stream.id, U32.pack(REFUSED_STREAM)))
+                return
             if len(self.streams) > MAX_CONCURRENT_STREAMS:
                 self.streams.pop(stream.id)
                 self.refused_streams += 1
@@ -529,12 +561,7 @@ class ExtProcConnection:
                 return
             if path == PROCESS_PATH:
                 reply = functools.partial(self._reply, stream)
-                if self.server.trace_context:
-                    traceparent = None
-                    for name, value in headers:  # a loop: a generator cannot be compiled in this method
-                        if name == b"traceparent":
-                            traceparent = value.decode("latin-1")
-                            break
+                if trace_context:
                     stream.handler = self.server.new_handler(reply, traceparent)
                 else:
                     stream.handler = self.server.new_handler(reply)
@@ -937,17 +964,26 @@ class ExtProcServer:
         )
         yield from unlabelled(CounterMetricFamily, counters)
 
+    def in_flight(self) -> int:
+        """Streams open on all connections (those a drain waits for)."""
+        return sum(len(connection.streams) for connection in self.connections)
+
     async def stop(self, grace: float = 1.0) -> None:
-        """Stop accepting, tell every proxy to go away, give open streams `grace` seconds, then close."""
+        """Drain, then close: no new connection is accepted, every proxy is told to open no new stream here
+        (ExtProcConnection.drain: it opens them on another replica), and the streams in flight get up to `grace`
+        seconds to finish; whatever is still open then is closed."""
         if self.server is None:
             return
         self.server.close()
         for connection in list(self.connections):
-            connection.goaway()
+            connection.drain()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + grace
-        while any(c.streams for c in self.connections) and loop.time() < deadline:
-            await asyncio.sleep(0.02)
+        while self.in_flight() and loop.time() < deadline:
+            await asyncio.sleep(DRAIN_POLL_SECONDS)
+        left = self.in_flight()
+        if left:
+            log.warning("drain: %d ext_proc streams still open after %.1f s, closed", left, grace)
         for connection in list(self.connections):
             connection.transport.close()
         await self.server.wait_closed()

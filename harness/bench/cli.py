@@ -1,13 +1,15 @@
 """`epp-bench`: benchmarks of the EPP on a local sim pool.
 
 Each subcommand prints its measurements and the files it wrote (or that it wrote none). They report and exit 0,
-except `chaos`, which exits 1 when an attack misses a goal it reports, and `flood`, which exits 1 when a target
-left requests unaccounted for.
+except `chaos`, which exits 1 when an attack misses a goal it reports, `failover`, which exits 1 when a fault failed
+a request it should not have, and `flood`, which exits 1 when a target left requests unaccounted for.
 
 epp-bench overhead [--servers 4] [--sequential 2000] [--concurrency 32] [--requests 2000] [--ext-proc-transport h2|grpcio]
-                   [--streamed] [--pin] [--epp-config FILE ...] [--against DIR [--pairs 4]] [--out DIR]
+                   [--streamed] [--pin] [--epp-config FILE ...] [--epp-flags FLAGS ...] [--rounds 1]
+                   [--epp-replicas N] [--against DIR [--pairs 4]] [--out DIR]
+epp-bench kv-index [--cap 150000] [--entries 400000] [--batches 300] [--switch-interval 1000] [--against DIR [--rounds 2]]
 epp-bench handler-cpu [--requests 4000] [--batch 16] [--rounds 9] [--streamed] [--kv-events] [--config-file FILE]
-                      [--evict-mb N] [--instructions]
+                      [--evict-mb N] [--instructions] [--tracing off|bare|on]
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from harness.bench import (
     chaos,
     compare,
     decision,
+    failover,
     flood,
     handler_cpu,
     idle,
@@ -38,7 +41,7 @@ from harness.bench import (
     tokenize,
 )
 from harness.bench.workloads import WORKLOADS
-from protocol.cli import Parser, command_parser
+from protocol.cli import Parser, command_parser, positive_int
 
 
 def _exit(signum: int, frame) -> None:
@@ -75,6 +78,13 @@ def build_parser() -> Parser:
         "one's in the same runs, the two swapped between two EPP targets in each pair of runs (overhead.compare_builds)",
     )
     over.add_argument("--pairs", type=int, default=4, help="pairs of runs for --against")
+    over.add_argument(
+        "--rounds",
+        type=positive_int,
+        default=1,
+        help="pairs of throughput passes over the targets (forward, then back): more passes, each EPP variant compared "
+        "with the default EPP pass by pass",
+    )
     over.needs("--pairs", "--against DIR", lambda a: a.against is not None)
     over.add_argument(
         "--streamed", action="store_true", help='"stream": true requests: their access-log records train the predictor'
@@ -98,6 +108,13 @@ def build_parser() -> Parser:
         metavar="FLAGS",
         help='more command-line flags for the EPP, quoted as one argument (e.g. "--status-decisions 0"): one more\n'
         "target, the EPP with them (repeatable)",
+    )
+    over.add_argument(
+        "--epp-replicas",
+        type=int,
+        default=1,
+        help="above 1: two more targets, that many EPP replicas behind one Envoy sharing their load and not (what\n"
+        "sharing costs a replica per request)",
     )
     cpu = sub.add_parser("handler-cpu", help="the EPP's CPU per request in process: transport, handler, scheduling")
     cpu.add_argument("--requests", type=int, default=4000, help="requests per round")
@@ -123,6 +140,13 @@ def build_parser() -> Parser:
         "live EPP behind Envoy on a 2-core host finds them)",
     )
     cpu.add_argument(
+        "--tracing",
+        choices=list(handler_cpu.TRACING),
+        default="off",
+        help="every request traced (on: its spans encoded as the exporter does, but not sent), tracing's floor (bare: "
+        "ids, the traceparent upstream and one span without attributes) or not",
+    )
+    cpu.add_argument(
         "--instructions",
         action="store_true",
         help="count instructions per request under valgrind's callgrind (exact and repeatable) instead of CPU time; "
@@ -135,7 +159,7 @@ def build_parser() -> Parser:
     cmp = sub.add_parser("compare", help="routing quality of our EPP, plain Envoy and the Rust routers")
     workloads = sorted(p.stem for p in WORKLOADS.glob("*.yaml"))
     cmp.add_argument("--workload", default="shared-prefix", choices=workloads, help="one of: " + ", ".join(workloads))
-    targets = [*compare.EPP_TARGETS, *compare.ENVOY_TARGETS, *compare.PEER_TARGETS]
+    targets = [*compare.EPP_TARGETS, *compare.ENVOY_TARGETS, *compare.PEER_TARGETS, *sorted(compare.ORACLE_TARGETS)]
     cmp.add_argument(
         "--targets",
         nargs="+",
@@ -166,6 +190,28 @@ def build_parser() -> Parser:
         help="seconds of the same workload before each target's measured run, not counted (online learning warms)",
     )
     cmp.add_argument("--servers", type=int, default=8, help="sim model servers")
+    cmp.add_argument(
+        "--epp-replicas",
+        type=int,
+        nargs="+",
+        default=[1],
+        help="run each EPP target on this many EPP replicas behind its Envoy (several counts: one run each)",
+    )
+    cmp.add_argument(
+        "--replica-sharing",
+        choices=["on", "off"],
+        nargs="+",
+        default=["on"],
+        help="with --epp-replicas above 1: the replicas share their in-flight load and prefix learning (on), or "
+        "each counts its own (off); both: one run each",
+    )
+    cmp.add_argument(
+        "--burst",
+        type=int,
+        default=0,
+        help="arrivals (requests, or agent sessions) come this many at once, at the same mean rate (0: the "
+        "workload's own)",
+    )
     cmp.add_argument("--scale", type=float, default=1.0, help="shrink prompt lengths (smoke runs)")
     cmp.add_argument(
         "--load-generator",
@@ -194,7 +240,18 @@ def build_parser() -> Parser:
     index_cmd = sub.add_parser("kv-index", help="prefix indexes: memory per entry, a huge KV event batch's loop stall")
     index_cmd.add_argument("--cap", type=int, default=150_000, help="the index's cap, and the big batch's hashes")
     index_cmd.add_argument("--entries", type=int, default=400_000, help="entries for the memory measurement")
-    index_cmd.add_argument("--batches", type=int, default=300, help="500-hash batches below and at the cap")
+    index_cmd.add_argument(
+        "--batches", type=int, default=300, help="500-hash batches (and approximate-index picks) below and at the cap"
+    )
+    index_cmd.add_argument(
+        "--against",
+        type=Path,
+        default=None,
+        help="another checkout of this repository: its KV-event index and approximate index (their modules loaded "
+        "beside this one's) measured in the same run, alternating with this checkout's",
+    )
+    index_cmd.add_argument("--rounds", type=int, default=2, help="measurements of each checkout, with --against")
+    index_cmd.needs("--rounds", "--against DIR", lambda a: a.against is not None)
     index_cmd.add_argument(
         "--switch-interval",
         type=float,
@@ -204,6 +261,15 @@ def build_parser() -> Parser:
     )
     chaos_cmd = sub.add_parser("chaos", help="attacks and faults on a local stack while a well-behaved client runs")
     chaos_cmd.add_argument("--seconds", type=float, default=4.0, help="per attack")
+    fail_cmd = sub.add_parser(
+        "failover", help="an EPP replica killed, one drained, a model server killed, each under streaming load"
+    )
+    fail_cmd.add_argument("--servers", type=int, default=8, help="sim model servers (one process each)")
+    fail_cmd.add_argument("--replicas", type=int, default=3, help="EPP replicas behind Envoy")
+    fail_cmd.add_argument("--clients", type=int, default=32, help="streaming clients, back to back")
+    fail_cmd.add_argument("--seconds", type=float, default=6.0, help="per fault")
+    fail_cmd.add_argument("--fail-close", action="store_true", help="FailClose instead of FailOpen")
+    fail_cmd.add_argument("--drain-timeout", type=float, default=10.0, help="the replicas' --drain-timeout (seconds)")
     idle_cmd = sub.add_parser("idle", help="CPU of an idle EPP that only scrapes N endpoints")
     idle_cmd.add_argument("--endpoints", type=int, nargs="+", default=[8, 64, 256], help="pool sizes")
     idle_cmd.add_argument("--seconds", type=float, default=10.0, help="measuring window per pool size")
@@ -243,7 +309,15 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "tokenize":
         tokenize.main()
     if args.command == "kv-index":
-        kv_index.main(args.cap, args.entries, args.batches, args.switch_interval)
+        other = None
+        if args.rounds < 1:
+            parser.error("--rounds must be at least 1")
+        if args.against is not None:
+            try:
+                other = (str(args.against), kv_index.load(args.against.resolve()))
+            except (ValueError, ImportError) as error:
+                parser.error(f"--against {args.against}: {error}")
+        kv_index.main(args.cap, args.entries, args.batches, args.switch_interval, other, args.rounds)
     if args.command == "kv-events":
         kv_events.main(args.servers, args.rate, args.prompt_tokens, args.seconds, args.num_gpu_blocks, args.step_ms)
     if args.command == "compare":
@@ -251,7 +325,10 @@ def main(argv: list[str] | None = None) -> None:
 
         began = time.time()  # the plots written since, this run's
 
-        runs = len(args.targets) * len(args.concurrency or args.rates)
+        sharing = [choice == "on" for choice in args.replica_sharing]
+        runs = len(args.concurrency or args.rates) * sum(
+            len(compare.replica_variants(t, args.epp_replicas, sharing)) for t in args.targets
+        )
         with Progress(
             TextColumn("{task.description}"),
             BarColumn(),
@@ -284,6 +361,9 @@ def main(argv: list[str] | None = None) -> None:
                     concurrencies=args.concurrency,
                     load_generator=args.load_generator,
                     warmup=args.warmup,
+                    replicas=args.epp_replicas,
+                    sharing=sharing,
+                    burst=args.burst,
                 )
             )
             bar.update(task, completed=runs, description="done")
@@ -299,6 +379,21 @@ def main(argv: list[str] | None = None) -> None:
         missed = [r.attack for r in report.results if chaos.missed_goals(report, r)]
         if missed:
             raise SystemExit(f"epp-bench chaos: goals missed by: {', '.join(missed)} (the table says which and why)")
+    if args.command == "failover":
+        report = asyncio.run(
+            failover.run(
+                servers=args.servers,
+                replicas=args.replicas,
+                clients=args.clients,
+                seconds=args.seconds,
+                fail_open=not args.fail_close,
+                drain_timeout=args.drain_timeout,
+            )
+        )
+        print(failover.markdown(report))
+        missed = failover.missed_goals(report)
+        if missed:
+            raise SystemExit(f"epp-bench failover: requests failed in: {', '.join(missed)}")
     if args.command == "idle":
         print(
             idle.markdown(
@@ -312,7 +407,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "handler-cpu":
         if args.instructions:
             per_request = handler_cpu.instructions(
-                args.requests, args.batch, args.streamed, args.config_file, args.kv_events, args.evict_mb
+                args.requests, args.batch, args.streamed, args.config_file, args.kv_events, args.evict_mb, args.tracing
             )
             fetched = (
                 f"; from beyond a 1 MiB cache after {args.evict_mb} MiB written before each read: "
@@ -328,7 +423,14 @@ def main(argv: list[str] | None = None) -> None:
         else:
             config = args.config_file.read_text() if args.config_file else handler_cpu.DEFAULT_CONFIG
             result = handler_cpu.measure(
-                args.requests, args.batch, args.rounds, args.streamed, config, args.evict_mb, args.kv_events
+                args.requests,
+                args.batch,
+                args.rounds,
+                args.streamed,
+                config,
+                args.evict_mb,
+                args.kv_events,
+                tracing=args.tracing,
             )
             print(result.markdown())
     if args.command == "overhead" and args.pin:
@@ -339,8 +441,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "overhead" and args.against is not None:
         if args.pairs < 1:
             parser.error("--pairs must be at least 1")
-        if args.epp_config or args.epp_flags:
-            parser.error("--against compares the two builds' defaults: leave out --epp-config and --epp-flags")
+        if args.epp_config or args.epp_flags or args.rounds != 1:
+            parser.error(
+                "--against compares the two builds' defaults in --pairs runs: leave out --epp-config, --epp-flags and "
+                "--rounds"
+            )
         other = args.against.resolve()
         try:
             overhead.build_environment(other)  # refused now, not after the pool has started
@@ -390,6 +495,8 @@ def main(argv: list[str] | None = None) -> None:
                 epp_configs=epp_configs,
                 pin=args.pin,
                 epp_flags=[shlex.split(flags) for flags in args.epp_flags],
+                epp_replicas=args.epp_replicas,
+                rounds=args.rounds,
             )
         )
         report = result.markdown()

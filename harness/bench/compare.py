@@ -50,6 +50,11 @@ SESSIONS_CONFIG = DEFAULT_CONFIG.replace(
     "  - pluginRef: max-score-picker\n",
     "  - pluginRef: session-affinity-scorer\n    weight: 3\n  - pluginRef: max-score-picker\n",
 )
+# The default profile with the precise prefix score counted beyond what every candidate holds (an agent's tools prompt)
+BEYOND_SHARED_CONFIG = DEFAULT_CONFIG.replace(
+    "- type: precise-prefix-cache-scorer\n",
+    "- type: precise-prefix-cache-scorer\n  parameters: {scoreBeyondShared: true}\n",
+)
 EPP_TARGETS = {
     # the default profile: the latency predictor's filters, learning TTFT from the gateway's access log, then the
     # scorers (precise for endpoints that publish KV events: epp-local's servers do)
@@ -58,7 +63,7 @@ EPP_TARGETS = {
     "epp-approximate": APPROXIMATE_CONFIG,
     "llm-d-default": LLM_D_DEFAULT_CONFIG,  # llm-d router v1.0's default profile, "sticky until saturated"
     "epp-sessions": SESSIONS_CONFIG,
-    "epp-3-replicas": None,  # the default profile on 3 EPPs behind one Envoy (round robin), all fed the KV events
+    "epp-beyond-shared": BEYOND_SHARED_CONFIG,
     "queue-only": SINGLE_SCORER.format("queue-scorer"),
     "kv-only": SINGLE_SCORER.format("kv-cache-utilization-scorer"),
     "prefix-only": SINGLE_SCORER.format("prefix-cache-scorer"),
@@ -74,6 +79,8 @@ WITHOUT_ACCESS_LOG = {"epp-no-predictor"}
 # (harness.envoy.render_bootstrap's observed_responses_percent): epp-streamed shows what streaming every one costs.
 STREAMED_RESPONSES = {"epp-streamed": 100, "epp-predicted": OBSERVED_RESPONSES_PERCENT}
 ENVOY_TARGETS = {"round-robin": "ROUND_ROBIN", "least-request": "LEAST_REQUEST", "random": "RANDOM"}
+# The agentic workload's perfect-information reference (agentic.Oracle): the client routes, straight to the servers
+ORACLE_TARGETS = {"oracle"}
 PEER_TARGETS = {
     "sglang-cache-aware": ("sglang", "cache_aware"),
     "sglang-round-robin": ("sglang", "round_robin"),
@@ -267,8 +274,11 @@ class Pool:
         epp_config: str | None = None,
         pool_extra: dict | None = None,
         router_args: list[str] = (),
+        replicas: int = 1,
+        sharing: bool = True,
     ):
         self.target, self.servers, self.workdir = target, servers, workdir
+        self.replicas, self.sharing = replicas, sharing
         self.modelserver_args = modelserver_args
         self.epp_config = epp_config if epp_config is not None else EPP_TARGETS.get(target)
         self.pool_extra = pool_extra or {}
@@ -296,7 +306,8 @@ class Pool:
             response_body_mode="FULL_DUPLEX_STREAMED" if self.target in STREAMED_RESPONSES else "NONE",
             observed_responses_percent=STREAMED_RESPONSES.get(self.target, 100),
             access_log_percent=0 if self.target in WITHOUT_ACCESS_LOG else 100,
-            epp_replicas=3 if self.target == "epp-3-replicas" else 1,
+            epp_replicas=self.replicas,
+            replica_sharing=self.sharing,
             # the bench measures plugins of every stability level (epp-sessions: session-affinity-scorer is Alpha)
             epp_args=[ALLOW_EXPERIMENTAL_PLUGINS],
         )
@@ -310,6 +321,8 @@ class Pool:
         await asyncio.gather(
             *(self.stack._wait_http("modelserver", f"{u}/health", 60) for u in self.stack.model_server_urls)
         )
+        if self.target in ORACLE_TARGETS:
+            return self
         if self.target in ENVOY_TARGETS:
             path = self.workdir / "baseline.yaml"
             path.write_text(
@@ -360,14 +373,19 @@ async def run_target(
     concurrency: int = 0,
     load_generator: str = "builtin",
     warmup: float = 0.0,
+    replicas: int = 1,
+    sharing: bool = True,
 ) -> TargetResult:
     """One target under the workload for `duration` s; `warmup` s of the same workload (another draw, at `rate`)
-    go first and count for nothing: what learns online (the latency predictor, the prefix caches) starts warm."""
+    go first and count for nothing: what learns online (the latency predictor, the prefix caches) starts warm. An
+    EPP target runs on `replicas` EPPs behind its Envoy, sharing their load (`sharing`) or not (`target_label`)."""
     if warmup and (concurrency or load_generator != "builtin"):
         raise ValueError("--warmup needs the builtin load generator at a fixed rate (--rates)")
     agent = spec["name"] == "agentic"
     if agent and (concurrency or load_generator != "builtin"):
         raise ValueError("the agentic workload runs sessions at a rate (--rates: sessions per second)")
+    if target in ORACLE_TARGETS and not agent:
+        raise ValueError(f"{target}: only the agentic workloads have a perfect-information reference")
     lora_args = []
     if spec["name"] == "multi-lora":
         names = lora_names(spec)
@@ -384,16 +402,21 @@ async def run_target(
     else:
         stream = requests(spec, MODEL, rate or concurrency * 50, duration, seed, scale)
     result = TargetResult(
-        target, 0.0 if concurrency else rate, concurrency, requests=len(stream), load_generator=load_generator
+        target_label(target, replicas, sharing),
+        0.0 if concurrency else rate,
+        concurrency,
+        requests=len(stream),
+        load_generator=load_generator,
     )
     server_args = ["--disable-log-stats", *lora_args, *map(str, spec.get("modelserver_args", []))]
-    async with Pool(target, servers, workdir, server_args) as pool:
+    async with Pool(target, servers, workdir, server_args, replicas=replicas, sharing=sharing) as pool:
         urls = pool.stack.model_server_urls
         async with aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=300)
         ) as session:
+            oracle = agentic.Oracle(urls) if target in ORACLE_TARGETS else None
             if warmup and agent:
-                runner = agentic.AgentRunner(session, pool.url, MODEL, spec, scale, _send)
+                runner = agentic.AgentRunner(session, pool.url, MODEL, spec, scale, _send, oracle)
                 await runner.run(agentic.sessions(spec, rate, warmup, seed + 1, scale), time.monotonic())
             elif warmup:
                 warm = []
@@ -419,7 +442,8 @@ async def run_target(
             url = f"{pool.url}/v1/completions"
             outcomes = []
             if agent:
-                turns = await agentic.AgentRunner(session, pool.url, MODEL, spec, scale, _send).run(stream, started)
+                runner = agentic.AgentRunner(session, pool.url, MODEL, spec, scale, _send, oracle)
+                turns = await runner.run(stream, started)
                 outcomes = [
                     Outcome(t.status, t.ttft, t.itl, t.e2e, t.output_tokens, t.cached_share, kind=t.kind) for t in turns
                 ]
@@ -505,6 +529,22 @@ async def run_target(
     return result
 
 
+def target_label(target: str, replicas: int, sharing: bool) -> str:
+    """A run's name in the report: the target, and for several EPP replicas how many and whether they share their
+    load ("epp x3", "epp x3 unshared")."""
+    if replicas == 1:
+        return target
+    return f"{target} x{replicas}" + ("" if sharing else " unshared")
+
+
+def replica_variants(target: str, replicas: list[int], sharing: list[bool]) -> list[tuple[int, bool]]:
+    """The (replicas, sharing) runs of one target: each count for an EPP target (one replica shares with nobody),
+    one replica for the others."""
+    if target not in EPP_TARGETS:
+        return [(1, True)]
+    return list(dict.fromkeys((n, share if n > 1 else True) for n in replicas for share in sharing))
+
+
 def _from_outcomes(result: TargetResult, outcomes: list[Outcome], elapsed: float) -> None:
     result.requests = len(outcomes)
     ok = [o for o in outcomes if o.status == 200]
@@ -559,7 +599,8 @@ def _from_inference_perf(result: TargetResult, summary: dict) -> None:
     result.output_tokens_per_s = throughput.get("output_tokens_per_sec", 0.0)
 
 
-def markdown(results: list[TargetResult]) -> str:
+def markdown(results: list[TargetResult], floors: dict[float, agentic.Floor] | None = None) -> str:
+    """The report; `floors`: the agentic plan's idle-server floor per rate (agentic.floor)."""
     lines = []
     for rate, concurrency in sorted({(r.rate, r.concurrency) for r in results}):
         rows = [r for r in results if (r.rate, r.concurrency) == (rate, concurrency)]
@@ -604,6 +645,21 @@ def markdown(results: list[TargetResult]) -> str:
                 f"{'yes' if r.valid else f'no (CPU: ours {r.machine_busy:.0%}, host {r.host_busy:.0%})'} |"
             )
         lines.append("")
+        floor = (floors or {}).get(rate)
+        if floor is not None:
+            vs_rr = (
+                f"; round robin's client TTFT is {base.ttft_ms['mean'] / floor.held['mean']:.1f}x / "
+                f"{base.ttft_ms['p90'] / floor.held['p90']:.1f}x the first"
+                if base and base.ttft_ms
+                else ""
+            )
+            lines += [
+                f"the plan's floor ({floor.requests} requests, each alone on an idle server, the sim's timing model): "
+                f"TTFT mean / p90 {floor.held['mean']:.0f} / {floor.held['p90']:.0f} ms where the server holds all "
+                f"its earlier context, {floor.shared_only['mean']:.0f} / {floor.shared_only['p90']:.0f} ms where it "
+                f"holds only the shared prompt{vs_rr}",
+                "",
+            ]
         lines += [
             "mean TTFT at the model servers (client's): "
             + ", ".join(
@@ -745,12 +801,19 @@ async def compare(
     concurrencies: list[int] = (),
     load_generator: str = "builtin",
     warmup: float = 0.0,
+    replicas: list[int] = (1,),
+    sharing: list[bool] = (True,),
+    burst: int = 0,
 ) -> list[TargetResult]:
-    known = {**EPP_TARGETS, **ENVOY_TARGETS, **PEER_TARGETS}
+    """Each target at each load; an EPP target once per replica count and sharing choice (`replica_variants`).
+    `burst` > 0: arrivals (requests, or agent sessions) come in bursts of that many at once, at the same rate."""
+    known = {**EPP_TARGETS, **ENVOY_TARGETS, **PEER_TARGETS, **dict.fromkeys(ORACLE_TARGETS)}
     unknown = [t for t in targets if t not in known]
     if unknown:  # before anything starts
         raise ValueError(f"unknown target(s) {', '.join(unknown)}; known: {', '.join(known)}")
     spec = load_workload(workload)
+    if burst:
+        spec["arrival"] = {**spec.get("arrival", {}), "burst": burst}
     out.mkdir(parents=True, exist_ok=True)
     results = []
     loads = [(0.0, c) for c in concurrencies] or [(rate, 0) for rate in rates]
@@ -759,25 +822,33 @@ async def compare(
             if target in PEER_TARGETS and peer_command(PEER_TARGETS[target][0]) is None:
                 progress(f"skip {target}: not installed (pip install '.[bench]')")
                 continue
-            load = f"{concurrency} concurrent clients" if concurrency else f"{rate:g} req/s"
-            progress(f"{workload}: {target} at {load} for {duration:g} s on {servers} servers ...")
-            workdir = out / "runs" / f"{target}-{f'c{concurrency}' if concurrency else f'{rate:g}'}"
-            workdir.mkdir(parents=True, exist_ok=True)
-            results.append(
-                await run_target(
-                    target,
-                    spec,
-                    rate,
-                    duration,
-                    servers,
-                    workdir,
-                    scale,
-                    concurrency=concurrency,
-                    load_generator=load_generator,
-                    warmup=warmup,
+            for n, share in replica_variants(target, list(replicas), list(sharing)):
+                label = target_label(target, n, share)
+                load = f"{concurrency} concurrent clients" if concurrency else f"{rate:g} req/s"
+                progress(f"{workload}: {label} at {load} for {duration:g} s on {servers} servers ...")
+                run = label.replace(" ", "-")
+                workdir = out / "runs" / f"{run}-{f'c{concurrency}' if concurrency else f'{rate:g}'}"
+                workdir.mkdir(parents=True, exist_ok=True)
+                results.append(
+                    await run_target(
+                        target,
+                        spec,
+                        rate,
+                        duration,
+                        servers,
+                        workdir,
+                        scale,
+                        concurrency=concurrency,
+                        load_generator=load_generator,
+                        warmup=warmup,
+                        replicas=n,
+                        sharing=share,
+                    )
                 )
-            )
     (out / f"{workload}.json").write_text(json.dumps([asdict(r) for r in results], indent=2))
-    (out / f"{workload}.md").write_text(markdown(results))
+    floors = {}
+    if spec["name"] == "agentic" and not concurrencies:
+        floors = {rate: agentic.floor(spec, agentic.sessions(spec, rate, duration, 0, scale), scale) for rate in rates}
+    (out / f"{workload}.md").write_text(markdown(results, floors))
     plots(results, out)
     return results

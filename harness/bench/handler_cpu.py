@@ -18,12 +18,16 @@ as at concurrency 32.
 as publishers; none is sent, so no block is held): precise-prefix-cache-scorer then tokenizes each prompt and hashes
 its blocks as in a live EPP, where without it the scheduler does not call the scorer (no endpoint publishes).
 
+`tracing`: "on", every request traced (`--otlp-traces-endpoint`, ratio 1.0), each batch of spans encoded into its
+Export request as the exporter's thread does (`EncodingSink`: all but the send); "bare", tracing's floor: a sampled
+request's ids, its traceparent sent upstream and one span without attributes or children (`BareSpans`); "off".
+
 `evict_mb` writes to that many MiB of memory before each read, untimed: the caches as a live EPP finds them when it
 wakes, after Envoy, the client and the model servers ran on its core. A live EPP behind Envoy on a 2-core host
 (a wake-up every ~5 requests) costs what this costs at 16 to 24 MiB (README, "The compiled request path").
 
     epp-bench handler-cpu [--requests 4000] [--batch 16] [--rounds 9] [--streamed] [--kv-events]
-                          [--config-file FILE] [--evict-mb N] [--instructions]
+                          [--config-file FILE] [--evict-mb N] [--tracing off|bare|on] [--instructions]
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ from epp.handlers.budget import ByteBudget
 from epp.handlers.extproc import RequestStream
 from epp.handlers.wire import ExtProcRequest
 from epp.metrics import EPPMetrics
+from epp.requestcontrol import tracing as request_tracing
 from epp.requestcontrol.director import Director
 from epp.scheduling.scheduler import Scheduler
 from epp.transport.h2 import (
@@ -172,6 +177,43 @@ class CountingTransport:
         pass
 
 
+class EncodingSink:
+    """The OTLP exporter's work but the send: each batch of requests' spans encoded into its Export request."""
+
+    def __init__(self) -> None:
+        self.pending: list[bytes] = []
+
+    def add(self, spans: bytes) -> None:
+        self.pending.append(spans)
+        if len(self.pending) == request_tracing.EXPORT_BATCH_REQUESTS:
+            request_tracing.export_request(self.pending, "epp")
+            self.pending = []
+
+
+class BareSpans(request_tracing.RequestTracing):
+    """Tracing's floor: a sampled request's ids and the traceparent it sends upstream, and one span without
+    attributes or children."""
+
+    def decided(self, trace, request, result, queued, scheduled) -> None:
+        pass
+
+    def finished(self, trace: request_tracing.Trace, status: str) -> None:
+        self.exporter.add(
+            request_tracing.span(
+                trace.trace_id,
+                trace.span_id,
+                trace.parent_id,
+                request_tracing.REQUEST_NAME,
+                trace.start,
+                time.time_ns(),
+                b"",
+            )
+        )
+
+
+TRACING = {"off": None, "bare": BareSpans, "on": request_tracing.RequestTracing}
+
+
 @dataclass
 class HandlerCpuResult:
     requests: int
@@ -184,6 +226,7 @@ class HandlerCpuResult:
     evict_mb: int  # MiB written before each read (0: the caches stay warm)
     kv_events: bool  # the endpoints publish KV events (precise-prefix-cache-scorer tokenizes)
     learnt: int  # access-log records the latency predictor learnt from
+    tracing: str = "off"  # every request traced ("on"), tracing's floor ("bare") or not
     build: str = field(default_factory=build.summary)  # compiled or pure Python
 
     @property
@@ -195,16 +238,17 @@ class HandlerCpuResult:
         return (
             f"EPP handler path, {self.requests} {'streamed ' if self.streamed else ''}requests per round, "
             f"{self.batch} per read{f' after {self.evict_mb} MiB written' if self.evict_mb else ''}"
-            f"{', endpoints publishing KV events' if self.kv_events else ''}: "
+            f"{', endpoints publishing KV events' if self.kv_events else ''}"
+            f"{f', tracing {self.tracing}' if self.tracing != 'off' else ''}: "
             f"{self.us_per_request:.1f} us of CPU per request (least of {len(ordered)} rounds; median "
             f"{ordered[len(ordered) // 2]:.1f}), {self.writes_per_request:.2f} writes per request; the latency "
             f"predictor learnt from {self.learnt} access-log records; request path {self.build}"
         )
 
 
-def _director(config: str = DEFAULT_CONFIG, kv_events: bool = False) -> Director:
+def _director(config: str = DEFAULT_CONFIG, kv_events: bool = False, tracing: str = "off") -> Director:
     """A fresh EPP's director with `config` (an EndpointPickerConfig): its latency predictor has learnt nothing;
-    with `kv_events` the endpoints are known as KV-event publishers (holding no block yet)."""
+    with `kv_events` the endpoints are known as KV-event publishers (holding no block yet); `tracing` (TRACING)."""
     sections = load(config)
     scheduler = Scheduler.from_sections(sections)
     datastore = Datastore([_NoScraper()], scheduler.on_pool_changed)
@@ -224,7 +268,8 @@ def _director(config: str = DEFAULT_CONFIG, kv_events: bool = False) -> Director
         observer=metrics.flow_control_outcome,
         poll_interval=0.05,
     )
-    return Director(datastore, scheduler, metrics, flow_control)
+    traced = TRACING[tracing]
+    return Director(datastore, scheduler, metrics, flow_control, tracing=traced and traced(EncodingSink()))
 
 
 WARM_UP_REQUESTS = 160
@@ -240,6 +285,7 @@ def instructions(
     config_file: Path | None = None,
     kv_events: bool = False,
     evict_mb: int = 0,
+    tracing: str = "off",
 ) -> dict[str, float]:
     """Instructions per request of the same path, counted by valgrind's callgrind: exact and repeatable, where CPU
     time on a shared host spreads by several µs between identical runs, so that a change worth 1 % shows (two runs
@@ -266,7 +312,7 @@ def instructions(
             script = (
                 "import gc, random; random.seed(0); from harness.bench import handler_cpu; gc.collect(); gc.freeze(); "
                 f"handler_cpu.measure({count}, {batch}, 1, {streamed!r}, {config!r}, {evict_mb}, {kv_events!r}, "
-                f"{deliver!r})"
+                f"{deliver!r}, {tracing!r})"
             )
             simulation = CACHE_SIMULATION if evict_mb else []
             command = ["valgrind", "--tool=callgrind", *simulation, "--callgrind-out-file=/dev/null", sys.executable]
@@ -295,14 +341,15 @@ def measure(
     evict_mb: int = 0,
     kv_events: bool = False,
     deliver: bool = True,
+    tracing: str = "off",
 ) -> HandlerCpuResult:
     """Runs on the caller's thread; needs no event loop (no request waits in flow control: the pool has room).
     `streamed`: the requests ask for a streamed response (`"stream": true`, as chat clients do), whose access-log
     records teach the latency predictor (a whole response's time to its first byte is not a TTFT: not learnt).
     `kv_events`: the endpoints publish KV events (see the module's docstring). `deliver` False: every request is
-    built as usual and none is delivered (`instructions` takes that work off)."""
+    built as usual and none is delivered (`instructions` takes that work off). `tracing`: the module's docstring."""
     body = json.dumps({**REQUEST, "stream": True} if streamed else REQUEST).encode()
-    director = _director(config, kv_events)
+    director = _director(config, kv_events, tracing)
     budget = ByteBudget(1 << 30)
     transport, log_transport = CountingTransport(), CountingTransport()
 
@@ -374,6 +421,7 @@ def measure(
         streamed=streamed,
         evict_mb=evict_mb,
         kv_events=kv_events,
+        tracing=tracing,
         learnt=predictor.observations if (predictor := director.scheduler.latency_predictor) is not None else 0,
     )
     return result

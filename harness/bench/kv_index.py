@@ -1,26 +1,35 @@
-"""`epp-bench kv-index`: the prefix indexes' memory per entry, and what a huge KV event batch costs the event loop.
+"""`epp-bench kv-index`: the prefix indexes' memory per entry, the cost of a batch at their cap and below it, and
+what a huge KV event batch costs the event loop.
 
-Three measurements, side by side in one process:
+Four measurements, side by side in one process:
 
 * memory: bytes per (block hash, endpoint) entry, by tracemalloc, of the KV-event index (`KVBlockIndex`: 8 servers,
   each hash held by one of them, as vLLM's chained hashes make it) and of the approximate index
   (`prefix-cache-scorer`'s per-endpoint LRUs), each filled with `entries` entries;
+* steady batches: 500-hash batches applied straight to a KV-event index below its cap and to one at its cap (each
+  batch evicts 500), as one event of 500 blocks and as 500 events of one (vLLM's while it decodes), the thread's CPU
+  time per batch (mean and worst: the machine's other load moves wall time more);
+* steady picks: the approximate index's records of picks of 256-block prompts below its cap and at it (each pick
+  evicts 256), CPU time per pick, likewise;
 * stall: a real `KVEventSubscriber` (its thread, a PUB socket in this process) at a cap of `cap` entries, already
   full, receives one batch of `cap` new hashes (every entry evicted). Meanwhile the event loop runs a loop-lag probe
   (a 1 ms timer: how late it fires) and serves a request (a prefix look-up of a 500-block prompt behind a TCP
-  round trip, from a client process) every 5 ms; the request's latency is compared with its p50 before the batch;
-* steady batches: 500-hash batches applied straight to an index below its cap and to one at its cap (each batch
-  evicts 500), mean and worst time per batch.
+  round trip, from a client process) every 2 ms; the request's latency is compared with its p50 before the batch.
 
 The stall test runs with the interpreter's thread switch interval at `switch_interval` (default 1,000 s): the
 release build's compiled code never gives the GIL up by itself, and so, with that interval, neither does the
 pure-Python subscriber; only the index's own yields let the event loop run.
+
+`against` (another checkout of this repository) measures its `epp/datalayer/kv_events.py` and
+`epp/scheduling/plugins/prefix_cache_scorer.py`, loaded beside this checkout's, in the same run: the two
+alternate, `rounds` times each, so that the machine's load falls on both alike.
 """
 
 from __future__ import annotations
 
 import asyncio
 import gc
+import importlib.util
 import json
 import random
 import statistics
@@ -28,20 +37,22 @@ import subprocess
 import sys
 import time
 import tracemalloc
+from pathlib import Path
+from types import ModuleType
 
 import msgspec
 import zmq
 
 from epp.datalayer import kv_events
 from epp.datalayer.endpoint import Endpoint, EndpointSpec
-from epp.datalayer.kv_events import KVBlockIndex, KVEventSubscriber
-from epp.scheduling.plugins.prefix_cache_scorer import PREFIX_HASHES, PrefixCacheScorer
+from epp.scheduling.plugins import prefix_cache_scorer
 from epp.scheduling.types import CycleState, SchedulingRequest, SchedulingResult
 from protocol.kv_events import BlockStored, KVEventBatch
 
 SERVERS = 8
 PROMPT_BLOCKS = 500
-# The client process: one request at a time every 5 ms over one connection, latencies (s) printed as JSON.
+PICK_BLOCKS = 256
+# The client process: one request at a time every 2 ms over one connection, latencies (s) printed as JSON.
 CLIENT = """
 import json, socket, sys, time
 s = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
@@ -52,7 +63,7 @@ while time.monotonic() < until:
     s.sendall(b"?")
     s.recv(16)
     out.append((started, time.monotonic() - started))
-    time.sleep(0.005)
+    time.sleep(0.002)
 print(json.dumps(out))
 """
 
@@ -61,56 +72,122 @@ def _hashes(count: int, rng: random.Random) -> list[int]:
     return [rng.getrandbits(64) for _ in range(count)]
 
 
-def memory_per_entry(entries: int) -> dict[str, float]:
-    """Bytes per entry of each index, hashes included (the index keeps the ints the events decoded)."""
+def load(checkout: Path) -> tuple[ModuleType, ModuleType]:
+    """Another checkout's KV-event index and approximate index modules, beside this one's (they import the rest of
+    the `epp` package from this checkout)."""
+    modules = []
+    for name, path in (
+        ("kv_events", "epp/datalayer/kv_events.py"),
+        ("prefix_cache_scorer", "epp/scheduling/plugins/prefix_cache_scorer.py"),
+    ):
+        if not (checkout / path).is_file():
+            raise ValueError(f"no {path} in {checkout}")
+        spec = importlib.util.spec_from_file_location(f"against_{name}", checkout / path)
+        module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        modules.append(module)
+    return modules[0], modules[1]
+
+
+def _pool() -> list[Endpoint]:
+    return [Endpoint(EndpointSpec(f"10.0.0.{i}:8000", f"10.0.0.{i}", 8000)) for i in range(SERVERS)]
+
+
+def _pick(scorer, endpoint: Endpoint, hashes: list[int]) -> None:
+    """`scorer` records a pick of `endpoint` for a prompt of `hashes` (through its own module's state key)."""
+    state = CycleState()
+    state.write(sys.modules[type(scorer).__module__].PREFIX_HASHES, hashes)
+    scorer.pre_request(SchedulingRequest("r", "m"), SchedulingResult([endpoint], cycle_state=state))
+
+
+def memory_per_entry(entries: int, index_module: ModuleType, scorer_module: ModuleType) -> dict[str, float]:
+    """Bytes per entry of each index at its cap of `entries`, hashes included (the index keeps the ints the events
+    decoded): once filled, and then after as many again went through it (each entry evicted once: a hash table's
+    deleted slots and growth), with the peak over both (a table briefly exists twice while it is rebuilt)."""
     rng = random.Random(1)
-    endpoints = [f"10.0.0.{i}:8000" for i in range(SERVERS)]
-    gc.collect()
-    tracemalloc.start()
-    start = tracemalloc.get_traced_memory()[0]
-    index = KVBlockIndex(max_entries=entries)
-    for i in range(entries // 1000):
-        index.store(endpoints[i % SERVERS], _hashes(1000, rng))
-    precise = (tracemalloc.get_traced_memory()[0] - start) / index.size
-    del index
-    gc.collect()
-    start = tracemalloc.get_traced_memory()[0]
-    scorer = PrefixCacheScorer({"lruCapacityPerServer": entries, "autoTune": False})
-    pool = [Endpoint(EndpointSpec(name, name.split(":")[0], 8000)) for name in endpoints]
-    for i in range(entries // 256):
-        state = CycleState()
-        state.write(PREFIX_HASHES, _hashes(256, rng))
-        scorer.pre_request(SchedulingRequest("r", "m"), SchedulingResult([pool[i % SERVERS]], cycle_state=state))
-    approximate = (tracemalloc.get_traced_memory()[0] - start) / scorer.index_size
-    tracemalloc.stop()
-    return {"kv_index_bytes_per_entry": precise, "approximate_index_bytes_per_entry": approximate}
+    pool = _pool()
+    index = index_module.KVBlockIndex(max_entries=entries)
+    scorer = scorer_module.PrefixCacheScorer(
+        {"maxIndexEntries": entries, "lruCapacityPerServer": entries, "autoTune": False}
+    )
+    out = {}
+    for name, fill, size, per_call in (
+        ("kv_index", lambda i: index.store(pool[i % SERVERS].hostport, _hashes(1000, rng)), lambda: index.size, 1000),
+        (
+            "approximate_index",
+            lambda i: _pick(scorer, pool[i % SERVERS], _hashes(PICK_BLOCKS, rng)),
+            lambda: scorer.index_size,
+            PICK_BLOCKS,
+        ),
+    ):
+        gc.collect()
+        tracemalloc.start()
+        start = tracemalloc.get_traced_memory()[0]
+        for i in range(entries // per_call):
+            fill(i)
+        out[f"{name}_bytes_per_entry"] = (tracemalloc.get_traced_memory()[0] - start) / size()
+        for i in range(entries // per_call):
+            fill(i)
+        current, peak = tracemalloc.get_traced_memory()
+        out[f"{name}_bytes_per_entry_at_cap"] = (current - start) / size()
+        out[f"{name}_peak_bytes_per_entry"] = (peak - start) / size()
+        tracemalloc.stop()
+    return out
 
 
-def steady_batches(cap: int, batches: int) -> dict[str, float]:
-    """Seconds per 500-hash batch (mean, max) below the cap and at it."""
+def _cpu_per_call(call, arguments: list) -> tuple[float, float]:
+    """Mean and worst CPU seconds of `call(*a)` over `arguments`."""
+    times = []
+    for a in arguments:
+        started = time.thread_time()
+        call(*a)
+        times.append(time.thread_time() - started)
+    return statistics.fmean(times), max(times)
+
+
+def _apply(index, endpoint: str, hashes: list[int], event_blocks: int) -> None:
+    for start in range(0, len(hashes), event_blocks):
+        index.store(endpoint, hashes[start : start + event_blocks])
+
+
+def steady_batches(cap: int, batches: int, index_module: ModuleType, event_blocks: int = 500) -> dict[str, float]:
+    """CPU seconds per batch of 500 new hashes (mean, max) below the cap and at it, in events of `event_blocks`
+    blocks (500: one BlockStored; 1: vLLM's while it decodes, a block at a time)."""
     rng = random.Random(2)
     out = {}
     for name, max_entries in (("below", 10 * cap), ("at", cap)):
-        index = KVBlockIndex(max_entries=max_entries)
+        index = index_module.KVBlockIndex(max_entries=max_entries)
         for i in range(cap // 1000):
             index.store(f"e{i % SERVERS}", _hashes(1000, rng))
-        times = []
-        for i in range(batches):
-            hashes = _hashes(500, rng)
-            started = time.perf_counter()
-            index.store(f"e{i % SERVERS}", hashes)
-            times.append(time.perf_counter() - started)
-        out[f"steady_{name}_cap_mean_s"] = statistics.fmean(times)
-        out[f"steady_{name}_cap_max_s"] = max(times)
+        work = [(index, f"e{i % SERVERS}", _hashes(500, rng), event_blocks) for i in range(batches)]
+        out[f"steady_{name}_cap_mean_s"], out[f"steady_{name}_cap_max_s"] = _cpu_per_call(_apply, work)
         out[f"steady_{name}_cap_dropped"] = index.dropped_entries
     return out
 
 
-async def _stall(cap: int) -> dict[str, float]:
+def steady_picks(cap: int, picks: int, scorer_module: ModuleType) -> dict[str, float]:
+    """The approximate index: CPU seconds per pick of a new 256-block prompt (mean, max) below its cap and at it."""
+    rng = random.Random(4)
+    out = {}
+    pool = _pool()
+    for name, max_entries in (("below", 10 * cap), ("at", cap)):
+        scorer = scorer_module.PrefixCacheScorer(
+            {"maxIndexEntries": max_entries, "lruCapacityPerServer": max_entries, "autoTune": False}
+        )
+        for i in range(cap // PICK_BLOCKS):
+            _pick(scorer, pool[i % SERVERS], _hashes(PICK_BLOCKS, rng))
+        size = scorer.index_size
+        work = [(scorer, pool[i % SERVERS], _hashes(PICK_BLOCKS, rng)) for i in range(picks)]
+        out[f"picks_{name}_cap_mean_s"], out[f"picks_{name}_cap_max_s"] = _cpu_per_call(_pick, work)
+        out[f"picks_{name}_cap_dropped"] = size + picks * PICK_BLOCKS - scorer.index_size
+    return out
+
+
+async def _stall(cap: int, index_module: ModuleType) -> dict[str, float]:
     rng = random.Random(3)
-    index = KVBlockIndex(max_entries=cap)
+    index = index_module.KVBlockIndex(max_entries=cap)
     hostport = "127.0.0.1:8000"
-    subscriber = KVEventSubscriber(index, "tcp://127.0.0.1:*")
+    subscriber = index_module.KVEventSubscriber(index, "tcp://127.0.0.1:*")
     subscriber.start(Endpoint(EndpointSpec(hostport, "127.0.0.1", 8000)))
     prompt = _hashes(PROMPT_BLOCKS, rng)
     index.store(hostport, prompt)
@@ -173,32 +250,79 @@ async def _stall(cap: int) -> dict[str, float]:
     }
 
 
-def measure(cap: int, entries: int, batches: int, switch_interval: float) -> dict[str, float]:
-    result = memory_per_entry(entries)
-    result.update(steady_batches(cap, batches))
+def measure(
+    cap: int,
+    entries: int,
+    batches: int,
+    switch_interval: float,
+    modules: tuple[ModuleType, ModuleType] = (kv_events, prefix_cache_scorer),
+) -> dict[str, float]:
+    index_module, scorer_module = modules
+    result = memory_per_entry(entries, index_module, scorer_module)
+    result.update(steady_batches(cap, batches, index_module))
+    result.update({f"{key}_1": value for key, value in steady_batches(cap, batches, index_module, 1).items()})
+    result.update(steady_picks(cap, batches, scorer_module))
     before = sys.getswitchinterval()
     sys.setswitchinterval(switch_interval)
     try:
-        result.update(asyncio.run(_stall(cap)))
+        result.update(asyncio.run(_stall(cap, index_module)))
     finally:
         sys.setswitchinterval(before)
     return result
 
 
-def main(cap: int, entries: int, batches: int, switch_interval: float) -> None:
-    r = measure(cap, entries, batches, switch_interval)
-    compiled = kv_events.__file__.endswith(".so")
-    print(
-        f"epp/datalayer/kv_events compiled: {compiled}; thread switch interval during the stall test "
-        f"{switch_interval:g} s\n"
-        f"memory per entry ({entries} entries, {SERVERS} servers): KV-event index "
-        f"{r['kv_index_bytes_per_entry']:.0f} B, approximate index {r['approximate_index_bytes_per_entry']:.0f} B\n"
-        f"500-hash batches: below the cap {1e3 * r['steady_below_cap_mean_s']:.2f} ms mean "
-        f"({1e3 * r['steady_below_cap_max_s']:.2f} max), at the cap {1e3 * r['steady_at_cap_mean_s']:.2f} ms mean "
-        f"({1e3 * r['steady_at_cap_max_s']:.2f} max, {r['steady_at_cap_dropped']} evicted)\n"
-        f"one batch of {cap} new hashes at cap {cap}: applied in {r['stall_apply_s']:.3f} s "
-        f"({r['stall_dropped']} evicted); longest loop stall {1e3 * r['stall_max_loop_lag_s']:.1f} ms "
-        f"(unloaded {1e3 * r['stall_max_loop_lag_unloaded_s']:.1f} ms); request latency p50 unloaded "
-        f"{1e3 * r['stall_request_p50_unloaded_s']:.2f} ms, meanwhile p50 {1e3 * r['stall_request_p50_during_s']:.2f} "
-        f"ms max {1e3 * r['stall_request_max_during_s']:.2f} ms ({r['stall_requests_during']} requests)"
+def report(name: str, r: dict[str, float], cap: int, entries: int) -> str:
+    ms = 1e3
+    return (
+        f"{name}: memory per entry (cap {entries}, {SERVERS} servers), filled / after as many again / peak: "
+        f"KV-event index {r['kv_index_bytes_per_entry']:.0f} / {r['kv_index_bytes_per_entry_at_cap']:.0f} / "
+        f"{r['kv_index_peak_bytes_per_entry']:.0f} B, approximate index {r['approximate_index_bytes_per_entry']:.0f} / "
+        f"{r['approximate_index_bytes_per_entry_at_cap']:.0f} / {r['approximate_index_peak_bytes_per_entry']:.0f} B\n"
+        f"  KV-event index, 500-hash batches (CPU): below the cap {ms * r['steady_below_cap_mean_s']:.3f} ms mean "
+        f"({ms * r['steady_below_cap_max_s']:.2f} max), at the cap {ms * r['steady_at_cap_mean_s']:.3f} ms mean "
+        f"({ms * r['steady_at_cap_max_s']:.2f} max, {r['steady_at_cap_dropped']} evicted): at / below "
+        f"{r['steady_at_cap_mean_s'] / r['steady_below_cap_mean_s']:.2f}\n"
+        f"  the same as 500 one-block events (vLLM decoding): below the cap {ms * r['steady_below_cap_mean_s_1']:.3f} "
+        f"ms mean ({ms * r['steady_below_cap_max_s_1']:.2f} max), at the cap {ms * r['steady_at_cap_mean_s_1']:.3f} ms "
+        f"mean ({ms * r['steady_at_cap_max_s_1']:.2f} max): at / below "
+        f"{r['steady_at_cap_mean_s_1'] / r['steady_below_cap_mean_s_1']:.2f}\n"
+        f"  approximate index, picks of {PICK_BLOCKS} new blocks (CPU): below the cap "
+        f"{ms * r['picks_below_cap_mean_s']:.3f} ms mean ({ms * r['picks_below_cap_max_s']:.2f} max), at the cap "
+        f"{ms * r['picks_at_cap_mean_s']:.3f} ms mean ({ms * r['picks_at_cap_max_s']:.2f} max, "
+        f"{r['picks_at_cap_dropped']} evicted): at / below "
+        f"{r['picks_at_cap_mean_s'] / r['picks_below_cap_mean_s']:.2f}\n"
+        f"  one batch of {cap} new hashes at cap {cap}: applied in {r['stall_apply_s']:.3f} s "
+        f"({r['stall_dropped']} evicted); longest loop stall {ms * r['stall_max_loop_lag_s']:.1f} ms "
+        f"(unloaded {ms * r['stall_max_loop_lag_unloaded_s']:.1f} ms); request latency p50 unloaded "
+        f"{ms * r['stall_request_p50_unloaded_s']:.2f} ms, meanwhile p50 {ms * r['stall_request_p50_during_s']:.2f} "
+        f"ms ({r['stall_request_p50_during_s'] / r['stall_request_p50_unloaded_s']:.2f}x) max "
+        f"{ms * r['stall_request_max_during_s']:.2f} ms ({r['stall_requests_during']} requests)"
     )
+
+
+def main(
+    cap: int,
+    entries: int,
+    batches: int,
+    switch_interval: float,
+    other: tuple[str, tuple[ModuleType, ModuleType]] | None = None,
+    rounds: int = 2,
+) -> None:
+    """This checkout's indexes measured, or, with `other` (a name and its modules, `load`), both `rounds` times
+    each, alternating."""
+    print(
+        f"epp/datalayer/kv_events compiled: {kv_events.__file__.endswith('.so')}; thread switch interval during the "
+        f"stall test {switch_interval:g} s; load {_load()}"
+    )
+    targets = [("this checkout", (kv_events, prefix_cache_scorer))]
+    if other is not None:
+        targets.append(other)
+    for round_ in range(rounds if other is not None else 1):
+        for name, modules in targets if round_ % 2 == 0 else targets[::-1]:
+            print(report(name, measure(cap, entries, batches, switch_interval, modules), cap, entries), flush=True)
+    print(f"load {_load()}")
+
+
+def _load() -> str:
+    with open("/proc/loadavg") as f:
+        return " ".join(f.read().split()[:3])

@@ -197,6 +197,10 @@ class OverheadResult:
     # the same over the target's own throughput phases only: what its processes spend while serving, without the
     # metrics scrapes an EPP keeps making while the other targets load the shared pool
     cpu_ms_per_request_loaded: dict[str, dict[str, float]] = field(default_factory=dict)
+    # target -> its EPP's CPU ms per request in each of its throughput phases, in the order they ran (every target
+    # runs once in each pass over the targets, the passes alternately forward and back): neighbours in time to
+    # compare phase by phase where the machine's load drifts during a run
+    epp_phase_cpu_ms: dict[str, list[float]] = field(default_factory=dict)
     host_load: tuple[float, float, float] = (0.0, 0.0, 0.0)
     epp_build: str = field(default_factory=build.summary)  # the EPP's request path: compiled or pure Python
     wall_seconds: float = 0.0
@@ -239,6 +243,15 @@ class OverheadResult:
             f"added latency of the EPP (ext_proc transport {self.transport}): p50 {self.added_latency_ms['p50']:+.2f} ms, "
             f"p99 {self.added_latency_ms['p99']:+.2f} ms; throughput ratio EPP/plain {self.throughput_ratio:.2f}"
         )
+        for target in [t for t in self.cpu_ms_per_request_loaded if f"{t} unshared" in self.cpu_ms_per_request_loaded]:
+            shared, unshared = (
+                sum(v for k, v in self.cpu_ms_per_request_loaded[t].items() if k.startswith("epp"))
+                for t in (target, f"{target} unshared")
+            )
+            lines.append(
+                f"{target}: the replicas' CPU per request at concurrency {self.concurrency}, summed, sharing their load "
+                f"{shared:.3f} ms, not sharing {unshared:.3f} ms: sharing adds {shared / unshared - 1:+.1%}"
+            )
         if self.flow_control_added_ms:
             lines.append(
                 f"added latency of flow control (unsaturated, the same build without it): p50 "
@@ -266,6 +279,7 @@ class OverheadResult:
                 f"{1e3 * age['p99']:g} ms, of {age['picks']:.0f} picks"
             )
         lines += self._machine_lines()
+        lines += self._phase_lines()
         lines.append("CPU seconds over the run: " + ", ".join(f"{k} {v:.1f}" for k, v in self.cpu_seconds.items()))
         lines.append("host load (1/5/15 min) at the end: " + " ".join(f"{v:.2f}" for v in self.host_load))
         lines.append(self.pinning)
@@ -277,6 +291,25 @@ class OverheadResult:
         lines.append(f"the EPP's request path: {self.epp_build}")
         lines += self.notes
         return "\n".join(lines)
+
+    def _phase_lines(self) -> list[str]:
+        """Each EPP variant's CPU per request against the default EPP's in the same pass, pass by pass."""
+        base = self.epp_phase_cpu_ms.get(EPP)
+        if not base or len(self.epp_phase_cpu_ms) < 2:
+            return []
+        lines = [
+            f"the EPP's CPU ms per request at concurrency {self.concurrency}, each pass over the targets (forward and "
+            "back in turn): "
+            + "; ".join(f"{t} {' '.join(f'{v:.3f}' for v in ms)}" for t, ms in self.epp_phase_cpu_ms.items())
+        ]
+        for target, ms in self.epp_phase_cpu_ms.items():
+            if target != EPP:
+                ratios = sorted(m / b for m, b in zip(ms, base, strict=True))
+                lines.append(
+                    f"{target} / {EPP}, pass by pass: median {statistics.median(ratios):.3f}, "
+                    f"{ratios[0]:.3f}-{ratios[-1]:.3f} over {len(ratios)} passes"
+                )
+        return lines
 
     def zero_cost_ceiling(self) -> float | None:
         """The throughput ratio (of plain Envoy's) that CPU allows a processor that costs nothing: the machine's CPU
@@ -387,12 +420,14 @@ async def _start_epp_variant(
     access_log_percent: int,
     env: dict[str, str],
     flags: tuple[str, ...] = (),
+    replicas: int = 1,
+    sharing: bool = True,
 ) -> LocalStack:
     """The stack's EPP build and Envoy bootstrap again, on ports of their own and over the stack's model servers,
     with one difference: the EPP's config (`flowControl: {enabled: false}`: flow control's cost is the difference to
     the stack's own EPP), the share of requests whose access-log record Envoy sends the EPP (`access_log_percent`:
-    the stack's gateway sends every one), the EPP's build (`env`: another checkout's PYTHONPATH) or more of its
-    command-line flags (`flags`)."""
+    the stack's gateway sends every one), the EPP's build (`env`: another checkout's PYTHONPATH), more of its
+    command-line flags (`flags`), or several EPP replicas behind the Envoy, sharing their load or not."""
     grpc, health, metrics, listener, admin = free_ports(5)
     c = stack.config
     variant = LocalStack(
@@ -409,13 +444,18 @@ async def _start_epp_variant(
             access_log_percent=access_log_percent,
             epp_args=["--ext-proc-transport", transport, *flags],
             epp_env=env,
+            epp_replicas=replicas,
+            replica_sharing=sharing,
         )
     )
     variant.workdir.mkdir(exist_ok=True)
     opened.append(variant)
     variant.start_epp()
     variant.start_envoy()
-    await asyncio.gather(variant._wait_http("epp", variant.epp_metrics_url, 60), variant.envoy.wait_ready(60))
+    await asyncio.gather(
+        *(variant._wait_http(n, u, 60) for n, u in zip(variant.epp_names, variant.epp_metrics_urls, strict=True)),
+        variant.envoy.wait_ready(60),
+    )
     return variant
 
 
@@ -437,6 +477,8 @@ async def measure(
     epp_builds: dict[str, dict[str, str]] | None = None,
     pin: bool = False,
     epp_flags: list[list[str]] | None = None,
+    epp_replicas: int = 1,
+    rounds: int = 1,
 ) -> OverheadResult:
     """Every target in one run over one pool: sequential latency interleaved request by request, then throughput
     in alternating order. Each target has processes of its own (its Envoy, its processor or router), so their CPU
@@ -448,7 +490,10 @@ async def measure(
     PYTHONPATH), a target "envoy+epp (name)" each, with its own default config (`compare_builds`). `pin`: the
     client and the model servers on half the CPUs, every target's processes on the other half (`split_cpus`);
     ValueError with fewer than two CPUs. `epp_flags`: more command-line flags for the EPP, a target
-    "envoy+epp (flags)" each (e.g. the status page's ring off, or tracing on: what a flag costs, side by side)."""
+    "envoy+epp (flags)" each (e.g. the status page's ring off, or tracing on: what a flag costs, side by side).
+    `epp_replicas` > 1: two more targets, that many EPP replicas behind one Envoy sharing their load
+    ("envoy+epp xN") and not ("envoy+epp xN unshared"): what sharing costs, the replicas' CPU summed.
+    `rounds`: pairs of passes over the targets for throughput (each pass one phase a target, forward then back)."""
     body = {**BODY, "stream": True} if streamed else BODY
     cpus = split_cpus(os.sched_getaffinity(0)) if pin else None
     base = free_port_block(servers)
@@ -522,10 +567,23 @@ async def measure(
             variants.append((f"{EPP} ({name})", f"build-{index}", None, 100, env))
         for index, flags in enumerate(epp_flags or ()):
             variants.append((f"{EPP} ({' '.join(flags)})", f"flags-{index}", None, 100, {}, tuple(flags)))
+        variants += [
+            (
+                f"{EPP} x{epp_replicas}" + ("" if sharing else " unshared"),
+                f"replicas-{sharing}",
+                None,
+                100,
+                {},
+                (),
+                epp_replicas,
+                sharing,
+            )
+            for sharing in ((True, False) if epp_replicas > 1 else ())
+        ]
         for target, *variant in variants:
             other = await _start_epp_variant(stack, transport, opened, *variant)
             targets[target] = f"{other.gateway_url}/v1/completions"
-            pids[target] = {"envoy": other.envoy.process.pid, "epp": other.processes["epp"].pid}
+            pids[target] = {"envoy": other.envoy.process.pid, **{n: other.processes[n].pid for n in other.epp_names}}
         for kind in ("sglang", "vllm") if with_peers else ():  # the Rust routers, when the [bench] extra installed them
             if peer_command(kind) is not None:
                 process, url = await start_router(
@@ -563,7 +621,8 @@ async def measure(
                 }
                 requests[name] += len(values)
             rates: dict[str, list[float]] = {name: [] for name in targets}
-            orders = (list(targets), list(reversed(targets)))  # each target's throughput runs: in turn, then back
+            # each target's throughput runs: in turn, then back, `rounds` times
+            orders = [list(targets), list(reversed(targets))] * rounds
             loaded_requests = len(orders) * concurrent_requests
             loaded_cpu = {(t, k): 0.0 for t in targets for k in pids[t]}
             # the load (this client and the model servers): how busy its CPUs were while each target was loaded
@@ -588,6 +647,9 @@ async def measure(
                     requests[name] += concurrent_requests
                     for k, p in pids[name].items():
                         loaded_cpu[name, k] += cpu_seconds(p) - phase_start[k]
+                        if k == "epp":
+                            phase_ms = 1e3 * (cpu_seconds(p) - phase_start[k]) / concurrent_requests
+                            result.epp_phase_cpu_ms.setdefault(name, []).append(phase_ms)
                     load_used[name] += sum(map(cpu_seconds, load_pids)) - load_start
                     load_wall[name] += time.monotonic() - wall_start
                     (busy, elapsed), (busy_start, elapsed_start) = machine_cpu_seconds(), machine_start

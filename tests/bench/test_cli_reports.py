@@ -5,7 +5,7 @@ import asyncio
 
 import pytest
 
-from harness.bench import chaos, cli, compare, flood
+from harness.bench import chaos, cli, compare, failover, flood
 
 
 @pytest.fixture(autouse=True)
@@ -69,3 +69,47 @@ def test_flood_exits_1_when_requests_went_unaccounted_for(monkeypatch, capsys):
         cli.main(["flood", "--targets", "epp"])
     assert exit_info.value.code == "epp-bench flood: requests not all accounted for: epp at 2x"
     assert "wrote no files; --out DIR keeps the report" in capsys.readouterr().out
+
+
+def test_compare_runs_each_epp_target_per_replica_count_and_sharing_choice():
+    from harness.bench import agentic
+    from harness.bench.workloads import load_workload
+
+    assert compare.replica_variants("epp", [1, 3], [True, False]) == [(1, True), (3, True), (3, False)]
+    assert compare.replica_variants("round-robin", [1, 3], [True, False]) == [(1, True)]
+    assert [compare.target_label("epp", n, s) for n, s in ((1, True), (3, True), (3, False))] == [
+        "epp",
+        "epp x3",
+        "epp x3 unshared",
+    ]
+    spec = load_workload("agentic")
+    bursts = agentic.sessions({**spec, "arrival": {"burst": 4}}, 2.0, 20.0, 0, 0.1)
+    starts = [s.at for s in bursts]
+    assert len(starts) % 4 == 0 and all(starts[i] == starts[i + 3] for i in range(0, len(starts), 4))
+    assert agentic.sessions(spec, 2.0, 20.0, 0, 0.1) == agentic.sessions(
+        {**spec, "arrival": {"burst": 1}}, 2.0, 20.0, 0, 0.1
+    )
+
+
+def test_failover_exits_1_naming_the_faults_that_failed_requests(monkeypatch, capsys):
+    def phases(killed_failed: int, drained_failed: int) -> list[failover.Phase]:
+        return [
+            failover.Phase("EPP replica killed (SIGKILL, 1 of 3)", {"ok": 90, "failed": killed_failed}),
+            failover.Phase("EPP replica drained (SIGTERM, 1 of 3)", {"ok": 90, "failed": drained_failed}),
+            failover.Phase("model server killed (SIGKILL, 1 of 8)", {"ok": 90, "cut": 3}),  # cut in flight: expected
+        ]
+
+    fail_close = failover.FailoverReport(8, 3, 32, False, 10.0, phases(killed_failed=2, drained_failed=0))
+    assert failover.missed_goals(fail_close) == []  # FailClose: the killed replica's streams in flight fail by design
+    fail_open = failover.FailoverReport(8, 3, 32, True, 10.0, phases(killed_failed=2, drained_failed=1))
+    assert failover.missed_goals(fail_open) == [fail_open.phases[0].name, fail_open.phases[1].name]
+    assert "| EPP replica killed (SIGKILL, 1 of 3) | 90 | 2 | 0 |" in failover.markdown(fail_open)
+
+    async def run(**settings):
+        assert settings["fail_open"] is True and settings["servers"] == 8
+        return fail_open
+
+    monkeypatch.setattr(failover, "run", run)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["failover"])
+    assert str(exit_info.value.code).startswith("epp-bench failover: requests failed in: EPP replica killed")

@@ -6,6 +6,7 @@ import shutil
 import sys
 
 import pytest
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 
 from epp.predictor import predictor
 from epp.scheduling.prompt_tokens import PromptTokenizer
@@ -62,8 +63,8 @@ def test_another_profile_is_measured_with_its_own_plugins(tmp_path, monkeypatch)
     made = []
     real = handler_cpu._director
 
-    def recording(text, kv_events):
-        made.append(real(text, kv_events))
+    def recording(text, kv_events, tracing):
+        made.append(real(text, kv_events, tracing))
         return made[-1]
 
     monkeypatch.setattr(handler_cpu, "_director", recording)
@@ -71,6 +72,30 @@ def test_another_profile_is_measured_with_its_own_plugins(tmp_path, monkeypatch)
     plugins = made[0].metrics.plugin_duration.children
     assert {key[2] for key in plugins} == {"queue-scorer", "max-score-picker"}
     assert sum(e.routed_total for e in made[0].datastore.endpoints) == 32
+
+
+@pytest.mark.parametrize(
+    ("tracing", "names"), [("on", {"gateway.request", "gateway.scheduling"}), ("bare", {"gateway.request"})]
+)
+def test_traced_requests_have_their_spans_encoded_as_the_exporter_sends_them(monkeypatch, tracing, names):
+    """`--tracing on`: every request's spans, each batch encoded into an Export request as the exporter's thread
+    does; `bare` (tracing's floor): one span a request, without attributes."""
+    exported = []
+    real = handler_cpu.request_tracing.export_request
+
+    def parsed(spans, service_name):
+        encoded = real(spans, service_name)
+        exported.append(trace_service_pb2.ExportTraceServiceRequest.FromString(encoded))
+        return encoded
+
+    monkeypatch.setattr(handler_cpu.request_tracing, "export_request", parsed)
+    batch = handler_cpu.request_tracing.EXPORT_BATCH_REQUESTS
+    result = handler_cpu.measure(requests=batch, batch=16, rounds=1, tracing=tracing)
+    assert result.routed == batch and f"tracing {tracing}" in result.markdown()
+    ((resource_spans,),) = [request.resource_spans for request in exported]
+    spans = resource_spans.scope_spans[0].spans
+    assert {s.name for s in spans} == names and len(spans) == batch * len(names)
+    assert all(bool(s.attributes) == (tracing == "on") for s in spans)
 
 
 def test_with_kv_events_the_precise_scorer_tokenizes_every_prompt_as_live(monkeypatch):
@@ -100,7 +125,7 @@ import re, subprocess, sys
 args = sys.argv[1:]
 command = args[next(i for i, a in enumerate(args) if not a.startswith("--")):]
 subprocess.run(command, check=True)
-count, deliver = re.search(r"measure\\((\\d+), .* (True|False)\\)", command[-1]).groups()
+count, deliver = re.search(r"measure\\((\\d+), .* (True|False), '\\w+'\\)", command[-1]).groups()
 ir = 1_000_000 + int(count) * (3_000 if deliver == "True" else 1_000)
 events = ["Ir", "ILmr", "DLmr", "DLmw"] if "--cache-sim=yes" in args else ["Ir"]
 print("==1== Events    : " + " ".join(events), file=sys.stderr)

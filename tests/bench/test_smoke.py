@@ -234,6 +234,16 @@ def test_the_zero_cost_ceiling_is_plain_envoy_s_machine_cpu_over_the_native_floo
     assert result.zero_cost_ceiling() is None
 
 
+def test_each_epp_variant_is_compared_with_the_default_epp_pass_by_pass():
+    result = overhead.OverheadResult("h2", 4, 10, 32, 100)
+    result.epp_phase_cpu_ms = {overhead.EPP: [0.30, 0.40, 0.35]}
+    assert "pass by pass" not in "\n".join(result._phase_lines())  # nothing to compare with
+    result.epp_phase_cpu_ms["envoy+epp (--flag)"] = [0.33, 0.40, 0.42]
+    lines = result._phase_lines()
+    assert "envoy+epp 0.300 0.400 0.350; envoy+epp (--flag) 0.330 0.400 0.420" in lines[0]
+    assert lines[1] == "envoy+epp (--flag) / envoy+epp, pass by pass: median 1.100, 1.000-1.200 over 3 passes"
+
+
 def test_cpus_split_between_the_load_and_the_targets():
     assert overhead.split_cpus([1, 0]) == ({0}, {1})
     assert overhead.split_cpus(range(5)) == ({0, 1}, {2, 3, 4})
@@ -284,8 +294,10 @@ def test_pinned_the_load_and_every_target_s_processes_run_on_their_own_cpus(monk
             without_access_log=False,
             with_picker_only=False,
             pin=True,
+            rounds=2,
         )
     )
+    assert len(result.epp_phase_cpu_ms[overhead.EPP]) == 4  # two passes forward and back: the EPP's CPU in each
     assert os.sched_getaffinity(0) == before
     *targets_and_servers, (client, during), (_, after) = seen
     assert client == os.getpid() and during == {load_cpus} and after == {frozenset(before)}  # every thread
@@ -488,3 +500,45 @@ def test_agentic_smoke(tmp_path):
     assert set(epp.by_kind) == {"chat turns", "subagent turns", "responses turns"}
     report = (tmp_path / "agentic.md").read_text()
     assert f"answered with their stored conversation: epp {epp.follow_ups}/{epp.follow_ups}" in report
+    assert "the plan's floor" in report
+
+
+def test_the_floor_is_what_perfect_affinity_leaves_to_prefill():
+    from harness.bench import agentic
+    from harness.bench.workloads import load_workload
+
+    spec = load_workload("agentic")
+    plan = agentic.sessions(spec, 4.0, 3.0, 0, 0.1)
+    floor = agentic.floor(spec, plan, 0.1)
+    assert floor.requests == sum(
+        1 + len(s.steps) + sum(1 + len(st.fork.steps) for st in s.steps if st.fork) for s in plan
+    )
+    assert 4 <= floor.held["mean"] < floor.shared_only["mean"]  # a prefill step's overhead at least; less to prefill
+    assert floor.held["p90"] <= floor.shared_only["p90"]
+
+
+def test_the_oracle_routes_agent_sessions_itself_straight_to_the_servers(tmp_path):
+    """The perfect-information reference: no proxy; every turn, subagent and Responses follow-up answered."""
+    (oracle,) = asyncio.run(
+        compare.compare("agentic", ["oracle"], [4.0], 3.0, 2, tmp_path, scale=0.1, progress=lambda m: None)
+    )
+    assert oracle.succeeded == oracle.requests and oracle.follow_ups_ok == oracle.follow_ups > 0
+    assert all(oracle.per_server) and sum(oracle.per_server) == oracle.requests
+    with pytest.raises(ValueError, match="only the agentic workloads"):
+        asyncio.run(compare.compare("multi-lora", ["oracle"], [4.0], 1.0, 2, tmp_path, progress=lambda m: None))
+
+
+def test_the_oracle_keeps_a_context_on_its_server_until_the_load_gap_reaches_the_handoff():
+    from harness.bench.agentic import Oracle
+
+    oracle = Oracle(["a", "b", "c"], handoff=2)
+    first = oracle.pick("s1")  # a new session: the least loaded (ties: the fewest live contexts)
+    assert first == "a" and oracle.pick("s2") == "b"
+    oracle.done("a")
+    oracle.done("b")
+    assert oracle.pick("s1/0", parent="s1") == "a"  # a subagent starts where its parent's context is
+    assert oracle.pick("s1") == "a"  # a gap of 2 over "c": the next turn would leave ...
+    assert oracle.pick("s1") == "c"  # ... and does, taking its context along
+    assert oracle.pick("s2", pinned=True) == "b"  # a Responses follow-up never leaves its stored response
+    oracle.forget("s1")
+    assert oracle.contexts == {"a": 1, "b": 1, "c": 0}

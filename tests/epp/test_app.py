@@ -3,11 +3,12 @@ every part's collector reaches the metrics page."""
 
 import socket
 
+import pytest
 from prometheus_client import generate_latest
 
 from epp.app import EndpointPicker
 from epp.cli import build_parser
-from epp.config import loader
+from epp.config import ConfigError, loader
 
 
 def free_port() -> int:
@@ -23,12 +24,17 @@ async def test_the_config_is_read_once_and_every_part_registers_its_metrics(tmp_
     parsed, safe_load = [], loader.yaml.safe_load
     monkeypatch.setattr(loader.yaml, "safe_load", lambda text: parsed.append(text) or safe_load(text))
     flags = ["--pool-file", str(pool), "--bind-address", "127.0.0.1", "--kv-events-port", str(free_port())]
+    flags += ["--replica-peers", f"127.0.0.1:{free_port()}"]
     picker = EndpointPicker(build_parser().parse_args([*flags, "--config-text", config]))
     try:
         assert parsed.count(config) == 1
         assert picker.scheduler.detector.queue_depth_threshold == 3  # the scheduler's section
         assert picker.flow_control.config.max_requests == 7  # flow control's
         assert picker.subscriber is not None  # the default profile reads KV events
+        assert picker.director.load_changed == picker.replicas.load_changed  # the replicas hear of every change
+        assert picker.director.forward_record == picker.replicas.forward_record  # and of others' access-log records
+        assert picker.replicas.match_record == picker.director.match_record
+        assert picker.replicas.prefix_index is picker.scheduler.shared_prefix_index is not None
         page = generate_latest(picker.metrics.registry).decode()
         for name in (
             "inference_objective_request_total",  # the director's series
@@ -39,7 +45,18 @@ async def test_the_config_is_read_once_and_every_part_registers_its_metrics(tmp_
             "inference_extension_kv_events_index_entries",  # the KV-event subscriber's
             "inference_extension_ext_proc_buffered_body_bytes",  # the handlers' body budget's
             "inference_extension_ext_proc_connections",  # the h2 transport's
+            "inference_extension_replica_peers",  # the replica channel's
         ):
             assert f"# TYPE {name} " in page
     finally:
         await picker.datastore.close()
+
+
+async def test_a_replica_secret_file_that_cannot_be_read_or_is_empty_is_refused(tmp_path):
+    pool = tmp_path / "pool.yaml"
+    pool.write_text("endpoints:\n- {name: a, address: 127.0.0.1, port: 8000}\n")
+    (tmp_path / "empty").write_text("\n")
+    for secret, says in ((tmp_path / "missing", "cannot read --replica-secret-file"), (tmp_path / "empty", "is empty")):
+        flags = ["--pool-file", str(pool), "--replica-peers", "127.0.0.1:9005", "--replica-secret-file", str(secret)]
+        with pytest.raises(ConfigError, match=says):
+            EndpointPicker(build_parser().parse_args(flags))

@@ -46,3 +46,16 @@ def test_observability_flags_default_to_a_ring_and_no_tracing():
     args = build_parser().parse_args(["--pool-file", "pool.yaml"])
     assert args.status_decisions == 1000 and not args.emit_endpoint_scores
     assert args.otlp_traces_endpoint is None and args.trace_sampling_ratio == 1.0
+
+
+def test_replica_flags(tmp_path, capsys):
+    args = build_parser().parse_args(["--pool-file", "p.yaml", "--replica-peers", "epp.ns.svc:9005,10.0.0.2:9006"])
+    assert args.replica_port == 9005 and args.replica_peers == [("epp.ns.svc", 9005), ("10.0.0.2", 9006)]
+    for flags, says in (
+        (["--replica-peers", "epp.ns.svc"], "not host:port"),
+        (["--replica-port", "9006"], "--replica-peers"),
+        (["--replica-secret-file", "s"], "--replica-peers"),
+    ):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["--pool-file", "p.yaml", *flags])
+        assert says in capsys.readouterr().err

@@ -81,6 +81,9 @@ def test_a_fail_open_h2c_pool_with_three_ranks():
     assert ext_proc(bootstrap)["failure_mode_allow"] is True
     assert ext_proc(bootstrap)["processing_mode"]["request_body_mode"] == "BUFFERED"  # Envoy fails open only so
     assert routes(bootstrap)["not-picked-by-epp"]["route"]["cluster"] == "pool_fallback"
+    retry = routes(bootstrap)["not-picked-by-epp"]["route"]["retry_policy"]  # it failed open: a server may be down too
+    assert retry["retry_on"] == "connect-failure,reset" and retry["num_retries"] == 2
+    assert retry["retry_host_predicate"][0]["name"] == "envoy.retry_host_predicates.previous_hosts"
     for name in MODEL_SERVER_CLUSTERS:
         options = clusters(bootstrap)[name]["typed_extension_protocol_options"]
         assert options["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]["explicit_http_config"] == {
@@ -161,3 +164,35 @@ def test_envoy_accepts_the_kubernetes_bootstrap_of_a_pool(tmp_path, pool):
     fallback = clusters(yaml.safe_load(path.read_text()))["pool_fallback"]["load_assignment"]["endpoints"][0]
     ports = [e["endpoint"]["address"]["socket_address"]["port_value"] for e in fallback["lb_endpoints"]]
     assert ports == ([8000] if pool is None else [3000, 3002, 3004])  # the headless Service, on every rank's port
+
+
+def test_epp_replicas_are_health_checked_and_a_stream_that_cannot_start_is_retried_elsewhere():
+    """Each EPP replica's ext_proc gRPC health is checked on its own health port (a draining replica says NOT_SERVING);
+    an ext_proc stream refused by one replica (connection refused, REFUSED_STREAM, a reset before its first answer)
+    starts on another."""
+    text = render_bootstrap(
+        epp_host="127.0.0.1",
+        epp_port=9002,
+        more_epp_endpoints=["127.0.0.1:9012"],
+        epp_health_ports=[9003, 9013],
+        fallback_endpoints=["127.0.0.1:8000"],
+    )
+    bootstrap = yaml.safe_load(text)
+    (cluster,) = [c for c in bootstrap["static_resources"]["clusters"] if c["name"] == "epp"]
+    ports = [
+        e["endpoint"]["health_check_config"]["port_value"]
+        for e in cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    ]
+    assert ports == [9003, 9013]
+    (check,) = cluster["health_checks"]
+    assert check["grpc_health_check"] == {"service_name": "envoy.service.ext_proc.v3.ExternalProcessor"}
+    manager = bootstrap["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    (ext_proc,) = [f for f in manager["http_filters"] if f["name"] == "envoy.filters.http.ext_proc"]
+    retry = ext_proc["typed_config"]["grpc_service"]["retry_policy"]
+    assert set(retry["retry_on"].split(",")) == {"connect-failure", "refused-stream", "reset"}
+    assert retry["retry_host_predicate"][0]["name"] == "envoy.retry_host_predicates.previous_hosts"
+    plain = yaml.safe_load(render_bootstrap(epp_host="h", epp_port=1, fallback_endpoints=["h:2"]))
+    (cluster,) = [c for c in plain["static_resources"]["clusters"] if c["name"] == "epp"]
+    assert "health_checks" not in cluster  # no health ports: no active checks (a processor without gRPC health)
+    with pytest.raises(ValueError, match="one port per EPP endpoint"):
+        render_bootstrap(epp_host="h", epp_port=1, fallback_endpoints=["h:2"], epp_health_ports=[3, 4])

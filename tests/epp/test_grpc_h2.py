@@ -96,6 +96,66 @@ async def test_stop_sends_goaway_and_lets_open_streams_finish(server):
     assert "finish" in EchoHandler.log
 
 
+def _frames(data: bytes) -> list[tuple[int, int, bytes]]:
+    """(type, stream id, payload) of each frame in a server's bytes."""
+    frames, offset = [], 0
+    while offset + 9 <= len(data):
+        length, kind, stream_id = int.from_bytes(data[offset : offset + 3], "big"), data[offset + 3], 0
+        stream_id = int.from_bytes(data[offset + 5 : offset + 9], "big") & 0x7FFFFFFF
+        frames.append((kind, stream_id, data[offset + 9 : offset + 9 + length]))
+        offset += 9 + length
+    return frames
+
+
+def test_a_drain_is_two_goaways_a_ping_apart_and_refuses_later_streams():
+    """gRPC servers' graceful GOAWAY: the first names the highest possible stream, so a stream the proxy opened
+    before it saw it is still served; once the proxy answered the PING sent with it, the second names the last
+    stream taken, and a stream opened after that is refused (REFUSED_STREAM: the proxy may retry it elsewhere)."""
+    from hpack import Encoder
+
+    from epp.transport.h2 import (
+        ACK,
+        DATA,
+        DRAIN_PING,
+        END_HEADERS,
+        GOAWAY,
+        HEADERS,
+        MAX_STREAM_ID,
+        PING,
+        REFUSED_STREAM,
+        RST_STREAM,
+        SETTINGS,
+        U32,
+        ExtProcConnection,
+    )
+
+    EchoHandler.log = []
+    encoder = Encoder()
+
+    def open_stream(stream_id: int) -> bytes:
+        block = encoder.encode([(":method", "POST"), (":path", PROCESS), ("content-type", "application/grpc")])
+        return frame(HEADERS, END_HEADERS, stream_id, block) + frame(
+            DATA, 0, stream_id, grpc_message(headers().SerializeToString())
+        )
+
+    connection = ExtProcConnection(ExtProcServer(EchoHandler))
+    transport = RecordingTransport()
+    connection.connection_made(transport)
+    connection.data_received(PREFACE + frame(SETTINGS, 0, 0) + open_stream(1))
+    connection.drain()
+    sent = _frames(bytes(transport.written))
+    assert (GOAWAY, 0, U32.pack(MAX_STREAM_ID) + U32.pack(0)) in sent and (PING, 0, DRAIN_PING) in sent
+    del transport.written[:]
+    connection.data_received(open_stream(3))  # opened before the proxy saw the GOAWAY: taken
+    assert [kind for kind, stream_id, _ in _frames(bytes(transport.written)) if stream_id == 3] == [HEADERS, DATA]
+    del transport.written[:]
+    connection.data_received(frame(PING, ACK, 0, DRAIN_PING) + open_stream(5))
+    sent = _frames(bytes(transport.written))
+    assert sent[0] == (GOAWAY, 0, U32.pack(3) + U32.pack(0))
+    assert (RST_STREAM, 5, U32.pack(REFUSED_STREAM)) in sent and 5 not in connection.streams
+    assert sorted(connection.streams) == [1, 3]  # the streams in flight go on
+
+
 def test_header_blocks_are_decoded_once_while_the_hpack_table_stays_the_same():
     from hpack import Encoder
 
@@ -115,6 +175,29 @@ def test_header_blocks_are_decoded_once_while_the_hpack_table_stays_the_same():
     connection._decode(other)
     assert connection.decoded_blocks == {}
     assert connection._decode(encoder.encode(first)) == [(b":path", b"/a"), (b"x-new", b"1")]  # still in step
+
+
+def test_a_traced_server_hands_each_stream_the_trace_context_its_call_carried():
+    """With `trace_context` the stream's handler gets the call's traceparent (Envoy's trace of the request), None
+    without one; untraced, the handler is made without it."""
+    from hpack import Encoder
+
+    from epp.transport.h2 import END_HEADERS, HEADERS, PROCESS_PATH, ExtProcConnection
+
+    made = []
+    call = [(":method", "POST"), (":path", PROCESS_PATH.decode()), ("content-type", "application/grpc")]
+    context = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    for traced, extra, expected in (
+        (True, [("traceparent", context)], (context,)),
+        (True, [], (None,)),
+        (False, [("traceparent", context)], ()),
+    ):
+        connection = ExtProcConnection(ExtProcServer(lambda reply, *args: made.append(args), trace_context=traced))
+        connection.connection_made(CountingTransport())
+        connection.data_received(
+            PREFACE + frame(4, 0, 0) + frame(HEADERS, END_HEADERS, 1, Encoder().encode(call + extra))
+        )
+        assert made.pop() == expected
 
 
 class RecordingTransport(CountingTransport):

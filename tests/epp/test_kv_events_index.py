@@ -11,8 +11,15 @@ import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from epp.datalayer import kv_events
 from epp.datalayer.endpoint import Endpoint, EndpointSpec
-from epp.datalayer.kv_events import MAX_MESSAGE_BYTES, IndexedBatch, KVBlockIndex, KVEventSubscriber
+from epp.datalayer.kv_events import (
+    EVICTION_RUN,
+    MAX_MESSAGE_BYTES,
+    IndexedBatch,
+    KVBlockIndex,
+    KVEventSubscriber,
+)
 from modelserver.engine.config import EngineConfig
 from modelserver.engine.engine import AsyncEngine
 from modelserver.engine.kv_events import ZmqEventPublisher
@@ -84,7 +91,12 @@ async def test_the_index_follows_each_server_s_cache_through_evictions():
                 pass
         kv = engines[0].kv
         cached = {external_block_hash(d) for d in kv._cached}
-        await wait_for(lambda: index._by_endpoint.get("127.0.0.1:8000", {}).keys() == cached)
+        await wait_for(
+            lambda: (
+                index.entries("127.0.0.1:8000") == len(cached)
+                and all(index.prefix_blocks([h], ["127.0.0.1:8000"])["127.0.0.1:8000"] for h in cached)
+            )
+        )
         assert index.prefix_blocks(hashes, endpoints)["127.0.0.1:8000"] == 0
         assert subscriber.gaps == 0 and subscriber.bad_messages == 0
     finally:
@@ -236,6 +248,25 @@ def test_the_memory_cap_drops_the_largest_endpoint_s_oldest_entries_and_counts_t
     assert index.prefix_blocks([2, 3], ["a"]) == {"a": 2}
 
 
+def test_over_the_cap_a_run_is_evicted_at_once_and_the_stores_that_follow_fill_its_room():
+    """vLLM sends a block at a time while it decodes: at the cap, each of those evicting its own block paid for a
+    search of the largest endpoint and an unlink pass apiece. The cap's eviction goes a run below it instead (at
+    most a 64th of the cap), so the next run of single blocks evicts nothing."""
+    cap = 64 * EVICTION_RUN
+    index = KVBlockIndex(max_entries=cap)
+    index.store("a:1", list(range(cap)))
+    index.store("b:1", [cap])
+    assert index.dropped_entries == EVICTION_RUN + 1 and index.size == cap - EVICTION_RUN
+    for block in range(cap + 1, cap + 1 + EVICTION_RUN):
+        index.store("b:1", [block])
+    assert index.dropped_entries == EVICTION_RUN + 1 and index.size == cap
+    index.store("b:1", [2 * cap])
+    assert index.dropped_entries == 2 * (EVICTION_RUN + 1) and index.size == cap - EVICTION_RUN
+    oldest_left = 2 * (EVICTION_RUN + 1)  # a's oldest went, twice a run and a block
+    assert index.prefix_blocks([oldest_left - 1], ["a:1"]) == {"a:1": 0}
+    assert index.prefix_blocks([oldest_left], ["a:1"]) == {"a:1": 1}
+
+
 async def test_an_endpoint_that_leaves_the_pool_loses_its_entries():
     index = KVBlockIndex()
     subscriber = KVEventSubscriber(index, "tcp://127.0.0.1:*")
@@ -243,7 +274,7 @@ async def test_an_endpoint_that_leaves_the_pool_loses_its_entries():
         index.store("10.0.0.1:8000", [1, 2, 3])
         index.store("10.0.0.2:8000", [1, 2])
         subscriber.stop(Endpoint(EndpointSpec("a", "10.0.0.1", 8000)))  # the datastore: it left the pool
-        await wait_for(lambda: "10.0.0.1:8000" not in index._by_endpoint)
+        await wait_for(lambda: "10.0.0.1:8000" not in index._entries)  # its log and count gone too
         assert index.prefix_blocks([1, 2, 3], ["10.0.0.1:8000", "10.0.0.2:8000"]) == {
             "10.0.0.1:8000": 0,
             "10.0.0.2:8000": 2,
@@ -424,6 +455,67 @@ def test_only_the_pools_servers_are_indexed_and_a_server_that_leaves_is_forgotte
 
 @settings(max_examples=300, deadline=None)
 @given(
+    operations=st.lists(
+        st.tuples(
+            st.sampled_from(["store", "remove", "clear"]),
+            st.integers(0, 2),
+            st.lists(st.integers(0, 15), max_size=6),
+        ),
+        max_size=40,
+    ),
+    cap=st.integers(1, 24),
+)
+def test_stores_removals_clears_and_the_cap_keep_the_index_true_to_the_events(operations, cap):
+    """Against the events' own account: the index never lists a block its endpoint does not hold, counts what it
+    lists, stays within its cap and, until the cap drops something, lists all of it. Small chunks and eviction
+    runs, so that logs are compacted and runs cut short by blocks listed twice or no longer held."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(kv_events, "CHUNK_BLOCKS", 2)
+        patch.setattr(kv_events, "EVICTION_RUN", 3)
+        index = KVBlockIndex(max_entries=cap)
+        endpoints = ["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"]
+        truth: dict[str, set[int]] = {e: set() for e in endpoints}
+        for operation, i, blocks in operations:
+            endpoint, dropped = endpoints[i], index.dropped_entries
+            if operation == "store":
+                index.store(endpoint, blocks)
+                truth[endpoint].update(blocks)
+            elif operation == "remove":
+                index.remove(endpoint, blocks)
+                truth[endpoint].difference_update(blocks)
+            else:
+                index.clear(endpoint)
+                truth[endpoint].clear()
+            listed = {e: {h for h in range(16) if index.prefix_blocks([h], [e])[e]} for e in endpoints}
+            assert all(listed[e] <= truth[e] and index.entries(e) == len(listed[e]) for e in endpoints)
+            assert index.size == sum(map(len, listed.values())) <= cap
+            if index.dropped_entries > dropped:  # down to a run below the cap, at most a 64th of it (none here)
+                assert index.size == cap
+            if index.dropped_entries == 0:
+                assert listed == truth
+
+
+def test_blocks_stored_and_removed_over_and_over_keep_their_endpoint_s_log_short_and_rarely_compacted():
+    """vLLM evicting and recomputing the same blocks: each removal leaves a stale place in the endpoint's log and
+    each store a new one. A compaction keeps each held block once, at its latest place, so the log never outgrows
+    twice its entries and a chunk, and compactions come once per that many removals (keeping every place listed
+    would leave the log over its bound after each one, and compact it at every removal)."""
+    index, compactions = KVBlockIndex(), []
+    compact = KVBlockIndex._compact
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(KVBlockIndex, "_compact", lambda *args: (compactions.append(1), compact(*args)))
+        index.store("a", list(range(300)))
+        for _ in range(4):
+            for block in range(300):
+                index.remove("a", [block])
+                index.store("a", [block])
+                assert len(index._entries["a"].log) <= 2 * (300 + kv_events.CHUNK_BLOCKS)
+    assert index.entries("a") == 300 and index.prefix_blocks(list(range(300)), ["a"]) == {"a": 300}
+    assert 1 <= len(compactions) <= 4 * 300 // kv_events.CHUNK_BLOCKS
+
+
+@settings(max_examples=300, deadline=None)
+@given(
     held=st.lists(st.sets(st.integers(0, 11), max_size=12), min_size=1, max_size=5),
     removed=st.lists(st.tuples(st.integers(0, 4), st.integers(0, 11)), max_size=6),
     prompt=st.lists(st.integers(0, 11), max_size=12, unique=True),
@@ -507,6 +599,7 @@ async def test_a_huge_batch_at_the_cap_neither_takes_long_nor_stops_the_event_lo
         await ticking
     finally:
         sys.setswitchinterval(switch)
-    assert index.size == 60_000 and index.dropped_entries == 60_000
+    # evicted down to a run below the cap: the last chunk's eviction left room for the next stores
+    assert index.size == 60_000 - EVICTION_RUN and index.dropped_entries == 60_000 + EVICTION_RUN
     assert index.prefix_blocks([0], ["a:1"]) == {"a:1": 0} and index.prefix_blocks([159_999], ["b:1"]) == {"b:1": 1}
     assert took < 3.0 and max(gaps) < 0.25, (took, max(gaps))

@@ -3,6 +3,9 @@ opentelemetry-proto as a collector would: which context the request span continu
 traceparent sent upstream, sampling; and the model server's spans (modelserver/tracing.py, the OpenTelemetry SDK)
 from an engine request's timestamps."""
 
+import asyncio
+from types import SimpleNamespace
+
 import pytest
 
 pytest.importorskip("opentelemetry.sdk", reason="the tracing extra (OpenTelemetry SDK) is not installed")
@@ -14,10 +17,14 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 
-from epp.requestcontrol.tracing import RequestTracing, export_request
+from epp.requestcontrol.tracing import OTLPExporter, RequestTracing, export_request
+from epp.scheduling.types import SchedulingRequest, SchedulingResult, TypedName
+from harness.bench.ports import free_ports
+from harness.otlp import TraceCollector
 from modelserver.engine.request import Request, SamplingParams
 from modelserver.tracing import RequestTracer
 from protocol.tracing import GenAI, tracer
+from tests.epp.helpers import endpoint
 from tests.epp.test_server import BASE_HEADERS, QUEUE_SCORER, body_message, headers_message, make_picker, new_stream
 from tests.epp.test_server import set_headers as answer_headers
 
@@ -34,10 +41,10 @@ def in_memory(ratio: float = 1.0) -> tuple[object, InMemorySpanExporter]:
 
 
 class Collected(list):
-    """The EPP's exporter in memory: each span's bytes, parsed as the collector would."""
+    """The EPP's exporter in memory: each request's spans, parsed as the collector would."""
 
-    def add(self, span_bytes: bytes) -> None:
-        self.append(trace_pb2.Span.FromString(span_bytes))
+    def add(self, spans: bytes) -> None:
+        self.extend(trace_pb2.ScopeSpans.FromString(spans).spans)
 
 
 def attributes(span) -> dict:
@@ -82,6 +89,44 @@ def test_a_request_span_continues_the_clients_trace_and_goes_upstream():
     assert scheduling.end_time_unix_nano <= request.end_time_unix_nano
 
 
+@pytest.mark.parametrize("candidates", [3, 1, 0])
+def test_the_scheduling_span_holds_every_number_of_the_decision_in_its_place(candidates):
+    """Each scorer's scores, the totals and each plugin's seconds as the result has them (all packed by one struct
+    per layout: tracing._Shape), the candidates, the pick and the fallbacks; a queued request's flow-control span."""
+    pool = [endpoint(i) for i in range(3)]
+    scored = pool[:candidates]
+    timings = [(TypedName("queue-scorer", "queue"), 1.5e-6), (TypedName("max-score-picker", "max-score-picker"), 2e-7)]
+    raw = {TypedName("queue-scorer", "queue"): [0.25 * i for i in range(candidates)]}
+    raw[TypedName("lora-affinity-scorer", "lora")] = [1.0 - 0.5 * i for i in range(candidates)]
+    result = SchedulingResult(
+        [pool[2], pool[0]], "p", scored, raw, timings, totals=[float(i) for i in range(candidates)]
+    )
+    added = []
+    traced = RequestTracing(SimpleNamespace(add=added.append))
+    for layout in ("new", "known"):  # the second decision reuses the first's layout
+        trace = traced.start({}, None)
+        request = SchedulingRequest(request_id=f"r-{layout}", model="m", prompt="x")
+        traced.decided(trace, request, result, (10, 20), (20, 30))
+        traced.finished(trace, "200")
+        spans = {s.name: s for s in trace_pb2.ScopeSpans.FromString(added.pop()).spans}
+        found = attributes(spans["gateway.scheduling"])
+        assert found["gateway.scorer.queue.scores"] == raw[TypedName("queue-scorer", "queue")]
+        assert found["gateway.scorer.lora.scores"] == raw[TypedName("lora-affinity-scorer", "lora")]
+        assert found["gateway.totals"] == result.totals and found["gateway.profile"] == "p"
+        assert found["gateway.plugins"] == ["queue", "max-score-picker"]
+        assert found["gateway.plugin_seconds"] == [1.5e-6, 2e-7]
+        assert found["gateway.candidates"] == [e.hostport for e in scored]
+        assert found["gateway.pick"] == pool[2].hostport and found["gateway.fallbacks"] == [pool[0].hostport]
+        queued = spans["gateway.flow_control"]
+        assert (queued.start_time_unix_nano, queued.end_time_unix_nano) == (10, 20)
+        assert queued.parent_span_id == spans["gateway.request"].span_id != spans["gateway.scheduling"].span_id
+        assert attributes(spans["gateway.request"]) == {
+            "gateway.request_id": f"r-{layout}",
+            "gen_ai.request.model": "m",
+            "http.response.status_code": 200,
+        }
+
+
 def test_without_a_client_trace_the_proxys_stream_context_is_continued_or_a_trace_starts():
     _, spans = traced_request(stream=f"00-{STREAM_TRACE}-{STREAM_SPAN}-01")
     assert spans["gateway.request"].parent_span_id.hex() == STREAM_SPAN
@@ -107,16 +152,34 @@ def test_unsampled_requests_make_no_spans_and_send_no_traceparent():
 
 
 def test_the_exporter_batches_into_one_export_request():
-    spans = Collected()
-    traced = RequestTracing(spans)
+    added = []
+    traced = RequestTracing(SimpleNamespace(add=added.append))
     for _ in range(3):
         trace = traced.start({}, None)
         traced.finished(trace, "200")
-    raw = [s.SerializeToString() for s in spans]
-    request = trace_service_pb2.ExportTraceServiceRequest.FromString(export_request(raw, "epp"))
+    request = trace_service_pb2.ExportTraceServiceRequest.FromString(export_request(added, "epp"))
     (resource_spans,) = request.resource_spans
     assert resource_spans.resource.attributes[0].value.string_value == "epp"
     assert [s.name for s in resource_spans.scope_spans[0].spans] == ["gateway.request"] * 3
+
+
+@pytest.mark.parametrize("keep", [True, False], ids=["kept", "counted"])
+async def test_the_exporter_sends_each_requests_spans_to_a_collector_over_grpc(keep):
+    """OTLPExporter's thread through real gRPC into harness.otlp's collector (which keeps them, or only counts them:
+    `python -m harness.otlp`); closing sends what is pending."""
+    port = free_ports(1)[0]
+    collector = TraceCollector(f"127.0.0.1:{port}", keep=keep)
+    await collector.start()
+    try:
+        exporter = OTLPExporter(f"http://127.0.0.1:{port}")
+        traced = RequestTracing(exporter)
+        for _ in range(3):
+            traced.finished(traced.start({}, None), "200")
+        await asyncio.to_thread(exporter.close)
+        assert exporter.exported == 3 and exporter.dropped == 0 and collector.received == 3
+        assert [(s.service, s.name) for s in collector.spans] == [("epp", "gateway.request")] * 3 * keep
+    finally:
+        await collector.stop()
 
 
 def test_the_model_servers_spans_carry_vllms_attributes_and_its_phases():

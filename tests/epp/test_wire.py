@@ -16,6 +16,7 @@ from opentelemetry.proto.common.v1 import common_pb2
 from epp.handlers import accesslog, wire
 from epp.handlers.extproc import CONTINUE_AND_REPLACE, OVERWRITE, RequestStream, streamed_chunk
 from epp.requestcontrol.types import RoutingDecision
+from epp.wireformat import varint
 from protocol import extproc
 from tests.epp.helpers import endpoint
 
@@ -26,8 +27,8 @@ SIZES = (0, 1, 127, 128, 16_383, 16_384, extproc.MAX_BODY_CHUNK_BYTES, 300_000)
 def test_varints():
     vectors = {0: "00", 1: "01", 127: "7f", 128: "8001", 300: "ac02", 16_383: "ff7f", 16_384: "808001"}
     for value, encoded in vectors.items():
-        assert wire.varint(value) == bytes.fromhex(encoded)
-    assert wire.varint(2**32 + 5) == bytes.fromhex("8580808010")
+        assert varint(value) == bytes.fromhex(encoded)
+    assert varint(2**32 + 5) == bytes.fromhex("8580808010")
 
 
 @pytest.mark.parametrize("size", SIZES)
@@ -123,7 +124,7 @@ def test_the_headers_read_are_what_the_message_classes_read(headers, unknown_fie
         message.headers.add(key=name, value=value, raw_value=raw)
     data = message.SerializeToString()
     if unknown_field:  # a field this reader does not know (a newer proxy's): skipped, as the classes skip it
-        data += wire.varint(7 << 3 | 2) + wire.varint(3) + b"abc" + wire.varint(9 << 3) + wire.varint(2**40)
+        data += varint(7 << 3 | 2) + varint(3) + b"abc" + varint(9 << 3) + varint(2**40)
     assert _read_header_map(data) == _header_map_as_the_classes_read_it(data)
 
 

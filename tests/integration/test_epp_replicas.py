@@ -1,7 +1,7 @@
-"""Active-active EPP replicas: three EPPs behind one Envoy, each subscribed to every server's KV events (the servers
-bind their publishers, the EPPs connect), agree on where prefixes are without talking to each other, and one of them
-killed mid-run loses no request (FailOpen: Envoy serves a request whose EPP died from the pool, and ejects the
-dead replica)."""
+"""Active-active EPP replicas: three EPPs behind one Envoy place a burst as one EPP would (they share their
+in-flight load over the replica channel, epp/replicas.py), agree on where prefixes are (each subscribed to every
+server's KV events: the servers bind their publishers, the EPPs connect), and one of them killed mid-run loses no
+request (FailOpen: Envoy serves a request whose EPP died from the pool, and ejects the dead replica)."""
 
 import asyncio
 import os
@@ -9,9 +9,11 @@ import re
 import signal
 
 import aiohttp
+import pytest
 
 from tests.integration.conftest import FAST_SIM
 
+_QUEUED = re.compile(r"^vllm:num_requests_(?:running|waiting)\{[^}]*\} (\S+)$", re.M)
 CONTEXT = "You are a helpful assistant. Answer the question concisely and accurately, and explain your reasoning. "
 
 
@@ -21,9 +23,25 @@ async def epp_metric(session: aiohttp.ClientSession, url: str, name: str) -> flo
     return float(match.group(1)) if match else 0.0
 
 
-async def test_three_replicas_share_the_index_and_survive_one_killed(make_stack):
+async def server_loads(session: aiohttp.ClientSession, urls: list[str]) -> list[int]:
+    """Requests running or waiting at each server, from its own metrics."""
+    loads = []
+    for url in urls:
+        async with session.get(f"{url}/metrics") as r:
+            page = await r.text()
+        loads.append(sum(int(float(v)) for v in _QUEUED.findall(page)))
+    return loads
+
+
+@pytest.mark.timing  # the burst's requests 80 ms apart: each replica must hear of the others' picks within that
+async def test_three_replicas_place_a_burst_as_one_share_the_index_and_survive_one_killed(make_stack):
+    # Scrapes far apart: what the replicas know of a burst between two scrapes is only what they routed and heard
     stack = await make_stack(
-        servers=3, epp_replicas=3, fail_open=True, modelserver_args=[*FAST_SIM, "--disable-log-stats"]
+        servers=3,
+        epp_replicas=3,
+        fail_open=True,
+        modelserver_args=[*FAST_SIM, "--disable-log-stats"],
+        epp_args=["--refresh-metrics-interval", "10s", "--metrics-staleness-threshold", "60s"],
     )
     url = f"{stack.gateway_url}/v1/completions"
     statuses, cached = [], []
@@ -46,6 +64,26 @@ async def test_three_replicas_share_the_index_and_survive_one_killed(make_stack)
                 break
         else:
             raise AssertionError(f"the replicas never agreed on a warm-up prompt's blocks: {entries}")
+
+        # A burst of 6 long requests, 80 ms apart, 2 through each replica (Envoy's round robin): one EPP puts 2 on
+        # each server; replicas that knew only their own would each leave out one server of their choosing (a tie),
+        # 2/2/2 only 2 times in 9.
+        for _ in range(100):  # each replica has heard from the other two (a heartbeat, every 0.5 s, at the latest)
+            peers = [await epp_metric(session, u, "inference_extension_replica_peers") for u in stack.epp_metrics_urls]
+            if peers == [2, 2, 2]:
+                break
+            await asyncio.sleep(0.05)
+        assert peers == [2, 2, 2]
+        burst = []
+        for i in range(6):
+            body = {"model": stack.config.model, "prompt": f"Burst {i}. " + CONTEXT, "max_tokens": 800}
+            burst.append(asyncio.create_task(session.post(url, json=body)))
+            await asyncio.sleep(0.08)
+        await asyncio.sleep(0.1)
+        assert sorted(await server_loads(session, stack.model_server_urls)) == [2, 2, 2]
+        for response in await asyncio.gather(*burst):
+            assert response.status == 200
+            response.release()
 
         async def one(tenant: int, question: int) -> None:
             body = {

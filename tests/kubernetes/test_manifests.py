@@ -4,6 +4,7 @@ their CEL rules); the CRDs reject what upstream rejects; containers are locked d
 import copy
 import importlib.metadata
 import json
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -12,6 +13,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from epp.cli import duration
+from epp.health import EXT_PROC_SERVICE
 from harness.envoy import KUBERNETES_BOOTSTRAP, render_kubernetes_bootstrap
 from protocol.kv_events import DEFAULT_SUBSCRIBER_PORT
 from tests.kubernetes.crd_validation import CRDS as CRD_DIR
@@ -29,6 +32,7 @@ KUSTOMIZATIONS = [
     "monitoring",
 ]
 K8S_VERSION = "1.32.0"
+REPLICA_PORT = 9005  # the replica channel (epp --replica-port, UDP)
 OUR_CRD_KINDS = {"InferencePool", "InferenceObjective", "InferenceModelRewrite"}
 # Kinds whose CRDs belong to other projects (Gateway API, Prometheus Operator): checked for shape only.
 FOREIGN_KINDS = {"Gateway", "HTTPRoute", "PodMonitor", "ServiceMonitor"}
@@ -131,8 +135,8 @@ def test_rbac_is_least_privilege():
     assert all(o["kind"] != "ClusterRole" for o in build("overlays/sim"))
 
 
-def _admits(policy: dict, pod_labels: dict, same_namespace: bool, port: int) -> bool:
-    """Whether a NetworkPolicy's ingress rules admit TCP to `port` from a Pod with `pod_labels` (matchLabels
+def _admits(policy: dict, pod_labels: dict, same_namespace: bool, port: int, protocol: str = "TCP") -> bool:
+    """Whether a NetworkPolicy's ingress rules admit `protocol` to `port` from a Pod with `pod_labels` (matchLabels
     selectors, as ours are; a peer without namespaceSelector is the policy's own namespace, `{}` any namespace)."""
 
     def selected(selector: dict, labels: dict) -> bool:
@@ -147,7 +151,10 @@ def _admits(policy: dict, pod_labels: dict, same_namespace: bool, port: int) -> 
         return selected(p.get("podSelector", {}), pod_labels)
 
     return any(
-        any(q["port"] == port and q.get("protocol", "TCP") == "TCP" for q in rule.get("ports", [{"port": port}]))
+        any(
+            q["port"] == port and q.get("protocol", "TCP") == protocol
+            for q in rule.get("ports", [{"port": port, "protocol": protocol}])
+        )
         and ("from" not in rule or any(peer(p) for p in rule["from"]))
         for rule in policy["spec"]["ingress"]
     )
@@ -172,7 +179,7 @@ def test_only_the_gateway_reaches_the_epp_ext_proc_port():
         "template"
     ]["spec"]["containers"][0]
     assert "--grpc-port=9002" in container["args"]
-    assert {p["containerPort"] for p in container["ports"]} == {9002, 9003, 9090}
+    assert {p["containerPort"] for p in container["ports"]} == {9002, 9003, 9090, REPLICA_PORT}
     for port in (9002, 9003):
         assert _admits(policy, gateway, True, port)
         for other in (servers, epp, {"app": "anything"}):
@@ -180,6 +187,11 @@ def test_only_the_gateway_reaches_the_epp_ext_proc_port():
     assert _admits(policy, servers, True, DEFAULT_SUBSCRIBER_PORT)
     assert not _admits(policy, gateway, True, DEFAULT_SUBSCRIBER_PORT)
     assert _admits(policy, {"app": "prometheus"}, False, 9090)  # metrics: anyone
+    # the replica channel: the EPP's own replicas, nobody else (each believes what the others say they routed)
+    assert _admits(policy, epp, True, REPLICA_PORT, "UDP")
+    for other in (gateway, servers, {"app": "anything"}):
+        assert not _admits(policy, other, True, REPLICA_PORT, "UDP")
+    assert not _admits(policy, epp, False, REPLICA_PORT, "UDP")  # (the same labels in another namespace)
 
     (api_policy,) = build("gateways/gateway-api/network-policy")
     gateway_name = next(o for o in build("gateways/gateway-api") if o["kind"] == "Gateway")["metadata"]["name"]
@@ -191,6 +203,95 @@ def test_only_the_gateway_reaches_the_epp_ext_proc_port():
     assert not _admits(api_policy, {"gateway.networking.k8s.io/gateway-name": "other"}, False, 9002)
     assert not _admits(api_policy, servers, True, 9002)
     assert _admits(api_policy, servers, True, DEFAULT_SUBSCRIBER_PORT)
+    assert _admits(api_policy, epp, True, REPLICA_PORT, "UDP")
+    assert not _admits(api_policy, servers, True, REPLICA_PORT, "UDP")
+
+
+def _deployment(objects: list[dict], name: str) -> dict:
+    return next(o for o in objects if o["kind"] == "Deployment" and o["metadata"]["name"] == name)
+
+
+def _cores(quantity: str) -> float:
+    return float(quantity.removesuffix("m")) / 1000 if quantity.endswith("m") else float(quantity)
+
+
+def _flags(container: dict) -> dict[str, str]:
+    return dict(arg.removeprefix("--").split("=", 1) if "=" in arg else (arg[2:], "") for arg in container["args"])
+
+
+def test_epp_replicas_behind_headless_services_with_a_disruption_budget():
+    """Several active-active replicas: the gateway's Service is headless (its name resolves to every ready pod, which
+    the Envoy gateway balances stream by stream); the replicas find each other through a second headless Service that
+    lists pods before they are ready and while they drain; a voluntary disruption takes one at a time; the drain
+    fits in the grace period."""
+    objects = build("overlays/sim")
+    deployment = _deployment(objects, "epp")
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    flags = _flags(container)
+    replicas = deployment["spec"]["replicas"]
+    assert replicas >= 3 and deployment["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+    services = {o["metadata"]["name"]: o["spec"] for o in objects if o["kind"] == "Service"}
+    gateway_view, peers = services["epp"], services["epp-replicas"]
+    assert gateway_view["clusterIP"] == "None" and not gateway_view.get("publishNotReadyAddresses")
+    assert peers["clusterIP"] == "None" and peers["publishNotReadyAddresses"] is True
+    assert peers["selector"] == gateway_view["selector"] == deployment["spec"]["selector"]["matchLabels"]
+    (peer_port,) = peers["ports"]
+    assert (peer_port["port"], peer_port["protocol"], peer_port["name"]) == (REPLICA_PORT, "UDP", "replicas")
+    assert {"name": "replicas", "containerPort": REPLICA_PORT, "protocol": "UDP"} in container["ports"]
+    assert flags["replica-port"] == str(REPLICA_PORT) and flags["replica-peers"] == f"epp-replicas:{REPLICA_PORT}"
+    assert duration(flags["drain-timeout"]) + 5 <= pod["terminationGracePeriodSeconds"]
+    (budget,) = [o for o in objects if o["kind"] == "PodDisruptionBudget"]
+    assert budget["spec"]["selector"]["matchLabels"] == deployment["spec"]["selector"]["matchLabels"]
+    assert budget["spec"]["maxUnavailable"] < replicas
+    # a small local cluster (the README's kind recipe) schedules all of it: 4 cores (kind shares the host's)
+    requested = sum(
+        o["spec"]["replicas"] * _cores(c["resources"]["requests"]["cpu"])
+        for o in objects
+        if o["kind"] == "Deployment"
+        for c in o["spec"]["template"]["spec"]["containers"]
+    )
+    assert requested <= 3.5, requested
+    (monitor,) = [o for o in build("monitoring") if o["kind"] == "ServiceMonitor"]  # scrapes every replica
+    epp_service = next(o for o in objects if o["kind"] == "Service" and o["metadata"]["name"] == "epp")
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= epp_service["metadata"]["labels"].items()
+    # the gateway's Envoy: every replica by the headless name, each health-checked on its gRPC health port
+    bootstrap = yaml.safe_load(
+        next(o for o in objects if o["metadata"]["name"] == "envoy-bootstrap")["data"]["envoy.yaml"]
+    )
+    (epp_cluster,) = [c for c in bootstrap["static_resources"]["clusters"] if c["name"] == "epp"]
+    assert epp_cluster["type"] == "STRICT_DNS"
+    (endpoint,) = epp_cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    assert endpoint["endpoint"]["address"]["socket_address"] == {"address": "epp", "port_value": 9002}
+    assert endpoint["endpoint"]["health_check_config"] == {"port_value": 9003}
+    (check,) = epp_cluster["health_checks"]
+    assert check["grpc_health_check"]["service_name"] == EXT_PROC_SERVICE
+
+
+def test_leader_election_stays_available_as_a_component(tmp_path):
+    """One serving replica and standbys instead: the base with the leader-election component validates, and only
+    its EPP flags change."""
+    overlay = tmp_path / "overlay"
+    overlay.mkdir()
+    (overlay / "kustomization.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "kustomize.config.k8s.io/v1beta1",
+                "kind": "Kustomization",
+                "resources": [os.path.relpath(MANIFESTS / "base", overlay)],
+                "components": [os.path.relpath(MANIFESTS / "components" / "leader-election", overlay)],
+            }
+        )
+    )
+    out = subprocess.run(["kubectl", "kustomize", str(overlay)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    objects = [doc for doc in yaml.safe_load_all(out.stdout) if doc]
+    elected = _deployment(objects, "epp")["spec"]["template"]["spec"]["containers"][0]["args"]
+    plain = _deployment(build("base"), "epp")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert elected == [*plain, "--ha-enable-leader-election"]
+    for obj in objects:
+        if obj["kind"] not in OUR_CRD_KINDS:
+            kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
 
 
 def test_shipped_envoy_bootstrap_is_the_rendered_template():

@@ -36,15 +36,21 @@ shrinks by the difference and its oldest entries go; when it had more, the capac
 num_gpu_blocks. Mixed pools: with the KV-event index (KVEventsConsumer), endpoints that publish KV events are left
 to precise-prefix-cache-scorer (scored 0 here, their picks not recorded); the rest are scored as above.
 
-Memory: an entry (a block hash an endpoint was sent) costs ~143 bytes (`epp-bench kv-index`, tracemalloc); however
-many blocks the servers say they hold, the index keeps at most maxIndexEntries over all endpoints (each endpoint's
-LRU at most its share of them), 1,800,000 by default: ~245 MiB, a budget of 256 MiB, 57 servers of 31,250 blocks.
-Eviction is O(1) an entry (the LRU's oldest), and one pick trims at most MAX_TRIM entries, so a capacity that falls
-a long way is reached over a few picks, never in one long stop of the event loop.
+Replicas (`--replica-peers`, epp/replicas.py): every pick it records goes to the peer replicas, which record it as
+their own (`learn`), so each replica's index knows what all of them routed.
+
+Memory: an entry (a block hash an endpoint was sent) costs 163-216 bytes at the cap, 166-220 at the peak
+(`epp-bench kv-index`, tracemalloc, caps of 400,000 to 2,500,000 over 8 servers, each entry evicted once; 116-143
+just filled: an LRU's hash table is rebuilt at three times its entries); however many blocks the servers say they
+hold, the index keeps at most maxIndexEntries over all endpoints (each endpoint's LRU at most its share of them),
+1,200,000 by default: ~252 MiB at the worst peak measured, a budget of 256 MiB, 38 servers of 31,250 blocks.
+Eviction is O(1) an entry (the LRU's oldest; one pass in C finds the few evicted blocks that begin a prompt), and
+one pick trims at most MAX_TRIM entries, so a capacity that falls a long way is reached over a few picks, never in
+one long stop of the event loop.
 
 Parameters: blockSizeTokens (16; `blockSize`, also in tokens, is its older alias), maxPrefixBlocksToMatch (256) or
 maxPrefixTokensToMatch (llm-d's, which wins when set), lruCapacityPerServer (31250 blocks, used when the endpoint does
-not publish num_gpu_blocks), maxIndexEntries (1,800,000), autoTune (true), loadGuardQueueGap (8; 0 = off; ours,
+not publish num_gpu_blocks), maxIndexEntries (1,200,000), autoTune (true), loadGuardQueueGap (8; 0 = off; ours,
 not llm-d's).
 Trade-offs: approximate: it knows where it sent a prefix, not what the server kept (evictions under memory
 pressure, restarts); text blocks only roughly align with the server's token blocks; a prompt shorter than one
@@ -69,6 +75,7 @@ from epp.scheduling.framework import (
     PreRequest,
     ResponseComplete,
     Scorer,
+    SharedPrefixIndex,
     Stability,
     register,
 )
@@ -101,7 +108,9 @@ def longest_prefix(hashes: list[int], held: OrderedDict[int, None] | None) -> in
 
 
 @register("prefix-cache-scorer", Stability.BETA)
-class PrefixCacheScorer(Scorer, PreRequest, ResponseComplete, PoolChanged, PrefixIndexStats, KVEventsConsumer):
+class PrefixCacheScorer(
+    Scorer, PreRequest, ResponseComplete, PoolChanged, PrefixIndexStats, KVEventsConsumer, SharedPrefixIndex
+):
     consumes = ("block_size", "num_gpu_blocks", *QUEUE_DEPTH_READS, QUEUE_DEPTHS, PREFIX_HASHES)
     produces = (PREFIX_HASHES, QUEUE_DEPTHS, PREFIX_BELIEF, PREFIX_MATCH)
 
@@ -115,7 +124,7 @@ class PrefixCacheScorer(Scorer, PreRequest, ResponseComplete, PoolChanged, Prefi
         max_tokens = p.get("maxPrefixTokensToMatch", 0, int, minimum=0)
         self.max_blocks = max(1, max_tokens // self.block_size) if max_tokens else max_blocks
         self.default_capacity = p.get("lruCapacityPerServer", 31250, int, minimum=1)
-        self.max_entries = p.get("maxIndexEntries", 1_800_000, int, minimum=1)
+        self.max_entries = p.get("maxIndexEntries", 1_200_000, int, minimum=1)
         self.auto_tune = p.get("autoTune", True, bool)
         self.load_guard_gap = float(p.get("loadGuardQueueGap", 8, (int, float), minimum=0))
         p.done()
@@ -232,6 +241,20 @@ class PrefixCacheScorer(Scorer, PreRequest, ResponseComplete, PoolChanged, Prefi
         self.lookups += 1
         self.matched_blocks += believed
         self.total_blocks += len(hashes)
+        self._record(endpoint, name, held, hashes)
+        if self.learned is not None:
+            self.learned(endpoint.hostport, hashes)
+
+    def learn(self, endpoint: Endpoint, hashes: list[int]) -> None:
+        if self._kv_index is not None and self._kv_index.publishes(endpoint.hostport):
+            return
+        name = endpoint.spec.name
+        held = self._held.get(name)
+        if held is None:
+            held = self._held[name] = OrderedDict()
+        self._record(endpoint, name, held, hashes)
+
+    def _record(self, endpoint: Endpoint, name: str, held: OrderedDict[int, None], hashes: list[int]) -> None:
         touch = held.move_to_end
         for h in reversed(hashes):  # the head is touched last: evicted last
             if h in held:
@@ -249,8 +272,9 @@ class PrefixCacheScorer(Scorer, PreRequest, ResponseComplete, PoolChanged, Prefi
         return min(blocks, self.max_entries // max(1, len(self._held)))
 
     def _trim(self, name: str, held: OrderedDict[int, None], capacity: int) -> None:
-        for _ in range(min(len(held) - capacity, MAX_TRIM)):
-            self._forget(name, held.popitem(last=False)[0])
+        evicted = [held.popitem(last=False)[0] for _ in range(min(len(held) - capacity, MAX_TRIM))]
+        for block_hash in self._heads.keys() & evicted:  # the few that begin a prompt: one pass in C finds them
+            self._forget(name, block_hash)
 
     def response_complete(
         self, request: SchedulingRequest, result: SchedulingResult, endpoint: Endpoint, response: ResponseInfo
@@ -289,7 +313,7 @@ class PrefixCacheScorer(Scorer, PreRequest, ResponseComplete, PoolChanged, Prefi
         present = {e.spec.name for e in endpoints}
         for name in [n for n in self._held if n not in present]:
             self._capacity.pop(name, None)
-            for block_hash in self._held.pop(name):
+            for block_hash in self._heads.keys() & self._held.pop(name).keys():
                 self._forget(name, block_hash)
 
     @property

@@ -86,6 +86,24 @@ def test_the_prompt_s_hashes_are_the_server_s_and_score_the_held_prefix():
     assert 0.5 < scorer.score(other_state, other, pool)[0] < 1.0
 
 
+def test_beyond_shared_a_prefix_every_candidate_holds_counts_for_nothing():
+    pool = [endpoint(0), endpoint(1), endpoint(2)]
+    index = KVBlockIndex()
+    payload = chat("What is the capital of France?")
+    hashes = server_hashes(payload)
+    shared = len(hashes) - 4  # the context, held everywhere, as an agent's tools prompt is
+    for e, held in zip(pool, (hashes, hashes[:shared], hashes[: shared + 2]), strict=True):
+        index.saw(e.hostport, "m")
+        index.store(e.hostport, held)
+    plain, beyond = precise(index), precise(index, scoreBeyondShared=True)
+    cycle_state, req = prepared(plain, payload)
+    assert plain.score(cycle_state, req, pool) == [1.0, shared / len(hashes), (shared + 2) / len(hashes)]
+    assert beyond.score(cycle_state, req, pool) == [1.0, 0.0, 0.5]
+    for e in pool[1:]:
+        index.store(e.hostport, hashes)  # every candidate holds all of it: no preference
+    assert beyond.score(cycle_state, req, pool) is None
+
+
 def test_an_adapter_s_blocks_carry_its_name_and_the_block_size_comes_from_the_events():
     index = KVBlockIndex()
     index.saw("127.0.0.1:8000", "base")

@@ -1,0 +1,610 @@
+"""Active-active replicas that agree on load (`--replica-peers`): each EPP tells its peers what it routed and what
+finished, so N replicas behind one gateway place a burst as one EPP would (docs/replicas.md).
+
+What is shared, over UDP on `--replica-port` (no external store):
+* **Load, as idempotent snapshots.** A replica sends each peer its own in-flight requests and prompt tokens per
+  endpoint (`Endpoint.in_flight_requests` / `in_flight_tokens` less what its peers contributed), coalesced: the first
+  change schedules one send at the end of the event loop's current pass, which carries everything changed in it (a
+  busy loop's passes are longer: the busier, the more one datagram carries). A heartbeat resends it
+  every HEARTBEAT_SECONDS. A snapshot replaces the sender's previous one whole, so a lost datagram is healed by the
+  next, and a peer that stops (killed, partitioned) stops counting once its last snapshot is EXPIRY_SECONDS old.
+  The receiver adds the sum of its fresh peers' snapshots to each endpoint's in-flight counts and remembers that sum
+  (`peer_in_flight_requests` / `peer_in_flight_tokens`), so every reader of the counts (the load scorers, the queue
+  estimates of `epp.datalayer.load`, the saturation detector, the latency predictor's features) sees the pool's
+  load with no change of its own, and the director's accounting stays its own.
+* **The approximate prefix index's learning, as deltas**: the block hashes a pick recorded (`SharedPrefixIndex`:
+  prefix-cache-scorer), which each peer records for the same endpoint. A lost delta is a missed hint, not an error.
+  Endpoints that publish KV events need none of this: every replica subscribes to their events.
+* **Access-log records** of requests another replica routed: the gateway sends a request's record (its TTFT, status
+  and served endpoint) to any replica, and a replica forwards the records that match none of its requests, so the
+  latency predictor of the replica that routed a request learns from it (`Director.forward_record`, `match_record`).
+* **The latency predictor's observations** (a request's features at the pick, its TTFT and TPOT), which every peer's
+  predictor learns from too (`LatencyPredictor.observed`): each learns from every request, as one EPP's would.
+
+Peers: `--replica-peers` is a comma list of host:port; a host that resolves to several addresses (a headless
+Service) means all of them, resolved again every RESOLVE_SECONDS. A replica finds itself among them when a datagram
+carrying its own instance id comes back, and stops sending there.
+
+Trust: a datagram counts only when it comes from a resolved peer address (any other source is dropped unparsed), is
+at most MAX_DATAGRAM_BYTES, parses whole within its limits, and is newer than the sender's last one. UDP sources can
+be spoofed from within the network, so the channel relies on the NetworkPolicy letting only the EPP's own pods reach
+the port; `--replica-secret-file` adds an HMAC-SHA256 tag (16 bytes) keyed by a shared secret, checked before
+anything is parsed. The most a forger who passes those checks can do is add load to endpoints for EXPIRY_SECONDS or
+entries to the prefix index, never crash the EPP or make it hold more than MAX_PEERS snapshots.
+
+Cost: on the request path, one call per change (`load_changed`: a flag check, a callback when none is pending) and
+a list append per recorded pick (`learned`); encoding and sending run in that one callback once the loop's pass is
+done, and merging when a datagram comes, both on the event loop and never blocking (a send buffer over
+MAX_PENDING_SEND_BYTES drops deltas, never snapshots).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import logging
+import math
+import os
+import socket
+import struct
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from epp.datalayer.datastore import Datastore
+from epp.metrics import unlabelled
+from epp.predictor import LatencyPredictor
+from epp.predictor.features import Features
+from epp.scheduling.framework import SharedPrefixIndex
+
+log = logging.getLogger("epp.replicas")
+
+DEFAULT_REPLICA_PORT = 9005
+HEARTBEAT_SECONDS = 0.5
+# Deltas (prefix picks, access-log records, predictor observations) go out at most this long after they were made,
+# with the next snapshot if it is sooner.
+DELTA_SECONDS = 0.05
+# A peer's snapshot counts for this long after it came (4 heartbeats: one or two lost datagrams do not matter).
+EXPIRY_SECONDS = 2.0
+RESOLVE_SECONDS = 5.0
+MAX_PEERS = 64  # peer addresses sent to and believed; a resolution that yields more keeps the first ones
+# One datagram: what fits unfragmented on loopback and, fragmented by IP, across a pod network; a snapshot larger
+# than this (thousands of busy endpoints) keeps its busiest endpoints.
+MAX_DATAGRAM_BYTES = 60_000
+# Deltas waiting in the socket's send buffer: beyond this the next ones are dropped (a peer that reads nothing, a
+# loop that runs behind).
+MAX_PENDING_SEND_BYTES = 1 << 20
+TAG_BYTES = 16
+MAGIC = b"EPPr"
+HEADER = struct.Struct("!4sQQB")  # magic, sender's instance id, sequence, kind
+SNAPSHOT, LEARNED, RECORDS, OBSERVED = 1, 2, 3, 4
+_COUNT = struct.Struct("!H")
+_LOAD = struct.Struct("!II")  # in-flight requests, in-flight prompt tokens
+_F64 = struct.Struct("!d")
+# an observation's waiting, running, in-flight tokens, prompt tokens, cached tokens, KV usage, backlog tokens,
+# adapter loaded, TTFT, TPOT (NaN: none)
+_FEATURES = struct.Struct("!IIIIIdd?dd")
+_U32 = 0xFFFFFFFF
+MAX_HEADS = 65536
+_HEADS: dict[str, bytes] = {}  # hostport -> its encoded entry head (_entry_head)
+
+
+@dataclass
+class Peer:
+    """What one peer (a source address) last said: its instance (a new one after a restart), its last sequence
+    number, when its last snapshot came, and the snapshot: endpoint hostport -> (requests, prompt tokens)."""
+
+    instance: int
+    sequence: int = 0
+    seen_at: float = 0.0
+    load: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+
+class MalformedDatagram(ValueError):
+    pass
+
+
+def parse_peers(text: str) -> list[tuple[str, int]]:
+    """`--replica-peers`: "host:port,host:port" ("[ipv6]:port" too) -> [(host, port)]; ValueError naming the bad one."""
+    peers = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        host, _, port = item.rpartition(":")
+        host = host.removeprefix("[").removesuffix("]")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"not host:port: {item!r}")
+        peers.append((host, int(port)))
+    return peers
+
+
+def _entry_head(hostport: str) -> bytes:
+    """A hostport as a snapshot entry starts: its length and its bytes (b"" when longer than 255 bytes), encoded
+    once per hostport (at most MAX_HEADS remembered)."""
+    head = _HEADS.get(hostport)
+    if head is None:
+        name = hostport.encode()
+        head = bytes((len(name),)) + name if len(name) < 256 else b""
+        if len(_HEADS) < MAX_HEADS:
+            _HEADS[hostport] = head
+    return head
+
+
+def encode_load(load: dict[str, tuple[int, int]]) -> bytes:
+    """A snapshot's body: entry count, then (hostport length, hostport, requests, tokens) per endpoint; the busiest
+    endpoints first when they may not all fit in one datagram."""
+    room = MAX_DATAGRAM_BYTES - HEADER.size - TAG_BYTES - _COUNT.size
+    parts, count = [], 0
+    items = load.items()
+    if len(load) * (256 + _LOAD.size) > room:
+        items = sorted(items, key=lambda item: -item[1][0])
+    append, pack = parts.append, _LOAD.pack
+    for hostport, (requests, tokens) in items:
+        head = _entry_head(hostport)
+        size = len(head) + _LOAD.size
+        if not head or size > room:
+            continue
+        room -= size
+        append(head)
+        append(pack(requests if requests < _U32 else _U32, tokens if tokens < _U32 else _U32))
+        count += 1
+    return _COUNT.pack(count) + b"".join(parts)
+
+
+def decode_load(body: memoryview) -> dict[str, tuple[int, int]]:
+    """The inverse of encode_load; MalformedDatagram for anything that does not parse exactly."""
+    try:
+        (count,), offset = _COUNT.unpack_from(body), _COUNT.size
+        load = {}
+        unpack = _LOAD.unpack_from
+        for _ in range(count):
+            end = offset + 1 + body[offset]
+            hostport = str(body[offset + 1 : end], "utf-8")
+            load[hostport] = unpack(body, end)
+            offset = end + 8
+    except (IndexError, struct.error, UnicodeDecodeError):
+        raise MalformedDatagram("truncated snapshot") from None
+    if offset != len(body):
+        raise MalformedDatagram("trailing bytes after a snapshot")
+    return load
+
+
+def _text(value: str) -> bytes:
+    """A string as an entry holds it: its length (one byte) and its UTF-8 bytes, cut at 255."""
+    data = value.encode("utf-8", "surrogatepass")[:255]
+    return bytes((len(data),)) + data
+
+
+def _optional(value: float | None) -> float:
+    return math.nan if value is None else value
+
+
+def learned_entry(hostport: str, hashes: list[int]) -> bytes:
+    """A pick the prefix index recorded: the endpoint and the prompt's block hashes (as many as fit a datagram)."""
+    hashes = hashes[: (MAX_DATAGRAM_BYTES - HEADER.size - TAG_BYTES - 3 - 256) // 8]
+    return _text(hostport) + _COUNT.pack(len(hashes)) + struct.pack(f"!{len(hashes)}Q", *hashes)
+
+
+def record_entry(request_id: str, ttft: float | None, status: str, served: str | None) -> bytes:
+    """An access-log record: request id, TTFT (NaN: none), status, served endpoint ("" none)."""
+    return _text(request_id) + _F64.pack(_optional(ttft)) + _text(status) + _text(served or "")
+
+
+def observation_entry(features: Features, ttft: float, tpot: float | None) -> bytes:
+    """What the latency predictor learnt from a request: its features at the pick, its TTFT and TPOT (NaN: none)."""
+    f = features
+    numbers = _FEATURES.pack(
+        *(min(max(v, 0), _U32) for v in (f.waiting, f.running, f.in_flight_tokens, f.prompt_tokens, f.cached_tokens)),
+        f.kv_usage,
+        f.backlog_tokens,
+        f.adapter_loaded,
+        ttft,
+        _optional(tpot),
+    )
+    return numbers + _text(f.endpoint)
+
+
+def bodies(entries: Sequence[bytes]) -> list[bytes]:
+    """Entries as datagram bodies: each an entry count and entries, as many bodies as keep each datagram within
+    MAX_DATAGRAM_BYTES."""
+    room = MAX_DATAGRAM_BYTES - HEADER.size - TAG_BYTES - _COUNT.size
+    out, batch, used = [], [], 0
+    for entry in entries:
+        if used + len(entry) > room and batch:
+            out.append(_COUNT.pack(len(batch)) + b"".join(batch))
+            batch, used = [], 0
+        batch.append(entry)
+        used += len(entry)
+    if batch:
+        out.append(_COUNT.pack(len(batch)) + b"".join(batch))
+    return out
+
+
+class _Reader:
+    """Reads a body's fields in order; IndexError or struct.error past its end."""
+
+    def __init__(self, body: memoryview):
+        self.body, self.offset = body, 0
+
+    def text(self) -> str:
+        end = self.offset + 1 + self.body[self.offset]
+        if end > len(self.body):
+            raise IndexError("text past the end")
+        value = str(self.body[self.offset + 1 : end], "utf-8")
+        self.offset = end
+        return value
+
+    def unpack(self, layout: struct.Struct) -> tuple:
+        values = layout.unpack_from(self.body, self.offset)
+        self.offset += layout.size
+        return values
+
+    def hashes(self) -> list[int]:
+        (n,) = self.unpack(_COUNT)
+        return list(self.unpack(struct.Struct(f"!{n}Q")))
+
+
+def _learned(r: _Reader) -> tuple[str, list[int]]:
+    return r.text(), r.hashes()
+
+
+def _record(r: _Reader) -> tuple[str, float | None, str, str | None]:
+    request_id, (ttft,), status, served = r.text(), r.unpack(_F64), r.text(), r.text()
+    return request_id, None if math.isnan(ttft) else ttft, status, served or None
+
+
+def _observation(r: _Reader) -> tuple[Features, float, float | None]:
+    waiting, running, tokens, prompt, cached, kv, backlog, loaded, ttft, tpot = r.unpack(_FEATURES)
+    if not (all(math.isfinite(v) for v in (kv, backlog, ttft)) and ttft > 0 and (math.isnan(tpot) or tpot > 0)):
+        raise ValueError("a number out of range")
+    features = Features(waiting, running, kv, tokens, prompt, cached, loaded, backlog, r.text())  # or ValueError
+    return features, ttft, None if math.isnan(tpot) else tpot
+
+
+def decode(body: memoryview, entry) -> list:
+    """A body's entries, each read by `entry` (`_learned`, `_record`, `_observation`); MalformedDatagram for anything
+    that does not parse exactly."""
+    reader = _Reader(body)
+    try:
+        (count,) = reader.unpack(_COUNT)
+        entries = [entry(reader) for _ in range(count)]
+    except (IndexError, ValueError, struct.error, UnicodeDecodeError) as exc:
+        raise MalformedDatagram(f"truncated or invalid entries ({exc})") from None
+    if reader.offset != len(body):
+        raise MalformedDatagram("trailing bytes after the entries")
+    return entries
+
+
+# What each kind of delta datagram holds, read by
+ENTRIES = {LEARNED: _learned, RECORDS: _record, OBSERVED: _observation}
+
+
+class ReplicaChannel(asyncio.DatagramProtocol):
+    """This replica's side of the channel: binds `port`, sends to and hears from `peers` ((host, port) pairs),
+    merges what they say into the datastore's endpoints and the scheduler's shared prefix index. `load_changed`
+    (the director, on every change of its in-flight counts) and `learned` (the prefix index, on every pick it
+    records) are its inputs from the request path."""
+
+    def __init__(
+        self,
+        datastore: Datastore,
+        prefix_index: SharedPrefixIndex | None,
+        port: int,
+        peers: Sequence[tuple[str, int]],
+        bind_address: str = "0.0.0.0",
+        secret: bytes | None = None,
+    ):
+        self.datastore, self.prefix_index = datastore, prefix_index
+        self.port, self.peers_wanted, self.bind_address = port, list(peers), bind_address
+        self.family = socket.AF_INET6 if ":" in bind_address else socket.AF_INET
+        self.secret = secret
+        self.instance = int.from_bytes(os.urandom(8), "big")
+        self.sequence = 0
+        self.addresses: list[tuple[str, int]] = []  # resolved peers, this replica's own address(es) left out
+        self.allowed: set[tuple[str, int]] = set()  # resolved peers: the only sources heard
+        self.own_addresses: set[tuple[str, int]] = set()  # where datagrams with our own instance id came from
+        self._resolved: dict[tuple[str, int], list[tuple[str, int]]] = {}  # peer -> its last good resolution
+        self._unresolved: set[tuple[str, int]] = set()  # peers whose resolution failed (logged once)
+        self.peers: dict[tuple[str, int], Peer] = {}  # source address -> what it said
+        self._transport: asyncio.DatagramTransport | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._flush_pending = False
+        # the director's release of prompts whose prefill should be over; it returns when the next is due
+        self.release_prefilled: Callable[[], float] | None = None
+        self._release_at = 0.0  # when the flush that releases the next one is scheduled (0: none)
+        self._sent_load: dict[str, tuple[int, int]] | None = {}  # None: send the next snapshot, changed or not
+        self._deltas: dict[int, list[bytes]] = {LEARNED: [], RECORDS: [], OBSERVED: []}  # kind -> entries to send
+        self._deltas_due = False  # a flush for them is scheduled
+        # the director's match of an access-log record with a request it saw end (a peer forwarded the record)
+        self.match_record: Callable[[str, float | None, str, str | None], bool] | None = None
+        self.predictor: LatencyPredictor | None = None  # learns from the peers' observations too
+        self._tasks: list[asyncio.Task] = []
+        self._rejected_logged: set[tuple[str, str]] = set()
+        self.sent = 0
+        self.received: dict[str, int] = dict.fromkeys(
+            ("accepted", "unknown_peer", "bad_signature", "malformed", "stale", "oversized"), 0
+        )
+        self.learned_dropped = 0
+        if prefix_index is not None:
+            prefix_index.learned = self.learned
+
+    # -- the request path's inputs -------------------------------------------------------------------------------
+    def load_changed(self) -> None:
+        """This replica's in-flight counts changed: a snapshot goes out once the event loop's current pass is done.
+        Not later: the replicas decide a burst's requests within a millisecond or two of each other, and a snapshot
+        held back for coalescing arrives after the decisions it was for."""
+        if not self._flush_pending and self._loop is not None:
+            self._flush_pending = True
+            self._loop.call_soon(self._flush)
+
+    def learned(self, hostport: str, hashes: list[int]) -> None:
+        """The prefix index recorded a pick of `hostport` for these block hashes: peers record it too."""
+        self._queue(LEARNED, learned_entry, hostport, hashes)
+
+    def forward_record(self, request_id: str, ttft: float | None, status: str, served: str | None) -> None:
+        """An access-log record that matched none of this replica's requests: peers get it, as it may be theirs
+        (the gateway sends its records to any replica); the replica that routed the request learns from it."""
+        self._queue(RECORDS, record_entry, request_id, ttft, status, served)
+
+    def observed(self, features: Features, ttft: float, tpot: float | None) -> None:
+        """The latency predictor learnt from a request this replica routed: peers' predictors learn from it too, so
+        each learns from every request, as one EPP's would."""
+        self._queue(OBSERVED, observation_entry, features, ttft, tpot)
+
+    def _queue(self, kind: int, entry: Callable[..., bytes], *fields) -> None:
+        """Deltas wait up to DELTA_SECONDS (or the next snapshot): nothing reads them within milliseconds, and at a
+        few requests a second per replica a datagram each would cost more than the rest of the channel."""
+        if self._loop is not None and self.addresses:
+            self._deltas[kind].append(entry(*fields))
+            if not self._deltas_due:
+                self._deltas_due = True
+                self._loop.call_later(DELTA_SECONDS, self.load_changed)
+
+    # -- sending -------------------------------------------------------------------------------------------------
+    def own_load(self) -> dict[str, tuple[int, int]]:
+        """This replica's own in-flight requests and prompt tokens per endpoint (the non-zero ones)."""
+        load = {}
+        for e in self.datastore.endpoints:
+            requests = e.in_flight_requests - e.peer_in_flight_requests
+            tokens = e.in_flight_tokens - e.peer_in_flight_tokens
+            if requests > 0 or tokens > 0:
+                load[e.spec.hostport] = (requests if requests > 0 else 0, tokens if tokens > 0 else 0)
+        return load
+
+    def _flush(self, heartbeat: bool = False) -> None:
+        self._flush_pending = self._deltas_due = False
+        if self.release_prefilled is not None:
+            self._schedule_release(self.release_prefilled())
+        load = self.own_load()
+        if heartbeat or load != self._sent_load:
+            self._sent_load = load
+            self._send(SNAPSHOT, encode_load(load))
+        for kind, entries in self._deltas.items():
+            if not entries:
+                continue
+            self._deltas[kind] = []
+            if self._transport is not None and self._transport.get_write_buffer_size() > MAX_PENDING_SEND_BYTES:
+                self.learned_dropped += len(entries)
+                continue
+            for body in bodies(entries):
+                self._send(kind, body)
+
+    def _schedule_release(self, due: float) -> None:
+        """A flush when the next prompt's prefill is due: peers see it released then, not at this replica's next
+        decision (a single EPP releases them when a decision starts, which is all that reads them)."""
+        if due and (not self._release_at or due < self._release_at) and self._loop is not None:
+            self._release_at = due
+            self._loop.call_later(max(0.0, due - time.monotonic()), self._released)
+
+    def _released(self) -> None:
+        self._release_at = 0.0
+        self._flush()
+
+    def _send(self, kind: int, body: bytes) -> None:
+        transport = self._transport
+        if transport is None or not self.addresses:
+            return
+        self.sequence += 1
+        datagram = HEADER.pack(MAGIC, self.instance, self.sequence, kind) + body
+        if self.secret is not None:
+            datagram += hmac.digest(self.secret, datagram, hashlib.sha256)[:TAG_BYTES]
+        for address in self.addresses:
+            transport.sendto(datagram, address)
+        self.sent += len(self.addresses)
+
+    # -- receiving -----------------------------------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport
+
+    def error_received(self, exc: Exception) -> None:
+        pass  # a peer that is not there (yet): its snapshots simply stop counting
+
+    def datagram_received(self, data: bytes, address: tuple) -> None:
+        source = (address[0], address[1])
+        if source not in self.allowed:
+            self.received["unknown_peer"] += 1
+            return
+        if len(data) > MAX_DATAGRAM_BYTES:
+            self.received["oversized"] += 1
+            return
+        view = memoryview(data)
+        if self.secret is not None:
+            if len(data) < HEADER.size + TAG_BYTES or not hmac.compare_digest(
+                hmac.digest(self.secret, view[:-TAG_BYTES], hashlib.sha256)[:TAG_BYTES], view[-TAG_BYTES:]
+            ):
+                self._reject(source, "bad_signature", "its tag does not match --replica-secret-file")
+                return
+            view = view[:-TAG_BYTES]
+        if len(view) < HEADER.size:
+            self._reject(source, "malformed", "too short")
+            return
+        magic, instance, sequence, kind = HEADER.unpack_from(view)
+        if magic != MAGIC or (kind != SNAPSHOT and kind not in ENTRIES):
+            self._reject(
+                source,
+                "malformed",
+                "not a replica datagram (another version, or --replica-secret-file on one side only)",
+            )
+            return
+        if instance == self.instance:
+            self._found_self(source)
+            return
+        peer = self.peers.get(source)
+        if peer is not None and peer.instance == instance and sequence <= peer.sequence:
+            self.received["stale"] += 1
+            return
+        try:
+            if kind == SNAPSHOT:
+                load = decode_load(view[HEADER.size :])
+            else:
+                entries = decode(view[HEADER.size :], ENTRIES[kind])
+        except MalformedDatagram as exc:
+            self._reject(source, "malformed", str(exc))
+            return
+        if peer is None or peer.instance != instance:
+            if peer is None and len(self.peers) >= MAX_PEERS:
+                self.received["unknown_peer"] += 1
+                return
+            old = peer.load if peer is not None else {}
+            peer = self.peers[source] = Peer(instance)
+            if old:
+                self._apply(old.keys())  # a restarted peer: what its old self had in flight is gone
+            self._sent_load = None  # a new peer hears this replica's load now, not at the next heartbeat
+            self.load_changed()
+        peer.sequence = sequence
+        self.received["accepted"] += 1
+        if kind == SNAPSHOT:
+            old, peer.load, peer.seen_at = peer.load, load, time.monotonic()
+            self._apply([h for h in old.keys() | load.keys() if old.get(h) != load.get(h)])
+        elif kind == LEARNED and self.prefix_index is not None:
+            by_hostport = self.datastore.by_hostport
+            for hostport, hashes in entries:
+                endpoint = by_hostport(hostport)
+                if endpoint is not None and hashes:
+                    self.prefix_index.learn(endpoint, hashes)
+        elif kind == RECORDS and self.match_record is not None:
+            for record in entries:
+                self.match_record(*record)
+        elif kind == OBSERVED and self.predictor is not None:
+            for features, ttft, tpot in entries:
+                self.predictor.observe(features, ttft, tpot, own=False)
+
+    def _reject(self, source: tuple[str, int], outcome: str, why: str) -> None:
+        self.received[outcome] += 1
+        if (source[0], outcome) not in self._rejected_logged and len(self._rejected_logged) < MAX_PEERS:
+            self._rejected_logged.add((source[0], outcome))
+            log.warning("replica datagram from %s:%d ignored: %s", source[0], source[1], why)
+
+    def _found_self(self, source: tuple[str, int]) -> None:
+        if source not in self.own_addresses:
+            self.own_addresses.add(source)
+            self.addresses = [a for a in self.addresses if a != source]
+            log.info("replica channel: %s:%d is this replica; %d peers", *source, len(self.addresses))
+
+    def _apply(self, hostports) -> None:
+        """Set each endpoint's share of its peers' load to the sum of their fresh snapshots."""
+        peers = self.peers.values()
+        by_hostport = self.datastore.by_hostport
+        for hostport in hostports:
+            endpoint = by_hostport(hostport)
+            if endpoint is None:
+                continue
+            requests = tokens = 0
+            for peer in peers:
+                load = peer.load.get(hostport)
+                if load is not None:
+                    requests += load[0]
+                    tokens += load[1]
+            endpoint.in_flight_requests += requests - endpoint.peer_in_flight_requests
+            endpoint.peer_in_flight_requests = requests
+            endpoint.in_flight_tokens += tokens - endpoint.peer_in_flight_tokens
+            endpoint.peer_in_flight_tokens = tokens
+
+    # -- upkeep --------------------------------------------------------------------------------------------------
+    def heartbeat(self) -> None:
+        """Drop peers whose last snapshot is too old, bring every endpoint's peer share up to date (endpoints that
+        joined since), and resend this replica's snapshot."""
+        now = time.monotonic()
+        for source in [s for s, p in self.peers.items() if now - p.seen_at > EXPIRY_SECONDS]:
+            del self.peers[source]
+        self._apply([e.hostport for e in self.datastore.endpoints])
+        self._flush(heartbeat=True)
+
+    async def resolve(self) -> None:
+        """Each peer's addresses now; a peer that does not resolve keeps its last addresses (logged once)."""
+        loop = asyncio.get_running_loop()
+        for peer in self.peers_wanted:
+            try:
+                infos = await loop.getaddrinfo(*peer, family=self.family, type=socket.SOCK_DGRAM)
+            except (OSError, UnicodeError) as exc:
+                if peer not in self._unresolved:
+                    self._unresolved.add(peer)
+                    log.warning(
+                        "replica peer %s:%d does not resolve (%s); retrying every %gs", *peer, exc, RESOLVE_SECONDS
+                    )
+                continue
+            self._unresolved.discard(peer)
+            self._resolved[peer] = sorted({(info[4][0], info[4][1]) for info in infos})
+        resolved = list(dict.fromkeys(a for addresses in self._resolved.values() for a in addresses))[:MAX_PEERS]
+        if set(resolved) != self.allowed:
+            log.info("replica peers: %s", ", ".join(f"{h}:{p}" for h, p in resolved) or "none")
+        self.allowed = set(resolved)
+        self.addresses = [a for a in resolved if a not in self.own_addresses]
+        for source in [s for s in self.peers if s not in self.allowed]:
+            self._apply(self.peers.pop(source).load.keys())
+
+    async def _run(self) -> None:
+        next_resolve = 0.0
+        while True:
+            if time.monotonic() >= next_resolve:
+                await self.resolve()
+                next_resolve = time.monotonic() + RESOLVE_SECONDS
+            self.heartbeat()
+            await asyncio.sleep(HEARTBEAT_SECONDS)
+
+    async def start(self) -> None:
+        await self.resolve()  # first: a peer's datagram that comes as soon as the port is bound counts
+        self._loop = asyncio.get_running_loop()
+        await self._loop.create_datagram_endpoint(
+            lambda: self, local_addr=(self.bind_address, self.port), family=self.family
+        )
+        self._tasks.append(asyncio.create_task(self._run()))
+        log.info("replica channel on udp %s:%d, %d peer addresses", self.bind_address, self.port, len(self.addresses))
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._transport is not None:
+            self._transport.close()
+        self._loop = None
+
+    def collect(self):
+        """inference_extension_replica_*: fresh peers, datagrams sent and received by outcome, deltas dropped."""
+        yield from unlabelled(
+            GaugeMetricFamily,
+            [("inference_extension_replica_peers", "Peer EPP replicas whose load snapshot is fresh.", len(self.peers))],
+        )
+        sent = CounterMetricFamily("inference_extension_replica_datagrams_sent", "Datagrams sent to peer replicas.")
+        sent.add_metric([], self.sent)
+        yield sent
+        received = CounterMetricFamily(
+            "inference_extension_replica_datagrams_received",
+            "Datagrams from the replica port, by outcome (accepted; or ignored: unknown_peer, bad_signature, "
+            "malformed, stale, oversized).",
+            labels=["outcome"],
+        )
+        for outcome, value in self.received.items():
+            received.add_metric([outcome], value)
+        yield received
+        yield from unlabelled(
+            CounterMetricFamily,
+            [
+                (
+                    "inference_extension_replica_learned_dropped",
+                    "Prefix-index deltas and access-log records not sent: the socket's send buffer was full.",
+                    self.learned_dropped,
+                )
+            ],
+        )

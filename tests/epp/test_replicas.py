@@ -1,0 +1,333 @@
+"""The replica channel (epp/replicas.py): snapshots merged into the endpoints' in-flight counts, expiry of a silent
+peer, restarts and replays, prefix-index deltas, bad and forged datagrams, and the channel on real UDP sockets."""
+
+import asyncio
+import os
+import random
+import time
+
+import pytest
+
+from epp import replicas
+from epp.datalayer.datastore import Datastore
+from epp.datalayer.endpoint import EndpointSpec, PoolState
+from epp.replicas import (
+    ENTRIES,
+    HEADER,
+    LEARNED,
+    MAGIC,
+    MAX_DATAGRAM_BYTES,
+    OBSERVED,
+    RECORDS,
+    SNAPSHOT,
+    MalformedDatagram,
+    ReplicaChannel,
+    bodies,
+    decode,
+    decode_load,
+    encode_load,
+    learned_entry,
+    parse_peers,
+    record_entry,
+)
+from epp.scheduling.plugins.prefix_cache_scorer import PrefixCacheScorer
+from epp.scheduling.types import CycleState, SchedulingRequest, SchedulingResult
+
+A, B, C = ("127.0.0.1", 7001), ("127.0.0.1", 7002), ("127.0.0.1", 7003)
+
+
+class Wire:
+    """A transport that keeps what is sent, for delivery by hand."""
+
+    def __init__(self):
+        self.sent: list[tuple[bytes, tuple[str, int]]] = []
+
+    def sendto(self, data: bytes, address) -> None:
+        self.sent.append((data, address))
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+    def take(self, to: tuple[str, int]) -> list[bytes]:
+        taken = [d for d, a in self.sent if a == to]
+        self.sent = [(d, a) for d, a in self.sent if a != to]
+        return taken
+
+
+def pool(n: int = 3) -> Datastore:
+    datastore = Datastore([])
+    datastore.apply(PoolState(endpoints=tuple(EndpointSpec(f"e{i}", "10.0.0.1", 8000 + i) for i in range(n))))
+    return datastore
+
+
+class FakeLoop:
+    def __init__(self):
+        self.timers = []
+
+    def call_soon(self, callback):
+        pass  # flushed by hand in these tests
+
+    def call_later(self, delay, callback):
+        self.timers.append((delay, callback))
+
+
+def channel(me, peers, datastore=None, secret=None, prefix_index=None) -> tuple[ReplicaChannel, Wire]:
+    c = ReplicaChannel(datastore or pool(), prefix_index, me[1], [p for p in peers], "127.0.0.1", secret)
+    wire = Wire()
+    c.connection_made(wire)
+    c._loop = FakeLoop()
+    c.allowed = set(peers)
+    c.addresses = [p for p in peers if p != me]
+    return c, wire
+
+
+def deliver(wire: Wire, source, to: ReplicaChannel, to_address) -> None:
+    for data in wire.take(to_address):
+        to.datagram_received(data, source)
+
+
+def test_a_peers_snapshot_adds_to_the_counts_and_replaces_its_previous_one():
+    a, wire = channel(A, [B])
+    b, _ = channel(B, [A])
+    e0, e1 = a.datastore.endpoints[0], a.datastore.endpoints[1]
+    e0.in_flight_requests, e0.in_flight_tokens = 2, 300
+    a.load_changed()
+    a._flush()
+    deliver(wire, A, b, B)
+    f0, f1 = b.datastore.endpoints[0], b.datastore.endpoints[1]
+    f0.in_flight_requests += 1  # B's own request there
+    assert (f0.in_flight_requests, f0.in_flight_tokens, f0.peer_in_flight_requests) == (3, 300, 2)
+    # A's request finished and another went to e1: its next snapshot replaces the first whole
+    e0.in_flight_requests, e0.in_flight_tokens, e1.in_flight_requests = 1, 0, 1
+    a._flush()
+    deliver(wire, A, b, B)
+    assert (f0.in_flight_requests, f0.in_flight_tokens, f1.in_flight_requests) == (2, 0, 1)
+    assert b.own_load() == {f0.hostport: (1, 0)}  # what B itself sends: its own request only
+    assert b.received["accepted"] == 2
+
+
+def test_a_lost_snapshot_heals_with_the_next_and_a_silent_peer_expires():
+    a, wire = channel(A, [B])
+    b, _ = channel(B, [A])
+    a.datastore.endpoints[2].in_flight_requests = 4
+    a._flush()
+    wire.take(B)  # lost
+    assert b.datastore.endpoints[2].in_flight_requests == 0
+    a.heartbeat()  # the heartbeat resends it, changed or not
+    deliver(wire, A, b, B)
+    assert b.datastore.endpoints[2].in_flight_requests == 4
+    b.peers[A].seen_at -= replicas.EXPIRY_SECONDS + 0.1  # A said nothing for as long
+    b.heartbeat()  # A said nothing since: its load no longer counts
+    assert b.datastore.endpoints[2].in_flight_requests == 0 and not b.peers
+
+
+def test_peers_add_up_and_a_restarted_peers_old_load_is_gone():
+    a, wire_a = channel(A, [B, C])
+    c, wire_c = channel(C, [A, B])
+    b, _ = channel(B, [A, C])
+    a.datastore.endpoints[0].in_flight_requests = 2
+    c.datastore.endpoints[0].in_flight_requests = 3
+    for sender, wire, source in ((a, wire_a, A), (c, wire_c, C)):
+        sender._flush()
+        deliver(wire, source, b, B)
+    assert b.datastore.endpoints[0].in_flight_requests == 5
+    restarted, wire_r = channel(A, [B, C])  # A again, a new instance: nothing in flight, first sequence number
+    restarted.heartbeat()
+    deliver(wire_r, A, b, B)
+    assert b.datastore.endpoints[0].in_flight_requests == 3
+
+
+def test_replayed_and_reordered_datagrams_are_ignored():
+    a, wire = channel(A, [B])
+    b, _ = channel(B, [A])
+    a.datastore.endpoints[0].in_flight_requests = 1
+    a._flush()
+    first = wire.take(B)
+    a.datastore.endpoints[0].in_flight_requests = 0
+    a._flush()
+    second = wire.take(B)
+    for data in second + first + second:  # the newer first, then the older, then the newer again
+        b.datagram_received(data, A)
+    assert b.datastore.endpoints[0].in_flight_requests == 0
+    assert b.received["stale"] == 2
+
+
+def test_a_prompt_is_released_to_peers_when_its_prefill_is_due_not_at_the_next_decision():
+    a, wire = channel(A, [B])
+    b, _ = channel(B, [A])
+    endpoint = a.datastore.endpoints[0]
+    endpoint.in_flight_requests, endpoint.in_flight_tokens = 1, 500
+    due = [time.monotonic() + 0.02]  # the director's pending prefill: the pick's recent TTFT from now
+
+    def release() -> float:
+        if due and due[0] <= time.monotonic():
+            endpoint.in_flight_tokens = 0
+            due.clear()
+        return due[0] if due else 0.0
+
+    a.release_prefilled = release
+    a._flush()
+    deliver(wire, A, b, B)
+    assert b.datastore.endpoints[0].in_flight_tokens == 500
+    ((delay, flush),) = a._loop.timers
+    assert 0 < delay <= 0.02
+    time.sleep(delay)
+    flush()
+    deliver(wire, A, b, B)
+    assert (b.datastore.endpoints[0].in_flight_requests, b.datastore.endpoints[0].in_flight_tokens) == (1, 0)
+
+
+def test_an_endpoint_that_joins_later_gets_its_peer_share_at_the_next_heartbeat():
+    a, wire = channel(A, [B])
+    b, _ = channel(B, [A], datastore=pool(2))
+    a.datastore.endpoints[2].in_flight_requests = 2
+    a._flush()
+    deliver(wire, A, b, B)
+    b.datastore.apply(PoolState(endpoints=tuple(EndpointSpec(f"e{i}", "10.0.0.1", 8000 + i) for i in range(3))))
+    b.heartbeat()
+    assert b.datastore.endpoints[2].in_flight_requests == 2
+
+
+def test_a_pick_recorded_by_one_replica_is_learnt_by_its_peers():
+    scorers = [PrefixCacheScorer({}), PrefixCacheScorer({})]
+    a, wire = channel(A, [B], prefix_index=scorers[0])
+    b, _ = channel(B, [A], prefix_index=scorers[1])
+    request = SchedulingRequest(request_id="r", model="m", prompt="word " * 400)
+    endpoints = a.datastore.endpoints
+    state = CycleState()
+    assert scorers[0].score(state, request, endpoints) is None  # nobody was sent it
+    scorers[0].pre_request(request, SchedulingResult(endpoints=[endpoints[1]], cycle_state=state))
+    a._flush()
+    deliver(wire, A, b, B)
+    scores = scorers[1].score(CycleState(), request, b.datastore.endpoints)
+    assert scores == [0.0, 1.0, 0.0]
+    assert scorers[1].lookups == 0  # the peer's pick is not counted as this replica's own
+
+
+def test_an_access_log_record_no_request_here_matched_goes_to_the_peers():
+    """The gateway sends a request's access-log record to any replica: the one that routed it learns from it."""
+    a, wire = channel(A, [B])
+    b, _ = channel(B, [A])
+    matched = []
+    b.match_record = lambda *record: matched.append(record) or True
+    a.forward_record("req-1", 0.125, "200", "10.0.0.1:8001")
+    a.forward_record("req-2", None, "", None)
+    a._flush()
+    deliver(wire, A, b, B)
+    assert matched == [("req-1", 0.125, "200", "10.0.0.1:8001"), ("req-2", None, "", None)]
+    records = [(f"id-{i}" * 20, i / 7, "503", None) for i in range(2000)]
+    sent = bodies([record_entry(*r) for r in records])
+    assert len(sent) > 1 and [r for body in sent for r in decode(memoryview(body), ENTRIES[RECORDS])] == records
+
+
+def test_what_a_replicas_predictor_learns_its_peers_learn():
+    from epp.predictor import LatencyPredictor
+    from epp.predictor.features import Features
+
+    a, wire = channel(A, [B])
+    b, _ = channel(B, [A])
+    b.predictor = LatencyPredictor()
+    own = LatencyPredictor()
+    own.observed = a.observed
+    features = Features(2, 3, 0.5, 900, 1200, 600, True, 250.0, "e1")
+    own.observe(features, 0.08, 0.02)
+    own.observe(features, 0.09, None)
+    a._flush()
+    deliver(wire, A, b, B)
+    assert b.predictor.ttft.model.count == own.ttft.model.count == 2 and b.predictor.tpot.model.count == 1
+    b.predictor.observed = lambda *observation: pytest.fail("a peer's observation went back out")
+    bad = HEADER.pack(MAGIC, a.instance, a.sequence + 1, OBSERVED) + bodies([b"\0" * 10])[0]
+    b.datagram_received(bad, A)
+    assert b.received["malformed"] == 1
+
+
+def test_bad_input_is_counted_and_ignored():
+    b, _ = channel(B, [A])
+    endpoint = b.datastore.endpoints[0]
+    rng = random.Random(7)
+    good = HEADER.pack(MAGIC, 5, 1, SNAPSHOT) + encode_load({endpoint.hostport: (1, 10)})
+    bad = [
+        b"",
+        b"x" * 10,
+        good[:-3],  # truncated
+        good + b"\0",  # trailing bytes
+        good.replace(MAGIC, b"EPPx"),
+        HEADER.pack(MAGIC, 5, 2, 9) + b"\0\0",  # unknown kind
+        HEADER.pack(MAGIC, 5, 3, LEARNED) + b"\0\1\5abc",  # an entry cut short
+        HEADER.pack(MAGIC, 5, 4, SNAPSHOT) + b"\xff\xff",  # 65,535 entries announced, none there
+        HEADER.pack(MAGIC, 5, 5, SNAPSHOT) + b"\0\1\2\xff\xfe" + bytes(8),  # a hostport that is not UTF-8
+    ]
+    bad += [
+        HEADER.pack(MAGIC, 5, 10 + i, rng.choice((SNAPSHOT, LEARNED, RECORDS, OBSERVED)))
+        + os.urandom(rng.randrange(64))
+        for i in range(300)
+    ]
+    for data in bad:
+        b.datagram_received(data, A)
+    b.datagram_received(b"\0" * (MAX_DATAGRAM_BYTES + 1), A)
+    b.datagram_received(good, ("10.9.9.9", 7001))  # not a peer: dropped unparsed
+    assert b.received["oversized"] == 1 and b.received["unknown_peer"] == 1
+    assert b.received["malformed"] >= 8
+    assert endpoint.in_flight_requests == 0 or b.peers  # only a random datagram that happened to parse could count
+    b.datagram_received(HEADER.pack(MAGIC, 6, 1, SNAPSHOT) + encode_load({endpoint.hostport: (1, 10)}), A)
+    assert endpoint.in_flight_requests == 1  # the channel still works
+
+
+def test_with_a_shared_secret_only_signed_datagrams_count():
+    a, wire = channel(A, [B], secret=b"s3cret")
+    b, _ = channel(B, [A], secret=b"s3cret")
+    forger, forged = channel(A, [B], secret=b"guess")
+    unsigned, plain = channel(A, [B])
+    for sender in (a, forger, unsigned):
+        sender.datastore.endpoints[0].in_flight_requests = 1 + (sender is not a) * 10
+        sender._flush()
+    for w in (forged, plain):
+        deliver(w, A, b, B)
+    assert b.datastore.endpoints[0].in_flight_requests == 0 and b.received["bad_signature"] == 2
+    deliver(wire, A, b, B)
+    assert b.datastore.endpoints[0].in_flight_requests == 1
+
+
+def test_codecs_round_trip_and_refuse_what_does_not_fit():
+    load = {f"10.0.{i // 256}.{i % 256}:8000": (i, 100 * i) for i in range(1, 6000)}
+    decoded = decode_load(memoryview(encode_load(load)))
+    assert len(decoded) < len(load) and min(r for r, _ in decoded.values()) > 3000  # the busiest kept
+    assert all(load[h] == v for h, v in decoded.items())
+    picks = [(f"10.0.0.{i}:8000", list(range(i * 1000, i * 1000 + 500))) for i in range(40)]
+    sent = bodies([learned_entry(*pick) for pick in picks])
+    assert len(sent) > 1 and all(len(body) <= MAX_DATAGRAM_BYTES for body in sent)
+    assert [entry for body in sent for entry in decode(memoryview(body), ENTRIES[LEARNED])] == picks
+    with pytest.raises(MalformedDatagram):
+        decode(memoryview(sent[0][:-1]), ENTRIES[LEARNED])
+    assert parse_peers("epp-replicas.ns.svc:9005, [::1]:9006,") == [("epp-replicas.ns.svc", 9005), ("::1", 9006)]
+    for text in ("nohost", "host:0", "host:port", ":9005"):
+        with pytest.raises(ValueError):
+            parse_peers(text)
+
+
+async def test_three_channels_on_udp_agree_and_each_skips_itself():
+    """Real sockets: every replica is given all three addresses (itself included, as a headless Service resolves)."""
+    from tests.conftest import free_ports
+
+    ports = free_ports(3)
+    peers = [("127.0.0.1", p) for p in ports]
+    channels = [ReplicaChannel(pool(), None, p, peers, "127.0.0.1") for p in ports]
+    for c in channels:
+        await c.start()
+    try:
+        channels[0].datastore.endpoints[1].in_flight_requests = 2
+        channels[1].datastore.endpoints[1].in_flight_requests = 1
+        for c in channels:
+            c.load_changed()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            seen = [c.datastore.endpoints[1].in_flight_requests for c in channels]
+            if seen == [3, 3, 3] and all(len(c.addresses) == 2 for c in channels):
+                break
+            await asyncio.sleep(0.01)
+        assert seen == [3, 3, 3]
+        assert [len(c.addresses) for c in channels] == [2, 2, 2]  # each found itself among the three
+        assert all(c.received["malformed"] == c.received["unknown_peer"] == 0 for c in channels)
+    finally:
+        for c in channels:
+            await c.stop()
