@@ -90,7 +90,7 @@ class EndpointPicker:
         except OSError as exc:
             raise ConfigError(f"cannot read --config-file {args.config_file}: {exc.strerror or exc}") from None
         config = load(text)
-        self.scheduler = Scheduler.from_sections(config)
+        self.scheduler = Scheduler.from_sections(config, allow_experimental_plugins=args.allow_experimental_plugins)
         if args.status_decisions:
             self.scheduler.decisions = DecisionLog(args.status_decisions)
         self.flow_config = FlowControlConfig.from_sections(config)

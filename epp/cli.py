@@ -137,6 +137,11 @@ def build_parser() -> Parser:
     config.add_argument("--config-file", help="EndpointPickerConfig YAML (default: the built-in profile)")
     config.add_argument("--config-text", help="EndpointPickerConfig YAML, inline")
     p.add_argument(
+        "--allow-experimental-plugins",
+        action="store_true",
+        help="let the config use plugins of the Alpha stability level (docs/plugins.md; llm-d router's flag)",
+    )
+    p.add_argument(
         "--ext-proc-transport",
         choices=["h2", "grpcio"],
         default="h2",

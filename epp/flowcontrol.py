@@ -44,7 +44,7 @@ EVICTED_TTL = "EvictedTTL"
 EVICTED_CANCELLED = "EvictedContextCancelled"
 OUTCOMES = (DISPATCHED, REJECTED_CAPACITY, EVICTED_TTL, EVICTED_CANCELLED)
 
-DEFAULT_FLOW = "default"  # the flow of requests without x-llm-d-inference-fairness-id
+DEFAULT_FLOW = "default-flow"  # the flow of requests without x-llm-d-inference-fairness-id (llm-d's name)
 # llm-d's policy names (its bands name their policies with fairnessPolicyRef / orderingPolicyRef)
 FAIRNESS_POLICIES = {"round-robin-fairness-policy": "round-robin", "global-strict-fairness-policy": "global-strict"}
 ORDERING_POLICIES = {"fcfs-ordering-policy": "fcfs", "edf-ordering-policy": "edf"}

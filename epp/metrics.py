@@ -3,7 +3,9 @@
 Names: llm-d router v1's `llm_d_epp_*` (docs/metrics.md there), each beside its older twin (`inference_objective_*`,
 `inference_pool_*`, `inference_extension_*`: GIE's names), as llm-d emits both while dashboards migrate. The parts
 write only the older name; the registry adds the twin to every family it exports (`DualEmission`, one table of
-renames, CURRENT_NAMES), so no part writes a name twice. Its parts register
+renames, CURRENT_NAMES), so no part writes a name twice. The director's per-request series (`_Series`) keep llm-d's
+labels, the request's fairness id and priority among them, and write their older twins summed over the labels those
+lack. Its parts register
 their collectors here (`EPPMetrics.register`), read when Prometheus scrapes (no work on the request path). Per-request
 series are plain numbers updated on the event loop and turned into samples only
 when Prometheus scrapes (`_Series`): prometheus_client's own children take a lock and check observability on every
@@ -35,6 +37,9 @@ QUEUE_BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5
 # counted).
 MAX_LABEL_VALUES = 1000
 OVERFLOW_LABEL = "other"
+# The labels of the per-request series (the director's RequestContext.labels), as llm-d's llm_d_epp_request_* carry
+# them: the fairness id (bounded as above; llm-d's "default-flow" when the request names none) and the priority band.
+REQUEST_LABELS = ("model_name", "target_model_name", "fairness_id", "priority")
 
 # The llm_d_epp_* name of each older family (as prometheus_client names it: a counter without `_total`), with the
 # labels llm-d renamed; a family not listed here takes llm_d_epp_ in place of its older prefix (PREFIXES).
@@ -165,19 +170,35 @@ class _Buckets:
 @cython.cclass
 class _Series:
     """One labelled metric family of plain-number children, exported by `collect` when Prometheus scrapes (a scrape
-    runs in a worker thread: it copies each child's numbers, which the GIL keeps whole)."""
+    runs in a worker thread: it copies each child's numbers, which the GIL keeps whole) under both its names: its
+    older `name` with `older_labels` (the children summed over the labels the older family lacks; None: all) and its
+    llm_d_epp_* twin with every label, as llm-d's request series carry fairness_id and priority and their older twins
+    do not."""
 
     kind = cython.declare(str, visibility="public")
     name = cython.declare(str, visibility="public")
     documentation = cython.declare(str, visibility="public")
     labelnames = cython.declare(tuple, visibility="public")
+    older_labels = cython.declare(tuple, visibility="public")
     buckets = cython.declare(tuple, visibility="public")
     les = cython.declare(object, visibility="public")
     children = cython.declare(dict, visibility="public")
 
-    def __init__(self, kind: str, name: str, documentation: str, labelnames=(), buckets: tuple[float, ...] = ()):
+    def __init__(
+        self,
+        kind: str,
+        name: str,
+        documentation: str,
+        labelnames=(),
+        buckets: tuple[float, ...] = (),
+        older_labels: tuple[str, ...] | None = None,
+    ):
         self.kind, self.name, self.documentation = kind, name, documentation
         self.labelnames, self.buckets = tuple(labelnames), tuple(float(b) for b in buckets)
+        self.older_labels = self.labelnames if older_labels is None else tuple(older_labels)
+        unknown = set(self.older_labels) - set(self.labelnames)
+        if unknown:
+            raise ValueError(f"{name}: older labels {sorted(unknown)} are not among its labels")
         self.les = bucket_bounds(self.buckets)
         self.children: dict[tuple[str, ...], _Value | _Buckets] = {}
 
@@ -187,19 +208,50 @@ class _Series:
             child = self.children[values] = _Buckets(self.buckets) if self.kind == "histogram" else _Value()
         return child
 
-    def collect(self):
-        if self.kind == "counter":
-            family = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
-        elif self.kind == "gauge":
-            family = GaugeMetricFamily(self.name, self.documentation, labels=self.labelnames)
+    def collect(self) -> list:
+        """The older family, then its llm_d_epp_* twin."""
+        rows = [(values, _numbers(child)) for values, child in list(self.children.items())]
+        full = self._family(self.labelnames, rows)
+        if self.older_labels == self.labelnames:
+            older = full
         else:
-            family = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
-        for values, child in list(self.children.items()):
-            if isinstance(child, _Buckets):
-                family.add_metric(list(values), cumulative_buckets(self.les, list(child.counts)), child.sum)
+            kept = [self.labelnames.index(label) for label in self.older_labels]
+            summed: dict[tuple[str, ...], tuple] = {}
+            for values, numbers in rows:
+                key = tuple([values[i] for i in kept])
+                seen = summed.get(key)
+                summed[key] = numbers if seen is None else _added(seen, numbers)
+            older = self._family(self.older_labels, summed.items())
+        current = twin(full)
+        return [older] if current is None else [older, current]
+
+    def _family(self, labelnames: tuple, rows: Iterable) -> Metric:
+        if self.kind == "counter":
+            family = CounterMetricFamily(self.name, self.documentation, labels=labelnames)
+        elif self.kind == "gauge":
+            family = GaugeMetricFamily(self.name, self.documentation, labels=labelnames)
+        else:
+            family = HistogramMetricFamily(self.name, self.documentation, labels=labelnames)
+        for values, numbers in rows:
+            if self.kind == "histogram":
+                counts, total = numbers
+                family.add_metric(list(values), cumulative_buckets(self.les, counts), total)
             else:
-                family.add_metric(list(values), child.value)
+                family.add_metric(list(values), numbers[0])
         return family
+
+
+def _numbers(child: _Value | _Buckets) -> tuple:
+    """A child's numbers, copied: (value,) or (bucket counts, sum)."""
+    if isinstance(child, _Buckets):
+        return list(child.counts), child.sum
+    return (child.value,)
+
+
+def _added(a: tuple, b: tuple) -> tuple:
+    if len(a) == 1:
+        return (a[0] + b[0],)
+    return [x + y for x, y in zip(a[0], b[0], strict=True)], a[1] + b[1]
 
 
 class _SeriesCollector:
@@ -208,7 +260,7 @@ class _SeriesCollector:
 
     def collect(self):
         for one in self.series:
-            yield one.collect()
+            yield from one.collect()
 
 
 # After a render that took d seconds the next one starts d x this later at the soonest: rendering takes at most a
@@ -269,45 +321,54 @@ class EPPMetrics:
     def __init__(self, pool_name: str):
         self.pool_name = pool_name
         self.registry = CollectorRegistry()
-        model_labels = ["model_name", "target_model_name"]
+        # llm-d's request series (pkg/epp/metrics/llm_d_router_metrics.go there) carry the request's fairness id and
+        # priority band beside its model names; their older twins do not (request_total keeps the priority)
+        model_labels = ("model_name", "target_model_name")
+        labels = REQUEST_LABELS
         self.requests = _Series(
             "counter",
             "inference_objective_request_total",
             "Counter of inference objective requests broken out for each model and target model.",
-            model_labels,
+            labels,
+            older_labels=(*model_labels, "priority"),
         )
         self.errors = _Series(
             "counter",
             "inference_objective_request_error_total",
             "Counter of inference objective requests errors broken out for each model and target model.",
-            [*model_labels, "error_code"],
+            (*labels, "error_code"),
+            older_labels=(*model_labels, "error_code"),
         )
         self.duration = _Series(
             "histogram",
             "inference_objective_request_duration_seconds",
             "Inference objective response latency distribution in seconds for each model and target model.",
-            model_labels,
+            labels,
             DURATION_BUCKETS,
+            older_labels=model_labels,
         )
         self.input_tokens = _Series(
             "histogram",
             "inference_objective_input_tokens",
             "Inference objective input token count distribution for requests in each model.",
-            model_labels,
+            labels,
             TOKEN_BUCKETS,
+            older_labels=model_labels,
         )
         self.output_tokens = _Series(
             "histogram",
             "inference_objective_output_tokens",
             "Inference objective output token count distribution for requests in each model.",
-            model_labels,
+            labels,
             TOKEN_BUCKETS,
+            older_labels=model_labels,
         )
         self.running = _Series(
             "gauge",
             "inference_objective_running_requests",
             "Inference objective number of running requests in each model.",
-            ["model_name"],
+            labels,
+            older_labels=("model_name",),
         )
         self.scheduler_e2e = _Series(
             "histogram",
@@ -358,7 +419,7 @@ class EPPMetrics:
             self.served,
             self.queue_duration,
         )
-        self.register(_SeriesCollector(series))
+        self.registry.register(_SeriesCollector(series))  # (each series writes its llm_d_epp_* twin itself)
         self.model_names = BoundedLabel()
         self.fairness_label = BoundedLabel()
 

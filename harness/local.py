@@ -47,6 +47,7 @@ from protocol.kv_events import DEFAULT_SUBSCRIBER_PORT
 from protocol.metrics import DEFAULT_ENGINE
 
 DEMO_ADAPTERS = ("sql-lora", "chat-lora")
+ALLOW_EXPERIMENTAL_PLUGINS = "--allow-experimental-plugins"  # the EPP's flag for plugins of the Alpha level
 
 
 @dataclass
@@ -499,6 +500,11 @@ def build_parser() -> Parser:
     p.add_argument("--fail-open", action="store_true", help="Envoy keeps serving (round robin) when the EPP is down")
     p.add_argument("--config-file", help="EndpointPickerConfig YAML for the EPP (default: its built-in profile)")
     p.add_argument(
+        "--allow-experimental-plugins",
+        action="store_true",
+        help="the EPP's flag: let the config use plugins of the Alpha stability level (docs/plugins.md)",
+    )
+    p.add_argument(
         "--response-body-mode",
         choices=["NONE", "FULL_DUPLEX_STREAMED"],
         default="NONE",
@@ -587,6 +593,7 @@ def stack_config(args: argparse.Namespace, workdir: Path) -> StackConfig:
         access_log_percent=args.access_log_percent,
         model_server_pool=pool.resolve() if pool is not None else None,
         config_file=args.config_file,
+        epp_args=[ALLOW_EXPERIMENTAL_PLUGINS] if args.allow_experimental_plugins else [],
         workdir=workdir,
     )
 
@@ -756,7 +763,7 @@ def check_arguments(parser: Parser, args: argparse.Namespace) -> None:
     if args.config_file:
         try:
             config = load_config(Path(args.config_file).read_text())
-            Scheduler.from_sections(config)
+            Scheduler.from_sections(config, allow_experimental_plugins=args.allow_experimental_plugins)
             FlowControlConfig.from_sections(config)
         except OSError as error:
             raise SystemExit(f"epp-local: --config-file {args.config_file}: {error.strerror}") from None

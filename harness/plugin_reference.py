@@ -30,8 +30,13 @@ with its default. A plugin's module (`epp/scheduling/plugins/<type>.py`) says in
 scores and its trade-offs. Use them in an `EndpointPickerConfig` (`plugins:` by `type`, with `parameters:`; a
 profile refers to them by name with a `weight` for scorers).
 
-| type | role | parameters (default) | what it does |
-| --- | --- | --- | --- |
+Each type has llm-d router's stability level where llm-d has the type (`@register` in its module): **Alpha** may
+change or go in any release and runs only when the EPP is started with `--allow-experimental-plugins` (without it a
+config naming one fails at startup, naming every Alpha plugin); **Beta** keeps its parameters and behaviour within a
+release and is deprecated before it goes; **Stable** changes only in a major release. The default profile is Beta.
+
+| type | role | stability | parameters (default) | what it does |
+| --- | --- | --- | --- | --- |
 """
 
 
@@ -64,7 +69,8 @@ def page() -> str:
     for plugin_class in sorted(BUILTIN_PLUGINS, key=lambda c: c.typed_name.type):
         parameters = ", ".join(f"`{key}` ({json.dumps(default)})" for key, default in recorded_parameters(plugin_class))
         rows.append(
-            f"| `{plugin_class.typed_name.type}` | {role(plugin_class)} | {parameters or 'none'} | {summary(plugin_class)} |"
+            f"| `{plugin_class.typed_name.type}` | {role(plugin_class)} | {plugin_class.stability} "
+            f"| {parameters or 'none'} | {summary(plugin_class)} |"
         )
     return HEADER + "\n".join(rows) + "\n"
 

@@ -138,7 +138,10 @@ class RequestContext:
         self.headers = headers
         self.subset = subset  # allowed "ip:port" from the proxy's subset hint; None = no hint
         self.model = self.target_model = ""  # the client's model name and the one the model server will see
-        self.labels = ("", "")  # the metrics' model and target model labels (bounded: EPPMetrics.model_label)
+        # the per-request metrics' labels (epp.metrics.REQUEST_LABELS): model, target model (bounded:
+        # EPPMetrics.model_label), fairness id (bounded: EPPMetrics.fairness_label) and priority, as llm-d's are before
+        # it knows them
+        self.labels = ("", "", DEFAULT_FLOW, "0")
         self.request: SchedulingRequest | None = None
         self.result: SchedulingResult | None = None
         self.endpoint: Endpoint | None = None  # the pick, while the request is in flight
@@ -385,7 +388,7 @@ class Director:
             self._labelled_state = state
             self.metrics.model_names.pinned = pinned_model_names(state)
         label = self.metrics.model_label
-        ctx.labels = (label(model), label(ctx.target_model))
+        ctx.labels = (label(model), label(ctx.target_model), *ctx.labels[2:])
         if target and target != model:
             payload["model"] = target
             return json.dumps(payload, separators=(",", ":")).encode(), True
@@ -399,15 +402,19 @@ class Director:
         request_id = headers.get(REQUEST_ID_HEADER)
         if not request_id or len(request_id) > MAX_REQUEST_ID_CHARS:
             request_id = str(uuid.uuid4())
+        priority = self.datastore.priority(objective)
+        # an agent's turns share one flow (llm-d's agent-identity) when the client names no fairness id
+        fairness_id = headers.get(FAIRNESS_ID_HEADER) or agent_identity(headers)
+        labels = ctx.labels
+        ctx.labels = (labels[0], labels[1], self.metrics.fairness_label(fairness_id or DEFAULT_FLOW), str(priority))
         return SchedulingRequest(
             request_id=request_id,
             model=ctx.target_model,
             prompt=prompt,
             prompt_tokens_estimate=len(prompt) // 4,
-            priority=self.datastore.priority(objective),
+            priority=priority,
             objective=objective,
-            # an agent's turns share one flow (llm-d's agent-identity) when the client names no fairness id
-            fairness_id=headers.get(FAIRNESS_ID_HEADER) or agent_identity(headers),
+            fairness_id=fairness_id,
             max_tokens=_max_tokens(payload),
             streamed=ctx.streamed,
             payload=payload,
@@ -463,7 +470,7 @@ class Director:
         if endpoint.recent_ttft and not self.response_headers_seen:
             heappush(self.prefilling, (ctx.routed_at + endpoint.recent_ttft, next(self._order), ctx))
         metrics.requests.labels(*ctx.labels).inc()
-        metrics.running.labels(ctx.labels[0]).inc()
+        metrics.running.labels(*ctx.labels).inc()
         scores = traceparent = None
         if self.emit_endpoint_scores:
             scores = {e.spec.hostport: total for e, total in zip(result.candidates, result.totals, strict=True)}
@@ -615,7 +622,7 @@ class Director:
         if not timed:  # from here on only timings read the result
             ctx.result = None  # (most of what a request awaiting its access-log record would hold, for ~0.1 s)
         metrics = self.metrics
-        metrics.running.labels(ctx.labels[0]).dec()
+        metrics.running.labels(*ctx.labels).dec()
         status = ctx.status
         wants_timings = timed and status.startswith("2")
         if ctx.first_chunk_at and ctx.streamed and status.startswith("2"):  # the body came through: its timings

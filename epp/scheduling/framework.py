@@ -1,8 +1,8 @@
 """The plugin framework: filters narrow the candidates, scorers rate them in [0, 1] with a weight, a picker
 chooses; lifecycle hooks see the request after it was routed, when it finished, and when the pool changed.
 
-A plugin is one class in one module of `epp.scheduling.plugins`, named with `@register("type-name")` and listed in
-that package's BUILTIN_PLUGINS, built
+A plugin is one class in one module of `epp.scheduling.plugins`, named with `@register("type-name", Stability.X)` (its
+type and stability level) and listed in that package's BUILTIN_PLUGINS, built
 from its GIE-style `parameters` mapping at startup (invalid ones raise ConfigError there, never on the request
 path). It derives from `Plugin` and declares each extension point it implements by inheriting its base class
 (Filter, Scorer, Picker, PrepareData, PreRequest, ResponseComplete, ResponseTimed, PoolChanged; a prefix index also PrefixIndexStats,
@@ -16,6 +16,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import fields
+from enum import StrEnum
 from typing import Any, ClassVar
 
 from epp.config import ConfigError
@@ -34,15 +35,28 @@ ENDPOINT_ATTRIBUTES = frozenset(
 )
 
 
+class Stability(StrEnum):
+    """A plugin type's stability level, llm-d router's three (its `pkg/epp/framework/plugins/README.md`): an Alpha
+    plugin may change or go in any release and runs only with `--allow-experimental-plugins`; Beta keeps its
+    parameters and behaviour within a release and is deprecated before it goes; Stable changes only in a major
+    release."""
+
+    ALPHA = "Alpha"
+    BETA = "Beta"
+    STABLE = "Stable"
+
+
 class Plugin(ABC):
     """Base of every scheduler plugin. A registered plugin class is built as `cls(parameters)`.
 
     typed_name: the plugin's type and instance name (set by `register` and `epp.scheduling.plugins.build_plugin`).
+    stability: its type's stability level (set by `register`).
     consumes: the data it reads: endpoint attributes by name (ENDPOINT_ATTRIBUTES) and cycle-state keys.
     produces: the cycle-state keys it writes.
     """
 
     typed_name: TypedName
+    stability: ClassVar[Stability]
     consumes: ClassVar[tuple[str | StateKey[Any], ...]] = ()
     produces: ClassVar[tuple[StateKey[Any], ...]] = ()
 
@@ -241,14 +255,17 @@ def check_data_dependencies(profile: str, plugins: Iterable[Plugin]) -> None:
                 )
 
 
-def register(type_name: str):
+def register(type_name: str, stability: Stability):
     """Class decorator: the plugin's kebab-case `type_name`, by which configs build it once the wiring lists the
-    class (`epp.scheduling.plugins.BUILTIN_PLUGINS`)."""
+    class (`epp.scheduling.plugins.BUILTIN_PLUGINS`), and its stability level (llm-d's where llm-d has the type)."""
 
     def decorate(cls):
         if not issubclass(cls, EXTENSION_POINTS):
             raise TypeError(f"plugin type {type_name!r}: {cls.__name__} implements no extension point")
+        if not isinstance(stability, Stability):
+            raise TypeError(f"plugin type {type_name!r}: stability must be a Stability, got {stability!r}")
         cls.typed_name = TypedName(type_name, type_name)
+        cls.stability = stability
         return cls
 
     return decorate

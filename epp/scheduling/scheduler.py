@@ -66,6 +66,7 @@ from epp.scheduling.framework import (
     ResponseTimed,
     Scorer,
     SharedPrefixIndex,
+    Stability,
     check_data_dependencies,
 )
 from epp.scheduling.plugins import PLUGIN_TYPES, build_plugin
@@ -186,17 +187,28 @@ class Scheduler:
             predictions.cached_tokens = self.prefix_index.cached_tokens
 
     @classmethod
-    def from_config(cls, config_text: str | None = None, predictions: CandidatePredictions | None = None) -> Scheduler:
+    def from_config(
+        cls,
+        config_text: str | None = None,
+        predictions: CandidatePredictions | None = None,
+        allow_experimental_plugins: bool = False,
+    ) -> Scheduler:
         """Build from EndpointPickerConfig YAML (None or "" -> DEFAULT_CONFIG), read by the config loader; see
         from_sections. Raises ConfigError."""
-        return cls.from_sections(load(config_text), predictions)
+        return cls.from_sections(load(config_text), predictions, allow_experimental_plugins)
 
     @classmethod
-    def from_sections(cls, config: EndpointPickerConfig, predictions: CandidatePredictions | None = None) -> Scheduler:
+    def from_sections(
+        cls,
+        config: EndpointPickerConfig,
+        predictions: CandidatePredictions | None = None,
+        allow_experimental_plugins: bool = False,
+    ) -> Scheduler:
         """Build from the sections of a loaded EndpointPickerConfig the scheduler owns: plugins, schedulingProfiles
         and saturationDetector. Its plugins read `predictions` when given (a latency predictor trained elsewhere).
-        Raises ConfigError."""
-        plugins = _build_plugins(config.plugins)
+        An Alpha plugin is built only with `allow_experimental_plugins` (the EPP's --allow-experimental-plugins,
+        as llm-d's). Raises ConfigError."""
+        plugins = _build_plugins(config.plugins, allow_experimental_plugins)
         profile = _build_profile(config.scheduling_profiles, plugins)
         return cls(profile, SaturationDetector.from_config(config.saturation_detector), predictions)
 
@@ -406,10 +418,10 @@ class Scheduler:
             p.pool_changed(endpoints)
 
 
-def _build_plugins(specs: Any) -> dict[str, Plugin]:
+def _build_plugins(specs: Any, allow_experimental: bool = False) -> dict[str, Plugin]:
     """The plugin instances by name. Every plugin is built before any error is raised, so that one ConfigError names
-    every unknown type and every unsupported parameter of the document (a config written for llm-d's router fails
-    at startup with the whole list, never runs in part)."""
+    every unknown type, every unsupported parameter and every Alpha plugin (without `allow_experimental`) of the
+    document (a config written for llm-d's router fails at startup with the whole list, never runs in part)."""
     if not isinstance(specs, list):
         raise ConfigError("scheduler config: `plugins` must be a list of {type, name, parameters}")
     plugins: dict[str, Plugin] = {}
@@ -436,6 +448,12 @@ def _build_plugins(specs: Any) -> dict[str, Plugin]:
     if unknown_types:
         known = ", ".join(sorted(PLUGIN_TYPES))
         errors.insert(0, f"unsupported plugin type(s) {', '.join(unknown_types)} (known: {known})")
+    alpha = [plugin.typed_name for plugin in plugins.values() if plugin.stability is Stability.ALPHA]
+    if alpha and not allow_experimental:
+        named = ", ".join(f"{t.name!r} (type {t.type!r})" for t in alpha)
+        errors.append(
+            f"plugin(s) {named} have the Alpha stability level: start the EPP with --allow-experimental-plugins"
+        )
     if errors:
         raise ConfigError("; ".join(errors) if len(errors) == 1 else f"{len(errors)} errors: " + "; ".join(errors))
     return plugins

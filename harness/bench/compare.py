@@ -30,7 +30,7 @@ from harness.bench.peers import peer_command, start_router
 from harness.bench.ports import free_port_block, free_ports
 from harness.bench.workloads import load_workload, lora_names, requests
 from harness.envoy import EnvoyProcess, render_baseline
-from harness.local import LocalStack, StackConfig
+from harness.local import ALLOW_EXPERIMENTAL_PLUGINS, LocalStack, StackConfig
 from protocol.extproc import canonical_headers
 
 MODEL = "sim-llama-8b"
@@ -308,6 +308,8 @@ class Pool:
             access_log_percent=0 if self.target in WITHOUT_ACCESS_LOG else 100,
             epp_replicas=self.replicas,
             replica_sharing=self.sharing,
+            # the bench measures plugins of every stability level (epp-sessions: session-affinity-scorer is Alpha)
+            epp_args=[ALLOW_EXPERIMENTAL_PLUGINS],
         )
         self.stack = LocalStack(config)
         hostports = [u.removeprefix("http://") for u in self.stack.model_server_urls]

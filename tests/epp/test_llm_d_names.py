@@ -13,7 +13,7 @@ from epp.config.loader import API_VERSIONS, load
 from epp.datalayer.datastore import PoolCollector
 from epp.datalayer.endpoint import EndpointSpec, PoolState
 from epp.flowcontrol import FlowControlConfig, FlowController
-from epp.metrics import LEGACY_PREFIXES, current_name
+from epp.metrics import LEGACY_PREFIXES, BoundedLabel, current_name
 from protocol.extproc import HEADER_ALIASES, canonical_headers
 from tests.epp.test_director_flow_control import dropped_reason, start
 from tests.epp.test_server import BASE_HEADERS, body_message, headers_message, make_picker, new_stream
@@ -113,6 +113,16 @@ def families(director) -> dict:
     return {f.name: f for f in text_string_to_metric_families(generate_latest(metrics.registry).decode())}
 
 
+def summed(samples, labels: set[str], renames: dict[str, str] | None = None) -> dict:
+    """(suffix, labels) -> value: `samples` summed over every label but `labels` (renamed as `renames` says)."""
+    renames = renames or {}
+    total: dict = {}
+    for suffix, sample_labels, value in samples:
+        kept = tuple(sorted((renames.get(k, k), v) for k, v in sample_labels.items() if k in labels or k == "le"))
+        total[suffix, kept] = total.get((suffix, kept), 0) + value
+    return total
+
+
 def test_every_older_family_has_its_llm_d_epp_twin_with_the_same_samples():
     director = make_picker()
     director.datastore.endpoints[0].metrics.waiting = 3
@@ -120,19 +130,64 @@ def test_every_older_family_has_its_llm_d_epp_twin_with_the_same_samples():
     legacy = [f for name, f in found.items() if name.startswith(LEGACY_PREFIXES)]
     assert {f.name.split("_")[1] for f in legacy} == {"objective", "pool", "extension"}
     for family in legacy:
-        name, labels = current_name(family.name)
+        name, renames = current_name(family.name)
         twin = found[name]
-        renamed = [
-            (s.name[len(family.name) :], {labels.get(k, k): v for k, v in s.labels.items()}, s.value)
-            for s in family.samples
-        ]
-        assert [(s.name[len(name) :], s.labels, s.value) for s in twin.samples] == renamed
+        older_labels = {k for s in family.samples for k in s.labels} - {"le"}
+        # the twin's samples, summed over the labels only it carries (fairness_id, priority), are the older family's
+        ours = summed([(s.name[len(family.name) :], s.labels, s.value) for s in family.samples], older_labels, renames)
+        renamed_labels = {renames.get(k, k) for k in older_labels}
+        theirs = summed([(s.name[len(name) :], s.labels, s.value) for s in twin.samples], renamed_labels)
+        assert theirs == ours, family.name
     # the names llm-d chose where the twin is not a plain prefix swap
     assert found["llm_d_epp_ready_endpoints"].samples[0].value == 2
     queues = {s.labels["model_server_endpoint"]: s.value for s in found["llm_d_epp_per_endpoint_queue_size"].samples}
     assert queues["a"] == 3
     assert "llm_d_epp_request_input_tokens" in found and "llm_d_epp_request_running" in found
     assert not [n for n in found if n.startswith("llm_d_epp_inference_")]
+
+
+def test_llm_d_epp_request_series_carry_the_fairness_id_and_priority_and_their_older_twins_do_not():
+    state = PoolState(endpoints=(EndpointSpec("a", "10.0.0.1", 8000),), objectives={"batch": -1, "chat": 3})
+    director = make_picker(state)
+    metrics = director.metrics
+    metrics.fairness_label = BoundedLabel(3)  # llm-d's cap (MAX_LABEL_VALUES, 1,000) with fewer tenants
+    for tenant, objective in [("", ""), ("t1", "chat"), ("t1", "chat"), ("t2", "batch"), ("t3", "chat")]:
+        headers = {"x-llm-d-inference-fairness-id": tenant} if tenant else {}
+        stream = new_stream(director)
+        stream.handle(headers_message({**BASE_HEADERS, **headers, "x-llm-d-inference-objective": objective}))
+        stream.handle(body_message(b'{"model": "m", "prompt": "x"}'))
+        stream.after_reply()  # (the decision's histograms: the prompt's tokens)
+    route(director, {"x-llm-d-inference-fairness-id": "t1"}, b'{"prompt": "no model"}')  # 400 before scheduling
+    page = {f.name: f for f in text_string_to_metric_families(generate_latest(metrics.registry).decode())}
+
+    def values(name: str, suffix: str = "") -> dict:
+        return {tuple(sorted(s.labels.items())): s.value for s in page[name].samples if s.name == name + suffix}
+
+    def key(**labels) -> tuple:
+        return tuple(sorted({"model_name": "m", "target_model_name": "m", **labels}.items()))
+
+    # a request without a fairness id is llm-d's "default-flow", a value like the others: t3 is past the cap, "other"
+    assert values("llm_d_epp_request", "_total") == {
+        key(fairness_id="default-flow", priority="0"): 1,
+        key(fairness_id="t1", priority="3"): 2,
+        key(fairness_id="t2", priority="-1"): 1,
+        key(fairness_id="other", priority="3"): 1,
+    }
+    # llm-d's older request_total keeps the priority, not the fairness id
+    assert values("inference_objective_request", "_total") == {
+        key(priority="0"): 1,
+        key(priority="3"): 3,
+        key(priority="-1"): 1,
+    }
+    assert values("llm_d_epp_request_running")[key(fairness_id="t1", priority="3")] == 2
+    assert values("inference_objective_running_requests") == {(("model_name", "m"),): 5}
+    assert set(values("llm_d_epp_request_input_tokens", "_count")) == set(values("llm_d_epp_request", "_total"))
+    # an error before the request's flow is known: llm-d's defaults
+    unnamed = {"model_name": "", "target_model_name": ""}
+    assert values("llm_d_epp_request_error", "_total") == {
+        key(**unnamed, fairness_id="default-flow", priority="0", error_code="400"): 1
+    }
+    assert values("inference_objective_request_error", "_total") == {key(**unnamed, error_code="400"): 1}
 
 
 @pytest.mark.parametrize("api_version", API_VERSIONS)

@@ -30,7 +30,7 @@ def test_a_histogram_counts_as_prometheus_client_does(observed, buckets):
     for value in observed:
         ours.labels("m").observe(value)
         theirs.labels("m").observe(value)
-    assert samples([ours.collect()]) == samples(registry.collect())
+    assert samples(ours.collect()) == samples(registry.collect())
 
 
 @given(st.lists(st.tuples(st.booleans(), st.floats(-1e6, 1e6)), max_size=40))
@@ -46,7 +46,7 @@ def test_counters_and_gauges_add_as_prometheus_client_does(updates):
         (their_gauge.labels("x").inc if up else their_gauge.labels("x").dec)(amount)
     counter.labels("y").inc()  # the default amount
     their_counter.labels("y").inc()
-    assert samples([counter.collect(), gauge.collect()]) == samples(registry.collect())
+    assert samples([*counter.collect(), *gauge.collect()]) == samples(registry.collect())
 
 
 def test_nan_counts_in_the_last_bucket_as_in_the_go_client():
@@ -55,6 +55,6 @@ def test_nan_counts_in_the_last_bucket_as_in_the_go_client():
     series = _Series("histogram", "h", "A histogram.", (), (1.0, 2.0))
     series.labels().observe(math.nan)
     series.labels().observe(1.5)
-    got = samples([series.collect()])
+    got = samples(series.collect())
     assert got[("h_bucket", (("le", "1.0"),))] == 0 and got[("h_bucket", (("le", "2.0"),))] == 1
     assert got[("h_bucket", (("le", "+Inf"),))] == 2 and got[("h_count", ())] == 2 and got[("h_sum", ())] == "nan"

@@ -41,9 +41,12 @@ class NoScraper:
 
 
 def make_picker(
-    state: PoolState | None = None, config: str | None = None, emit_endpoint_scores: bool = False
+    state: PoolState | None = None,
+    config: str | None = None,
+    emit_endpoint_scores: bool = False,
+    allow_experimental_plugins: bool = False,
 ) -> Director:
-    scheduler = Scheduler.from_config(config)
+    scheduler = Scheduler.from_config(config, allow_experimental_plugins=allow_experimental_plugins)
     datastore = Datastore([NoScraper()], scheduler.on_pool_changed)
     datastore.apply(
         state or PoolState(endpoints=(EndpointSpec("a", "10.0.0.1", 8000), EndpointSpec("b", "10.0.0.2", 8000)))
@@ -409,9 +412,10 @@ def test_client_chosen_model_names_cannot_grow_the_metrics():
     labels = {s.labels.get("model_name") for m in registry.collect() for s in m.samples if "model_name" in s.labels}
     # the first 50 names are labels of their own (as llm-d: first come), the rest share "other"
     assert labels == {f"random-{i}" for i in range(50)} | {"other"}
-    for name in ("inference_objective_request_error_total", "llm_d_epp_request_error_total"):
-        labels = {"model_name": "other", "target_model_name": "other", "error_code": "404"}
-        assert registry.get_sample_value(name, labels) == 50
+    labels = {"model_name": "other", "target_model_name": "other", "error_code": "404"}
+    assert registry.get_sample_value("inference_objective_request_error_total", labels) == 50
+    flow = {"fairness_id": "default-flow", "priority": "0"}  # (llm-d's series carry the request's flow too)
+    assert registry.get_sample_value("llm_d_epp_request_error_total", {**labels, **flow}) == 50
     # a name the pool's rewrite rules give is pinned: its own label past the cap
     picker.datastore.state = PoolState(
         picker.datastore.state.endpoints, rewrites=(ModelRewrite("real", (("real-v2", 1),)),)
@@ -421,7 +425,9 @@ def test_client_chosen_model_names_cannot_grow_the_metrics():
     stream.handle(body_message(b'{"model": "real", "prompt": "x"}'))
     finish_with_status(stream, b"200")
     assert (
-        registry.get_sample_value("llm_d_epp_request_total", {"model_name": "real", "target_model_name": "real-v2"})
+        registry.get_sample_value(
+            "llm_d_epp_request_total", {"model_name": "real", "target_model_name": "real-v2", **flow}
+        )
         == 1
     )
     # at most a series per admitted name, "other" and the pinned one in each family: none per name past the cap

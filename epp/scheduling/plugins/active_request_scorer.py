@@ -14,11 +14,11 @@ the difference); other routers' requests and the servers' own queues are invisib
 from __future__ import annotations
 
 from epp.datalayer.endpoint import Endpoint
-from epp.scheduling.framework import Parameters, Scorer, register
+from epp.scheduling.framework import Parameters, Scorer, Stability, register
 from epp.scheduling.types import CycleState, SchedulingRequest
 
 
-@register("active-request-scorer")
+@register("active-request-scorer", Stability.BETA)
 class ActiveRequestScorer(Scorer):
     consumes = ("in_flight_requests",)
 

@@ -11,11 +11,11 @@ Trade-offs: lets a client steer routing, so it belongs only in test configuratio
 from __future__ import annotations
 
 from epp.datalayer.endpoint import Endpoint
-from epp.scheduling.framework import Filter, Parameters, register
+from epp.scheduling.framework import Filter, Parameters, Stability, register
 from epp.scheduling.types import CycleState, SchedulingRequest
 
 
-@register("header-based-testing-filter")
+@register("header-based-testing-filter", Stability.BETA)
 class HeaderBasedTestingFilter(Filter):
     def __init__(self, parameters: dict | None):
         p = Parameters("header-based-testing-filter", parameters)

@@ -11,12 +11,12 @@ tokens do; they are counted until the endpoint answers (its response headers), a
 from __future__ import annotations
 
 from epp.datalayer.endpoint import Endpoint
-from epp.scheduling.framework import Parameters, Scorer, register
+from epp.scheduling.framework import Parameters, Scorer, Stability, register
 from epp.scheduling.load import inverted_min_max
 from epp.scheduling.types import CycleState, SchedulingRequest
 
 
-@register("in-flight-tokens-scorer")
+@register("in-flight-tokens-scorer", Stability.BETA)
 class InFlightTokensScorer(Scorer):
     consumes = ("in_flight_tokens",)
 

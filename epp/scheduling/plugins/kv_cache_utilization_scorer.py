@@ -10,11 +10,11 @@ long prompts before the queue does, which is what keeps preemptions away.
 from __future__ import annotations
 
 from epp.datalayer.endpoint import Endpoint
-from epp.scheduling.framework import Parameters, Scorer, register
+from epp.scheduling.framework import Parameters, Scorer, Stability, register
 from epp.scheduling.types import CycleState, SchedulingRequest
 
 
-@register("kv-cache-utilization-scorer")
+@register("kv-cache-utilization-scorer", Stability.BETA)
 class KVCacheUtilizationScorer(Scorer):
     consumes = ("kv_usage",)
 

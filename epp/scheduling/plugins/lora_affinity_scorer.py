@@ -30,13 +30,13 @@ that a hot adapter still spreads (loading an adapter costs far less than a deep 
 from __future__ import annotations
 
 from epp.datalayer.endpoint import Endpoint, adapter_listed
-from epp.scheduling.framework import Parameters, PreRequest, Scorer, register
+from epp.scheduling.framework import Parameters, PreRequest, Scorer, Stability, register
 from epp.scheduling.types import CycleState, SchedulingRequest, SchedulingResult
 
 RUNNING, LOADED, ROOM, WAITING, NONE = 1.0, 0.9, 0.8, 0.6, 0.0
 
 
-@register("lora-affinity-scorer")
+@register("lora-affinity-scorer", Stability.BETA)
 class LoRAAffinityScorer(Scorer, PreRequest):
     consumes = ("running_adapters", "waiting_adapters", "max_lora")
 

@@ -15,11 +15,11 @@ from __future__ import annotations
 import random
 
 from epp.datalayer.endpoint import Endpoint
-from epp.scheduling.framework import Parameters, Picker, register
+from epp.scheduling.framework import Parameters, Picker, Stability, register
 from epp.scheduling.types import CycleState, SchedulingRequest, add_best_scored
 
 
-@register("max-score-picker")
+@register("max-score-picker", Stability.BETA)
 class MaxScorePicker(Picker):
     def __init__(self, parameters: dict | None):
         p = Parameters("max-score-picker", parameters)

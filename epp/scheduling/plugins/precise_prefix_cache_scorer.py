@@ -52,7 +52,7 @@ from epp.config import ConfigError
 from epp.datalayer.endpoint import Endpoint
 from epp.datalayer.kv_events import KVBlockIndex
 from epp.datalayer.load import QUEUE_DEPTH_READS
-from epp.scheduling.framework import KVEventsConsumer, Parameters, PrepareData, Scorer, register
+from epp.scheduling.framework import KVEventsConsumer, Parameters, PrepareData, Scorer, Stability, register
 from epp.scheduling.load import QUEUE_DEPTHS, guard_load
 from epp.scheduling.types import CycleState, SchedulingRequest, StateKey
 from protocol.kv_events import HASH_ALGOS, block_hasher, external_block_hash, lora_extra_keys
@@ -123,7 +123,7 @@ class BlockHashCache:
                     del digests[old]
 
 
-@register("precise-prefix-cache-scorer")
+@register("precise-prefix-cache-scorer", Stability.BETA)
 class PrecisePrefixCacheScorer(Scorer, PrepareData, KVEventsConsumer):
     consumes = (*QUEUE_DEPTH_READS, QUEUE_DEPTHS, PROMPT_BLOCKS)
     produces = (PROMPT_BLOCKS, QUEUE_DEPTHS)

@@ -29,13 +29,13 @@ from __future__ import annotations
 
 from epp.config import ConfigError
 from epp.datalayer.endpoint import Endpoint
-from epp.scheduling.framework import Filter, Parameters, register
+from epp.scheduling.framework import Filter, Parameters, Stability, register
 from epp.scheduling.plugins.predicted_latency_scorer import FED, OBSERVED, ROUTED_FEATURES, PredictorFeed
 from epp.scheduling.predictions import CACHED_TOKENS, PREDICTED_LATENCY, PREDICTION_READS
 from epp.scheduling.types import CycleState, SchedulingRequest
 
 
-@register("predicted-latency-filter")
+@register("predicted-latency-filter", Stability.BETA)
 class PredictedLatencyFilter(Filter, PredictorFeed):
     consumes = PREDICTION_READS
     produces = (PREDICTED_LATENCY, CACHED_TOKENS, ROUTED_FEATURES, FED, OBSERVED)

@@ -49,6 +49,7 @@ from epp.scheduling.framework import (
     PreRequest,
     ResponseTimed,
     Scorer,
+    Stability,
     register,
 )
 from epp.scheduling.predictions import CACHED_TOKENS, PREDICTED_LATENCY, PREDICTION_READS
@@ -108,7 +109,7 @@ class PredictorFeed(LatencyPredictionReader, PreRequest, ResponseTimed, PoolChan
         self.predictions.predictor.backlog.forget({e.spec.name for e in endpoints})
 
 
-@register("predicted-latency-scorer")
+@register("predicted-latency-scorer", Stability.BETA)
 class PredictedLatencyScorer(Scorer, PredictorFeed):
     consumes = PREDICTION_READS
     produces = (PREDICTED_LATENCY, CACHED_TOKENS, ROUTED_FEATURES, FED, OBSERVED)

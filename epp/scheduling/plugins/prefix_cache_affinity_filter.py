@@ -25,13 +25,13 @@ import random
 
 from epp.config import ConfigError
 from epp.datalayer.endpoint import Endpoint
-from epp.scheduling.framework import Filter, Parameters, PrefixMatchReader, register
+from epp.scheduling.framework import Filter, Parameters, PrefixMatchReader, Stability, register
 from epp.scheduling.types import CycleState, SchedulingRequest
 
 PREFILL_THROUGHPUT = "prefillThroughput"
 
 
-@register("prefix-cache-affinity-filter")
+@register("prefix-cache-affinity-filter", Stability.BETA)
 class PrefixCacheAffinityFilter(Filter, PrefixMatchReader):
     consumes = ("in_flight_tokens",)
 

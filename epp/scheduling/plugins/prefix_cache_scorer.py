@@ -76,6 +76,7 @@ from epp.scheduling.framework import (
     ResponseComplete,
     Scorer,
     SharedPrefixIndex,
+    Stability,
     register,
 )
 from epp.scheduling.load import QUEUE_DEPTHS, guard_load
@@ -106,7 +107,7 @@ def longest_prefix(hashes: list[int], held: OrderedDict[int, None] | None) -> in
     return low
 
 
-@register("prefix-cache-scorer")
+@register("prefix-cache-scorer", Stability.BETA)
 class PrefixCacheScorer(
     Scorer, PreRequest, ResponseComplete, PoolChanged, PrefixIndexStats, KVEventsConsumer, SharedPrefixIndex
 ):

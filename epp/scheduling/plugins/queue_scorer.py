@@ -13,12 +13,12 @@ from __future__ import annotations
 
 from epp.datalayer.endpoint import Endpoint
 from epp.datalayer.load import QUEUE_DEPTH_READS
-from epp.scheduling.framework import Parameters, Scorer, register
+from epp.scheduling.framework import Parameters, Scorer, Stability, register
 from epp.scheduling.load import QUEUE_DEPTHS, inverted_min_max, queue_depths
 from epp.scheduling.types import CycleState, SchedulingRequest
 
 
-@register("queue-scorer")
+@register("queue-scorer", Stability.BETA)
 class QueueScorer(Scorer):
     consumes = (*QUEUE_DEPTH_READS, QUEUE_DEPTHS)
     produces = (QUEUE_DEPTHS,)

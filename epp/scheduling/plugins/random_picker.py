@@ -8,11 +8,11 @@ from __future__ import annotations
 import random
 
 from epp.datalayer.endpoint import Endpoint
-from epp.scheduling.framework import Parameters, Picker, register
+from epp.scheduling.framework import Parameters, Picker, Stability, register
 from epp.scheduling.types import CycleState, SchedulingRequest
 
 
-@register("random-picker")
+@register("random-picker", Stability.BETA)
 class RandomPicker(Picker):
     def __init__(self, parameters: dict | None):
         p = Parameters("random-picker", parameters)

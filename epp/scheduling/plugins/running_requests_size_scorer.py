@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from epp.datalayer.endpoint import Endpoint
 from epp.datalayer.load import RUNNING_REQUESTS_READS, running_requests
-from epp.scheduling.framework import Parameters, Scorer, register
+from epp.scheduling.framework import Parameters, Scorer, Stability, register
 from epp.scheduling.load import inverted_min_max
 from epp.scheduling.types import CycleState, SchedulingRequest
 
 
-@register("running-requests-size-scorer")
+@register("running-requests-size-scorer", Stability.BETA)
 class RunningRequestsSizeScorer(Scorer):
     consumes = RUNNING_REQUESTS_READS
 

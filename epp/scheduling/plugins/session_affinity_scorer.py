@@ -32,13 +32,13 @@ from time import monotonic
 from epp.config import ConfigError
 from epp.datalayer.endpoint import Endpoint
 from epp.datalayer.load import QUEUE_DEPTH_READS
-from epp.scheduling.framework import Parameters, PreRequest, Scorer, register
+from epp.scheduling.framework import Parameters, PreRequest, Scorer, Stability, register
 from epp.scheduling.saturation import SaturationDetector
 from epp.scheduling.types import CycleState, SchedulingRequest, SchedulingResult
 from protocol.extproc import AGENT_SESSION_HEADERS, SESSION_ID_HEADER, agent_identity
 
 
-@register("session-affinity-scorer")
+@register("session-affinity-scorer", Stability.ALPHA)
 class SessionAffinityScorer(Scorer, PreRequest):
     consumes = (*QUEUE_DEPTH_READS, "kv_usage")
     at_pick = True  # a burst of one session's requests sees the binding of the first

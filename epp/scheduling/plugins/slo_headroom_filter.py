@@ -27,7 +27,7 @@ import math
 
 from epp.config import ConfigError
 from epp.datalayer.endpoint import Endpoint
-from epp.scheduling.framework import Filter, LatencyPredictionReader, Parameters, register
+from epp.scheduling.framework import Filter, LatencyPredictionReader, Parameters, Stability, register
 from epp.scheduling.predictions import CACHED_TOKENS, PREDICTED_LATENCY, PREDICTION_READS
 from epp.scheduling.types import CycleState, SchedulingRequest
 from protocol.extproc import SLO_TPOT_HEADER, SLO_TTFT_HEADER
@@ -48,7 +48,7 @@ def objective_seconds(headers: dict[str, str], name: str) -> float | None:
     return value / 1e3 if math.isfinite(value) and value > 0 else None
 
 
-@register("slo-headroom-filter")
+@register("slo-headroom-filter", Stability.BETA)
 class SLOHeadroomFilter(Filter, LatencyPredictionReader):
     consumes = PREDICTION_READS
     produces = (PREDICTED_LATENCY, CACHED_TOKENS)

@@ -57,6 +57,7 @@ from epp.scheduling.framework import (
     Parameters,
     PreRequest,
     ResponseComplete,
+    Stability,
     register,
 )
 from epp.scheduling.plugins.slo_headroom_filter import TPOT_HEADER, TTFT_HEADER, objective_seconds
@@ -147,7 +148,7 @@ def _ttft_budget(f: InFlight) -> float:
 IN_FLIGHT: StateKey[InFlight] = StateKey("slo-interference-in-flight")
 
 
-@register("slo-interference-filter")
+@register("slo-interference-filter", Stability.BETA)
 class SLOInterferenceFilter(Filter, LatencyPredictionReader, PreRequest, ResponseComplete):
     consumes = PREDICTION_READS
     produces = (PREDICTED_LATENCY, CACHED_TOKENS, IN_FLIGHT)

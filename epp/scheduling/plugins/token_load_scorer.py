@@ -15,13 +15,13 @@ pool's load the scores differ little, which only matters when it is summed with 
 from __future__ import annotations
 
 from epp.datalayer.endpoint import Endpoint
-from epp.scheduling.framework import Parameters, PrefixMatchReader, Scorer, register
+from epp.scheduling.framework import Parameters, PrefixMatchReader, Scorer, Stability, register
 from epp.scheduling.types import CycleState, SchedulingRequest
 
 DEFAULT_THRESHOLD = 4194304
 
 
-@register("token-load-scorer")
+@register("token-load-scorer", Stability.BETA)
 class TokenLoadScorer(Scorer, PrefixMatchReader):
     consumes = ("in_flight_tokens",)
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 import random
 
 from epp.datalayer.endpoint import Endpoint
-from epp.scheduling.framework import Parameters, Picker, register
+from epp.scheduling.framework import Parameters, Picker, Stability, register
 from epp.scheduling.types import CycleState, SchedulingRequest
 
 
-@register("weighted-random-picker")
+@register("weighted-random-picker", Stability.BETA)
 class WeightedRandomPicker(Picker):
     def __init__(self, parameters: dict | None):
         p = Parameters("weighted-random-picker", parameters)

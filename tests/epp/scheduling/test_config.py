@@ -3,9 +3,10 @@
 from pathlib import Path
 
 import pytest
+import yaml
 
 from epp.config import ConfigError
-from epp.config.loader import DEFAULT_CONFIG, load
+from epp.config.loader import API_VERSION, DEFAULT_CONFIG, load
 from epp.flowcontrol import FlowControlConfig
 from epp.scheduling.scheduler import Scheduler
 
@@ -176,4 +177,5 @@ def test_invalid_configs_are_config_errors_at_startup(text, message):
 
 def test_the_shipped_manifest_config_loads():
     text = (Path(__file__).parents[3] / "manifests" / "base" / "scheduler.yaml").read_text()
+    assert yaml.safe_load(text)["apiVersion"] == API_VERSION  # llm-d router v1's
     assert Scheduler.from_config(text).prefix_index is not None

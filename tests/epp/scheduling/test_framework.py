@@ -12,6 +12,7 @@ from epp.scheduling.framework import (
     PreRequest,
     ResponseComplete,
     Scorer,
+    Stability,
     check_data_dependencies,
     register,
 )
@@ -182,7 +183,7 @@ def test_a_plugin_must_implement_an_extension_point_to_register():
         pass
 
     with pytest.raises(TypeError, match="implements no extension point"):
-        register("nothing")(Nothing)
+        register("nothing", Stability.BETA)(Nothing)
 
 
 def test_cycle_state_reads_what_was_written_under_the_same_key():

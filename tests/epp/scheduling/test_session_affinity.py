@@ -26,7 +26,8 @@ POOL = PoolState(endpoints=tuple(EndpointSpec(n, f"10.0.0.{i}", 8000) for i, n i
 
 
 def picker(parameters: str = "{}"):
-    return make_picker(POOL, CONFIG.replace("{PARAMETERS}", parameters))
+    # (an Alpha plugin, as llm-d's: tests/epp/scheduling/test_stability.py)
+    return make_picker(POOL, CONFIG.replace("{PARAMETERS}", parameters), allow_experimental_plugins=True)
 
 
 def route(director, headers: dict) -> str:
