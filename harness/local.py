@@ -93,6 +93,22 @@ class StackConfig:
     # and the model servers trace when their own --otlp-traces-endpoint flag is among epp_args / modelserver_args
     otlp_traces_endpoint: str | None = None
 
+    @classmethod
+    def on_free_ports(cls, model_servers: int = 4, **settings) -> StackConfig:
+        """A stack on free loopback ports (its model servers' a block of consecutive ones), beside whatever else runs:
+        as the benchmarks and the tests start theirs."""
+        grpc, health, metrics, listener, admin = free_ports(5)
+        return cls(
+            model_servers=model_servers,
+            base_port=free_port_block(model_servers) if model_servers else extproc.MODEL_SERVER_PORT,
+            grpc_port=grpc,
+            grpc_health_port=health,
+            metrics_port=metrics,
+            listener_port=listener,
+            admin_port=admin,
+            **settings,
+        )
+
 
 def epp_command(
     pool_file: str, host: str, grpc: int, health: int, metrics: int, kv_events_port: int, extra: Sequence[str] = ()

@@ -46,7 +46,6 @@ from epp.transport.h2 import (
     frame,
     grpc_message,
 )
-from harness.bench.ports import free_port_block, free_ports
 from harness.local import LocalStack, StackConfig
 
 MODEL = "sim-llama-8b"
@@ -342,23 +341,16 @@ async def run(
     servers: int = 4, seconds: float = 4.0, workdir: Path | None = None, progress=print, only: tuple[str, ...] = ()
 ) -> ChaosReport:
     """Every attack in turn on one stack (`only`: the attacks whose names start with one of these)."""
-    base = free_port_block(servers)
-    grpc, health, metrics, listener, admin = free_ports(5)
     stack = LocalStack(
-        StackConfig(
-            model_servers=servers,
-            base_port=base,
-            grpc_port=grpc,
-            grpc_health_port=health,
-            metrics_port=metrics,
-            listener_port=listener,
-            admin_port=admin,
+        StackConfig.on_free_ports(
+            servers,
             workdir=workdir,
             separate_model_server_processes=True,
             modelserver_args=[*FAST_SIM, "--disable-log-stats"],
         )
     )
     await stack.start()
+    grpc = stack.config.grpc_port
     # the attacker runs in a process of its own, so that its work does not slow the prober that measures latency
     pool = concurrent.futures.ProcessPoolExecutor(1)
     results: list[AttackResult] = []

@@ -27,7 +27,6 @@ from harness.bench import agentic, charts, inference_perf
 from harness.bench.decision import scorers_only_config
 from harness.bench.overhead import cpu_seconds, percentile
 from harness.bench.peers import peer_command, start_router
-from harness.bench.ports import free_port_block, free_ports
 from harness.bench.workloads import load_workload, lora_names, requests
 from harness.envoy import EnvoyProcess, render_baseline
 from harness.local import ALLOW_EXPERIMENTAL_PLUGINS, LocalStack, StackConfig
@@ -289,16 +288,8 @@ class Pool:
         self.url = ""
 
     async def __aenter__(self) -> Pool:
-        base = free_port_block(self.servers)
-        grpc, health, metrics, listener, admin = free_ports(5)
-        config = StackConfig(
-            model_servers=self.servers,
-            base_port=base,
-            grpc_port=grpc,
-            grpc_health_port=health,
-            metrics_port=metrics,
-            listener_port=listener,
-            admin_port=admin,
+        config = StackConfig.on_free_ports(
+            self.servers,
             workdir=self.workdir,
             modelserver_args=self.modelserver_args,
             config_text=self.epp_config,
@@ -324,6 +315,7 @@ class Pool:
         if self.target in ORACLE_TARGETS:
             return self
         if self.target in ENVOY_TARGETS:
+            listener, admin = config.listener_port, config.admin_port  # the stack's, whose Envoy is not started
             path = self.workdir / "baseline.yaml"
             path.write_text(
                 render_baseline(

@@ -28,7 +28,6 @@ from pathlib import Path
 import aiohttp
 
 from harness.bench.chaos import FAST_SIM, MODEL
-from harness.bench.ports import free_port_block, free_ports
 from harness.local import LocalStack, StackConfig
 
 # Envoy's counters read before and after each phase (admin /stats); the ext_proc filter's are under the listener's
@@ -136,17 +135,9 @@ async def run(
     workdir: Path | None = None,
     progress=print,
 ) -> FailoverReport:
-    base = free_port_block(servers)
-    grpc, health, metrics, listener, admin_port = free_ports(5)
     stack = LocalStack(
-        StackConfig(
-            model_servers=servers,
-            base_port=base,
-            grpc_port=grpc,
-            grpc_health_port=health,
-            metrics_port=metrics,
-            listener_port=listener,
-            admin_port=admin_port,
+        StackConfig.on_free_ports(
+            servers,
             workdir=workdir,
             fail_open=fail_open,
             epp_replicas=replicas,
@@ -156,7 +147,7 @@ async def run(
         )
     )
     await stack.start()
-    admin = f"http://{stack.config.host}:{admin_port}"
+    admin = f"http://{stack.config.host}:{stack.config.admin_port}"
     load = Load(f"{stack.gateway_url}/v1/completions", clients, max_tokens)
     phases: list[Phase] = []
     try:

@@ -40,7 +40,7 @@ from epp.config.loader import DEFAULT_CONFIG
 from epp.metrics import PICKED_METRICS_AGE, SCHEDULER_E2E
 from harness.bench import build, floor, floor_native
 from harness.bench.peers import peer_command, start_router
-from harness.bench.ports import free_port_block, free_ports
+from harness.bench.ports import free_ports
 from harness.envoy import EnvoyProcess, render_baseline, render_bootstrap, terminate
 from harness.local import LocalStack, StackConfig
 
@@ -496,17 +496,10 @@ async def measure(
     `rounds`: pairs of passes over the targets for throughput (each pass one phase a target, forward then back)."""
     body = {**BODY, "stream": True} if streamed else BODY
     cpus = split_cpus(os.sched_getaffinity(0)) if pin else None
-    base = free_port_block(servers)
-    grpc, health, metrics, listener, admin, plain_listener, plain_admin = free_ports(7)
+    plain_listener, plain_admin = free_ports(2)
     stack = LocalStack(
-        StackConfig(
-            model_servers=servers,
-            base_port=base,
-            grpc_port=grpc,
-            grpc_health_port=health,
-            metrics_port=metrics,
-            listener_port=listener,
-            admin_port=admin,
+        StackConfig.on_free_ports(
+            servers,
             workdir=workdir,
             modelserver_args=["--sim-zero-delay", "--disable-log-stats"],
             epp_args=["--ext-proc-transport", transport],
