@@ -62,7 +62,11 @@ def assert_all_gone(workdir: Path, ports: list[int]) -> None:
     assert children_of(workdir) == []
     for port in ports:
         with socket.socket() as probe:
-            probe.bind(("127.0.0.1", port))  # free again
+            # free again: no process listens there (a connection the killed side closed first may leave the port in
+            # TIME_WAIT, which keeps no server out: they bind with SO_REUSEADDR, as this probe does)
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(("127.0.0.1", port))
+            probe.listen()
 
 
 @pytest.mark.parametrize("how", ["SIGINT", "SIGTERM", "SIGHUP", "closed-pipe"])
