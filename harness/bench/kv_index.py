@@ -18,8 +18,9 @@ Five measurements, side by side in one process:
   endpoint's whole LRU dropped when it leaves the pool;
 * stall: a real `KVEventSubscriber` (its thread, a PUB socket in this process) at a cap of `cap` entries, already
   full, receives one batch of `cap` new hashes (every entry evicted). Meanwhile the event loop runs a loop-lag probe
-  (a 1 ms timer: how late it fires) and serves a request (a prefix look-up of a 500-block prompt behind a TCP
-  round trip, from a client process) every 2 ms; the request's latency is compared with its p50 before the batch.
+  (a 1 ms timer: how late it fires) and serves a request (a prefix look-up of a 500-block prompt, the index's
+  newest entries, held until the batch's last chunk evicts them, behind a TCP round trip, from a client process)
+  every 2 ms; the request's latency is compared with its p50 before the batch.
 
 The stall test runs with the interpreter's thread switch interval at `switch_interval` (default 1,000 s): the
 release build's compiled code never gives the GIL up by itself, and so, with that interval, neither does the
@@ -254,11 +255,12 @@ async def _stall(cap: int, index_module: ModuleType) -> dict[str, float]:
     rng = random.Random(3)
     index = index_module.KVBlockIndex(max_entries=cap)
     hostport = "127.0.0.1:8000"
+    prompt = _hashes(PROMPT_BLOCKS, rng)
+    index.store(hostport, _hashes(cap - PROMPT_BLOCKS, rng))  # full: the batch below evicts all of these,
+    index.store(hostport, prompt)  # the requests' prompt last, so that their look-ups walk it until the batch ends
+    # filled before the subscriber's thread starts: it is the index's one writer from then on (its idle trims)
     subscriber = index_module.KVEventSubscriber(index, "tcp://127.0.0.1:*")
     subscriber.start(Endpoint(EndpointSpec(hostport, "127.0.0.1", 8000)))
-    prompt = _hashes(PROMPT_BLOCKS, rng)
-    index.store(hostport, prompt)
-    index.store(hostport, _hashes(cap - PROMPT_BLOCKS, rng))  # full: the batch below evicts all of these
     endpoints = [hostport]
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
