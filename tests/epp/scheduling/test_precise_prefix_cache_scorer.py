@@ -101,6 +101,7 @@ def test_beyond_shared_a_prefix_every_candidate_holds_counts_for_nothing():
     assert beyond.score(cycle_state, req, pool) == [1.0, 0.0, 0.5]
     for e in pool[1:]:
         index.store(e.hostport, hashes)  # every candidate holds all of it: no preference
+    cycle_state, req = prepared(beyond, payload)  # (a cycle looks the index up once: PromptBlocks.held_by)
     assert beyond.score(cycle_state, req, pool) is None
 
 
