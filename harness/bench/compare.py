@@ -49,10 +49,11 @@ SESSIONS_CONFIG = DEFAULT_CONFIG.replace(
     "  - pluginRef: max-score-picker\n",
     "  - pluginRef: session-affinity-scorer\n    weight: 3\n  - pluginRef: max-score-picker\n",
 )
-# The default profile with the precise prefix score counted beyond what every candidate holds (an agent's tools prompt)
-BEYOND_SHARED_CONFIG = DEFAULT_CONFIG.replace(
+# The default profile with the precise prefix score over the whole prompt (scoreBeyondShared off: the default until
+# docs/2026-11-29-agentic-floor.md), where an agent's tools prompt, held everywhere, dilutes it
+WHOLE_PROMPT_CONFIG = DEFAULT_CONFIG.replace(
     "- type: precise-prefix-cache-scorer\n",
-    "- type: precise-prefix-cache-scorer\n  parameters: {scoreBeyondShared: true}\n",
+    "- type: precise-prefix-cache-scorer\n  parameters: {scoreBeyondShared: false}\n",
 )
 EPP_TARGETS = {
     # the default profile: the latency predictor's filters, learning TTFT from the gateway's access log, then the
@@ -62,7 +63,7 @@ EPP_TARGETS = {
     "epp-approximate": APPROXIMATE_CONFIG,
     "llm-d-default": LLM_D_DEFAULT_CONFIG,  # llm-d router v1.0's default profile, "sticky until saturated"
     "epp-sessions": SESSIONS_CONFIG,
-    "epp-beyond-shared": BEYOND_SHARED_CONFIG,
+    "epp-whole-prompt": WHOLE_PROMPT_CONFIG,
     "queue-only": SINGLE_SCORER.format("queue-scorer"),
     "kv-only": SINGLE_SCORER.format("kv-cache-utilization-scorer"),
     "prefix-only": SINGLE_SCORER.format("prefix-cache-scorer"),

@@ -26,10 +26,11 @@ PROMPT_BLOCKS (the held leading blocks' hashes and the prompt's block count).
 Parameters: tokenizerDir (a local Hugging Face model directory with tokenizer.json and tokenizer_config.json; unset:
 the sim's built-in tokenizer), blockSize (0: the block size of the servers' events, else 16), hashSeed (the servers'
 PYTHONHASHSEED; default: the EPP's own PYTHONHASHSEED), hashAlgo (the servers' --prefix-caching-hash-algo: sha256 or
-sha256_cbor), loadGuardQueueGap (8; 0 = off), scoreBeyondShared (false: the score is the held run over the
-prompt's blocks; true: the held run beyond what every publishing candidate holds, over the prompt's blocks beyond
-it, so that a prefix held everywhere (an agent's shared tools prompt) does not dilute what tells the candidates
-apart: a session's own context), threadPromptChars (8192), tokenCacheTokens (2,000,000 tokens of
+sha256_cbor), loadGuardQueueGap (8; 0 = off), scoreBeyondShared (true: the held run beyond what every publishing
+candidate holds, over the prompt's blocks beyond it, so that a prefix held everywhere (an agent's shared tools
+prompt) does not dilute what tells the candidates apart: a session's own context; false: the held run over the
+prompt's blocks. The default since docs/2026-11-29-agentic-floor.md measured it: better on the agentic workload,
+within 5 % on the others), threadPromptChars (8192), tokenCacheTokens (2,000,000 tokens of
 cached prompt segments), blockHashCacheBlocks (500,000).
 Trade-offs: needs the servers' tokenizer files and hash seed (without PYTHONHASHSEED vLLM's hashes are random per
 process and nothing matches: the scorer then abstains everywhere); a request waits for its tokenization (~ms for a
@@ -173,7 +174,7 @@ class PrecisePrefixCacheScorer(Scorer, PrepareData, KVEventsConsumer):
         if algo not in HASH_ALGOS:
             raise ConfigError(f"precise-prefix-cache-scorer: hashAlgo must be one of {HASH_ALGOS}, got {algo!r}")
         self.load_guard_gap = float(p.get("loadGuardQueueGap", 8, (int, float), minimum=0))
-        self.beyond_shared = p.get("scoreBeyondShared", False, bool)
+        self.beyond_shared = p.get("scoreBeyondShared", True, bool)
         self.thread_prompt_chars = p.get("threadPromptChars", 8192, int, minimum=0)
         cache_tokens = p.get("tokenCacheTokens", 2_000_000, int, minimum=0)
         cache_blocks = p.get("blockHashCacheBlocks", 500_000, int, minimum=0)
