@@ -337,7 +337,7 @@ class KVBlockIndex:
                     return depth, run
                 if run is None or len(run) > 1:
                     run = {held}
-            else:
+            elif run is None or not run <= held:  # (a prefix all of the run holds, an agent's tools: no new set)
                 narrowed = set(held) if run is None else run & held  # a copy: the subscriber changes the sets
                 if not narrowed:
                     return depth, run
