@@ -94,13 +94,15 @@ class StackConfig:
     otlp_traces_endpoint: str | None = None
 
     @classmethod
-    def on_free_ports(cls, model_servers: int = 4, **settings) -> StackConfig:
-        """A stack on free loopback ports (its model servers' a block of consecutive ones), beside whatever else runs:
-        as the benchmarks and the tests start theirs."""
+    def on_free_ports(cls, model_servers: int = 4, base_port: int | None = None, **settings) -> StackConfig:
+        """A stack on free loopback ports (its model servers' a block of consecutive ones, or from `base_port`: those
+        of a stack already running), beside whatever else runs: as the benchmarks and the tests start theirs."""
+        if base_port is None:
+            base_port = free_port_block(model_servers) if model_servers else extproc.MODEL_SERVER_PORT
         grpc, health, metrics, listener, admin = free_ports(5)
         return cls(
             model_servers=model_servers,
-            base_port=free_port_block(model_servers) if model_servers else extproc.MODEL_SERVER_PORT,
+            base_port=base_port,
             grpc_port=grpc,
             grpc_health_port=health,
             metrics_port=metrics,

@@ -428,17 +428,11 @@ async def _start_epp_variant(
     the stack's own EPP), the share of requests whose access-log record Envoy sends the EPP (`access_log_percent`:
     the stack's gateway sends every one), the EPP's build (`env`: another checkout's PYTHONPATH), more of its
     command-line flags (`flags`), or several EPP replicas behind the Envoy, sharing their load or not."""
-    grpc, health, metrics, listener, admin = free_ports(5)
     c = stack.config
     variant = LocalStack(
-        StackConfig(
+        StackConfig.on_free_ports(
             model_servers=c.model_servers,
             base_port=c.base_port,
-            grpc_port=grpc,
-            grpc_health_port=health,
-            metrics_port=metrics,
-            listener_port=listener,
-            admin_port=admin,
             workdir=stack.workdir / name,
             config_text=config_text,
             access_log_percent=access_log_percent,

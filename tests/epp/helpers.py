@@ -1,4 +1,7 @@
-"""Endpoints with given metrics, for scheduler and server tests; the ext_proc handler with parsed answers."""
+"""Endpoints with given metrics, for scheduler and server tests; the ext_proc handler with parsed answers; waiting
+for a condition without assuming how fast a loaded machine gets there."""
+
+import asyncio
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
@@ -57,3 +60,11 @@ class ParsedStream(RequestStream):
 def parsed(answers: list[bytes]) -> list[pb.ProcessingResponse]:
     assert all(type(a) is bytes for a in answers)
     return [pb.ProcessingResponse.FromString(a) for a in answers]
+
+
+async def until(condition, timeout: float = 5.0) -> None:
+    """Returns once `condition()` holds; fails after `timeout` seconds."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.01)

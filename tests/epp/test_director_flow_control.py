@@ -13,7 +13,7 @@ from epp.datalayer.endpoint import PoolState
 from epp.flowcontrol import DISPATCHED, EVICTED_CANCELLED, FlowControlCollector, FlowControlConfig, FlowController
 from epp.metrics import OVERFLOW_LABEL, BoundedLabel, EPPMetrics
 from protocol.metrics import EndpointMetrics
-from tests.epp.helpers import ParsedStream
+from tests.epp.helpers import ParsedStream, until
 from tests.epp.test_server import BASE_HEADERS, body_message, headers_message, make_picker
 
 
@@ -151,8 +151,8 @@ async def test_a_request_waits_for_its_objectives_ttl_and_gets_429_with_retry_af
     replies: list = []
     stream, (wait,) = start(director, replies, "a", objective="interactive")
     assert wait.override_message_timeout.seconds == 12  # the longest TTL (10 s) and a margin
-    await asyncio.sleep(0.06)
-    (answers,) = replies  # expired at 20 ms, not 10 s
+    await until(lambda: replies, timeout=5.0)  # expired at its 20 ms, not the default 10 s
+    (answers,) = replies
     status = answers[0].immediate_response
     assert status.status.code == 429
     headers = {h.header.key: h.header.raw_value for h in status.headers.set_headers}

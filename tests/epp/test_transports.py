@@ -20,6 +20,7 @@ from epp.transport.grpcio import access_log_service, ext_proc_service
 from epp.transport.h2 import ExtProcServer, UnaryMethod
 from harness.bench.handler_cpu import _director
 from protocol import extproc
+from tests.epp.helpers import until
 
 PROCESS = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
 DEFER_SECONDS = 0.05
@@ -123,13 +124,6 @@ async def port(request):
             yield bound
         finally:
             await server.stop(0.2)
-
-
-async def until(condition, timeout: float = 5.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not condition():
-        assert asyncio.get_running_loop().time() < deadline, "timed out"
-        await asyncio.sleep(0.01)
 
 
 async def test_concurrent_streams_and_large_messages_both_ways(port):

@@ -1,5 +1,6 @@
 """predicted-latency-scorer and slo-headroom-filter over a trained predictor (synthetic pool: conftest.true_ttft)."""
 
+import math
 import time
 
 import pytest
@@ -363,6 +364,8 @@ def test_latency_filter_for_a_long_answer_keeps_the_fastest_ttft_then_the_fastes
 
 
 def test_with_both_predictor_plugins_a_request_is_learnt_once(predictions):
+    # every observation learnt: how many a second the training's pace left to learn is not what this test is about
+    predictions.predictor.max_learn_rate = math.inf
     trained(predictions)
     scheduler = profile_of(predictions, "predicted-latency-filter", "predicted-latency-scorer")
     endpoints = pool_of_three(predictions)
