@@ -4,8 +4,9 @@ finished, so N replicas behind one gateway place a burst as one EPP would (docs/
 What is shared, over UDP on `--replica-port` (no external store):
 * **Load, as idempotent snapshots.** A replica sends each peer its own in-flight requests and prompt tokens per
   endpoint (`Endpoint.in_flight_requests` / `in_flight_tokens` less what its peers contributed), coalesced: the first
-  change schedules one send at the end of the event loop's current pass, which carries everything changed in it (a
-  busy loop's passes are longer: the busier, the more one datagram carries). A heartbeat resends it
+  change schedules a check at the end of the event loop's current pass, which carries everything changed in it (a
+  busy loop's passes are longer: the busier, the more one datagram carries). A count that rose (a pick) goes out
+  then; counts that only fell wait up to HOLD_SECONDS for the next datagram (`_flush`). A heartbeat resends it
   every HEARTBEAT_SECONDS. A snapshot replaces the sender's previous one whole, so a lost datagram is healed by the
   next, and a peer that stops (killed, partitioned) stops counting once its last snapshot is EXPIRY_SECONDS old.
   The receiver adds the sum of its fresh peers' snapshots to each endpoint's in-flight counts and remembers that sum
@@ -32,10 +33,14 @@ the port; `--replica-secret-file` adds an HMAC-SHA256 tag (16 bytes) keyed by a 
 anything is parsed. The most a forger who passes those checks can do is add load to endpoints for EXPIRY_SECONDS or
 entries to the prefix index, never crash the EPP or make it hold more than MAX_PEERS snapshots.
 
+Wire: a datagram is a HEADER and its sections (SECTION: a snapshot, or a kind of delta's entries), so one datagram
+carries a snapshot and every delta waiting: about one datagram per peer for a pick, and one for the falls and deltas
+after it (docs/replicas.md has the counts).
+
 Cost: on the request path, one call per change (`load_changed`: a flag check, a callback when none is pending) and
-a list append per recorded pick (`learned`); encoding and sending run in that one callback once the loop's pass is
-done, and merging when a datagram comes, both on the event loop and never blocking (a send buffer over
-MAX_PENDING_SEND_BYTES drops deltas, never snapshots).
+an encoded entry per recorded pick (`learned`); encoding and sending run in that one callback once the loop's pass is
+done (or in the timer of what waits), and merging when a datagram comes, both on the event loop and never blocking
+(a send buffer over MAX_PENDING_SEND_BYTES drops deltas, never snapshots).
 """
 
 from __future__ import annotations
@@ -65,8 +70,10 @@ log = logging.getLogger("epp.replicas")
 DEFAULT_REPLICA_PORT = 9005
 HEARTBEAT_SECONDS = 0.5
 # Deltas (prefix picks, access-log records, predictor observations) go out at most this long after they were made,
-# with the next snapshot if it is sooner.
+# with the next datagram if it is sooner.
 DELTA_SECONDS = 0.05
+# Counts that only fell (no pick) go out at most this long after they fell, with the next datagram if it is sooner.
+HOLD_SECONDS = 0.01
 # A peer's snapshot counts for this long after it came (4 heartbeats: one or two lost datagrams do not matter).
 EXPIRY_SECONDS = 2.0
 RESOLVE_SECONDS = 5.0
@@ -79,9 +86,12 @@ MAX_DATAGRAM_BYTES = 60_000
 MAX_PENDING_SEND_BYTES = 1 << 20
 TAG_BYTES = 16
 MAGIC = b"EPPr"
-HEADER = struct.Struct("!4sQQB")  # magic, sender's instance id, sequence, kind
+HEADER = struct.Struct("!4sQQB")  # magic, sender's instance id, sequence, sections that follow
+SECTION = struct.Struct("!BH")  # a section's kind and its body's length
 SNAPSHOT, LEARNED, RECORDS, OBSERVED = 1, 2, 3, 4
 _COUNT = struct.Struct("!H")
+# The most one section's body holds: a datagram with that one section alone stays within MAX_DATAGRAM_BYTES.
+SECTION_ROOM = MAX_DATAGRAM_BYTES - HEADER.size - TAG_BYTES - SECTION.size
 _LOAD = struct.Struct("!II")  # in-flight requests, in-flight prompt tokens
 _F64 = struct.Struct("!d")
 # an observation's waiting, running, in-flight tokens, prompt tokens, cached tokens, KV usage, backlog tokens,
@@ -105,6 +115,15 @@ class Peer:
 
 class MalformedDatagram(ValueError):
     pass
+
+
+def _rose(load: dict[str, tuple[int, int]], before: dict[str, tuple[int, int]]) -> bool:
+    """Whether any endpoint's requests or tokens in `load` are above `before` (a pick since)."""
+    for hostport, (requests, tokens) in load.items():
+        was = before.get(hostport)
+        if was is None or requests > was[0] or tokens > was[1]:
+            return True
+    return False
 
 
 def parse_peers(text: str) -> list[tuple[str, int]]:
@@ -134,7 +153,7 @@ def _entry_head(hostport: str) -> bytes:
 def encode_load(load: dict[str, tuple[int, int]]) -> bytes:
     """A snapshot's body: entry count, then (hostport length, hostport, requests, tokens) per endpoint; the busiest
     endpoints first when they may not all fit in one datagram."""
-    room = MAX_DATAGRAM_BYTES - HEADER.size - TAG_BYTES - _COUNT.size
+    room = SECTION_ROOM - _COUNT.size
     parts, count = [], 0
     items = load.items()
     if len(load) * (256 + _LOAD.size) > room:
@@ -182,7 +201,7 @@ def _optional(value: float | None) -> float:
 
 def learned_entry(hostport: str, hashes: list[int]) -> bytes:
     """A pick the prefix index recorded: the endpoint and the prompt's block hashes (as many as fit a datagram)."""
-    hashes = hashes[: (MAX_DATAGRAM_BYTES - HEADER.size - TAG_BYTES - 3 - 256) // 8]
+    hashes = hashes[: (SECTION_ROOM - _COUNT.size - 256 - _COUNT.size) // 8]
     return _text(hostport) + _COUNT.pack(len(hashes)) + struct.pack(f"!{len(hashes)}Q", *hashes)
 
 
@@ -206,9 +225,9 @@ def observation_entry(features: Features, ttft: float, tpot: float | None) -> by
 
 
 def bodies(entries: Sequence[bytes]) -> list[bytes]:
-    """Entries as datagram bodies: each an entry count and entries, as many bodies as keep each datagram within
-    MAX_DATAGRAM_BYTES."""
-    room = MAX_DATAGRAM_BYTES - HEADER.size - TAG_BYTES - _COUNT.size
+    """Entries as section bodies: each an entry count and entries, as many bodies as keep each within
+    SECTION_ROOM."""
+    room = SECTION_ROOM - _COUNT.size
     out, batch, used = [], [], 0
     for entry in entries:
         if used + len(entry) > room and batch:
@@ -276,8 +295,52 @@ def decode(body: memoryview, entry) -> list:
     return entries
 
 
-# What each kind of delta datagram holds, read by
+# What each kind of delta section holds, read by
 ENTRIES = {LEARNED: _learned, RECORDS: _record, OBSERVED: _observation}
+
+
+def pack(sections: Sequence[tuple[int, bytes]]) -> list[tuple[int, bytes]]:
+    """Sections (kind, body; each body at most SECTION_ROOM) as the payloads of as few datagrams as keep each within
+    MAX_DATAGRAM_BYTES, in order: (its count of sections, for HEADER; each section's kind, length and body)."""
+    room = MAX_DATAGRAM_BYTES - HEADER.size - TAG_BYTES
+    out, parts, used = [], [], 0
+    for kind, body in sections:
+        size = SECTION.size + len(body)
+        if parts and (used + size > room or len(parts) == 2 * 255):
+            out.append((len(parts) // 2, b"".join(parts)))
+            parts, used = [], 0
+        parts += (SECTION.pack(kind, len(body)), body)
+        used += size
+    if parts:
+        out.append((len(parts) // 2, b"".join(parts)))
+    return out
+
+
+def unpack(view: memoryview, count: int) -> list[tuple[int, object]]:
+    """`count` sections of a datagram's payload, each decoded: (SNAPSHOT, load) or (kind, entries);
+    MalformedDatagram for a kind it does not know or anything that does not parse exactly."""
+    sections, offset = [], 0
+    for _ in range(count):
+        try:
+            kind, length = SECTION.unpack_from(view, offset)
+        except struct.error:
+            raise MalformedDatagram("truncated section") from None
+        offset += SECTION.size
+        body = view[offset : offset + length]
+        offset += length
+        if len(body) != length:
+            raise MalformedDatagram("truncated section")
+        if kind == SNAPSHOT:
+            sections.append((kind, decode_load(body)))
+        elif kind in ENTRIES:
+            sections.append((kind, decode(body, ENTRIES[kind])))
+        else:
+            raise MalformedDatagram(
+                "not a replica datagram (another version, or --replica-secret-file on one side only)"
+            )
+    if offset != len(view):
+        raise MalformedDatagram("trailing bytes after the sections")
+    return sections
 
 
 class ReplicaChannel(asyncio.DatagramProtocol):
@@ -315,7 +378,8 @@ class ReplicaChannel(asyncio.DatagramProtocol):
         self._release_at = 0.0  # when the flush that releases the next one is scheduled (0: none)
         self._sent_load: dict[str, tuple[int, int]] | None = {}  # None: send the next snapshot, changed or not
         self._deltas: dict[int, list[bytes]] = {LEARNED: [], RECORDS: [], OBSERVED: []}  # kind -> entries to send
-        self._deltas_due = False  # a flush for them is scheduled
+        self._send_timer: asyncio.TimerHandle | None = None  # the send of what waits (fallen counts, deltas)
+        self._send_at = 0.0  # when it is due
         # the director's match of an access-log record with a request it saw end (a peer forwarded the record)
         self.match_record: Callable[[str, float | None, str, str | None], bool] | None = None
         self.predictor: LatencyPredictor | None = None  # learns from the peers' observations too
@@ -331,9 +395,8 @@ class ReplicaChannel(asyncio.DatagramProtocol):
 
     # -- the request path's inputs -------------------------------------------------------------------------------
     def load_changed(self) -> None:
-        """This replica's in-flight counts changed: a snapshot goes out once the event loop's current pass is done.
-        Not later: the replicas decide a burst's requests within a millisecond or two of each other, and a snapshot
-        held back for coalescing arrives after the decisions it was for."""
+        """This replica's in-flight counts changed: once the event loop's current pass is done, a snapshot goes out
+        if a count rose (`_flush`)."""
         if not self._flush_pending and self._loop is not None:
             self._flush_pending = True
             self._loop.call_soon(self._flush)
@@ -353,13 +416,11 @@ class ReplicaChannel(asyncio.DatagramProtocol):
         self._queue(OBSERVED, observation_entry, features, ttft, tpot)
 
     def _queue(self, kind: int, entry: Callable[..., bytes], *fields) -> None:
-        """Deltas wait up to DELTA_SECONDS (or the next snapshot): nothing reads them within milliseconds, and at a
-        few requests a second per replica a datagram each would cost more than the rest of the channel."""
+        """Deltas wait up to DELTA_SECONDS, or less for the next datagram: nothing reads them within milliseconds,
+        and they ride in a snapshot's datagram for free."""
         if self._loop is not None and self.addresses:
             self._deltas[kind].append(entry(*fields))
-            if not self._deltas_due:
-                self._deltas_due = True
-                self._loop.call_later(DELTA_SECONDS, self.load_changed)
+            self._send_within(DELTA_SECONDS)
 
     # -- sending -------------------------------------------------------------------------------------------------
     def own_load(self) -> dict[str, tuple[int, int]]:
@@ -372,14 +433,47 @@ class ReplicaChannel(asyncio.DatagramProtocol):
                 load[e.spec.hostport] = (requests if requests > 0 else 0, tokens if tokens > 0 else 0)
         return load
 
-    def _flush(self, heartbeat: bool = False) -> None:
-        self._flush_pending = self._deltas_due = False
+    def _flush(self) -> None:
+        """The end of a loop pass that changed the counts. A count that rose (a pick) goes out now, with whatever
+        waits: the replicas decide a burst's requests within a millisecond or two of each other, and a pick held
+        back arrives after the decisions it was for. Counts that only fell (a first response byte, a prefill due,
+        an end) wait up to HOLD_SECONDS for the next datagram: a peer that sees an endpoint busy a few milliseconds
+        too long barely moves, and most of them then ride with a pick or each other (`_send_all`)."""
+        self._flush_pending = False
         if self.release_prefilled is not None:
             self._schedule_release(self.release_prefilled())
         load = self.own_load()
+        sent = self._sent_load
+        if load == sent:
+            return
+        if sent is not None and not _rose(load, sent):
+            self._send_within(HOLD_SECONDS)
+            return
+        self._send_all(load)
+
+    def _send_within(self, seconds: float) -> None:
+        """What waits (fallen counts, deltas) goes out `seconds` from now at the latest."""
+        at = time.monotonic() + seconds
+        if self._send_timer is None or at < self._send_at:
+            if self._send_timer is not None:
+                self._send_timer.cancel()
+            self._send_at = at
+            self._send_timer = self._loop.call_later(seconds, self._send_waiting)
+
+    def _send_waiting(self) -> None:
+        self._send_timer = None
+        self._send_all(self.own_load())
+
+    def _send_all(self, load: dict[str, tuple[int, int]], heartbeat: bool = False) -> None:
+        """One datagram (more only past MAX_DATAGRAM_BYTES) to each peer: the snapshot if it changed (or on a
+        heartbeat), and every waiting delta."""
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+            self._send_timer = None
+        sections = []
         if heartbeat or load != self._sent_load:
             self._sent_load = load
-            self._send(SNAPSHOT, encode_load(load))
+            sections.append((SNAPSHOT, encode_load(load)))
         for kind, entries in self._deltas.items():
             if not entries:
                 continue
@@ -387,8 +481,9 @@ class ReplicaChannel(asyncio.DatagramProtocol):
             if self._transport is not None and self._transport.get_write_buffer_size() > MAX_PENDING_SEND_BYTES:
                 self.learned_dropped += len(entries)
                 continue
-            for body in bodies(entries):
-                self._send(kind, body)
+            sections += [(kind, body) for body in bodies(entries)]
+        for count, payload in pack(sections):
+            self._send(count, payload)
 
     def _schedule_release(self, due: float) -> None:
         """A flush when the next prompt's prefill is due: peers see it released then, not at this replica's next
@@ -401,12 +496,12 @@ class ReplicaChannel(asyncio.DatagramProtocol):
         self._release_at = 0.0
         self._flush()
 
-    def _send(self, kind: int, body: bytes) -> None:
+    def _send(self, count: int, payload: bytes) -> None:
         transport = self._transport
         if transport is None or not self.addresses:
             return
         self.sequence += 1
-        datagram = HEADER.pack(MAGIC, self.instance, self.sequence, kind) + body
+        datagram = HEADER.pack(MAGIC, self.instance, self.sequence, count) + payload
         if self.secret is not None:
             datagram += hmac.digest(self.secret, datagram, hashlib.sha256)[:TAG_BYTES]
         for address in self.addresses:
@@ -439,13 +534,9 @@ class ReplicaChannel(asyncio.DatagramProtocol):
         if len(view) < HEADER.size:
             self._reject(source, "malformed", "too short")
             return
-        magic, instance, sequence, kind = HEADER.unpack_from(view)
-        if magic != MAGIC or (kind != SNAPSHOT and kind not in ENTRIES):
-            self._reject(
-                source,
-                "malformed",
-                "not a replica datagram (another version, or --replica-secret-file on one side only)",
-            )
+        magic, instance, sequence, count = HEADER.unpack_from(view)
+        if magic != MAGIC:
+            self._reject(source, "malformed", "not a replica datagram (another program)")
             return
         if instance == self.instance:
             self._found_self(source)
@@ -455,10 +546,7 @@ class ReplicaChannel(asyncio.DatagramProtocol):
             self.received["stale"] += 1
             return
         try:
-            if kind == SNAPSHOT:
-                load = decode_load(view[HEADER.size :])
-            else:
-                entries = decode(view[HEADER.size :], ENTRIES[kind])
+            sections = unpack(view[HEADER.size :], count)
         except MalformedDatagram as exc:
             self._reject(source, "malformed", str(exc))
             return
@@ -474,21 +562,22 @@ class ReplicaChannel(asyncio.DatagramProtocol):
             self.load_changed()
         peer.sequence = sequence
         self.received["accepted"] += 1
-        if kind == SNAPSHOT:
-            old, peer.load, peer.seen_at = peer.load, load, time.monotonic()
-            self._apply([h for h in old.keys() | load.keys() if old.get(h) != load.get(h)])
-        elif kind == LEARNED and self.prefix_index is not None:
-            by_hostport = self.datastore.by_hostport
-            for hostport, hashes in entries:
-                endpoint = by_hostport(hostport)
-                if endpoint is not None and hashes:
-                    self.prefix_index.learn(endpoint, hashes)
-        elif kind == RECORDS and self.match_record is not None:
-            for record in entries:
-                self.match_record(*record)
-        elif kind == OBSERVED and self.predictor is not None:
-            for features, ttft, tpot in entries:
-                self.predictor.observe(features, ttft, tpot, own=False)
+        for kind, content in sections:
+            if kind == SNAPSHOT:
+                old, peer.load, peer.seen_at = peer.load, content, time.monotonic()
+                self._apply([h for h in old.keys() | content.keys() if old.get(h) != content.get(h)])
+            elif kind == LEARNED and self.prefix_index is not None:
+                by_hostport = self.datastore.by_hostport
+                for hostport, hashes in content:
+                    endpoint = by_hostport(hostport)
+                    if endpoint is not None and hashes:
+                        self.prefix_index.learn(endpoint, hashes)
+            elif kind == RECORDS and self.match_record is not None:
+                for record in content:
+                    self.match_record(*record)
+            elif kind == OBSERVED and self.predictor is not None:
+                for features, ttft, tpot in content:
+                    self.predictor.observe(features, ttft, tpot, own=False)
 
     def _reject(self, source: tuple[str, int], outcome: str, why: str) -> None:
         self.received[outcome] += 1
@@ -529,7 +618,9 @@ class ReplicaChannel(asyncio.DatagramProtocol):
         for source in [s for s, p in self.peers.items() if now - p.seen_at > EXPIRY_SECONDS]:
             del self.peers[source]
         self._apply([e.hostport for e in self.datastore.endpoints])
-        self._flush(heartbeat=True)
+        if self.release_prefilled is not None:
+            self._schedule_release(self.release_prefilled())
+        self._send_all(self.own_load(), heartbeat=True)
 
     async def resolve(self) -> None:
         """Each peer's addresses now; a peer that does not resolve keeps its last addresses (logged once)."""
@@ -573,6 +664,9 @@ class ReplicaChannel(asyncio.DatagramProtocol):
         log.info("replica channel on udp %s:%d, %d peer addresses", self.bind_address, self.port, len(self.addresses))
 
     async def stop(self) -> None:
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+            self._send_timer = None
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -15,6 +15,8 @@ from typing import Any
 
 import msgspec
 
+from protocol.json_text import tojson
+
 COMPLETIONS_PATH = "/v1/completions"
 CHAT_COMPLETIONS_PATH = "/v1/chat/completions"
 RESPONSES_PATH = "/v1/responses"
@@ -365,12 +367,6 @@ def parse_request(body: bytes | str | Mapping[str, Any], kind: RequestKind) -> C
     return request
 
 
-def _tojson(value: Any) -> str:
-    """Jinja's `tojson` filter: sorted keys, and <, >, & and ' escaped for HTML."""
-    text = json.dumps(value, sort_keys=True)
-    return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026").replace("'", "\\u0027")
-
-
 def chat_transcript(messages: list[Mapping[str, Any]], tools: list[Mapping[str, Any]] | None = None) -> str:
     """A stable, prefix-preserving text of chat messages and tools: what the default chat template renders
     (protocol.tokenizer), without the generation prompt. A conversation that grows by turns keeps its prefix, and
@@ -378,7 +374,7 @@ def chat_transcript(messages: list[Mapping[str, Any]], tools: list[Mapping[str, 
     parts = []
     if tools:
         parts.append("<|tools|>\n")
-        parts += [_tojson(tool.get("function")) + "\n" for tool in tools]
+        parts += [tojson(tool.get("function")) + "\n" for tool in tools]
     for i, m in enumerate(messages):
         parts.append(f"<|{m.get('role')}|>\n{_message_text(m.get('content'), i)}\n")
         calls = m.get("tool_calls")

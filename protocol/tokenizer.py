@@ -15,6 +15,8 @@ import jinja2
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from protocol import json_text
+
 EOS_TOKEN = "<|endoftext|>"
 # Tools first (the long part agents share), then each message with its tool calls: protocol.openai.chat_transcript
 # writes the same text without the generation prompt (tests/protocol/test_agent_apis.py holds them equal).
@@ -93,6 +95,7 @@ class Tokenizer:
         self.eos_token_id = tokenizer.token_to_id(eos_token)
         self.vocab_size = tokenizer.get_vocab_size()
         env = jinja2.Environment(autoescape=False, trim_blocks=False, keep_trailing_newline=True)
+        env.policies["json.dumps_function"] = json_text.dumps  # an agent's tools, serialised once (its docstring)
         self._template = env.from_string(chat_template or DEFAULT_CHAT_TEMPLATE)
         self._eos_token = eos_token
         # No token decodes to more characters than its vocabulary entry has (byte-level BPE: one symbol per byte),

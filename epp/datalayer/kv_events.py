@@ -25,7 +25,8 @@ its cap an entry costs 116-151 bytes, 146-208 at the peak while the hash table i
 tracemalloc, caps of 2,500,000 and 400,000 over 8 servers, each entry evicted once; 78-96 just filled): the default
 cap, 2,500,000 entries, peaks under ~500 MiB, within a budget of 512 MiB (a quarter of the manifest's 2 GiB limit),
 and holds 80 servers of 31,250 blocks. Updates run in slices (`pace`), so a huge batch never stops the event loop
-for long. The EPP exports the index size, the entries the cap dropped, events applied, gaps, replays and the delay
+for long. While no batch comes, the subscriber trims the index a 64th below its cap (`trim`, a slice at a time), so
+that the batches that follow only insert; a store over the cap still evicts at once. The EPP exports the index size, the entries the cap dropped, events applied, gaps, replays and the delay
 from a batch's step (its `ts`) to its application (inference_extension_kv_events_*).
 """
 
@@ -75,7 +76,13 @@ CHUNK_BLOCKS = 256
 SLICE_SECONDS = 0.00025
 # Entries evicted from one endpoint before the largest is looked for again.
 EVICTION_RUN = 256
+# Eviction leaves room below the cap for the stores that follow: a store over the cap evicts down to a run below it
+# (at most a ROOM-th of it), an idle trim down to a ROOM-th below it (`KVBlockIndex.low_mark`).
+ROOM = 64
 EVICTED = (None,) * EVICTION_RUN  # what an evicted slot of an endpoint's log holds until the log drops it
+# Over its low mark, the index is trimmed a slice at a time once no batch has come for IDLE_MS milliseconds (the wait
+# also lets the event loop's thread run between two slices).
+IDLE_MS = 1
 DEFAULT_MAX_ENTRIES = 2_500_000  # under ~500 MiB at ~208 bytes an entry at the peak: see the module's docstring
 # Senders outside the pool warned about once each (then only counted), at most this many.
 MAX_WARNED_ENDPOINTS = 64
@@ -182,7 +189,26 @@ class KVBlockIndex:
             if start:
                 started = pace(started)
             self._store(endpoint, block_hashes[start : start + CHUNK_BLOCKS])
-            self._evict()
+            over = self._size - self.max_entries
+            if over > 0:  # the cap is hard: what idle trims did not make room for is evicted now
+                self._evict(over + min(EVICTION_RUN, self.max_entries // ROOM))
+
+    @property
+    def low_mark(self) -> int:
+        """What `trim` brings the index down to: a ROOM-th of the cap below it."""
+        return self.max_entries - self.max_entries // ROOM
+
+    def trim(self) -> bool:
+        """Evict towards `low_mark` for up to a slice (SLICE_SECONDS); whether some is left. The subscriber calls it
+        when no batch has come for a while, so that the batches that follow find room and only insert: a new hash's
+        slot is hot, an evicted one's is cold (its int, its place in the hash table), and evicting a batch's worth
+        on its own path made it ~1.6x a batch below the cap (docs/kv-events.md). The total work is the same."""
+        started = time.perf_counter()
+        while self._size > self.low_mark:
+            self._evict(min(self._size - self.low_mark, EVICTION_RUN))
+            if time.perf_counter() - started >= SLICE_SECONDS:
+                break
+        return self._size > self.low_mark
 
     def _store(self, endpoint: str, block_hashes: list[int]) -> None:
         mine = self._entries.get(endpoint)
@@ -214,14 +240,12 @@ class KVBlockIndex:
         mine.count += added
         self._size += added
 
-    def _evict(self) -> None:
-        """Over the cap, the endpoint with the most entries loses its oldest, EVICTION_RUN at a time (so finding
-        the largest endpoint costs little per entry; it may end up to a run below the next largest), down to a run
-        below the cap (at most a 64th of it): the stores that follow fill that room instead of each evicting its
-        own few blocks (vLLM sends a block at a time while it decodes: one at the cap then cost 2.4x one below it)."""
-        over = self._size - self.max_entries
-        if over > 0:
-            over += min(EVICTION_RUN, self.max_entries // 64)
+    def _evict(self, over: int) -> None:
+        """`over` entries go: the endpoint with the most entries loses its oldest, EVICTION_RUN at a time (so
+        finding the largest endpoint costs little per entry; it may end up to a run below the next largest). A
+        store over the cap evicts down to a run below it (at most a ROOM-th of it): the stores that follow fill that
+        room instead of each evicting its own few blocks (vLLM sends a block at a time while it decodes: one at the
+        cap then cost 2.4x one below it)."""
         while over > 0:
             endpoint, mine = max(self._entries.items(), key=lambda item: item[1].count)
             log, head = mine.log, mine.head
@@ -313,7 +337,7 @@ class KVBlockIndex:
                     return depth, run
                 if run is None or len(run) > 1:
                     run = {held}
-            else:
+            elif run is None or not run <= held:  # (a prefix all of the run holds, an agent's tools: no new set)
                 narrowed = set(held) if run is None else run & held  # a copy: the subscriber changes the sets
                 if not narrowed:
                     return depth, run
@@ -545,7 +569,11 @@ class KVEventSubscriber:
                 self._verified.discard(endpoint)
                 self.mismatched.discard(endpoint)
             self._follow()
-            for socket, _ in self._poller.poll(100):
+            index = self.index
+            ready = self._poller.poll(IDLE_MS if index.size > index.low_mark else 100)
+            if not ready:
+                index.trim()  # no batch for a while: a slice of the cap's eviction, off the next batches' path
+            for socket, _ in ready:
                 source = self._sources[socket]
                 while True:  # drain what has arrived: one poll per burst, not per message
                     try:

@@ -286,7 +286,7 @@ class Director:
         """A follow-up whose stored response this replica has not seen (or whose endpoint left): ask the pool."""
         subset = request.subset
         hostports = [e.hostport for e in self.datastore.endpoints if subset is None or e.hostport in subset]
-        found = await self.responses.find(previous, hostports)
+        found = await self.responses.find(previous, hostports, agent_identity(ctx.headers))
         if found is None:
             raise self._failed(ctx, gone(previous, known))
         request.subset = _pinned(subset, found)
@@ -512,6 +512,10 @@ class Director:
         self.scheduler.record_picks()
         self._observe_decision(ctx)
         request = ctx.request
+        if ctx.response_head is not None and ctx.endpoint is not None:  # an answer to be stored: its session's hint
+            session = agent_identity(ctx.headers)
+            if session is not None:
+                self.responses.routed(session, ctx.endpoint.hostport)
         if request is not None and request.prompt and ctx.endpoint is not None:
             self.scheduler.on_routed(request, ctx.result)
             request.prompt = ""  # recorded once

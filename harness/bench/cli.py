@@ -10,6 +10,7 @@ epp-bench overhead [--servers 4] [--sequential 2000] [--concurrency 32] [--reque
 epp-bench kv-index [--cap 150000] [--entries 400000] [--batches 300] [--switch-interval 1000] [--against DIR [--rounds 2]]
 epp-bench handler-cpu [--requests 4000] [--batch 16] [--rounds 9] [--streamed] [--kv-events] [--config-file FILE]
                       [--evict-mb N] [--instructions] [--tracing off|bare|on]
+epp-bench agent-cpu [--rate 2] [--duration 30] [--profile N]
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from pathlib import Path
 from epp.config import ConfigError
 from epp.scheduling.scheduler import Scheduler
 from harness.bench import (
+    agent_cpu,
     chaos,
     compare,
     decision,
@@ -116,6 +118,10 @@ def build_parser() -> Parser:
         help="above 1: two more targets, that many EPP replicas behind one Envoy sharing their load and not (what\n"
         "sharing costs a replica per request)",
     )
+    agent = sub.add_parser("agent-cpu", help="the EPP's request path per agent request in process (agentic plan)")
+    agent.add_argument("--rate", type=float, default=2.0, help="sessions per second of the plan")
+    agent.add_argument("--duration", type=float, default=30.0, help="seconds of the plan")
+    agent.add_argument("--profile", type=int, default=0, help="print cProfile's N heaviest functions (own time)")
     cpu = sub.add_parser("handler-cpu", help="the EPP's CPU per request in process: transport, handler, scheduling")
     cpu.add_argument("--requests", type=int, default=4000, help="requests per round")
     cpu.add_argument("--batch", type=int, default=16, help="requests per read (1: one at a time)")
@@ -404,6 +410,8 @@ def main(argv: list[str] | None = None) -> None:
         )
     if args.command == "sim-capacity":
         sim_capacity.main(args.replicas, args.rates, args.duration)
+    if args.command == "agent-cpu":
+        print(agent_cpu.measure(args.rate, args.duration, args.profile).markdown())
     if args.command == "handler-cpu":
         if args.instructions:
             per_request = handler_cpu.instructions(

@@ -1,20 +1,26 @@
 """`epp-bench kv-index`: the prefix indexes' memory per entry, the cost of a batch at their cap and below it, and
 what a huge KV event batch costs the event loop.
 
-Four measurements, side by side in one process:
+Five measurements, side by side in one process:
 
 * memory: bytes per (block hash, endpoint) entry, by tracemalloc, of the KV-event index (`KVBlockIndex`: 8 servers,
   each hash held by one of them, as vLLM's chained hashes make it) and of the approximate index
   (`prefix-cache-scorer`'s per-endpoint LRUs), each filled with `entries` entries;
 * steady batches: 500-hash batches applied straight to a KV-event index below its cap and to one at its cap (each
   batch evicts 500), as one event of 500 blocks and as 500 events of one (vLLM's while it decodes), the thread's CPU
-  time per batch (mean and worst: the machine's other load moves wall time more);
+  time per batch (mean and worst: the machine's other load moves wall time more), and apart the CPU of the index's
+  idle trims after each batch (what the subscriber runs between batches);
+* the floor: the bare C dict operations of those batches below the cap (inserts) and at it (inserts, and pops and
+  frees of as many of the oldest hashes), and the same for an OrderedDict (the approximate index's LRU): what an
+  index evicting on a batch's own path cannot go below;
 * steady picks: the approximate index's records of picks of 256-block prompts below its cap and at it (each pick
-  evicts 256), CPU time per pick, likewise;
+  evicts 256), CPU time per pick, likewise (a pick runs on the event loop: the longest is its stall), and an
+  endpoint's whole LRU dropped when it leaves the pool;
 * stall: a real `KVEventSubscriber` (its thread, a PUB socket in this process) at a cap of `cap` entries, already
   full, receives one batch of `cap` new hashes (every entry evicted). Meanwhile the event loop runs a loop-lag probe
-  (a 1 ms timer: how late it fires) and serves a request (a prefix look-up of a 500-block prompt behind a TCP
-  round trip, from a client process) every 2 ms; the request's latency is compared with its p50 before the batch.
+  (a 1 ms timer: how late it fires) and serves a request (a prefix look-up of a 500-block prompt, the index's
+  newest entries, held until the batch's last chunk evicts them, behind a TCP round trip, from a client process)
+  every 2 ms; the request's latency is compared with its p50 before the batch.
 
 The stall test runs with the interpreter's thread switch interval at `switch_interval` (default 1,000 s): the
 release build's compiled code never gives the GIL up by itself, and so, with that interval, neither does the
@@ -37,6 +43,8 @@ import subprocess
 import sys
 import time
 import tracemalloc
+from collections import OrderedDict
+from itertools import repeat
 from pathlib import Path
 from types import ModuleType
 
@@ -152,21 +160,77 @@ def _apply(index, endpoint: str, hashes: list[int], event_blocks: int) -> None:
 
 def steady_batches(cap: int, batches: int, index_module: ModuleType, event_blocks: int = 500) -> dict[str, float]:
     """CPU seconds per batch of 500 new hashes (mean, max) below the cap and at it, in events of `event_blocks`
-    blocks (500: one BlockStored; 1: vLLM's while it decodes, a block at a time)."""
+    blocks (500: one BlockStored; 1: vLLM's while it decodes, a block at a time); and, apart, the CPU seconds of the
+    trims after each batch (`KVBlockIndex.trim`, which the subscriber runs when no batch has come for a while; an
+    index without it evicts on the batch's own path)."""
     rng = random.Random(2)
     out = {}
     for name, max_entries in (("below", 10 * cap), ("at", cap)):
         index = index_module.KVBlockIndex(max_entries=max_entries)
         for i in range(cap // 1000):
             index.store(f"e{i % SERVERS}", _hashes(1000, rng))
+        trim = getattr(index, "trim", lambda: False)
+        while trim():
+            pass
         work = [(index, f"e{i % SERVERS}", _hashes(500, rng), event_blocks) for i in range(batches)]
-        out[f"steady_{name}_cap_mean_s"], out[f"steady_{name}_cap_max_s"] = _cpu_per_call(_apply, work)
+        times, trims = [], []
+        for arguments in work:
+            started = time.thread_time()
+            _apply(*arguments)
+            applied = time.thread_time()
+            while trim():
+                pass
+            times.append(applied - started)
+            trims.append(time.thread_time() - applied)
+        out[f"steady_{name}_cap_mean_s"], out[f"steady_{name}_cap_max_s"] = statistics.fmean(times), max(times)
+        out[f"steady_{name}_cap_trim_mean_s"] = statistics.fmean(trims)
         out[f"steady_{name}_cap_dropped"] = index.dropped_entries
     return out
 
 
+def floor(cap: int, batches: int) -> dict[str, float]:
+    """What an index cannot go below at its cap: the bare C operations on a table of `cap` hashes, CPU seconds per
+    batch (the sizes, hashes and cap of steady_batches and steady_picks). Below the cap a batch is its inserts; at
+    the cap, its inserts and the eviction of as many of the oldest, whose memory is cold by then (a dict: popped,
+    their ints freed; an OrderedDict, the approximate index's LRU: popitem of the oldest). The KV-event index's
+    ratio at / below, evicting on the batches' own path, can come near `floor_kv_ratio` and no lower; the
+    approximate index's near `floor_lru_ratio`."""
+    out = {}
+    for kind, table, size in (("kv", dict, 500), ("lru", OrderedDict, PICK_BLOCKS)):
+        for name in ("below", "at"):
+            rng = random.Random(5)
+            held, order = table(), []
+            for i in range(cap // 1000):
+                hashes = _hashes(1000, rng)
+                held.update(zip(hashes, repeat(f"e{i % SERVERS}")))
+                order += hashes
+            if kind == "lru":
+                order = None  # the LRU's own order: an evicted int is freed as it goes
+            work = [(_hashes(size, rng), f"e{i % SERVERS}") for i in range(batches)]
+            times, head = [], 0
+            for hashes, endpoint in work:
+                started = time.thread_time()
+                held.update(zip(hashes, repeat(endpoint)))
+                if name == "at" and kind == "kv":
+                    oldest = order[head : head + size]
+                    order[head : head + size] = repeat(None, size)
+                    head += size
+                    list(map(held.pop, oldest))
+                    del oldest
+                elif name == "at":
+                    for _ in range(size):
+                        held.popitem(last=False)
+                if kind == "kv":
+                    order += hashes
+                times.append(time.thread_time() - started)
+            out[f"floor_{kind}_{name}_cap_mean_s"] = statistics.fmean(times)
+        out[f"floor_{kind}_ratio"] = out[f"floor_{kind}_at_cap_mean_s"] / out[f"floor_{kind}_below_cap_mean_s"]
+    return out
+
+
 def steady_picks(cap: int, picks: int, scorer_module: ModuleType) -> dict[str, float]:
-    """The approximate index: CPU seconds per pick of a new 256-block prompt (mean, max) below its cap and at it."""
+    """The approximate index: CPU seconds per pick of a new 256-block prompt (mean, max) below its cap and at it (on
+    the event loop: the longest is a stall), and those of an endpoint leaving the pool at the cap."""
     rng = random.Random(4)
     out = {}
     pool = _pool()
@@ -180,6 +244,10 @@ def steady_picks(cap: int, picks: int, scorer_module: ModuleType) -> dict[str, f
         work = [(scorer, pool[i % SERVERS], _hashes(PICK_BLOCKS, rng)) for i in range(picks)]
         out[f"picks_{name}_cap_mean_s"], out[f"picks_{name}_cap_max_s"] = _cpu_per_call(_pick, work)
         out[f"picks_{name}_cap_dropped"] = size + picks * PICK_BLOCKS - scorer.index_size
+    held = scorer.entries(pool[0])
+    started = time.thread_time()
+    scorer.pool_changed(pool[1:])  # one event-loop call: the endpoint's whole LRU goes
+    out["picks_leave_s"], out["picks_leave_entries"] = time.thread_time() - started, held
     return out
 
 
@@ -187,11 +255,12 @@ async def _stall(cap: int, index_module: ModuleType) -> dict[str, float]:
     rng = random.Random(3)
     index = index_module.KVBlockIndex(max_entries=cap)
     hostport = "127.0.0.1:8000"
+    prompt = _hashes(PROMPT_BLOCKS, rng)
+    index.store(hostport, _hashes(cap - PROMPT_BLOCKS, rng))  # full: the batch below evicts all of these,
+    index.store(hostport, prompt)  # the requests' prompt last, so that their look-ups walk it until the batch ends
+    # filled before the subscriber's thread starts: it is the index's one writer from then on (its idle trims)
     subscriber = index_module.KVEventSubscriber(index, "tcp://127.0.0.1:*")
     subscriber.start(Endpoint(EndpointSpec(hostport, "127.0.0.1", 8000)))
-    prompt = _hashes(PROMPT_BLOCKS, rng)
-    index.store(hostport, prompt)
-    index.store(hostport, _hashes(cap - PROMPT_BLOCKS, rng))  # full: the batch below evicts all of these
     endpoints = [hostport]
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -262,6 +331,7 @@ def measure(
     result.update(steady_batches(cap, batches, index_module))
     result.update({f"{key}_1": value for key, value in steady_batches(cap, batches, index_module, 1).items()})
     result.update(steady_picks(cap, batches, scorer_module))
+    result.update(floor(cap, batches))
     before = sys.getswitchinterval()
     sys.setswitchinterval(switch_interval)
     try:
@@ -273,6 +343,12 @@ def measure(
 
 def report(name: str, r: dict[str, float], cap: int, entries: int) -> str:
     ms = 1e3
+
+    def with_trims(events: str) -> float:
+        """A batch at the cap and the idle trims after it, over a batch below the cap."""
+        at = r[f"steady_at_cap_mean_s{events}"] + r[f"steady_at_cap_trim_mean_s{events}"]
+        return at / r[f"steady_below_cap_mean_s{events}"]
+
     return (
         f"{name}: memory per entry (cap {entries}, {SERVERS} servers), filled / after as many again / peak: "
         f"KV-event index {r['kv_index_bytes_per_entry']:.0f} / {r['kv_index_bytes_per_entry_at_cap']:.0f} / "
@@ -281,16 +357,23 @@ def report(name: str, r: dict[str, float], cap: int, entries: int) -> str:
         f"  KV-event index, 500-hash batches (CPU): below the cap {ms * r['steady_below_cap_mean_s']:.3f} ms mean "
         f"({ms * r['steady_below_cap_max_s']:.2f} max), at the cap {ms * r['steady_at_cap_mean_s']:.3f} ms mean "
         f"({ms * r['steady_at_cap_max_s']:.2f} max, {r['steady_at_cap_dropped']} evicted): at / below "
-        f"{r['steady_at_cap_mean_s'] / r['steady_below_cap_mean_s']:.2f}\n"
+        f"{r['steady_at_cap_mean_s'] / r['steady_below_cap_mean_s']:.2f}; with the idle trims between batches "
+        f"({ms * r['steady_at_cap_trim_mean_s']:.3f} ms a batch) "
+        f"{with_trims(''):.2f}; floor "
+        f"(bare dict: 500 inserts and 500 evictions / 500 inserts, {ms * r['floor_kv_at_cap_mean_s']:.3f} / "
+        f"{ms * r['floor_kv_below_cap_mean_s']:.3f} ms) {r['floor_kv_ratio']:.2f}\n"
         f"  the same as 500 one-block events (vLLM decoding): below the cap {ms * r['steady_below_cap_mean_s_1']:.3f} "
         f"ms mean ({ms * r['steady_below_cap_max_s_1']:.2f} max), at the cap {ms * r['steady_at_cap_mean_s_1']:.3f} ms "
         f"mean ({ms * r['steady_at_cap_max_s_1']:.2f} max): at / below "
-        f"{r['steady_at_cap_mean_s_1'] / r['steady_below_cap_mean_s_1']:.2f}\n"
-        f"  approximate index, picks of {PICK_BLOCKS} new blocks (CPU): below the cap "
+        f"{r['steady_at_cap_mean_s_1'] / r['steady_below_cap_mean_s_1']:.2f}; with the idle trims "
+        f"{with_trims('_1'):.2f}\n"
+        f"  approximate index, picks of {PICK_BLOCKS} new blocks (CPU, on the event loop): below the cap "
         f"{ms * r['picks_below_cap_mean_s']:.3f} ms mean ({ms * r['picks_below_cap_max_s']:.2f} max), at the cap "
         f"{ms * r['picks_at_cap_mean_s']:.3f} ms mean ({ms * r['picks_at_cap_max_s']:.2f} max, "
         f"{r['picks_at_cap_dropped']} evicted): at / below "
-        f"{r['picks_at_cap_mean_s'] / r['picks_below_cap_mean_s']:.2f}\n"
+        f"{r['picks_at_cap_mean_s'] / r['picks_below_cap_mean_s']:.2f}; floor (bare OrderedDict, "
+        f"{PICK_BLOCKS} inserts and popitems / inserts) {r['floor_lru_ratio']:.2f}; an endpoint of "
+        f"{r['picks_leave_entries']} entries leaving the pool {ms * r['picks_leave_s']:.2f} ms\n"
         f"  one batch of {cap} new hashes at cap {cap}: applied in {r['stall_apply_s']:.3f} s "
         f"({r['stall_dropped']} evicted); longest loop stall {ms * r['stall_max_loop_lag_s']:.1f} ms "
         f"(unloaded {ms * r['stall_max_loop_lag_unloaded_s']:.1f} ms); request latency p50 unloaded "

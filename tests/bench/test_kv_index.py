@@ -28,6 +28,9 @@ def test_another_checkout_s_indexes_are_measured_beside_this_one_s(capsys):
             assert 4 * 500 <= batches["steady_at_cap_dropped"] <= 4 * 500 + 4000 // 64  # a run below the cap
         picks = kv_index.steady_picks(4096, 4, scorer_module)
         assert picks["picks_below_cap_dropped"] == 0 and picks["picks_at_cap_dropped"] == 4 * kv_index.PICK_BLOCKS
+        assert picks["picks_leave_entries"] == 4096 // kv_index.SERVERS
+    floor = kv_index.floor(4000, 4)
+    assert all(floor[f"floor_{kind}_ratio"] > 0 for kind in ("kv", "lru"))
 
 
 def test_a_checkout_without_the_indexes_or_no_rounds_is_refused_in_one_line(tmp_path, capsys, monkeypatch):
@@ -51,6 +54,6 @@ def test_a_batch_of_150000_new_hashes_at_the_cap_keeps_the_event_loop_routing():
         result = asyncio.run(kv_index._stall(150_000, kv_events))
     finally:
         sys.setswitchinterval(switch)
-    assert 150_000 <= result["stall_dropped"] <= 150_000 + kv_events.EVICTION_RUN  # down to a run below the cap
+    assert 150_000 <= result["stall_dropped"] <= 150_000 + 150_000 // kv_events.ROOM  # then trimmed while idle
     assert result["stall_max_loop_lag_s"] < 0.05
     assert result["stall_request_p50_during_s"] < 3 * result["stall_request_p50_unloaded_s"]

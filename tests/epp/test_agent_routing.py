@@ -15,6 +15,7 @@ from tests.epp.test_server import body_message, headers_message, make_picker, ne
 
 RESPONSES = {":method": "POST", ":path": "/v1/responses", "content-type": "application/json"}
 MESSAGES = {":method": "POST", ":path": "/v1/messages", "content-type": "application/json"}
+ASKED = [0]  # GET /v1/responses/{id} the pool_of_servers answered
 
 
 def response_chunk(data: bytes) -> pb.ProcessingRequest:
@@ -109,13 +110,16 @@ def test_a_streamed_response_teaches_its_id_from_its_created_event():
 
 @pytest.fixture
 async def pool_of_servers():
-    """Three HTTP servers answering GET /v1/responses/{id}: the second stores resp_there."""
+    """Three HTTP servers answering GET /v1/responses/{id}: the second stores resp_there, server i resp_on_{i};
+    ASKED counts the GETs."""
     runners, specs = [], []
     ports = free_ports(3)
     for i, port in enumerate(ports):
 
-        async def get(request, stores=(i == 1)):
-            return web.json_response({}, status=200 if stores and request.match_info["id"] == "resp_there" else 404)
+        async def get(request, stores=(i == 1), mine=f"resp_on_{i}"):
+            ASKED[0] += 1
+            found = request.match_info["id"] == mine or (stores and request.match_info["id"] == "resp_there")
+            return web.json_response({}, status=200 if found else 404)
 
         app = web.Application()
         app.router.add_get("/v1/responses/{id}", get)
@@ -131,10 +135,10 @@ async def pool_of_servers():
             await runner.cleanup()
 
 
-async def follow_up(director, previous: str) -> list:
+async def follow_up(director, previous: str, headers: dict | None = None) -> list:
     deferred = asyncio.get_running_loop().create_future()
     stream = ParsedStream(director, deferred.set_result)
-    stream.handle(headers_message(RESPONSES))
+    stream.handle(headers_message({**RESPONSES, **(headers or {})}))
     body = json.dumps({"model": "m", "previous_response_id": previous, "input": "x"}).encode()
     answers = stream.handle(body_message(body))
     assert answers[0].HasField("override_message_timeout")  # the proxy waits while the EPP asks the pool
@@ -157,6 +161,27 @@ async def test_a_follow_up_another_replica_routed_is_found_by_asking_the_pool(po
         director.responses.learn("resp_gone", "127.0.0.1:1")
         status, body = immediate(await follow_up(director, "resp_gone"))
         assert status == 404 and "127.0.0.1:1" in body["error"]["message"]
+    finally:
+        await director.responses.close()
+
+
+async def test_an_agent_s_follow_up_asks_the_endpoint_of_its_session_s_last_stored_answer_first(pool_of_servers):
+    director = make_picker(PoolState(endpoints=tuple(pool_of_servers)))
+    session = {"x-claude-code-session-id": "agent-1"}
+    try:
+        stream = new_stream(director)
+        stream.handle(headers_message({**RESPONSES, **session}))
+        first = routed_to(stream.handle(body_message(b'{"model": "m", "input": "hi"}')))[0]
+        stream.after_reply()  # (the access log brings the rest: no response body comes through)
+        stored = next(i for i, spec in enumerate(pool_of_servers) if spec.hostport == first)
+        ASKED[0] = 0
+        assert routed_to(await follow_up(director, f"resp_on_{stored}", session)) == [first]
+        assert ASKED[0] == 1  # that endpoint alone, not the pool
+        # the hint wrong (another session's answer): the rest of the pool is asked
+        other = (stored + 1) % len(pool_of_servers)
+        ASKED[0] = 0
+        assert routed_to(await follow_up(director, f"resp_on_{other}", session)) == [pool_of_servers[other].hostport]
+        assert ASKED[0] == len(pool_of_servers)
     finally:
         await director.responses.close()
 

@@ -14,6 +14,7 @@ from epp.datalayer.endpoint import EndpointSpec, PoolState
 from epp.replicas import (
     ENTRIES,
     HEADER,
+    HOLD_SECONDS,
     LEARNED,
     MAGIC,
     MAX_DATAGRAM_BYTES,
@@ -27,6 +28,7 @@ from epp.replicas import (
     decode_load,
     encode_load,
     learned_entry,
+    pack,
     parse_peers,
     record_entry,
 )
@@ -60,15 +62,36 @@ def pool(n: int = 3) -> Datastore:
     return datastore
 
 
+class Timer:
+    def __init__(self, delay, callback):
+        self.delay, self.callback, self.cancelled = delay, callback, False
+
+    def cancel(self):
+        self.cancelled = True
+
+
 class FakeLoop:
     def __init__(self):
-        self.timers = []
+        self.timers: list[Timer] = []
 
     def call_soon(self, callback):
         pass  # flushed by hand in these tests
 
     def call_later(self, delay, callback):
-        self.timers.append((delay, callback))
+        self.timers.append(Timer(delay, callback))
+        return self.timers[-1]
+
+    def fire(self) -> None:
+        """Run the timers due (not cancelled) as time passes."""
+        timers, self.timers = self.timers, []
+        for timer in timers:
+            if not timer.cancelled:
+                timer.callback()
+
+
+def datagram(instance: int, sequence: int, *sections: tuple[int, bytes]) -> bytes:
+    ((count, payload),) = pack(sections)
+    return HEADER.pack(MAGIC, instance, sequence, count) + payload
 
 
 def channel(me, peers, datastore=None, secret=None, prefix_index=None) -> tuple[ReplicaChannel, Wire]:
@@ -145,6 +168,7 @@ def test_replayed_and_reordered_datagrams_are_ignored():
     first = wire.take(B)
     a.datastore.endpoints[0].in_flight_requests = 0
     a._flush()
+    a._loop.fire()  # a fall waits HOLD_SECONDS
     second = wire.take(B)
     for data in second + first + second:  # the newer first, then the older, then the newer again
         b.datagram_received(data, A)
@@ -169,12 +193,50 @@ def test_a_prompt_is_released_to_peers_when_its_prefill_is_due_not_at_the_next_d
     a._flush()
     deliver(wire, A, b, B)
     assert b.datastore.endpoints[0].in_flight_tokens == 500
-    ((delay, flush),) = a._loop.timers
-    assert 0 < delay <= 0.02
-    time.sleep(delay)
-    flush()
+    ((timer,),) = [a._loop.timers]
+    assert 0 < timer.delay <= 0.02
+    time.sleep(timer.delay)
+    timer.callback()
+    assert not wire.sent  # a fall waits for the next datagram, HOLD_SECONDS at most
+    a._loop.fire()
     deliver(wire, A, b, B)
     assert (b.datastore.endpoints[0].in_flight_requests, b.datastore.endpoints[0].in_flight_tokens) == (1, 0)
+
+
+def test_a_pick_goes_at_once_and_falls_and_deltas_ride_with_the_next_datagram():
+    a, wire = channel(A, [B])
+    b, _ = channel(B, [A])
+    matched = []
+    b.match_record = lambda *record: matched.append(record) or True
+    e0, e1 = a.datastore.endpoints[0], a.datastore.endpoints[1]
+    e0.in_flight_requests, e0.in_flight_tokens = 1, 500
+    a._flush()
+    assert len(wire.sent) == 1  # a pick: at once
+    deliver(wire, A, b, B)
+    e0.in_flight_tokens = 0  # its first byte came: a fall waits
+    a._flush()
+    a.forward_record("r-1", 0.1, "200", None)
+    assert not wire.sent and [t.delay for t in a._loop.timers] == [HOLD_SECONDS]  # the fall's, before the delta's
+    e1.in_flight_requests = 1  # the next pick: one datagram carries it, the fall and the delta
+    a._flush()
+    assert len(wire.sent) == 1 and all(t.cancelled for t in a._loop.timers)
+    deliver(wire, A, b, B)
+    f0, f1 = b.datastore.endpoints[0], b.datastore.endpoints[1]
+    assert (f0.in_flight_requests, f0.in_flight_tokens, f1.in_flight_requests) == (1, 0, 1)
+    assert matched == [("r-1", 0.1, "200", None)]
+    e0.in_flight_requests = 0  # an end alone: sent when its wait is over
+    a._flush()
+    assert not wire.sent
+    a._loop.fire()
+    deliver(wire, A, b, B)
+    assert f0.in_flight_requests == 0
+    # sections past one datagram's room: as many datagrams as they need, each within the limit, in order
+    sections = [
+        (RECORDS, body) for body in bodies([record_entry(f"id-{i}" * 30, 0.1, "200", None) for i in range(900)])
+    ]
+    packed = pack(sections)
+    assert len(packed) > 1 and all(len(payload) <= MAX_DATAGRAM_BYTES - HEADER.size for _, payload in packed)
+    assert sum(count for count, _ in packed) == len(sections)
 
 
 def test_an_endpoint_that_joins_later_gets_its_peer_share_at_the_next_heartbeat():
@@ -197,7 +259,7 @@ def test_a_pick_recorded_by_one_replica_is_learnt_by_its_peers():
     state = CycleState()
     assert scorers[0].score(state, request, endpoints) is None  # nobody was sent it
     scorers[0].pre_request(request, SchedulingResult(endpoints=[endpoints[1]], cycle_state=state))
-    a._flush()
+    a._loop.fire()  # deltas wait DELTA_SECONDS for a datagram
     deliver(wire, A, b, B)
     scores = scorers[1].score(CycleState(), request, b.datastore.endpoints)
     assert scores == [0.0, 1.0, 0.0]
@@ -212,7 +274,7 @@ def test_an_access_log_record_no_request_here_matched_goes_to_the_peers():
     b.match_record = lambda *record: matched.append(record) or True
     a.forward_record("req-1", 0.125, "200", "10.0.0.1:8001")
     a.forward_record("req-2", None, "", None)
-    a._flush()
+    a._loop.fire()  # deltas wait DELTA_SECONDS for a datagram
     deliver(wire, A, b, B)
     assert matched == [("req-1", 0.125, "200", "10.0.0.1:8001"), ("req-2", None, "", None)]
     records = [(f"id-{i}" * 20, i / 7, "503", None) for i in range(2000)]
@@ -232,11 +294,11 @@ def test_what_a_replicas_predictor_learns_its_peers_learn():
     features = Features(2, 3, 0.5, 900, 1200, 600, True, 250.0, "e1")
     own.observe(features, 0.08, 0.02)
     own.observe(features, 0.09, None)
-    a._flush()
+    a._loop.fire()  # deltas wait DELTA_SECONDS for a datagram
     deliver(wire, A, b, B)
     assert b.predictor.ttft.model.count == own.ttft.model.count == 2 and b.predictor.tpot.model.count == 1
     b.predictor.observed = lambda *observation: pytest.fail("a peer's observation went back out")
-    bad = HEADER.pack(MAGIC, a.instance, a.sequence + 1, OBSERVED) + bodies([b"\0" * 10])[0]
+    bad = datagram(a.instance, a.sequence + 1, (OBSERVED, bodies([b"\0" * 10])[0]))
     b.datagram_received(bad, A)
     assert b.received["malformed"] == 1
 
@@ -245,21 +307,22 @@ def test_bad_input_is_counted_and_ignored():
     b, _ = channel(B, [A])
     endpoint = b.datastore.endpoints[0]
     rng = random.Random(7)
-    good = HEADER.pack(MAGIC, 5, 1, SNAPSHOT) + encode_load({endpoint.hostport: (1, 10)})
+    good = datagram(5, 1, (SNAPSHOT, encode_load({endpoint.hostport: (1, 10)})))
     bad = [
         b"",
         b"x" * 10,
         good[:-3],  # truncated
         good + b"\0",  # trailing bytes
         good.replace(MAGIC, b"EPPx"),
-        HEADER.pack(MAGIC, 5, 2, 9) + b"\0\0",  # unknown kind
-        HEADER.pack(MAGIC, 5, 3, LEARNED) + b"\0\1\5abc",  # an entry cut short
-        HEADER.pack(MAGIC, 5, 4, SNAPSHOT) + b"\xff\xff",  # 65,535 entries announced, none there
-        HEADER.pack(MAGIC, 5, 5, SNAPSHOT) + b"\0\1\2\xff\xfe" + bytes(8),  # a hostport that is not UTF-8
+        datagram(5, 2, (9, b"\0\0")),  # unknown kind
+        datagram(5, 3, (LEARNED, b"\0\1\5abc")),  # an entry cut short
+        datagram(5, 4, (SNAPSHOT, b"\xff\xff")),  # 65,535 entries announced, none there
+        datagram(5, 5, (SNAPSHOT, b"\0\1\2\xff\xfe" + bytes(8))),  # a hostport that is not UTF-8
+        HEADER.pack(MAGIC, 5, 6, 2) + good[HEADER.size :],  # two sections announced, one there
+        datagram(5, 7, (SNAPSHOT, encode_load({}))) + b"\0",  # trailing bytes after the sections
     ]
     bad += [
-        HEADER.pack(MAGIC, 5, 10 + i, rng.choice((SNAPSHOT, LEARNED, RECORDS, OBSERVED)))
-        + os.urandom(rng.randrange(64))
+        datagram(5, 10 + i, (rng.choice((SNAPSHOT, LEARNED, RECORDS, OBSERVED)), os.urandom(rng.randrange(64))))
         for i in range(300)
     ]
     for data in bad:
@@ -269,7 +332,7 @@ def test_bad_input_is_counted_and_ignored():
     assert b.received["oversized"] == 1 and b.received["unknown_peer"] == 1
     assert b.received["malformed"] >= 8
     assert endpoint.in_flight_requests == 0 or b.peers  # only a random datagram that happened to parse could count
-    b.datagram_received(HEADER.pack(MAGIC, 6, 1, SNAPSHOT) + encode_load({endpoint.hostport: (1, 10)}), A)
+    b.datagram_received(datagram(6, 1, (SNAPSHOT, encode_load({endpoint.hostport: (1, 10)}))), A)
     assert endpoint.in_flight_requests == 1  # the channel still works
 
 

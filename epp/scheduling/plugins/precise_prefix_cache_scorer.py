@@ -26,10 +26,11 @@ PROMPT_BLOCKS (the held leading blocks' hashes and the prompt's block count).
 Parameters: tokenizerDir (a local Hugging Face model directory with tokenizer.json and tokenizer_config.json; unset:
 the sim's built-in tokenizer), blockSize (0: the block size of the servers' events, else 16), hashSeed (the servers'
 PYTHONHASHSEED; default: the EPP's own PYTHONHASHSEED), hashAlgo (the servers' --prefix-caching-hash-algo: sha256 or
-sha256_cbor), loadGuardQueueGap (8; 0 = off), scoreBeyondShared (false: the score is the held run over the
-prompt's blocks; true: the held run beyond what every publishing candidate holds, over the prompt's blocks beyond
-it, so that a prefix held everywhere (an agent's shared tools prompt) does not dilute what tells the candidates
-apart: a session's own context), threadPromptChars (8192), tokenCacheTokens (2,000,000 tokens of
+sha256_cbor), loadGuardQueueGap (8; 0 = off), scoreBeyondShared (true: the held run beyond what every publishing
+candidate holds, over the prompt's blocks beyond it, so that a prefix held everywhere (an agent's shared tools
+prompt) does not dilute what tells the candidates apart: a session's own context; false: the held run over the
+prompt's blocks. The default since docs/2026-11-29-agentic-floor.md measured it: better on the agentic workload,
+within 5 % on the others), threadPromptChars (8192), tokenCacheTokens (2,000,000 tokens of
 cached prompt segments), blockHashCacheBlocks (500,000).
 Trade-offs: needs the servers' tokenizer files and hash seed (without PYTHONHASHSEED vLLM's hashes are random per
 process and nothing matches: the scorer then abstains everywhere); a request waits for its tokenization (~ms for a
@@ -44,7 +45,7 @@ import os
 import threading
 from array import array
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import xxhash
 
@@ -67,6 +68,18 @@ class PromptBlocks:
 
     hashes: list[int]  # the leading blocks' hashes (as KV events carry them) while some endpoint holds them all
     blocks: int  # the prompt's full blocks: counted when all its tokens were read, else estimated (see prepare)
+    held: dict[str, int] = field(default_factory=dict)  # held_by's answers this cycle, per endpoint
+
+    def held_by(self, index: KVBlockIndex, endpoints: list[str]) -> dict[str, int]:
+        """How many of the leading blocks each of `endpoints` holds (`KVBlockIndex.prefix_blocks`: an endpoint's
+        count does not depend on the others asked with it), walked once a cycle: this scorer and
+        prefix-cache-scorer's cache estimate for the latency predictor both ask, and an agent's prompt is ~350
+        held blocks. The answer may name more endpoints than asked."""
+        held = self.held
+        missing = [e for e in endpoints if e not in held]
+        if missing:
+            held.update(index.prefix_blocks(self.hashes, missing))
+        return held
 
 
 PROMPT_BLOCKS: StateKey[PromptBlocks] = StateKey("prompt-blocks")
@@ -74,14 +87,20 @@ PROMPT_BLOCKS: StateKey[PromptBlocks] = StateKey("prompt-blocks")
 
 class BlockHashCache:
     """vLLM block digests per token prefix: the key of block i chains an xxHash of the block's token ids (their
-    bytes) onto block i-1's key (cheap), so only blocks never seen before are hashed with SHA-256. Bounded: past
-    `capacity` the oldest tenth of the insertions go at once (a prefix still in use that falls out is hashed again
-    once); thread-safe."""
+    bytes) onto block i-1's key (cheap), so only blocks never seen before are hashed with SHA-256. A piece's blocks
+    are keyed the same way as a whole (one xxHash of all their bytes onto the key before them), so a piece seen
+    before (a prompt segment from `PromptTokenizer`'s cache: an agent's shared tools prompt, a conversation's earlier
+    turns) costs one lookup, not one per block (~1 us each, ~350 blocks in an agent's prompt). Bounded: past
+    `capacity` blocks in either table the oldest tenth of its insertions go at once (a prefix still in use that
+    falls out is hashed again once); thread-safe."""
 
     def __init__(self, algo: str, hash_seed: str | None, capacity: int):
         self.hasher = block_hasher(algo, hash_seed)
         self.capacity = capacity
         self._digests: dict[int, tuple[bytes, int]] = {}
+        # a piece's key -> its blocks' hashes, and the key and digest of its last block
+        self._pieces: dict[int, tuple[tuple[int, ...], int, bytes]] = {}
+        self._piece_blocks = 0
         self._lock = threading.Lock()
 
     def hashes(self, pieces: Iterable[Sequence[int]], block_size: int, lora_name: str | None) -> Iterator[list[int]]:
@@ -91,14 +110,25 @@ class BlockHashCache:
         extra = lora_extra_keys(lora_name)
         key = hash((block_size, lora_name)) & UINT64  # (an xxHash seed: the keys live in this process only)
         parent: bytes | None = None
-        digests, hash_block, chain = self._digests, self.hasher.hash_block, xxhash.xxh3_64_intdigest
+        digests, known_pieces, hash_block = self._digests, self._pieces, self.hasher.hash_block
+        chain = xxhash.xxh3_64_intdigest
         pending = array("I")
         size = pending.itemsize
         for piece in pieces:
             pending.extend(piece)
             full = len(pending) - len(pending) % block_size
+            if not full:
+                yield []
+                continue
             data = pending.tobytes()  # a block's key hashes its bytes: no tuple of ints built per block
-            out: list[int] = []
+            piece_key = chain(data[: full * size], key)
+            seen = known_pieces.get(piece_key)
+            if seen is not None:
+                out, key, parent = list(seen[0]), seen[1], seen[2]
+                del pending[:full]
+                yield out
+                continue
+            out = []
             new: dict[int, tuple[bytes, int]] = {}
             for start in range(0, full, block_size):
                 key = chain(data[start * size : (start + block_size) * size], key)
@@ -109,18 +139,24 @@ class BlockHashCache:
                 parent = known[0]
                 out.append(known[1])
             del pending[:full]
-            if new:
-                self._remember(new)
+            self._remember(new, piece_key, (tuple(out), key, parent))
             yield out
 
-    def _remember(self, new: dict[int, tuple[bytes, int]]) -> None:
+    def _remember(self, new: dict[int, tuple[bytes, int]], piece_key: int, piece) -> None:
         """One lock acquisition per piece: the loop and a worker thread rarely meet here."""
+        capacity = self.capacity
         with self._lock:
             digests = self._digests
             digests.update(new)
-            if len(digests) > self.capacity:
-                for old in list(itertools.islice(digests, len(digests) - self.capacity * 9 // 10)):
+            if len(digests) > capacity:
+                for old in list(itertools.islice(digests, len(digests) - capacity * 9 // 10)):
                     del digests[old]
+            pieces = self._pieces
+            if piece_key not in pieces:
+                pieces[piece_key] = piece
+                self._piece_blocks += len(piece[0])
+            while self._piece_blocks > capacity and pieces:
+                self._piece_blocks -= len(pieces.pop(next(iter(pieces)))[0])
 
 
 @register("precise-prefix-cache-scorer", Stability.BETA)
@@ -138,7 +174,7 @@ class PrecisePrefixCacheScorer(Scorer, PrepareData, KVEventsConsumer):
         if algo not in HASH_ALGOS:
             raise ConfigError(f"precise-prefix-cache-scorer: hashAlgo must be one of {HASH_ALGOS}, got {algo!r}")
         self.load_guard_gap = float(p.get("loadGuardQueueGap", 8, (int, float), minimum=0))
-        self.beyond_shared = p.get("scoreBeyondShared", False, bool)
+        self.beyond_shared = p.get("scoreBeyondShared", True, bool)
         self.thread_prompt_chars = p.get("threadPromptChars", 8192, int, minimum=0)
         cache_tokens = p.get("tokenCacheTokens", 2_000_000, int, minimum=0)
         cache_blocks = p.get("blockHashCacheBlocks", 500_000, int, minimum=0)
@@ -153,6 +189,9 @@ class PrecisePrefixCacheScorer(Scorer, PrepareData, KVEventsConsumer):
             raise ConfigError(f"precise-prefix-cache-scorer: tokenizerDir: {exc}") from None
         self.block_hashes = BlockHashCache(algo, self.hash_seed, cache_blocks)
         self.index: KVBlockIndex | None = None
+        # the last request `in_thread` rendered and its prompt, which `prepare` then takes rather than render it
+        # again (~0.1-0.3 ms for an agent's prompt); one slot: another request meanwhile only costs a second render
+        self._rendered: tuple[SchedulingRequest, str | list[int] | None] | None = None
 
     def use_kv_index(self, index: KVBlockIndex) -> None:
         self.index = index
@@ -172,6 +211,7 @@ class PrecisePrefixCacheScorer(Scorer, PrepareData, KVEventsConsumer):
         if len(request.prompt) <= self.thread_prompt_chars or not self._active(request):
             return False
         prompt = self.tokenizer.prompt(request.payload, request.kind)
+        self._rendered = (request, prompt)
         return isinstance(prompt, str) and self.tokenizer.uncached_chars(prompt) > self.thread_prompt_chars
 
     def prepare(self, cycle_state: CycleState, request: SchedulingRequest) -> None:
@@ -184,7 +224,11 @@ class PrecisePrefixCacheScorer(Scorer, PrepareData, KVEventsConsumer):
         prompt held to its end is read whole and counted exactly."""
         if not self._active(request):
             return
-        prompt = self.tokenizer.prompt(request.payload, request.kind)
+        rendered, self._rendered = self._rendered, None
+        if rendered is not None and rendered[0] is request:
+            prompt = rendered[1]
+        else:
+            prompt = self.tokenizer.prompt(request.payload, request.kind)
         if prompt is None:
             return
         index = self.index
@@ -220,9 +264,9 @@ class PrecisePrefixCacheScorer(Scorer, PrepareData, KVEventsConsumer):
         publishing = [e.hostport for e in endpoints if index.publishes(e.hostport)]
         if not publishing:
             return None
-        matched = index.prefix_blocks(prompt_blocks.hashes, publishing)
+        matched = prompt_blocks.held_by(index, publishing)
         # what every publishing candidate holds (scoreBeyondShared) prefills nowhere: only the rest tells them apart
-        shared = min(matched.values()) if self.beyond_shared else 0
+        shared = min(matched[e] for e in publishing) if self.beyond_shared else 0
         rest = prompt_blocks.blocks - shared
         if rest <= 0:
             return None

@@ -215,7 +215,7 @@ class PrefixCacheScorer(
                 ]
         exact = cycle_state.read(PROMPT_BLOCKS)
         if publishing and exact is not None:
-            matched, block_size = index.prefix_blocks(exact.hashes, publishing), index.block_size or 16
+            matched, block_size = exact.held_by(index, publishing), index.block_size or 16
             counts = [
                 matched[e.hostport] * block_size if e.hostport in matched else c
                 for e, c in zip(endpoints, counts, strict=True)

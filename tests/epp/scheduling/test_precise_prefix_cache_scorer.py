@@ -43,15 +43,20 @@ def server_hashes(payload: dict, lora_name=None) -> list[int]:
     return request_block_hashes(ids, 16, hash_seed=SEED, lora_name=lora_name)
 
 
+# The tests score the held run over the whole prompt (scoreBeyondShared off) unless they say otherwise: its
+# arithmetic is what they check; test_beyond_shared_... checks what the default takes off it.
+WHOLE_PROMPT = {"hashSeed": SEED, "loadGuardQueueGap": 0, "scoreBeyondShared": False}
+
+
 def precise(index: KVBlockIndex, **parameters):
-    scorer = build_plugin("precise-prefix-cache-scorer", {"hashSeed": SEED, "loadGuardQueueGap": 0, **parameters})
+    scorer = build_plugin("precise-prefix-cache-scorer", {**WHOLE_PROMPT, **parameters})
     scorer.use_kv_index(index)
     return scorer
 
 
 def both_prefix_scorers(**precise_parameters) -> Scheduler:
     """A profile of the two prefix scorers, as a pool that mixes endpoints with and without KV events needs."""
-    precise_parameters = {"hashSeed": SEED, "loadGuardQueueGap": 0, **precise_parameters}
+    precise_parameters = {**WHOLE_PROMPT, **precise_parameters}
     plugins = [("prefix-cache-scorer", {"loadGuardQueueGap": 0}), ("precise-prefix-cache-scorer", precise_parameters)]
     config = {
         "plugins": [{"type": name, "parameters": parameters} for name, parameters in plugins],
@@ -96,11 +101,13 @@ def test_beyond_shared_a_prefix_every_candidate_holds_counts_for_nothing():
         index.saw(e.hostport, "m")
         index.store(e.hostport, held)
     plain, beyond = precise(index), precise(index, scoreBeyondShared=True)
+    assert build_plugin("precise-prefix-cache-scorer", {"hashSeed": SEED}).beyond_shared  # the default
     cycle_state, req = prepared(plain, payload)
     assert plain.score(cycle_state, req, pool) == [1.0, shared / len(hashes), (shared + 2) / len(hashes)]
     assert beyond.score(cycle_state, req, pool) == [1.0, 0.0, 0.5]
     for e in pool[1:]:
         index.store(e.hostport, hashes)  # every candidate holds all of it: no preference
+    cycle_state, req = prepared(beyond, payload)  # (a cycle looks the index up once: PromptBlocks.held_by)
     assert beyond.score(cycle_state, req, pool) is None
 
 
