@@ -214,6 +214,7 @@ REQUEST_PATH = {
     "epp/datalayer/endpoint",
     "epp/flowcontrol",
     "protocol/openai",
+    "protocol/extproc",
     "epp/metrics",
 }
 # The request path's tests the release build runs against its compiled modules: the transport, the ext_proc handler
