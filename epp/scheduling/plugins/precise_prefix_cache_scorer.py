@@ -265,8 +265,10 @@ class PrecisePrefixCacheScorer(Scorer, PrepareData, KVEventsConsumer):
         if not publishing:
             return None
         matched = prompt_blocks.held_by(index, publishing)
-        # what every publishing candidate holds (scoreBeyondShared) prefills nowhere: only the rest tells them apart
-        shared = min(matched[e] for e in publishing) if self.beyond_shared else 0
+        # what every candidate holds (scoreBeyondShared) prefills nowhere: only the rest tells them apart; a candidate
+        # that has published no events yet (a new pool, a new server) holds nothing the index knows of: none shared
+        every = self.beyond_shared and len(publishing) == len(endpoints)
+        shared = min(matched[e] for e in publishing) if every else 0
         rest = prompt_blocks.blocks - shared
         if rest <= 0:
             return None

@@ -111,6 +111,19 @@ def test_beyond_shared_a_prefix_every_candidate_holds_counts_for_nothing():
     assert beyond.score(cycle_state, req, pool) is None
 
 
+def test_beyond_shared_nothing_is_shared_while_a_candidate_has_published_nothing():
+    # a new pool: the first request's server has sent its events, the other none yet; the next request with that
+    # prompt goes back to it (were what the one publisher holds taken as shared, it would score nothing)
+    pool = [endpoint(0), endpoint(1)]
+    index = KVBlockIndex()
+    payload = chat("What is the capital of France?")
+    index.saw(pool[0].hostport, "m")
+    index.store(pool[0].hostport, server_hashes(payload))
+    beyond = precise(index, scoreBeyondShared=True)
+    cycle_state, req = prepared(beyond, payload)
+    assert beyond.score(cycle_state, req, pool) == [1.0, 0.0]
+
+
 def test_an_adapter_s_blocks_carry_its_name_and_the_block_size_comes_from_the_events():
     index = KVBlockIndex()
     index.saw("127.0.0.1:8000", "base")
