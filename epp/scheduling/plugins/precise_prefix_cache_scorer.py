@@ -155,8 +155,18 @@ class BlockHashCache:
             if piece_key not in pieces:
                 pieces[piece_key] = piece
                 self._piece_blocks += len(piece[0])
-            while self._piece_blocks > capacity and pieces:
-                self._piece_blocks -= len(pieces.pop(next(iter(pieces)))[0])
+            if self._piece_blocks > capacity:
+                # the oldest go in one pass, as for the digests: popping the first key one at a time walks the
+                # slots already emptied at the dict's front again each time
+                old, dropped = [], 0
+                for old_key, (hashes, _, _) in pieces.items():
+                    if self._piece_blocks - dropped <= capacity * 9 // 10:
+                        break
+                    old.append(old_key)
+                    dropped += len(hashes)
+                for old_key in old:
+                    del pieces[old_key]
+                self._piece_blocks -= dropped
 
 
 @register("precise-prefix-cache-scorer", Stability.BETA)

@@ -341,3 +341,15 @@ def test_block_digests_come_from_the_cache_for_a_known_prefix_and_equal_the_serv
     index.saw("127.0.0.1:8000", "m")
     state, req = prepared(precise(index), {"model": "m", "prompt": [1 << 32] * 64})
     assert state.read(PROMPT_BLOCKS) is None and precise(index).score(state, req, [endpoint(0)]) is None
+
+
+def test_the_pieces_table_stays_within_its_capacity_and_its_answers_stay_exact():
+    cache = BlockHashCache("sha256", SEED, capacity=64)
+    rng = random.Random(11)
+    for _ in range(40):  # 40 prompts of 4 pieces of 2 blocks: 320 blocks through a 64-block table
+        ids = [rng.randrange(1 << 16) for _ in range(128)]
+        pieces = [ids[i : i + 32] for i in range(0, 128, 32)]
+        assert list(itertools.chain.from_iterable(cache.hashes(pieces, 16, None))) == request_block_hashes(
+            ids, 16, hash_seed=SEED
+        )
+        assert cache._piece_blocks <= 64 and cache._piece_blocks == sum(len(p[0]) for p in cache._pieces.values())
