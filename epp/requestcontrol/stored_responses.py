@@ -58,6 +58,14 @@ def gone(response_id: str, where: str | None) -> OpenAIError:
     )
 
 
+def _put_newest(table: OrderedDict[str, str], key: str, value: str, limit: int) -> None:
+    """`key` -> `value` as the newest entry of `table`, the oldest dropped past `limit` entries."""
+    table[key] = value
+    table.move_to_end(key)
+    if len(table) > limit:
+        table.popitem(last=False)
+
+
 class ResponseLocator:
     def __init__(self) -> None:
         self.learnt: OrderedDict[str, str] = OrderedDict()  # response id -> "ip:port"
@@ -70,10 +78,7 @@ class ResponseLocator:
         self.not_found = 0
 
     def learn(self, response_id: str, hostport: str) -> None:
-        self.learnt[response_id] = hostport
-        self.learnt.move_to_end(response_id)
-        if len(self.learnt) > MAX_LEARNT:
-            self.learnt.popitem(last=False)
+        _put_newest(self.learnt, response_id, hostport, MAX_LEARNT)
 
     def learn_from_body(self, head: bytes, hostport: str) -> bool:
         """Learn the id in a response's first bytes; False when they hold none (yet)."""
@@ -87,10 +92,7 @@ class ResponseLocator:
     def routed(self, session: str, hostport: str) -> None:
         """An answer to be stored, for this agent session, was sent to `hostport`: where the session's follow-up
         most likely finds its previous response when the id is not learnt."""
-        self.sessions[session] = hostport
-        self.sessions.move_to_end(session)
-        if len(self.sessions) > MAX_SESSIONS:
-            self.sessions.popitem(last=False)
+        _put_newest(self.sessions, session, hostport, MAX_SESSIONS)
 
     def known(self, response_id: str) -> str | None:
         return self.learnt.get(response_id)
