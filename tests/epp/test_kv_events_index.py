@@ -35,6 +35,7 @@ from protocol.kv_events import (
     external_block_hash,
     request_block_hashes,
 )
+from tests.epp.helpers import until
 
 
 def wire(batch: KVEventBatch) -> IndexedBatch:
@@ -47,13 +48,6 @@ def in_pool(subscriber: KVEventSubscriber, *hostports: str) -> None:
     for hostport in hostports:
         address, _, port = hostport.rpartition(":")
         subscriber.start(Endpoint(EndpointSpec(hostport, address, int(port))))
-
-
-async def wait_for(condition, timeout: float = 3.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.01)
 
 
 async def test_the_index_follows_each_server_s_cache_through_evictions():
@@ -81,7 +75,7 @@ async def test_the_index_follows_each_server_s_cache_through_evictions():
             pass
         hashes = request_block_hashes(prompt, 16)  # vLLM's hashes; unseeded as the servers in this process
         endpoints = ["127.0.0.1:8000", "127.0.0.1:8001"]
-        await wait_for(lambda: index.prefix_blocks(hashes, endpoints)["127.0.0.1:8000"] == 3)
+        await until(lambda: index.prefix_blocks(hashes, endpoints)["127.0.0.1:8000"] == 3)
         assert index.prefix_blocks(hashes, endpoints)["127.0.0.1:8001"] == 0
 
         for i in range(8):  # push that prompt's blocks out of server 0's 12-block cache
@@ -91,7 +85,7 @@ async def test_the_index_follows_each_server_s_cache_through_evictions():
                 pass
         kv = engines[0].kv
         cached = {external_block_hash(d) for d in kv._cached}
-        await wait_for(
+        await until(
             lambda: (
                 index.entries("127.0.0.1:8000") == len(cached)
                 and all(index.prefix_blocks([h], ["127.0.0.1:8000"])["127.0.0.1:8000"] for h in cached)
@@ -295,7 +289,7 @@ async def test_the_subscriber_trims_its_index_while_no_batch_comes():
     index.store("a:1", list(range(64 * EVICTION_RUN)))
     subscriber = KVEventSubscriber(index, connect_port_offset=0)
     try:
-        await wait_for(lambda: index.size == index.low_mark)
+        await until(lambda: index.size == index.low_mark)
     finally:
         subscriber.shutdown()
 
@@ -307,7 +301,7 @@ async def test_an_endpoint_that_leaves_the_pool_loses_its_entries():
         index.store("10.0.0.1:8000", [1, 2, 3])
         index.store("10.0.0.2:8000", [1, 2])
         subscriber.stop(Endpoint(EndpointSpec("a", "10.0.0.1", 8000)))  # the datastore: it left the pool
-        await wait_for(lambda: "10.0.0.1:8000" not in index._entries)  # its log and count gone too
+        await until(lambda: "10.0.0.1:8000" not in index._entries)  # its log and count gone too
         assert index.prefix_blocks([1, 2, 3], ["10.0.0.1:8000", "10.0.0.2:8000"]) == {
             "10.0.0.1:8000": 0,
             "10.0.0.2:8000": 2,
