@@ -624,7 +624,7 @@ class ReplicaChannel(asyncio.DatagramProtocol):
         self._apply([e.hostport for e in self.datastore.endpoints])
         if self.release_prefilled is not None:
             self._schedule_release(self.release_prefilled())
-        if now - self._snapshot_at >= HEARTBEAT_SECONDS:
+        if now - self._snapshot_at >= 0.9 * HEARTBEAT_SECONDS:  # (the loop's timers may fire a millisecond early)
             self._send_all(self.own_load(), heartbeat=True)
 
     async def resolve(self) -> None:
