@@ -488,15 +488,21 @@ class ReplicaChannel(asyncio.DatagramProtocol):
             self._send(count, payload)
 
     def _schedule_release(self, due: float) -> None:
-        """A flush when the next prompt's prefill is due: peers see it released then, not at this replica's next
-        decision (a single EPP releases them when a decision starts, which is all that reads them)."""
+        """A release HOLD_SECONDS after the next prompt's prefill is due: peers see it released then, not at this
+        replica's next decision (a single EPP releases them when a decision starts, which is all that reads them).
+        A release is a fall, which may wait HOLD_SECONDS: one wakeup then sends it, where a wakeup when due and
+        another for the fall's hold were two (a datagram in between carries it sooner)."""
         if due and (not self._release_at or due < self._release_at) and self._loop is not None:
             self._release_at = due
-            self._loop.call_later(max(0.0, due - time.monotonic()), self._released)
+            self._loop.call_later(max(0.0, due - time.monotonic()) + HOLD_SECONDS, self._released)
 
     def _released(self) -> None:
+        """The releases due HOLD_SECONDS ago (and since) go out now, with whatever waits."""
         self._release_at = 0.0
-        self._flush()
+        self._schedule_release(self.release_prefilled())
+        load = self.own_load()
+        if load != self._sent_load:
+            self._send_all(load)
 
     def _send(self, count: int, payload: bytes) -> None:
         transport = self._transport
