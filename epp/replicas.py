@@ -418,11 +418,14 @@ class ReplicaChannel(asyncio.DatagramProtocol):
         self._queue(OBSERVED, observation_entry, features, ttft, tpot)
 
     def _queue(self, kind: int, entry: Callable[..., bytes], *fields) -> None:
-        """Deltas wait up to HOLD_SECONDS, or less for the next datagram: nothing reads them within milliseconds,
-        and they ride in a snapshot's datagram for free."""
+        """Deltas ride in the next datagram for free. A prefix pick waits HOLD_SECONDS at most (a peer's next
+        decision may read it). Access-log records and observations wait for the next datagram, the heartbeat
+        (HEARTBEAT_SECONDS) at the latest: they only train the peers' predictors, which no decision waits for, and
+        sent on their own they were a datagram, and a wakeup of every peer, per request."""
         if self._loop is not None and self.addresses:
             self._deltas[kind].append(entry(*fields))
-            self._send_within(HOLD_SECONDS)
+            if kind == LEARNED:
+                self._send_within(HOLD_SECONDS)
 
     # -- sending -------------------------------------------------------------------------------------------------
     def own_load(self) -> dict[str, tuple[int, int]]:

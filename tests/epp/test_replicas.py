@@ -275,7 +275,9 @@ def test_an_access_log_record_no_request_here_matched_goes_to_the_peers():
     b.match_record = lambda *record: matched.append(record) or True
     a.forward_record("req-1", 0.125, "200", "10.0.0.1:8001")
     a.forward_record("req-2", None, "", None)
-    a._loop.fire()  # deltas wait HOLD_SECONDS for a datagram
+    assert not wire.sent and not a._loop.timers  # records ride with the next datagram, the heartbeat at the latest
+    a._snapshot_at -= replicas.HEARTBEAT_SECONDS
+    a.heartbeat()
     deliver(wire, A, b, B)
     assert matched == [("req-1", 0.125, "200", "10.0.0.1:8001"), ("req-2", None, "", None)]
     records = [(f"id-{i}" * 20, i / 7, "503", None) for i in range(2000)]
@@ -295,7 +297,9 @@ def test_what_a_replicas_predictor_learns_its_peers_learn():
     features = Features(2, 3, 0.5, 900, 1200, 600, True, 250.0, "e1")
     own.observe(features, 0.08, 0.02)
     own.observe(features, 0.09, None)
-    a._loop.fire()  # deltas wait HOLD_SECONDS for a datagram
+    assert not wire.sent and not a._loop.timers  # observations ride with the next datagram: here a pick's
+    a.datastore.endpoints[1].in_flight_requests = 1
+    a._flush()
     deliver(wire, A, b, B)
     assert b.predictor.ttft.model.count == own.ttft.model.count == 2 and b.predictor.tpot.model.count == 1
     b.predictor.observed = lambda *observation: pytest.fail("a peer's observation went back out")
