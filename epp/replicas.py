@@ -7,8 +7,8 @@ What is shared, over UDP on `--replica-port` (no external store):
   change schedules a check at the end of the event loop's current pass, which carries everything changed in it (a
   busy loop's passes are longer: the busier, the more one datagram carries). A count that rose (a pick) goes out
   then; counts that only fell wait up to HOLD_SECONDS for the next datagram (`_flush`). A heartbeat resends it
-  when none went out for HEARTBEAT_SECONDS. A snapshot replaces the sender's previous one whole, so a lost datagram is healed by the
-  next, and a peer that stops (killed, partitioned) stops counting once its last snapshot is EXPIRY_SECONDS old.
+  when none went out for HEARTBEAT_SECONDS. A snapshot replaces the sender's previous one whole, so a lost
+  datagram is healed by the next, and a peer that stops (killed, partitioned) stops counting once its last snapshot is EXPIRY_SECONDS old.
   The receiver adds the sum of its fresh peers' snapshots to each endpoint's in-flight counts and remembers that sum
   (`peer_in_flight_requests` / `peer_in_flight_tokens`), so every reader of the counts (the load scorers, the queue
   estimates of `epp.datalayer.load`, the saturation detector, the latency predictor's features) sees the pool's
@@ -34,8 +34,10 @@ anything is parsed. The most a forger who passes those checks can do is add load
 entries to the prefix index, never crash the EPP or make it hold more than MAX_PEERS snapshots.
 
 Wire: a datagram is a HEADER and its sections (SECTION: a snapshot, or a kind of delta's entries), so one datagram
-carries a snapshot and every delta waiting: about one datagram per peer for a pick, and one for the falls and deltas
-after it (docs/replicas.md has the counts).
+carries a snapshot and every delta waiting. Every datagram wakes each peer's event loop, which costs it more than
+the Python that reads the datagram: what sharing costs in CPU follows the datagrams (`epp-bench replica-channel`;
+docs/replicas.md has the counts). So only a pick goes out at once; falls and prefix picks wait up to HOLD_SECONDS,
+what trains the peers' predictors waits for the next datagram (`_queue`).
 
 Cost: on the request path, one call per change (`load_changed`: a flag check, a callback when none is pending) and
 an encoded entry per recorded pick (`learned`); encoding and sending run in that one callback once the loop's pass is
