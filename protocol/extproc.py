@@ -1,3 +1,4 @@
+# cython: annotation_typing=True
 """Names of the Endpoint Picker Protocol between the EPP and the proxy (Envoy or any Gateway)."""
 
 # The EPP's pick: a request header and dynamic metadata, value "ip:port" or a comma list (primary first).
@@ -46,7 +47,7 @@ def canonical_headers(headers: dict[str, str]) -> dict[str, str]:
     """`headers` (lower-case names), with each deprecated alias's value copied under its current name unless the
     current name is there (present, even empty, it wins, as in llm-d); in place, and returned."""
     for name, alias in HEADER_ALIASES.items():
-        if name not in headers and alias in headers:
+        if alias in headers and name not in headers:  # (the alias first: seldom there)
             headers[name] = headers[alias]
     return headers
 

@@ -34,23 +34,32 @@ class RequestKind(StrEnum):
     MESSAGES = "messages"  # Anthropic Messages (protocol.anthropic)
 
 
+# Python 3.11 looks an Enum's members up through its class's __getattr__ hook (0.2 µs an access as Python, about
+# 850 instructions compiled): the request path compares kinds with these module names instead.
+COMPLETION, CHAT, RESPONSES, MESSAGES = RequestKind
+
 _KIND_OF_PATH = {
-    COMPLETIONS_PATH: RequestKind.COMPLETION,
-    CHAT_COMPLETIONS_PATH: RequestKind.CHAT,
-    RESPONSES_PATH: RequestKind.RESPONSES,
-    MESSAGES_PATH: RequestKind.MESSAGES,
+    COMPLETIONS_PATH: COMPLETION,
+    CHAT_COMPLETIONS_PATH: CHAT,
+    RESPONSES_PATH: RESPONSES,
+    MESSAGES_PATH: MESSAGES,
 }
+
+_MESSAGES_PREFIX = MESSAGES_PATH + "/"
 
 
 def request_kind(path: str) -> RequestKind | None:
     """The kind of generation request a URL path names (query string ignored), or None for any other path."""
-    return _KIND_OF_PATH.get(path.partition("?")[0].rstrip("/"))
+    kind = _KIND_OF_PATH.get(path)  # (a client's path is usually the API's own, as is)
+    return kind if kind is not None else _KIND_OF_PATH.get(path.partition("?")[0].rstrip("/"))
 
 
 def error_style(path: str) -> str:
     """The error body shape of the API a path belongs to: "anthropic" under /v1/messages, else "openai"."""
+    if not path.startswith(MESSAGES_PATH):
+        return "openai"
     path = path.partition("?")[0]
-    return "anthropic" if path == MESSAGES_PATH or path.startswith(MESSAGES_PATH + "/") else "openai"
+    return "anthropic" if path == MESSAGES_PATH or path.startswith(_MESSAGES_PREFIX) else "openai"
 
 
 _ANTHROPIC_ERROR_TYPES = {  # Anthropic's error types by status (its API's errors page)
@@ -416,19 +425,19 @@ def prompt_text(request: CompletionRequest | Mapping[str, Any], kind: RequestKin
     Token-id prompts become their decimal ids joined by commas, which is stable and prefix-preserving.
     """
     if isinstance(request, CompletionRequest):
-        if request.kind is not RequestKind.COMPLETION:
+        if request.kind is not COMPLETION:
             return chat_transcript(request.messages, request.tools)
         prompt: Any = request.prompts[0] if len(request.prompts) == 1 else request.prompts
     else:
-        if kind is RequestKind.RESPONSES or (kind is None and "messages" not in request and "input" in request):
+        if kind is RESPONSES or (kind is None and "messages" not in request and "input" in request):
             try:
-                return _agent_api_transcript(request, RequestKind.RESPONSES)
+                return _agent_api_transcript(request, RESPONSES)
             except OpenAIError:
                 return ""
         messages = request.get("messages")
         if isinstance(messages, list):
             try:
-                if kind is RequestKind.MESSAGES:
+                if kind is MESSAGES:
                     return _agent_api_transcript(request, kind)
                 try:
                     tools = chat_tools(request)

@@ -68,6 +68,7 @@ from protocol.extproc import (
     canonical_headers,
 )
 from protocol.openai import (
+    RESPONSES,
     RESPONSES_PATH,
     OpenAIError,
     RequestKind,
@@ -79,6 +80,8 @@ from protocol.openai import (
 from protocol.responses import RESPONSE_ID_PREFIX
 
 log = logging.getLogger("epp.requestcontrol")
+
+STORED_RESPONSE_PATH = f"{RESPONSES_PATH}/{RESPONSE_ID_PREFIX}"  # GET and DELETE /v1/responses/{id}
 
 _COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 _PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
@@ -114,7 +117,7 @@ class RequestContext:
     endpoint = cython.declare(object, visibility="public")
     error_style = cython.declare(object, visibility="public")
     first_chunk_at = cython.declare(cython.double, visibility="public")
-    headers = cython.declare(object, visibility="public")
+    headers = cython.declare(dict, visibility="public")
     in_flight_tokens = cython.declare(cython.Py_ssize_t, visibility="public")
     kind = cython.declare(object, visibility="public")
     labels = cython.declare(object, visibility="public")
@@ -139,7 +142,7 @@ class RequestContext:
         self.subset = subset  # allowed "ip:port" from the proxy's subset hint; None = no hint
         self.model = self.target_model = ""  # the client's model name and the one the model server will see
         # the per-request metrics' labels (epp.metrics.REQUEST_LABELS): model, target model (bounded:
-        # EPPMetrics.model_label), fairness id (bounded: EPPMetrics.fairness_label) and priority, as llm-d's are before
+        # EPPMetrics.model_names), fairness id (bounded: EPPMetrics.fairness_label) and priority, as llm-d's are before
         # it knows them
         self.labels = ("", "", DEFAULT_FLOW, "0")
         self.request: SchedulingRequest | None = None
@@ -270,15 +273,18 @@ class Director:
     def _stored_response(ctx: RequestContext, payload: dict | None) -> str | None:
         """The stored response a request needs: a Responses follow-up's previous_response_id, or the id in the path
         of GET or DELETE /v1/responses/{id}. A Responses answer to be stored is learnt from its first bytes."""
-        if ctx.kind is RequestKind.RESPONSES:
+        kind = ctx.kind
+        if kind is RESPONSES:
             if payload is None:
                 return None
             if payload.get("store") is not False:
                 ctx.response_head = b""
             previous = payload.get("previous_response_id")
             return previous if isinstance(previous, str) and previous.startswith(RESPONSE_ID_PREFIX) else None
+        if kind is not None:  # (another generation API's path: not a stored response's)
+            return None
         path = ctx.headers.get(":path", "").partition("?")[0]
-        if path.startswith(RESPONSES_PATH + "/" + RESPONSE_ID_PREFIX):
+        if path.startswith(STORED_RESPONSE_PATH):
             return path[len(RESPONSES_PATH) + 1 :].partition("/")[0]
         return None
 
@@ -387,8 +393,9 @@ class Director:
         if state is not self._labelled_state:
             self._labelled_state = state
             self.metrics.model_names.pinned = pinned_model_names(state)
-        label = self.metrics.model_label
-        ctx.labels = (label(model), label(ctx.target_model), *ctx.labels[2:])
+        label = self.metrics.model_names
+        model_label = label(model)
+        ctx.labels = (model_label, label(target) if target and target != model else model_label, *ctx.labels[2:])
         if target and target != model:
             payload["model"] = target
             return json.dumps(payload, separators=(",", ":")).encode(), True
@@ -767,8 +774,11 @@ def _usage(pattern: re.Pattern[bytes], tail: bytes) -> int | None:
 def _max_tokens(payload: dict | None) -> int | None:
     if payload is None:
         return None
-    value = payload.get("max_tokens", payload.get("max_completion_tokens", payload.get("max_output_tokens")))
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+    for key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):  # the first of them the body names
+        if key in payload:
+            value = payload[key]
+            return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+    return None
 
 
 def pinned_model_names(state: PoolState) -> frozenset[str]:
