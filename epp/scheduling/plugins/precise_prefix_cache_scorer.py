@@ -301,12 +301,13 @@ class PrecisePrefixCacheScorer(Scorer, PrepareData, KVEventsConsumer):
             return None
         matched = prompt_blocks.held_by(index, publishing)
         # a candidate that has published nothing yet is expected to hold what every publisher holds (`common`), so
-        # that a server new to the pool is not kept from new work by the one prefill it needs to join; what every
-        # candidate then holds (scoreBeyondShared) prefills nowhere: only the rest tells them apart
-        common = prompt_blocks.common(index, publishing, len(endpoints))
-        shared = common if self.beyond_shared else 0
+        # that a server new to the pool is not kept from new work by the one prefill it needs to join
+        expected = prompt_blocks.common(index, publishing, len(endpoints)) if len(publishing) < len(endpoints) else 0
+        held = [matched.get(e.hostport, expected) for e in endpoints]
+        # what every candidate holds (scoreBeyondShared) prefills nowhere: only the rest tells them apart
+        shared = min(held) if self.beyond_shared else 0
         rest = prompt_blocks.blocks - shared
         if rest <= 0:
             return None
-        scores = [max(0, matched.get(e.hostport, common) - shared) / rest for e in endpoints]
+        scores = [(h - shared) / rest for h in held]
         return guard_load(scores, cycle_state, endpoints, self.load_guard_gap)

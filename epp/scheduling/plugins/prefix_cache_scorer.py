@@ -236,12 +236,13 @@ class PrefixCacheScorer(
         if index is None or exact is None:
             return counts
         publishing = [e.hostport for e in endpoints if index.publishes(e.hostport)]
-        common = exact.common(index, publishing, len(endpoints)) if publishing else 0
+        held = self._held
+        unknown = [i for i, e in enumerate(endpoints) if e.spec.name not in held and not index.publishes(e.hostport)]
+        common = exact.common(index, publishing, len(endpoints)) if publishing and unknown else 0
         if common:
-            tokens, held = common * (index.block_size or 16), self._held
-            for i, e in enumerate(endpoints):
-                if e.spec.name not in held and not index.publishes(e.hostport):
-                    counts[i] = tokens
+            tokens = common * (index.block_size or 16)
+            for i in unknown:
+                counts[i] = tokens
         return counts
 
     def use_kv_index(self, index: KVBlockIndex) -> None:

@@ -399,3 +399,23 @@ def test_a_server_new_to_the_pool_is_expected_to_hold_what_every_publisher_holds
         # what the predictor learns from (the pick's features) counts what is known: nothing on the new servers
         cached = scheduler.predictions.cached(state, req, pool)
         assert cached[0] == cached[1] > 0 and cached[2:] == [0, 0]
+
+
+def test_beyond_shared_is_what_the_scored_candidates_hold_after_the_predictor_looked_at_the_whole_pool():
+    """The latency predictor asks for every candidate before its filter drops some; the scorer after it takes off
+    what the candidates it scores all hold (a shared system prompt that a dropped endpoint lacks still counts for
+    nothing), as with no predictor."""
+    pool = [endpoint(0), endpoint(1), endpoint(2)]
+    index = KVBlockIndex()
+    payload = chat("What is the capital of France?")
+    hashes = server_hashes(payload)
+    shared = len(hashes) - 4
+    for e, held in zip(pool, (hashes, hashes[:shared], hashes[:1]), strict=True):
+        index.saw(e.hostport, "m")
+        index.store(e.hostport, held)
+    approx = build_plugin("prefix-cache-scorer", {"loadGuardQueueGap": 0})
+    approx.use_kv_index(index)
+    beyond = precise(index, scoreBeyondShared=True)
+    cycle_state, req = prepared(beyond, payload)
+    assert approx.unknown_endpoint_tokens(cycle_state, req, pool) == [0, 0, 0]  # every one publishes
+    assert beyond.score(cycle_state, req, pool[:2]) == [1.0, 0.0]  # endpoint 2 dropped by a filter
