@@ -89,6 +89,10 @@ class StackConfig:
     # with replica_sharing each telling the others its in-flight load and prefix-index learning (epp --replica-peers)
     epp_replicas: int = 1
     replica_sharing: bool = True
+    # With epp_replicas above 1: Envoy routes to the first replica only; the others are shadows that run as replicas do
+    # (scrapes, KV-event subscriptions, the replica channel) and get no request: what N replicas cost the machine
+    # beyond their requests (epp-bench compare --replica-routing first)
+    epp_shadows: bool = False
     # An OpenTelemetry collector (OTLP/gRPC "host:port") Envoy exports its request traces to (harness.envoy); the EPP
     # and the model servers trace when their own --otlp-traces-endpoint flag is among epp_args / modelserver_args
     otlp_traces_endpoint: str | None = None
@@ -321,6 +325,7 @@ class LocalStack:
     def envoy_bootstrap(self) -> str:
         """The bootstrap of the stack's Envoy (`epp-local --print-envoy-config` prints it)."""
         c = self.config
+        routed = self.epp_ports[:1] if c.epp_shadows else self.epp_ports
         return render_bootstrap(
             epp_host=c.host,
             epp_port=c.grpc_port,
@@ -334,8 +339,8 @@ class LocalStack:
             access_log_percent=c.access_log_percent,
             message_timeout=c.message_timeout,
             fallback_endpoints=[u.removeprefix("http://") for u in self.model_server_urls],
-            more_epp_endpoints=[f"{c.host}:{grpc}" for grpc, _, _ in self.epp_ports[1:]],
-            epp_health_ports=[health for _, health, _ in self.epp_ports],
+            more_epp_endpoints=[f"{c.host}:{grpc}" for grpc, _, _ in routed[1:]],
+            epp_health_ports=[health for _, health, _ in routed],
             otlp_traces_endpoint=c.otlp_traces_endpoint,
         )
 

@@ -2,8 +2,9 @@
 with the endpoint's engine spec.
 
 Endpoints are scraped less often while this EPP has no traffic of its own (`idle_interval`; the EPP's default is
-5x `interval`, 250 ms): an endpoint is quiet when this EPP has nothing in flight to it, no request of this EPP waits
-in flow control (`pending`), and no request reached this EPP within the last `idle_interval`. Pages are read only to
+5x `interval`, 250 ms): an endpoint is quiet when this EPP has nothing of its own in flight to it (what peer replicas
+said they routed there does not count: `Endpoint.peer_in_flight_requests`), no request of this EPP waits in flow
+control (`pending`), and no request reached this EPP within the last `idle_interval`. Pages are read only to
 route this EPP's requests, so while none arrive a busy pool (another client's load, or another EPP replica's) is not
 worth 20 pages a second per endpoint from this one, and any traffic, even one request every 200 ms, keeps every
 endpoint at `interval`: routing under load reads pages as fresh as with the quiet interval off. After a quiet spell,
@@ -208,7 +209,7 @@ class Scraper:
         return (
             endpoint.metrics is not None
             and not endpoint.stale
-            and endpoint.in_flight_requests == 0
+            and endpoint.in_flight_requests == endpoint.peer_in_flight_requests  # none of this EPP's own
             and time.monotonic() - self._last_request >= self.idle_interval
             and not self.pending()
         )

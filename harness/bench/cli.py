@@ -212,6 +212,15 @@ def build_parser() -> Parser:
         "each counts its own (off); both: one run each",
     )
     cmp.add_argument(
+        "--replica-routing",
+        choices=["all", "first"],
+        nargs="+",
+        default=["all"],
+        help="with --epp-replicas above 1: Envoy routes to every replica (all), or to the first only while the others\n"
+        "run beside it as shadows, scraping and reading KV events but routing nothing (first: what the replicas cost\n"
+        "beyond their requests, the floor of N against 1); both: one run each",
+    )
+    cmp.add_argument(
         "--burst",
         type=int,
         default=0,
@@ -332,8 +341,9 @@ def main(argv: list[str] | None = None) -> None:
         began = time.time()  # the plots written since, this run's
 
         sharing = [choice == "on" for choice in args.replica_sharing]
+        shadows = [choice == "first" for choice in args.replica_routing]
         runs = len(args.concurrency or args.rates) * sum(
-            len(compare.replica_variants(t, args.epp_replicas, sharing)) for t in args.targets
+            len(compare.replica_variants(t, args.epp_replicas, sharing, shadows)) for t in args.targets
         )
         with Progress(
             TextColumn("{task.description}"),
@@ -370,6 +380,7 @@ def main(argv: list[str] | None = None) -> None:
                     replicas=args.epp_replicas,
                     sharing=sharing,
                     burst=args.burst,
+                    shadows=shadows,
                 )
             )
             bar.update(task, completed=runs, description="done")

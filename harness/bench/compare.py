@@ -276,9 +276,10 @@ class Pool:
         router_args: list[str] = (),
         replicas: int = 1,
         sharing: bool = True,
+        shadows: bool = False,
     ):
         self.target, self.servers, self.workdir = target, servers, workdir
-        self.replicas, self.sharing = replicas, sharing
+        self.replicas, self.sharing, self.shadows = replicas, sharing, shadows
         self.modelserver_args = modelserver_args
         self.epp_config = epp_config if epp_config is not None else EPP_TARGETS.get(target)
         self.pool_extra = pool_extra or {}
@@ -300,6 +301,7 @@ class Pool:
             access_log_percent=0 if self.target in WITHOUT_ACCESS_LOG else 100,
             epp_replicas=self.replicas,
             replica_sharing=self.sharing,
+            epp_shadows=self.shadows,
             # the bench measures plugins of every stability level (epp-sessions: session-affinity-scorer is Alpha)
             epp_args=[ALLOW_EXPERIMENTAL_PLUGINS],
         )
@@ -368,10 +370,12 @@ async def run_target(
     warmup: float = 0.0,
     replicas: int = 1,
     sharing: bool = True,
+    shadows: bool = False,
 ) -> TargetResult:
     """One target under the workload for `duration` s; `warmup` s of the same workload (another draw, at `rate`)
     go first and count for nothing: what learns online (the latency predictor, the prefix caches) starts warm. An
-    EPP target runs on `replicas` EPPs behind its Envoy, sharing their load (`sharing`) or not (`target_label`)."""
+    EPP target runs on `replicas` EPPs behind its Envoy, sharing their load (`sharing`) or not (`target_label`); with
+    `shadows` Envoy routes to the first only and the others run beside it without requests (StackConfig.epp_shadows)."""
     if warmup and (concurrency or load_generator != "builtin"):
         raise ValueError("--warmup needs the builtin load generator at a fixed rate (--rates)")
     agent = spec["name"] == "agentic"
@@ -395,14 +399,14 @@ async def run_target(
     else:
         stream = requests(spec, MODEL, rate or concurrency * 50, duration, seed, scale)
     result = TargetResult(
-        target_label(target, replicas, sharing),
+        target_label(target, replicas, sharing, shadows),
         0.0 if concurrency else rate,
         concurrency,
         requests=len(stream),
         load_generator=load_generator,
     )
     server_args = ["--disable-log-stats", *lora_args, *map(str, spec.get("modelserver_args", []))]
-    async with Pool(target, servers, workdir, server_args, replicas=replicas, sharing=sharing) as pool:
+    async with Pool(target, servers, workdir, server_args, replicas=replicas, sharing=sharing, shadows=shadows) as pool:
         urls = pool.stack.model_server_urls
         async with aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=300)
@@ -525,20 +529,27 @@ async def run_target(
     return result
 
 
-def target_label(target: str, replicas: int, sharing: bool) -> str:
-    """A run's name in the report: the target, and for several EPP replicas how many and whether they share their
-    load ("epp x3", "epp x3 unshared")."""
+def target_label(target: str, replicas: int, sharing: bool, shadows: bool = False) -> str:
+    """A run's name in the report: the target, and for several EPP replicas how many, whether they share their
+    load and whether only the first routes ("epp x3", "epp x3 unshared", "epp 1+2 shadows")."""
     if replicas == 1:
         return target
-    return f"{target} x{replicas}" + ("" if sharing else " unshared")
+    routed = f" 1+{replicas - 1} shadows" if shadows else f" x{replicas}"
+    return target + routed + ("" if sharing else " unshared")
 
 
-def replica_variants(target: str, replicas: list[int], sharing: list[bool]) -> list[tuple[int, bool]]:
-    """The (replicas, sharing) runs of one target: each count for an EPP target (one replica shares with nobody),
-    one replica for the others."""
+def replica_variants(
+    target: str, replicas: list[int], sharing: list[bool], shadows: list[bool] = (False,)
+) -> list[tuple[int, bool, bool]]:
+    """The (replicas, sharing, shadows) runs of one target: each combination for an EPP target (one replica shares
+    with nobody and has no shadows), one replica for the others."""
     if target not in EPP_TARGETS:
-        return [(1, True)]
-    return list(dict.fromkeys((n, share if n > 1 else True) for n in replicas for share in sharing))
+        return [(1, True, False)]
+    return list(
+        dict.fromkeys(
+            (n, share if n > 1 else True, shadow and n > 1) for n in replicas for shadow in shadows for share in sharing
+        )
+    )
 
 
 def _from_outcomes(result: TargetResult, outcomes: list[Outcome], elapsed: float) -> None:
@@ -800,8 +811,10 @@ async def compare(
     replicas: list[int] = (1,),
     sharing: list[bool] = (True,),
     burst: int = 0,
+    shadows: list[bool] = (False,),
 ) -> list[TargetResult]:
-    """Each target at each load; an EPP target once per replica count and sharing choice (`replica_variants`).
+    """Each target at each load; an EPP target once per replica count, sharing and routing choice
+    (`replica_variants`).
     `burst` > 0: arrivals (requests, or agent sessions) come in bursts of that many at once, at the same rate."""
     known = {**EPP_TARGETS, **ENVOY_TARGETS, **PEER_TARGETS, **dict.fromkeys(ORACLE_TARGETS)}
     unknown = [t for t in targets if t not in known]
@@ -818,8 +831,8 @@ async def compare(
             if target in PEER_TARGETS and peer_command(PEER_TARGETS[target][0]) is None:
                 progress(f"skip {target}: not installed (pip install '.[bench]')")
                 continue
-            for n, share in replica_variants(target, list(replicas), list(sharing)):
-                label = target_label(target, n, share)
+            for n, share, shadow in replica_variants(target, list(replicas), list(sharing), list(shadows)):
+                label = target_label(target, n, share, shadow)
                 load = f"{concurrency} concurrent clients" if concurrency else f"{rate:g} req/s"
                 progress(f"{workload}: {label} at {load} for {duration:g} s on {servers} servers ...")
                 run = label.replace(" ", "-")
@@ -839,6 +852,7 @@ async def compare(
                         warmup=warmup,
                         replicas=n,
                         sharing=share,
+                        shadows=shadow,
                     )
                 )
     (out / f"{workload}.json").write_text(json.dumps([asdict(r) for r in results], indent=2))

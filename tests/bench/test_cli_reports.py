@@ -75,12 +75,22 @@ def test_compare_runs_each_epp_target_per_replica_count_and_sharing_choice():
     from harness.bench import agentic
     from harness.bench.workloads import load_workload
 
-    assert compare.replica_variants("epp", [1, 3], [True, False]) == [(1, True), (3, True), (3, False)]
-    assert compare.replica_variants("round-robin", [1, 3], [True, False]) == [(1, True)]
-    assert [compare.target_label("epp", n, s) for n, s in ((1, True), (3, True), (3, False))] == [
+    assert compare.replica_variants("epp", [1, 3], [True, False]) == [
+        (1, True, False),
+        (3, True, False),
+        (3, False, False),
+    ]
+    assert compare.replica_variants("round-robin", [1, 3], [True, False]) == [(1, True, False)]
+    # the floor of 3 against 1: one routing replica and two shadows, beside 3 routing ones
+    floor = compare.replica_variants("epp", [1, 3], [True], [False, True])
+    assert floor == [(1, True, False), (3, True, False), (3, True, True)]
+    labels = [(1, True, False), (3, True, False), (3, False, False), (3, True, True), (3, False, True)]
+    assert [compare.target_label("epp", *variant) for variant in labels] == [
         "epp",
         "epp x3",
         "epp x3 unshared",
+        "epp 1+2 shadows",
+        "epp 1+2 shadows unshared",
     ]
     spec = load_workload("agentic")
     bursts = agentic.sessions({**spec, "arrival": {"burst": 4}}, 2.0, 20.0, 0, 0.1)

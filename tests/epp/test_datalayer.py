@@ -454,7 +454,11 @@ async def test_endpoints_are_scraped_slowly_while_this_epp_has_no_traffic():
             assert scraper.quiet(endpoint)
             endpoint.in_flight_requests = 1  # in flight from this EPP: not quiet even if the page says idle
             assert not scraper.quiet(endpoint)
-            endpoint.in_flight_requests = 0
+            endpoint.peer_in_flight_requests = 1  # ... from a peer replica (epp.replicas) only: quiet, as another
+            assert scraper.quiet(endpoint)  # client's load is (a replica routing nothing scrapes slowly)
+            endpoint.in_flight_requests = 2
+            assert not scraper.quiet(endpoint)
+            endpoint.in_flight_requests = endpoint.peer_in_flight_requests = 0
             state["page"] = PAGE  # another client's load, but no request of this EPP: scraped slowly all the same
             state["scrapes"] = 0
             await asyncio.sleep(0.5)

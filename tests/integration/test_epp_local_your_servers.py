@@ -108,6 +108,23 @@ def test_the_local_envoy_bootstrap_is_printed(tmp_path, capsys):
     assert '"port_value": 8003' in json.dumps(yaml.safe_load(capsys.readouterr().out))
 
 
+def test_shadow_replicas_are_outside_envoys_epp_cluster_and_still_share():
+    """With epp_shadows, Envoy sends ext_proc streams to the first replica only (and health-checks only it); the
+    shadows still get their own ports and a place on the replica channel."""
+    routed, shadowed = (
+        LocalStack(StackConfig.on_free_ports(4, epp_replicas=3, epp_shadows=shadows)) for shadows in (False, True)
+    )
+    for stack in (routed, shadowed):
+        assert len(stack.epp_ports) == 3 and len(stack.replica_ports) == 3
+    grpc_ports = [grpc for grpc, _, _ in shadowed.epp_ports]
+    everyone = json.dumps(yaml.safe_load(routed.envoy_bootstrap()))
+    first_only = json.dumps(yaml.safe_load(shadowed.envoy_bootstrap()))
+    assert all(f'"port_value": {port}' in everyone for port in [grpc for grpc, _, _ in routed.epp_ports])
+    assert f'"port_value": {grpc_ports[0]}' in first_only
+    assert not any(f'"port_value": {port}' in first_only for port in grpc_ports[1:])
+    assert not any(f'"port_value": {health}' in first_only for _, health, _ in shadowed.epp_ports[1:])
+
+
 async def test_a_pool_of_no_model_server_answers_503_not_the_servers_page(tmp_path):
     """A wrong port in the pool (a web server: 404 on /metrics, an HTML 501 for the request) is never routed to: the
     client gets the EPP's 503, not that server's page."""
