@@ -7,8 +7,8 @@ What is shared, over UDP on `--replica-port` (no external store):
   change schedules a check at the end of the event loop's current pass, which carries everything changed in it (a
   busy loop's passes are longer: the busier, the more one datagram carries). A count that rose (a pick) goes out
   then; counts that only fell wait up to HOLD_SECONDS for the next datagram (`_flush`). A heartbeat resends it
-  every HEARTBEAT_SECONDS. A snapshot replaces the sender's previous one whole, so a lost datagram is healed by the
-  next, and a peer that stops (killed, partitioned) stops counting once its last snapshot is EXPIRY_SECONDS old.
+  when none went out for HEARTBEAT_SECONDS. A snapshot replaces the sender's previous one whole, so a lost
+  datagram is healed by the next, and a peer that stops (killed, partitioned) stops counting once its last snapshot is EXPIRY_SECONDS old.
   The receiver adds the sum of its fresh peers' snapshots to each endpoint's in-flight counts and remembers that sum
   (`peer_in_flight_requests` / `peer_in_flight_tokens`), so every reader of the counts (the load scorers, the queue
   estimates of `epp.datalayer.load`, the saturation detector, the latency predictor's features) sees the pool's
@@ -34,8 +34,10 @@ anything is parsed. The most a forger who passes those checks can do is add load
 entries to the prefix index, never crash the EPP or make it hold more than MAX_PEERS snapshots.
 
 Wire: a datagram is a HEADER and its sections (SECTION: a snapshot, or a kind of delta's entries), so one datagram
-carries a snapshot and every delta waiting: about one datagram per peer for a pick, and one for the falls and deltas
-after it (docs/replicas.md has the counts).
+carries a snapshot and every delta waiting. Every datagram wakes each peer's event loop, which costs it more than
+the Python that reads the datagram: what sharing costs in CPU follows the datagrams (`epp-bench replica-channel`;
+docs/replicas.md has the counts). So only a pick goes out at once; falls and prefix picks wait up to HOLD_SECONDS,
+what trains the peers' predictors waits for the next datagram (`_queue`).
 
 Cost: on the request path, one call per change (`load_changed`: a flag check, a callback when none is pending) and
 an encoded entry per recorded pick (`learned`); encoding and sending run in that one callback once the loop's pass is
@@ -68,12 +70,13 @@ from epp.scheduling.framework import SharedPrefixIndex
 log = logging.getLogger("epp.replicas")
 
 DEFAULT_REPLICA_PORT = 9005
+# Each peer hears a snapshot at least this often: the heartbeat sends one when no other datagram carried one since.
 HEARTBEAT_SECONDS = 0.5
-# Deltas (prefix picks, access-log records, predictor observations) go out at most this long after they were made,
-# with the next datagram if it is sooner.
-DELTA_SECONDS = 0.05
-# Counts that only fell (no pick) go out at most this long after they fell, with the next datagram if it is sooner.
-HOLD_SECONDS = 0.01
+# What is not a pick (counts that only fell, deltas: prefix picks, access-log records, predictor observations) goes
+# out at most this long after it was made, with the next datagram if it is sooner. Every datagram wakes each peer
+# (the CPU sharing costs follows the datagrams: docs/replicas.md): at 10 ms the falls went alone, 2.9 datagrams a
+# request and peer at 24 req/s over 3 replicas; at 50 ms most ride with the next pick or each other.
+HOLD_SECONDS = 0.05
 # A peer's snapshot counts for this long after it came (4 heartbeats: one or two lost datagrams do not matter).
 EXPIRY_SECONDS = 2.0
 RESOLVE_SECONDS = 5.0
@@ -380,12 +383,13 @@ class ReplicaChannel(asyncio.DatagramProtocol):
         self._deltas: dict[int, list[bytes]] = {LEARNED: [], RECORDS: [], OBSERVED: []}  # kind -> entries to send
         self._send_timer: asyncio.TimerHandle | None = None  # the send of what waits (fallen counts, deltas)
         self._send_at = 0.0  # when it is due
+        self._snapshot_at = -math.inf  # when the last snapshot went out
         # the director's match of an access-log record with a request it saw end (a peer forwarded the record)
         self.match_record: Callable[[str, float | None, str, str | None], bool] | None = None
         self.predictor: LatencyPredictor | None = None  # learns from the peers' observations too
         self._tasks: list[asyncio.Task] = []
         self._rejected_logged: set[tuple[str, str]] = set()
-        self.sent = 0
+        self.sent = self.sent_bytes = 0
         self.received: dict[str, int] = dict.fromkeys(
             ("accepted", "unknown_peer", "bad_signature", "malformed", "stale", "oversized"), 0
         )
@@ -416,11 +420,14 @@ class ReplicaChannel(asyncio.DatagramProtocol):
         self._queue(OBSERVED, observation_entry, features, ttft, tpot)
 
     def _queue(self, kind: int, entry: Callable[..., bytes], *fields) -> None:
-        """Deltas wait up to DELTA_SECONDS, or less for the next datagram: nothing reads them within milliseconds,
-        and they ride in a snapshot's datagram for free."""
+        """Deltas ride in the next datagram for free. A prefix pick waits HOLD_SECONDS at most (a peer's next
+        decision may read it). Access-log records and observations wait for the next datagram, the heartbeat
+        (HEARTBEAT_SECONDS) at the latest: they only train the peers' predictors, which no decision waits for, and
+        sent on their own they were a datagram, and a wakeup of every peer, per request."""
         if self._loop is not None and self.addresses:
             self._deltas[kind].append(entry(*fields))
-            self._send_within(DELTA_SECONDS)
+            if kind == LEARNED:
+                self._send_within(HOLD_SECONDS)
 
     # -- sending -------------------------------------------------------------------------------------------------
     def own_load(self) -> dict[str, tuple[int, int]]:
@@ -472,7 +479,7 @@ class ReplicaChannel(asyncio.DatagramProtocol):
             self._send_timer = None
         sections = []
         if heartbeat or load != self._sent_load:
-            self._sent_load = load
+            self._sent_load, self._snapshot_at = load, time.monotonic()
             sections.append((SNAPSHOT, encode_load(load)))
         for kind, entries in self._deltas.items():
             if not entries:
@@ -486,15 +493,21 @@ class ReplicaChannel(asyncio.DatagramProtocol):
             self._send(count, payload)
 
     def _schedule_release(self, due: float) -> None:
-        """A flush when the next prompt's prefill is due: peers see it released then, not at this replica's next
-        decision (a single EPP releases them when a decision starts, which is all that reads them)."""
+        """A release HOLD_SECONDS after the next prompt's prefill is due: peers see it released then, not at this
+        replica's next decision (a single EPP releases them when a decision starts, which is all that reads them).
+        A release is a fall, which may wait HOLD_SECONDS: one wakeup then sends it, where a wakeup when due and
+        another for the fall's hold were two (a datagram in between carries it sooner)."""
         if due and (not self._release_at or due < self._release_at) and self._loop is not None:
             self._release_at = due
-            self._loop.call_later(max(0.0, due - time.monotonic()), self._released)
+            self._loop.call_later(max(0.0, due - time.monotonic()) + HOLD_SECONDS, self._released)
 
     def _released(self) -> None:
+        """The releases due HOLD_SECONDS ago (and since) go out now, with whatever waits."""
         self._release_at = 0.0
-        self._flush()
+        self._schedule_release(self.release_prefilled())
+        load = self.own_load()
+        if load != self._sent_load:
+            self._send_all(load)
 
     def _send(self, count: int, payload: bytes) -> None:
         transport = self._transport
@@ -507,6 +520,7 @@ class ReplicaChannel(asyncio.DatagramProtocol):
         for address in self.addresses:
             transport.sendto(datagram, address)
         self.sent += len(self.addresses)
+        self.sent_bytes += len(self.addresses) * len(datagram)
 
     # -- receiving -----------------------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -613,14 +627,16 @@ class ReplicaChannel(asyncio.DatagramProtocol):
     # -- upkeep --------------------------------------------------------------------------------------------------
     def heartbeat(self) -> None:
         """Drop peers whose last snapshot is too old, bring every endpoint's peer share up to date (endpoints that
-        joined since), and resend this replica's snapshot."""
+        joined since), and resend this replica's snapshot unless one went out within HEARTBEAT_SECONDS (under load
+        the picks' datagrams carry it: a heartbeat on top would be one more datagram, and wakeup, for each peer)."""
         now = time.monotonic()
         for source in [s for s, p in self.peers.items() if now - p.seen_at > EXPIRY_SECONDS]:
             del self.peers[source]
         self._apply([e.hostport for e in self.datastore.endpoints])
         if self.release_prefilled is not None:
             self._schedule_release(self.release_prefilled())
-        self._send_all(self.own_load(), heartbeat=True)
+        if now - self._snapshot_at >= 0.9 * HEARTBEAT_SECONDS:  # (the loop's timers may fire a millisecond early)
+            self._send_all(self.own_load(), heartbeat=True)
 
     async def resolve(self) -> None:
         """Each peer's addresses now; a peer that does not resolve keeps its last addresses (logged once)."""
@@ -652,7 +668,7 @@ class ReplicaChannel(asyncio.DatagramProtocol):
                 await self.resolve()
                 next_resolve = time.monotonic() + RESOLVE_SECONDS
             self.heartbeat()
-            await asyncio.sleep(HEARTBEAT_SECONDS)
+            await asyncio.sleep(max(0.001, self._snapshot_at + HEARTBEAT_SECONDS - time.monotonic()))
 
     async def start(self) -> None:
         await self.resolve()  # first: a peer's datagram that comes as soon as the port is bound counts
@@ -683,6 +699,11 @@ class ReplicaChannel(asyncio.DatagramProtocol):
         sent = CounterMetricFamily("inference_extension_replica_datagrams_sent", "Datagrams sent to peer replicas.")
         sent.add_metric([], self.sent)
         yield sent
+        sent_bytes = CounterMetricFamily(
+            "inference_extension_replica_bytes_sent", "Bytes of the datagrams sent to peer replicas (UDP payloads)."
+        )
+        sent_bytes.add_metric([], self.sent_bytes)
+        yield sent_bytes
         received = CounterMetricFamily(
             "inference_extension_replica_datagrams_received",
             "Datagrams from the replica port, by outcome (accepted; or ignored: unknown_peer, bad_signature, "

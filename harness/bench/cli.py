@@ -11,6 +11,7 @@ epp-bench kv-index [--cap 150000] [--entries 400000] [--batches 300] [--switch-i
 epp-bench handler-cpu [--requests 4000] [--batch 16] [--rounds 9] [--streamed] [--kv-events] [--config-file FILE]
                       [--evict-mb N] [--instructions] [--tracing off|bare|on]
 epp-bench agent-cpu [--rate 2] [--duration 30] [--profile N]
+epp-bench replica-channel [--replicas 3] [--rates 24 200] [--duration 20] [--servers 8] [--blocks 190] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from harness.bench import (
     kv_events,
     kv_index,
     overhead,
+    replica_channel,
     sim_capacity,
     tokenize,
 )
@@ -229,6 +231,12 @@ def build_parser() -> Parser:
     )
     cmp.add_argument("--scale", type=float, default=1.0, help="shrink prompt lengths (smoke runs)")
     cmp.add_argument(
+        "--profile",
+        action="store_true",
+        help="py-spy samples each run's first EPP over the measured run (runs/*/epp.pyspy.txt, collapsed stacks): "
+        "the report gives the share of its samples in the replica channel and what it feeds",
+    )
+    cmp.add_argument(
         "--load-generator",
         choices=["builtin", "inference-perf"],
         default="builtin",
@@ -285,6 +293,15 @@ def build_parser() -> Parser:
     fail_cmd.add_argument("--seconds", type=float, default=6.0, help="per fault")
     fail_cmd.add_argument("--fail-close", action="store_true", help="FailClose instead of FailOpen")
     fail_cmd.add_argument("--drain-timeout", type=float, default=10.0, help="the replicas' --drain-timeout (seconds)")
+    channel_cmd = sub.add_parser(
+        "replica-channel", help="the replica channel's CPU per request: N replicas in process, sharing and not"
+    )
+    channel_cmd.add_argument("--replicas", type=int, default=3, help="replica processes")
+    channel_cmd.add_argument("--rates", type=float, nargs="+", default=[24.0, 200.0], help="requests a second, all")
+    channel_cmd.add_argument("--duration", type=float, default=20.0, help="seconds a run")
+    channel_cmd.add_argument("--servers", type=int, default=8, help="endpoints in the pool")
+    channel_cmd.add_argument("--blocks", type=int, default=190, help="block hashes a prompt (prefix deltas)")
+    channel_cmd.add_argument("--rounds", type=int, default=2, help="pairs of runs (not sharing, sharing) a rate")
     idle_cmd = sub.add_parser("idle", help="CPU of an idle EPP that only scrapes N endpoints")
     idle_cmd.add_argument("--endpoints", type=int, nargs="+", default=[8, 64, 256], help="pool sizes")
     idle_cmd.add_argument("--seconds", type=float, default=10.0, help="measuring window per pool size")
@@ -333,6 +350,8 @@ def main(argv: list[str] | None = None) -> None:
             except (ValueError, ImportError) as error:
                 parser.error(f"--against {args.against}: {error}")
         kv_index.main(args.cap, args.entries, args.batches, args.switch_interval, other, args.rounds)
+    if args.command == "replica-channel":
+        replica_channel.main(args.replicas, args.rates, args.duration, args.servers, args.blocks, args.rounds)
     if args.command == "kv-events":
         kv_events.main(args.servers, args.rate, args.prompt_tokens, args.seconds, args.num_gpu_blocks, args.step_ms)
     if args.command == "compare":
@@ -381,6 +400,7 @@ def main(argv: list[str] | None = None) -> None:
                     sharing=sharing,
                     burst=args.burst,
                     shadows=shadows,
+                    profile=args.profile,
                 )
             )
             bar.update(task, completed=runs, description="done")

@@ -12,8 +12,10 @@ import json
 import os
 import re
 import resource
+import shutil
 import statistics
 import subprocess
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -90,7 +92,11 @@ _TOKEN_EVENT, _USAGE_EVENT = re.compile(rb'"choices":\s*\[\{'), re.compile(rb'"u
 _PREDICTOR = re.compile(
     r'^inference_extension_latency_predictor_(?:mape\{target="(ttft|tpot)"\}|(observations)_total) (\S+)$', re.M
 )
-_INDEX = re.compile(r"^inference_extension_(kv_events_index_entries|prefix_indexer_size) (\S+)$", re.M)
+_INDEX = re.compile(
+    r"^inference_extension_(kv_events_index_entries|prefix_indexer_size|replica_datagrams_sent_total|"
+    r"replica_bytes_sent_total) (\S+)$",
+    re.M,
+)
 _COUNTER = re.compile(
     r"^(vllm:(?:(?:prefix_cache_hits|prefix_cache_queries|request_success)_total|time_to_first_token_seconds_(?:sum|count)))"
     r"\{[^}]*\} (\S+)$",
@@ -138,6 +144,10 @@ class TargetResult:
     follow_ups: int = 0  # Responses turns with previous_response_id (the agentic workload)
     follow_ups_ok: int = 0  # of those, answered with their stored conversation
     ttft_samples_ms: list[float] = field(default_factory=list)  # every successful request's TTFT (the CDF charts)
+    # with --profile: the first EPP's py-spy samples over the measured run, and of them the share (0-1) with a frame
+    # in each file of PROFILED_FILES (the replica channel, the prefix index it feeds, the predictor it feeds)
+    profile_samples: int = 0
+    profile_shares: dict[str, float] = field(default_factory=dict)
 
 
 def _host_ticks() -> tuple[int, int]:
@@ -371,11 +381,13 @@ async def run_target(
     replicas: int = 1,
     sharing: bool = True,
     shadows: bool = False,
+    profile: bool = False,
 ) -> TargetResult:
     """One target under the workload for `duration` s; `warmup` s of the same workload (another draw, at `rate`)
     go first and count for nothing: what learns online (the latency predictor, the prefix caches) starts warm. An
     EPP target runs on `replicas` EPPs behind its Envoy, sharing their load (`sharing`) or not (`target_label`); with
-    `shadows` Envoy routes to the first only and the others run beside it without requests (StackConfig.epp_shadows)."""
+    `shadows` Envoy routes to the first only and the others run beside it without requests (StackConfig.epp_shadows).
+    `profile`: py-spy samples the first EPP over the measured run (`_profile`)."""
     if warmup and (concurrency or load_generator != "builtin"):
         raise ValueError("--warmup needs the builtin load generator at a fixed rate (--rates)")
     agent = spec["name"] == "agentic"
@@ -429,6 +441,7 @@ async def run_target(
             children_before = resource.getrusage(resource.RUSAGE_CHILDREN)
             host_before = _host_ticks()
             started = time.monotonic()
+            spy = _profile(pids["epp"], duration, workdir / "epp.pyspy.txt") if profile and "epp" in pids else None
 
             async def sample_load() -> None:
                 while True:
@@ -471,6 +484,9 @@ async def run_target(
             # what the run cost, taken before the pages below are read: rendering its /metrics page twice cost the
             # EPP 85-195 ms (py-spy, agentic workload), 0.2-0.4 ms per request of a 30 s run at 15 requests a second
             cpu_after = {k: cpu_seconds(p) for k, p in pids.items()}
+            if spy is not None:
+                spy.wait(60)
+                result.profile_samples, result.profile_shares = profile_shares(workdir / "epp.pyspy.txt")
             client_after = resource.getrusage(resource.RUSAGE_SELF)
             children_after = resource.getrusage(resource.RUSAGE_CHILDREN)
             host_after = _host_ticks()
@@ -527,6 +543,41 @@ async def run_target(
     # spare: then the modelled GPU steps stretch and the comparison measures the host, not the routing.
     result.valid = max(result.machine_busy, result.host_busy) < 0.9 and max(result.cpu_seconds.values()) / elapsed < 0.9
     return result
+
+
+# The files whose share of the profiled EPP's samples a run reports (a sample counts for each file it has a frame in):
+# the replica channel (what it sends, receives and applies, its callees included), and what a peer's datagram feeds
+PROFILED_FILES = ("epp/replicas.py", "epp/predictor/", "epp/scheduling/plugins/prefix_cache_scorer.py")
+PROFILE_RATE = 200  # py-spy samples a second
+
+
+def _profile(pid: int, duration: float, out: Path) -> subprocess.Popen:
+    """py-spy sampling `pid` for `duration` s into `out` (collapsed stacks), without stopping it for each sample."""
+    # the environment's own py-spy when it is not on PATH (epp-bench run by its path)
+    spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    command = [spy, "record", "--nonblocking", "--format", "raw", "--rate", str(PROFILE_RATE)]
+    command += ["--duration", str(max(1, round(duration))), "--pid", str(pid), "--output", str(out)]
+    try:
+        return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    except FileNotFoundError:
+        raise SystemExit("--profile needs py-spy (pip install -e '.[bench]')") from None
+
+
+def profile_shares(path: Path) -> tuple[int, dict[str, float]]:
+    """A py-spy collapsed-stack file: its samples, and the share of them with a frame in each of PROFILED_FILES and
+    in each function of the replica channel ("epp/replicas.py:datagram_received"), callees included."""
+    counts: dict[str, int] = {}
+    total = 0
+    for line in path.read_text().splitlines() if path.exists() else ():
+        stack, _, n = line.rpartition(" ")
+        if not n.isdigit():
+            continue
+        total += int(n)
+        keys = {f for f in PROFILED_FILES if f in stack}
+        keys |= {f"epp/replicas.py:{frame.split(' (')[0]}" for frame in stack.split(";") if "epp/replicas.py" in frame}
+        for key in keys:
+            counts[key] = counts.get(key, 0) + int(n)
+    return total, {k: v / total for k, v in sorted(counts.items(), key=lambda kv: -kv[1])}
 
 
 def target_label(target: str, replicas: int, sharing: bool, shadows: bool = False) -> str:
@@ -684,6 +735,16 @@ def markdown(results: list[TargetResult], floors: dict[float, agentic.Floor] | N
                     f"{i.get('prefix_indexer_size', 0):.0f} entries, EPP resident memory {i['rss_mb']:.0f} MB",
                     "",
                 ]
+                if i.get("replica_datagrams_sent_total"):
+                    lines += [
+                        f"{r.target}: replica datagrams sent since the EPPs started, per request (all replicas, "
+                        f"each peer counted): {i['replica_datagrams_sent_total'] / r.succeeded:.2f}, "
+                        f"{i.get('replica_bytes_sent_total', 0) / r.succeeded:.0f} bytes",
+                        "",
+                    ]
+            if r.profile_samples:
+                shares = ", ".join(f"{k} {v:.1%}" for k, v in r.profile_shares.items())
+                lines += [f"{r.target}: the first EPP's profile, {r.profile_samples} samples: {shares}", ""]
         follow_ups = [r for r in rows if r.follow_ups]
         if follow_ups:
             lines += [
@@ -812,10 +873,12 @@ async def compare(
     sharing: list[bool] = (True,),
     burst: int = 0,
     shadows: list[bool] = (False,),
+    profile: bool = False,
 ) -> list[TargetResult]:
     """Each target at each load; an EPP target once per replica count, sharing and routing choice
     (`replica_variants`).
-    `burst` > 0: arrivals (requests, or agent sessions) come in bursts of that many at once, at the same rate."""
+    `burst` > 0: arrivals (requests, or agent sessions) come in bursts of that many at once, at the same rate.
+    `profile`: py-spy samples each run's first EPP (`run_target`)."""
     known = {**EPP_TARGETS, **ENVOY_TARGETS, **PEER_TARGETS, **dict.fromkeys(ORACLE_TARGETS)}
     unknown = [t for t in targets if t not in known]
     if unknown:  # before anything starts
@@ -853,6 +916,7 @@ async def compare(
                         replicas=n,
                         sharing=share,
                         shadows=shadow,
+                        profile=profile,
                     )
                 )
     (out / f"{workload}.json").write_text(json.dumps([asdict(r) for r in results], indent=2))

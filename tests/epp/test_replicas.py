@@ -136,7 +136,10 @@ def test_a_lost_snapshot_heals_with_the_next_and_a_silent_peer_expires():
     a._flush()
     wire.take(B)  # lost
     assert b.datastore.endpoints[2].in_flight_requests == 0
-    a.heartbeat()  # the heartbeat resends it, changed or not
+    a.heartbeat()  # a snapshot went out within HEARTBEAT_SECONDS: no heartbeat on top of it
+    assert not wire.sent
+    a._snapshot_at -= replicas.HEARTBEAT_SECONDS
+    a.heartbeat()  # none for as long: the heartbeat resends it, changed or not
     deliver(wire, A, b, B)
     assert b.datastore.endpoints[2].in_flight_requests == 4
     b.peers[A].seen_at -= replicas.EXPIRY_SECONDS + 0.1  # A said nothing for as long
@@ -194,11 +197,9 @@ def test_a_prompt_is_released_to_peers_when_its_prefill_is_due_not_at_the_next_d
     deliver(wire, A, b, B)
     assert b.datastore.endpoints[0].in_flight_tokens == 500
     ((timer,),) = [a._loop.timers]
-    assert 0 < timer.delay <= 0.02
+    assert HOLD_SECONDS < timer.delay <= 0.02 + HOLD_SECONDS  # due, and a fall's hold: one wakeup sends it
     time.sleep(timer.delay)
     timer.callback()
-    assert not wire.sent  # a fall waits for the next datagram, HOLD_SECONDS at most
-    a._loop.fire()
     deliver(wire, A, b, B)
     assert (b.datastore.endpoints[0].in_flight_requests, b.datastore.endpoints[0].in_flight_tokens) == (1, 0)
 
@@ -259,7 +260,7 @@ def test_a_pick_recorded_by_one_replica_is_learnt_by_its_peers():
     state = CycleState()
     assert scorers[0].score(state, request, endpoints) is None  # nobody was sent it
     scorers[0].pre_request(request, SchedulingResult(endpoints=[endpoints[1]], cycle_state=state))
-    a._loop.fire()  # deltas wait DELTA_SECONDS for a datagram
+    a._loop.fire()  # deltas wait HOLD_SECONDS for a datagram
     deliver(wire, A, b, B)
     scores = scorers[1].score(CycleState(), request, b.datastore.endpoints)
     assert scores == [0.0, 1.0, 0.0]
@@ -274,7 +275,9 @@ def test_an_access_log_record_no_request_here_matched_goes_to_the_peers():
     b.match_record = lambda *record: matched.append(record) or True
     a.forward_record("req-1", 0.125, "200", "10.0.0.1:8001")
     a.forward_record("req-2", None, "", None)
-    a._loop.fire()  # deltas wait DELTA_SECONDS for a datagram
+    assert not wire.sent and not a._loop.timers  # records ride with the next datagram, the heartbeat at the latest
+    a._snapshot_at -= replicas.HEARTBEAT_SECONDS
+    a.heartbeat()
     deliver(wire, A, b, B)
     assert matched == [("req-1", 0.125, "200", "10.0.0.1:8001"), ("req-2", None, "", None)]
     records = [(f"id-{i}" * 20, i / 7, "503", None) for i in range(2000)]
@@ -294,7 +297,9 @@ def test_what_a_replicas_predictor_learns_its_peers_learn():
     features = Features(2, 3, 0.5, 900, 1200, 600, True, 250.0, "e1")
     own.observe(features, 0.08, 0.02)
     own.observe(features, 0.09, None)
-    a._loop.fire()  # deltas wait DELTA_SECONDS for a datagram
+    assert not wire.sent and not a._loop.timers  # observations ride with the next datagram: here a pick's
+    a.datastore.endpoints[1].in_flight_requests = 1
+    a._flush()
     deliver(wire, A, b, B)
     assert b.predictor.ttft.model.count == own.ttft.model.count == 2 and b.predictor.tpot.model.count == 1
     b.predictor.observed = lambda *observation: pytest.fail("a peer's observation went back out")
