@@ -191,6 +191,13 @@ class PrefixIndexStats(Plugin):
     ) -> list[int]:
         """Prompt tokens of `request` that each of `endpoints` probably holds in its prefix cache."""
 
+    @abstractmethod
+    def unknown_endpoint_tokens(
+        self, cycle_state: CycleState, request: SchedulingRequest, endpoints: Sequence[Endpoint]
+    ) -> list[int]:
+        """Prompt tokens of `request` to expect cached on each of `endpoints` that the index knows nothing of (a
+        server new to the pool): what the latency predictor compares candidates with, beside `cached_tokens`."""
+
     @property
     @abstractmethod
     def hit_ratio(self) -> float:

@@ -41,11 +41,20 @@ CachedTokens = Callable[[CycleState, SchedulingRequest, list[Endpoint]], list[in
 
 
 class CandidatePredictions:
-    """Parameters: predictor; cached_tokens (see CachedTokens), None = nothing cached."""
+    """Parameters: predictor; cached_tokens (see CachedTokens), None = nothing cached; unknown_tokens (a
+    CachedTokens too: what to expect cached on an endpoint the prefix index knows nothing of,
+    `PrefixIndexStats.unknown_endpoint_tokens`), counted in the predictions the plugins compare (`get`) and not in
+    the features the predictor learns from (`cached`), None = none."""
 
-    def __init__(self, predictor: LatencyPredictor, cached_tokens: CachedTokens | None = None):
+    def __init__(
+        self,
+        predictor: LatencyPredictor,
+        cached_tokens: CachedTokens | None = None,
+        unknown_tokens: CachedTokens | None = None,
+    ):
         self.predictor = predictor
         self.cached_tokens = cached_tokens
+        self.unknown_tokens = unknown_tokens
         self._adapters: set[str] = set()
 
     def adapter(self, model: str, endpoints: list[Endpoint]) -> str | None:
@@ -86,6 +95,9 @@ class CandidatePredictions:
         missing = [e for e in endpoints if (p := known.get(e.spec.name)) is None or (tpot and p[1] is None)]
         if missing:
             tokens = self.cached(cycle_state, request, missing)
+            if self.unknown_tokens is not None:
+                expected = self.unknown_tokens(cycle_state, request, missing)
+                tokens = [t if t >= x else x for t, x in zip(tokens, expected, strict=True)]
             adapter = self.adapter(request.model, endpoints)
             predicted = predictor.predict_endpoints(missing, request.prompt_tokens_estimate, tokens, adapter, tpot=tpot)
             for e, p in zip(missing, predicted, strict=True):

@@ -189,6 +189,7 @@ class Scheduler:
         )
         if predictions is not None and self.prefix_index is not None:
             predictions.cached_tokens = self.prefix_index.cached_tokens
+            predictions.unknown_tokens = self.prefix_index.unknown_endpoint_tokens
 
     @classmethod
     def from_config(

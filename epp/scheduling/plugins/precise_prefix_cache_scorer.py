@@ -6,9 +6,13 @@ and chat template, with a per-prefix cache) and its full blocks are hashed exact
 (`protocol.kv_events.request_block_hashes`: vLLM's chained SHA-256 with the servers' PYTHONHASHSEED, the adapter's
 name for a LoRA request), so a block found in the index is a block the server holds. Score = the longest run of the
 prompt's leading blocks an endpoint holds (`epp.datalayer.kv_events.KVBlockIndex`, fed by the servers' KV events)
-/ the prompt's blocks, for endpoints that publish events; it abstains for the others, which prefix-cache-scorer
-(the approximate index) keeps scoring, so a pool that mixes both works with both scorers in the profile. The same
-load guard as prefix-cache-scorer (`epp.scheduling.load.guard_load`).
+/ the prompt's blocks, for endpoints that publish events; prefix-cache-scorer (the approximate index) keeps scoring
+the others, so a pool that mixes both works with both scorers in the profile. An endpoint that has published nothing
+yet (a server new to the pool, or never sent a request) is expected to hold what every publishing candidate holds,
+when at least two publish (`PromptBlocks.common`): a prefix every serving server holds (an agent's tools prompt) is
+a prefill each server pays once, and scored as a miss there it kept every new session on the servers that happened
+to get that prompt first (docs/replicas.md, "Agent sessions locked onto the first servers"). The same load guard as
+prefix-cache-scorer (`epp.scheduling.load.guard_load`).
 
 Tokenizing and hashing run in `prepare` (PrepareData), before the cycle, and only as far as the score needs: a
 segment at a time, up to the segment with the first block that no endpoint's run of leading blocks holds (blocks
@@ -26,8 +30,8 @@ PROMPT_BLOCKS (the held leading blocks' hashes and the prompt's block count).
 Parameters: tokenizerDir (a local Hugging Face model directory with tokenizer.json and tokenizer_config.json; unset:
 the sim's built-in tokenizer), blockSize (0: the block size of the servers' events, else 16), hashSeed (the servers'
 PYTHONHASHSEED; default: the EPP's own PYTHONHASHSEED), hashAlgo (the servers' --prefix-caching-hash-algo: sha256 or
-sha256_cbor), loadGuardQueueGap (8; 0 = off), scoreBeyondShared (true: the held run beyond what every publishing
-candidate holds, over the prompt's blocks beyond it, so that a prefix held everywhere (an agent's shared tools
+sha256_cbor), loadGuardQueueGap (8; 0 = off), scoreBeyondShared (true: the held run beyond what every candidate
+holds (an endpoint that has published nothing counted as holding `common`), over the prompt's blocks beyond it, so that a prefix held everywhere (an agent's shared tools
 prompt) does not dilute what tells the candidates apart: a session's own context; false: the held run over the
 prompt's blocks. The default since docs/2026-11-29-agentic-floor.md measured it: better on the agentic workload,
 within 5 % on the others), threadPromptChars (8192), tokenCacheTokens (2,000,000 tokens of
@@ -35,7 +39,9 @@ cached prompt segments), blockHashCacheBlocks (500,000).
 Trade-offs: needs the servers' tokenizer files and hash seed (without PYTHONHASHSEED vLLM's hashes are random per
 process and nothing matches: the scorer then abstains everywhere); a request waits for its tokenization (~ms for a
 new 8k-token prompt, see harness/bench/tokenize.py) where the approximate scorer hashes text; the index is only as fresh
-as the events (a gap drops an endpoint until it republishes).
+as the events (a gap drops an endpoint until it republishes); the first request a server new to the pool gets
+pays the common prefix's prefill, which its score and its latency prediction (`CandidatePredictions.get`) counted as
+held: once per new server, that request is slower than predicted (and an SLO filter may have let it through).
 """
 
 from __future__ import annotations
@@ -62,13 +68,14 @@ DEFAULT_BLOCK_SIZE = 16
 UINT64 = (1 << 64) - 1
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class PromptBlocks:
     """The prompt's blocks as far as the score needs them."""
 
     hashes: list[int]  # the leading blocks' hashes (as KV events carry them) while some endpoint holds them all
     blocks: int  # the prompt's full blocks: counted when all its tokens were read, else estimated (see prepare)
     held: dict[str, int] = field(default_factory=dict)  # held_by's answers this cycle, per endpoint
+    common_blocks: int | None = field(default=None, compare=False)  # common's answer this cycle
 
     def held_by(self, index: KVBlockIndex, endpoints: list[str]) -> dict[str, int]:
         """How many of the leading blocks each of `endpoints` holds (`KVBlockIndex.prefix_blocks`: an endpoint's
@@ -80,6 +87,24 @@ class PromptBlocks:
         if missing:
             held.update(index.prefix_blocks(self.hashes, missing))
         return held
+
+    def common(self, index: KVBlockIndex, publishing: list[str], candidates: int) -> int:
+        """The leading blocks every publishing candidate holds (`held_by`), when every one of the `candidates`
+        publishes or at least two do; else 0. A candidate that has published nothing (a server new to the pool, or
+        never sent a request) is expected to hold that much as well: a prefix every server that serves holds (an
+        agent's tools prompt) is a cost each server pays once, not a reason to keep new work off the ones that
+        have not paid it yet. With one publisher, what it holds is its own (a new pool's first prompt), not
+        common. Worked out once a cycle, for the first candidates asked: the latency predictor's filter asks for
+        all of them, and the scorers after it must not lose what is common because it dropped a publisher."""
+        common = self.common_blocks
+        if common is None:
+            if len(publishing) < 2 and len(publishing) < candidates:
+                common = 0
+            else:
+                held = self.held_by(index, publishing)
+                common = min(held[e] for e in publishing)
+            self.common_blocks = common
+        return common
 
 
 PROMPT_BLOCKS: StateKey[PromptBlocks] = StateKey("prompt-blocks")
@@ -275,12 +300,14 @@ class PrecisePrefixCacheScorer(Scorer, PrepareData, KVEventsConsumer):
         if not publishing:
             return None
         matched = prompt_blocks.held_by(index, publishing)
-        # what every candidate holds (scoreBeyondShared) prefills nowhere: only the rest tells them apart; a candidate
-        # that has published no events yet (a new pool, a new server) holds nothing the index knows of: none shared
-        every = self.beyond_shared and len(publishing) == len(endpoints)
-        shared = min(matched[e] for e in publishing) if every else 0
+        # a candidate that has published nothing yet is expected to hold what every publisher holds (`common`), so
+        # that a server new to the pool is not kept from new work by the one prefill it needs to join
+        expected = prompt_blocks.common(index, publishing, len(endpoints)) if len(publishing) < len(endpoints) else 0
+        held = [matched.get(e.hostport, expected) for e in endpoints]
+        # what every candidate holds (scoreBeyondShared) prefills nowhere: only the rest tells them apart
+        shared = min(held) if self.beyond_shared else 0
         rest = prompt_blocks.blocks - shared
         if rest <= 0:
             return None
-        scores = [max(0, matched.get(e.hostport, 0) - shared) / rest for e in endpoints]
+        scores = [(h - shared) / rest for h in held]
         return guard_load(scores, cycle_state, endpoints, self.load_guard_gap)

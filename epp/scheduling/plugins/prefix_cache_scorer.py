@@ -222,6 +222,29 @@ class PrefixCacheScorer(
             ]
         return counts
 
+    def unknown_endpoint_tokens(
+        self, cycle_state: CycleState, request: SchedulingRequest, endpoints: Sequence[Endpoint]
+    ) -> list[int]:
+        """Prompt tokens to expect cached on each of `endpoints` that neither index knows anything of (it has
+        published no KV events and was not sent a prompt: a server new to the pool, or never picked): the prefix
+        every publishing candidate holds (`PromptBlocks.common`); 0 for the others. What the latency predictor
+        predicts from when it compares candidates (`CandidatePredictions.get`), not what it learns from: such a
+        server needs that prefix once to serve anything, and counted as a miss there it never gets new work while
+        the servers that happened to be sent it first stay within reach (docs/replicas.md)."""
+        index, exact = self._kv_index, cycle_state.read(PROMPT_BLOCKS)
+        counts = [0] * len(endpoints)
+        if index is None or exact is None:
+            return counts
+        publishing = [e.hostport for e in endpoints if index.publishes(e.hostport)]
+        held = self._held
+        unknown = [i for i, e in enumerate(endpoints) if e.spec.name not in held and not index.publishes(e.hostport)]
+        common = exact.common(index, publishing, len(endpoints)) if publishing and unknown else 0
+        if common:
+            tokens = common * (index.block_size or 16)
+            for i in unknown:
+                counts[i] = tokens
+        return counts
+
     def use_kv_index(self, index: KVBlockIndex) -> None:
         self._kv_index = index
 

@@ -11,9 +11,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from epp.datalayer.kv_events import KVBlockIndex
+from epp.predictor import LatencyPredictor
 from epp.scheduling.plugins import build_plugin
 from epp.scheduling.plugins.precise_prefix_cache_scorer import PROMPT_BLOCKS, BlockHashCache, PromptBlocks
 from epp.scheduling.plugins.prefix_cache_scorer import PREFIX_HASHES
+from epp.scheduling.predictions import CandidatePredictions
 from epp.scheduling.scheduler import Scheduler
 from epp.scheduling.types import CycleState, ResponseInfo, SchedulingRequest, SchedulingResult
 from protocol.kv_events import request_block_hashes
@@ -81,6 +83,7 @@ def test_the_prompt_s_hashes_are_the_server_s_and_score_the_held_prefix():
     index.store(pool[0].hostport, hashes)  # it served this very prompt
     index.saw(pool[1].hostport, "m")
     index.store(pool[1].hostport, hashes[: len(hashes) // 2])  # it holds half (the rest was evicted)
+    index.saw(pool[2].hostport, "m")  # it publishes, and holds none of it
     scorer = precise(index)
     cycle_state, req = prepared(scorer, payload)
     assert cycle_state.read(PROMPT_BLOCKS) == PromptBlocks(hashes, len(hashes))  # held to its end: read whole
@@ -353,3 +356,66 @@ def test_the_pieces_table_stays_within_its_capacity_and_its_answers_stay_exact()
             ids, 16, hash_seed=SEED
         )
         assert cache._piece_blocks <= 64 and cache._piece_blocks == sum(len(p[0]) for p in cache._pieces.values())
+
+
+def test_a_server_new_to_the_pool_is_expected_to_hold_what_every_publisher_holds():
+    """The agentic workload's lock-in (docs/replicas.md): two servers hold the shared tools prompt (here the system
+    prompt) and are busy, two have never been sent a request. A new session's prompt differs from theirs only after
+    the shared prefix. Counted as a miss on the new servers (~10x the busy ones' TTFT for a long shared prompt),
+    the new session went to a busy holder, with the scorers alone and with a trained latency predictor (whose filter
+    then dropped the new servers), so the servers that happened to be sent that prompt first kept every new
+    session. The new servers are expected to hold what every publisher holds: the idle ones win."""
+    from tests.epp.predictor.conftest import train
+
+    index = KVBlockIndex()
+    earlier = chat("Fix the failing test in the parser module.")
+    new_session = chat("Add a command-line flag that prints the version.")
+    busy = [endpoint(0, waiting=1, running=3, in_flight=2, in_flight_tokens=3000), endpoint(1, waiting=1, running=4)]
+    pool = [*busy, endpoint(2), endpoint(3)]
+    for predicting in (False, True):
+        predictor = LatencyPredictor(min_observations=50)
+        if predicting:
+            train(predictor)
+        scheduler = Scheduler.from_config(None, CandidatePredictions(predictor))
+        scheduler.use_kv_index(index)
+        precise_scorer = next(
+            p for p in scheduler.profile.plugins if p.typed_name.type == "precise-prefix-cache-scorer"
+        )
+        hashes = request_block_hashes(
+            load_tokenizer(None).encode(load_tokenizer(None).apply_chat_template(earlier["messages"])),
+            16,
+            hash_seed=precise_scorer.hash_seed,
+        )
+        for e in busy:
+            index.saw(e.hostport, "m")
+            index.store(e.hostport, hashes)
+        req = request(new_session)
+        state = scheduler.prepare(req)
+        blocks = state.read(PROMPT_BLOCKS)
+        assert 0 < blocks.common(index, [e.hostport for e in busy], len(pool)) < blocks.blocks
+        result = scheduler.schedule(req, pool, state)
+        assert result.primary in pool[2:], (predicting, result.totals)
+        assert all(e in result.candidates for e in pool[2:])  # the latency filter kept the new servers
+        # what the predictor learns from (the pick's features) counts what is known: nothing on the new servers
+        cached = scheduler.predictions.cached(state, req, pool)
+        assert cached[0] == cached[1] > 0 and cached[2:] == [0, 0]
+
+
+def test_beyond_shared_is_what_the_scored_candidates_hold_after_the_predictor_looked_at_the_whole_pool():
+    """The latency predictor asks for every candidate before its filter drops some; the scorer after it takes off
+    what the candidates it scores all hold (a shared system prompt that a dropped endpoint lacks still counts for
+    nothing), as with no predictor."""
+    pool = [endpoint(0), endpoint(1), endpoint(2)]
+    index = KVBlockIndex()
+    payload = chat("What is the capital of France?")
+    hashes = server_hashes(payload)
+    shared = len(hashes) - 4
+    for e, held in zip(pool, (hashes, hashes[:shared], hashes[:1]), strict=True):
+        index.saw(e.hostport, "m")
+        index.store(e.hostport, held)
+    approx = build_plugin("prefix-cache-scorer", {"loadGuardQueueGap": 0})
+    approx.use_kv_index(index)
+    beyond = precise(index, scoreBeyondShared=True)
+    cycle_state, req = prepared(beyond, payload)
+    assert approx.unknown_endpoint_tokens(cycle_state, req, pool) == [0, 0, 0]  # every one publishes
+    assert beyond.score(cycle_state, req, pool[:2]) == [1.0, 0.0]  # endpoint 2 dropped by a filter
