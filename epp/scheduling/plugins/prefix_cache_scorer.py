@@ -235,9 +235,10 @@ class PrefixCacheScorer(
         counts = [0] * len(endpoints)
         if index is None or exact is None:
             return counts
-        publishing = [e.hostport for e in endpoints if index.publishes(e.hostport)]
+        publishes = [index.publishes(e.hostport) for e in endpoints]
+        publishing = [e.hostport for e, p in zip(endpoints, publishes, strict=True) if p]
         held = self._held
-        unknown = [i for i, e in enumerate(endpoints) if e.spec.name not in held and not index.publishes(e.hostport)]
+        unknown = [i for i, e in enumerate(endpoints) if not publishes[i] and e.spec.name not in held]
         common = exact.common(index, publishing, len(endpoints)) if publishing and unknown else 0
         if common:
             tokens = common * (index.block_size or 16)
