@@ -41,20 +41,15 @@ CachedTokens = Callable[[CycleState, SchedulingRequest, list[Endpoint]], list[in
 
 
 class CandidatePredictions:
-    """Parameters: predictor; cached_tokens (see CachedTokens), None = nothing cached; unknown_tokens (a
-    CachedTokens too: what to expect cached on an endpoint the prefix index knows nothing of,
-    `PrefixIndexStats.unknown_endpoint_tokens`), counted in the predictions the plugins compare (`get`) and not in
-    the features the predictor learns from (`cached`), None = none."""
+    """Parameter: predictor. The scheduler sets, from its prefix index (`PrefixIndexStats`): cached_tokens (see
+    CachedTokens; None = nothing cached) and unknown_tokens (a CachedTokens too: what to expect cached on an endpoint
+    the prefix index knows nothing of, `unknown_endpoint_tokens`), counted in the predictions the plugins compare
+    (`get`) and not in the features the predictor learns from (`cached`); None = none."""
 
-    def __init__(
-        self,
-        predictor: LatencyPredictor,
-        cached_tokens: CachedTokens | None = None,
-        unknown_tokens: CachedTokens | None = None,
-    ):
+    def __init__(self, predictor: LatencyPredictor):
         self.predictor = predictor
-        self.cached_tokens = cached_tokens
-        self.unknown_tokens = unknown_tokens
+        self.cached_tokens: CachedTokens | None = None
+        self.unknown_tokens: CachedTokens | None = None
         self._adapters: set[str] = set()
 
     def adapter(self, model: str, endpoints: list[Endpoint]) -> str | None:
