@@ -50,9 +50,14 @@ def test_a_candidate_ahead_by_more_than_the_margin_wins_on_every_replica():
     assert wide[0] in {"e0", "e3", "e6"} and wide[1] in {"e1", "e4", "e7"} and wide[2] == "e5"
 
 
-def test_a_replica_with_nothing_near_the_best_on_its_stripe_takes_the_best():
+def test_fewer_near_best_than_replicas_go_to_the_replicas_in_rank_order():
     endpoints = [endpoint(i) for i in range(4)]
-    assert first(replica(1, 2), endpoints, [5.0, 1.0, 4.9, 1.0]) == "e0"  # its stripe e1 e3 is far behind
+    scores = [5.0, 1.0, 4.9, 1.0]  # e0 and e2 near-best
+    assert first(replica(1, 2), endpoints, scores) == "e2"  # both on rank 0's stripe (e0 e2 / e1 e3): it takes e0
+    # stripes e0 e3 / e1 / e2: ranks 0 and 2 take theirs, rank 1 none of its own, and no near-best is left
+    assert [first(replica(rank, 3), endpoints, scores) for rank in range(3)] == ["e0", "e0", "e2"]
+    assert [first(replica(rank, 3), endpoints, [5.0, 1.0, 1.0, 4.9]) for rank in range(3)] == ["e0", "e3", "e0"]
+    assert first(replica(1, 2), endpoints, [5.0, 1.0, 3.0, 1.0]) == "e0"  # one near-best: it, on every replica
 
 
 def test_a_burst_split_between_three_replicas_spreads_as_one_epp_would():
