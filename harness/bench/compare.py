@@ -154,7 +154,7 @@ class TargetResult:
     # in each file of PROFILED_FILES (the replica channel, the prefix index it feeds, the predictor it feeds)
     profile_samples: int = 0
     profile_shares: dict[str, float] = field(default_factory=dict)
-    # of the EPPs' picks (their decision rings, pooled), the share that went to an endpoint another pick chose less
+    # of the EPPs' picks (their decision rings, pooled: each keeps its last 1,000 by default), the share that went to an endpoint another pick chose less
     # than REPEAT_SECONDS before: in bursts, a replica that picked before its peer's pick reached it (`repeat_picks`);
     # and of those, the share where that other pick was another replica's
     repeat_picks: float = 0.0
