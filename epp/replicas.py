@@ -42,7 +42,9 @@ what trains the peers' predictors waits for the next datagram (`_queue`).
 Cost: on the request path, one call per change (`load_changed`: a flag check, a callback when none is pending) and
 an encoded entry per recorded pick (`learned`); encoding and sending run in that one callback once the loop's pass is
 done (or in the timer of what waits), and merging when a datagram comes, both on the event loop and never blocking
-(a send buffer over MAX_PENDING_SEND_BYTES drops deltas, never snapshots).
+(a send buffer over MAX_PENDING_SEND_BYTES drops deltas, never snapshots). The channel counts its own CPU by part
+(CPU_PARTS; a clock read before and after each callback, ~1 us), so what sharing costs is read off a running EPP
+(inference_extension_replica_cpu_seconds_total) and `epp-bench compare` reports it per request.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ import struct
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from time import thread_time
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -102,6 +105,10 @@ _F64 = struct.Struct("!d")
 _FEATURES = struct.Struct("!IIIIIdd?dd")
 _U32 = 0xFFFFFFFF
 MAX_HEADS = 65536
+# What the channel's CPU is counted by (`ReplicaChannel.cpu`): sending (the end-of-pass check, the timers of what
+# waits and the heartbeat, encoding, the sends), receiving (checking, decoding and merging peers' datagrams: their
+# snapshots, prefix picks and access-log records) and the latency predictor learning from the peers' observations.
+CPU_PARTS = ("send", "receive", "peer_learning")
 _HEADS: dict[str, bytes] = {}  # hostport -> its encoded entry head (_entry_head)
 
 
@@ -394,6 +401,8 @@ class ReplicaChannel(asyncio.DatagramProtocol):
             ("accepted", "unknown_peer", "bad_signature", "malformed", "stale", "oversized"), 0
         )
         self.learned_dropped = 0
+        # CPU seconds of this thread the channel took, by part (inference_extension_replica_cpu_seconds_total)
+        self.cpu: dict[str, float] = dict.fromkeys(CPU_PARTS, 0.0)
         if prefix_index is not None:
             prefix_index.learned = self.learned
 
@@ -446,6 +455,11 @@ class ReplicaChannel(asyncio.DatagramProtocol):
         back arrives after the decisions it was for. Counts that only fell (a first response byte, a prefill due,
         an end) wait up to HOLD_SECONDS for the next datagram: a peer that sees an endpoint busy a few milliseconds
         too long barely moves, and most of them then ride with a pick or each other (`_send_all`)."""
+        started = thread_time()
+        self._flush_now()
+        self.cpu["send"] += thread_time() - started
+
+    def _flush_now(self) -> None:
         self._flush_pending = False
         if self.release_prefilled is not None:
             self._schedule_release(self.release_prefilled())
@@ -468,8 +482,10 @@ class ReplicaChannel(asyncio.DatagramProtocol):
             self._send_timer = self._loop.call_later(seconds, self._send_waiting)
 
     def _send_waiting(self) -> None:
+        started = thread_time()
         self._send_timer = None
         self._send_all(self.own_load())
+        self.cpu["send"] += thread_time() - started
 
     def _send_all(self, load: dict[str, tuple[int, int]], heartbeat: bool = False) -> None:
         """One datagram (more only past MAX_DATAGRAM_BYTES) to each peer: the snapshot if it changed (or on a
@@ -503,11 +519,13 @@ class ReplicaChannel(asyncio.DatagramProtocol):
 
     def _released(self) -> None:
         """The releases due HOLD_SECONDS ago (and since) go out now, with whatever waits."""
+        started = thread_time()
         self._release_at = 0.0
         self._schedule_release(self.release_prefilled())
         load = self.own_load()
         if load != self._sent_load:
             self._send_all(load)
+        self.cpu["send"] += thread_time() - started
 
     def _send(self, count: int, payload: bytes) -> None:
         transport = self._transport
@@ -530,44 +548,51 @@ class ReplicaChannel(asyncio.DatagramProtocol):
         pass  # a peer that is not there (yet): its snapshots simply stop counting
 
     def datagram_received(self, data: bytes, address: tuple) -> None:
+        started = thread_time()
+        learning = self._receive(data, address)
+        self.cpu["receive"] += thread_time() - started - learning
+        self.cpu["peer_learning"] += learning
+
+    def _receive(self, data: bytes, address: tuple) -> float:
+        """One datagram: checked, then merged; the seconds of CPU its peers' observations took to learn from."""
         source = (address[0], address[1])
         if source not in self.allowed:
             self.received["unknown_peer"] += 1
-            return
+            return 0.0
         if len(data) > MAX_DATAGRAM_BYTES:
             self.received["oversized"] += 1
-            return
+            return 0.0
         view = memoryview(data)
         if self.secret is not None:
             if len(data) < HEADER.size + TAG_BYTES or not hmac.compare_digest(
                 hmac.digest(self.secret, view[:-TAG_BYTES], hashlib.sha256)[:TAG_BYTES], view[-TAG_BYTES:]
             ):
                 self._reject(source, "bad_signature", "its tag does not match --replica-secret-file")
-                return
+                return 0.0
             view = view[:-TAG_BYTES]
         if len(view) < HEADER.size:
             self._reject(source, "malformed", "too short")
-            return
+            return 0.0
         magic, instance, sequence, count = HEADER.unpack_from(view)
         if magic != MAGIC:
             self._reject(source, "malformed", "not a replica datagram (another program)")
-            return
+            return 0.0
         if instance == self.instance:
             self._found_self(source)
-            return
+            return 0.0
         peer = self.peers.get(source)
         if peer is not None and peer.instance == instance and sequence <= peer.sequence:
             self.received["stale"] += 1
-            return
+            return 0.0
         try:
             sections = unpack(view[HEADER.size :], count)
         except MalformedDatagram as exc:
             self._reject(source, "malformed", str(exc))
-            return
+            return 0.0
         if peer is None or peer.instance != instance:
             if peer is None and len(self.peers) >= MAX_PEERS:
                 self.received["unknown_peer"] += 1
-                return
+                return 0.0
             old = peer.load if peer is not None else {}
             peer = self.peers[source] = Peer(instance)
             if old:
@@ -576,6 +601,7 @@ class ReplicaChannel(asyncio.DatagramProtocol):
             self.load_changed()
         peer.sequence = sequence
         self.received["accepted"] += 1
+        learning = 0.0
         for kind, content in sections:
             if kind == SNAPSHOT:
                 old, peer.load, peer.seen_at = peer.load, content, time.monotonic()
@@ -590,8 +616,11 @@ class ReplicaChannel(asyncio.DatagramProtocol):
                 for record in content:
                     self.match_record(*record)
             elif kind == OBSERVED and self.predictor is not None:
+                learning_started = thread_time()
                 for features, ttft, tpot in content:
                     self.predictor.observe(features, ttft, tpot, own=False)
+                learning += thread_time() - learning_started
+        return learning
 
     def _reject(self, source: tuple[str, int], outcome: str, why: str) -> None:
         self.received[outcome] += 1
@@ -629,6 +658,7 @@ class ReplicaChannel(asyncio.DatagramProtocol):
         """Drop peers whose last snapshot is too old, bring every endpoint's peer share up to date (endpoints that
         joined since), and resend this replica's snapshot unless one went out within HEARTBEAT_SECONDS (under load
         the picks' datagrams carry it: a heartbeat on top would be one more datagram, and wakeup, for each peer)."""
+        started = thread_time()
         now = time.monotonic()
         for source in [s for s, p in self.peers.items() if now - p.seen_at > EXPIRY_SECONDS]:
             del self.peers[source]
@@ -637,6 +667,7 @@ class ReplicaChannel(asyncio.DatagramProtocol):
             self._schedule_release(self.release_prefilled())
         if now - self._snapshot_at >= 0.9 * HEARTBEAT_SECONDS:  # (the loop's timers may fire a millisecond early)
             self._send_all(self.own_load(), heartbeat=True)
+        self.cpu["send"] += thread_time() - started
 
     async def resolve(self) -> None:
         """Each peer's addresses now; a peer that does not resolve keeps its last addresses (logged once)."""
@@ -713,6 +744,15 @@ class ReplicaChannel(asyncio.DatagramProtocol):
         for outcome, value in self.received.items():
             received.add_metric([outcome], value)
         yield received
+        cpu = CounterMetricFamily(
+            "inference_extension_replica_cpu_seconds",
+            "CPU seconds the replica channel took on the event loop, by part (send; receive: checking, decoding and "
+            "merging peers' datagrams; peer_learning: the latency predictor learning from the peers' observations).",
+            labels=["part"],
+        )
+        for part, seconds in self.cpu.items():
+            cpu.add_metric([part], seconds)
+        yield cpu
         yield from unlabelled(
             CounterMetricFamily,
             [

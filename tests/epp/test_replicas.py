@@ -302,6 +302,16 @@ def test_what_a_replicas_predictor_learns_its_peers_learn():
     a._flush()
     deliver(wire, A, b, B)
     assert b.predictor.ttft.model.count == own.ttft.model.count == 2 and b.predictor.tpot.model.count == 1
+    # each side counts its CPU by part: the sender's sending, the receiver's merging and its predictor's learning
+    assert a.cpu["send"] > 0 and a.cpu["receive"] == a.cpu["peer_learning"] == 0
+    assert b.cpu["receive"] > 0 and b.cpu["peer_learning"] > 0 and b.cpu["send"] == 0
+    cpu = {
+        s.labels["part"]: s.value
+        for f in b.collect()
+        for s in f.samples
+        if f.name == "inference_extension_replica_cpu_seconds"
+    }
+    assert cpu == b.cpu
     b.predictor.observed = lambda *observation: pytest.fail("a peer's observation went back out")
     bad = datagram(a.instance, a.sequence + 1, (OBSERVED, bodies([b"\0" * 10])[0]))
     b.datagram_received(bad, A)
