@@ -110,6 +110,13 @@ def build_parser() -> Parser:
         "all of them, resolved again every few seconds; this replica skips itself (default: no sharing)",
     )
     p.add_argument(
+        "--replica-share-pages",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="replicas share the model servers' metrics pages: each reads a share of the pool and sends its peers "
+        "what it read, and reads an endpoint itself when that page is late (docs/replicas.md); with --replica-peers",
+    )
+    p.add_argument(
         "--replica-secret-file",
         help="file holding a secret shared by the replicas: every datagram on the replica channel is signed "
         "(HMAC-SHA256) and unsigned ones are ignored",

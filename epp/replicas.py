@@ -63,12 +63,15 @@ from dataclasses import dataclass, field
 from time import thread_time
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from xxhash import xxh64_intdigest
 
 from epp.datalayer.datastore import Datastore
+from epp.datalayer.endpoint import Endpoint
 from epp.metrics import unlabelled
 from epp.predictor import LatencyPredictor
 from epp.predictor.features import Features
 from epp.scheduling.framework import SharedPrefixIndex
+from protocol.metrics import EndpointMetrics
 
 log = logging.getLogger("epp.replicas")
 
@@ -94,16 +97,23 @@ TAG_BYTES = 16
 MAGIC = b"EPPr"
 HEADER = struct.Struct("!4sQQB")  # magic, sender's instance id, sequence, sections that follow
 SECTION = struct.Struct("!BH")  # a section's kind and its body's length
-SNAPSHOT, LEARNED, RECORDS, OBSERVED = 1, 2, 3, 4
+SNAPSHOT, LEARNED, RECORDS, OBSERVED, PAGES = 1, 2, 3, 4, 5
+# A page this replica read for its peers waits this long for the others of the same scrape tick (the scraper reads
+# every endpoint on the same ticks when pages are shared), so a tick's pages go in one datagram.
+PAGE_HOLD_SECONDS = 0.005
 _COUNT = struct.Struct("!H")
 # The most one section's body holds: a datagram with that one section alone stays within MAX_DATAGRAM_BYTES.
 SECTION_ROOM = MAX_DATAGRAM_BYTES - HEADER.size - TAG_BYTES - SECTION.size
 _LOAD = struct.Struct("!II")  # in-flight requests, in-flight prompt tokens
 _F64 = struct.Struct("!d")
+_BYTE = struct.Struct("!B")
 # an observation's waiting, running, in-flight tokens, prompt tokens, cached tokens, KV usage, backlog tokens,
 # adapter loaded, TTFT, TPOT (NaN: none)
 _FEATURES = struct.Struct("!IIIIIdd?dd")
 _U32 = 0xFFFFFFFF
+# a page's waiting, running, KV usage, block size, GPU blocks (0: none), LoRA slots (-1: none), age in
+# microseconds, inter-token latency totals: seconds and gaps (NaN: not read at this scrape)
+_PAGE = struct.Struct("!IIdIIiIdd")
 MAX_HEADS = 65536
 # What the channel's CPU is counted by (`ReplicaChannel.cpu`): sending (the end-of-pass check, the timers of what
 # waits and the heartbeat, encoding, the sends), receiving (checking, decoding and merging peers' datagrams: their
@@ -234,6 +244,28 @@ def observation_entry(features: Features, ttft: float, tpot: float | None) -> by
     return numbers + _text(f.endpoint)
 
 
+def page_entry(hostport: str, m: EndpointMetrics, age: float, totals: tuple[float, float] | None) -> bytes:
+    """A page this replica read: the endpoint, its metrics, how old they are, the inter-token latency totals read
+    with them (None: not at this scrape), its LoRA adapters running and waiting (up to 255 each)."""
+    seconds, gaps = totals if totals is not None else (math.nan, math.nan)
+    numbers = _PAGE.pack(
+        min(m.waiting, _U32),
+        min(m.running, _U32),
+        m.kv_usage,
+        min(m.block_size or 0, _U32),
+        min(m.num_gpu_blocks or 0, _U32),
+        -1 if m.max_lora is None else min(m.max_lora, 0x7FFFFFFF),
+        min(int(max(age, 0.0) * 1e6), _U32),
+        seconds,
+        gaps,
+    )
+    adapters = b"".join(
+        bytes((min(len(names), 255),)) + b"".join(_text(name) for name in sorted(names)[:255])
+        for names in (m.running_adapters, m.waiting_adapters)
+    )
+    return _text(hostport) + numbers + adapters
+
+
 def bodies(entries: Sequence[bytes]) -> list[bytes]:
     """Entries as section bodies: each an entry count and entries, as many bodies as keep each within
     SECTION_ROOM."""
@@ -291,6 +323,27 @@ def _observation(r: _Reader) -> tuple[Features, float, float | None]:
     return features, ttft, None if math.isnan(tpot) else tpot
 
 
+def _page(r: _Reader) -> tuple[str, EndpointMetrics, float, tuple[float, float] | None]:
+    hostport = r.text()
+    waiting, running, kv, block_size, blocks, max_lora, age, seconds, gaps = r.unpack(_PAGE)
+    if not (math.isfinite(kv) and kv >= 0.0) or math.isnan(seconds) != math.isnan(gaps):
+        raise ValueError("a number out of range")
+    if not math.isnan(seconds) and not (math.isfinite(seconds) and math.isfinite(gaps) and seconds >= 0 <= gaps):
+        raise ValueError("inter-token totals out of range")
+    running_adapters, waiting_adapters = (frozenset(r.text() for _ in range(r.unpack(_BYTE)[0])) for _ in range(2))
+    metrics = EndpointMetrics(
+        waiting,
+        running,
+        kv,
+        block_size or None,
+        blocks or None,
+        None if max_lora < 0 else max_lora,
+        running_adapters,
+        waiting_adapters,
+    )
+    return hostport, metrics, age / 1e6, None if math.isnan(seconds) else (seconds, gaps)
+
+
 def decode(body: memoryview, entry) -> list:
     """A body's entries, each read by `entry` (`_learned`, `_record`, `_observation`); MalformedDatagram for anything
     that does not parse exactly."""
@@ -306,7 +359,7 @@ def decode(body: memoryview, entry) -> list:
 
 
 # What each kind of delta section holds, read by
-ENTRIES = {LEARNED: _learned, RECORDS: _record, OBSERVED: _observation}
+ENTRIES = {LEARNED: _learned, RECORDS: _record, OBSERVED: _observation, PAGES: _page}
 
 
 def pack(sections: Sequence[tuple[int, bytes]]) -> list[tuple[int, bytes]]:
@@ -387,13 +440,18 @@ class ReplicaChannel(asyncio.DatagramProtocol):
         self.release_prefilled: Callable[[], float] | None = None
         self._release_at = 0.0  # when the flush that releases the next one is scheduled (0: none)
         self._sent_load: dict[str, tuple[int, int]] | None = {}  # None: send the next snapshot, changed or not
-        self._deltas: dict[int, list[bytes]] = {LEARNED: [], RECORDS: [], OBSERVED: []}  # kind -> entries to send
+        # kind -> entries to send
+        self._deltas: dict[int, list[bytes]] = {LEARNED: [], RECORDS: [], OBSERVED: [], PAGES: []}
         self._send_timer: asyncio.TimerHandle | None = None  # the send of what waits (fallen counts, deltas)
         self._send_at = 0.0  # when it is due
         self._snapshot_at = -math.inf  # when the last snapshot went out
         # the director's match of an access-log record with a request it saw end (a peer forwarded the record)
         self.match_record: Callable[[str, float | None, str, str | None], bool] | None = None
         self.predictor: LatencyPredictor | None = None  # learns from the peers' observations too
+        # the scraper's taking of a peer's page as its own (`Scraper.apply_page`): pages are shared when it is set
+        self.apply_page: Callable[[Endpoint, EndpointMetrics, tuple[float, float] | None], None] | None = None
+        self._page_at: dict[str, float] = {}  # endpoint hostport -> when a peer's page of it last came
+        self._owned: dict[str, bool] = {}  # endpoint hostport -> whether this replica reads it for the live replicas
         self._tasks: list[asyncio.Task] = []
         self._rejected_logged: set[tuple[str, str]] = set()
         self.sent = self.sent_bytes = 0
@@ -428,6 +486,37 @@ class ReplicaChannel(asyncio.DatagramProtocol):
         each learns from every request, as one EPP's would."""
         self._queue(OBSERVED, observation_entry, features, ttft, tpot)
 
+    def owns(self, hostport: str) -> bool:
+        """Whether this replica reads `hostport`'s page for the live replicas (itself and the peers whose snapshot
+        is fresh): rendezvous hashing of the endpoint over their instance ids, so each endpoint has one reader, every
+        replica that hears the same peers agrees on which, and a replica that goes moves only its own share."""
+        owned = self._owned.get(hostport)
+        if owned is None:
+            name = hostport.encode()
+            ids = [self.instance, *(peer.instance for peer in self.peers.values())]
+            owned = self._owned[hostport] = max(ids, key=lambda i: xxh64_intdigest(name, i)) == self.instance
+        return owned
+
+    def peer_page(self, endpoint: Endpoint, within: float) -> bool:
+        """Whether a peer's page of `endpoint`, at most `within` seconds old, stands for this replica's scrape: an
+        endpoint another live replica reads. When that page is late (its reader died or its scrapes fail), this
+        replica reads the page itself until its reader is heard again or expires and the endpoint moves."""
+        hostport = endpoint.hostport
+        return not self.owns(hostport) and time.monotonic() - self._page_at.get(hostport, -math.inf) <= within
+
+    def page_read(self, endpoint: Endpoint) -> None:
+        """This replica's scraper read `endpoint`'s page: the peers get it when this replica reads it for them."""
+        if self.apply_page is None or not self.owns(endpoint.hostport) or endpoint.metrics is None:
+            return
+        m = endpoint.metrics
+        totals = endpoint.inter_token_totals
+        read = totals[-1][1:] if totals and totals[-1][0] == m.scraped_at else None
+        self._queue(PAGES, page_entry, endpoint.hostport, m, time.monotonic() - m.scraped_at, read)
+
+    def peers_busy(self) -> bool:
+        """Whether a peer has requests in flight: the pages this replica reads for it must stay fresh."""
+        return any(peer.load for peer in self.peers.values())
+
     def _queue(self, kind: int, entry: Callable[..., bytes], *fields) -> None:
         """Deltas ride in the next datagram for free. A prefix pick waits HOLD_SECONDS at most (a peer's next
         decision may read it). Access-log records and observations wait for the next datagram, the heartbeat
@@ -437,6 +526,8 @@ class ReplicaChannel(asyncio.DatagramProtocol):
             self._deltas[kind].append(entry(*fields))
             if kind == LEARNED:
                 self._send_within(HOLD_SECONDS)
+            elif kind == PAGES:
+                self._send_within(PAGE_HOLD_SECONDS)
 
     # -- sending -------------------------------------------------------------------------------------------------
     def own_load(self) -> dict[str, tuple[int, int]]:
@@ -595,6 +686,7 @@ class ReplicaChannel(asyncio.DatagramProtocol):
                 return 0.0
             old = peer.load if peer is not None else {}
             peer = self.peers[source] = Peer(instance)
+            self._owned.clear()  # the live replicas changed: so may who reads which page
             if old:
                 self._apply(old.keys())  # a restarted peer: what its old self had in flight is gone
             self._sent_load = None  # a new peer hears this replica's load now, not at the next heartbeat
@@ -615,6 +707,14 @@ class ReplicaChannel(asyncio.DatagramProtocol):
             elif kind == RECORDS and self.match_record is not None:
                 for record in content:
                     self.match_record(*record)
+            elif kind == PAGES and self.apply_page is not None:
+                now, by_hostport = time.monotonic(), self.datastore.by_hostport
+                for hostport, metrics, age, totals in content:
+                    endpoint = by_hostport(hostport)
+                    if endpoint is not None:
+                        metrics.scraped_at = now - age
+                        self._page_at[hostport] = now
+                        self.apply_page(endpoint, metrics, totals)
             elif kind == OBSERVED and self.predictor is not None:
                 learning_started = thread_time()
                 for features, ttft, tpot in content:
@@ -662,6 +762,11 @@ class ReplicaChannel(asyncio.DatagramProtocol):
         now = time.monotonic()
         for source in [s for s, p in self.peers.items() if now - p.seen_at > EXPIRY_SECONDS]:
             del self.peers[source]
+            self._owned.clear()
+        if len(self._page_at) > len(self.datastore.endpoints):  # endpoints that left the pool
+            self._page_at = {
+                e.hostport: self._page_at[e.hostport] for e in self.datastore.endpoints if e.hostport in self._page_at
+            }
         self._apply([e.hostport for e in self.datastore.endpoints])
         if self.release_prefilled is not None:
             self._schedule_release(self.release_prefilled())
@@ -691,6 +796,7 @@ class ReplicaChannel(asyncio.DatagramProtocol):
         self.addresses = [a for a in resolved if a not in self.own_addresses]
         for source in [s for s in self.peers if s not in self.allowed]:
             self._apply(self.peers.pop(source).load.keys())
+            self._owned.clear()
 
     async def _run(self) -> None:
         next_resolve = 0.0
