@@ -257,7 +257,7 @@ def flag_rules(p: Parser) -> None:
     kubernetes = "--pool-name (Kubernetes discovery)"
     for flag in ("--pool-namespace", "--pool-group", "--kubeconfig", "--ha-enable-leader-election"):
         p.needs(flag, kubernetes, lambda a: a.pool_name is not None)
-    for flag in ("--replica-port", "--replica-secret-file"):
+    for flag in ("--replica-port", "--replica-secret-file", "--replica-share-pages"):
         p.needs(flag, "--replica-peers", lambda a: bool(a.replica_peers))
     p.needs("--max-ext-proc-connections", "--ext-proc-transport h2", lambda a: a.ext_proc_transport == "h2")
     kv_flags = ("--kv-events-bind", "--kv-events-connect-port-offset", "--kv-events-replay-port-offset")

@@ -21,6 +21,14 @@ What is shared, over UDP on `--replica-port` (no external store):
   latency predictor of the replica that routed a request learns from it (`Director.forward_record`, `match_record`).
 * **The latency predictor's observations** (a request's features at the pick, its TTFT and TPOT), which every peer's
   predictor learns from too (`LatencyPredictor.observed`): each learns from every request, as one EPP's would.
+* **The model servers' pages** (`--replica-share-pages`, on by default): each endpoint's metrics page is read by one
+  live replica (`owns`: rendezvous hashing over the instance ids of this replica and its fresh peers), which sends
+  what it read (`EndpointMetrics` and the inter-token latency totals) to its peers; the scraper reads every endpoint
+  on common ticks, so a replica's share of a tick goes in one datagram (PAGE_HOLD_SECONDS). A peer's page younger
+  than two scrape intervals stands for a replica's own scrape (`peer_page`); a later one (its reader died, its
+  scrapes fail, a datagram was lost) makes the replica read the page itself, so no endpoint goes unread, and once
+  a dead reader expires its endpoints move to the others. Scraping was most of each replica's CPU (three replicas
+  read every page three times; docs/replicas.md).
 
 Peers: `--replica-peers` is a comma list of host:port; a host that resolves to several addresses (a headless
 Service) means all of them, resolved again every RESOLVE_SECONDS. A replica finds itself among them when a datagram
@@ -114,6 +122,7 @@ _U32 = 0xFFFFFFFF
 # a page's waiting, running, KV usage, block size, GPU blocks (0: none), LoRA slots (-1: none), age in
 # microseconds, inter-token latency totals: seconds and gaps (NaN: not read at this scrape)
 _PAGE = struct.Struct("!IIdIIiIdd")
+MAX_PAGE_ADAPTERS = 100  # adapter names of each kind a page carries: two lists of 255-byte names stay in a datagram
 MAX_HEADS = 65536
 # What the channel's CPU is counted by (`ReplicaChannel.cpu`): sending (the end-of-pass check, the timers of what
 # waits and the heartbeat, encoding, the sends), receiving (checking, decoding and merging peers' datagrams: their
@@ -246,7 +255,8 @@ def observation_entry(features: Features, ttft: float, tpot: float | None) -> by
 
 def page_entry(hostport: str, m: EndpointMetrics, age: float, totals: tuple[float, float] | None) -> bytes:
     """A page this replica read: the endpoint, its metrics, how old they are, the inter-token latency totals read
-    with them (None: not at this scrape), its LoRA adapters running and waiting (up to 255 each)."""
+    with them (None: not at this scrape), its LoRA adapters running and waiting (the first MAX_PAGE_ADAPTERS of
+    each, by name)."""
     seconds, gaps = totals if totals is not None else (math.nan, math.nan)
     numbers = _PAGE.pack(
         min(m.waiting, _U32),
@@ -260,7 +270,7 @@ def page_entry(hostport: str, m: EndpointMetrics, age: float, totals: tuple[floa
         gaps,
     )
     adapters = b"".join(
-        bytes((min(len(names), 255),)) + b"".join(_text(name) for name in sorted(names)[:255])
+        bytes((min(len(names), MAX_PAGE_ADAPTERS),)) + b"".join(_text(n) for n in sorted(names)[:MAX_PAGE_ADAPTERS])
         for names in (m.running_adapters, m.waiting_adapters)
     )
     return _text(hostport) + numbers + adapters

@@ -14,6 +14,12 @@ all pages fresh 2 / 17-35 / 96-217 ms after a wake at 8 / 64 / 256 endpoints, wh
 request after every spell). The cost: load that appeared on an endpoint in the last `idle_interval` is seen by that
 first request only. Measured with `epp-bench idle [--busy]` and `epp-bench overhead`.
 
+Replicas that share pages (`epp.replicas`, `--replica-share-pages`): an endpoint whose page a peer replica read
+within two intervals is not scraped here (`peer_page`); each page this EPP reads goes to the peers (`page_read`), and
+a peer's page is taken as this EPP's own (`apply_page`). Every endpoint is then read on the same ticks (multiples of
+the interval), so the pages one replica reads for its peers leave in one datagram a tick, and an endpoint another
+replica reads stays at the busy interval while any peer has requests in flight (`peers_busy`).
+
 A failed scrape never raises: the endpoint keeps its last metrics and becomes
 stale once no scrape succeeded within the staleness threshold (at once when the connection is refused). An endpoint
 that has not served a valid page yet is logged as a WARNING with what it answered, once per change of answer (the
