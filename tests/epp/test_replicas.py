@@ -464,6 +464,13 @@ def test_a_page_read_for_the_peers_stands_for_their_scrape_until_it_is_late():
     assert abs(m.scraped_at - read_at) < 0.05 and not copy.stale and copy.in_flight_at_scrape == 2
     assert [t[1:] for t in copy.inter_token_totals] == [(12.5, 900.0)] and copy.batch_slots == 5
     assert b.peer_page(copy, 0.1)  # B's scraper skips it
+    # a quiet replica still reads its share fast while a peer routes: the peer reads those pages from it
+    quiet = Scraper(interval=0.05, idle_interval=0.25)
+    copy.in_flight_requests = 0
+    assert quiet.quiet(copy) and not b.peers_busy()
+    b.peers[A].load = {copy.hostport: (1, 100)}
+    quiet.peers_busy = b.peers_busy
+    assert not quiet.quiet(copy)
     assert not b.peer_page(next(e for e in b.datastore.endpoints if b.owns(e.hostport)), 0.1)  # B reads its own
     b._page_at[mine.hostport] -= 0.2  # A's next page is late: B reads it itself
     assert not b.peer_page(copy, 0.1)
