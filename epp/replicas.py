@@ -462,6 +462,7 @@ class ReplicaChannel(asyncio.DatagramProtocol):
         self.apply_page: Callable[[Endpoint, EndpointMetrics, tuple[float, float] | None], None] | None = None
         self._page_at: dict[str, float] = {}  # endpoint hostport -> when a peer's page of it last came
         self._owned: dict[str, bool] = {}  # endpoint hostport -> whether this replica reads it for the live replicas
+        self.pages = {"sent": 0, "received": 0}  # pages read for the peers, and taken from them
         self._tasks: list[asyncio.Task] = []
         self._rejected_logged: set[tuple[str, str]] = set()
         self.sent = self.sent_bytes = 0
@@ -522,6 +523,7 @@ class ReplicaChannel(asyncio.DatagramProtocol):
         totals = endpoint.inter_token_totals
         read = totals[-1][1:] if totals and totals[-1][0] == m.scraped_at else None
         self._queue(PAGES, page_entry, endpoint.hostport, m, time.monotonic() - m.scraped_at, read)
+        self.pages["sent"] += 1
 
     def peers_busy(self) -> bool:
         """Whether a peer has requests in flight: the pages this replica reads for it must stay fresh."""
@@ -725,6 +727,7 @@ class ReplicaChannel(asyncio.DatagramProtocol):
                         metrics.scraped_at = now - age
                         self._page_at[hostport] = now
                         self.apply_page(endpoint, metrics, totals)
+                        self.pages["received"] += 1
             elif kind == OBSERVED and self.predictor is not None:
                 learning_started = thread_time()
                 for features, ttft, tpot in content:
@@ -860,6 +863,14 @@ class ReplicaChannel(asyncio.DatagramProtocol):
         for outcome, value in self.received.items():
             received.add_metric([outcome], value)
         yield received
+        pages = CounterMetricFamily(
+            "inference_extension_replica_pages",
+            "Model servers' pages this replica read and sent its peers (sent), and took from them (received).",
+            labels=["direction"],
+        )
+        for direction, count in self.pages.items():
+            pages.add_metric([direction], count)
+        yield pages
         cpu = CounterMetricFamily(
             "inference_extension_replica_cpu_seconds",
             "CPU seconds the replica channel took on the event loop, by part (send; receive: checking, decoding and "

@@ -99,6 +99,8 @@ _INDEX = re.compile(
 )
 # the replica channel's CPU by part (epp/replicas.py CPU_PARTS), read from each EPP before and after the measured run
 _CHANNEL_CPU = re.compile(r'^inference_extension_replica_cpu_seconds_total\{part="(\w+)"\} (\S+)$', re.M)
+# the model servers' pages the replicas read for their peers and took from them, since they started
+_PAGES = re.compile(r'^inference_extension_replica_pages_total\{direction="(\w+)"\} (\S+)$', re.M)
 _COUNTER = re.compile(
     r"^(vllm:(?:(?:prefix_cache_hits|prefix_cache_queries|request_success)_total|time_to_first_token_seconds_(?:sum|count)))"
     r"\{[^}]*\} (\S+)$",
@@ -504,6 +506,9 @@ async def run_target(
                         result.epp_index[key] = result.epp_index.get(key, 0.0) + float(value)
                     for part, value in _CHANNEL_CPU.findall(page):
                         result.channel_cpu[part] = result.channel_cpu.get(part, 0.0) + float(value)
+                    for direction, value in _PAGES.findall(page):
+                        key = f"pages_{direction}"
+                        result.epp_index[key] = result.epp_index.get(key, 0.0) + float(value)
                     status = Path(f"/proc/{pool.stack.processes[name].pid}/status").read_text()
                     rss_kb = int(re.search(r"^VmRSS:\s+(\d+)", status, re.M).group(1))
                     result.epp_index["rss_mb"] = result.epp_index.get("rss_mb", 0.0) + rss_kb / 1024
@@ -757,7 +762,8 @@ def markdown(results: list[TargetResult], floors: dict[float, agentic.Floor] | N
                     lines += [
                         f"{r.target}: replica datagrams sent since the EPPs started, per request (all replicas, "
                         f"each peer counted): {i['replica_datagrams_sent_total'] / r.succeeded:.2f}, "
-                        f"{i.get('replica_bytes_sent_total', 0) / r.succeeded:.0f} bytes",
+                        f"{i.get('replica_bytes_sent_total', 0) / r.succeeded:.0f} bytes; model servers' pages read "
+                        f"for the peers {i.get('pages_sent', 0):.0f}, taken from them {i.get('pages_received', 0):.0f}",
                         "",
                     ]
                 if r.channel_cpu:

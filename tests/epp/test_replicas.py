@@ -464,6 +464,7 @@ def test_a_page_read_for_the_peers_stands_for_their_scrape_until_it_is_late():
     assert abs(m.scraped_at - read_at) < 0.05 and not copy.stale and copy.in_flight_at_scrape == 2
     assert [t[1:] for t in copy.inter_token_totals] == [(12.5, 900.0)] and copy.batch_slots == 5
     assert b.peer_page(copy, 0.1)  # B's scraper skips it
+    assert a.pages == {"sent": 1, "received": 0} and b.pages == {"sent": 0, "received": 1}
     # a quiet replica still reads its share fast while a peer routes: the peer reads those pages from it
     quiet = Scraper(interval=0.05, idle_interval=0.25)
     copy.in_flight_requests = 0
