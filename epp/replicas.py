@@ -22,7 +22,8 @@ What is shared, over UDP on `--replica-port` (no external store):
 * **The latency predictor's observations** (a request's features at the pick, its TTFT and TPOT), which every peer's
   predictor learns from too (`LatencyPredictor.observed`): each learns from every request, as one EPP's would.
 * **The model servers' pages** (`--replica-share-pages`, on by default): each endpoint's metrics page is read by one
-  live replica (`owns`: rendezvous hashing over the instance ids of this replica and its fresh peers), which sends
+  live replica (`owns`: rendezvous hashing with bounded shares over the instance ids of this replica and its fresh
+  peers), which sends
   what it read (`EndpointMetrics` and the inter-token latency totals) to its peers; the scraper reads every endpoint
   on common ticks, so a replica's share of a tick goes in one datagram (PAGE_HOLD_SECONDS). A peer's page younger
   than two scrape intervals stands for a replica's own scrape (`peer_page`); a later one (its reader died, its
@@ -499,13 +500,23 @@ class ReplicaChannel(asyncio.DatagramProtocol):
 
     def owns(self, hostport: str) -> bool:
         """Whether this replica reads `hostport`'s page for the live replicas (itself and the peers whose snapshot
-        is fresh): rendezvous hashing of the endpoint over their instance ids, so each endpoint has one reader, every
-        replica that hears the same peers agrees on which, and a replica that goes moves only its own share."""
+        is fresh). Rendezvous hashing with bounded shares: the pool's endpoints, in order, each go to the first
+        replica in their own hash order of the instance ids that has fewer than its even share (ceil(n / replicas)),
+        so each endpoint has one reader, replicas that hear the same peers and pool agree on which, and the shares
+        differ by one at most (plain rendezvous split 8 servers 1/3/4). Recomputed when the live replicas change or
+        an endpoint it has not placed asks (one that joined the pool)."""
         owned = self._owned.get(hostport)
         if owned is None:
-            name = hostport.encode()
             ids = [self.instance, *(peer.instance for peer in self.peers.values())]
-            owned = self._owned[hostport] = max(ids, key=lambda i: xxh64_intdigest(name, i)) == self.instance
+            hostports = sorted({hostport, *(e.hostport for e in self.datastore.endpoints)})
+            share, placed = -(-len(hostports) // len(ids)), dict.fromkeys(ids, 0)
+            self._owned = {}
+            for h in hostports:
+                name = h.encode()
+                reader = next(i for i in sorted(ids, key=lambda i: -xxh64_intdigest(name, i)) if placed[i] < share)
+                placed[reader] += 1
+                self._owned[h] = reader == self.instance
+            owned = self._owned[hostport]
         return owned
 
     def peer_page(self, endpoint: Endpoint, within: float) -> bool:
