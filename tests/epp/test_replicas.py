@@ -499,7 +499,7 @@ async def test_the_scraper_skips_what_a_peers_page_stands_for_and_reads_the_rest
         scraper.start(endpoint)
     await asyncio.sleep(0.2)
     await scraper.close()
-    assert {name for name, _ in read} == {late.name} and len(read) >= 5
+    assert {name for name, _ in read} == {late.name} and len(read) >= 3
     # read on the ticks of the interval's multiples (but for the loop's lateness on a busy host)
     on_tick = [at % scraper.interval < scraper.interval / 4 for _, at in read[1:]]
     assert sum(on_tick) >= len(on_tick) / 2
