@@ -115,11 +115,7 @@ def build_parser() -> Parser:
         "(HMAC-SHA256) and unsigned ones are ignored",
     )
     p.add_argument(
-        "--refresh-metrics-interval",
-        type=duration,
-        default=0.05,
-        help="scrape interval of each endpoint (seconds); replicas sharing their load (--replica-peers) take turns, "
-        "each scraping every interval x the replicas routing",
+        "--refresh-metrics-interval", type=duration, default=0.05, help="scrape interval of each endpoint (seconds)"
     )
     p.add_argument(
         "--refresh-metrics-idle-interval",

@@ -18,7 +18,7 @@ EPP replicas that share their load (`epp.replicas`) scrape the pool as one EPP w
 one page per `interval` from all of them together, so each replica waits `interval` times the number of replicas
 routing (`replicas`: this one and the peers with requests in flight), at most `idle_interval`. The pool's servers
 answer every page on the event loop that serves their requests (vLLM's API server; the sim's one process for a
-whole pool): three replicas each scraping every 50 ms made the sim process's CPU 24-35 % higher and its own TTFT 3-5
+whole pool): three replicas each scraping every 50 ms made the sim process's CPU 35 % higher and its own TTFT 3-5
 ms longer on the agentic workload (docs/replicas.md). A replica's page is then up to that many times older, and
 what changed since is in the in-flight counts the peers share, which the queue estimates (`epp.datalayer.load`) add
 to it. Replicas that do not share keep `interval`: between pages they know only their own requests.
