@@ -201,8 +201,6 @@ class EndpointPicker:
         channel.release_prefilled = self.director.release_prefilled
         self.director.forward_record = channel.forward_record
         channel.match_record = self.director.match_record
-        # a peer with requests in flight routes, so it scrapes at the busy interval: the replicas share the pages
-        self.scraper.replicas = lambda: 1 + sum(1 for peer in channel.peers.values() if peer.load)
         predictor = self.scheduler.latency_predictor
         if predictor is not None:
             predictor.observed = channel.observed

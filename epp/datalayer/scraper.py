@@ -14,15 +14,6 @@ all pages fresh 2 / 17-35 / 96-217 ms after a wake at 8 / 64 / 256 endpoints, wh
 request after every spell). The cost: load that appeared on an endpoint in the last `idle_interval` is seen by that
 first request only. Measured with `epp-bench idle [--busy]` and `epp-bench overhead`.
 
-EPP replicas that share their load (`epp.replicas`) scrape the pool as one EPP would: each busy endpoint gets about
-one page per `interval` from all of them together, so each replica waits `interval` times the number of replicas
-routing (`replicas`: this one and the peers with requests in flight), at most `idle_interval`. The pool's servers
-answer every page on the event loop that serves their requests (vLLM's API server; the sim's one process for a
-whole pool): three replicas each scraping every 50 ms made the sim process's CPU 35 % higher and its own TTFT 3-5
-ms longer on the agentic workload (docs/replicas.md). A replica's page is then up to that many times older, and
-what changed since is in the in-flight counts the peers share, which the queue estimates (`epp.datalayer.load`) add
-to it. Replicas that do not share keep `interval`: between pages they know only their own requests.
-
 A failed scrape never raises: the endpoint keeps its last metrics and becomes
 stale once no scrape succeeded within the staleness threshold (at once when the connection is refused). An endpoint
 that has not served a valid page yet is logged as a WARNING with what it answered, once per change of answer (the
@@ -85,8 +76,6 @@ class Scraper:
         self._last_request = -math.inf  # time.monotonic() of the latest wake()
         # requests this EPP holds that no endpoint has yet (flow control's queue): wired by the EPP's startup
         self.pending: Callable[[], int] = _nothing_pending
-        # EPP replicas routing this pool with their load shared, this one included: wired by the EPP's startup
-        self.replicas: Callable[[], int] = _alone
         self.scrapes = 0
         self.failures = 0
 
@@ -225,12 +214,6 @@ class Scraper:
             and not self.pending()
         )
 
-    def busy_interval(self) -> float:
-        """Seconds between two pages of an endpoint that is not quiet: `interval` times the replicas sharing the
-        pool's pages, at most `idle_interval`."""
-        interval = self.interval * self.replicas()
-        return interval if interval < self.idle_interval else self.idle_interval
-
     async def _idle_wait(self, delay: float) -> None:
         loop = asyncio.get_running_loop()
         wait = loop.create_future()
@@ -257,15 +240,11 @@ class Scraper:
                 if self.idle_interval > self.interval and self.quiet(endpoint):
                     await self._idle_wait(max(0.0, self.idle_interval - elapsed))
                 else:
-                    await asyncio.sleep(max(0.0, self.busy_interval() - elapsed))
+                    await asyncio.sleep(max(0.0, self.interval - elapsed))
 
 
 def _nothing_pending() -> int:
     return 0
-
-
-def _alone() -> int:
-    return 1
 
 
 def _resolve(wait: asyncio.Future) -> None:

@@ -9,7 +9,6 @@ from prometheus_client import generate_latest
 from epp.app import EndpointPicker
 from epp.cli import build_parser
 from epp.config import ConfigError, loader
-from epp.replicas import Peer
 
 
 def free_port() -> int:
@@ -36,11 +35,6 @@ async def test_the_config_is_read_once_and_every_part_registers_its_metrics(tmp_
         assert picker.director.forward_record == picker.replicas.forward_record  # and of others' access-log records
         assert picker.replicas.match_record == picker.director.match_record
         assert picker.replicas.prefix_index is picker.scheduler.shared_prefix_index is not None
-        # the replicas routing share the pool's pages: this one and each peer with requests in flight
-        assert picker.scraper.replicas() == 1
-        picker.replicas.peers[("127.0.0.1", 1)] = Peer(1, load={"127.0.0.1:8000": (1, 10)})
-        picker.replicas.peers[("127.0.0.1", 2)] = Peer(2)  # heard, routing nothing: its scrapes are the quiet ones
-        assert picker.scraper.replicas() == 2
         page = generate_latest(picker.metrics.registry).decode()
         for name in (
             "inference_objective_request_total",  # the director's series

@@ -469,36 +469,6 @@ async def test_endpoints_are_scraped_slowly_while_this_epp_has_no_traffic():
             await store.close()
 
 
-async def test_replicas_sharing_their_load_share_the_pages_of_a_busy_endpoint():
-    """N replicas routing with their load shared scrape a busy endpoint every N x interval each (at most the idle
-    interval): the server answers about as many pages as for one EPP."""
-    scraper = Scraper(interval=0.01, timeout=0.5, staleness=2.0, idle_interval=0.3)
-    assert scraper.busy_interval() == 0.01  # alone (or not sharing): every interval
-    scraper.replicas = lambda: 3
-    assert scraper.busy_interval() == pytest.approx(0.03)
-    scraper.replicas = lambda: 64
-    assert scraper.busy_interval() == 0.3  # never slower than a quiet endpoint's
-    state = {"page": PAGE, "scrapes": 0}
-    store = Datastore([scraper])
-    async with page_server(state) as port:
-        try:
-            store.apply(PoolState(endpoints=(EndpointSpec("e", "127.0.0.1", port),)))
-            endpoint = store.endpoints[0]
-            endpoint.in_flight_requests = 1  # this replica routes there: busy, not quiet
-            scraper.replicas = lambda: 10
-            await asyncio.sleep(0.05)
-            state["scrapes"] = 0
-            await asyncio.sleep(0.5)
-            assert endpoint.metrics.waiting == 3 and 2 <= state["scrapes"] <= 8  # every 0.1 s, not every 10 ms
-            scraper.replicas = lambda: 1  # the peers stopped routing: every interval again, once the wait is over
-            await asyncio.sleep(0.15)
-            state["scrapes"] = 0
-            await asyncio.sleep(0.2)
-            assert state["scrapes"] >= 8
-        finally:
-            await store.close()
-
-
 async def test_invalid_values_make_an_endpoint_stale_at_once_logged_once_and_scraping_survives(caplog):
     state = {"page": PAGE}
     scraper = Scraper(interval=0.01, timeout=0.5, staleness=5.0)
