@@ -205,6 +205,14 @@ class EndpointPicker:
         if predictor is not None:
             predictor.observed = channel.observed
             channel.predictor = predictor
+        if args.replica_share_pages:
+            scraper = self.scraper
+            scraper.peer_page, scraper.page_read, scraper.peers_busy = (
+                channel.peer_page,
+                channel.page_read,
+                channel.peers_busy,
+            )
+            channel.apply_page = scraper.apply_page
         return channel
 
     def _flow_control(self) -> FlowController | None:

@@ -110,6 +110,13 @@ def build_parser() -> Parser:
         "all of them, resolved again every few seconds; this replica skips itself (default: no sharing)",
     )
     p.add_argument(
+        "--replica-share-pages",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="replicas share the model servers' metrics pages: each reads a share of the pool and sends its peers "
+        "what it read, and reads an endpoint itself when that page is late (docs/replicas.md); with --replica-peers",
+    )
+    p.add_argument(
         "--replica-secret-file",
         help="file holding a secret shared by the replicas: every datagram on the replica channel is signed "
         "(HMAC-SHA256) and unsigned ones are ignored",
@@ -250,7 +257,7 @@ def flag_rules(p: Parser) -> None:
     kubernetes = "--pool-name (Kubernetes discovery)"
     for flag in ("--pool-namespace", "--pool-group", "--kubeconfig", "--ha-enable-leader-election"):
         p.needs(flag, kubernetes, lambda a: a.pool_name is not None)
-    for flag in ("--replica-port", "--replica-secret-file"):
+    for flag in ("--replica-port", "--replica-secret-file", "--replica-share-pages"):
         p.needs(flag, "--replica-peers", lambda a: bool(a.replica_peers))
     p.needs("--max-ext-proc-connections", "--ext-proc-transport h2", lambda a: a.ext_proc_transport == "h2")
     kv_flags = ("--kv-events-bind", "--kv-events-connect-port-offset", "--kv-events-replay-port-offset")

@@ -21,6 +21,14 @@ What is shared, over UDP on `--replica-port` (no external store):
   latency predictor of the replica that routed a request learns from it (`Director.forward_record`, `match_record`).
 * **The latency predictor's observations** (a request's features at the pick, its TTFT and TPOT), which every peer's
   predictor learns from too (`LatencyPredictor.observed`): each learns from every request, as one EPP's would.
+* **The model servers' pages** (`--replica-share-pages`, on by default): each endpoint's metrics page is read by one
+  live replica (`owns`: rendezvous hashing over the instance ids of this replica and its fresh peers), which sends
+  what it read (`EndpointMetrics` and the inter-token latency totals) to its peers; the scraper reads every endpoint
+  on common ticks, so a replica's share of a tick goes in one datagram (PAGE_HOLD_SECONDS). A peer's page younger
+  than two scrape intervals stands for a replica's own scrape (`peer_page`); a later one (its reader died, its
+  scrapes fail, a datagram was lost) makes the replica read the page itself, so no endpoint goes unread, and once
+  a dead reader expires its endpoints move to the others. Scraping was most of each replica's CPU (three replicas
+  read every page three times; docs/replicas.md).
 
 Peers: `--replica-peers` is a comma list of host:port; a host that resolves to several addresses (a headless
 Service) means all of them, resolved again every RESOLVE_SECONDS. A replica finds itself among them when a datagram
@@ -42,7 +50,9 @@ what trains the peers' predictors waits for the next datagram (`_queue`).
 Cost: on the request path, one call per change (`load_changed`: a flag check, a callback when none is pending) and
 an encoded entry per recorded pick (`learned`); encoding and sending run in that one callback once the loop's pass is
 done (or in the timer of what waits), and merging when a datagram comes, both on the event loop and never blocking
-(a send buffer over MAX_PENDING_SEND_BYTES drops deltas, never snapshots).
+(a send buffer over MAX_PENDING_SEND_BYTES drops deltas, never snapshots). The channel counts its own CPU by part
+(CPU_PARTS; a clock read before and after each callback, ~1 us), so what sharing costs is read off a running EPP
+(inference_extension_replica_cpu_seconds_total) and `epp-bench compare` reports it per request.
 """
 
 from __future__ import annotations
@@ -58,14 +68,18 @@ import struct
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from time import thread_time
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from xxhash import xxh64_intdigest
 
 from epp.datalayer.datastore import Datastore
+from epp.datalayer.endpoint import Endpoint
 from epp.metrics import unlabelled
 from epp.predictor import LatencyPredictor
 from epp.predictor.features import Features
 from epp.scheduling.framework import SharedPrefixIndex
+from protocol.metrics import EndpointMetrics
 
 log = logging.getLogger("epp.replicas")
 
@@ -91,17 +105,29 @@ TAG_BYTES = 16
 MAGIC = b"EPPr"
 HEADER = struct.Struct("!4sQQB")  # magic, sender's instance id, sequence, sections that follow
 SECTION = struct.Struct("!BH")  # a section's kind and its body's length
-SNAPSHOT, LEARNED, RECORDS, OBSERVED = 1, 2, 3, 4
+SNAPSHOT, LEARNED, RECORDS, OBSERVED, PAGES = 1, 2, 3, 4, 5
+# A page this replica read for its peers waits this long for the others of the same scrape tick (the scraper reads
+# every endpoint on the same ticks when pages are shared), so a tick's pages go in one datagram.
+PAGE_HOLD_SECONDS = 0.005
 _COUNT = struct.Struct("!H")
 # The most one section's body holds: a datagram with that one section alone stays within MAX_DATAGRAM_BYTES.
 SECTION_ROOM = MAX_DATAGRAM_BYTES - HEADER.size - TAG_BYTES - SECTION.size
 _LOAD = struct.Struct("!II")  # in-flight requests, in-flight prompt tokens
 _F64 = struct.Struct("!d")
+_BYTE = struct.Struct("!B")
 # an observation's waiting, running, in-flight tokens, prompt tokens, cached tokens, KV usage, backlog tokens,
 # adapter loaded, TTFT, TPOT (NaN: none)
 _FEATURES = struct.Struct("!IIIIIdd?dd")
 _U32 = 0xFFFFFFFF
+# a page's waiting, running, KV usage, block size, GPU blocks (0: none), LoRA slots (-1: none), age in
+# microseconds, inter-token latency totals: seconds and gaps (NaN: not read at this scrape)
+_PAGE = struct.Struct("!IIdIIiIdd")
+MAX_PAGE_ADAPTERS = 100  # adapter names of each kind a page carries: two lists of 255-byte names stay in a datagram
 MAX_HEADS = 65536
+# What the channel's CPU is counted by (`ReplicaChannel.cpu`): sending (the end-of-pass check, the timers of what
+# waits and the heartbeat, encoding, the sends), receiving (checking, decoding and merging peers' datagrams: their
+# snapshots, prefix picks and access-log records) and the latency predictor learning from the peers' observations.
+CPU_PARTS = ("send", "receive", "peer_learning")
 _HEADS: dict[str, bytes] = {}  # hostport -> its encoded entry head (_entry_head)
 
 
@@ -227,6 +253,29 @@ def observation_entry(features: Features, ttft: float, tpot: float | None) -> by
     return numbers + _text(f.endpoint)
 
 
+def page_entry(hostport: str, m: EndpointMetrics, age: float, totals: tuple[float, float] | None) -> bytes:
+    """A page this replica read: the endpoint, its metrics, how old they are, the inter-token latency totals read
+    with them (None: not at this scrape), its LoRA adapters running and waiting (the first MAX_PAGE_ADAPTERS of
+    each, by name)."""
+    seconds, gaps = totals if totals is not None else (math.nan, math.nan)
+    numbers = _PAGE.pack(
+        min(m.waiting, _U32),
+        min(m.running, _U32),
+        m.kv_usage,
+        min(m.block_size or 0, _U32),
+        min(m.num_gpu_blocks or 0, _U32),
+        -1 if m.max_lora is None else min(m.max_lora, 0x7FFFFFFF),
+        min(int(max(age, 0.0) * 1e6), _U32),
+        seconds,
+        gaps,
+    )
+    adapters = b"".join(
+        bytes((min(len(names), MAX_PAGE_ADAPTERS),)) + b"".join(_text(n) for n in sorted(names)[:MAX_PAGE_ADAPTERS])
+        for names in (m.running_adapters, m.waiting_adapters)
+    )
+    return _text(hostport) + numbers + adapters
+
+
 def bodies(entries: Sequence[bytes]) -> list[bytes]:
     """Entries as section bodies: each an entry count and entries, as many bodies as keep each within
     SECTION_ROOM."""
@@ -284,6 +333,27 @@ def _observation(r: _Reader) -> tuple[Features, float, float | None]:
     return features, ttft, None if math.isnan(tpot) else tpot
 
 
+def _page(r: _Reader) -> tuple[str, EndpointMetrics, float, tuple[float, float] | None]:
+    hostport = r.text()
+    waiting, running, kv, block_size, blocks, max_lora, age, seconds, gaps = r.unpack(_PAGE)
+    if not (math.isfinite(kv) and kv >= 0.0) or math.isnan(seconds) != math.isnan(gaps):
+        raise ValueError("a number out of range")
+    if not math.isnan(seconds) and not (math.isfinite(seconds) and math.isfinite(gaps) and seconds >= 0 <= gaps):
+        raise ValueError("inter-token totals out of range")
+    running_adapters, waiting_adapters = (frozenset(r.text() for _ in range(r.unpack(_BYTE)[0])) for _ in range(2))
+    metrics = EndpointMetrics(
+        waiting,
+        running,
+        kv,
+        block_size or None,
+        blocks or None,
+        None if max_lora < 0 else max_lora,
+        running_adapters,
+        waiting_adapters,
+    )
+    return hostport, metrics, age / 1e6, None if math.isnan(seconds) else (seconds, gaps)
+
+
 def decode(body: memoryview, entry) -> list:
     """A body's entries, each read by `entry` (`_learned`, `_record`, `_observation`); MalformedDatagram for anything
     that does not parse exactly."""
@@ -299,7 +369,7 @@ def decode(body: memoryview, entry) -> list:
 
 
 # What each kind of delta section holds, read by
-ENTRIES = {LEARNED: _learned, RECORDS: _record, OBSERVED: _observation}
+ENTRIES = {LEARNED: _learned, RECORDS: _record, OBSERVED: _observation, PAGES: _page}
 
 
 def pack(sections: Sequence[tuple[int, bytes]]) -> list[tuple[int, bytes]]:
@@ -380,13 +450,19 @@ class ReplicaChannel(asyncio.DatagramProtocol):
         self.release_prefilled: Callable[[], float] | None = None
         self._release_at = 0.0  # when the flush that releases the next one is scheduled (0: none)
         self._sent_load: dict[str, tuple[int, int]] | None = {}  # None: send the next snapshot, changed or not
-        self._deltas: dict[int, list[bytes]] = {LEARNED: [], RECORDS: [], OBSERVED: []}  # kind -> entries to send
+        # kind -> entries to send
+        self._deltas: dict[int, list[bytes]] = {LEARNED: [], RECORDS: [], OBSERVED: [], PAGES: []}
         self._send_timer: asyncio.TimerHandle | None = None  # the send of what waits (fallen counts, deltas)
         self._send_at = 0.0  # when it is due
         self._snapshot_at = -math.inf  # when the last snapshot went out
         # the director's match of an access-log record with a request it saw end (a peer forwarded the record)
         self.match_record: Callable[[str, float | None, str, str | None], bool] | None = None
         self.predictor: LatencyPredictor | None = None  # learns from the peers' observations too
+        # the scraper's taking of a peer's page as its own (`Scraper.apply_page`): pages are shared when it is set
+        self.apply_page: Callable[[Endpoint, EndpointMetrics, tuple[float, float] | None], None] | None = None
+        self._page_at: dict[str, float] = {}  # endpoint hostport -> when a peer's page of it last came
+        self._owned: dict[str, bool] = {}  # endpoint hostport -> whether this replica reads it for the live replicas
+        self.pages = {"sent": 0, "received": 0}  # pages read for the peers, and taken from them
         self._tasks: list[asyncio.Task] = []
         self._rejected_logged: set[tuple[str, str]] = set()
         self.sent = self.sent_bytes = 0
@@ -394,6 +470,8 @@ class ReplicaChannel(asyncio.DatagramProtocol):
             ("accepted", "unknown_peer", "bad_signature", "malformed", "stale", "oversized"), 0
         )
         self.learned_dropped = 0
+        # CPU seconds of this thread the channel took, by part (inference_extension_replica_cpu_seconds_total)
+        self.cpu: dict[str, float] = dict.fromkeys(CPU_PARTS, 0.0)
         if prefix_index is not None:
             prefix_index.learned = self.learned
 
@@ -419,6 +497,38 @@ class ReplicaChannel(asyncio.DatagramProtocol):
         each learns from every request, as one EPP's would."""
         self._queue(OBSERVED, observation_entry, features, ttft, tpot)
 
+    def owns(self, hostport: str) -> bool:
+        """Whether this replica reads `hostport`'s page for the live replicas (itself and the peers whose snapshot
+        is fresh): rendezvous hashing of the endpoint over their instance ids, so each endpoint has one reader, every
+        replica that hears the same peers agrees on which, and a replica that goes moves only its own share."""
+        owned = self._owned.get(hostport)
+        if owned is None:
+            name = hostport.encode()
+            ids = [self.instance, *(peer.instance for peer in self.peers.values())]
+            owned = self._owned[hostport] = max(ids, key=lambda i: xxh64_intdigest(name, i)) == self.instance
+        return owned
+
+    def peer_page(self, endpoint: Endpoint, within: float) -> bool:
+        """Whether a peer's page of `endpoint`, at most `within` seconds old, stands for this replica's scrape: an
+        endpoint another live replica reads. When that page is late (its reader died or its scrapes fail), this
+        replica reads the page itself until its reader is heard again or expires and the endpoint moves."""
+        hostport = endpoint.hostport
+        return not self.owns(hostport) and time.monotonic() - self._page_at.get(hostport, -math.inf) <= within
+
+    def page_read(self, endpoint: Endpoint) -> None:
+        """This replica's scraper read `endpoint`'s page: the peers get it when this replica reads it for them."""
+        if self.apply_page is None or not self.owns(endpoint.hostport) or endpoint.metrics is None:
+            return
+        m = endpoint.metrics
+        totals = endpoint.inter_token_totals
+        read = totals[-1][1:] if totals and totals[-1][0] == m.scraped_at else None
+        self._queue(PAGES, page_entry, endpoint.hostport, m, time.monotonic() - m.scraped_at, read)
+        self.pages["sent"] += 1
+
+    def peers_busy(self) -> bool:
+        """Whether a peer has requests in flight: the pages this replica reads for it must stay fresh."""
+        return any(peer.load for peer in self.peers.values())
+
     def _queue(self, kind: int, entry: Callable[..., bytes], *fields) -> None:
         """Deltas ride in the next datagram for free. A prefix pick waits HOLD_SECONDS at most (a peer's next
         decision may read it). Access-log records and observations wait for the next datagram, the heartbeat
@@ -428,6 +538,8 @@ class ReplicaChannel(asyncio.DatagramProtocol):
             self._deltas[kind].append(entry(*fields))
             if kind == LEARNED:
                 self._send_within(HOLD_SECONDS)
+            elif kind == PAGES:
+                self._send_within(PAGE_HOLD_SECONDS)
 
     # -- sending -------------------------------------------------------------------------------------------------
     def own_load(self) -> dict[str, tuple[int, int]]:
@@ -446,6 +558,11 @@ class ReplicaChannel(asyncio.DatagramProtocol):
         back arrives after the decisions it was for. Counts that only fell (a first response byte, a prefill due,
         an end) wait up to HOLD_SECONDS for the next datagram: a peer that sees an endpoint busy a few milliseconds
         too long barely moves, and most of them then ride with a pick or each other (`_send_all`)."""
+        started = thread_time()
+        self._flush_now()
+        self.cpu["send"] += thread_time() - started
+
+    def _flush_now(self) -> None:
         self._flush_pending = False
         if self.release_prefilled is not None:
             self._schedule_release(self.release_prefilled())
@@ -468,8 +585,10 @@ class ReplicaChannel(asyncio.DatagramProtocol):
             self._send_timer = self._loop.call_later(seconds, self._send_waiting)
 
     def _send_waiting(self) -> None:
+        started = thread_time()
         self._send_timer = None
         self._send_all(self.own_load())
+        self.cpu["send"] += thread_time() - started
 
     def _send_all(self, load: dict[str, tuple[int, int]], heartbeat: bool = False) -> None:
         """One datagram (more only past MAX_DATAGRAM_BYTES) to each peer: the snapshot if it changed (or on a
@@ -503,11 +622,13 @@ class ReplicaChannel(asyncio.DatagramProtocol):
 
     def _released(self) -> None:
         """The releases due HOLD_SECONDS ago (and since) go out now, with whatever waits."""
+        started = thread_time()
         self._release_at = 0.0
         self._schedule_release(self.release_prefilled())
         load = self.own_load()
         if load != self._sent_load:
             self._send_all(load)
+        self.cpu["send"] += thread_time() - started
 
     def _send(self, count: int, payload: bytes) -> None:
         transport = self._transport
@@ -530,52 +651,61 @@ class ReplicaChannel(asyncio.DatagramProtocol):
         pass  # a peer that is not there (yet): its snapshots simply stop counting
 
     def datagram_received(self, data: bytes, address: tuple) -> None:
+        started = thread_time()
+        learning = self._receive(data, address)
+        self.cpu["receive"] += thread_time() - started - learning
+        self.cpu["peer_learning"] += learning
+
+    def _receive(self, data: bytes, address: tuple) -> float:
+        """One datagram: checked, then merged; the seconds of CPU its peers' observations took to learn from."""
         source = (address[0], address[1])
         if source not in self.allowed:
             self.received["unknown_peer"] += 1
-            return
+            return 0.0
         if len(data) > MAX_DATAGRAM_BYTES:
             self.received["oversized"] += 1
-            return
+            return 0.0
         view = memoryview(data)
         if self.secret is not None:
             if len(data) < HEADER.size + TAG_BYTES or not hmac.compare_digest(
                 hmac.digest(self.secret, view[:-TAG_BYTES], hashlib.sha256)[:TAG_BYTES], view[-TAG_BYTES:]
             ):
                 self._reject(source, "bad_signature", "its tag does not match --replica-secret-file")
-                return
+                return 0.0
             view = view[:-TAG_BYTES]
         if len(view) < HEADER.size:
             self._reject(source, "malformed", "too short")
-            return
+            return 0.0
         magic, instance, sequence, count = HEADER.unpack_from(view)
         if magic != MAGIC:
             self._reject(source, "malformed", "not a replica datagram (another program)")
-            return
+            return 0.0
         if instance == self.instance:
             self._found_self(source)
-            return
+            return 0.0
         peer = self.peers.get(source)
         if peer is not None and peer.instance == instance and sequence <= peer.sequence:
             self.received["stale"] += 1
-            return
+            return 0.0
         try:
             sections = unpack(view[HEADER.size :], count)
         except MalformedDatagram as exc:
             self._reject(source, "malformed", str(exc))
-            return
+            return 0.0
         if peer is None or peer.instance != instance:
             if peer is None and len(self.peers) >= MAX_PEERS:
                 self.received["unknown_peer"] += 1
-                return
+                return 0.0
             old = peer.load if peer is not None else {}
             peer = self.peers[source] = Peer(instance)
+            self._owned.clear()  # the live replicas changed: so may who reads which page
             if old:
                 self._apply(old.keys())  # a restarted peer: what its old self had in flight is gone
             self._sent_load = None  # a new peer hears this replica's load now, not at the next heartbeat
             self.load_changed()
         peer.sequence = sequence
         self.received["accepted"] += 1
+        learning = 0.0
         for kind, content in sections:
             if kind == SNAPSHOT:
                 old, peer.load, peer.seen_at = peer.load, content, time.monotonic()
@@ -589,9 +719,21 @@ class ReplicaChannel(asyncio.DatagramProtocol):
             elif kind == RECORDS and self.match_record is not None:
                 for record in content:
                     self.match_record(*record)
+            elif kind == PAGES and self.apply_page is not None:
+                now, by_hostport = time.monotonic(), self.datastore.by_hostport
+                for hostport, metrics, age, totals in content:
+                    endpoint = by_hostport(hostport)
+                    if endpoint is not None:
+                        metrics.scraped_at = now - age
+                        self._page_at[hostport] = now
+                        self.apply_page(endpoint, metrics, totals)
+                        self.pages["received"] += 1
             elif kind == OBSERVED and self.predictor is not None:
+                learning_started = thread_time()
                 for features, ttft, tpot in content:
                     self.predictor.observe(features, ttft, tpot, own=False)
+                learning += thread_time() - learning_started
+        return learning
 
     def _reject(self, source: tuple[str, int], outcome: str, why: str) -> None:
         self.received[outcome] += 1
@@ -629,14 +771,21 @@ class ReplicaChannel(asyncio.DatagramProtocol):
         """Drop peers whose last snapshot is too old, bring every endpoint's peer share up to date (endpoints that
         joined since), and resend this replica's snapshot unless one went out within HEARTBEAT_SECONDS (under load
         the picks' datagrams carry it: a heartbeat on top would be one more datagram, and wakeup, for each peer)."""
+        started = thread_time()
         now = time.monotonic()
         for source in [s for s, p in self.peers.items() if now - p.seen_at > EXPIRY_SECONDS]:
             del self.peers[source]
+            self._owned.clear()
+        if len(self._page_at) > len(self.datastore.endpoints):  # endpoints that left the pool
+            self._page_at = {
+                e.hostport: self._page_at[e.hostport] for e in self.datastore.endpoints if e.hostport in self._page_at
+            }
         self._apply([e.hostport for e in self.datastore.endpoints])
         if self.release_prefilled is not None:
             self._schedule_release(self.release_prefilled())
         if now - self._snapshot_at >= 0.9 * HEARTBEAT_SECONDS:  # (the loop's timers may fire a millisecond early)
             self._send_all(self.own_load(), heartbeat=True)
+        self.cpu["send"] += thread_time() - started
 
     async def resolve(self) -> None:
         """Each peer's addresses now; a peer that does not resolve keeps its last addresses (logged once)."""
@@ -660,6 +809,7 @@ class ReplicaChannel(asyncio.DatagramProtocol):
         self.addresses = [a for a in resolved if a not in self.own_addresses]
         for source in [s for s in self.peers if s not in self.allowed]:
             self._apply(self.peers.pop(source).load.keys())
+            self._owned.clear()
 
     async def _run(self) -> None:
         next_resolve = 0.0
@@ -713,6 +863,23 @@ class ReplicaChannel(asyncio.DatagramProtocol):
         for outcome, value in self.received.items():
             received.add_metric([outcome], value)
         yield received
+        pages = CounterMetricFamily(
+            "inference_extension_replica_pages",
+            "Model servers' pages this replica read and sent its peers (sent), and took from them (received).",
+            labels=["direction"],
+        )
+        for direction, count in self.pages.items():
+            pages.add_metric([direction], count)
+        yield pages
+        cpu = CounterMetricFamily(
+            "inference_extension_replica_cpu_seconds",
+            "CPU seconds the replica channel took on the event loop, by part (send; receive: checking, decoding and "
+            "merging peers' datagrams; peer_learning: the latency predictor learning from the peers' observations).",
+            labels=["part"],
+        )
+        for part, seconds in self.cpu.items():
+            cpu.add_metric([part], seconds)
+        yield cpu
         yield from unlabelled(
             CounterMetricFamily,
             [

@@ -14,6 +14,12 @@ all pages fresh 2 / 17-35 / 96-217 ms after a wake at 8 / 64 / 256 endpoints, wh
 request after every spell). The cost: load that appeared on an endpoint in the last `idle_interval` is seen by that
 first request only. Measured with `epp-bench idle [--busy]` and `epp-bench overhead`.
 
+Replicas that share pages (`epp.replicas`, `--replica-share-pages`): an endpoint whose page a peer replica read
+within two intervals is not scraped here (`peer_page`); each page this EPP reads goes to the peers (`page_read`), and
+a peer's page is taken as this EPP's own (`apply_page`). Every endpoint is then read on the same ticks (multiples of
+the interval), so the pages one replica reads for its peers leave in one datagram a tick, and an endpoint another
+replica reads stays at the busy interval while any peer has requests in flight (`peers_busy`).
+
 A failed scrape never raises: the endpoint keeps its last metrics and becomes
 stale once no scrape succeeded within the staleness threshold (at once when the connection is refused). An endpoint
 that has not served a valid page yet is logged as a WARNING with what it answered, once per change of answer (the
@@ -39,7 +45,7 @@ from collections.abc import Callable
 from epp.datalayer.endpoint import Endpoint
 from epp.datalayer.metrics_client import HTTPStatusError, MetricsClient, ScrapeError
 from epp.datalayer.source import PageExtractor, PrometheusExtractor
-from protocol.metrics import InvalidMetricsError, MetricsParseError, sample_filter_query
+from protocol.metrics import EndpointMetrics, InvalidMetricsError, MetricsParseError, sample_filter_query
 
 WHOLE_PAGE_RETRY = 10.0  # seconds before a server whose filtered and whole pages both failed gets a whole-page try
 
@@ -76,6 +82,12 @@ class Scraper:
         self._last_request = -math.inf  # time.monotonic() of the latest wake()
         # requests this EPP holds that no endpoint has yet (flow control's queue): wired by the EPP's startup
         self.pending: Callable[[], int] = _nothing_pending
+        # Replicas that share pages (epp.replicas): whether a peer's page of this endpoint, at most the given seconds
+        # old, stands for this EPP's scrape; told of each page this EPP read; whether peers route now (so pages of
+        # the endpoints this EPP reads for them stay fresh while it has no traffic of its own)
+        self.peer_page: Callable[[Endpoint, float], bool] | None = None
+        self.page_read: Callable[[Endpoint], None] | None = None
+        self.peers_busy: Callable[[], bool] = _nobody_busy
         self.scrapes = 0
         self.failures = 0
 
@@ -154,6 +166,8 @@ class Scraper:
             await self._read(endpoint)
             self._never_read.pop(id(endpoint), None)
             self._set_stale(endpoint, False)
+            if self.page_read is not None:
+                self.page_read(endpoint)
             return True
         except ConnectionRefusedError as exc:
             self._failed(endpoint, exc, stale=True)  # nothing listens there: do not wait out the threshold
@@ -164,6 +178,12 @@ class Scraper:
             metrics = endpoint.metrics
             self._failed(endpoint, exc, stale=metrics is None or time.monotonic() - metrics.scraped_at > self.staleness)
         return False
+
+    def apply_page(self, endpoint: Endpoint, metrics: EndpointMetrics, totals: tuple[float, float] | None) -> None:
+        """A peer replica's page of `endpoint` (what it read and sent: `epp.replicas`), taken as this EPP's own."""
+        self.extractor.apply(endpoint, metrics, totals)
+        self._never_read.pop(id(endpoint), None)
+        self._set_stale(endpoint, False)
 
     def _failed(self, endpoint: Endpoint, exc: BaseException, stale: bool) -> None:
         self.failures += 1
@@ -212,6 +232,7 @@ class Scraper:
             and endpoint.in_flight_requests == endpoint.peer_in_flight_requests  # none of this EPP's own
             and time.monotonic() - self._last_request >= self.idle_interval
             and not self.pending()
+            and not self.peers_busy()
         )
 
     async def _idle_wait(self, delay: float) -> None:
@@ -228,23 +249,37 @@ class Scraper:
     async def _loop(self, endpoint: Endpoint) -> None:
         """Never ends but by cancellation: an unexpected error costs one scrape (the endpoint goes stale), not the
         endpoint's scraping for good."""
+        interval = self.interval
         with contextlib.suppress(asyncio.CancelledError):
             while True:
                 started = time.monotonic()
-                try:
-                    await self.scrape_once(endpoint)
-                except Exception as exc:
-                    log.exception("scraping %s failed unexpectedly", endpoint.name)
-                    self._failed(endpoint, exc, stale=True)
-                elapsed = time.monotonic() - started
-                if self.idle_interval > self.interval and self.quiet(endpoint):
-                    await self._idle_wait(max(0.0, self.idle_interval - elapsed))
+                peer_page = self.peer_page
+                # a peer's page younger than two of this EPP's intervals stands for a scrape; an older one (the peer
+                # died, or its scrapes fail) does not, and this EPP reads the page itself
+                if peer_page is None or not peer_page(endpoint, 2 * interval):
+                    try:
+                        await self.scrape_once(endpoint)
+                    except Exception as exc:
+                        log.exception("scraping %s failed unexpectedly", endpoint.name)
+                        self._failed(endpoint, exc, stale=True)
+                quiet = self.idle_interval > self.interval and self.quiet(endpoint)
+                interval = self.idle_interval if quiet else self.interval
+                now = time.monotonic()
+                # sharing pages, every endpoint is read on the same ticks, so the pages this EPP reads for its peers
+                # go in one datagram a tick (`epp.replicas`)
+                delay = interval - now % interval if peer_page is not None else interval - (now - started)
+                if quiet:
+                    await self._idle_wait(max(0.0, delay))
                 else:
-                    await asyncio.sleep(max(0.0, self.interval - elapsed))
+                    await asyncio.sleep(max(0.0, delay))
 
 
 def _nothing_pending() -> int:
     return 0
+
+
+def _nobody_busy() -> bool:
+    return False
 
 
 def _resolve(wait: asyncio.Future) -> None:

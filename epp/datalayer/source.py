@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Protocol, TypeVar
 
 from epp.datalayer.endpoint import Endpoint, PoolState
-from protocol.metrics import engine_spec, inter_token_totals, parse_metrics
+from protocol.metrics import EndpointMetrics, engine_spec, inter_token_totals, parse_metrics
 
 Raw = TypeVar("Raw", contravariant=True)
 
@@ -55,6 +55,10 @@ class PageExtractor(Extractor[str], Protocol):
         """The Prometheus samples `extract` reads from this endpoint's page (None: the whole page)."""
         ...
 
+    def apply(self, endpoint: Endpoint, metrics: EndpointMetrics, totals: tuple[float, float] | None) -> None:
+        """Set what a page said (read by `extract`, or by a peer replica that sent it) on `endpoint`."""
+        ...
+
 
 class PrometheusExtractor:
     """A Prometheus text page -> `endpoint.metrics` (queue, running, KV usage, LoRA adapters, cache config), read
@@ -69,17 +73,25 @@ class PrometheusExtractor:
     def extract(self, raw: str, endpoint: Endpoint) -> None:
         spec = engine_spec(endpoint.spec.engine)
         previous = endpoint.metrics
-        metrics = endpoint.metrics = parse_metrics(raw, spec)
-        endpoint.in_flight_at_scrape = endpoint.in_flight_requests
-        if metrics.running_adapters or endpoint.recent_adapters:
-            endpoint.adapters_used(metrics.running_adapters, metrics.max_lora)
+        metrics = parse_metrics(raw, spec)
+        totals = None
         # tokens come only while requests run: an idle endpoint's totals stand still (the scrape after the last
         # request ended still reads them), and a sample is kept at most every INTER_TOKEN_SAMPLE_SECONDS
         busy = metrics.running or metrics.waiting or (previous is not None and (previous.running or previous.waiting))
         if busy and endpoint.inter_token_sample_due(metrics.scraped_at):
             totals = inter_token_totals(raw, spec)
-            if totals is not None:
-                endpoint.record_inter_token_totals(metrics.scraped_at, *totals)
+        self.apply(endpoint, metrics, totals)
+
+    @staticmethod
+    def apply(endpoint: Endpoint, metrics: EndpointMetrics, totals: tuple[float, float] | None) -> None:
+        """What one page says, set on `endpoint`: its metrics, its inter-token latency `totals` when read; from this
+        EPP's scrape or a peer replica's (`epp.replicas`), which reads and sends the same figures."""
+        endpoint.metrics = metrics
+        endpoint.in_flight_at_scrape = endpoint.in_flight_requests
+        if metrics.running_adapters or endpoint.recent_adapters:
+            endpoint.adapters_used(metrics.running_adapters, metrics.max_lora)
+        if totals is not None:
+            endpoint.record_inter_token_totals(metrics.scraped_at, *totals)
         slots = endpoint.batch_slots
         if metrics.waiting:
             if metrics.running > (slots or 0):

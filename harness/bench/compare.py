@@ -97,6 +97,10 @@ _INDEX = re.compile(
     r"replica_bytes_sent_total) (\S+)$",
     re.M,
 )
+# the replica channel's CPU by part (epp/replicas.py CPU_PARTS), read from each EPP before and after the measured run
+_CHANNEL_CPU = re.compile(r'^inference_extension_replica_cpu_seconds_total\{part="(\w+)"\} (\S+)$', re.M)
+# the model servers' pages the replicas read for their peers and took from them, since they started
+_PAGES = re.compile(r'^inference_extension_replica_pages_total\{direction="(\w+)"\} (\S+)$', re.M)
 _COUNTER = re.compile(
     r"^(vllm:(?:(?:prefix_cache_hits|prefix_cache_queries|request_success)_total|time_to_first_token_seconds_(?:sum|count)))"
     r"\{[^}]*\} (\S+)$",
@@ -148,6 +152,8 @@ class TargetResult:
     # in each file of PROFILED_FILES (the replica channel, the prefix index it feeds, the predictor it feeds)
     profile_samples: int = 0
     profile_shares: dict[str, float] = field(default_factory=dict)
+    # the replica channel's CPU seconds over the measured run, by part, summed over the replicas (sharing runs only)
+    channel_cpu: dict[str, float] = field(default_factory=dict)
 
 
 def _host_ticks() -> tuple[int, int]:
@@ -435,6 +441,7 @@ async def run_target(
                     warm.append(asyncio.create_task(_one(session, f"{pool.url}/v1/completions", *request[1:])))
                 await asyncio.gather(*warm)
             before = await _counters(session, urls)
+            channel_before = await _channel_cpu(session, pool.stack) if pool.stack.processes.get("epp") else {}
             pids = pool.pids()
             cpu_before = {k: cpu_seconds(p) for k, p in pids.items()}
             client_before = resource.getrusage(resource.RUSAGE_SELF)
@@ -497,6 +504,11 @@ async def run_target(
                         page = await r.text()
                     for key, value in _INDEX.findall(page):
                         result.epp_index[key] = result.epp_index.get(key, 0.0) + float(value)
+                    for part, value in _CHANNEL_CPU.findall(page):
+                        result.channel_cpu[part] = result.channel_cpu.get(part, 0.0) + float(value)
+                    for direction, value in _PAGES.findall(page):
+                        key = f"pages_{direction}"
+                        result.epp_index[key] = result.epp_index.get(key, 0.0) + float(value)
                     status = Path(f"/proc/{pool.stack.processes[name].pid}/status").read_text()
                     rss_kb = int(re.search(r"^VmRSS:\s+(\d+)", status, re.M).group(1))
                     result.epp_index["rss_mb"] = result.epp_index.get("rss_mb", 0.0) + rss_kb / 1024
@@ -505,6 +517,7 @@ async def run_target(
                         f"{target}_mape" if target else "observations": float(value)
                         for target, _, value in _PREDICTOR.findall(await r.text())
                     }
+        result.channel_cpu = {k: v - channel_before.get(k, 0.0) for k, v in result.channel_cpu.items()}
         result.cpu_seconds = {k: cpu_after[k] - cpu_before[k] for k in pids}
         result.cpu_seconds["load generator"] = sum(
             after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
@@ -549,6 +562,16 @@ async def run_target(
 # the replica channel (what it sends, receives and applies, its callees included), and what a peer's datagram feeds
 PROFILED_FILES = ("epp/replicas.py", "epp/predictor/", "epp/scheduling/plugins/prefix_cache_scorer.py")
 PROFILE_RATE = 200  # py-spy samples a second
+
+
+async def _channel_cpu(session: aiohttp.ClientSession, stack: LocalStack) -> dict[str, float]:
+    """The replica channel's CPU seconds by part, summed over the stack's EPPs (none without sharing)."""
+    seconds: dict[str, float] = {}
+    for metrics_url in stack.epp_metrics_urls:
+        async with session.get(metrics_url) as r:
+            for part, value in _CHANNEL_CPU.findall(await r.text()):
+                seconds[part] = seconds.get(part, 0.0) + float(value)
+    return seconds
 
 
 def _profile(pid: int, duration: float, out: Path) -> subprocess.Popen:
@@ -739,7 +762,15 @@ def markdown(results: list[TargetResult], floors: dict[float, agentic.Floor] | N
                     lines += [
                         f"{r.target}: replica datagrams sent since the EPPs started, per request (all replicas, "
                         f"each peer counted): {i['replica_datagrams_sent_total'] / r.succeeded:.2f}, "
-                        f"{i.get('replica_bytes_sent_total', 0) / r.succeeded:.0f} bytes",
+                        f"{i.get('replica_bytes_sent_total', 0) / r.succeeded:.0f} bytes; model servers' pages read "
+                        f"for the peers {i.get('pages_sent', 0):.0f}, taken from them {i.get('pages_received', 0):.0f}",
+                        "",
+                    ]
+                if r.channel_cpu:
+                    parts = ", ".join(f"{k} {1e3 * v / r.succeeded:.3f}" for k, v in r.channel_cpu.items())
+                    lines += [
+                        f"{r.target}: the replica channel's CPU over the run, ms per request (all replicas): {parts}; "
+                        f"{1e3 * sum(r.channel_cpu.values()) / r.succeeded:.3f} in all",
                         "",
                     ]
             if r.profile_samples:

@@ -302,6 +302,16 @@ def test_what_a_replicas_predictor_learns_its_peers_learn():
     a._flush()
     deliver(wire, A, b, B)
     assert b.predictor.ttft.model.count == own.ttft.model.count == 2 and b.predictor.tpot.model.count == 1
+    # each side counts its CPU by part: the sender's sending, the receiver's merging and its predictor's learning
+    assert a.cpu["send"] > 0 and a.cpu["receive"] == a.cpu["peer_learning"] == 0
+    assert b.cpu["receive"] > 0 and b.cpu["peer_learning"] > 0 and b.cpu["send"] == 0
+    cpu = {
+        s.labels["part"]: s.value
+        for f in b.collect()
+        for s in f.samples
+        if f.name == "inference_extension_replica_cpu_seconds"
+    }
+    assert cpu == b.cpu
     b.predictor.observed = lambda *observation: pytest.fail("a peer's observation went back out")
     bad = datagram(a.instance, a.sequence + 1, (OBSERVED, bodies([b"\0" * 10])[0]))
     b.datagram_received(bad, A)
@@ -399,3 +409,96 @@ async def test_three_channels_on_udp_agree_and_each_skips_itself():
     finally:
         for c in channels:
             await c.stop()
+
+
+def three_that_hear_each_other(n: int = 12) -> list[tuple[ReplicaChannel, Wire]]:
+    """A, B and C over a pool of `n` endpoints, each having heard the other two (so each knows the live replicas)."""
+    sides = [channel(me, [p for p in (A, B, C) if p != me], pool(n)) for me in (A, B, C)]
+    for (sender, wire), me in zip(sides, (A, B, C), strict=True):
+        sender.heartbeat()
+        for (receiver, _), to in zip(sides, (A, B, C), strict=True):
+            if to != me:
+                deliver(wire, me, receiver, to)
+    return sides
+
+
+def test_each_page_has_one_reader_and_a_silent_readers_share_moves_to_the_others():
+    sides = three_that_hear_each_other()
+    hostports = [e.hostport for e in sides[0][0].datastore.endpoints]
+    readers = {h: [i for i, (c, _) in enumerate(sides) if c.owns(h)] for h in hostports}
+    assert all(len(r) == 1 for r in readers.values())  # every replica agrees on one reader an endpoint
+    assert len({r[0] for r in readers.values()}) == 3  # and the pool is split between all three
+    (a, _), (b, _), _ = sides
+    for survivor in (a, b):  # C falls silent: once it expires, A and B read its share, and only its share moves
+        survivor.peers[C].seen_at -= 2 * replicas.EXPIRY_SECONDS
+        survivor.heartbeat()
+    for h in hostports:
+        assert a.owns(h) != b.owns(h)
+        if readers[h] != [2]:
+            assert [a.owns(h), b.owns(h)] == [readers[h] == [0], readers[h] == [1]]
+
+
+def test_a_page_read_for_the_peers_stands_for_their_scrape_until_it_is_late():
+    from epp.datalayer.scraper import Scraper
+    from protocol.metrics import EndpointMetrics
+
+    (a, wire), (b, _), _ = three_that_hear_each_other()
+    wire.sent.clear()
+    scraper = Scraper(interval=0.05)
+    a.apply_page = b.apply_page = scraper.apply_page
+    mine = next(e for e in a.datastore.endpoints if a.owns(e.hostport))
+    theirs = next(e for e in a.datastore.endpoints if not a.owns(e.hostport))
+    read_at = time.monotonic()
+    mine.metrics = EndpointMetrics(3, 5, 0.4, 16, 2000, 4, frozenset({"sql"}), frozenset({"chat"}), read_at)
+    mine.record_inter_token_totals(read_at, 12.5, 900.0)
+    a.page_read(mine)
+    a.page_read(theirs)  # another replica reads that one: nothing to send
+    assert not wire.sent and [t.delay for t in a._loop.timers] == [replicas.PAGE_HOLD_SECONDS]
+    a._loop.fire()  # the tick's pages go together
+    copy = b.datastore.by_hostport(mine.hostport)
+    copy.in_flight_requests = 2
+    deliver(wire, A, b, B)
+    m = copy.metrics
+    assert (m.waiting, m.running, m.kv_usage, m.block_size, m.num_gpu_blocks, m.max_lora) == (3, 5, 0.4, 16, 2000, 4)
+    assert (m.running_adapters, m.waiting_adapters) == ({"sql"}, {"chat"}) and copy.adapter_loaded("sql")
+    assert abs(m.scraped_at - read_at) < 0.05 and not copy.stale and copy.in_flight_at_scrape == 2
+    assert [t[1:] for t in copy.inter_token_totals] == [(12.5, 900.0)] and copy.batch_slots == 5
+    assert b.peer_page(copy, 0.1)  # B's scraper skips it
+    assert a.pages == {"sent": 1, "received": 0} and b.pages == {"sent": 0, "received": 1}
+    # a quiet replica still reads its share fast while a peer routes: the peer reads those pages from it
+    quiet = Scraper(interval=0.05, idle_interval=0.25)
+    copy.in_flight_requests = 0
+    assert quiet.quiet(copy) and not b.peers_busy()
+    b.peers[A].load = {copy.hostport: (1, 100)}
+    quiet.peers_busy = b.peers_busy
+    assert not quiet.quiet(copy)
+    assert not b.peer_page(next(e for e in b.datastore.endpoints if b.owns(e.hostport)), 0.1)  # B reads its own
+    b._page_at[mine.hostport] -= 0.2  # A's next page is late: B reads it itself
+    assert not b.peer_page(copy, 0.1)
+    bad = datagram(a.instance, a.sequence + 1, (replicas.PAGES, bodies([b"\x01x" + b"\xff" * 48 + b"\0\0"])[0]))
+    b.datagram_received(bad, A)  # KV usage NaN
+    assert b.received["malformed"] == 1
+
+
+async def test_the_scraper_skips_what_a_peers_page_stands_for_and_reads_the_rest_on_common_ticks():
+    from epp.datalayer.scraper import Scraper
+
+    datastore = pool(2)
+    fresh, late = datastore.endpoints
+    scraper = Scraper(interval=0.02)
+    read: list[tuple[str, float]] = []
+
+    async def scrape_once(endpoint) -> bool:
+        read.append((endpoint.name, time.monotonic()))
+        return True
+
+    scraper.scrape_once = scrape_once
+    scraper.peer_page = lambda endpoint, within: endpoint is fresh and within == 2 * scraper.interval
+    for endpoint in (fresh, late):
+        scraper.start(endpoint)
+    await asyncio.sleep(0.2)
+    await scraper.close()
+    assert {name for name, _ in read} == {late.name} and len(read) >= 5
+    # read on the ticks of the interval's multiples (but for the loop's lateness on a busy host)
+    on_tick = [at % scraper.interval < scraper.interval / 4 for _, at in read[1:]]
+    assert sum(on_tick) >= len(on_tick) / 2
