@@ -20,6 +20,8 @@ from collections.abc import Iterator, Mapping
 from time import time
 from typing import NamedTuple
 
+import cython
+
 from epp.datalayer.endpoint import Endpoint
 from epp.scheduling.types import SchedulingRequest, SchedulingResult, TypedName, clamp_score
 
@@ -91,19 +93,13 @@ class DecisionLog:
                 considered,
                 tuple(result.endpoints),
                 tuple(result.candidates),
-                self._plain_names(tuple(raw_scores)),
+                _plain_names(self._plain, tuple(raw_scores)),
                 tuple([tuple(scores) for scores in raw_scores.values()]),
                 tuple(result.totals),
-                self._plain_names(timed),
+                _plain_names(self._plain, timed),
                 tuple([seconds for _, seconds in timings]),
             )
         )
-
-    def _plain_names(self, names: tuple[TypedName, ...]) -> tuple[tuple[str, str], ...]:
-        plain = self._plain.get(names)
-        if plain is None:
-            plain = self._plain[names] = tuple([(name.type, name.name) for name in names])
-        return plain
 
     def since(self, seq: int) -> Iterator[Decision]:
         """The decisions after `seq` still kept, oldest first."""
@@ -117,6 +113,18 @@ class DecisionLog:
         entries = self._entries
         index = seq - entries[0][0] if entries else -1
         return _decision(entries[index]) if 0 <= index < len(entries) else None
+
+
+@cython.cfunc
+def _plain_names(
+    known: dict[tuple[TypedName, ...], tuple[tuple[str, str], ...]], names: tuple[TypedName, ...]
+) -> tuple[tuple[str, str], ...]:
+    """`names` as plain (type, name) tuples, made once for each cycle's plugins (a C function in the release build:
+    as a method, each call went through Python's method call)."""
+    plain = known.get(names)
+    if plain is None:
+        plain = known[names] = tuple([(name.type, name.name) for name in names])
+    return plain
 
 
 def _decision(entry: tuple) -> Decision:
