@@ -200,6 +200,7 @@ class EndpointPicker:
         self.director.load_changed = channel.load_changed
         channel.release_prefilled = self.director.release_prefilled
         self.director.forward_record = channel.forward_record
+        self.scheduler.use_replicas(channel.position)
         channel.match_record = self.director.match_record
         predictor = self.scheduler.latency_predictor
         if predictor is not None:

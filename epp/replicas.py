@@ -429,6 +429,15 @@ class ReplicaChannel(asyncio.DatagramProtocol):
             if kind == LEARNED:
                 self._send_within(HOLD_SECONDS)
 
+    def position(self) -> tuple[int, int]:
+        """This replica's rank among the replicas heard within EXPIRY_SECONDS and itself, by instance id, and their
+        count: every replica of a pool works out the same ranks (`replica-stripe-picker`)."""
+        peers = self.peers
+        if not peers:
+            return 0, 1
+        own = self.instance
+        return sum(1 for p in peers.values() if p.instance < own), len(peers) + 1
+
     # -- sending -------------------------------------------------------------------------------------------------
     def own_load(self) -> dict[str, tuple[int, int]]:
         """This replica's own in-flight requests and prompt tokens per endpoint (the non-zero ones)."""

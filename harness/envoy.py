@@ -99,6 +99,7 @@ def render_bootstrap(
     access_log_percent: int = 100,
     app_protocol: str = HTTP,
     otlp_traces_endpoint: str | None = None,
+    records_forwarded: bool = False,
 ) -> str:
     """The bootstrap YAML; `fallback_endpoints` are "host:port" strings of the pool (FailOpen routing);
     `more_epp_endpoints` ("host:port") are further EPP replicas beside epp_host:epp_port (round robin between them).
@@ -123,7 +124,8 @@ def render_bootstrap(
 
     `response_header_mode` (SEND or SKIP; default: SKIP when every request's access-log record comes to the EPP and no
     response body goes through it, else SEND; several EPP replicas behind one Envoy each get a share of the records, so
-    there each replica keeps its requests' response headers): whether Envoy sends the EPP each response's headers, which
+    there each replica keeps its requests' response headers, unless `records_forwarded`: replicas that share over the
+    replica channel forward each other the records that are not theirs, epp/replicas.py): whether Envoy sends the EPP each response's headers, which
     then wait for its answer, a second ext_proc round trip per request on the response's critical path. What the EPP
     reads there, the status and the endpoint that served, the access-log record carries too (a response body streamed to
     the EPP needs the headers' answer: a rewritten model name changes the body's length).
@@ -154,7 +156,7 @@ def render_bootstrap(
         raise ValueError("observed_responses_percent must be within 1..100")
     sampled = response_body_mode == "FULL_DUPLEX_STREAMED" and observed_responses_percent < 100
     if response_header_mode is None:
-        every_record = access_log_percent == 100 and not more_epp_endpoints
+        every_record = access_log_percent == 100 and (records_forwarded or not more_epp_endpoints)
         response_header_mode = "SKIP" if every_record and response_body_mode == "NONE" else "SEND"
     if response_header_mode not in ("SEND", "SKIP"):
         raise ValueError("response_header_mode must be SEND or SKIP")

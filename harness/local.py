@@ -342,6 +342,7 @@ class LocalStack:
             more_epp_endpoints=[f"{c.host}:{grpc}" for grpc, _, _ in routed[1:]],
             epp_health_ports=[health for _, health, _ in routed],
             otlp_traces_endpoint=c.otlp_traces_endpoint,
+            records_forwarded=c.replica_sharing,
         )
 
     def start_envoy(self) -> None:

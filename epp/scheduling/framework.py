@@ -173,6 +173,15 @@ class SharedPrefixIndex(Plugin):
         """A peer replica routed a prompt with these block hashes to `endpoint`: remember it as if this one had."""
 
 
+class ReplicaAware(Plugin):
+    """Decides knowing this EPP's place among the active-active replicas that share the pool (`epp.replicas`)."""
+
+    @abstractmethod
+    def use_replicas(self, position: Callable[[], tuple[int, int]]) -> None:
+        """`position()` is this replica's rank among the replicas whose channel is live, and their count (itself
+        included): (0, 1) alone. Handed over at startup when the EPP has peers (`--replica-peers`)."""
+
+
 class PrefixIndexStats(Plugin):
     """A prefix index whose size and hit ratio the EPP exports (inference_extension_prefix_indexer_*)."""
 

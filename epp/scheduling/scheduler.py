@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from time import perf_counter
 from typing import Any, NamedTuple
@@ -63,6 +63,7 @@ from epp.scheduling.framework import (
     PrefixMatchReader,
     PrepareData,
     PreRequest,
+    ReplicaAware,
     ResponseComplete,
     ResponseTimed,
     Scorer,
@@ -160,6 +161,7 @@ class Scheduler:
         self._response_complete = [p for p in plugins if isinstance(p, ResponseComplete)]
         self._response_timed = [p for p in plugins if isinstance(p, ResponseTimed)]
         self._pool_changed = [p for p in plugins if isinstance(p, PoolChanged)]
+        self._replica_aware = [p for p in plugins if isinstance(p, ReplicaAware)]
         self.prefix_index: PrefixIndexStats | None = next((p for p in plugins if isinstance(p, PrefixIndexStats)), None)
         # the prefix index EPP replicas share (epp.replicas), when the profile has one
         self.shared_prefix_index = next((p for p in plugins if isinstance(p, SharedPrefixIndex)), None)
@@ -263,6 +265,11 @@ class Scheduler:
         self._kv_index = index
         for p in self._kv_events:
             p.use_kv_index(index)
+
+    def use_replicas(self, position: Callable[[], tuple[int, int]]) -> None:
+        """This replica's rank and the live replicas' count (`epp.replicas.ReplicaChannel.position`)."""
+        for p in self._replica_aware:
+            p.use_replicas(position)
 
     def _plugins_that_run(self, predicting: bool, kv_events: bool) -> CyclePlugins:
         def runs(p: Plugin) -> bool:

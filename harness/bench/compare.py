@@ -57,6 +57,11 @@ WHOLE_PROMPT_CONFIG = DEFAULT_CONFIG.replace(
     "- type: precise-prefix-cache-scorer\n",
     "- type: precise-prefix-cache-scorer\n  parameters: {scoreBeyondShared: false}\n",
 )
+# The default profile with replica-stripe-picker: active-active replicas take different endpoints among near-equal
+# ones (docs/replicas.md); alone it is the default profile
+STRIPED_CONFIG = DEFAULT_CONFIG.replace("- type: max-score-picker\n", "- type: replica-stripe-picker\n").replace(
+    "  - pluginRef: max-score-picker\n", "  - pluginRef: replica-stripe-picker\n"
+)
 EPP_TARGETS = {
     # the default profile: the latency predictor's filters, learning TTFT from the gateway's access log, then the
     # scorers (precise for endpoints that publish KV events: epp-local's servers do)
@@ -66,6 +71,7 @@ EPP_TARGETS = {
     "llm-d-default": LLM_D_DEFAULT_CONFIG,  # llm-d router v1.0's default profile, "sticky until saturated"
     "epp-sessions": SESSIONS_CONFIG,
     "epp-whole-prompt": WHOLE_PROMPT_CONFIG,
+    "epp-striped": STRIPED_CONFIG,
     "queue-only": SINGLE_SCORER.format("queue-scorer"),
     "kv-only": SINGLE_SCORER.format("kv-cache-utilization-scorer"),
     "prefix-only": SINGLE_SCORER.format("prefix-cache-scorer"),
@@ -148,6 +154,11 @@ class TargetResult:
     # in each file of PROFILED_FILES (the replica channel, the prefix index it feeds, the predictor it feeds)
     profile_samples: int = 0
     profile_shares: dict[str, float] = field(default_factory=dict)
+    # of the EPPs' picks (their decision rings, pooled: each keeps its last 1,000 by default), the share that went to an endpoint another pick chose less
+    # than REPEAT_SECONDS before: in bursts, a replica that picked before its peer's pick reached it (`repeat_picks`);
+    # and of those, the share where that other pick was another replica's
+    repeat_picks: float = 0.0
+    repeat_picks_cross: float = 0.0
 
 
 def _host_ticks() -> tuple[int, int]:
@@ -440,7 +451,7 @@ async def run_target(
             client_before = resource.getrusage(resource.RUSAGE_SELF)
             children_before = resource.getrusage(resource.RUSAGE_CHILDREN)
             host_before = _host_ticks()
-            started = time.monotonic()
+            started, started_wall = time.monotonic(), time.time()
             spy = _profile(pids["epp"], duration, workdir / "epp.pyspy.txt") if profile and "epp" in pids else None
 
             async def sample_load() -> None:
@@ -491,12 +502,15 @@ async def run_target(
             children_after = resource.getrusage(resource.RUSAGE_CHILDREN)
             host_after = _host_ticks()
             after = await _counters(session, urls)
+            decisions: dict[str, list[dict]] = {}
             if pool.stack.processes.get("epp") is not None:
                 for name, metrics_url in zip(pool.stack.epp_names, pool.stack.epp_metrics_urls, strict=True):
                     async with session.get(metrics_url) as r:
                         page = await r.text()
                     for key, value in _INDEX.findall(page):
                         result.epp_index[key] = result.epp_index.get(key, 0.0) + float(value)
+                    async with session.get(metrics_url.removesuffix("metrics") + "status.json") as r:
+                        decisions[name] = (await r.json())["decisions"]["entries"]
                     status = Path(f"/proc/{pool.stack.processes[name].pid}/status").read_text()
                     rss_kb = int(re.search(r"^VmRSS:\s+(\d+)", status, re.M).group(1))
                     result.epp_index["rss_mb"] = result.epp_index.get("rss_mb", 0.0) + rss_kb / 1024
@@ -505,6 +519,10 @@ async def run_target(
                         f"{target}_mape" if target else "observations": float(value)
                         for target, _, value in _PREDICTOR.findall(await r.text())
                     }
+        if decisions:
+            (workdir / "decisions.json").write_text(json.dumps(decisions))
+            picks = [(d["time"], d["pick_address"], name) for name, ds in decisions.items() for d in ds]
+            result.repeat_picks, result.repeat_picks_cross = repeat_picks(picks, started_wall)
         result.cpu_seconds = {k: cpu_after[k] - cpu_before[k] for k in pids}
         result.cpu_seconds["load generator"] = sum(
             after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
@@ -543,6 +561,29 @@ async def run_target(
     # spare: then the modelled GPU steps stretch and the comparison measures the host, not the routing.
     result.valid = max(result.machine_busy, result.host_busy) < 0.9 and max(result.cpu_seconds.values()) / elapsed < 0.9
     return result
+
+
+# Two picks of one endpoint less than this apart are a repeat (`repeat_picks`): a burst's requests reach the EPPs
+# within a few milliseconds of each other; a peer's pick reaches a replica within about one.
+REPEAT_SECONDS = 0.010
+
+
+def repeat_picks(picks: list[tuple[float, str, str]], since: float) -> tuple[float, float]:
+    """Of the picks (wall time, endpoint, EPP) made from `since` on, the share that chose an endpoint some pick chose
+    less than REPEAT_SECONDS before, and of those the share where the last such pick came from another EPP."""
+    picks = sorted(picks)
+    last: dict[str, tuple[float, str]] = {}  # endpoint -> its last pick: when, by which EPP
+    counted = repeats = cross = 0
+    for at, endpoint, epp in picks:
+        before = last.get(endpoint)
+        last[endpoint] = (at, epp)
+        if at < since:
+            continue
+        counted += 1
+        if before is not None and at - before[0] < REPEAT_SECONDS:
+            repeats += 1
+            cross += before[1] != epp
+    return (repeats / counted if counted else 0.0), (cross / repeats if repeats else 0.0)
 
 
 # The files whose share of the profiled EPP's samples a run reports (a sample counts for each file it has a frame in):
@@ -742,6 +783,12 @@ def markdown(results: list[TargetResult], floors: dict[float, agentic.Floor] | N
                         f"{i.get('replica_bytes_sent_total', 0) / r.succeeded:.0f} bytes",
                         "",
                     ]
+            if r.repeat_picks:
+                lines += [
+                    f"{r.target}: {r.repeat_picks:.1%} of the picks chose an endpoint picked less than "
+                    f"{1e3 * REPEAT_SECONDS:g} ms before ({r.repeat_picks_cross:.0%} of those by another replica)",
+                    "",
+                ]
             if r.profile_samples:
                 shares = ", ".join(f"{k} {v:.1%}" for k, v in r.profile_shares.items())
                 lines += [f"{r.target}: the first EPP's profile, {r.profile_samples} samples: {shares}", ""]

@@ -542,3 +542,17 @@ def test_the_oracle_keeps_a_context_on_its_server_until_the_load_gap_reaches_the
     assert oracle.pick("s2", pinned=True) == "b"  # a Responses follow-up never leaves its stored response
     oracle.forget("s1")
     assert oracle.contexts == {"a": 1, "b": 1, "c": 0}
+
+
+def test_repeat_picks_counts_an_endpoint_picked_again_within_the_window_and_by_whom():
+    from harness.bench.compare import REPEAT_SECONDS, repeat_picks
+
+    picks = [
+        (9.999, "a", "epp"),  # before the measured run: counts only as the earlier pick
+        (10.000, "a", "epp-1"),  # a repeat, another replica's pick before it
+        (10.001, "b", "epp"),
+        (10.002, "b", "epp"),  # a repeat of its own
+        (10.003 + REPEAT_SECONDS, "b", "epp-1"),  # too late to be one
+    ]
+    assert repeat_picks(picks, since=10.0) == (2 / 4, 1 / 2)
+    assert repeat_picks([], since=0.0) == (0.0, 0.0)

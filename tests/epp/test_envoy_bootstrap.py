@@ -25,6 +25,8 @@ def ext_proc_mode(**overrides) -> str:
         ({"access_log_percent": 0}, "SEND"),
         ({"response_body_mode": "FULL_DUPLEX_STREAMED"}, "SEND"),  # a rewritten body needs the headers' answer
         ({"more_epp_endpoints": ["127.0.0.1:9003"]}, "SEND"),  # each replica gets a share of the records
+        # sharing replicas forward each other the records that are not theirs (epp.replicas)
+        ({"more_epp_endpoints": ["127.0.0.1:9003"], "records_forwarded": True}, "SKIP"),
         ({"response_header_mode": "SEND"}, "SEND"),
         ({"access_log_percent": 0, "response_header_mode": "SKIP"}, "SKIP"),
     ],

@@ -399,3 +399,22 @@ async def test_three_channels_on_udp_agree_and_each_skips_itself():
     finally:
         for c in channels:
             await c.stop()
+
+
+def test_replicas_agree_on_their_ranks_and_a_silent_peer_leaves_them():
+    """`position` (replica-stripe-picker's stripes): every replica works out a different rank, all the same count."""
+    a, wire_a = channel(A, [B, C])
+    b, wire_b = channel(B, [A, C])
+    c, wire_c = channel(C, [A, B])
+    assert a.position() == (0, 1)  # alone until a peer is heard
+    nodes = ((a, wire_a, A), (b, wire_b, B), (c, wire_c, C))
+    for sender, wire, source in nodes:
+        sender.heartbeat()
+        for receiver, _, address in nodes:
+            if receiver is not sender:
+                deliver(wire, source, receiver, address)
+    assert sorted(n.position() for n, _, _ in nodes) == [(0, 3), (1, 3), (2, 3)]
+    for peer in a.peers.values():
+        peer.seen_at -= replicas.EXPIRY_SECONDS + 0.1
+    a.heartbeat()
+    assert a.position() == (0, 1)
