@@ -32,9 +32,9 @@ from epp.datalayer.pool_file import PoolFileSource
 from epp.datalayer.scraper import Scraper
 from epp.datalayer.source import PoolSource
 from epp.flowcontrol import FlowControlCollector, FlowControlConfig, FlowController
-from epp.handlers import Reply, accesslog
+from epp.handlers import accesslog
 from epp.handlers.budget import ByteBudget
-from epp.handlers.extproc import BufferedBodyCollector, RequestStream
+from epp.handlers.extproc import BufferedBodyCollector, stream_factory
 from epp.handlers.wire import ExtProcRequest
 from epp.health import HealthState
 from epp.leader import LeaseElector
@@ -219,10 +219,9 @@ class EndpointPicker:
     def _flow_control(self) -> FlowController | None:
         if not self.flow_config.enabled:
             return None
-        detector, datastore = self.scheduler.detector, self.datastore
         flow_control = FlowController(
             self.flow_config,
-            lambda in_flight: detector.has_room(datastore.endpoints, in_flight),
+            self.scheduler.detector.room_in(self.datastore),
             observer=self.metrics.flow_control_outcome,
             poll_interval=self.args.refresh_metrics_interval,  # a scrape may have shown room
         )
@@ -232,11 +231,8 @@ class EndpointPicker:
     def _ext_proc_server(self) -> ExtProcServer | grpc.aio.Server:
         """The ext_proc transport (--ext-proc-transport), serving the handlers and the access log's Export."""
         args = self.args
-        director, body_budget = self.director, self.body_budget
-
-        def new_stream(reply: Reply, traceparent: str | None = None) -> RequestStream:
-            return RequestStream(director, reply, body_budget, args.max_request_body_bytes, traceparent)
-
+        director = self.director
+        new_stream = stream_factory(director, self.body_budget, args.max_request_body_bytes)
         traced = self.tracing is not None
 
         export_access_log = accesslog.ExportHandler(director.on_access_log)

@@ -155,7 +155,7 @@ class StatusPage:
         entries = list(ring.since(since))[-MAX_DECISIONS_PER_POLL:]
         summaries = self._summaries
         if entries and summaries:
-            first = ring.entries[0].seq
+            first = ring.first
             for seq in [s for s in summaries if s < first]:
                 del summaries[seq]
         out = []

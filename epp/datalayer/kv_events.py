@@ -150,6 +150,9 @@ class KVBlockIndex:
         # the models those topics name, replaced whole when one changes (read on the loop for every prompt; `saw` comes
         # with every batch, from the subscriber's thread)
         self.base_models: frozenset[str] = frozenset()
+        # some endpoint sends KV events: read by the scheduler and the prefix scorers on every request, an attribute
+        # (a property ran as Python, three calls a request from the compiled plugins)
+        self.has_publishers = False
         self.block_size: int | None = None  # the block size of the latest BlockStored (the servers' block size)
         # how this EPP hashes a prompt's blocks (precise-prefix-cache-scorer's): the subscriber checks each
         # server's first blocks against it
@@ -168,19 +171,17 @@ class KVBlockIndex:
         """The endpoint (address:port) sends KV events: what it holds is known here."""
         return endpoint in self._models
 
-    @property
-    def has_publishers(self) -> bool:
-        return bool(self._models)
-
     def saw(self, endpoint: str, model: str) -> None:
         if self._models.get(endpoint) != model:
             self._models[endpoint] = model
             self.base_models = frozenset(self._models.values())
+            self.has_publishers = True
 
     def forget(self, endpoint: str) -> None:
         """The endpoint left the pool."""
         if self._models.pop(endpoint, None) is not None:
             self.base_models = frozenset(self._models.values())
+            self.has_publishers = bool(self._models)
         self.clear(endpoint)
 
     def store(self, endpoint: str, block_hashes: list[int]) -> None:

@@ -23,6 +23,7 @@ import asyncio
 import functools
 import logging
 import math
+from collections.abc import Callable
 
 import cython
 from envoy.config.core.v3 import base_pb2
@@ -503,3 +504,15 @@ class BufferedBodyCollector:
         name = "inference_extension_ext_proc_buffered_body_bytes"
         doc = "Request body bytes all ext_proc streams buffer now (--max-buffered-body-bytes bounds them)."
         yield from unlabelled(GaugeMetricFamily, [(name, doc, self.budget.held)])
+
+
+def stream_factory(
+    director: Director, budget: ByteBudget | None, max_body_bytes: int
+) -> Callable[[Reply, str | None], RequestStream]:
+    """What a transport calls for each new ext_proc stream: `new_stream(reply, traceparent=None)`. Defined here, the
+    release build compiles it (a closure in the wiring ran as Python, once a request)."""
+
+    def new_stream(reply: Reply, traceparent: str | None = None) -> RequestStream:
+        return RequestStream(director, reply, budget, max_body_bytes, traceparent)
+
+    return new_stream

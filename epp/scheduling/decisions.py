@@ -1,13 +1,16 @@
 """The scheduler's last decisions, kept for the EPP's status page (`epp/status.py`): a ring of a fixed size.
 
-Recording one costs the request path a few tuples of what the cycle built (the result's endpoints, candidates, raw
+Recording one costs the request path one plain tuple of what the cycle built (the result's endpoints, candidates, raw
 scores, totals and timings; never its cycle state, which can hold a long prompt's tokens) and an append to a bounded
-deque. Tuples, not the result's own lists: a tuple of numbers, names and tuples of them stops being tracked by the
-garbage collector at its first collection, so the ring adds about three tracked objects per decision to the old
-generation, not the ~15 lists and dicts of the result. Holding the result's lists, the live EPP spent 0.289 ms of CPU
-per request against 0.238 with no ring (`epp-bench overhead`, concurrency 32): each full collection walked them.
-What the page shows of a decision beyond that (the runner-up, why the pick won) is worked out when the page asks
-(`explain`), not per request.
+deque; the page's `Decision` is made from it when the page asks (`since`, `get`), as is what it shows beyond that
+(`explain`: the runner-up, why the pick won). Tuples, not the result's own lists: a tuple of numbers, names and
+tuples of them stops being tracked by the garbage collector at its first collection, so the ring adds three tracked
+objects per decision to the old generation (the entry and its two tuples of endpoints), not the ~15 lists and dicts
+of the result. Holding the result's lists, the live EPP spent 0.289 ms of CPU per request against 0.238 with no ring
+(`epp-bench overhead`, concurrency 32): each full collection walked them. The plugins' names are kept once per
+profile, not per decision, and the entry is a plain tuple: a NamedTuple's `__new__` runs as Python, ~4,000
+instructions a request (callgrind of a live EPP at concurrency 32: the record went from 17,800 instructions a request
+to 14,100).
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from collections import deque
 from collections.abc import Iterator, Mapping
 from time import time
 from typing import NamedTuple
+
+import cython
 
 from epp.datalayer.endpoint import Endpoint
 from epp.scheduling.types import SchedulingRequest, SchedulingResult, TypedName, clamp_score
@@ -50,22 +55,34 @@ class DecisionLog:
     def __init__(self, size: int = DEFAULT_DECISIONS):
         if size < 1:
             raise ValueError(f"a decision log holds at least one decision, not {size}")
-        self.entries: deque[Decision] = deque(maxlen=size)
+        # Decision's fields as a plain tuple, but the raw scores and the timings each split into the plugins' names
+        # (a tuple shared by every decision of the same plugins) and their values
+        self._entries: deque[tuple] = deque(maxlen=size)
         self.count = 0  # decisions recorded since start (the last one's seq)
-        self._plain: dict[TypedName, tuple[str, str]] = {}  # each plugin's identity as a plain tuple
+        # the plugins of a cycle (TypedName, a NamedTuple: never untracked) -> the same as plain (type, name) tuples
+        self._plain: dict[tuple[TypedName, ...], tuple[tuple[str, str], ...]] = {}
 
     @property
     def size(self) -> int:
-        return self.entries.maxlen or 0
+        return self._entries.maxlen or 0
+
+    @property
+    def entries(self) -> list[Decision]:
+        """Every decision kept, oldest first."""
+        return [_decision(entry) for entry in self._entries]
+
+    @property
+    def first(self) -> int:
+        """The oldest kept decision's seq (0 when none is kept)."""
+        entries = self._entries
+        return entries[0][0] if entries else 0
 
     def record(self, request: SchedulingRequest, result: SchedulingResult, considered: int) -> None:
         self.count = seq = self.count + 1
-        plain = self._plain
-        for name, _ in result.timings:
-            if name not in plain:
-                plain[name] = (name.type, name.name)
-        self.entries.append(
-            Decision(
+        raw_scores, timings = result.raw_scores, result.timings
+        timed = tuple([name for name, _ in timings])
+        self._entries.append(
+            (
                 seq,
                 time(),
                 request.request_id,
@@ -76,24 +93,44 @@ class DecisionLog:
                 considered,
                 tuple(result.endpoints),
                 tuple(result.candidates),
-                tuple([(plain[name], tuple(scores)) for name, scores in result.raw_scores.items()]),
+                _plain_names(self._plain, tuple(raw_scores)),
+                tuple([tuple(scores) for scores in raw_scores.values()]),
                 tuple(result.totals),
-                tuple([(plain[name], seconds) for name, seconds in result.timings]),
+                _plain_names(self._plain, timed),
+                tuple([seconds for _, seconds in timings]),
             )
         )
 
     def since(self, seq: int) -> Iterator[Decision]:
         """The decisions after `seq` still kept, oldest first."""
-        entries = self.entries
+        entries = self._entries
         if not entries:
             return iter(())
-        skip = max(0, seq - entries[0].seq + 1)
-        return (entries[i] for i in range(min(skip, len(entries)), len(entries)))
+        skip = max(0, seq - entries[0][0] + 1)
+        return (_decision(entries[i]) for i in range(min(skip, len(entries)), len(entries)))
 
     def get(self, seq: int) -> Decision | None:
-        entries = self.entries
-        index = seq - entries[0].seq if entries else -1
-        return entries[index] if 0 <= index < len(entries) else None
+        entries = self._entries
+        index = seq - entries[0][0] if entries else -1
+        return _decision(entries[index]) if 0 <= index < len(entries) else None
+
+
+@cython.cfunc
+def _plain_names(
+    known: dict[tuple[TypedName, ...], tuple[tuple[str, str], ...]], names: tuple[TypedName, ...]
+) -> tuple[tuple[str, str], ...]:
+    """`names` as plain (type, name) tuples, made once for each cycle's plugins (a C function in the release build:
+    as a method, each call went through Python's method call)."""
+    plain = known.get(names)
+    if plain is None:
+        plain = known[names] = tuple([(name.type, name.name) for name in names])
+    return plain
+
+
+def _decision(entry: tuple) -> Decision:
+    """A ring entry as the page reads it (`DecisionLog.record` wrote it)."""
+    *fields, scorers, scores, totals, timed, seconds = entry
+    return Decision(*fields, tuple(zip(scorers, scores, strict=True)), totals, tuple(zip(timed, seconds, strict=True)))
 
 
 class Explained(NamedTuple):

@@ -10,10 +10,11 @@ scorers send it there); per-request priorities above zero are never shed, howeve
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from epp.config.parameters import Parameters
+from epp.datalayer.datastore import Datastore
 from epp.datalayer.endpoint import Endpoint
 from epp.datalayer.load import queue_depth
 from epp.scheduling.errors import ShedError
@@ -59,6 +60,15 @@ class SaturationDetector:
                 return True
         blind = all(e.stale or e.metrics is None for e in endpoints)
         return blind and in_flight < self.queue_depth_threshold * len(endpoints)
+
+    def room_in(self, datastore: Datastore) -> Callable[[int], bool]:
+        """Flow control's `has_room(in_flight)` over the datastore's endpoints as they are at each call. Defined here,
+        the release build compiles it: a lambda in the wiring ran as Python, 1.4 calls a request at concurrency 32."""
+
+        def has_room(in_flight: int) -> bool:
+            return self.has_room(datastore.endpoints, in_flight)
+
+        return has_room
 
     def with_room(self, endpoints: list[Endpoint]) -> list[Endpoint]:
         """The endpoints that can start one more request now; all of them when none can (a blind pool)."""

@@ -637,3 +637,15 @@ async def test_a_huge_batch_at_the_cap_neither_takes_long_nor_stops_the_event_lo
     assert index.size == 60_000 - EVICTION_RUN and index.dropped_entries == 60_000 + EVICTION_RUN
     assert index.prefix_blocks([0], ["a:1"]) == {"a:1": 0} and index.prefix_blocks([159_999], ["b:1"]) == {"b:1": 1}
     assert took < 3.0 and max(gaps) < 0.25, (took, max(gaps))
+
+
+def test_has_publishers_follows_the_endpoints_that_publish():
+    index = KVBlockIndex()
+    assert not index.has_publishers
+    index.saw("10.0.0.1:8000", "m")
+    index.saw("10.0.0.2:8000", "m")
+    assert index.has_publishers and index.publishes("10.0.0.1:8000")
+    index.forget("10.0.0.1:8000")
+    assert index.has_publishers and not index.publishes("10.0.0.1:8000")
+    index.forget("10.0.0.2:8000")
+    assert not index.has_publishers and index.base_models == frozenset()
