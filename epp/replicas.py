@@ -503,8 +503,8 @@ class ReplicaChannel(asyncio.DatagramProtocol):
         is fresh). Rendezvous hashing with bounded shares: the pool's endpoints, in order, each go to the first
         replica in their own hash order of the instance ids that has fewer than its even share (ceil(n / replicas)),
         so each endpoint has one reader, replicas that hear the same peers and pool agree on which, and the shares
-        differ by one at most (plain rendezvous split 8 servers 1/3/4). Recomputed when the live replicas change or
-        an endpoint it has not placed asks (one that joined the pool)."""
+        differ by one at most (plain rendezvous split 8 servers 1/3/4). Recomputed when the live replicas change, when
+        an endpoint it has not placed asks (one that joined the pool), and at the heartbeat after endpoints left."""
         owned = self._owned.get(hostport)
         if owned is None:
             ids = [self.instance, *(peer.instance for peer in self.peers.values())]
@@ -795,6 +795,8 @@ class ReplicaChannel(asyncio.DatagramProtocol):
         now = time.monotonic()
         for source in [s for s, p in self.peers.items() if now - p.seen_at > EXPIRY_SECONDS]:
             del self.peers[source]
+            self._owned.clear()
+        if len(self._owned) > len(self.datastore.endpoints):  # endpoints left the pool: the shares are dealt again
             self._owned.clear()
         if len(self._page_at) > len(self.datastore.endpoints):  # endpoints that left the pool
             self._page_at = {

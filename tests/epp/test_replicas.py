@@ -456,6 +456,10 @@ def test_each_page_has_one_reader_the_shares_are_even_and_a_silent_readers_share
     assert sum(a.owns(h) for h in hostports) == 6
     sides = three_that_hear_each_other(8)  # 8 over 3: shares of 3, 3 and 2
     assert sorted(sum(c.owns(e.hostport) for e in c.datastore.endpoints) for c, _ in sides) == [2, 3, 3]
+    for c, _ in sides:  # two servers leave: at the next heartbeat the six left are dealt again, 2 each
+        c.datastore.apply(PoolState(endpoints=tuple(e.spec for e in c.datastore.endpoints[:6])))
+        c.heartbeat()
+    assert sorted(sum(c.owns(e.hostport) for e in c.datastore.endpoints) for c, _ in sides) == [2, 2, 2]
 
 
 def test_a_page_read_for_the_peers_stands_for_their_scrape_until_it_is_late():
