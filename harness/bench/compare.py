@@ -163,6 +163,9 @@ class TargetResult:
     # and of those, the share where that other pick was another replica's
     repeat_picks: float = 0.0
     repeat_picks_cross: float = 0.0
+    # of the same picks, the share the latency predictor shaped (`predictor_shaped`): in bursts split between replicas
+    # it decided whether a run came close to one EPP (docs/replicas.md)
+    predictor_picks: float = 0.0
     # the replica channel's CPU seconds over the measured run, by part, summed over the replicas (sharing runs only)
     channel_cpu: dict[str, float] = field(default_factory=dict)
 
@@ -535,6 +538,7 @@ async def run_target(
             (workdir / "decisions.json").write_text(json.dumps(decisions))
             picks = [(d["time"], d["pick_address"], name) for name, ds in decisions.items() for d in ds]
             result.repeat_picks, result.repeat_picks_cross = repeat_picks(picks, started_wall)
+            result.predictor_picks = predictor_shaped([d for ds in decisions.values() for d in ds], started_wall)
         result.channel_cpu = {k: v - channel_before.get(k, 0.0) for k, v in result.channel_cpu.items()}
         result.cpu_seconds = {k: cpu_after[k] - cpu_before[k] for k in pids}
         result.cpu_seconds["load generator"] = sum(
@@ -597,6 +601,15 @@ def repeat_picks(picks: list[tuple[float, str, str]], since: float) -> tuple[flo
             repeats += 1
             cross += before[1] != epp
     return (repeats / counted if counted else 0.0), (cross / repeats if repeats else 0.0)
+
+
+def predictor_shaped(decisions: list[dict], since: float) -> float:
+    """Of the picks (decision-ring entries, as the status page gives them) made from `since` on, the share the latency
+    predictor shaped: its filter left fewer candidates than were considered, or its scorer gave most of the pick's
+    lead. While its windowed error is over max_mape it abstains and the other scorers decide alone."""
+    counted = [d for d in decisions if d["time"] >= since]
+    shaped = sum(d["candidates"] < d["considered"] or "predicted-latency" in d["reason"] for d in counted)
+    return shaped / len(counted) if counted else 0.0
 
 
 # The files whose share of the profiled EPP's samples a run reports (a sample counts for each file it has a frame in):
@@ -817,7 +830,8 @@ def markdown(results: list[TargetResult], floors: dict[float, agentic.Floor] | N
             if r.repeat_picks:
                 lines += [
                     f"{r.target}: {r.repeat_picks:.1%} of the picks chose an endpoint picked less than "
-                    f"{1e3 * REPEAT_SECONDS:g} ms before ({r.repeat_picks_cross:.0%} of those by another replica)",
+                    f"{1e3 * REPEAT_SECONDS:g} ms before ({r.repeat_picks_cross:.0%} of those by another replica); "
+                    f"the latency predictor shaped {r.predictor_picks:.0%} of the picks",
                     "",
                 ]
             if r.profile_samples:

@@ -318,6 +318,28 @@ def test_what_a_replicas_predictor_learns_its_peers_learn():
     assert b.received["malformed"] == 1
 
 
+def test_a_picks_uncached_prompt_joins_the_peers_prefill_backlog_with_the_pick():
+    """One EPP's latency predictor queues every pick's uncached prompt tokens on its endpoint (`PrefillBacklog`);
+    a replica's queues its peers' picks too, as they arrive with the pick's snapshot."""
+    from epp.predictor import LatencyPredictor
+
+    a, wire = channel(A, [B])
+    b, _ = channel(B, [A])
+    b.predictor = LatencyPredictor()
+    own = LatencyPredictor()
+    own.prefilling = a.prefilling
+    endpoint = a.datastore.endpoints[1]
+    own.routed(endpoint, 3000, 1000, None, timed=False)
+    own.routed(a.datastore.endpoints[2], 500, 500, None, timed=False)  # all cached: nothing to prefill
+    assert not wire.sent and not a._loop.timers  # it rides with the pick's snapshot
+    endpoint.in_flight_requests = 1
+    a._flush()
+    deliver(wire, A, b, B)
+    now = time.monotonic()
+    assert 1900 < b.predictor.backlog.tokens("e1", now) <= 2000 and b.predictor.backlog.tokens("e2", now) == 0
+    assert b.predictor.backlog.tokens("e0", now) == 0
+
+
 def test_bad_input_is_counted_and_ignored():
     b, _ = channel(B, [A])
     endpoint = b.datastore.endpoints[0]
