@@ -13,10 +13,16 @@ own stripe; the replicas whose stripe has none share out the near-best ones no s
 the same ranks, stripes and so every replica's pick, so their first picks among near-equal endpoints differ (as far
 as there are enough of them), with no message between them. A candidate ahead by more than `margin` (a cached prefix, a much shorter queue) wins on every
 replica, as with max-score-picker; alone (no peers, or none heard for 2 s) it is max-score-picker.
+Within a burst (this replica picked less than `burstWindowMs` ago) the margin is `burstMargin`: the peers are
+placing the burst's other requests at the same time, unheard, so what a replica sees off its own stripe looks better
+than it is, and keeping to its stripe keeps its own view of where it sends them complete (the latency predictor's
+features included, whose error decides whether it routes at all: docs/replicas.md).
 Reads: the weighted total of each candidate; this replica's rank and the live replicas' count (the replica
 channel, `ReplicaAware`).
 Parameters: margin (default 0.5, in the profile's weighted-total units: a weight-1 scorer's whole range is 1; 0:
-only exact ties are shared out), maxNumOfEndpoints (default 1) as max-score-picker's.
+only exact ties are shared out), burstMargin (default: margin), burstWindowMs (default 10: a burst's picks on one
+replica come 1-3 ms apart, a steady 24 req/s over 3 replicas ~125 ms), maxNumOfEndpoints (default 1) as
+max-score-picker's.
 Trade-offs: a replica may take an endpoint up to `margin` below the best where one EPP would not, so keep it under
 the margin by which the affinity scorers lead (a cached prefix leads by 1.5-2 in the default profile); a narrow
 margin leaves more of a burst's load-driven picks to collide (measured: p90 TTFT in bursts 0.77-0.87x three
@@ -26,7 +32,9 @@ filters leave few of them shares those among the replicas less evenly.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
+from time import monotonic
 
 from epp.datalayer.endpoint import Endpoint
 from epp.scheduling.framework import Parameters, ReplicaAware, Stability, register
@@ -44,7 +52,10 @@ class ReplicaStripePicker(MaxScorePicker, ReplicaAware):
         p = Parameters("replica-stripe-picker", parameters)
         self.count = p.get("maxNumOfEndpoints", 1, int, minimum=1)
         self.margin = float(p.get("margin", 0.5, (int, float), minimum=0.0))
+        self.burst_margin = float(p.get("burstMargin", self.margin, (int, float), minimum=0.0))
+        self.burst_window = p.get("burstWindowMs", 10, (int, float), minimum=0) / 1e3
         p.done()
+        self._last_pick = -math.inf  # when this replica last picked among peers (monotonic)
         self.position: Callable[[], tuple[int, int]] = _alone
 
     def use_replicas(self, position: Callable[[], tuple[int, int]]) -> None:
@@ -56,7 +67,12 @@ class ReplicaStripePicker(MaxScorePicker, ReplicaAware):
         rank, replicas = self.position()
         if replicas < 2 or len(endpoints) < 2:
             return super().pick(cycle_state, request, endpoints, scores)
-        floor = max(scores) - self.margin
+        # a pick of its own less than burstWindowMs ago: a burst, whose other requests the peers are placing now,
+        # unheard, so what this replica sees off its stripe looks better than it is
+        now = monotonic()
+        margin = self.burst_margin if now - self._last_pick < self.burst_window else self.margin
+        self._last_pick = now
+        floor = max(scores) - margin
         by_address = sorted(range(len(endpoints)), key=lambda i: endpoints[i].hostport)
         near = [i for i in by_address if scores[i] >= floor]
         if len(near) < 2:

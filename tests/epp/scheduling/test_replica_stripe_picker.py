@@ -117,3 +117,21 @@ schedulingProfiles:
 
     scheduler.use_replicas(position)
     assert scheduler.profile.picker.position is position and scheduler.profile.picker.margin == 0.25
+
+
+def test_within_a_burst_a_replica_keeps_to_its_stripe_over_the_wider_margin(monkeypatch):
+    """A replica that picked less than burstWindowMs ago is in a burst: its peers are placing their share of it
+    too, unheard, so the endpoints off its stripe look better than they are, and it takes its own stripe's best
+    within burstMargin; a request alone uses margin."""
+    import epp.scheduling.plugins.replica_stripe_picker as module
+
+    now = [100.0]
+    monkeypatch.setattr(module, "monotonic", lambda: now[0])
+    endpoints = [endpoint(i) for i in range(6)]
+    scores = [5.0, 4.2, 4.0, 4.1, 4.0, 4.0]  # e0 leads by 0.8: none of rank 1's stripe (e1 e3 e5) is near at 0.25
+    picker = replica(1, 2, margin=0.25, burstMargin=1.0, burstWindowMs=10)
+    assert first(picker, endpoints, scores) == "e0"
+    now[0] += 0.004  # its own pick 4 ms ago: a burst
+    assert first(picker, endpoints, scores) == "e1"
+    now[0] += 0.011  # 11 ms later: alone again
+    assert first(picker, endpoints, scores) == "e0"
