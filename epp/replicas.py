@@ -573,7 +573,7 @@ class ReplicaChannel(asyncio.DatagramProtocol):
 
     def position(self) -> tuple[int, int]:
         """This replica's rank among the replicas heard within EXPIRY_SECONDS and itself, by instance id, and their
-        count: every replica of a pool works out the same ranks (`replica-stripe-picker`)."""
+        count: every replica of a pool works out the same ranks (max-score-picker's stripes)."""
         peers = self.peers
         if not peers:
             return 0, 1

@@ -57,10 +57,10 @@ WHOLE_PROMPT_CONFIG = DEFAULT_CONFIG.replace(
     "- type: precise-prefix-cache-scorer\n",
     "- type: precise-prefix-cache-scorer\n  parameters: {scoreBeyondShared: false}\n",
 )
-# The default profile with replica-stripe-picker: active-active replicas take different endpoints among near-equal
-# ones (docs/replicas.md); alone it is the default profile
-STRIPED_CONFIG = DEFAULT_CONFIG.replace("- type: max-score-picker\n", "- type: replica-stripe-picker\n").replace(
-    "  - pluginRef: max-score-picker\n", "  - pluginRef: replica-stripe-picker\n"
+# The default profile without max-score-picker's stripes for active-active replicas (both margins 0: only exact ties
+# are dealt by stripe), as the replicas picked before them (docs/replicas.md); alone it is the default profile
+UNSTRIPED_CONFIG = DEFAULT_CONFIG.replace(
+    "- type: max-score-picker\n", "- type: max-score-picker\n  parameters: {replicaMargin: 0, replicaBurstMargin: 0}\n"
 )
 EPP_TARGETS = {
     # the default profile: the latency predictor's filters, learning TTFT from the gateway's access log, then the
@@ -71,7 +71,7 @@ EPP_TARGETS = {
     "llm-d-default": LLM_D_DEFAULT_CONFIG,  # llm-d router v1.0's default profile, "sticky until saturated"
     "epp-sessions": SESSIONS_CONFIG,
     "epp-whole-prompt": WHOLE_PROMPT_CONFIG,
-    "epp-striped": STRIPED_CONFIG,
+    "epp-unstriped": UNSTRIPED_CONFIG,
     "queue-only": SINGLE_SCORER.format("queue-scorer"),
     "kv-only": SINGLE_SCORER.format("kv-cache-utilization-scorer"),
     "prefix-only": SINGLE_SCORER.format("prefix-cache-scorer"),

@@ -434,7 +434,7 @@ async def test_three_channels_on_udp_agree_and_each_skips_itself():
 
 
 def test_replicas_agree_on_their_ranks_and_a_silent_peer_leaves_them():
-    """`position` (replica-stripe-picker's stripes): every replica works out a different rank, all the same count."""
+    """`position` (max-score-picker's stripes): every replica works out a different rank, all the same count."""
     a, wire_a = channel(A, [B, C])
     b, wire_b = channel(B, [A, C])
     c, wire_c = channel(C, [A, B])
