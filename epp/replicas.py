@@ -43,8 +43,9 @@ Trust: a datagram counts only when it comes from a resolved peer address (any ot
 at most MAX_DATAGRAM_BYTES, parses whole within its limits, and is newer than the sender's last one. UDP sources can
 be spoofed from within the network, so the channel relies on the NetworkPolicy letting only the EPP's own pods reach
 the port; `--replica-secret-file` adds an HMAC-SHA256 tag (16 bytes) keyed by a shared secret, checked before
-anything is parsed. The most a forger who passes those checks can do is add load to endpoints for EXPIRY_SECONDS or
-entries to the prefix index, never crash the EPP or make it hold more than MAX_PEERS snapshots.
+anything is parsed. The most a forger who passes those checks can do is add load to endpoints for EXPIRY_SECONDS,
+entries to the prefix index, pages until the next, or prefill backlog (MAX_PREFILL_TOKENS an entry, draining at the
+endpoint's prefill rate); never crash the EPP or make it hold more than MAX_PEERS snapshots.
 
 Wire: a datagram is a HEADER and its sections (SECTION: a snapshot, or a kind of delta's entries), so one datagram
 carries a snapshot and every delta waiting. Every datagram wakes each peer's event loop, which costs it more than
@@ -119,7 +120,9 @@ _COUNT = struct.Struct("!H")
 SECTION_ROOM = MAX_DATAGRAM_BYTES - HEADER.size - TAG_BYTES - SECTION.size
 _LOAD = struct.Struct("!II")  # in-flight requests, in-flight prompt tokens
 _F64 = struct.Struct("!d")
-_U32_FIELD = struct.Struct("!I")
+_TOKENS = struct.Struct("!I")  # a pick's uncached prompt tokens (`prefill_entry`)
+# The most a peer's prefill entry counts: longer than any context window, and a forged one drains in minutes, not days
+MAX_PREFILL_TOKENS = 1 << 20
 _BYTE = struct.Struct("!B")
 # an observation's waiting, running, in-flight tokens, prompt tokens, cached tokens, KV usage, backlog tokens,
 # adapter loaded, TTFT, TPOT (NaN: none)
@@ -242,7 +245,7 @@ def learned_entry(hostport: str, hashes: list[int]) -> bytes:
 
 def prefill_entry(hostport: str, tokens: int) -> bytes:
     """A pick's uncached prompt tokens, which the endpoint has to prefill: the latency predictor's backlog."""
-    return _text(hostport) + _U32_FIELD.pack(min(max(tokens, 0), _U32))
+    return _text(hostport) + _TOKENS.pack(min(max(tokens, 0), MAX_PREFILL_TOKENS))
 
 
 def record_entry(request_id: str, ttft: float | None, status: str, served: str | None) -> bytes:
@@ -332,7 +335,8 @@ def _learned(r: _Reader) -> tuple[str, list[int]]:
 
 
 def _prefill(r: _Reader) -> tuple[str, int]:
-    return r.text(), r.unpack(_U32_FIELD)[0]
+    hostport, (tokens,) = r.text(), r.unpack(_TOKENS)
+    return hostport, min(tokens, MAX_PREFILL_TOKENS)
 
 
 def _record(r: _Reader) -> tuple[str, float | None, str, str | None]:

@@ -18,7 +18,9 @@ from epp.replicas import (
     LEARNED,
     MAGIC,
     MAX_DATAGRAM_BYTES,
+    MAX_PREFILL_TOKENS,
     OBSERVED,
+    PREFILLS,
     RECORDS,
     SNAPSHOT,
     MalformedDatagram,
@@ -30,6 +32,7 @@ from epp.replicas import (
     learned_entry,
     pack,
     parse_peers,
+    prefill_entry,
     record_entry,
 )
 from epp.scheduling.plugins.prefix_cache_scorer import PrefixCacheScorer
@@ -338,6 +341,10 @@ def test_a_picks_uncached_prompt_joins_the_peers_prefill_backlog_with_the_pick()
     now = time.monotonic()
     assert 1900 < b.predictor.backlog.tokens("e1", now) <= 2000 and b.predictor.backlog.tokens("e2", now) == 0
     assert b.predictor.backlog.tokens("e0", now) == 0
+    # an entry counts at most MAX_PREFILL_TOKENS, however many it claims (a forged one drains in minutes)
+    claimed = prefill_entry("10.0.0.1:8000", 10**9)[:-4] + (2**32 - 1).to_bytes(4, "big")
+    (entry,) = decode(memoryview(bodies([claimed])[0]), ENTRIES[PREFILLS])
+    assert entry == ("10.0.0.1:8000", MAX_PREFILL_TOKENS)
 
 
 def test_bad_input_is_counted_and_ignored():
