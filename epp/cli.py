@@ -223,8 +223,8 @@ def build_parser() -> Parser:
         type=count,
         default=DEFAULT_DECISIONS_PER_SECOND,
         help="decisions the status page keeps a second at most: past it, the first of each second are kept and the "
-        "rest counted (default %(default)s: the ring then spans ten seconds or more; 0: every decision, which costs "
-        "a busy EPP ~5%% of its CPU)",
+        "rest counted (default %(default)s: the ring then spans ten seconds or more; 0: every decision, which "
+        "cost a busy EPP 1.09x its CPU per request)",
     )
     p.add_argument(
         "--emit-endpoint-scores",
