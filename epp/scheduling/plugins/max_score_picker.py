@@ -65,7 +65,7 @@ class MaxScorePicker(Picker, ReplicaAware):
         self, cycle_state: CycleState, request: SchedulingRequest, endpoints: list[Endpoint], scores: list[float]
     ) -> list[Endpoint]:
         best = max(scores)
-        rank, replicas = self.position()
+        rank, replicas = self.position() if self.position is not _alone else (0, 1)  # one EPP: no call
         if replicas > 1 and len(endpoints) > 1:
             first = self._striped(rank, replicas, endpoints, scores, best)
         elif scores.count(best) == 1:  # the common case, without a loop in Python
