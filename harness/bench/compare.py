@@ -108,7 +108,8 @@ _CHANNEL_CPU = re.compile(r'^inference_extension_replica_cpu_seconds_total\{part
 # the model servers' pages the replicas read for their peers and took from them, since they started
 _PAGES = re.compile(r'^inference_extension_replica_pages_total\{direction="(\w+)"\} (\S+)$', re.M)
 _COUNTER = re.compile(
-    r"^(vllm:(?:(?:prefix_cache_hits|prefix_cache_queries|request_success)_total|time_to_first_token_seconds_(?:sum|count)))"
+    r"^(vllm:(?:(?:prefix_cache_hits|prefix_cache_queries|request_success)_total|"
+    r"(?:time_to_first_token|request_queue_time|request_prefill_time)_seconds_(?:sum|count)))"
     r"\{[^}]*\} (\S+)$",
     re.M,
 )
@@ -135,6 +136,10 @@ class TargetResult:
     # the model servers' own mean TTFT (vllm:time_to_first_token_seconds: from arrival at the server to the first
     # token): the client's TTFT less this is the path (router, proxy) and its queueing, not where requests landed
     server_ttft_ms: float = 0.0
+    # of it, the mean time waiting in the servers' queues and in prefill (vllm:request_queue_time_seconds,
+    # vllm:request_prefill_time_seconds): placement onto busy servers shows in the first, on cold prefixes in the second
+    server_queue_ms: float = 0.0
+    server_prefill_ms: float = 0.0
     cpu_seconds: dict[str, float] = field(default_factory=dict)
     machine_busy: float = 0.0  # CPU seconds of this run's processes / (wall x cores)
     host_busy: float = 0.0  # the whole machine's busy fraction (/proc/stat), other users' processes included
@@ -570,14 +575,10 @@ async def run_target(
         int(a.get("vllm:request_success_total", 0) - b.get("vllm:request_success_total", 0))
         for a, b in zip(after, before, strict=True)
     ]
-    served = [
-        sum(
-            a.get(f"vllm:time_to_first_token_seconds_{k}", 0) - b.get(f"vllm:time_to_first_token_seconds_{k}", 0)
-            for a, b in zip(after, before, strict=True)
-        )
-        for k in ("sum", "count")
-    ]
-    result.server_ttft_ms = 1e3 * served[0] / served[1] if served[1] else 0.0
+    result.server_ttft_ms, result.server_queue_ms, result.server_prefill_ms = (
+        _server_mean_ms(before, after, f"vllm:{name}_seconds")
+        for name in ("time_to_first_token", "request_queue_time", "request_prefill_time")
+    )
     if not result.requests:
         raise SystemExit(f"{target}: the workload produced no request in {duration:g} s; raise --duration or the rate")
     result.machine_busy = sum(result.cpu_seconds.values()) / (elapsed * (os.cpu_count() or 1))
@@ -586,6 +587,15 @@ async def run_target(
     # spare: then the modelled GPU steps stretch and the comparison measures the host, not the routing.
     result.valid = max(result.machine_busy, result.host_busy) < 0.9 and max(result.cpu_seconds.values()) / elapsed < 0.9
     return result
+
+
+def _server_mean_ms(before: list[dict[str, float]], after: list[dict[str, float]], histogram: str) -> float:
+    """The mean of a servers' histogram over the run, all servers together, in ms (0 when nothing was observed)."""
+    total, count = (
+        sum(a.get(f"{histogram}_{k}", 0) - b.get(f"{histogram}_{k}", 0) for a, b in zip(after, before, strict=True))
+        for k in ("sum", "count")
+    )
+    return 1e3 * total / count if count else 0.0
 
 
 # Two picks of one endpoint less than this apart are a repeat (`repeat_picks`): a burst's requests reach the EPPs
@@ -803,9 +813,12 @@ def markdown(results: list[TargetResult], floors: dict[float, agentic.Floor] | N
                 "",
             ]
         lines += [
-            "mean TTFT at the model servers (client's): "
+            "mean TTFT at the model servers [of it queued / in prefill] (client's): "
             + ", ".join(
-                f"{r.target} {r.server_ttft_ms:.0f} ({r.ttft_ms.get('mean', 0):.0f})" for r in rows if r.server_ttft_ms
+                f"{r.target} {r.server_ttft_ms:.0f} [{r.server_queue_ms:.1f} / {r.server_prefill_ms:.1f}] "
+                f"({r.ttft_ms.get('mean', 0):.0f})"
+                for r in rows
+                if r.server_ttft_ms
             ),
             "",
         ]
@@ -888,7 +901,8 @@ def _replicas_table(rows: list[TargetResult]) -> list[str]:
         "N replicas against one EPP (TTFT mean / p90 ratios): floor = 1 routing + N-1 shadows / 1 EPP (the replicas' "
         "cost to the machine), routing = N routing / the floor (splitting the requests), in all = N routing / 1 EPP",
         "",
-        "| run | floor | routing | in all | servers' own TTFT ms (1 / floor / N) | prefix hits (1 / floor / N) |",
+        "| run | floor | routing | in all | servers' own TTFT ms, of it queued (1 / floor / N) | "
+        "prefix hits (1 / floor / N) |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
     rounds: dict[tuple[str, int, bool], list[tuple]] = {}
@@ -899,7 +913,7 @@ def _replicas_table(rows: list[TargetResult]) -> list[str]:
         rounds.setdefault((target, replicas, sharing), []).append(ratios)
         named = target_label(target, replicas, sharing, repeat=repeat)
         cells = [f"{m:.2f} / {p90:.2f}" if ratio else "-" for ratio in ratios for m, p90 in [ratio or (0, 0)]]
-        own = " / ".join(f"{r.server_ttft_ms:.0f}" if r else "-" for r in (one, floor, split))
+        own = " / ".join(f"{r.server_ttft_ms:.0f} ({r.server_queue_ms:.1f})" if r else "-" for r in (one, floor, split))
         hits = " / ".join(f"{r.prefix_hit_rate:.0%}" if r else "-" for r in (one, floor, split))
         lines.append(f"| {named} | {' | '.join(cells)} | {own} | {hits} |")
     for (target, replicas, sharing), measured in rounds.items():

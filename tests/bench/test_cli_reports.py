@@ -149,6 +149,7 @@ def test_compare_repeats_in_rounds_and_splits_replicas_against_one_into_floor_an
             ttft_ms={"mean": mean, "p90": p90},
             prefix_hit_rate=0.9,
             server_ttft_ms=mean - 10,
+            server_queue_ms=mean / 10,
             **{k: kw[k] for k in ("replicas", "sharing", "shadows", "repeat")},
         )
 
@@ -178,7 +179,10 @@ def test_compare_repeats_in_rounds_and_splits_replicas_against_one_into_floor_an
     ]
     assert [r.target for r in results][:3] == ["epp #1", "epp x3 #1", "epp 1+2 shadows #1"]
     report = compare.markdown(results)
-    assert "| epp x3 #1 | 1.04 / 1.05 | 1.10 / 1.10 | 1.14 / 1.16 | 40 / 42 / 47 | 90% / 90% / 90% |" in report
+    assert (
+        "| epp x3 #1 | 1.04 / 1.05 | 1.10 / 1.10 | 1.14 / 1.16 | 40 (5.0) / 42 (5.2) / 47 (5.7) | 90% / 90% / 90% |"
+        in report
+    )
     assert "| epp x3 #2 | 1.00 / 1.00 | 1.10 / 1.20 | 1.10 / 1.20 |" in report
     assert (
         "| **epp x3, 2 rounds: mean (range)** | 1.02 (1.00-1.04) / 1.02 (1.00-1.05) | "
