@@ -92,7 +92,7 @@ class EndpointPicker:
         config = load(text)
         self.scheduler = Scheduler.from_sections(config, allow_experimental_plugins=args.allow_experimental_plugins)
         if args.status_decisions:
-            self.scheduler.decisions = DecisionLog(args.status_decisions)
+            self.scheduler.decisions = DecisionLog(args.status_decisions, args.status_decisions_per_second)
         self.flow_config = FlowControlConfig.from_sections(config)
         self.pool_name = args.pool_name or Path(args.pool_file).stem
         self.source, initial, self.elector = self._pool_source()

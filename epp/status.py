@@ -5,8 +5,8 @@ What it shows: every endpoint of the pool with its state (ready, or why not: the
 (waiting and running as last scraped, what the EPP has in flight there, KV-cache use), its LoRA adapters, its
 entries in the prefix indexes (the approximate one and the KV-event one) and, once the latency predictor has
 learnt, its predicted TTFT for a REFERENCE_PROMPT_TOKENS prompt with nothing cached; flow control's queues by
-priority band and flow; the scheduler's last decisions (`epp/scheduling/decisions.py`, a bounded ring) with each
-scorer's score per candidate and why the pick won.
+priority band and flow; the scheduler's last decisions (`epp/scheduling/decisions.py`, a bounded ring filled at
+most `--status-decisions-per-second` a second) with each scorer's score per candidate and why the pick won.
 
 Everything is read when the page asks, from what the parts keep anyway: the request path pays only the ring's
 append. A decision's explanation is computed once and kept while the decision is in the ring.
@@ -151,7 +151,7 @@ class StatusPage:
     def _decisions(self, since: int) -> dict:
         ring = self.decisions
         if ring is None:
-            return {"kept": 0, "last": 0, "entries": []}
+            return {"kept": 0, "last": 0, "made": 0, "per_second": 0, "entries": []}
         entries = list(ring.since(since))[-MAX_DECISIONS_PER_POLL:]
         summaries = self._summaries
         if entries and summaries:
@@ -164,7 +164,7 @@ class StatusPage:
             if summary is None:
                 summary = summaries[d.seq] = self._summary(d)
             out.append(summary)
-        return {"kept": ring.size, "last": ring.count, "entries": out}
+        return {"kept": ring.size, "last": ring.count, "made": ring.made, "per_second": ring.per_second, "entries": out}
 
     def _summary(self, d: Decision) -> dict:
         explained = explain(d, self.weights)

@@ -10,7 +10,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from epp.datalayer.datastore import Datastore
 from epp.datalayer.endpoint import EndpointSpec, PoolState
 from epp.flowcontrol import FlowControlConfig, FlowController
-from epp.scheduling.decisions import DecisionLog, explain
+from epp.scheduling.decisions import DEFAULT_DECISIONS_PER_SECOND, DecisionLog, explain
 from epp.scheduling.scheduler import Scheduler
 from epp.scheduling.types import SchedulingRequest, TypedName
 from epp.status import StatusPage
@@ -77,9 +77,31 @@ def test_explain_says_why_the_pick_won():
     assert explain(scheduler.decisions.get(3), weights).reason == "the only candidate (of 1)"
 
 
+def test_past_its_rate_the_ring_keeps_the_first_decisions_of_each_second_and_counts_the_rest():
+    now = [100.2]
+    ring = DecisionLog(10, per_second=2, clock=lambda: now[0])
+    scheduler = Scheduler.from_config(QUEUE_AND_KV)
+    scheduler.decisions = ring
+    endpoints = [endpoint(0), endpoint(1)]
+    for second, names in ((100.2, "abc"), (100.9, "d"), (101.0, "ef"), (103.5, "g")):
+        now[0] = second
+        for name in names:
+            scheduler.schedule(SchedulingRequest(name, "m", prompt="x"), endpoints)
+    assert [d.request_id for d in ring.entries] == ["a", "b", "e", "f", "g"]
+    assert [d.seq for d in ring.entries] == [1, 2, 3, 4, 5] and ring.count == 5 and ring.made == 7
+    assert ring.get(3).request_id == "e" and ring.get(3).at == 101.0
+    unbounded, request = DecisionLog(10, per_second=0, clock=lambda: 100.0), SchedulingRequest("r", "m")
+    result = scheduler.schedule(request, endpoints)
+    for _ in range(7):
+        unbounded.record(request, result, 2)
+    assert unbounded.count == unbounded.made == 7
+
+
 def test_bad_ring_sizes_are_refused():
     with pytest.raises(ValueError, match="at least one"):
         DecisionLog(0)
+    with pytest.raises(ValueError, match="negative"):
+        DecisionLog(10, per_second=-1)
 
 
 def pool(n: int) -> Datastore:
@@ -129,7 +151,8 @@ async def test_the_page_and_its_json_show_endpoints_queues_and_decisions():
         [band] = status["flow_control"]["bands"]
         assert band["priority"] == 0 and band["flows"][0]["id"] == "tenant-a" and band["flows"][0]["bytes"] == 120
         decisions = status["decisions"]
-        assert decisions["kept"] == 1000 and decisions["last"] == 4
+        assert decisions["kept"] == 1000 and decisions["last"] == decisions["made"] == 4
+        assert decisions["per_second"] == DEFAULT_DECISIONS_PER_SECOND
         assert [d["request_id"] for d in decisions["entries"]] == ["req-0", "req-1", "req-2", "req-3"]
         assert decisions["entries"][0]["pick"] == "s0" and decisions["entries"][0]["reason"]
         later = await (await client.get("/status.json?since=3")).json()

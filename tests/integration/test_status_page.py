@@ -108,7 +108,7 @@ async def follow_the_stack(stack, collector: TraceCollector) -> None:
 def full_status_page(endpoints: int, decisions: int) -> StatusPage:
     """A status page over `endpoints` scraped endpoints and `decisions` decisions of the default profile."""
     scheduler = Scheduler.from_config(DEFAULT_CONFIG)
-    scheduler.decisions = DecisionLog(decisions)
+    scheduler.decisions = DecisionLog(decisions, per_second=0)  # every decision: a full ring
     datastore = Datastore([], scheduler.on_pool_changed)
     datastore.apply(PoolState(tuple(EndpointSpec(f"pod-{i}", "10.0.0.1", 8000 + i) for i in range(endpoints))))
     for i, e in enumerate(datastore.endpoints):
