@@ -912,7 +912,7 @@ def _replicas_table(rows: list[TargetResult]) -> list[str]:
         ratios = (_ttft_ratio(floor, one), _ttft_ratio(split, floor), _ttft_ratio(split, one))
         rounds.setdefault((target, replicas, sharing), []).append(ratios)
         named = target_label(target, replicas, sharing, repeat=repeat)
-        cells = [f"{m:.2f} / {p90:.2f}" if ratio else "-" for ratio in ratios for m, p90 in [ratio or (0, 0)]]
+        cells = [f"{ratio[0]:.2f} / {ratio[1]:.2f}" if ratio else "-" for ratio in ratios]
         own = " / ".join(f"{r.server_ttft_ms:.0f} ({r.server_queue_ms:.1f})" if r else "-" for r in (one, floor, split))
         hits = " / ".join(f"{r.prefix_hit_rate:.0%}" if r else "-" for r in (one, floor, split))
         lines.append(f"| {named} | {' | '.join(cells)} | {own} | {hits} |")
