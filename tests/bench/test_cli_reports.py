@@ -189,5 +189,8 @@ def test_compare_repeats_in_rounds_and_splits_replicas_against_one_into_floor_an
         "1.10 (1.10-1.10) / 1.15 (1.10-1.20) | 1.12 (1.10-1.14) / 1.18 (1.16-1.20) | | |"
     ) in report
     assert "| epp | 2 | 50 / 40 | 25.0% | 60 / 50 | 20.0% | 40 / 30 |" in report
+    without_shadows = compare.markdown([r for r in results if not r.shadows and r.repeat == 1])
+    assert "| epp x3 #1 | - | - | 1.14 / 1.16 | 40 (5.0) / - / 47 (5.7) | 90% / - / 90% |" in without_shadows
+    assert "rounds: mean (range)" not in without_shadows and "| configuration |" not in without_shadows
     with pytest.raises(SystemExit):  # the CLI's own check
         cli.main(["compare", "--targets", "epp", "--repeats", "0", "--out", str(tmp_path)])
