@@ -223,6 +223,14 @@ def build_parser() -> Parser:
         "beyond their requests, the floor of N against 1); both: one run each",
     )
     cmp.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="run every target and variant this many times at each load, in rounds; the report gives each run, the\n"
+        "spread of each configuration over the rounds, and the replica ratios' mean and range (the noise a goal\n"
+        "within a few percent must be read against)",
+    )
+    cmp.add_argument(
         "--burst",
         type=int,
         default=0,
@@ -361,8 +369,12 @@ def main(argv: list[str] | None = None) -> None:
 
         sharing = [choice == "on" for choice in args.replica_sharing]
         shadows = [choice == "first" for choice in args.replica_routing]
-        runs = len(args.concurrency or args.rates) * sum(
-            len(compare.replica_variants(t, args.epp_replicas, sharing, shadows)) for t in args.targets
+        if args.repeats < 1:
+            parser.error("--repeats must be at least 1")
+        runs = (
+            args.repeats
+            * len(args.concurrency or args.rates)
+            * sum(len(compare.replica_variants(t, args.epp_replicas, sharing, shadows)) for t in args.targets)
         )
         with Progress(
             TextColumn("{task.description}"),
@@ -401,6 +413,7 @@ def main(argv: list[str] | None = None) -> None:
                     burst=args.burst,
                     shadows=shadows,
                     profile=args.profile,
+                    repeats=args.repeats,
                 )
             )
             bar.update(task, completed=runs, description="done")

@@ -108,7 +108,8 @@ _CHANNEL_CPU = re.compile(r'^inference_extension_replica_cpu_seconds_total\{part
 # the model servers' pages the replicas read for their peers and took from them, since they started
 _PAGES = re.compile(r'^inference_extension_replica_pages_total\{direction="(\w+)"\} (\S+)$', re.M)
 _COUNTER = re.compile(
-    r"^(vllm:(?:(?:prefix_cache_hits|prefix_cache_queries|request_success)_total|time_to_first_token_seconds_(?:sum|count)))"
+    r"^(vllm:(?:(?:prefix_cache_hits|prefix_cache_queries|request_success)_total|"
+    r"(?:time_to_first_token|request_queue_time|request_prefill_time)_seconds_(?:sum|count)))"
     r"\{[^}]*\} (\S+)$",
     re.M,
 )
@@ -135,6 +136,10 @@ class TargetResult:
     # the model servers' own mean TTFT (vllm:time_to_first_token_seconds: from arrival at the server to the first
     # token): the client's TTFT less this is the path (router, proxy) and its queueing, not where requests landed
     server_ttft_ms: float = 0.0
+    # of it, the mean time waiting in the servers' queues and in prefill (vllm:request_queue_time_seconds,
+    # vllm:request_prefill_time_seconds): placement onto busy servers shows in the first, on cold prefixes in the second
+    server_queue_ms: float = 0.0
+    server_prefill_ms: float = 0.0
     cpu_seconds: dict[str, float] = field(default_factory=dict)
     machine_busy: float = 0.0  # CPU seconds of this run's processes / (wall x cores)
     host_busy: float = 0.0  # the whole machine's busy fraction (/proc/stat), other users' processes included
@@ -168,6 +173,12 @@ class TargetResult:
     predictor_picks: float = 0.0
     # the replica channel's CPU seconds over the measured run, by part, summed over the replicas (sharing runs only)
     channel_cpu: dict[str, float] = field(default_factory=dict)
+    # how the target ran (`target_label` names it from these): EPP replicas, whether they shared, whether only the
+    # first routed; and which of --repeats rounds this run was (0: the only one)
+    replicas: int = 1
+    sharing: bool = True
+    shadows: bool = False
+    repeat: int = 0
 
 
 def _host_ticks() -> tuple[int, int]:
@@ -402,12 +413,14 @@ async def run_target(
     sharing: bool = True,
     shadows: bool = False,
     profile: bool = False,
+    repeat: int = 0,
 ) -> TargetResult:
     """One target under the workload for `duration` s; `warmup` s of the same workload (another draw, at `rate`)
     go first and count for nothing: what learns online (the latency predictor, the prefix caches) starts warm. An
     EPP target runs on `replicas` EPPs behind its Envoy, sharing their load (`sharing`) or not (`target_label`); with
     `shadows` Envoy routes to the first only and the others run beside it without requests (StackConfig.epp_shadows).
-    `profile`: py-spy samples the first EPP over the measured run (`_profile`)."""
+    `profile`: py-spy samples the first EPP over the measured run (`_profile`); `repeat`: which round of
+    `compare`'s repeats this is (0: the only one), in its name."""
     if warmup and (concurrency or load_generator != "builtin"):
         raise ValueError("--warmup needs the builtin load generator at a fixed rate (--rates)")
     agent = spec["name"] == "agentic"
@@ -431,11 +444,15 @@ async def run_target(
     else:
         stream = requests(spec, MODEL, rate or concurrency * 50, duration, seed, scale)
     result = TargetResult(
-        target_label(target, replicas, sharing, shadows),
+        target_label(target, replicas, sharing, shadows, repeat),
         0.0 if concurrency else rate,
         concurrency,
         requests=len(stream),
         load_generator=load_generator,
+        replicas=replicas,
+        sharing=sharing,
+        shadows=shadows,
+        repeat=repeat,
     )
     server_args = ["--disable-log-stats", *lora_args, *map(str, spec.get("modelserver_args", []))]
     async with Pool(target, servers, workdir, server_args, replicas=replicas, sharing=sharing, shadows=shadows) as pool:
@@ -562,14 +579,10 @@ async def run_target(
         int(a.get("vllm:request_success_total", 0) - b.get("vllm:request_success_total", 0))
         for a, b in zip(after, before, strict=True)
     ]
-    served = [
-        sum(
-            a.get(f"vllm:time_to_first_token_seconds_{k}", 0) - b.get(f"vllm:time_to_first_token_seconds_{k}", 0)
-            for a, b in zip(after, before, strict=True)
-        )
-        for k in ("sum", "count")
-    ]
-    result.server_ttft_ms = 1e3 * served[0] / served[1] if served[1] else 0.0
+    result.server_ttft_ms, result.server_queue_ms, result.server_prefill_ms = (
+        _server_mean_ms(before, after, f"vllm:{name}_seconds")
+        for name in ("time_to_first_token", "request_queue_time", "request_prefill_time")
+    )
     if not result.requests:
         raise SystemExit(f"{target}: the workload produced no request in {duration:g} s; raise --duration or the rate")
     result.machine_busy = sum(result.cpu_seconds.values()) / (elapsed * (os.cpu_count() or 1))
@@ -578,6 +591,15 @@ async def run_target(
     # spare: then the modelled GPU steps stretch and the comparison measures the host, not the routing.
     result.valid = max(result.machine_busy, result.host_busy) < 0.9 and max(result.cpu_seconds.values()) / elapsed < 0.9
     return result
+
+
+def _server_mean_ms(before: list[dict[str, float]], after: list[dict[str, float]], histogram: str) -> float:
+    """The mean of a servers' histogram over the run, all servers together, in ms (0 when nothing was observed)."""
+    total, count = (
+        sum(a.get(f"{histogram}_{k}", 0) - b.get(f"{histogram}_{k}", 0) for a, b in zip(after, before, strict=True))
+        for k in ("sum", "count")
+    )
+    return 1e3 * total / count if count else 0.0
 
 
 # Two picks of one endpoint less than this apart are a repeat (`repeat_picks`): a burst's requests reach the EPPs
@@ -657,13 +679,19 @@ def profile_shares(path: Path) -> tuple[int, dict[str, float]]:
     return total, {k: v / total for k, v in sorted(counts.items(), key=lambda kv: -kv[1])}
 
 
-def target_label(target: str, replicas: int, sharing: bool, shadows: bool = False) -> str:
+def target_label(target: str, replicas: int, sharing: bool, shadows: bool = False, repeat: int = 0) -> str:
     """A run's name in the report: the target, and for several EPP replicas how many, whether they share their
-    load and whether only the first routes ("epp x3", "epp x3 unshared", "epp 1+2 shadows")."""
-    if replicas == 1:
-        return target
-    routed = f" 1+{replicas - 1} shadows" if shadows else f" x{replicas}"
-    return target + routed + ("" if sharing else " unshared")
+    load and whether only the first routes ("epp x3", "epp x3 unshared", "epp 1+2 shadows"); with repeats, which
+    round ("epp x3 #2")."""
+    label = target
+    if replicas > 1:
+        label += (f" 1+{replicas - 1} shadows" if shadows else f" x{replicas}") + ("" if sharing else " unshared")
+    return label + (f" #{repeat}" if repeat else "")
+
+
+def bare_target(r: TargetResult) -> str:
+    """The target a run measured, without its replicas and round ("epp x3 #2" -> "epp")."""
+    return r.target.split(" ", 1)[0]
 
 
 def replica_variants(
@@ -739,10 +767,10 @@ def markdown(results: list[TargetResult], floors: dict[float, agentic.Floor] | N
     lines = []
     for rate, concurrency in sorted({(r.rate, r.concurrency) for r in results}):
         rows = [r for r in results if (r.rate, r.concurrency) == (rate, concurrency)]
-        base = next((r for r in rows if r.target == "round-robin"), None)
-        peers = [r for r in rows if r.target in PEER_TARGETS and r.ttft_ms]
+        base = next((r for r in rows if bare_target(r) == "round-robin"), None)
+        peers = [r for r in rows if bare_target(r) in PEER_TARGETS and r.ttft_ms]
         # The goal is set against the peers' cache-aware policies; their round robin only when nothing else ran.
-        peers = [r for r in peers if PEER_TARGETS[r.target][1] == "cache_aware"] or peers
+        peers = [r for r in peers if PEER_TARGETS[bare_target(r)][1] == "cache_aware"] or peers
         best_peer = min(peers, key=lambda r: r.ttft_ms["mean"]) if peers else None
         title = f"closed loop, {concurrency} concurrent clients" if concurrency else f"{rate:g} requests/s"
         if rows and rows[0].load_generator != "builtin":
@@ -780,6 +808,8 @@ def markdown(results: list[TargetResult], floors: dict[float, agentic.Floor] | N
                 f"{'yes' if r.valid else f'no (CPU: ours {r.machine_busy:.0%}, host {r.host_busy:.0%})'} |"
             )
         lines.append("")
+        lines += _replicas_table(rows)
+        lines += _spread_table(rows)
         floor = (floors or {}).get(rate)
         if floor is not None:
             vs_rr = (
@@ -796,9 +826,12 @@ def markdown(results: list[TargetResult], floors: dict[float, agentic.Floor] | N
                 "",
             ]
         lines += [
-            "mean TTFT at the model servers (client's): "
+            "mean TTFT at the model servers [of it queued / in prefill] (client's): "
             + ", ".join(
-                f"{r.target} {r.server_ttft_ms:.0f} ({r.ttft_ms.get('mean', 0):.0f})" for r in rows if r.server_ttft_ms
+                f"{r.target} {r.server_ttft_ms:.0f} [{r.server_queue_ms:.1f} / {r.server_prefill_ms:.1f}] "
+                f"({r.ttft_ms.get('mean', 0):.0f})"
+                for r in rows
+                if r.server_ttft_ms
             ),
             "",
         ]
@@ -856,6 +889,87 @@ def markdown(results: list[TargetResult], floors: dict[float, agentic.Floor] | N
                     "",
                 ]
     return "\n".join(lines) + "times in ms; TTFT ratios below 1 mean faster than the reference.\n"
+
+
+def _ttft_ratio(a: TargetResult | None, b: TargetResult | None) -> tuple[float, float] | None:
+    """a's TTFT over b's, (mean, p90); None when either did not run or served nothing."""
+    if a is None or b is None or not a.ttft_ms or not b.ttft_ms:
+        return None
+    return a.ttft_ms["mean"] / b.ttft_ms["mean"], a.ttft_ms["p90"] / b.ttft_ms["p90"]
+
+
+def _replicas_table(rows: list[TargetResult]) -> list[str]:
+    """N replicas against one EPP of the same target and round, in its two causes: the floor (one routing replica
+    and N-1 shadows against one EPP: what the replicas cost the machine while routing is not split) and the routing
+    (N routing replicas against the floor: what splitting the requests between them costs); with repeats, each
+    ratio's mean and range over the rounds."""
+    groups: dict[tuple[str, int, bool, int], dict[str, TargetResult]] = {}
+    for r in rows:
+        if r.replicas > 1:
+            groups.setdefault((bare_target(r), r.replicas, r.sharing, r.repeat), {})[
+                "floor" if r.shadows else "split"
+            ] = r
+    if not groups:
+        return []
+    lines = [
+        "N replicas against one EPP (TTFT mean / p90 ratios): floor = 1 routing + N-1 shadows / 1 EPP (the replicas' "
+        "cost to the machine), routing = N routing / the floor (splitting the requests), in all = N routing / 1 EPP",
+        "",
+        "| run | floor | routing | in all | servers' own TTFT ms, of it queued (1 / floor / N) | "
+        "prefix hits (1 / floor / N) |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    rounds: dict[tuple[str, int, bool], list[tuple]] = {}
+    for (target, replicas, sharing, repeat), runs in groups.items():
+        one = next((r for r in rows if bare_target(r) == target and r.replicas == 1 and r.repeat == repeat), None)
+        floor, split = runs.get("floor"), runs.get("split")
+        ratios = (_ttft_ratio(floor, one), _ttft_ratio(split, floor), _ttft_ratio(split, one))
+        rounds.setdefault((target, replicas, sharing), []).append(ratios)
+        named = target_label(target, replicas, sharing, repeat=repeat)
+        cells = [f"{ratio[0]:.2f} / {ratio[1]:.2f}" if ratio else "-" for ratio in ratios]
+        own = " / ".join(f"{r.server_ttft_ms:.0f} ({r.server_queue_ms:.1f})" if r else "-" for r in (one, floor, split))
+        hits = " / ".join(f"{r.prefix_hit_rate:.0%}" if r else "-" for r in (one, floor, split))
+        lines.append(f"| {named} | {' | '.join(cells)} | {own} | {hits} |")
+    for (target, replicas, sharing), measured in rounds.items():
+        if len(measured) < 2:
+            continue
+        cells = []
+        for column in zip(*measured, strict=True):
+            present = [ratio for ratio in column if ratio]
+            if not present:
+                cells.append("-")
+                continue
+            means, p90s = [m for m, _ in present], [p for _, p in present]
+            cells.append(
+                f"{statistics.fmean(means):.2f} ({min(means):.2f}-{max(means):.2f}) / "
+                f"{statistics.fmean(p90s):.2f} ({min(p90s):.2f}-{max(p90s):.2f})"
+            )
+        named = target_label(target, replicas, sharing)
+        lines.append(f"| **{named}, {len(measured)} rounds: mean (range)** | {' | '.join(cells)} | | |")
+    return [*lines, ""]
+
+
+def _spread_table(rows: list[TargetResult]) -> list[str]:
+    """With repeats: each configuration's TTFT over its rounds, and the spread (max / min - 1), the noise a ratio
+    between two single runs carries."""
+    rounds: dict[str, list[TargetResult]] = {}
+    for r in rows:
+        if r.repeat and r.ttft_ms:
+            rounds.setdefault(r.target.rsplit(" #", 1)[0], []).append(r)
+    if not any(len(runs) > 1 for runs in rounds.values()):
+        return []
+    lines = [
+        "| configuration | rounds | TTFT mean per round | spread | TTFT p90 per round | spread | servers' own TTFT |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for name, runs in rounds.items():
+        means, p90s = [r.ttft_ms["mean"] for r in runs], [r.ttft_ms["p90"] for r in runs]
+        lines.append(
+            f"| {name} | {len(runs)} | {' / '.join(f'{v:.0f}' for v in means)} | {max(means) / min(means) - 1:.1%} | "
+            f"{' / '.join(f'{v:.0f}' for v in p90s)} | {max(p90s) / min(p90s) - 1:.1%} | "
+            f"{' / '.join(f'{r.server_ttft_ms:.0f}' for r in runs)} |"
+        )
+    return [*lines, ""]
 
 
 def _by_kind_table(rows: list[TargetResult], base: TargetResult | None) -> list[str]:
@@ -966,9 +1080,11 @@ async def compare(
     burst: int = 0,
     shadows: list[bool] = (False,),
     profile: bool = False,
+    repeats: int = 1,
 ) -> list[TargetResult]:
     """Each target at each load; an EPP target once per replica count, sharing and routing choice
-    (`replica_variants`).
+    (`replica_variants`). `repeats` > 1: at each load every run that many times, in rounds (each round runs every
+    target and variant once, so that a slow drift of the host lands on all of them alike).
     `burst` > 0: arrivals (requests, or agent sessions) come in bursts of that many at once, at the same rate.
     `profile`: py-spy samples each run's first EPP (`run_target`)."""
     known = {**EPP_TARGETS, **ENVOY_TARGETS, **PEER_TARGETS, **dict.fromkeys(ORACLE_TARGETS)}
@@ -981,36 +1097,41 @@ async def compare(
     out.mkdir(parents=True, exist_ok=True)
     results = []
     loads = [(0.0, c) for c in concurrencies] or [(rate, 0) for rate in rates]
+    skipped = set()
     for rate, concurrency in loads:
-        for target in targets:
-            if target in PEER_TARGETS and peer_command(PEER_TARGETS[target][0]) is None:
-                progress(f"skip {target}: not installed (pip install '.[bench]')")
-                continue
-            for n, share, shadow in replica_variants(target, list(replicas), list(sharing), list(shadows)):
-                label = target_label(target, n, share, shadow)
-                load = f"{concurrency} concurrent clients" if concurrency else f"{rate:g} req/s"
-                progress(f"{workload}: {label} at {load} for {duration:g} s on {servers} servers ...")
-                run = label.replace(" ", "-")
-                workdir = out / "runs" / f"{run}-{f'c{concurrency}' if concurrency else f'{rate:g}'}"
-                workdir.mkdir(parents=True, exist_ok=True)
-                results.append(
-                    await run_target(
-                        target,
-                        spec,
-                        rate,
-                        duration,
-                        servers,
-                        workdir,
-                        scale,
-                        concurrency=concurrency,
-                        load_generator=load_generator,
-                        warmup=warmup,
-                        replicas=n,
-                        sharing=share,
-                        shadows=shadow,
-                        profile=profile,
+        for repeat in range(1, repeats + 1) if repeats > 1 else (0,):
+            for target in targets:
+                if target in PEER_TARGETS and peer_command(PEER_TARGETS[target][0]) is None:
+                    if target not in skipped:
+                        progress(f"skip {target}: not installed (pip install '.[bench]')")
+                    skipped.add(target)
+                    continue
+                for n, share, shadow in replica_variants(target, list(replicas), list(sharing), list(shadows)):
+                    label = target_label(target, n, share, shadow, repeat)
+                    load = f"{concurrency} concurrent clients" if concurrency else f"{rate:g} req/s"
+                    progress(f"{workload}: {label} at {load} for {duration:g} s on {servers} servers ...")
+                    run = label.replace(" ", "-").replace("#", "r")
+                    workdir = out / "runs" / f"{run}-{f'c{concurrency}' if concurrency else f'{rate:g}'}"
+                    workdir.mkdir(parents=True, exist_ok=True)
+                    results.append(
+                        await run_target(
+                            target,
+                            spec,
+                            rate,
+                            duration,
+                            servers,
+                            workdir,
+                            scale,
+                            concurrency=concurrency,
+                            load_generator=load_generator,
+                            warmup=warmup,
+                            replicas=n,
+                            sharing=share,
+                            shadows=shadow,
+                            profile=profile,
+                            repeat=repeat,
+                        )
                     )
-                )
     (out / f"{workload}.json").write_text(json.dumps([asdict(r) for r in results], indent=2))
     floors = {}
     if spec["name"] == "agentic" and not concurrencies:

@@ -123,3 +123,74 @@ def test_failover_exits_1_naming_the_faults_that_failed_requests(monkeypatch, ca
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["failover"])
     assert str(exit_info.value.code).startswith("epp-bench failover: requests failed in: EPP replica killed")
+
+
+def test_compare_repeats_in_rounds_and_splits_replicas_against_one_into_floor_and_routing(monkeypatch, tmp_path):
+    """--repeats runs every variant once a round; the report's replica table gives, per round and over the rounds,
+    the floor (1 routing + shadows against 1 EPP), the routing (N routing against the floor) and both, and the
+    spread of each configuration."""
+    ttft = {  # (replicas, shadows, round) -> TTFT mean, p90 (ms)
+        (1, False, 1): (50.0, 60.0),
+        (3, True, 1): (52.0, 63.0),
+        (3, False, 1): (57.2, 69.3),
+        (1, False, 2): (40.0, 50.0),
+        (3, True, 2): (40.0, 50.0),
+        (3, False, 2): (44.0, 60.0),
+    }
+    order = []
+
+    async def fake_run(target, spec, rate, duration, servers, workdir, scale, **kw):
+        order.append((kw["replicas"], kw["shadows"], kw["repeat"], workdir.name))
+        mean, p90 = ttft[kw["replicas"], kw["shadows"], kw["repeat"]]
+        label = compare.target_label(target, kw["replicas"], kw["sharing"], kw["shadows"], kw["repeat"])
+        return compare.TargetResult(
+            label,
+            rate,
+            ttft_ms={"mean": mean, "p90": p90},
+            prefix_hit_rate=0.9,
+            server_ttft_ms=mean - 10,
+            server_queue_ms=mean / 10,
+            **{k: kw[k] for k in ("replicas", "sharing", "shadows", "repeat")},
+        )
+
+    monkeypatch.setattr(compare, "run_target", fake_run)
+    monkeypatch.setattr(compare, "plots", lambda results, out: [])
+    results = asyncio.run(
+        compare.compare(
+            "multi-turn-kv-pressure",
+            ["epp"],
+            [12.0],
+            1.0,
+            8,
+            tmp_path,
+            progress=lambda m: None,
+            replicas=[1, 3],
+            shadows=[False, True],
+            repeats=2,
+        )
+    )
+    assert order == [  # round by round, every variant in each
+        (1, False, 1, "epp-r1-12"),
+        (3, False, 1, "epp-x3-r1-12"),
+        (3, True, 1, "epp-1+2-shadows-r1-12"),
+        (1, False, 2, "epp-r2-12"),
+        (3, False, 2, "epp-x3-r2-12"),
+        (3, True, 2, "epp-1+2-shadows-r2-12"),
+    ]
+    assert [r.target for r in results][:3] == ["epp #1", "epp x3 #1", "epp 1+2 shadows #1"]
+    report = compare.markdown(results)
+    assert (
+        "| epp x3 #1 | 1.04 / 1.05 | 1.10 / 1.10 | 1.14 / 1.16 | 40 (5.0) / 42 (5.2) / 47 (5.7) | 90% / 90% / 90% |"
+        in report
+    )
+    assert "| epp x3 #2 | 1.00 / 1.00 | 1.10 / 1.20 | 1.10 / 1.20 |" in report
+    assert (
+        "| **epp x3, 2 rounds: mean (range)** | 1.02 (1.00-1.04) / 1.02 (1.00-1.05) | "
+        "1.10 (1.10-1.10) / 1.15 (1.10-1.20) | 1.12 (1.10-1.14) / 1.18 (1.16-1.20) | | |"
+    ) in report
+    assert "| epp | 2 | 50 / 40 | 25.0% | 60 / 50 | 20.0% | 40 / 30 |" in report
+    without_shadows = compare.markdown([r for r in results if not r.shadows and r.repeat == 1])
+    assert "| epp x3 #1 | - | - | 1.14 / 1.16 | 40 (5.0) / - / 47 (5.7) | 90% / - / 90% |" in without_shadows
+    assert "rounds: mean (range)" not in without_shadows and "| configuration |" not in without_shadows
+    with pytest.raises(SystemExit):  # the CLI's own check
+        cli.main(["compare", "--targets", "epp", "--repeats", "0", "--out", str(tmp_path)])
