@@ -99,6 +99,9 @@ HEARTBEAT_SECONDS = 0.5
 HOLD_SECONDS = 0.05
 # A peer's snapshot counts for this long after it came (4 heartbeats: one or two lost datagrams do not matter).
 EXPIRY_SECONDS = 2.0
+# A peer routes (it has a place in max-score-picker's stripes) while its last pick is at most this old: a replica
+# the gateway sends nothing, or hardly anything, must not leave the others each on a part of the pool.
+ROUTING_SECONDS = 1.0
 RESOLVE_SECONDS = 5.0
 MAX_PEERS = 64  # peer addresses sent to and believed; a resolution that yields more keeps the first ones
 # One datagram: what fits unfragmented on loopback and, fragmented by IP, across a pod network; a snapshot larger
@@ -143,11 +146,13 @@ _HEADS: dict[str, bytes] = {}  # hostport -> its encoded entry head (_entry_head
 @dataclass
 class Peer:
     """What one peer (a source address) last said: its instance (a new one after a restart), its last sequence
-    number, when its last snapshot came, and the snapshot: endpoint hostport -> (requests, prompt tokens)."""
+    number, when its last snapshot came and its last one with a pick (a count that rose), and the snapshot: endpoint
+    hostport -> (requests, prompt tokens)."""
 
     instance: int
     sequence: int = 0
     seen_at: float = 0.0
+    picked_at: float = -math.inf
     load: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
@@ -576,13 +581,20 @@ class ReplicaChannel(asyncio.DatagramProtocol):
                 self._send_within(PAGE_HOLD_SECONDS)
 
     def position(self) -> tuple[int, int]:
-        """This replica's rank among the replicas heard within EXPIRY_SECONDS and itself, by instance id, and their
-        count: every replica of a pool works out the same ranks (max-score-picker's stripes)."""
+        """This replica's rank, by instance id, among itself (it is picking) and the peers heard picking within
+        ROUTING_SECONDS, and their count: every routing replica of a pool works out the same ranks (max-score-picker's
+        stripes), and one that routes alone, its peers idle or standing by, is not held to a stripe."""
         peers = self.peers
         if not peers:
             return 0, 1
-        own = self.instance
-        return sum(1 for p in peers.values() if p.instance < own), len(peers) + 1
+        own, since = self.instance, time.monotonic() - ROUTING_SECONDS
+        rank = routing = 0
+        for p in peers.values():
+            if p.picked_at >= since:
+                routing += 1
+                if p.instance < own:
+                    rank += 1
+        return rank, routing + 1
 
     # -- sending -------------------------------------------------------------------------------------------------
     def own_load(self) -> dict[str, tuple[int, int]]:
@@ -752,6 +764,8 @@ class ReplicaChannel(asyncio.DatagramProtocol):
         for kind, content in sections:
             if kind == SNAPSHOT:
                 old, peer.load, peer.seen_at = peer.load, content, time.monotonic()
+                if _rose(content, old):
+                    peer.picked_at = peer.seen_at
                 self._apply([h for h in old.keys() | content.keys() if old.get(h) != content.get(h)])
             elif kind == LEARNED and self.prefix_index is not None:
                 by_hostport = self.datastore.by_hostport

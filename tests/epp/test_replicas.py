@@ -2,6 +2,7 @@
 peer, restarts and replays, prefix-index deltas, bad and forged datagrams, and the channel on real UDP sockets."""
 
 import asyncio
+import math
 import os
 import random
 import time
@@ -440,23 +441,42 @@ async def test_three_channels_on_udp_agree_and_each_skips_itself():
             await c.stop()
 
 
-def test_replicas_agree_on_their_ranks_and_a_silent_peer_leaves_them():
-    """`position` (max-score-picker's stripes): every replica works out a different rank, all the same count."""
+def test_routing_replicas_agree_on_their_ranks_and_idle_or_silent_peers_leave_them():
+    """`position` (max-score-picker's stripes): every routing replica works out a different rank, all the same count;
+    a peer that picks nothing (a shadow, one the gateway sends nothing) or falls silent has no stripe."""
     a, wire_a = channel(A, [B, C])
     b, wire_b = channel(B, [A, C])
     c, wire_c = channel(C, [A, B])
     assert a.position() == (0, 1)  # alone until a peer is heard
     nodes = ((a, wire_a, A), (b, wire_b, B), (c, wire_c, C))
-    for sender, wire, source in nodes:
-        sender.heartbeat()
-        for receiver, _, address in nodes:
-            if receiver is not sender:
-                deliver(wire, source, receiver, address)
+
+    def exchange(picking: tuple[ReplicaChannel, ...]) -> None:
+        """Those `picking` route a request (their snapshot goes out), the others send a heartbeat."""
+        for sender, wire, source in nodes:
+            if sender in picking:
+                sender.datastore.endpoints[0].in_flight_requests += 1
+                sender.load_changed()
+                sender._flush()
+            else:
+                sender._snapshot_at = -math.inf  # a heartbeat is due
+                sender.heartbeat()
+            for receiver, _, address in nodes:
+                if receiver is not sender:
+                    deliver(wire, source, receiver, address)
+
+    exchange(picking=(a,))  # b and c heard, but only a routes
+    assert len(b.peers) == 2 and a.position() == (0, 1)
+    exchange(picking=(a, b, c))
+    assert sorted(n.position() for n, _, _ in nodes) == [(0, 3), (1, 3), (2, 3)]
+    exchange(picking=())  # heartbeats alone keep the peers alive, not routing
     assert sorted(n.position() for n, _, _ in nodes) == [(0, 3), (1, 3), (2, 3)]
     for peer in a.peers.values():
+        peer.picked_at -= replicas.ROUTING_SECONDS + 0.1
+    assert len(a.peers) == 2 and a.position() == (0, 1)
+    for peer in b.peers.values():
         peer.seen_at -= replicas.EXPIRY_SECONDS + 0.1
-    a.heartbeat()
-    assert a.position() == (0, 1)
+    b.heartbeat()
+    assert b.position() == (0, 1)
 
 
 def three_that_hear_each_other(n: int = 12) -> list[tuple[ReplicaChannel, Wire]]:
