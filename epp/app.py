@@ -204,7 +204,7 @@ class EndpointPicker:
         channel.match_record = self.director.match_record
         predictor = self.scheduler.latency_predictor
         if predictor is not None:
-            predictor.observed, predictor.prefilling = channel.observed, channel.prefilling
+            predictor.observed = channel.observed
             channel.predictor = predictor
         if args.replica_share_pages:
             scraper = self.scraper

@@ -21,10 +21,6 @@ What is shared, over UDP on `--replica-port` (no external store):
   latency predictor of the replica that routed a request learns from it (`Director.forward_record`, `match_record`).
 * **The latency predictor's observations** (a request's features at the pick, its TTFT and TPOT), which every peer's
   predictor learns from too (`LatencyPredictor.observed`): each learns from every request, as one EPP's would.
-* **Each pick's uncached prompt tokens** (`LatencyPredictor.prefilling`), which every peer's predictor queues in its
-  prefill backlog for that endpoint, as one EPP's holds every pick's: they ride with the pick's snapshot. Without
-  them a replica's backlog held only its own picks, its TTFT error in bursts stayed about the predictor's
-  max_mape, and it mostly abstained where one EPP's routed (docs/replicas.md).
 * **The model servers' pages** (`--replica-share-pages`, on by default): each endpoint's metrics page is read by one
   live replica (`owns`: rendezvous hashing with bounded shares over the instance ids of this replica and its fresh
   peers), which sends
@@ -43,9 +39,8 @@ Trust: a datagram counts only when it comes from a resolved peer address (any ot
 at most MAX_DATAGRAM_BYTES, parses whole within its limits, and is newer than the sender's last one. UDP sources can
 be spoofed from within the network, so the channel relies on the NetworkPolicy letting only the EPP's own pods reach
 the port; `--replica-secret-file` adds an HMAC-SHA256 tag (16 bytes) keyed by a shared secret, checked before
-anything is parsed. The most a forger who passes those checks can do is add load to endpoints for EXPIRY_SECONDS,
-entries to the prefix index, pages until the next, or prefill backlog (MAX_PREFILL_TOKENS an entry, draining at the
-endpoint's prefill rate); never crash the EPP or make it hold more than MAX_PEERS snapshots.
+anything is parsed. The most a forger who passes those checks can do is add load to endpoints for EXPIRY_SECONDS or
+entries to the prefix index, never crash the EPP or make it hold more than MAX_PEERS snapshots.
 
 Wire: a datagram is a HEADER and its sections (SECTION: a snapshot, or a kind of delta's entries), so one datagram
 carries a snapshot and every delta waiting. Every datagram wakes each peer's event loop, which costs it more than
@@ -99,7 +94,7 @@ HEARTBEAT_SECONDS = 0.5
 HOLD_SECONDS = 0.05
 # A peer's snapshot counts for this long after it came (4 heartbeats: one or two lost datagrams do not matter).
 EXPIRY_SECONDS = 2.0
-# A peer routes (it has a place in max-score-picker's stripes) while its last pick is at most this old: a replica
+# A peer routes (it has a place in replica-stripe-picker's stripes) while its last pick is at most this old: a replica
 # the gateway sends nothing, or hardly anything, must not leave the others each on a part of the pool.
 ROUTING_SECONDS = 1.0
 RESOLVE_SECONDS = 5.0
@@ -114,7 +109,7 @@ TAG_BYTES = 16
 MAGIC = b"EPPr"
 HEADER = struct.Struct("!4sQQB")  # magic, sender's instance id, sequence, sections that follow
 SECTION = struct.Struct("!BH")  # a section's kind and its body's length
-SNAPSHOT, LEARNED, RECORDS, OBSERVED, PAGES, PREFILLS = 1, 2, 3, 4, 5, 6
+SNAPSHOT, LEARNED, RECORDS, OBSERVED, PAGES = 1, 2, 3, 4, 5
 # A page this replica read for its peers waits this long for the others of the same scrape tick (the scraper reads
 # every endpoint on the same ticks when pages are shared), so a tick's pages go in one datagram.
 PAGE_HOLD_SECONDS = 0.005
@@ -123,9 +118,6 @@ _COUNT = struct.Struct("!H")
 SECTION_ROOM = MAX_DATAGRAM_BYTES - HEADER.size - TAG_BYTES - SECTION.size
 _LOAD = struct.Struct("!II")  # in-flight requests, in-flight prompt tokens
 _F64 = struct.Struct("!d")
-_TOKENS = struct.Struct("!I")  # a pick's uncached prompt tokens (`prefill_entry`)
-# The most a peer's prefill entry counts: longer than any context window, and a forged one drains in minutes, not days
-MAX_PREFILL_TOKENS = 1 << 20
 _BYTE = struct.Struct("!B")
 # an observation's waiting, running, in-flight tokens, prompt tokens, cached tokens, KV usage, backlog tokens,
 # adapter loaded, TTFT, TPOT (NaN: none)
@@ -248,11 +240,6 @@ def learned_entry(hostport: str, hashes: list[int]) -> bytes:
     return _text(hostport) + _COUNT.pack(len(hashes)) + struct.pack(f"!{len(hashes)}Q", *hashes)
 
 
-def prefill_entry(hostport: str, tokens: int) -> bytes:
-    """A pick's uncached prompt tokens, which the endpoint has to prefill: the latency predictor's backlog."""
-    return _text(hostport) + _TOKENS.pack(min(max(tokens, 0), MAX_PREFILL_TOKENS))
-
-
 def record_entry(request_id: str, ttft: float | None, status: str, served: str | None) -> bytes:
     """An access-log record: request id, TTFT (NaN: none), status, served endpoint ("" none)."""
     return _text(request_id) + _F64.pack(_optional(ttft)) + _text(status) + _text(served or "")
@@ -339,11 +326,6 @@ def _learned(r: _Reader) -> tuple[str, list[int]]:
     return r.text(), r.hashes()
 
 
-def _prefill(r: _Reader) -> tuple[str, int]:
-    hostport, (tokens,) = r.text(), r.unpack(_TOKENS)
-    return hostport, min(tokens, MAX_PREFILL_TOKENS)
-
-
 def _record(r: _Reader) -> tuple[str, float | None, str, str | None]:
     request_id, (ttft,), status, served = r.text(), r.unpack(_F64), r.text(), r.text()
     return request_id, None if math.isnan(ttft) else ttft, status, served or None
@@ -393,7 +375,7 @@ def decode(body: memoryview, entry) -> list:
 
 
 # What each kind of delta section holds, read by
-ENTRIES = {LEARNED: _learned, RECORDS: _record, OBSERVED: _observation, PAGES: _page, PREFILLS: _prefill}
+ENTRIES = {LEARNED: _learned, RECORDS: _record, OBSERVED: _observation, PAGES: _page}
 
 
 def pack(sections: Sequence[tuple[int, bytes]]) -> list[tuple[int, bytes]]:
@@ -475,7 +457,7 @@ class ReplicaChannel(asyncio.DatagramProtocol):
         self._release_at = 0.0  # when the flush that releases the next one is scheduled (0: none)
         self._sent_load: dict[str, tuple[int, int]] | None = {}  # None: send the next snapshot, changed or not
         # kind -> entries to send
-        self._deltas: dict[int, list[bytes]] = {LEARNED: [], RECORDS: [], OBSERVED: [], PAGES: [], PREFILLS: []}
+        self._deltas: dict[int, list[bytes]] = {LEARNED: [], RECORDS: [], OBSERVED: [], PAGES: []}
         self._send_timer: asyncio.TimerHandle | None = None  # the send of what waits (fallen counts, deltas)
         self._send_at = 0.0  # when it is due
         self._snapshot_at = -math.inf  # when the last snapshot went out
@@ -520,11 +502,6 @@ class ReplicaChannel(asyncio.DatagramProtocol):
         """The latency predictor learnt from a request this replica routed: peers' predictors learn from it too, so
         each learns from every request, as one EPP's would."""
         self._queue(OBSERVED, observation_entry, features, ttft, tpot)
-
-    def prefilling(self, hostport: str, tokens: int) -> None:
-        """This replica sent `hostport` a prompt with `tokens` uncached: the peers' latency predictors queue them in
-        their prefill backlog too, as one EPP's does for every pick (it rides with the pick's snapshot)."""
-        self._queue(PREFILLS, prefill_entry, hostport, tokens)
 
     def owns(self, hostport: str) -> bool:
         """Whether this replica reads `hostport`'s page for the live replicas (itself and the peers whose snapshot
@@ -582,7 +559,7 @@ class ReplicaChannel(asyncio.DatagramProtocol):
 
     def position(self) -> tuple[int, int]:
         """This replica's rank, by instance id, among itself (it is picking) and the peers heard picking within
-        ROUTING_SECONDS, and their count: every routing replica of a pool works out the same ranks (max-score-picker's
+        ROUTING_SECONDS, and their count: every routing replica of a pool works out the same ranks (`replica-stripe-picker`'s
         stripes), and one that routes alone, its peers idle or standing by, is not held to a stripe."""
         peers = self.peers
         if not peers:
@@ -785,12 +762,6 @@ class ReplicaChannel(asyncio.DatagramProtocol):
                         self._page_at[hostport] = now
                         self.apply_page(endpoint, metrics, totals)
                         self.pages["received"] += 1
-            elif kind == PREFILLS and self.predictor is not None:
-                now, by_hostport, add = time.monotonic(), self.datastore.by_hostport, self.predictor.backlog.add
-                for hostport, tokens in content:
-                    endpoint = by_hostport(hostport)
-                    if endpoint is not None:
-                        add(endpoint.spec.name, tokens, now)
             elif kind == OBSERVED and self.predictor is not None:
                 learning_started = thread_time()
                 for features, ttft, tpot in content:

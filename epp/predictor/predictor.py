@@ -178,8 +178,6 @@ class LatencyPredictor:
         self.backlog = PrefillBacklog()
         # told of every observation this EPP makes, when peer replicas learn from it too (epp.replicas)
         self.observed: Callable[[Features, float, float | None], None] | None = None
-        # told of each pick's uncached prompt tokens (the replica channel: the peers' backlogs hold them too)
-        self.prefilling: Callable[[str, int], None] | None = None
         # (the fitted coefficients it was built from, SIZE x k matrix, floors, each column's factors): _coefficients
         self._matrix: tuple[tuple, np.ndarray, np.ndarray, tuple[tuple[float, ...], ...]] | None = None
 
@@ -198,8 +196,6 @@ class LatencyPredictor:
         now = monotonic() if now is None else now
         uncached = prompt_tokens - min(max(cached_tokens, 0), prompt_tokens)
         ahead = self.backlog.add(endpoint.spec.name, uncached, now)
-        if uncached and self.prefilling is not None:
-            self.prefilling(endpoint.spec.hostport, uncached)
         return endpoint_features(endpoint, prompt_tokens, cached_tokens, adapter, ahead) if timed else None
 
     def observe(

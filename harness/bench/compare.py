@@ -57,10 +57,10 @@ WHOLE_PROMPT_CONFIG = DEFAULT_CONFIG.replace(
     "- type: precise-prefix-cache-scorer\n",
     "- type: precise-prefix-cache-scorer\n  parameters: {scoreBeyondShared: false}\n",
 )
-# The default profile without max-score-picker's stripes for active-active replicas (both margins 0: only exact ties
-# are dealt by stripe), as the replicas picked before them (docs/replicas.md); alone it is the default profile
-UNSTRIPED_CONFIG = DEFAULT_CONFIG.replace(
-    "- type: max-score-picker\n", "- type: max-score-picker\n  parameters: {replicaMargin: 0, replicaBurstMargin: 0}\n"
+# The default profile with replica-stripe-picker: active-active replicas take different endpoints among near-equal
+# ones (docs/replicas.md); alone it is the default profile
+STRIPED_CONFIG = DEFAULT_CONFIG.replace("- type: max-score-picker\n", "- type: replica-stripe-picker\n").replace(
+    "  - pluginRef: max-score-picker\n", "  - pluginRef: replica-stripe-picker\n"
 )
 EPP_TARGETS = {
     # the default profile: the latency predictor's filters, learning TTFT from the gateway's access log, then the
@@ -71,7 +71,7 @@ EPP_TARGETS = {
     "llm-d-default": LLM_D_DEFAULT_CONFIG,  # llm-d router v1.0's default profile, "sticky until saturated"
     "epp-sessions": SESSIONS_CONFIG,
     "epp-whole-prompt": WHOLE_PROMPT_CONFIG,
-    "epp-unstriped": UNSTRIPED_CONFIG,
+    "epp-striped": STRIPED_CONFIG,
     "queue-only": SINGLE_SCORER.format("queue-scorer"),
     "kv-only": SINGLE_SCORER.format("kv-cache-utilization-scorer"),
     "prefix-only": SINGLE_SCORER.format("prefix-cache-scorer"),
@@ -168,9 +168,6 @@ class TargetResult:
     # and of those, the share where that other pick was another replica's
     repeat_picks: float = 0.0
     repeat_picks_cross: float = 0.0
-    # of the same picks, the share the latency predictor shaped (`predictor_shaped`): in bursts split between replicas
-    # it decided whether a run came close to one EPP (docs/replicas.md)
-    predictor_picks: float = 0.0
     # the replica channel's CPU seconds over the measured run, by part, summed over the replicas (sharing runs only)
     channel_cpu: dict[str, float] = field(default_factory=dict)
     # how the target ran (`target_label` names it from these): EPP replicas, whether they shared, whether only the
@@ -555,7 +552,6 @@ async def run_target(
             (workdir / "decisions.json").write_text(json.dumps(decisions))
             picks = [(d["time"], d["pick_address"], name) for name, ds in decisions.items() for d in ds]
             result.repeat_picks, result.repeat_picks_cross = repeat_picks(picks, started_wall)
-            result.predictor_picks = predictor_shaped([d for ds in decisions.values() for d in ds], started_wall)
         result.channel_cpu = {k: v - channel_before.get(k, 0.0) for k, v in result.channel_cpu.items()}
         result.cpu_seconds = {k: cpu_after[k] - cpu_before[k] for k in pids}
         result.cpu_seconds["load generator"] = sum(
@@ -623,15 +619,6 @@ def repeat_picks(picks: list[tuple[float, str, str]], since: float) -> tuple[flo
             repeats += 1
             cross += before[1] != epp
     return (repeats / counted if counted else 0.0), (cross / repeats if repeats else 0.0)
-
-
-def predictor_shaped(decisions: list[dict], since: float) -> float:
-    """Of the picks (decision-ring entries, as the status page gives them) made from `since` on, the share the latency
-    predictor shaped: its filter left fewer candidates than were considered, or its scorer gave most of the pick's
-    lead. While its windowed error is over max_mape it abstains and the other scorers decide alone."""
-    counted = [d for d in decisions if d["time"] >= since]
-    shaped = sum(d["candidates"] < d["considered"] or "predicted-latency" in d["reason"] for d in counted)
-    return shaped / len(counted) if counted else 0.0
 
 
 # The files whose share of the profiled EPP's samples a run reports (a sample counts for each file it has a frame in):
@@ -863,8 +850,7 @@ def markdown(results: list[TargetResult], floors: dict[float, agentic.Floor] | N
             if r.repeat_picks:
                 lines += [
                     f"{r.target}: {r.repeat_picks:.1%} of the picks chose an endpoint picked less than "
-                    f"{1e3 * REPEAT_SECONDS:g} ms before ({r.repeat_picks_cross:.0%} of those by another replica); "
-                    f"the latency predictor shaped {r.predictor_picks:.0%} of the picks",
+                    f"{1e3 * REPEAT_SECONDS:g} ms before ({r.repeat_picks_cross:.0%} of those by another replica)",
                     "",
                 ]
             if r.profile_samples:

@@ -544,23 +544,6 @@ def test_the_oracle_keeps_a_context_on_its_server_until_the_load_gap_reaches_the
     assert oracle.contexts == {"a": 1, "b": 1, "c": 0}
 
 
-def test_predictor_shaped_counts_the_picks_its_filter_or_scorer_decided():
-    from harness.bench.compare import predictor_shaped
-
-    def pick(at, candidates, reason):
-        return {"time": at, "considered": 8, "candidates": candidates, "reason": reason}
-
-    decisions = [
-        pick(1.0, 2, "best total 5.000, 0.2 ahead of ms-4; most from queue-scorer (+1.0)"),  # before the run
-        pick(11.0, 2, "best total 5.000, 0.2 ahead of ms-4; most from queue-scorer (+1.0)"),  # its filter
-        pick(12.0, 8, "best total 5.000, 0.2 ahead of ms-4; most from predicted-latency-scorer (+1.1)"),
-        pick(13.0, 8, "best total 5.000, 0.2 ahead of ms-4; most from kv-cache-utilization-scorer (+0.2)"),
-        pick(14.0, 8, "tied at 5.000 with 5 other(s): the picker broke the tie"),
-    ]
-    assert predictor_shaped(decisions, since=10.0) == 2 / 4
-    assert predictor_shaped([], since=0.0) == 0.0
-
-
 def test_repeat_picks_counts_an_endpoint_picked_again_within_the_window_and_by_whom():
     from harness.bench.compare import REPEAT_SECONDS, repeat_picks
 

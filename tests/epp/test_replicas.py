@@ -19,9 +19,7 @@ from epp.replicas import (
     LEARNED,
     MAGIC,
     MAX_DATAGRAM_BYTES,
-    MAX_PREFILL_TOKENS,
     OBSERVED,
-    PREFILLS,
     RECORDS,
     SNAPSHOT,
     MalformedDatagram,
@@ -33,7 +31,6 @@ from epp.replicas import (
     learned_entry,
     pack,
     parse_peers,
-    prefill_entry,
     record_entry,
 )
 from epp.scheduling.plugins.prefix_cache_scorer import PrefixCacheScorer
@@ -322,32 +319,6 @@ def test_what_a_replicas_predictor_learns_its_peers_learn():
     assert b.received["malformed"] == 1
 
 
-def test_a_picks_uncached_prompt_joins_the_peers_prefill_backlog_with_the_pick():
-    """One EPP's latency predictor queues every pick's uncached prompt tokens on its endpoint (`PrefillBacklog`);
-    a replica's queues its peers' picks too, as they arrive with the pick's snapshot."""
-    from epp.predictor import LatencyPredictor
-
-    a, wire = channel(A, [B])
-    b, _ = channel(B, [A])
-    b.predictor = LatencyPredictor()
-    own = LatencyPredictor()
-    own.prefilling = a.prefilling
-    endpoint = a.datastore.endpoints[1]
-    own.routed(endpoint, 3000, 1000, None, timed=False)
-    own.routed(a.datastore.endpoints[2], 500, 500, None, timed=False)  # all cached: nothing to prefill
-    assert not wire.sent and not a._loop.timers  # it rides with the pick's snapshot
-    endpoint.in_flight_requests = 1
-    a._flush()
-    deliver(wire, A, b, B)
-    now = time.monotonic()
-    assert 1900 < b.predictor.backlog.tokens("e1", now) <= 2000 and b.predictor.backlog.tokens("e2", now) == 0
-    assert b.predictor.backlog.tokens("e0", now) == 0
-    # an entry counts at most MAX_PREFILL_TOKENS, however many it claims (a forged one drains in minutes)
-    claimed = prefill_entry("10.0.0.1:8000", 10**9)[:-4] + (2**32 - 1).to_bytes(4, "big")
-    (entry,) = decode(memoryview(bodies([claimed])[0]), ENTRIES[PREFILLS])
-    assert entry == ("10.0.0.1:8000", MAX_PREFILL_TOKENS)
-
-
 def test_bad_input_is_counted_and_ignored():
     b, _ = channel(B, [A])
     endpoint = b.datastore.endpoints[0]
@@ -442,7 +413,7 @@ async def test_three_channels_on_udp_agree_and_each_skips_itself():
 
 
 def test_routing_replicas_agree_on_their_ranks_and_idle_or_silent_peers_leave_them():
-    """`position` (max-score-picker's stripes): every routing replica works out a different rank, all the same count;
+    """`position` (replica-stripe-picker's stripes): every routing replica works out a different rank, all the same count;
     a peer that picks nothing (a shadow, one the gateway sends nothing) or falls silent has no stripe."""
     a, wire_a = channel(A, [B, C])
     b, wire_b = channel(B, [A, C])

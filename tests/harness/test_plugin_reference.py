@@ -9,9 +9,4 @@ def test_the_page_matches_the_code():
 
 
 def test_parameters_and_defaults_are_read_from_the_plugin():
-    assert recorded_parameters(MaxScorePicker) == [
-        ("maxNumOfEndpoints", 1),
-        ("replicaMargin", 0.25),
-        ("replicaBurstMargin", 1.0),
-        ("replicaBurstWindowMs", 10),
-    ]
+    assert recorded_parameters(MaxScorePicker) == [("maxNumOfEndpoints", 1)]

@@ -21,6 +21,7 @@ from epp.scheduling.plugins.prefix_cache_affinity_filter import PrefixCacheAffin
 from epp.scheduling.plugins.prefix_cache_scorer import PrefixCacheScorer
 from epp.scheduling.plugins.queue_scorer import QueueScorer
 from epp.scheduling.plugins.random_picker import RandomPicker
+from epp.scheduling.plugins.replica_stripe_picker import ReplicaStripePicker
 from epp.scheduling.plugins.running_requests_size_scorer import RunningRequestsSizeScorer
 from epp.scheduling.plugins.session_affinity_scorer import SessionAffinityScorer
 from epp.scheduling.plugins.slo_headroom_filter import SLOHeadroomFilter
@@ -43,6 +44,7 @@ BUILTIN_PLUGINS: tuple[type[Plugin], ...] = (
     PrefixCacheScorer,
     QueueScorer,
     RandomPicker,
+    ReplicaStripePicker,
     RunningRequestsSizeScorer,
     SessionAffinityScorer,
     SLOHeadroomFilter,

@@ -1,6 +1,5 @@
-"""max-score-picker among active-active replicas: alone it takes the best; replicas that see the same scores take
-different endpoints among the near-best ones (their stripes), one ahead by more than the margin on every replica,
-and within a burst over the wider burst margin."""
+"""replica-stripe-picker: alone it is max-score-picker; active-active replicas that see the same scores take
+different endpoints among the near-best ones, and one ahead by more than the margin on every replica."""
 
 from collections import Counter
 
@@ -16,9 +15,7 @@ REQUEST = SchedulingRequest(request_id="r", model="m", prompt="")
 
 
 def replica(rank: int, replicas: int, **parameters):
-    """A replica's picker, out of a burst unless a test says otherwise (its picks here come microseconds apart)."""
-    parameters = {"replicaBurstWindowMs": 0, **parameters}
-    picker = build_plugin("max-score-picker", parameters)
+    picker = build_plugin("replica-stripe-picker", parameters or None)
     picker.use_replicas(lambda: (rank, replicas))
     return picker
 
@@ -29,7 +26,7 @@ def first(picker, endpoints, scores) -> str:
 
 def test_alone_it_takes_the_best_and_breaks_ties_at_random():
     endpoints = [endpoint(i) for i in range(5)]
-    for picker in (build_plugin("max-score-picker"), replica(0, 1)):  # never told of peers, or none live
+    for picker in (build_plugin("replica-stripe-picker"), replica(0, 1)):  # never told of peers, or none live
         assert first(picker, endpoints, [0.2, 3.5, 3.4, 1.0, 3.45]) == "e1"
         tied = Counter(first(picker, endpoints, [2.0, 5.0, 5.0, 5.0, 1.0]) for _ in range(600))
         assert set(tied) == {"e1", "e2", "e3"} and min(tied.values()) > 120, tied
@@ -47,9 +44,9 @@ def test_a_candidate_ahead_by_more_than_the_margin_wins_on_every_replica():
     endpoints = [endpoint(i) for i in range(8)]
     scores = [4.0] * 8
     scores[5] = 5.0  # a cached prefix, say
-    assert {first(replica(rank, 3, replicaMargin=0.5), endpoints, scores) for rank in range(3)} == {"e5"}
+    assert {first(replica(rank, 3, margin=0.5), endpoints, scores) for rank in range(3)} == {"e5"}
     # within a wider margin the others keep to their own stripes (ties within one broken at random)
-    wide = [first(replica(rank, 3, replicaMargin=1.5), endpoints, scores) for rank in range(3)]
+    wide = [first(replica(rank, 3, margin=1.5), endpoints, scores) for rank in range(3)]
     assert wide[0] in {"e0", "e3", "e6"} and wide[1] in {"e1", "e4", "e7"} and wide[2] == "e5"
 
 
@@ -80,7 +77,7 @@ def test_a_burst_split_between_three_replicas_spreads_as_one_epp_would():
                 placed[name] += 1
         return placed
 
-    herded = burst([replica(0, 1) for _ in range(3)])  # each as if alone: the same best everywhere
+    herded = burst([build_plugin("max-score-picker") for _ in range(3)])
     assert sorted(herded.values()) == [3, 3, 3]
     striped = burst([replica(rank, 3) for rank in range(3)])
     assert len(striped) == 8 and max(striped.values()) == 2
@@ -94,52 +91,29 @@ def test_fallbacks_follow_the_pick_best_first():
 
 @pytest.mark.parametrize(
     ("parameters", "error"),
-    [
-        ({"replicaMargin": -0.1}, ">= 0.0"),
-        ({"replicaBurstMargin": "wide"}, "must be int or float"),
-        ({"replicaBurstWindowMs": -1}, ">= 0"),
-        ({"spread": 1}, "spread"),
-    ],
+    [({"margin": -0.1}, ">= 0.0"), ({"margin": "wide"}, "must be int or float"), ({"spread": 1}, "spread")],
 )
 def test_bad_parameters_are_config_errors(parameters, error):
     with pytest.raises(ConfigError, match=error):
-        build_plugin("max-score-picker", parameters)
+        build_plugin("replica-stripe-picker", parameters)
 
 
 def test_the_scheduler_hands_the_replicas_position_to_the_picker():
     config = """\
 plugins:
 - type: queue-scorer
-- type: max-score-picker
-  parameters: {replicaMargin: 0.5}
+- type: replica-stripe-picker
+  parameters: {margin: 0.25}
 schedulingProfiles:
 - name: default
   plugins:
   - pluginRef: queue-scorer
-  - pluginRef: max-score-picker
+  - pluginRef: replica-stripe-picker
 """
-    scheduler = Scheduler.from_config(config)
+    scheduler = Scheduler.from_config(config, allow_experimental_plugins=True)
 
     def position():
         return 2, 3
 
     scheduler.use_replicas(position)
-    assert scheduler.profile.picker.position is position and scheduler.profile.picker.margin == 0.5
-
-
-def test_within_a_burst_a_replica_keeps_to_its_stripe_over_the_wider_margin(monkeypatch):
-    """A replica that picked less than replicaBurstWindowMs ago is in a burst: its peers are placing their share of it
-    too, unheard, so the endpoints off its stripe look better than they are, and it takes its own stripe's best
-    within replicaBurstMargin; a request alone uses replicaMargin."""
-    import epp.scheduling.plugins.max_score_picker as module
-
-    now = [100.0]
-    monkeypatch.setattr(module, "monotonic", lambda: now[0])
-    endpoints = [endpoint(i) for i in range(6)]
-    scores = [5.0, 4.2, 4.0, 4.1, 4.0, 4.0]  # e0 leads by 0.8: none of rank 1's stripe (e1 e3 e5) is near at 0.25
-    picker = replica(1, 2, replicaMargin=0.25, replicaBurstMargin=1.0, replicaBurstWindowMs=10)
-    assert first(picker, endpoints, scores) == "e0"
-    now[0] += 0.004  # its own pick 4 ms ago: a burst
-    assert first(picker, endpoints, scores) == "e1"
-    now[0] += 0.011  # 11 ms later: alone again
-    assert first(picker, endpoints, scores) == "e0"
+    assert scheduler.profile.picker.position is position and scheduler.profile.picker.margin == 0.25
