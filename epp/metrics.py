@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 
 import cython
 from prometheus_client import CollectorRegistry, generate_latest
@@ -321,6 +321,14 @@ def unlabelled(family_type: type, rows: Iterable[tuple[str, str, float]]) -> Ite
         family = family_type(name, doc)
         family.add_metric([], value)
         yield family
+
+
+def one_label(family_type: type, name: str, doc: str, label: str, values: Mapping[str, float]):
+    """A family with one label, a series for each (label value, value) of `values` (for the components' collectors)."""
+    family = family_type(name, doc, labels=[label])
+    for key, value in values.items():
+        family.add_metric([key], value)
+    return family
 
 
 class EPPMetrics:

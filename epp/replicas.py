@@ -76,7 +76,7 @@ from xxhash import xxh64_intdigest
 
 from epp.datalayer.datastore import Datastore
 from epp.datalayer.endpoint import Endpoint
-from epp.metrics import unlabelled
+from epp.metrics import one_label, unlabelled
 from epp.predictor import LatencyPredictor
 from epp.predictor.features import Features
 from epp.scheduling.framework import SharedPrefixIndex
@@ -559,8 +559,9 @@ class ReplicaChannel(asyncio.DatagramProtocol):
 
     def position(self) -> tuple[int, int]:
         """This replica's rank, by instance id, among itself (it is picking) and the peers heard picking within
-        ROUTING_SECONDS, and their count: every routing replica of a pool works out the same ranks (`replica-stripe-picker`'s
-        stripes), and one that routes alone, its peers idle or standing by, is not held to a stripe."""
+        ROUTING_SECONDS, and their count: every routing replica of a pool works out the same ranks
+        (`replica-stripe-picker`'s stripes), and one that routes alone, its peers idle or standing by, is not held to
+        a stripe."""
         peers = self.peers
         if not peers:
             return 0, 1
@@ -882,40 +883,40 @@ class ReplicaChannel(asyncio.DatagramProtocol):
             GaugeMetricFamily,
             [("inference_extension_replica_peers", "Peer EPP replicas whose load snapshot is fresh.", len(self.peers))],
         )
-        sent = CounterMetricFamily("inference_extension_replica_datagrams_sent", "Datagrams sent to peer replicas.")
-        sent.add_metric([], self.sent)
-        yield sent
-        sent_bytes = CounterMetricFamily(
-            "inference_extension_replica_bytes_sent", "Bytes of the datagrams sent to peer replicas (UDP payloads)."
+        yield from unlabelled(
+            CounterMetricFamily,
+            [
+                ("inference_extension_replica_datagrams_sent", "Datagrams sent to peer replicas.", self.sent),
+                (
+                    "inference_extension_replica_bytes_sent",
+                    "Bytes of the datagrams sent to peer replicas (UDP payloads).",
+                    self.sent_bytes,
+                ),
+            ],
         )
-        sent_bytes.add_metric([], self.sent_bytes)
-        yield sent_bytes
-        received = CounterMetricFamily(
+        yield one_label(
+            CounterMetricFamily,
             "inference_extension_replica_datagrams_received",
             "Datagrams from the replica port, by outcome (accepted; or ignored: unknown_peer, bad_signature, "
             "malformed, stale, oversized).",
-            labels=["outcome"],
+            "outcome",
+            self.received,
         )
-        for outcome, value in self.received.items():
-            received.add_metric([outcome], value)
-        yield received
-        pages = CounterMetricFamily(
+        yield one_label(
+            CounterMetricFamily,
             "inference_extension_replica_pages",
             "Model servers' pages this replica read and sent its peers (sent), and took from them (received).",
-            labels=["direction"],
+            "direction",
+            self.pages,
         )
-        for direction, count in self.pages.items():
-            pages.add_metric([direction], count)
-        yield pages
-        cpu = CounterMetricFamily(
+        yield one_label(
+            CounterMetricFamily,
             "inference_extension_replica_cpu_seconds",
             "CPU seconds the replica channel took on the event loop, by part (send; receive: checking, decoding and "
             "merging peers' datagrams; peer_learning: the latency predictor learning from the peers' observations).",
-            labels=["part"],
+            "part",
+            self.cpu,
         )
-        for part, seconds in self.cpu.items():
-            cpu.add_metric([part], seconds)
-        yield cpu
         yield from unlabelled(
             CounterMetricFamily,
             [

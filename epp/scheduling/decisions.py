@@ -2,9 +2,9 @@
 at most `per_second` decisions a second.
 
 The rate bound is what makes the ring cheap where the EPP is busy: past it, a decision costs a clock reading and
-a counter. A person reads a few decisions a second; at the bench's 2,000 a second an unbounded ring of 1,000 held
-the last half second and cost the live EPP ~5 % of its CPU per request (`epp-bench overhead` at concurrency 32, the
-release build: 1.13x the old build with every decision kept, 1.06x with none). Bounded at 100 a second, the default
+two counters. A person reads a few decisions a second; at the bench's 2,000 a second an unbounded ring of 1,000 held
+the last half second and cost the live EPP 1.09x its CPU per request against no ring (`epp-bench overhead` at
+concurrency 32, the release build; docs/2026-11-29-redesign.md). Bounded at 100 a second, the default
 ring holds at least the last ten seconds, at any rate; below the bound it holds every decision. Past it, the first
 `per_second` of each wall-clock second are kept and the rest only counted (`made`).
 
