@@ -122,7 +122,6 @@ class EndpointPicker:
         self.health = HealthState()
         self.health_server = grpc.aio.server()
         health_pb2_grpc.add_HealthServicer_to_server(self.health.servicer, self.health_server)
-        self.health_server.add_insecure_port(f"{args.bind_address}:{args.grpc_health_port}")
         self._register_collectors()
         self.metrics_runner = self._metrics_page()
         # Readiness: the pool is known (the pool file is read at start; Kubernetes: every resource listed once),
@@ -245,7 +244,6 @@ class EndpointPicker:
         server.add_generic_rpc_handlers(
             [ext_proc_service(new_stream, ExtProcRequest, traced), access_log_service(export_access_log)]
         )
-        server.add_insecure_port(f"{args.bind_address}:{args.grpc_port}")
         return server
 
     def _register_collectors(self) -> None:
@@ -292,13 +290,16 @@ class EndpointPicker:
         return self._report_health()
 
     async def start(self) -> None:
-        """Watch the pool, open the three servers, report health, run for leadership."""
+        """Watch the pool, open the three servers, report health, run for leadership. The ports are bound here, not
+        when the application is built, so that building one (a test, a config check) holds none."""
         args = self.args
         self.tasks.append(asyncio.create_task(self.source.run(self._on_pool)))
         if isinstance(self.server, ExtProcServer):
             await self.server.start(args.bind_address, args.grpc_port)
         else:
+            self.server.add_insecure_port(f"{args.bind_address}:{args.grpc_port}")
             await self.server.start()
+        self.health_server.add_insecure_port(f"{args.bind_address}:{args.grpc_health_port}")
         await self.health_server.start()
         if self.replicas is not None:
             await self.replicas.start()

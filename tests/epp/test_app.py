@@ -1,5 +1,5 @@
-"""The application object (epp/app.py): the EndpointPickerConfig is read once and each part gets its sections, and
-every part's collector reaches the metrics page."""
+"""The application object (epp/app.py): the EndpointPickerConfig is read once and each part gets its sections,
+every part's collector reaches the metrics page, and no port is held until it starts."""
 
 import socket
 
@@ -25,8 +25,14 @@ async def test_the_config_is_read_once_and_every_part_registers_its_metrics(tmp_
     monkeypatch.setattr(loader.yaml, "safe_load", lambda text: parsed.append(text) or safe_load(text))
     flags = ["--pool-file", str(pool), "--bind-address", "127.0.0.1", "--kv-events-port", str(free_port())]
     flags += ["--replica-peers", f"127.0.0.1:{free_port()}"]
+    ports = {"--grpc-port": free_port(), "--grpc-health-port": free_port(), "--metrics-port": free_port()}
+    for flag, port in ports.items():
+        flags += [flag, str(port)]
     picker = EndpointPicker(build_parser().parse_args([*flags, "--config-text", config]))
     try:
+        for port in ports.values():  # building the application binds nothing: start does
+            with socket.socket() as probe:
+                probe.bind(("127.0.0.1", port))
         assert parsed.count(config) == 1
         assert picker.scheduler.detector.queue_depth_threshold == 3  # the scheduler's section
         assert picker.flow_control.config.max_requests == 7  # flow control's
