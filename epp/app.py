@@ -290,8 +290,8 @@ class EndpointPicker:
         return self._report_health()
 
     async def start(self) -> None:
-        """Watch the pool, open the three servers, report health, run for leadership. The ports are bound here, not
-        when the application is built, so that building one (a test, a config check) holds none."""
+        """Watch the pool, open the three servers, report health, run for leadership. The three servers' ports are
+        bound here, not when the application is built, so that building one (a test, a config check) holds none."""
         args = self.args
         self.tasks.append(asyncio.create_task(self.source.run(self._on_pool)))
         if isinstance(self.server, ExtProcServer):

@@ -1,5 +1,5 @@
 """The application object (epp/app.py): the EndpointPickerConfig is read once and each part gets its sections,
-every part's collector reaches the metrics page, and no port is held until it starts."""
+every part's collector reaches the metrics page, and its servers' ports are not held until it starts."""
 
 import socket
 
@@ -30,7 +30,7 @@ async def test_the_config_is_read_once_and_every_part_registers_its_metrics(tmp_
         flags += [flag, str(port)]
     picker = EndpointPicker(build_parser().parse_args([*flags, "--config-text", config]))
     try:
-        for port in ports.values():  # building the application binds nothing: start does
+        for port in ports.values():  # building the application leaves its three servers' ports free: start binds them
             with socket.socket() as probe:
                 probe.bind(("127.0.0.1", port))
         assert parsed.count(config) == 1
