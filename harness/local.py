@@ -116,14 +116,20 @@ class StackConfig:
         )
 
 
+def python_module(module: str) -> list[str]:
+    """The start of a command line that runs `module` of this interpreter's environment: `-P` keeps the working
+    directory off the module path, so that the process runs the code this harness imports, not a checkout that
+    happens to be the directory it was started from (PYTHONPATH pointing at another checkout measured the
+    directory's code, docs/replicas.md)."""
+    return [sys.executable, "-P", "-m", module]
+
+
 def epp_command(
     pool_file: str, host: str, grpc: int, health: int, metrics: int, kv_events_port: int, extra: Sequence[str] = ()
 ) -> list[str]:
     """The command line of an EPP on a pool file (the local stack's and the benchmarks')."""
     return [
-        sys.executable,
-        "-m",
-        "epp",
+        *python_module("epp"),
         "--pool-file",
         pool_file,
         "--bind-address",
@@ -262,9 +268,7 @@ class LocalStack:
         )
         for name, port, replicas in groups:
             argv = [
-                sys.executable,
-                "-m",
-                "modelserver",
+                *python_module("modelserver"),
                 "--backend",
                 c.backend,
                 "--model",

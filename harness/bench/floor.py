@@ -16,7 +16,6 @@ import asyncio
 import functools
 import itertools
 import signal
-import sys
 
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -25,6 +24,7 @@ from google.protobuf import struct_pb2
 from epp.handlers import Reply
 from epp.handlers.extproc import streamed_chunk
 from epp.transport.h2 import ExtProcServer
+from harness.local import python_module
 from protocol import extproc
 
 
@@ -101,7 +101,7 @@ async def serve(host: str, port: int, endpoints: list[str]) -> None:
 
 def command(port: int, endpoints: list[str]) -> list[str]:
     """The command line that runs this floor on `port`, routing to `endpoints` ("host:port") in turn."""
-    return [sys.executable, "-m", "harness.bench.floor", "--port", str(port), "--endpoints", ",".join(endpoints)]
+    return [*python_module("harness.bench.floor"), "--port", str(port), "--endpoints", ",".join(endpoints)]
 
 
 def main() -> None:

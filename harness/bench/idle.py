@@ -21,7 +21,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.request
@@ -32,7 +31,7 @@ import yaml
 
 from harness.bench.overhead import cpu_seconds
 from harness.bench.ports import free_port_block, free_ports
-from harness.local import epp_command, wait_until_serving
+from harness.local import epp_command, python_module, wait_until_serving
 from protocol.metrics import DEFAULT_ENGINE, ENGINES, sample_filter_query
 
 
@@ -112,7 +111,7 @@ def capture_sim_pages(workdir: Path) -> dict[str, str]:
     (port,) = free_ports(1)
     log = (workdir / "modelserver.log").open("wb")
     process = subprocess.Popen(
-        [sys.executable, "-m", "modelserver", "--port", str(port), "--disable-log-stats"],
+        [*python_module("modelserver"), "--port", str(port), "--disable-log-stats"],
         stdout=log,
         stderr=subprocess.STDOUT,
     )
@@ -182,9 +181,7 @@ def measure(
             grpc, health, metrics = free_ports(3)
             server = subprocess.Popen(
                 [
-                    sys.executable,
-                    "-m",
-                    "harness.bench.idle",
+                    *python_module("harness.bench.idle"),
                     "serve",
                     str(workdir / "pages.json"),
                     str(base),

@@ -8,7 +8,6 @@ import asyncio
 import random
 import statistics
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 
@@ -16,6 +15,7 @@ import aiohttp
 
 from harness.bench.overhead import cpu_seconds, percentile
 from harness.bench.ports import free_port_block
+from harness.local import python_module
 
 PROMPT = "You are a helpful assistant. Summarize the following paragraph in one sentence. " * 10  # ~200 tokens
 OUTPUT_TOKENS = 64
@@ -52,7 +52,7 @@ async def _request(session: aiohttp.ClientSession, url: str) -> tuple[float, flo
 async def measure_point(replicas: int, rate: float, duration: float, seed: int = 0) -> CapacityPoint:
     base = free_port_block(replicas)
     server = subprocess.Popen(
-        [sys.executable, "-m", "modelserver", "--port", str(base), "--replicas", str(replicas), "--disable-log-stats"],
+        [*python_module("modelserver"), "--port", str(base), "--replicas", str(replicas), "--disable-log-stats"],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
     )

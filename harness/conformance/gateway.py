@@ -25,7 +25,6 @@ import asyncio
 import hashlib
 import json
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -39,6 +38,7 @@ from harness.bench.ports import free_ports
 from harness.conformance.echo import echo_app, serve_echo
 from harness.conformance.framework import CheckFailed, Level, Skip, Suite, expect
 from harness.envoy import H2C, HTTP, TEMPLATE, EnvoyProcess, GatewayPool, render_bootstrap
+from harness.local import python_module
 from protocol.extproc import (
     DESTINATION_ENDPOINT_HEADER,
     FALLBACK_ENDPOINT_HEADERS,
@@ -145,7 +145,8 @@ class Gateway:
         log = (self.workdir / "epp.log").open("ab")
         self._epp = subprocess.Popen(
             [
-                *(sys.executable, "-m", "epp", "--pool-file", str(pool), "--bind-address", "127.0.0.1"),
+                *python_module("epp"),
+                *("--pool-file", str(pool), "--bind-address", "127.0.0.1"),
                 *("--grpc-port", str(grpc_port), "--grpc-health-port", str(health_port)),
                 *("--metrics-port", str(metrics_port), "--kv-events-port", "0"),
                 *("--config-text", TEST_CONFIG, "--refresh-metrics-interval", "20ms"),
