@@ -396,8 +396,8 @@ def pack(sections: Sequence[tuple[int, bytes]]) -> list[tuple[int, bytes]]:
 
 
 def unpack(view: memoryview, count: int) -> list[tuple[int, object]]:
-    """`count` sections of a datagram's payload, each decoded: (SNAPSHOT, load) or (kind, entries);
-    MalformedDatagram for a kind it does not know or anything that does not parse exactly."""
+    """`count` sections of a datagram's payload, each decoded: (SNAPSHOT, load) or (kind, entries), those of a kind
+    it does not know left out; MalformedDatagram for anything that does not parse exactly."""
     sections, offset = [], 0
     for _ in range(count):
         try:
@@ -413,12 +413,10 @@ def unpack(view: memoryview, count: int) -> list[tuple[int, object]]:
             sections.append((kind, decode_load(body)))
         elif kind in ENTRIES:
             sections.append((kind, decode(body, ENTRIES[kind])))
-        else:
-            raise MalformedDatagram(
-                "not a replica datagram (another version, or --replica-secret-file on one side only)"
-            )
+        # else: a kind a newer replica sends, skipped whole (its length is known), so that during a rolling update
+        # the rest of its datagram (the load, above all) still counts
     if offset != len(view):
-        raise MalformedDatagram("trailing bytes after the sections")
+        raise MalformedDatagram("trailing bytes after the sections (--replica-secret-file on one side only?)")
     return sections
 
 
