@@ -354,7 +354,7 @@ def test_bad_input_is_counted_and_ignored():
     assert endpoint.in_flight_requests == 3
 
 
-def test_with_a_shared_secret_only_signed_datagrams_count():
+def test_with_a_shared_secret_only_signed_datagrams_count(caplog):
     a, wire = channel(A, [B], secret=b"s3cret")
     b, _ = channel(B, [A], secret=b"s3cret")
     forger, forged = channel(A, [B], secret=b"guess")
@@ -367,6 +367,14 @@ def test_with_a_shared_secret_only_signed_datagrams_count():
     assert b.datastore.endpoints[0].in_flight_requests == 0 and b.received["bad_signature"] == 2
     deliver(wire, A, b, B)
     assert b.datastore.endpoints[0].in_flight_requests == 1
+    # a replica without the secret reads a signed datagram as malformed, and its log line names the likely cause
+    reader, _ = channel(B, [A])
+    a.datastore.endpoints[0].in_flight_requests = 2
+    a._flush()
+    with caplog.at_level("WARNING", logger="epp.replicas"):
+        deliver(wire, A, reader, B)
+    assert reader.received["malformed"] == 1 and reader.datastore.endpoints[0].in_flight_requests == 0
+    assert "--replica-secret-file on one side only" in caplog.text
 
 
 def test_codecs_round_trip_and_refuse_what_does_not_fit():
