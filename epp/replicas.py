@@ -8,7 +8,8 @@ What is shared, over UDP on `--replica-port` (no external store):
   busy loop's passes are longer: the busier, the more one datagram carries). A count that rose (a pick) goes out
   then; counts that only fell wait up to HOLD_SECONDS for the next datagram (`_flush`). A heartbeat resends it
   when none went out for HEARTBEAT_SECONDS. A snapshot replaces the sender's previous one whole, so a lost
-  datagram is healed by the next, and a peer that stops (killed, partitioned) stops counting once its last snapshot is EXPIRY_SECONDS old.
+  datagram is healed by the next, and a peer that stops (killed, partitioned) stops counting once its last snapshot
+  is EXPIRY_SECONDS old.
   The receiver adds the sum of its fresh peers' snapshots to each endpoint's in-flight counts and remembers that sum
   (`peer_in_flight_requests` / `peer_in_flight_tokens`), so every reader of the counts (the load scorers, the queue
   estimates of `epp.datalayer.load`, the saturation detector, the latency predictor's features) sees the pool's

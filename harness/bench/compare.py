@@ -941,7 +941,7 @@ def _spread_table(rows: list[TargetResult]) -> list[str]:
     rounds: dict[str, list[TargetResult]] = {}
     for r in rows:
         if r.repeat and r.ttft_ms:
-            rounds.setdefault(r.target.rsplit(" #", 1)[0], []).append(r)
+            rounds.setdefault(target_label(bare_target(r), r.replicas, r.sharing, r.shadows), []).append(r)
     if not any(len(runs) > 1 for runs in rounds.values()):
         return []
     lines = [

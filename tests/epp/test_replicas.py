@@ -423,8 +423,8 @@ async def test_three_channels_on_udp_agree_and_each_skips_itself():
 
 
 def test_routing_replicas_agree_on_their_ranks_and_idle_or_silent_peers_leave_them():
-    """`position` (replica-stripe-picker's stripes): every routing replica works out a different rank, all the same count;
-    a peer that picks nothing (a shadow, one the gateway sends nothing) or falls silent has no stripe."""
+    """`position` (replica-stripe-picker's stripes): every routing replica works out a different rank, all the same
+    count; a peer that picks nothing (a shadow, one the gateway sends nothing) or falls silent has no stripe."""
     a, wire_a = channel(A, [B, C])
     b, wire_b = channel(B, [A, C])
     c, wire_c = channel(C, [A, B])

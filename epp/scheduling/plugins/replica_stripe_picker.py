@@ -11,8 +11,9 @@ What it does: the endpoints are striped over the replicas (the candidates in add
 i mod N). Among the candidates whose total is within `margin` of the best, a replica takes the best-scored on its
 own stripe; the replicas whose stripe has none share out the near-best ones no stripe took. Every replica works out
 the same ranks, stripes and so every replica's pick, so their first picks among near-equal endpoints differ (as far
-as there are enough of them), with no message between them. A candidate ahead by more than `margin` (a cached prefix, a much shorter queue) wins on every
-replica, as with max-score-picker; alone (no peers, or none heard for 2 s) it is max-score-picker.
+as there are enough of them), with no message between them. A candidate ahead by more than `margin` (a cached
+prefix, a much shorter queue) wins on every replica, as with max-score-picker; alone (no peers, or none heard picking
+within the last second, `epp.replicas.ROUTING_SECONDS`) it is max-score-picker.
 Reads: the weighted total of each candidate; this replica's rank and the live replicas' count (the replica
 channel, `ReplicaAware`).
 Parameters: margin (default 0.5, in the profile's weighted-total units: a weight-1 scorer's whole range is 1; 0:
