@@ -72,6 +72,7 @@ EPP_TARGETS = {
     "epp-sessions": SESSIONS_CONFIG,
     "epp-whole-prompt": WHOLE_PROMPT_CONFIG,
     "epp-striped": STRIPED_CONFIG,
+    "epp-no-turns": None,  # the default profile; sharing replicas pick without turns (--no-replica-turns)
     "queue-only": SINGLE_SCORER.format("queue-scorer"),
     "kv-only": SINGLE_SCORER.format("kv-cache-utilization-scorer"),
     "prefix-only": SINGLE_SCORER.format("prefix-cache-scorer"),
@@ -339,6 +340,7 @@ class Pool:
             access_log_percent=0 if self.target in WITHOUT_ACCESS_LOG else 100,
             epp_replicas=self.replicas,
             replica_sharing=self.sharing,
+            replica_turns=self.target != "epp-no-turns",
             epp_shadows=self.shadows,
             # the bench measures plugins of every stability level (epp-sessions: session-affinity-scorer is Alpha)
             epp_args=[ALLOW_EXPERIMENTAL_PLUGINS],
