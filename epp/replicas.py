@@ -14,6 +14,12 @@ What is shared, over UDP on `--replica-port` (no external store):
   (`peer_in_flight_requests` / `peer_in_flight_tokens`), so every reader of the counts (the load scorers, the queue
   estimates of `epp.datalayer.load`, the saturation detector, the latency predictor's features) sees the pool's
   load with no change of its own, and the director's accounting stays its own.
+* **Turns to pick** (`--replica-turns`, on by default): replicas that pick at the same moment do not see each
+  other's picks however fast the snapshots travel (a shared memory channel measured no better: docs/replicas.md), so
+  picks take turns. The replica with the lowest instance id heard is the sequencer: it grants one turn at a time,
+  with its own load and every peer's as it knows them, and a replica done with its turn gives it back with its load
+  (`turn`). The sequencer picks at once when no turn is out; the others wait a round trip, TURN_WAIT_SECONDS at
+  most, then pick as without turns (the sequencer gone: until it expires).
 * **The approximate prefix index's learning, as deltas**: the block hashes a pick recorded (`SharedPrefixIndex`:
   prefix-cache-scorer), which each peer records for the same endpoint. A lost delta is a missed hint, not an error.
   Endpoints that publish KV events need none of this: every replica subscribes to their events.
@@ -43,7 +49,7 @@ the port; `--replica-secret-file` adds an HMAC-SHA256 tag (16 bytes) keyed by a 
 anything is parsed. The most a forger who passes those checks can do is add load to endpoints for EXPIRY_SECONDS or
 entries to the prefix index, never crash the EPP or make it hold more than MAX_PEERS snapshots.
 
-Wire: a datagram is a HEADER and its sections (SECTION: a snapshot, or a kind of delta's entries), so one datagram
+Wire: a datagram is a HEADER and its sections (SECTION: a snapshot, a kind of delta's entries, a turn's message), so one datagram
 carries a snapshot and every delta waiting. Every datagram wakes each peer's event loop, which costs it more than
 the Python that reads the datagram: what sharing costs in CPU follows the datagrams (`epp-bench replica-channel`;
 docs/replicas.md has the counts). So only a pick goes out at once; falls and prefix picks wait up to HOLD_SECONDS,
@@ -682,8 +688,13 @@ class ReplicaChannel(asyncio.DatagramProtocol):
     def _asked(self, source: tuple[str, int], turn_id: int) -> None:
         """Sequencer: a peer asks for a turn (whoever asks is answered, even while this replica's view of who
         sequences differs from the asker's: the turns it grants are still one at a time)."""
-        if len(self._asks) < MAX_PEERS:  # a peer asks once until granted: more are a forger's or a restart's
-            self._asks.append((source, turn_id))
+        for index, ask in enumerate(self._asks):
+            if ask != LOCAL and ask[0] == source:  # one place per peer: its newer ask (its last one timed out) takes it
+                self._asks[index] = (source, turn_id)
+                break
+        else:
+            if len(self._asks) < MAX_PEERS:
+                self._asks.append((source, turn_id))
         self._grant_next()
 
     def _grant_next(self) -> None:

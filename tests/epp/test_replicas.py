@@ -676,8 +676,11 @@ def test_turn_sections_that_do_not_parse_are_malformed_and_asks_beyond_the_bound
     a.datagram_received(datagram(1, 2, (replicas.RELAYED, b"\x00\x00")), B)
     assert a.received["malformed"] == 2
     a._holder = "held"  # asks queue behind a turn held
-    for sequence in range(3, 3 + 2 * replicas.MAX_PEERS):
+    for sequence in range(3, 13):  # a peer that asks again and again keeps one place, with its newest ask
         a.datagram_received(datagram(1, sequence, (replicas.TURN, replicas._TURN.pack(replicas.ASK, sequence))), B)
+    assert list(a._asks) == [(B, 12)]
+    for port in range(10_000, 10_000 + 2 * replicas.MAX_PEERS):  # and no more places than peers
+        a._asked(("127.0.0.1", port), 1)
     assert len(a._asks) == replicas.MAX_PEERS
 
 
