@@ -16,10 +16,11 @@ What is shared, over UDP on `--replica-port` (no external store):
   load with no change of its own, and the director's accounting stays its own.
 * **Turns to pick** (`--replica-turns`, on by default): replicas that pick at the same moment do not see each
   other's picks however fast the snapshots travel (a shared memory channel measured no better: docs/replicas.md), so
-  picks take turns. The replica with the lowest instance id heard is the sequencer: it grants one turn at a time,
-  with its own load and every peer's as it knows them, and a replica done with its turn gives it back with its load
-  (`turn`). The sequencer picks at once when no turn is out; the others wait a round trip, TURN_WAIT_SECONDS at
-  most, then pick as without turns (the sequencer gone: until it expires).
+  picks take turns. The replica with the lowest instance id among those that take turns (their snapshots offer to)
+  is the sequencer: it grants one turn at a time, with its own load and every peer's as it knows them, and a replica
+  done with its turn gives it back with its load (`turn`). The sequencer picks at once when no turn is out; the
+  others wait a round trip, TURN_WAIT_SECONDS at most, then pick as without turns (the sequencer gone: until it
+  expires).
 * **The approximate prefix index's learning, as deltas**: the block hashes a pick recorded (`SharedPrefixIndex`:
   prefix-cache-scorer), which each peer records for the same endpoint. A lost delta is a missed hint, not an error.
   Endpoints that publish KV events need none of this: every replica subscribes to their events.
@@ -119,8 +120,10 @@ HEADER = struct.Struct("!4sQQB")  # magic, sender's instance id, sequence, secti
 SECTION = struct.Struct("!BH")  # a section's kind and its body's length
 SNAPSHOT, LEARNED, RECORDS, OBSERVED, PAGES, TURN, RELAYED = 1, 2, 3, 4, 5, 6, 7
 # A turn's messages (TURN sections: the op and the turn's id): a replica asks the sequencer for the turn to pick, the
-# sequencer grants it with the pool's load as it knows it, the replica says it is done with its own load.
-ASK, GRANT, DONE = 1, 2, 3
+# sequencer grants it with the pool's load as it knows it, the replica says it is done with its own load. And every
+# snapshot of a replica that takes turns offers to: only those are sequencers (not one with --no-replica-turns, nor
+# one of a version before turns, whose peers would otherwise wait out every turn during a rolling update).
+OFFER, ASK, GRANT, DONE = 0, 1, 2, 3
 _TURN = struct.Struct("!BQ")
 _INSTANCE = struct.Struct("!Q")
 # A replica waits this long for its turn, then picks without it (the sequencer is gone or slow).
@@ -160,14 +163,15 @@ _HEADS: dict[str, bytes] = {}  # hostport -> its encoded entry head (_entry_head
 @dataclass
 class Peer:
     """What one peer (a source address) last said: its instance (a new one after a restart), its last sequence
-    number, when its last snapshot came and its last one with a pick (a count that rose), and the snapshot: endpoint
-    hostport -> (requests, prompt tokens)."""
+    number, when its last snapshot came and its last one with a pick (a count that rose), the snapshot: endpoint
+    hostport -> (requests, prompt tokens), and whether it takes turns to pick."""
 
     instance: int
     sequence: int = 0
     seen_at: float = 0.0
     picked_at: float = -math.inf
     load: dict[str, tuple[int, int]] = field(default_factory=dict)
+    turns: bool = False  # it takes turns to pick (its snapshots offer to)
 
 
 class MalformedDatagram(ValueError):
@@ -629,11 +633,11 @@ class ReplicaChannel(asyncio.DatagramProtocol):
 
     # -- turns ---------------------------------------------------------------------------------------------------
     def _sequencer(self) -> tuple[str, int] | None:
-        """The address of the replica that grants turns (the lowest instance id among this one and its fresh
-        peers), None when it is this one."""
+        """The address of the replica that grants turns (the lowest instance id among this one and its fresh peers
+        that take turns), None when it is this one."""
         lowest, address = self.instance, None
         for source, peer in self.peers.items():
-            if peer.instance < lowest:
+            if peer.turns and peer.instance < lowest:
                 lowest, address = peer.instance, source
         return address
 
@@ -786,6 +790,8 @@ class ReplicaChannel(asyncio.DatagramProtocol):
         if heartbeat or load != self._sent_load:
             self._sent_load, self._snapshot_at = load, time.monotonic()
             sections.append((SNAPSHOT, encode_load(load)))
+            if self.turns:
+                sections.append((TURN, _TURN.pack(OFFER, 0)))
         for kind, entries in self._deltas.items():
             if not entries:
                 continue
@@ -913,7 +919,9 @@ class ReplicaChannel(asyncio.DatagramProtocol):
                         self._apply([h for h in old.keys() | load.keys() if old.get(h) != load.get(h)])
             elif kind == TURN:
                 op, turn_id = content
-                if op == ASK:
+                if op == OFFER:
+                    peer.turns = True
+                elif op == ASK:
                     self._asked(source, turn_id)
                 elif op == GRANT:
                     self._turn_came(turn_id, True)

@@ -669,6 +669,31 @@ async def test_a_turn_not_granted_is_taken_after_the_wait_and_a_late_grant_is_gi
             await c.stop()
 
 
+def test_only_peers_that_offer_to_take_turns_sequence():
+    """A peer with --no-replica-turns, or of a version before turns, never offers: a replica does not wait for turns
+    it would never grant, even with the lowest instance id."""
+    a, wire = channel(A, [B])
+    a.turns = True
+    a.instance = 1 << 40
+    a.datagram_received(datagram(1, 1, (SNAPSHOT, encode_load({}))), B)  # a lower id, no offer
+    assert a.turn() is None and a.turn_counts["free"] == 1
+    a.datagram_received(datagram(1, 2, (SNAPSHOT, encode_load({})), (replicas.TURN, replicas._TURN.pack(0, 0))), B)
+    a._loop = asyncio.new_event_loop()
+    try:
+        assert isinstance(a.turn(), asyncio.Future)  # B sequences now: a turn is asked of it
+        ((sent, to),) = wire.sent
+        assert to == B and replicas._TURN.pack(replicas.ASK, 1) in sent
+    finally:
+        a._loop.close()
+    # this replica's own snapshots offer to take turns only when it does
+    offer = replicas.SECTION.pack(replicas.TURN, replicas._TURN.size) + replicas._TURN.pack(0, 0)
+    a._send_all({}, heartbeat=True)
+    assert wire.sent[-1][0].endswith(offer)
+    a.turns = False
+    a._send_all({}, heartbeat=True)
+    assert offer not in wire.sent[-1][0]
+
+
 def test_turn_sections_that_do_not_parse_are_malformed_and_asks_beyond_the_bound_are_dropped():
     a, _ = channel(A, [B])
     a.turns = True
