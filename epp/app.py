@@ -197,6 +197,9 @@ class EndpointPicker:
             secret,
         )
         self.director.load_changed = channel.load_changed
+        if args.replica_turns:
+            channel.turns = True
+            self.director.turn = channel.turn
         channel.release_prefilled = self.director.release_prefilled
         self.director.forward_record = channel.forward_record
         self.scheduler.use_replicas(channel.position)

@@ -117,6 +117,14 @@ def build_parser() -> Parser:
         "what it read, and reads an endpoint itself when that page is late (docs/replicas.md); with --replica-peers",
     )
     p.add_argument(
+        "--replica-turns",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="replicas pick in turns: the replica with the lowest instance id grants them one at a time with the "
+        "pool's load, so requests that reach several replicas at once are placed as one EPP would place them; a turn "
+        "not granted within 10 ms is taken anyway (docs/replicas.md); with --replica-peers",
+    )
+    p.add_argument(
         "--replica-secret-file",
         help="file holding a secret shared by the replicas: every datagram on the replica channel is signed "
         "(HMAC-SHA256) and unsigned ones are ignored",
@@ -265,7 +273,7 @@ def flag_rules(p: Parser) -> None:
     kubernetes = "--pool-name (Kubernetes discovery)"
     for flag in ("--pool-namespace", "--pool-group", "--kubeconfig", "--ha-enable-leader-election"):
         p.needs(flag, kubernetes, lambda a: a.pool_name is not None)
-    for flag in ("--replica-port", "--replica-secret-file", "--replica-share-pages"):
+    for flag in ("--replica-port", "--replica-secret-file", "--replica-share-pages", "--replica-turns"):
         p.needs(flag, "--replica-peers", lambda a: bool(a.replica_peers))
     p.needs("--max-ext-proc-connections", "--ext-proc-transport h2", lambda a: a.ext_proc_transport == "h2")
     kv_flags = ("--kv-events-bind", "--kv-events-connect-port-offset", "--kv-events-replay-port-offset")

@@ -14,6 +14,13 @@ What is shared, over UDP on `--replica-port` (no external store):
   (`peer_in_flight_requests` / `peer_in_flight_tokens`), so every reader of the counts (the load scorers, the queue
   estimates of `epp.datalayer.load`, the saturation detector, the latency predictor's features) sees the pool's
   load with no change of its own, and the director's accounting stays its own.
+* **Turns to pick** (`--replica-turns`, on by default): replicas that pick at the same moment do not see each
+  other's picks however fast the snapshots travel (a shared memory channel measured no better: docs/replicas.md), so
+  picks take turns. The replica with the lowest instance id among those that take turns (their snapshots offer to)
+  is the sequencer: it grants one turn at a time, with its own load and every peer's as it knows them, and a replica
+  done with its turn gives it back with its load (`turn`). The sequencer picks at once when no turn is out; the
+  others wait a round trip, TURN_WAIT_SECONDS at most, then pick as without turns (the sequencer gone: until it
+  expires).
 * **The approximate prefix index's learning, as deltas**: the block hashes a pick recorded (`SharedPrefixIndex`:
   prefix-cache-scorer), which each peer records for the same endpoint. A lost delta is a missed hint, not an error.
   Endpoints that publish KV events need none of this: every replica subscribes to their events.
@@ -43,7 +50,7 @@ the port; `--replica-secret-file` adds an HMAC-SHA256 tag (16 bytes) keyed by a 
 anything is parsed. The most a forger who passes those checks can do is add load to endpoints for EXPIRY_SECONDS or
 entries to the prefix index, never crash the EPP or make it hold more than MAX_PEERS snapshots.
 
-Wire: a datagram is a HEADER and its sections (SECTION: a snapshot, or a kind of delta's entries), so one datagram
+Wire: a datagram is a HEADER and its sections (SECTION: a snapshot, a kind of delta's entries, a turn's message), so one datagram
 carries a snapshot and every delta waiting. Every datagram wakes each peer's event loop, which costs it more than
 the Python that reads the datagram: what sharing costs in CPU follows the datagrams (`epp-bench replica-channel`;
 docs/replicas.md has the counts). So only a pick goes out at once; falls and prefix picks wait up to HOLD_SECONDS,
@@ -68,6 +75,7 @@ import os
 import socket
 import struct
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from time import thread_time
@@ -110,7 +118,23 @@ TAG_BYTES = 16
 MAGIC = b"EPPr"
 HEADER = struct.Struct("!4sQQB")  # magic, sender's instance id, sequence, sections that follow
 SECTION = struct.Struct("!BH")  # a section's kind and its body's length
-SNAPSHOT, LEARNED, RECORDS, OBSERVED, PAGES = 1, 2, 3, 4, 5
+SNAPSHOT, LEARNED, RECORDS, OBSERVED, PAGES, TURN, RELAYED = 1, 2, 3, 4, 5, 6, 7
+# A turn's messages (TURN sections: the op and the turn's id): a replica asks the sequencer for the turn to pick, the
+# sequencer grants it with the pool's load as it knows it, the replica says it is done with its own load. And every
+# snapshot of a replica that takes turns offers to: only those are sequencers (not one with --no-replica-turns, nor
+# one of a version before turns, whose peers would otherwise wait out every turn during a rolling update).
+OFFER, ASK, GRANT, DONE = 0, 1, 2, 3
+_TURN = struct.Struct("!BQ")
+_INSTANCE = struct.Struct("!Q")
+# A replica waits this long for its turn, then picks without it (the sequencer is gone or slow).
+TURN_WAIT_SECONDS = 0.01
+# The sequencer takes a turn back this long after granting it when the replica has not said it is done.
+TURN_HOLD_SECONDS = 0.01
+LOCAL = "local"  # the sequencer's own picks, in its queue of turns
+# How this replica's turns went (inference_extension_replica_turns_total): a peer granted it, it waited
+# TURN_WAIT_SECONDS and picked without one, it sequences and picked at once (no turn out), it sequences and its picks
+# waited for a peer's turn; and the turns it granted its peers.
+TURN_OUTCOMES = ("granted", "timed_out", "free", "queued", "given")
 # A page this replica read for its peers waits this long for the others of the same scrape tick (the scraper reads
 # every endpoint on the same ticks when pages are shared), so a tick's pages go in one datagram.
 PAGE_HOLD_SECONDS = 0.005
@@ -139,14 +163,15 @@ _HEADS: dict[str, bytes] = {}  # hostport -> its encoded entry head (_entry_head
 @dataclass
 class Peer:
     """What one peer (a source address) last said: its instance (a new one after a restart), its last sequence
-    number, when its last snapshot came and its last one with a pick (a count that rose), and the snapshot: endpoint
-    hostport -> (requests, prompt tokens)."""
+    number, when its last snapshot came and its last one with a pick (a count that rose), the snapshot: endpoint
+    hostport -> (requests, prompt tokens), and whether it takes turns to pick."""
 
     instance: int
     sequence: int = 0
     seen_at: float = 0.0
     picked_at: float = -math.inf
     load: dict[str, tuple[int, int]] = field(default_factory=dict)
+    turns: bool = False  # it takes turns to pick (its snapshots offer to)
 
 
 class MalformedDatagram(ValueError):
@@ -412,6 +437,14 @@ def unpack(view: memoryview, count: int) -> list[tuple[int, object]]:
             raise MalformedDatagram("truncated section")
         if kind == SNAPSHOT:
             sections.append((kind, decode_load(body)))
+        elif kind == TURN:
+            if len(body) != _TURN.size:
+                raise MalformedDatagram("a turn of the wrong size")
+            sections.append((kind, _TURN.unpack(body)))
+        elif kind == RELAYED:
+            if len(body) < _INSTANCE.size:
+                raise MalformedDatagram("truncated relayed snapshot")
+            sections.append((kind, (_INSTANCE.unpack_from(body)[0], decode_load(body[_INSTANCE.size :]))))
         elif kind in ENTRIES:
             sections.append((kind, decode(body, ENTRIES[kind])))
         # else: a kind a newer replica sends, skipped whole (its length is known), so that during a rolling update
@@ -419,6 +452,20 @@ def unpack(view: memoryview, count: int) -> list[tuple[int, object]]:
     if offset != len(view):
         raise MalformedDatagram("trailing bytes after the sections (--replica-secret-file on one side only?)")
     return sections
+
+
+def _waiter(loop: asyncio.AbstractEventLoop, waiters: list[asyncio.Future]) -> asyncio.Future:
+    waiter = loop.create_future()
+    waiters.append(waiter)
+    return waiter
+
+
+def _wake(waiters: list[asyncio.Future]) -> None:
+    """The picks waiting for a turn go ahead (those whose request was cancelled meanwhile are skipped)."""
+    for waiter in waiters:
+        if not waiter.done():
+            waiter.set_result(None)
+    waiters.clear()
 
 
 class ReplicaChannel(asyncio.DatagramProtocol):
@@ -479,6 +526,17 @@ class ReplicaChannel(asyncio.DatagramProtocol):
         self.cpu: dict[str, float] = dict.fromkeys(CPU_PARTS, 0.0)
         if prefix_index is not None:
             prefix_index.learned = self.learned
+        # picks in turns (`turn`, --replica-turns), granted by the sequencer: the lowest instance id heard
+        self.turns = False
+        self._turn_waiters: list[asyncio.Future] = []  # this replica's picks waiting for the turn it asked for
+        self._turn_id = 0
+        self._turn_from: tuple[str, int] | None = None  # the sequencer it was asked of
+        self._turn_timer: asyncio.TimerHandle | None = None
+        self._holder: object = None  # sequencer: LOCAL or (source, turn id) of the turn granted
+        self._holder_timer: asyncio.TimerHandle | None = None
+        self._asks: deque = deque()  # sequencer: the turns asked for, in order (LOCAL: its own picks)
+        self._local_waiters: list[asyncio.Future] = []  # sequencer: its own picks waiting for their turn
+        self.turn_counts = dict.fromkeys(TURN_OUTCOMES, 0)
 
     # -- the request path's inputs -------------------------------------------------------------------------------
     def load_changed(self) -> None:
@@ -573,6 +631,106 @@ class ReplicaChannel(asyncio.DatagramProtocol):
                     rank += 1
         return rank, routing + 1
 
+    # -- turns ---------------------------------------------------------------------------------------------------
+    def _sequencer(self) -> tuple[str, int] | None:
+        """The address of the replica that grants turns (the lowest instance id among this one and its fresh peers
+        that take turns), None when it is this one."""
+        lowest, address = self.instance, None
+        for source, peer in self.peers.items():
+            if peer.turns and peer.instance < lowest:
+                lowest, address = peer.instance, source
+        return address
+
+    def turn(self) -> asyncio.Future | None:
+        """Called by the director before each pick (--replica-turns): None when this replica may pick now, else a
+        future its picks await. The sequencer picks at once while no peer holds the turn; any other replica asks the
+        sequencer, which grants turns one at a time with the pool's load as it knows it, so each replica's picks see
+        every pick granted before them. Picks that arrive while a turn is asked for share it. A turn not granted
+        within TURN_WAIT_SECONDS (the sequencer gone, or slow) is taken anyway: the picks go ahead as without turns.
+        Each pick gets a future of its own, so one whose request is cancelled leaves the others waiting; the
+        caller awaits it directly, so its pick is made in the loop pass that grants the turn, before the turn goes
+        back (`_turn_came`)."""
+        if not self.turns or not self.peers or self._loop is None:
+            return None
+        sequencer = self._sequencer()
+        if sequencer is None:
+            if self._holder is None and not self._asks:
+                self.turn_counts["free"] += 1
+                return None
+            if not self._local_waiters:
+                self._asks.append(LOCAL)
+                self.turn_counts["queued"] += 1
+            return _waiter(self._loop, self._local_waiters)
+        if not self._turn_waiters:
+            started = thread_time()
+            self._turn_id += 1
+            self._turn_from = sequencer
+            self._send_to(sequencer, [(TURN, _TURN.pack(ASK, self._turn_id))])
+            self._turn_timer = self._loop.call_later(TURN_WAIT_SECONDS, self._turn_came, self._turn_id, False)
+            self.cpu["send"] += thread_time() - started
+        return _waiter(self._loop, self._turn_waiters)
+
+    def _turn_came(self, turn_id: int, granted: bool) -> None:
+        """This replica's turn `turn_id` was granted, or its wait ran out (`granted` False)."""
+        if turn_id != self._turn_id or not self._turn_waiters:
+            if granted and self._turn_from is not None:  # granted after this replica stopped waiting: give it back
+                self._send_to(self._turn_from, [(TURN, _TURN.pack(DONE, turn_id))])
+            return
+        if self._turn_timer is not None:
+            self._turn_timer.cancel()
+        _wake(self._turn_waiters)
+        self.turn_counts["granted" if granted else "timed_out"] += 1
+        if granted:  # after the picks that waited for it: the loop's next pass runs them first, in order
+            self._loop.call_soon(self._turn_done, turn_id)
+
+    def _turn_done(self, turn_id: int) -> None:
+        """This replica's picks in its turn are made: the sequencer gets its load with them, and the turn back."""
+        started = thread_time()
+        self._send_to(self._turn_from, [(SNAPSHOT, encode_load(self.own_load())), (TURN, _TURN.pack(DONE, turn_id))])
+        self.cpu["send"] += thread_time() - started
+
+    def _asked(self, source: tuple[str, int], turn_id: int) -> None:
+        """Sequencer: a peer asks for a turn (whoever asks is answered, even while this replica's view of who
+        sequences differs from the asker's: the turns it grants are still one at a time)."""
+        for index, ask in enumerate(self._asks):
+            if ask != LOCAL and ask[0] == source:  # one place per peer: its newer ask (its last one timed out) takes it
+                self._asks[index] = (source, turn_id)
+                break
+        else:
+            if len(self._asks) < MAX_PEERS:
+                self._asks.append((source, turn_id))
+        self._grant_next()
+
+    def _grant_next(self) -> None:
+        """Sequencer: the next turn asked for, once the last is over. A peer's grant carries this replica's own load
+        and every other peer's as this replica knows it (the last peers' turns' included), so the peer picks seeing
+        every pick granted before; the sequencer's own picks take their turn in the same queue."""
+        if self._holder is not None or not self._asks:
+            return
+        holder = self._holder = self._asks.popleft()
+        if holder == LOCAL:
+            _wake(self._local_waiters)
+            self._loop.call_soon(self._turn_over, holder)  # after the picks that waited for it
+            return
+        source, turn_id = holder
+        sections = [(SNAPSHOT, encode_load(self.own_load()))]
+        for address, peer in self.peers.items():
+            if address != source and peer.load:
+                sections.append((RELAYED, _INSTANCE.pack(peer.instance) + encode_load(peer.load)))
+        self._send_to(source, [*sections, (TURN, _TURN.pack(GRANT, turn_id))])
+        self.turn_counts["given"] += 1
+        self._holder_timer = self._loop.call_later(TURN_HOLD_SECONDS, self._turn_over, holder)
+
+    def _turn_over(self, holder) -> None:
+        """Sequencer: the turn `holder` held is over (done, or TURN_HOLD_SECONDS gone): the next one's."""
+        if self._holder != holder:
+            return
+        self._holder = None
+        if self._holder_timer is not None:
+            self._holder_timer.cancel()
+            self._holder_timer = None
+        self._grant_next()
+
     # -- sending -------------------------------------------------------------------------------------------------
     def own_load(self) -> dict[str, tuple[int, int]]:
         """This replica's own in-flight requests and prompt tokens per endpoint (the non-zero ones)."""
@@ -632,6 +790,8 @@ class ReplicaChannel(asyncio.DatagramProtocol):
         if heartbeat or load != self._sent_load:
             self._sent_load, self._snapshot_at = load, time.monotonic()
             sections.append((SNAPSHOT, encode_load(load)))
+            if self.turns:
+                sections.append((TURN, _TURN.pack(OFFER, 0)))
         for kind, entries in self._deltas.items():
             if not entries:
                 continue
@@ -662,18 +822,25 @@ class ReplicaChannel(asyncio.DatagramProtocol):
             self._send_all(load)
         self.cpu["send"] += thread_time() - started
 
-    def _send(self, count: int, payload: bytes) -> None:
+    def _send_to(self, address: tuple[str, int], sections: list[tuple[int, bytes]]) -> None:
+        """Sections to one peer (a turn's messages)."""
+        for count, payload in pack(sections):
+            self._send(count, payload, [address])
+
+    def _send(self, count: int, payload: bytes, addresses: list[tuple[str, int]] | None = None) -> None:
+        """One datagram to `addresses` (default: every peer)."""
         transport = self._transport
-        if transport is None or not self.addresses:
+        addresses = self.addresses if addresses is None else addresses
+        if transport is None or not addresses:
             return
         self.sequence += 1
         datagram = HEADER.pack(MAGIC, self.instance, self.sequence, count) + payload
         if self.secret is not None:
             datagram += hmac.digest(self.secret, datagram, hashlib.sha256)[:TAG_BYTES]
-        for address in self.addresses:
+        for address in addresses:
             transport.sendto(datagram, address)
-        self.sent += len(self.addresses)
-        self.sent_bytes += len(self.addresses) * len(datagram)
+        self.sent += len(addresses)
+        self.sent_bytes += len(addresses) * len(datagram)
 
     # -- receiving -----------------------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -744,6 +911,22 @@ class ReplicaChannel(asyncio.DatagramProtocol):
                 if _rose(content, old):
                     peer.picked_at = peer.seen_at
                 self._apply([h for h in old.keys() | content.keys() if old.get(h) != content.get(h)])
+            elif kind == RELAYED:
+                instance, load = content
+                for other in self.peers.values():
+                    if other.instance == instance and other is not peer:
+                        old, other.load = other.load, load
+                        self._apply([h for h in old.keys() | load.keys() if old.get(h) != load.get(h)])
+            elif kind == TURN:
+                op, turn_id = content
+                if op == OFFER:
+                    peer.turns = True
+                elif op == ASK:
+                    self._asked(source, turn_id)
+                elif op == GRANT:
+                    self._turn_came(turn_id, True)
+                elif op == DONE:
+                    self._turn_over((source, turn_id))
             elif kind == LEARNED and self.prefix_index is not None:
                 by_hostport = self.datastore.by_hostport
                 for hostport, hashes in content:
@@ -907,6 +1090,15 @@ class ReplicaChannel(asyncio.DatagramProtocol):
             "Model servers' pages this replica read and sent its peers (sent), and took from them (received).",
             "direction",
             self.pages,
+        )
+        yield one_label(
+            CounterMetricFamily,
+            "inference_extension_replica_turns",
+            "This replica's turns to pick (--replica-turns), by outcome: granted by the sequencer, timed_out (picked "
+            "without one), free (the sequencer picked at once), queued (the sequencer's picks waited for a peer's "
+            "turn), given (turns the sequencer granted its peers).",
+            "outcome",
+            self.turn_counts,
         )
         yield one_label(
             CounterMetricFamily,

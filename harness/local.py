@@ -89,6 +89,7 @@ class StackConfig:
     # with replica_sharing each telling the others its in-flight load and prefix-index learning (epp --replica-peers)
     epp_replicas: int = 1
     replica_sharing: bool = True
+    replica_turns: bool = True  # sharing replicas pick in turns (epp --replica-turns)
     # With epp_replicas above 1: Envoy routes to the first replica only; the others are shadows that run as replicas do
     # (scrapes, KV-event subscriptions, the replica channel) and get no request: what N replicas cost the machine
     # beyond their requests (epp-bench compare --replica-routing first)
@@ -320,6 +321,8 @@ class LocalStack:
             if self.replica_ports:
                 peers = ",".join(f"{c.host}:{port}" for port in self.replica_ports)
                 argv += ["--replica-port", str(self.replica_ports[index]), "--replica-peers", peers]
+                if not c.replica_turns:
+                    argv.append("--no-replica-turns")
             if c.config_file:
                 argv += ["--config-file", c.config_file]
             if c.config_text:

@@ -191,6 +191,7 @@ class Director:
     tracing = cython.declare(object, visibility="public")
     load_changed = cython.declare(object, visibility="public")
     forward_record = cython.declare(object, visibility="public")
+    turn = cython.declare(object, visibility="public")
 
     def __init__(
         self,
@@ -227,6 +228,8 @@ class Director:
         # given each access-log record that matches no request this EPP saw end: the gateway sends a replica the
         # records of every replica's requests, and the one that routed it learns from it (epp.replicas)
         self.forward_record: Callable[[str, float | None, str, str | None], None] | None = None
+        # the replicas' turns (ReplicaChannel.turn): None to pick now, or an awaitable of this replica's turn
+        self.turn: Callable[[], Awaitable[None] | None] | None = None
 
     @cython.ccall
     def new_request(
@@ -346,8 +349,14 @@ class Director:
             raise self._failed(ctx, _openai_error(error)) from None
         return decision if isinstance(decision, RoutingDecision) else await decision
 
-    async def _schedule_prepared(self, ctx, request, body, changed, prepared, waited: bool) -> RoutingDecision:
-        cycle_state = await prepared
+    async def _schedule_prepared(
+        self, ctx, request, body, changed, prepared, waited: bool, turn=None
+    ) -> RoutingDecision:
+        cycle_state = prepared if isinstance(prepared, CycleState) else await prepared
+        if turn is None and self.turn is not None:
+            turn = self.turn()
+        if turn is not None:
+            await turn  # directly: the pick must be made in the loop pass that grants the turn
         try:
             return self._decide(ctx, request, body, changed, cycle_state, waited)
         except SchedulingError as error:
@@ -435,11 +444,14 @@ class Director:
         self, ctx, request, body, body_changed, waited: bool = False
     ) -> RoutingDecision | Awaitable[RoutingDecision]:
         """The decision, or an awaitable of it while a PrepareData plugin works in a worker thread (tokenizing a
-        long prompt). A request that `waited` in flow control for its turn (a slot freed) goes to an endpoint that
+        long prompt) or this replica waits for its turn to pick (`turn`). A request that `waited` in flow control for its turn (a slot freed) goes to an endpoint that
         can start it now, not into a full one's queue."""
         prepared = self.scheduler.prepare(request)
         if isinstance(prepared, CycleState):
-            return self._decide(ctx, request, body, body_changed, prepared, waited)
+            turn = self.turn() if self.turn is not None else None
+            if turn is None:
+                return self._decide(ctx, request, body, body_changed, prepared, waited)
+            return self._schedule_prepared(ctx, request, body, body_changed, prepared, waited, turn)
         return self._schedule_prepared(ctx, request, body, body_changed, prepared, waited)
 
     def _decide(

@@ -72,6 +72,7 @@ EPP_TARGETS = {
     "epp-sessions": SESSIONS_CONFIG,
     "epp-whole-prompt": WHOLE_PROMPT_CONFIG,
     "epp-striped": STRIPED_CONFIG,
+    "epp-no-turns": None,  # the default profile; sharing replicas pick without turns (--no-replica-turns)
     "queue-only": SINGLE_SCORER.format("queue-scorer"),
     "kv-only": SINGLE_SCORER.format("kv-cache-utilization-scorer"),
     "prefix-only": SINGLE_SCORER.format("prefix-cache-scorer"),
@@ -107,6 +108,8 @@ _INDEX = re.compile(
 _CHANNEL_CPU = re.compile(r'^inference_extension_replica_cpu_seconds_total\{part="(\w+)"\} (\S+)$', re.M)
 # the model servers' pages the replicas read for their peers and took from them, since they started
 _PAGES = re.compile(r'^inference_extension_replica_pages_total\{direction="(\w+)"\} (\S+)$', re.M)
+# how the replicas' turns to pick went, since they started (epp/replicas.py TURN_OUTCOMES)
+_TURNS = re.compile(r'^inference_extension_replica_turns_total\{outcome="(\w+)"\} (\S+)$', re.M)
 _COUNTER = re.compile(
     r"^(vllm:(?:(?:prefix_cache_hits|prefix_cache_queries|request_success)_total|"
     r"(?:time_to_first_token|request_queue_time|request_prefill_time)_seconds_(?:sum|count)))"
@@ -339,6 +342,7 @@ class Pool:
             access_log_percent=0 if self.target in WITHOUT_ACCESS_LOG else 100,
             epp_replicas=self.replicas,
             replica_sharing=self.sharing,
+            replica_turns=self.target != "epp-no-turns",
             epp_shadows=self.shadows,
             # the bench measures plugins of every stability level (epp-sessions: session-affinity-scorer is Alpha)
             epp_args=[ALLOW_EXPERIMENTAL_PLUGINS],
@@ -535,8 +539,10 @@ async def run_target(
                         result.epp_index[key] = result.epp_index.get(key, 0.0) + float(value)
                     for part, value in _CHANNEL_CPU.findall(page):
                         result.channel_cpu[part] = result.channel_cpu.get(part, 0.0) + float(value)
-                    for direction, value in _PAGES.findall(page):
-                        key = f"pages_{direction}"
+                    for key, value in [
+                        *(("pages_" + d, v) for d, v in _PAGES.findall(page)),
+                        *(("turns_" + o, v) for o, v in _TURNS.findall(page)),
+                    ]:
                         result.epp_index[key] = result.epp_index.get(key, 0.0) + float(value)
                     async with session.get(metrics_url.removesuffix("metrics") + "status.json") as r:
                         decisions[name] = (await r.json())["decisions"]["entries"]
@@ -838,6 +844,13 @@ def markdown(results: list[TargetResult], floors: dict[float, agentic.Floor] | N
                         f"each peer counted): {i['replica_datagrams_sent_total'] / r.succeeded:.2f}, "
                         f"{i.get('replica_bytes_sent_total', 0) / r.succeeded:.0f} bytes; model servers' pages read "
                         f"for the peers {i.get('pages_sent', 0):.0f}, taken from them {i.get('pages_received', 0):.0f}",
+                        "",
+                    ]
+                turns = {k.removeprefix("turns_"): v for k, v in i.items() if k.startswith("turns_") and v}
+                if turns:
+                    lines += [
+                        f"{r.target}: the replicas' turns to pick since they started (all replicas): "
+                        + ", ".join(f"{k} {v:.0f}" for k, v in turns.items()),
                         "",
                     ]
                 if r.channel_cpu:

@@ -4,7 +4,8 @@ One local stack: `servers` sim model servers (one process each), `replicas` EPPs
 with its gRPC health checked every second: harness/envoy.py), FailOpen or FailClose. `clients` streaming clients
 send completions back to back the whole run. In turn, each for `seconds`:
 
-1. one EPP replica SIGKILLed (then restarted, and back in the balancing before the next phase);
+1. one EPP replica SIGKILLed (then restarted, and back in the balancing before the next phase): the one that
+   grants the others' turns to pick (`--replica-turns`), whose death the others wait out;
 2. one EPP replica sent SIGTERM: it drains (`epp --drain-timeout`): not ready, GOAWAY, the streams in flight finish;
 3. one model server SIGKILLed.
 
@@ -124,6 +125,19 @@ async def wait_serving(session: aiohttp.ClientSession, admin: str, replicas: int
     raise TimeoutError(f"Envoy did not see {replicas} healthy EPP replicas within {timeout:.0f} s")
 
 
+async def sequencer(session: aiohttp.ClientSession, stack: LocalStack) -> str | None:
+    """The replica that grants the others' turns to pick: the one that has given turns (None when none has)."""
+    given = {}
+    for name, url in zip(stack.epp_names, stack.epp_metrics_urls, strict=True):
+        async with session.get(url) as r:
+            match = re.search(
+                r'^inference_extension_replica_turns_total\{outcome="given"\} (\S+)$', await r.text(), re.M
+            )
+        given[name] = float(match.group(1)) if match else 0.0
+    name = max(given, key=given.get)
+    return name if given[name] > 0 else None
+
+
 async def run(
     servers: int = 8,
     replicas: int = 3,
@@ -167,7 +181,8 @@ async def run(
                 return current
 
             await asyncio.sleep(1.0)  # the load reaches its steady state
-            victim = stack.epp_names[1]
+            victim = await sequencer(session, stack) or stack.epp_names[1]
+            progress(f"the replica killed and drained: {victim}")
 
             async def kill_replica(current: Phase) -> None:
                 stack.processes[victim].send_signal(signal.SIGKILL)

@@ -194,3 +194,34 @@ def test_compare_repeats_in_rounds_and_splits_replicas_against_one_into_floor_an
     assert "rounds: mean (range)" not in without_shadows and "| configuration |" not in without_shadows
     with pytest.raises(SystemExit):  # the CLI's own check
         cli.main(["compare", "--targets", "epp", "--repeats", "0", "--out", str(tmp_path)])
+
+
+def test_compare_reports_what_the_replicas_said_of_their_channel_and_turns():
+    """The lines under the table, from the EPPs' own metrics: datagrams, pages, turns to pick, the channel's CPU."""
+    result = compare.TargetResult(
+        "epp x3",
+        24.0,
+        ttft_ms={"mean": 80.0, "p90": 110.0},
+        succeeded=100,
+        cpu_seconds={"epp": 0.5, "epp-1": 0.25, "epp-2": 0.25},
+        epp_index={
+            "rss_mb": 345.0,
+            "replica_datagrams_sent_total": 1100.0,
+            "replica_bytes_sent_total": 270_000.0,
+            "turns_granted": 140.0,
+            "turns_timed_out": 5.0,
+            "turns_free": 235.0,
+            "turns_queued": 0.0,
+        },
+        channel_cpu={"send": 0.04, "receive": 0.08},
+        replicas=3,
+    )
+    report = compare.markdown([result])
+    assert "epp x3: EPP CPU 10.00 ms per request" in report
+    assert "per request (all replicas, each peer counted): 11.00, 2700 bytes" in report
+    # outcomes that never happened are left out
+    assert (
+        "epp x3: the replicas' turns to pick since they started (all replicas): granted 140, timed_out 5, free 235\n"
+        in report
+    )
+    assert "send 0.400, receive 0.800; 1.200 in all" in report

@@ -35,6 +35,7 @@ from epp.replicas import (
 )
 from epp.scheduling.plugins.prefix_cache_scorer import PrefixCacheScorer
 from epp.scheduling.types import CycleState, SchedulingRequest, SchedulingResult
+from tests.epp.helpers import until
 
 A, B, C = ("127.0.0.1", 7001), ("127.0.0.1", 7002), ("127.0.0.1", 7003)
 
@@ -556,3 +557,183 @@ async def test_the_scraper_skips_what_a_peers_page_stands_for_and_reads_the_rest
     # read on the ticks of the interval's multiples (but for the loop's lateness on a busy host)
     on_tick = [at % scraper.interval < scraper.interval / 4 for _, at in read[1:]]
     assert sum(on_tick) >= len(on_tick) / 2
+
+
+# -- turns (--replica-turns) -----------------------------------------------------------------------------------------
+async def pick_least_loaded(c: ReplicaChannel) -> str:
+    """A pick as the director makes one: its turn first (when it must wait for one), then the endpoint with the
+    fewest in-flight requests as this replica sees them (the first on ties), counted and told to the channel."""
+    turn = c.turn()
+    if turn is not None:
+        await turn
+    endpoint = min(c.datastore.endpoints, key=lambda e: e.in_flight_requests)
+    endpoint.in_flight_requests += 1
+    c.load_changed()
+    return endpoint.hostport
+
+
+@pytest.fixture
+def patient_turns(monkeypatch):
+    """Turns that neither time out nor are taken back while a test looks at them (a busy test machine may take
+    longer than TURN_WAIT_SECONDS to answer)."""
+    monkeypatch.setattr(replicas, "TURN_WAIT_SECONDS", 5.0)
+    monkeypatch.setattr(replicas, "TURN_HOLD_SECONDS", 5.0)
+
+
+async def started_channels(n: int, turns: bool) -> list[ReplicaChannel]:
+    from tests.conftest import free_ports
+
+    peers = [("127.0.0.1", p) for p in free_ports(n)]
+    channels = [ReplicaChannel(pool(), None, port, peers, "127.0.0.1") for _, port in peers]
+    for c in channels:
+        c.turns = turns
+        await c.start()
+    deadline = time.monotonic() + 10
+    while not all(len(c.peers) == n - 1 for c in channels):  # each has heard the others' first snapshots
+        assert time.monotonic() < deadline, "the replicas did not hear each other"
+        for c in channels:
+            c.heartbeat()
+        await asyncio.sleep(0.01)
+    return channels
+
+
+@pytest.mark.parametrize("turns", [True, False])
+async def test_replicas_picking_at_once_in_turns_place_their_picks_as_one_epp_would(turns, patient_turns):
+    """Three replicas each pick at the same moment on an idle pool. In turns, each pick sees those granted before it
+    and the three take three endpoints, as one EPP's three picks would; without turns all three take the first."""
+    channels = await started_channels(3, turns)
+    try:
+        picked = await asyncio.gather(*(pick_least_loaded(c) for c in channels))
+        if turns:
+            assert sorted(picked) == sorted(e.hostport for e in channels[0].datastore.endpoints)
+            sequencer = min(channels, key=lambda c: c.instance)
+            others = [c for c in channels if c is not sequencer]
+            assert sequencer.turn_counts["free"] == 1 and sequencer.turn_counts["given"] == 2
+            assert all(c.turn_counts["granted"] == 1 and c.turn_counts["timed_out"] == 0 for c in others)
+        else:
+            assert picked == [channels[0].datastore.endpoints[0].hostport] * 3
+            assert all(c.turn() is None for c in channels)
+        assert all(c.received["malformed"] == 0 for c in channels)
+    finally:
+        for c in channels:
+            await c.stop()
+
+
+async def test_picks_waiting_for_a_turn_share_it_and_the_sequencer_queues_its_own_behind_a_peers(patient_turns):
+    channels = await started_channels(2, True)
+    sequencer, other = sorted(channels, key=lambda c: c.instance)
+    try:
+        # two picks on the other replica at once: one turn asked, both made in it, one after the other
+        first, second = await asyncio.gather(pick_least_loaded(other), pick_least_loaded(other))
+        assert first != second and other.turn_counts["granted"] == 1
+        await until(lambda: sequencer._holder is None)
+        assert sum(e.in_flight_requests for e in sequencer.datastore.endpoints) == 2  # the turn's done carried them
+        # while a peer holds the turn, the sequencer's own pick waits for it, and then sees the peer's
+        other._transport.pause_reading()  # its grant waits in its socket until the sequencer's pick is queued
+        turn = other.turn()
+        await until(lambda: sequencer._holder is not None)
+        mine = asyncio.ensure_future(pick_least_loaded(sequencer))
+        await asyncio.sleep(0)
+        assert not mine.done() and sequencer.turn_counts["queued"] == 1
+        other._transport.resume_reading()
+        await turn
+        other.datastore.endpoints[2].in_flight_requests += 1  # the peer's pick in its turn: e2, the only idle one
+        other.load_changed()
+        assert await mine == sequencer.datastore.endpoints[0].hostport  # it saw e2 taken: all at 1, the first
+    finally:
+        for c in channels:
+            await c.stop()
+
+
+async def test_a_turn_not_granted_is_taken_after_the_wait_and_a_late_grant_is_given_back():
+    """The sequencer is gone (its datagrams stop, it has not expired yet): a replica's picks wait TURN_WAIT_SECONDS
+    at most, then go ahead; and a sequencer whose replica gives no turn back moves on after TURN_HOLD_SECONDS."""
+    channels = await started_channels(2, True)
+    sequencer, other = sorted(channels, key=lambda c: c.instance)
+    try:
+        sequencer._transport.pause_reading()  # hears nothing: grants nothing
+        started = time.monotonic()
+        assert await pick_least_loaded(other)
+        assert replicas.TURN_WAIT_SECONDS <= time.monotonic() - started < 1.0
+        assert other.turn_counts["timed_out"] == 1
+        sequencer._transport.resume_reading()
+        await until(lambda: sequencer.turn_counts["given"] == 1)  # the ask it read late: granted, given back
+        await until(lambda: sequencer._holder is None)
+        # a replica that asked and never says it is done: the sequencer takes the turn back after the hold
+        sequencer._asked(("127.0.0.1", 9), 1)
+        assert sequencer._holder is not None
+        await until(lambda: sequencer._holder is None, timeout=1.0)
+        assert sequencer.turn() is None  # free again
+    finally:
+        for c in channels:
+            await c.stop()
+
+
+def test_only_peers_that_offer_to_take_turns_sequence():
+    """A peer with --no-replica-turns, or of a version before turns, never offers: a replica does not wait for turns
+    it would never grant, even with the lowest instance id."""
+    a, wire = channel(A, [B])
+    a.turns = True
+    a.instance = 1 << 40
+    a.datagram_received(datagram(1, 1, (SNAPSHOT, encode_load({}))), B)  # a lower id, no offer
+    assert a.turn() is None and a.turn_counts["free"] == 1
+    a.datagram_received(datagram(1, 2, (SNAPSHOT, encode_load({})), (replicas.TURN, replicas._TURN.pack(0, 0))), B)
+    a._loop = asyncio.new_event_loop()
+    try:
+        assert isinstance(a.turn(), asyncio.Future)  # B sequences now: a turn is asked of it
+        ((sent, to),) = wire.sent
+        assert to == B and replicas._TURN.pack(replicas.ASK, 1) in sent
+    finally:
+        a._loop.close()
+    # this replica's own snapshots offer to take turns only when it does
+    offer = replicas.SECTION.pack(replicas.TURN, replicas._TURN.size) + replicas._TURN.pack(0, 0)
+    a._send_all({}, heartbeat=True)
+    assert wire.sent[-1][0].endswith(offer)
+    a.turns = False
+    a._send_all({}, heartbeat=True)
+    assert offer not in wire.sent[-1][0]
+
+
+def test_turn_sections_that_do_not_parse_are_malformed_and_asks_beyond_the_bound_are_dropped():
+    a, _ = channel(A, [B])
+    a.turns = True
+    a.datagram_received(datagram(1, 1, (replicas.TURN, b"\x01")), B)
+    a.datagram_received(datagram(1, 2, (replicas.RELAYED, b"\x00\x00")), B)
+    assert a.received["malformed"] == 2
+    a._holder = "held"  # asks queue behind a turn held
+    for sequence in range(3, 13):  # a peer that asks again and again keeps one place, with its newest ask
+        a.datagram_received(datagram(1, sequence, (replicas.TURN, replicas._TURN.pack(replicas.ASK, sequence))), B)
+    assert list(a._asks) == [(B, 12)]
+    for port in range(10_000, 10_000 + 2 * replicas.MAX_PEERS):  # and no more places than peers
+        a._asked(("127.0.0.1", port), 1)
+    assert len(a._asks) == replicas.MAX_PEERS
+
+
+async def test_a_request_cancelled_while_waiting_for_the_turn_leaves_the_others_waiting_and_routed():
+    """The director's side: picks wait for the turn without an answer to the proxy; one whose stream ends meanwhile
+    is dropped alone, and the others are routed once the turn comes."""
+    import json
+
+    from tests.epp.helpers import ParsedStream
+    from tests.epp.test_server import BASE_HEADERS, body_message, headers_message, make_picker
+
+    director = make_picker()
+    loop = asyncio.get_running_loop()
+    waiters: list[asyncio.Future] = []
+    director.turn = lambda: waiters.append(loop.create_future()) or waiters[-1]
+    replies: list = []
+    streams = []
+    for _ in range(3):
+        stream = ParsedStream(director, replies.append)
+        assert stream.handle(headers_message(BASE_HEADERS)) == []
+        (wait,) = stream.handle(body_message(json.dumps({"model": "m", "prompt": "hello"}).encode()))
+        assert wait.HasField("override_message_timeout")  # no decision yet: the proxy waits for it
+        streams.append(stream)
+    await asyncio.sleep(0)
+    assert len(waiters) == 3 and replies == []
+    streams[0].finish()  # its client went away while it waited
+    await asyncio.sleep(0)
+    replicas._wake(waiters)
+    await until(lambda: len(replies) == 2)
+    assert all(answers[0].HasField("request_headers") for answers in replies)
+    assert sum(e.in_flight_requests for e in director.datastore.endpoints) == 2
