@@ -197,6 +197,15 @@ class EndpointPicker:
             secret,
         )
         self.director.load_changed = channel.load_changed
+        if channel.oracle is not None:
+            schedule, oracle, endpoints = self.scheduler.schedule, channel.oracle, self.datastore
+
+            def schedule_seeing_peers(*args):
+                oracle.write(endpoints.endpoints)
+                oracle.read(endpoints.endpoints)
+                return schedule(*args)
+
+            self.scheduler.schedule = schedule_seeing_peers
         channel.release_prefilled = self.director.release_prefilled
         self.director.forward_record = channel.forward_record
         self.scheduler.use_replicas(channel.position)

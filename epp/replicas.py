@@ -479,11 +479,18 @@ class ReplicaChannel(asyncio.DatagramProtocol):
         self.cpu: dict[str, float] = dict.fromkeys(CPU_PARTS, 0.0)
         if prefix_index is not None:
             prefix_index.learned = self.learned
+        self.oracle = None
+        if os.environ.get("EPP_ORACLE_SHM"):
+            from epp.oracle_shm import Oracle
+
+            self.oracle = Oracle(os.environ["EPP_ORACLE_SHM"], self.instance)
 
     # -- the request path's inputs -------------------------------------------------------------------------------
     def load_changed(self) -> None:
         """This replica's in-flight counts changed: once the event loop's current pass is done, a snapshot goes out
         if a count rose (`_flush`)."""
+        if self.oracle is not None:
+            self.oracle.write(self.datastore.endpoints)
         if not self._flush_pending and self._loop is not None:
             self._flush_pending = True
             self._loop.call_soon(self._flush)
@@ -783,6 +790,9 @@ class ReplicaChannel(asyncio.DatagramProtocol):
 
     def _apply(self, hostports) -> None:
         """Set each endpoint's share of its peers' load to the sum of their fresh snapshots."""
+        if self.oracle is not None:
+            self.oracle.read(self.datastore.endpoints)
+            return
         peers = self.peers.values()
         by_hostport = self.datastore.by_hostport
         for hostport in hostports:
@@ -817,6 +827,8 @@ class ReplicaChannel(asyncio.DatagramProtocol):
                 e.hostport: self._page_at[e.hostport] for e in self.datastore.endpoints if e.hostport in self._page_at
             }
         self._apply([e.hostport for e in self.datastore.endpoints])
+        if self.oracle is not None:
+            self.oracle.write(self.datastore.endpoints)
         if self.release_prefilled is not None:
             self._schedule_release(self.release_prefilled())
         if now - self._snapshot_at >= 0.9 * HEARTBEAT_SECONDS:  # (the loop's timers may fire a millisecond early)

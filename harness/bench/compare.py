@@ -72,6 +72,7 @@ EPP_TARGETS = {
     "epp-sessions": SESSIONS_CONFIG,
     "epp-whole-prompt": WHOLE_PROMPT_CONFIG,
     "epp-striped": STRIPED_CONFIG,
+    "epp-oracle": None,  # SCRATCH: replicas share in-flight counts through shared memory (epp/oracle_shm.py)
     "queue-only": SINGLE_SCORER.format("queue-scorer"),
     "kv-only": SINGLE_SCORER.format("kv-cache-utilization-scorer"),
     "prefix-only": SINGLE_SCORER.format("prefix-cache-scorer"),
@@ -342,6 +343,7 @@ class Pool:
             epp_shadows=self.shadows,
             # the bench measures plugins of every stability level (epp-sessions: session-affinity-scorer is Alpha)
             epp_args=[ALLOW_EXPERIMENTAL_PLUGINS],
+            epp_env={"EPP_ORACLE_SHM": str(self.workdir / "oracle.shm")} if self.target == "epp-oracle" else {},
         )
         self.stack = LocalStack(config)
         hostports = [u.removeprefix("http://") for u in self.stack.model_server_urls]
