@@ -200,10 +200,21 @@ class EndpointPicker:
         if channel.oracle is not None:
             schedule, oracle, endpoints = self.scheduler.schedule, channel.oracle, self.datastore
 
-            def schedule_seeing_peers(*args):
-                oracle.write(endpoints.endpoints)
-                oracle.read(endpoints.endpoints)
-                return schedule(*args)
+            serial = bool(os.environ.get("EPP_ORACLE_SERIAL"))
+
+            def schedule_seeing_peers(request, *args):
+                if serial:
+                    oracle.lock()
+                try:
+                    oracle.write(endpoints.endpoints)
+                    oracle.read(endpoints.endpoints)
+                    result = schedule(request, *args)
+                    if serial:
+                        oracle.write(endpoints.endpoints, result.primary, request.prompt_tokens_estimate)
+                    return result
+                finally:
+                    if serial:
+                        oracle.unlock()
 
             self.scheduler.schedule = schedule_seeing_peers
         channel.release_prefilled = self.director.release_prefilled

@@ -35,11 +35,20 @@ class Oracle:
             self.index = {h: i for i, h in enumerate(sorted(e.hostport for e in endpoints))}
         return self.index
 
-    def write(self, endpoints) -> None:
+    def lock(self) -> None:
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+
+    def unlock(self) -> None:
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+
+    def write(self, endpoints, picked=None, tokens_picked=0) -> None:
         index, base = self._indices(endpoints), self.slot * SLOT_BYTES
         for e in endpoints:
             requests = e.in_flight_requests - e.peer_in_flight_requests
             tokens = e.in_flight_tokens - e.peer_in_flight_tokens
+            if e is picked:
+                requests += 1
+                tokens += tokens_picked
             _LOAD.pack_into(self.mm, base + _HEAD.size + index[e.hostport] * _LOAD.size, max(requests, 0), max(tokens, 0))
         _HEAD.pack_into(self.mm, base, time.time(), self.instance)
 

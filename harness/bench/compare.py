@@ -72,7 +72,8 @@ EPP_TARGETS = {
     "epp-sessions": SESSIONS_CONFIG,
     "epp-whole-prompt": WHOLE_PROMPT_CONFIG,
     "epp-striped": STRIPED_CONFIG,
-    "epp-oracle": None,  # SCRATCH: replicas share in-flight counts through shared memory (epp/oracle_shm.py)
+    "epp-oracle": None,
+    "epp-serial": None,  # SCRATCH: epp-oracle with the picks serialized by a lock on the shared file  # SCRATCH: replicas share in-flight counts through shared memory (epp/oracle_shm.py)
     "queue-only": SINGLE_SCORER.format("queue-scorer"),
     "kv-only": SINGLE_SCORER.format("kv-cache-utilization-scorer"),
     "prefix-only": SINGLE_SCORER.format("prefix-cache-scorer"),
@@ -343,7 +344,12 @@ class Pool:
             epp_shadows=self.shadows,
             # the bench measures plugins of every stability level (epp-sessions: session-affinity-scorer is Alpha)
             epp_args=[ALLOW_EXPERIMENTAL_PLUGINS],
-            epp_env={"EPP_ORACLE_SHM": str(self.workdir / "oracle.shm")} if self.target == "epp-oracle" else {},
+            epp_env=(
+                {"EPP_ORACLE_SHM": str(self.workdir / "oracle.shm")}
+                | ({"EPP_ORACLE_SERIAL": "1"} if self.target == "epp-serial" else {})
+                if self.target in ("epp-oracle", "epp-serial")
+                else {}
+            ),
         )
         self.stack = LocalStack(config)
         hostports = [u.removeprefix("http://") for u in self.stack.model_server_urls]
