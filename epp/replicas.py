@@ -50,11 +50,11 @@ the port; `--replica-secret-file` adds an HMAC-SHA256 tag (16 bytes) keyed by a 
 anything is parsed. The most a forger who passes those checks can do is add load to endpoints for EXPIRY_SECONDS or
 entries to the prefix index, never crash the EPP or make it hold more than MAX_PEERS snapshots.
 
-Wire: a datagram is a HEADER and its sections (SECTION: a snapshot, a kind of delta's entries, a turn's message), so one datagram
-carries a snapshot and every delta waiting. Every datagram wakes each peer's event loop, which costs it more than
-the Python that reads the datagram: what sharing costs in CPU follows the datagrams (`epp-bench replica-channel`;
-docs/replicas.md has the counts). So only a pick goes out at once; falls and prefix picks wait up to HOLD_SECONDS,
-what trains the peers' predictors waits for the next datagram (`_queue`).
+Wire: a datagram is a HEADER and its sections (SECTION: a snapshot, a kind of delta's entries, a turn's message), so
+one datagram carries a snapshot and every delta waiting. Every datagram wakes each peer's event loop, which costs it
+more than the Python that reads the datagram: what sharing costs in CPU follows the datagrams (`epp-bench
+replica-channel`; docs/replicas.md has the counts). So only a pick goes out at once; falls and prefix picks wait up
+to HOLD_SECONDS, what trains the peers' predictors waits for the next datagram (`_queue`).
 
 Cost: on the request path, one call per change (`load_changed`: a flag check, a callback when none is pending) and
 an encoded entry per recorded pick (`learned`); encoding and sending run in that one callback once the loop's pass is
@@ -526,7 +526,7 @@ class ReplicaChannel(asyncio.DatagramProtocol):
         self.cpu: dict[str, float] = dict.fromkeys(CPU_PARTS, 0.0)
         if prefix_index is not None:
             prefix_index.learned = self.learned
-        # picks in turns (`turn`, --replica-turns), granted by the sequencer: the lowest instance id heard
+        # picks in turns (`turn`, --replica-turns), granted by the sequencer (`_sequencer`)
         self.turns = False
         self._turn_waiters: list[asyncio.Future] = []  # this replica's picks waiting for the turn it asked for
         self._turn_id = 0
@@ -911,7 +911,7 @@ class ReplicaChannel(asyncio.DatagramProtocol):
                 if _rose(content, old):
                     peer.picked_at = peer.seen_at
                 self._apply([h for h in old.keys() | content.keys() if old.get(h) != content.get(h)])
-            elif kind == RELAYED:
+            elif kind == RELAYED and source == self._turn_from:  # in a grant of the sequencer asked
                 instance, load = content
                 for other in self.peers.values():
                     if other.instance == instance and other is not peer:
@@ -923,7 +923,7 @@ class ReplicaChannel(asyncio.DatagramProtocol):
                     peer.turns = True
                 elif op == ASK:
                     self._asked(source, turn_id)
-                elif op == GRANT:
+                elif op == GRANT and source == self._turn_from:
                     self._turn_came(turn_id, True)
                 elif op == DONE:
                     self._turn_over((source, turn_id))

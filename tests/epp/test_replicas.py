@@ -737,3 +737,25 @@ async def test_a_request_cancelled_while_waiting_for_the_turn_leaves_the_others_
     await until(lambda: len(replies) == 2)
     assert all(answers[0].HasField("request_headers") for answers in replies)
     assert sum(e.in_flight_requests for e in director.datastore.endpoints) == 2
+
+
+def test_a_grant_or_a_relayed_load_counts_only_from_the_sequencer_asked():
+    a, _ = channel(A, [B, C])
+    a.turns = True
+    a.instance = 1 << 40
+    loop = a._loop = asyncio.new_event_loop()
+    try:
+        for sequence, peer in enumerate((B, C), start=1):  # both offer; B has the lower id
+            offer = (replicas.TURN, replicas._TURN.pack(replicas.OFFER, 0))
+            a.datagram_received(datagram(sequence, 1, (SNAPSHOT, encode_load({})), offer), peer)
+        turn = a.turn()
+        assert a._turn_from == B
+        c_load = {a.datastore.endpoints[0].hostport: (5, 500)}
+        forged = (replicas.RELAYED, replicas._INSTANCE.pack(2) + encode_load(c_load))
+        a.datagram_received(datagram(2, 2, forged, (replicas.TURN, replicas._TURN.pack(replicas.GRANT, 1))), C)
+        assert not turn.done() and a.datastore.endpoints[0].in_flight_requests == 0  # C is not who was asked
+        relayed = (replicas.RELAYED, replicas._INSTANCE.pack(2) + encode_load(c_load))
+        a.datagram_received(datagram(1, 2, relayed, (replicas.TURN, replicas._TURN.pack(replicas.GRANT, 1))), B)
+        assert turn.done() and a.datastore.endpoints[0].in_flight_requests == 5  # C's load as the sequencer knew it
+    finally:
+        loop.close()
