@@ -19,8 +19,8 @@ What is shared, over UDP on `--replica-port` (no external store):
   picks take turns. The replica with the lowest instance id among those that take turns (their snapshots offer to)
   is the sequencer: it grants one turn at a time, with its own load and every peer's as it knows them, and a replica
   done with its turn gives it back with its load (`turn`). The sequencer picks at once when no turn is out; the
-  others wait a round trip, TURN_WAIT_SECONDS at most, then pick as without turns (the sequencer gone: until it
-  expires).
+  others wait a round trip, TURN_WAIT_SECONDS at most, then pick as without turns, and pass over a sequencer that
+  let a turn run out until they hear it again (one that died is waited for once).
 * **The approximate prefix index's learning, as deltas**: the block hashes a pick recorded (`SharedPrefixIndex`:
   prefix-cache-scorer), which each peer records for the same endpoint. A lost delta is a missed hint, not an error.
   Endpoints that publish KV events need none of this: every replica subscribes to their events.
@@ -172,6 +172,8 @@ class Peer:
     picked_at: float = -math.inf
     load: dict[str, tuple[int, int]] = field(default_factory=dict)
     turns: bool = False  # it takes turns to pick (its snapshots offer to)
+    # when a turn asked of it ran out (0: none did since its last snapshot): it is not asked again until it is heard
+    unanswered_at: float = 0.0
 
 
 class MalformedDatagram(ValueError):
@@ -634,10 +636,11 @@ class ReplicaChannel(asyncio.DatagramProtocol):
     # -- turns ---------------------------------------------------------------------------------------------------
     def _sequencer(self) -> tuple[str, int] | None:
         """The address of the replica that grants turns (the lowest instance id among this one and its fresh peers
-        that take turns), None when it is this one."""
+        that take turns), None when it is this one. A sequencer that let a turn run out is passed over until its next
+        snapshot: one that died is not waited for at every pick until it expires."""
         lowest, address = self.instance, None
         for source, peer in self.peers.items():
-            if peer.turns and peer.instance < lowest:
+            if peer.turns and peer.instance < lowest and peer.unanswered_at <= peer.seen_at:
                 lowest, address = peer.instance, source
         return address
 
@@ -680,6 +683,9 @@ class ReplicaChannel(asyncio.DatagramProtocol):
             self._turn_timer.cancel()
         _wake(self._turn_waiters)
         self.turn_counts["granted" if granted else "timed_out"] += 1
+        sequencer = self.peers.get(self._turn_from)
+        if not granted and sequencer is not None:
+            sequencer.unanswered_at = time.monotonic()
         if granted:  # after the picks that waited for it: the loop's next pass runs them first, in order
             self._loop.call_soon(self._turn_done, turn_id)
 

@@ -656,8 +656,14 @@ async def test_a_turn_not_granted_is_taken_after_the_wait_and_a_late_grant_is_gi
         assert await pick_least_loaded(other)
         assert replicas.TURN_WAIT_SECONDS <= time.monotonic() - started < 1.0
         assert other.turn_counts["timed_out"] == 1
+        # the next picks do not wait for it again until it is heard: they go at once
+        started = time.monotonic()
+        assert await pick_least_loaded(other) and time.monotonic() - started < replicas.TURN_WAIT_SECONDS
+        assert other.turn_counts["free"] == 1
         sequencer._transport.resume_reading()
         await until(lambda: sequencer.turn_counts["given"] == 1)  # the ask it read late: granted, given back
+        sequencer.heartbeat()  # heard again: it sequences again
+        await until(lambda: other._sequencer() is not None)
         await until(lambda: sequencer._holder is None)
         # a replica that asked and never says it is done: the sequencer takes the turn back after the hold
         sequencer._asked(("127.0.0.1", 9), 1)
