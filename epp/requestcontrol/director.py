@@ -444,8 +444,8 @@ class Director:
         self, ctx, request, body, body_changed, waited: bool = False
     ) -> RoutingDecision | Awaitable[RoutingDecision]:
         """The decision, or an awaitable of it while a PrepareData plugin works in a worker thread (tokenizing a
-        long prompt) or this replica waits for its turn to pick (`turn`). A request that `waited` in flow control for its turn (a slot freed) goes to an endpoint that
-        can start it now, not into a full one's queue."""
+        long prompt) or this replica waits for its turn to pick (`turn`). A request that `waited` in flow control for
+        its turn (a slot freed) goes to an endpoint that can start it now, not into a full one's queue."""
         prepared = self.scheduler.prepare(request)
         if isinstance(prepared, CycleState):
             turn = self.turn() if self.turn is not None else None
