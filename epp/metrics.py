@@ -129,6 +129,8 @@ class BoundedLabel:
 PICKED_METRICS_AGE = "inference_extension_scheduler_picked_metrics_age_seconds"
 SCHEDULER_E2E = "inference_extension_scheduler_e2e_duration_seconds"
 METRICS_AGE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0)
+# a pick's wait for its turn (--replica-turns): a round trip to the sequencer, and any turn ahead of it
+TURN_WAIT_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.02)
 SCHEDULER_BUCKETS = (0.00001, 0.00002, 0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1)
 
 
@@ -405,6 +407,13 @@ class EPPMetrics:
             (),
             METRICS_AGE_BUCKETS,
         )
+        self.turn_wait = _Series(
+            "histogram",
+            "inference_extension_replica_turn_wait_seconds",
+            "How long picks that waited for their turn to pick (--replica-turns) waited, in seconds.",
+            (),
+            TURN_WAIT_BUCKETS,
+        )
         self.plugin_duration = _Series(
             "histogram",
             "inference_extension_plugin_duration_seconds",
@@ -436,6 +445,7 @@ class EPPMetrics:
             self.running,
             self.scheduler_e2e,
             self.picked_metrics_age,
+            self.turn_wait,
             self.plugin_duration,
             self.served,
             self.queue_duration,

@@ -128,13 +128,17 @@ _TURN = struct.Struct("!BQ")
 _INSTANCE = struct.Struct("!Q")
 # A replica waits this long for its turn, then picks without it (the sequencer is gone or slow).
 TURN_WAIT_SECONDS = 0.01
+# A replica asks for turns while a peer has picked within this long; one whose peers have not (they stand by, or the
+# gateway sends them nothing) routes alone and picks at once.
+TURN_ROUTING_SECONDS = 30.0
 # The sequencer takes a turn back this long after granting it when the replica has not said it is done.
 TURN_HOLD_SECONDS = 0.01
 LOCAL = "local"  # the sequencer's own picks, in its queue of turns
 # How this replica's turns went (inference_extension_replica_turns_total): a peer granted it, it waited
 # TURN_WAIT_SECONDS and picked without one, it sequences and picked at once (no turn out), it sequences and its picks
-# waited for a peer's turn; and the turns it granted its peers.
-TURN_OUTCOMES = ("granted", "timed_out", "free", "queued", "given")
+# waited for a peer's turn; the turns it granted its peers; and the picks it made without asking because no peer had
+# picked within TURN_ROUTING_SECONDS (it routes alone).
+TURN_OUTCOMES = ("granted", "timed_out", "free", "queued", "given", "alone")
 # A page this replica read for its peers waits this long for the others of the same scrape tick (the scraper reads
 # every endpoint on the same ticks when pages are shared), so a tick's pages go in one datagram.
 PAGE_HOLD_SECONDS = 0.005
@@ -648,7 +652,9 @@ class ReplicaChannel(asyncio.DatagramProtocol):
         """Called by the director before each pick (--replica-turns): None when this replica may pick now, else a
         future its picks await. The sequencer picks at once while no peer holds the turn; any other replica asks the
         sequencer, which grants turns one at a time with the pool's load as it knows it, so each replica's picks see
-        every pick granted before them. Picks that arrive while a turn is asked for share it. A turn not granted
+        every pick granted before them. A replica none of whose peers picked within TURN_ROUTING_SECONDS routes alone
+        and does not ask (a standby's or a shadow's sequencer would only add its round trip; a pool's first picks, or
+        its first after that long a quiet, go as without turns). Picks that arrive while a turn is asked for share it. A turn not granted
         within TURN_WAIT_SECONDS (the sequencer gone, or slow) is taken anyway: the picks go ahead as without turns.
         Each pick gets a future of its own, so one whose request is cancelled leaves the others waiting; the
         caller awaits it directly, so its pick is made in the loop pass that grants the turn, before the turn goes
@@ -656,6 +662,9 @@ class ReplicaChannel(asyncio.DatagramProtocol):
         if not self.turns or not self.peers or self._loop is None:
             return None
         sequencer = self._sequencer()
+        if sequencer is not None and not self._turn_waiters and not self._peers_routing():
+            self.turn_counts["alone"] += 1
+            return None
         if sequencer is None:
             if self._holder is None and not self._asks:
                 self.turn_counts["free"] += 1
@@ -672,6 +681,11 @@ class ReplicaChannel(asyncio.DatagramProtocol):
             self._turn_timer = self._loop.call_later(TURN_WAIT_SECONDS, self._turn_came, self._turn_id, False)
             self.cpu["send"] += thread_time() - started
         return _waiter(self._loop, self._turn_waiters)
+
+    def _peers_routing(self) -> bool:
+        """Whether a peer picked within TURN_ROUTING_SECONDS (a count in its snapshot rose)."""
+        since = time.monotonic() - TURN_ROUTING_SECONDS
+        return any(peer.picked_at >= since for peer in self.peers.values())
 
     def _turn_came(self, turn_id: int, granted: bool) -> None:
         """This replica's turn `turn_id` was granted, or its wait ran out (`granted` False)."""

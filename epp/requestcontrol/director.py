@@ -356,7 +356,9 @@ class Director:
         if turn is None and self.turn is not None:
             turn = self.turn()
         if turn is not None:
+            started = perf_counter()
             await turn  # directly: the pick must be made in the loop pass that grants the turn
+            self.metrics.turn_wait.labels().observe(perf_counter() - started)
         try:
             return self._decide(ctx, request, body, changed, cycle_state, waited)
         except SchedulingError as error:

@@ -110,6 +110,8 @@ _CHANNEL_CPU = re.compile(r'^inference_extension_replica_cpu_seconds_total\{part
 _PAGES = re.compile(r'^inference_extension_replica_pages_total\{direction="(\w+)"\} (\S+)$', re.M)
 # how the replicas' turns to pick went, since they started (epp/replicas.py TURN_OUTCOMES)
 _TURNS = re.compile(r'^inference_extension_replica_turns_total\{outcome="(\w+)"\} (\S+)$', re.M)
+# and how long the picks that waited for a turn waited
+_TURN_WAIT = re.compile(r"^inference_extension_replica_turn_wait_seconds_(sum|count) (\S+)$", re.M)
 _COUNTER = re.compile(
     r"^(vllm:(?:(?:prefix_cache_hits|prefix_cache_queries|request_success)_total|"
     r"(?:time_to_first_token|request_queue_time|request_prefill_time)_seconds_(?:sum|count)))"
@@ -542,6 +544,7 @@ async def run_target(
                     for key, value in [
                         *(("pages_" + d, v) for d, v in _PAGES.findall(page)),
                         *(("turns_" + o, v) for o, v in _TURNS.findall(page)),
+                        *(("turn_wait_" + o, v) for o, v in _TURN_WAIT.findall(page)),
                     ]:
                         result.epp_index[key] = result.epp_index.get(key, 0.0) + float(value)
                     async with session.get(metrics_url.removesuffix("metrics") + "status.json") as r:
@@ -850,7 +853,13 @@ def markdown(results: list[TargetResult], floors: dict[float, agentic.Floor] | N
                 if turns:
                     lines += [
                         f"{r.target}: the replicas' turns to pick since they started (all replicas): "
-                        + ", ".join(f"{k} {v:.0f}" for k, v in turns.items()),
+                        + ", ".join(f"{k} {v:.0f}" for k, v in turns.items())
+                        + (
+                            f"; {i['turn_wait_count']:.0f} picks waited for a turn, "
+                            f"{1e3 * i['turn_wait_sum'] / i['turn_wait_count']:.2f} ms on average"
+                            if i.get("turn_wait_count")
+                            else ""
+                        ),
                         "",
                     ]
                 if r.channel_cpu:

@@ -580,7 +580,15 @@ def patient_turns(monkeypatch):
     monkeypatch.setattr(replicas, "TURN_HOLD_SECONDS", 5.0)
 
 
-async def started_channels(n: int, turns: bool) -> list[ReplicaChannel]:
+def routing(channels: list[ReplicaChannel]) -> None:
+    """Each replica's peers as if each had picked a moment ago: a pool in use, whose replicas take turns
+    (TURN_ROUTING_SECONDS)."""
+    for c in channels:
+        for peer in c.peers.values():
+            peer.picked_at = time.monotonic()
+
+
+async def started_channels(n: int, turns: bool, in_use: bool = True) -> list[ReplicaChannel]:
     from tests.conftest import free_ports
 
     peers = [("127.0.0.1", p) for p in free_ports(n)]
@@ -594,13 +602,16 @@ async def started_channels(n: int, turns: bool) -> list[ReplicaChannel]:
         for c in channels:
             c.heartbeat()
         await asyncio.sleep(0.01)
+    if in_use:
+        routing(channels)
     return channels
 
 
 @pytest.mark.parametrize("turns", [True, False])
 async def test_replicas_picking_at_once_in_turns_place_their_picks_as_one_epp_would(turns, patient_turns):
-    """Three replicas each pick at the same moment on an idle pool. In turns, each pick sees those granted before it
-    and the three take three endpoints, as one EPP's three picks would; without turns all three take the first."""
+    """Three replicas of a pool in use each pick at the same moment on an idle pool. In turns, each pick sees those
+    granted before it and the three take three endpoints, as one EPP's three picks would; without turns all three
+    take the first."""
     channels = await started_channels(3, turns)
     try:
         picked = await asyncio.gather(*(pick_least_loaded(c) for c in channels))
@@ -614,6 +625,28 @@ async def test_replicas_picking_at_once_in_turns_place_their_picks_as_one_epp_wo
             assert picked == [channels[0].datastore.endpoints[0].hostport] * 3
             assert all(c.turn() is None for c in channels)
         assert all(c.received["malformed"] == 0 for c in channels)
+    finally:
+        for c in channels:
+            await c.stop()
+
+
+async def test_a_replica_whose_peers_have_not_picked_routes_alone_until_one_does(patient_turns):
+    """Peers that stand by (or a new pool's, before its first picks) grant turns nobody needs: a replica asks for
+    none until a peer picks, so the pool's first picks at once go as without turns, and the next ones in turns."""
+    channels = await started_channels(3, True, in_use=False)
+    try:
+        first = await asyncio.gather(*(pick_least_loaded(c) for c in channels))
+        assert first == [channels[0].datastore.endpoints[0].hostport] * 3
+        sequencer = min(channels, key=lambda c: c.instance)
+        others = [c for c in channels if c is not sequencer]
+        assert all(c.turn_counts["alone"] == 1 and c.turn_counts["granted"] == 0 for c in others)
+        for c in channels:  # those requests end
+            c.datastore.endpoints[0].in_flight_requests = 0
+            c.load_changed()
+        await until(lambda: all(not p.load for c in channels for p in c.peers.values()))
+        second = await asyncio.gather(*(pick_least_loaded(c) for c in channels))  # each peer picked: in turns
+        assert sorted(second) == sorted(e.hostport for e in channels[0].datastore.endpoints)
+        assert all(c.turn_counts["granted"] == 1 for c in others)
     finally:
         for c in channels:
             await c.stop()
@@ -684,6 +717,7 @@ def test_only_peers_that_offer_to_take_turns_sequence():
     a.datagram_received(datagram(1, 1, (SNAPSHOT, encode_load({}))), B)  # a lower id, no offer
     assert a.turn() is None and a.turn_counts["free"] == 1
     a.datagram_received(datagram(1, 2, (SNAPSHOT, encode_load({})), (replicas.TURN, replicas._TURN.pack(0, 0))), B)
+    a.peers[B].picked_at = time.monotonic()  # B routes too
     a._loop = asyncio.new_event_loop()
     try:
         assert isinstance(a.turn(), asyncio.Future)  # B sequences now: a turn is asked of it
@@ -743,6 +777,8 @@ async def test_a_request_cancelled_while_waiting_for_the_turn_leaves_the_others_
     await until(lambda: len(replies) == 2)
     assert all(answers[0].HasField("request_headers") for answers in replies)
     assert sum(e.in_flight_requests for e in director.datastore.endpoints) == 2
+    # the two picks' waits for their turn (the one cancelled made none)
+    assert director.metrics.registry.get_sample_value("inference_extension_replica_turn_wait_seconds_count") == 2
 
 
 def test_a_grant_or_a_relayed_load_counts_only_from_the_sequencer_asked():
@@ -754,6 +790,7 @@ def test_a_grant_or_a_relayed_load_counts_only_from_the_sequencer_asked():
         for sequence, peer in enumerate((B, C), start=1):  # both offer; B has the lower id
             offer = (replicas.TURN, replicas._TURN.pack(replicas.OFFER, 0))
             a.datagram_received(datagram(sequence, 1, (SNAPSHOT, encode_load({})), offer), peer)
+            a.peers[peer].picked_at = time.monotonic()  # and routes
         turn = a.turn()
         assert a._turn_from == B
         c_load = {a.datastore.endpoints[0].hostport: (5, 500)}
