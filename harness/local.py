@@ -16,6 +16,7 @@ import functools
 import importlib.util
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -48,6 +49,8 @@ from protocol.metrics import DEFAULT_ENGINE
 
 DEMO_ADAPTERS = ("sql-lora", "chat-lora")
 ALLOW_EXPERIMENTAL_PLUGINS = "--allow-experimental-plugins"  # the EPP's flag for plugins of the Alpha level
+# an EPP's turns to pick by outcome, since it started (epp/replicas.py TURN_OUTCOMES), on its /metrics page
+REPLICA_TURNS = re.compile(r'^inference_extension_replica_turns_total\{outcome="(\w+)"\} (\S+)$', re.M)
 
 
 @dataclass

@@ -31,7 +31,7 @@ from harness.bench.overhead import cpu_seconds, percentile
 from harness.bench.peers import peer_command, start_router
 from harness.bench.workloads import load_workload, lora_names, requests
 from harness.envoy import EnvoyProcess, render_baseline
-from harness.local import ALLOW_EXPERIMENTAL_PLUGINS, LocalStack, StackConfig
+from harness.local import ALLOW_EXPERIMENTAL_PLUGINS, REPLICA_TURNS, LocalStack, StackConfig
 from protocol.extproc import canonical_headers
 
 MODEL = "sim-llama-8b"
@@ -108,9 +108,7 @@ _INDEX = re.compile(
 _CHANNEL_CPU = re.compile(r'^inference_extension_replica_cpu_seconds_total\{part="(\w+)"\} (\S+)$', re.M)
 # the model servers' pages the replicas read for their peers and took from them, since they started
 _PAGES = re.compile(r'^inference_extension_replica_pages_total\{direction="(\w+)"\} (\S+)$', re.M)
-# how the replicas' turns to pick went, since they started (epp/replicas.py TURN_OUTCOMES)
-_TURNS = re.compile(r'^inference_extension_replica_turns_total\{outcome="(\w+)"\} (\S+)$', re.M)
-# and how long the picks that waited for a turn waited
+# how long the replicas' picks that waited for a turn waited
 _TURN_WAIT = re.compile(r"^inference_extension_replica_turn_wait_seconds_(sum|count) (\S+)$", re.M)
 _COUNTER = re.compile(
     r"^(vllm:(?:(?:prefix_cache_hits|prefix_cache_queries|request_success)_total|"
@@ -543,7 +541,7 @@ async def run_target(
                         result.channel_cpu[part] = result.channel_cpu.get(part, 0.0) + float(value)
                     for key, value in [
                         *(("pages_" + d, v) for d, v in _PAGES.findall(page)),
-                        *(("turns_" + o, v) for o, v in _TURNS.findall(page)),
+                        *(("turns_" + o, v) for o, v in REPLICA_TURNS.findall(page)),
                         *(("turn_wait_" + o, v) for o, v in _TURN_WAIT.findall(page)),
                     ]:
                         result.epp_index[key] = result.epp_index.get(key, 0.0) + float(value)

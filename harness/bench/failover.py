@@ -29,7 +29,7 @@ from pathlib import Path
 import aiohttp
 
 from harness.bench.chaos import FAST_SIM, MODEL
-from harness.local import LocalStack, StackConfig
+from harness.local import REPLICA_TURNS, LocalStack, StackConfig
 
 # Envoy's counters read before and after each phase (admin /stats); the ext_proc filter's are under the listener's
 # stat prefix (gateway).
@@ -130,10 +130,7 @@ async def sequencer(session: aiohttp.ClientSession, stack: LocalStack) -> str | 
     given = {}
     for name, url in zip(stack.epp_names, stack.epp_metrics_urls, strict=True):
         async with session.get(url) as r:
-            match = re.search(
-                r'^inference_extension_replica_turns_total\{outcome="given"\} (\S+)$', await r.text(), re.M
-            )
-        given[name] = float(match.group(1)) if match else 0.0
+            given[name] = float(dict(REPLICA_TURNS.findall(await r.text())).get("given", 0.0))
     name = max(given, key=given.get)
     return name if given[name] > 0 else None
 
