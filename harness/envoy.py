@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import signal
 import string
 import subprocess
@@ -100,6 +101,7 @@ def render_bootstrap(
     app_protocol: str = HTTP,
     otlp_traces_endpoint: str | None = None,
     records_forwarded: bool = False,
+    timings_log: Path | None = None,
 ) -> str:
     """The bootstrap YAML; `fallback_endpoints` are "host:port" strings of the pool (FailOpen routing);
     `more_epp_endpoints` ("host:port") are further EPP replicas beside epp_host:epp_port (round robin between them).
@@ -135,6 +137,9 @@ def render_bootstrap(
     logger sends to the EPP, batched, on its gRPC port (`epp.handlers.accesslog`): what the default profile's latency
     predictor learns TTFT from without the response bodies passing through the EPP. Below 100 a runtime filter (runtime
     key ACCESS_LOG_RUNTIME_KEY) samples them.
+
+    `timings_log`: a file Envoy writes each request's own timings to (TIMINGS_FORMAT; `gateway_timings` reads it):
+    how long the gateway held it before its model server, and from then to its first response body byte.
 
     `fail_open` and `app_protocol` are the InferencePool's `endpointPickerRef.failureMode` and `appProtocol`
     (`GatewayPool.from_inference_pool`): FailOpen lets requests through when the EPP cannot be reached (ext_proc's
@@ -187,7 +192,7 @@ def render_bootstrap(
         if sampled
         else "",
         FALLBACK_ENDPOINTS=_endpoints_yaml(fallback_endpoints),
-        ACCESS_LOG=_access_log(access_log_percent) if access_log_percent else "",
+        ACCESS_LOG=_access_log(access_log_percent, timings_log),
         UNPICKED_ACTION=unpicked_action,
         UPSTREAM_HTTP_CONFIG=UPSTREAM_HTTP_CONFIGS[app_protocol],
         TRACING=_TRACING if otlp_traces_endpoint else "",
@@ -253,8 +258,46 @@ ACCESS_LOG_RUNTIME_KEY = "gateway.access_log_percent"
 ACCESS_LOG_FLUSH_INTERVAL = "0.1s"
 
 
-def _access_log(percent: int) -> str:
-    """The HTTP connection manager's access log to the EPP (YAML lines after `stream_idle_timeout`)."""
+# A line per request of the gateway's own timings (`timings_log`): when it began (Unix seconds), then in microseconds the
+# time before it went to its model server (the ext_proc calls: the EPP's pick, any wait for a turn or in flow
+# control) and from then to the first byte of the response body (the server's TTFT and the hops to it).
+TIMINGS_FORMAT = (
+    "%START_TIME(%s.%6f)% %COMMON_DURATION(DS_RX_BEG:US_TX_BEG:us)% %COMMON_DURATION(US_TX_BEG:US_RX_BODY_BEG:us)%\n"
+)
+
+
+def gateway_timings(path: Path, since: float = 0.0) -> list[tuple[float, float]]:
+    """The (before upstream, upstream to first body byte) milliseconds of the requests in a `timings_log` that began
+    at `since` or later and reached a model server and its first byte."""
+    timings = []
+    for line in path.read_text().splitlines():
+        started, routing, upstream = line.split()
+        if float(started) >= since and routing != "-" and upstream != "-":
+            timings.append((int(routing) / 1e3, int(upstream) / 1e3))
+    return timings
+
+
+def _access_log(percent: int, timings_log: Path | None) -> str:
+    """The HTTP connection manager's access logs (YAML lines after `stream_idle_timeout`): the records to the EPP
+    when `percent` is above 0, and the gateway's timings to a file when `timings_log` is set."""
+    loggers = _records_log(percent) if percent else ""
+    if timings_log is not None:
+        loggers += f"""
+          - name: envoy.access_loggers.file
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog
+              path: {json.dumps(str(timings_log))}
+              log_format: {{text_format_source: {{inline_string: {json.dumps(TIMINGS_FORMAT)}}}}}"""
+    return (
+        f"""
+          access_log:{loggers}"""
+        if loggers
+        else ""
+    )
+
+
+def _records_log(percent: int) -> str:
+    """The access log to the EPP: its list item."""
     sampled = f"""
             filter:
               runtime_filter:
@@ -262,7 +305,6 @@ def _access_log(percent: int) -> str:
                 percent_sampled: {{numerator: {percent}, denominator: HUNDRED}}
                 use_independent_randomness: true"""
     return f"""
-          access_log:
           - name: envoy.access_loggers.open_telemetry{sampled if percent < 100 else ""}
             typed_config:
               "@type": type.googleapis.com/envoy.extensions.access_loggers.open_telemetry.v3.OpenTelemetryAccessLogConfig

@@ -49,6 +49,7 @@ from protocol.metrics import DEFAULT_ENGINE
 
 DEMO_ADAPTERS = ("sql-lora", "chat-lora")
 ALLOW_EXPERIMENTAL_PLUGINS = "--allow-experimental-plugins"  # the EPP's flag for plugins of the Alpha level
+GATEWAY_TIMINGS = "gateway-timings.log"
 # an EPP's turns to pick by outcome, since it started (epp/replicas.py TURN_OUTCOMES), on its /metrics page
 REPLICA_TURNS = re.compile(r'^inference_extension_replica_turns_total\{outcome="(\w+)"\} (\S+)$', re.M)
 
@@ -100,6 +101,8 @@ class StackConfig:
     # An OpenTelemetry collector (OTLP/gRPC "host:port") Envoy exports its request traces to (harness.envoy); the EPP
     # and the model servers trace when their own --otlp-traces-endpoint flag is among epp_args / modelserver_args
     otlp_traces_endpoint: str | None = None
+    # Envoy writes each request's own timings to workdir/GATEWAY_TIMINGS (harness.envoy.TIMINGS_FORMAT)
+    gateway_timings: bool = False
 
     @classmethod
     def on_free_ports(cls, model_servers: int = 4, base_port: int | None = None, **settings) -> StackConfig:
@@ -353,6 +356,7 @@ class LocalStack:
             epp_health_ports=[health for _, health, _ in routed],
             otlp_traces_endpoint=c.otlp_traces_endpoint,
             records_forwarded=c.replica_sharing,
+            timings_log=self.workdir / GATEWAY_TIMINGS if c.gateway_timings else None,
         )
 
     def start_envoy(self) -> None:

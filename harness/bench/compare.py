@@ -30,8 +30,8 @@ from harness.bench.decision import scorers_only_config
 from harness.bench.overhead import cpu_seconds, percentile
 from harness.bench.peers import peer_command, start_router
 from harness.bench.workloads import load_workload, lora_names, requests
-from harness.envoy import EnvoyProcess, render_baseline
-from harness.local import ALLOW_EXPERIMENTAL_PLUGINS, REPLICA_TURNS, LocalStack, StackConfig
+from harness.envoy import EnvoyProcess, gateway_timings, render_baseline
+from harness.local import ALLOW_EXPERIMENTAL_PLUGINS, GATEWAY_TIMINGS, REPLICA_TURNS, LocalStack, StackConfig
 from protocol.extproc import canonical_headers
 
 MODEL = "sim-llama-8b"
@@ -143,6 +143,9 @@ class TargetResult:
     # vllm:request_prefill_time_seconds): placement onto busy servers shows in the first, on cold prefixes in the second
     server_queue_ms: float = 0.0
     server_prefill_ms: float = 0.0
+    # the gateway's own timings (harness.envoy.TIMINGS_FORMAT), ms: before the request went to its server (routing:
+    # the ext_proc calls, the EPP's pick and any wait for a turn; mean, p90) and from then to the first body byte
+    gateway_ms: dict[str, float] = field(default_factory=dict)
     cpu_seconds: dict[str, float] = field(default_factory=dict)
     machine_busy: float = 0.0  # CPU seconds of this run's processes / (wall x cores)
     host_busy: float = 0.0  # the whole machine's busy fraction (/proc/stat), other users' processes included
@@ -344,6 +347,7 @@ class Pool:
             replica_sharing=self.sharing,
             replica_turns=self.target != "epp-no-turns",
             epp_shadows=self.shadows,
+            gateway_timings=True,
             # the bench measures plugins of every stability level (epp-sessions: session-affinity-scorer is Alpha)
             epp_args=[ALLOW_EXPERIMENTAL_PLUGINS],
         )
@@ -565,6 +569,15 @@ async def run_target(
             after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
             for before, after in ((client_before, client_after), (children_before, children_after))
         )
+    if (workdir / GATEWAY_TIMINGS).exists():  # complete once the stack's Envoy has exited
+        timings = gateway_timings(workdir / GATEWAY_TIMINGS, started_wall)
+        if timings:
+            routing = [t[0] for t in timings]
+            result.gateway_ms = {
+                "routing_mean": statistics.fmean(routing),
+                "routing_p90": percentile(routing, 0.9),
+                "upstream_mean": statistics.fmean(t[1] for t in timings),
+            }
     if load_generator == "inference-perf":
         _from_inference_perf(result, summary)
     else:
@@ -829,6 +842,17 @@ def markdown(results: list[TargetResult], floors: dict[float, agentic.Floor] | N
             ),
             "",
         ]
+        if any(r.gateway_ms for r in rows):
+            lines += [
+                "at the gateway, ms: before the request left for its server (the EPP's part) mean / p90, and from "
+                "then to its first response byte mean: "
+                + ", ".join(
+                    f"{r.target} {g['routing_mean']:.2f} / {g['routing_p90']:.2f}, {g['upstream_mean']:.1f}"
+                    for r in rows
+                    if (g := r.gateway_ms)
+                ),
+                "",
+            ]
         for r in rows:
             epp_cpu = sum(v for k, v in r.cpu_seconds.items() if k.startswith("epp"))
             if r.epp_index and r.succeeded:

@@ -30,8 +30,13 @@ def test_compare_smoke(tmp_path):
         assert r.ttft_ms["p50"] > 0 and r.output_tokens_per_s > 0
         assert 0 < r.server_ttft_ms < r.ttft_ms["mean"]  # the servers' own TTFT leaves out the path to them
         assert set(r.cpu_seconds) >= {"modelserver", "load generator"}
+    # the gateway's own timings, through the stack's Envoy (round robin runs its own Envoy, without them)
+    epp, round_robin = results
+    assert 0 < epp.gateway_ms["routing_mean"] <= epp.gateway_ms["routing_p90"] < epp.ttft_ms["mean"]
+    assert 0 < epp.gateway_ms["upstream_mean"] < epp.ttft_ms["mean"] and not round_robin.gateway_ms
     table = (tmp_path / "shared-prefix.md").read_text()
     assert "| epp |" in table and "| round-robin |" in table
+    assert "at the gateway, ms: before the request left for its server" in table
     assert len(json.loads((tmp_path / "shared-prefix.json").read_text())) == 2
     assert all(0 < r.host_busy <= 1 for r in results)
     # The seeded requests repeat some of the 16 groups' system prompts: the EPP sends repeats where they are cached.
