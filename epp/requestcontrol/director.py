@@ -352,16 +352,15 @@ class Director:
     async def _schedule_prepared(
         self, ctx, request, body, changed, prepared, waited: bool, turn=None
     ) -> RoutingDecision:
-        if not isinstance(prepared, CycleState):
-            prepared = await prepared
-            if self.turn is not None:
-                turn = self.turn()
+        cycle_state = prepared if isinstance(prepared, CycleState) else await prepared
+        if turn is None and self.turn is not None:
+            turn = self.turn()
         if turn is not None:
             started = perf_counter()
             await turn  # directly: the pick must be made in the loop pass that grants the turn
             self.metrics.turn_wait.labels().observe(perf_counter() - started)
         try:
-            return self._decide(ctx, request, body, changed, prepared, waited)
+            return self._decide(ctx, request, body, changed, cycle_state, waited)
         except SchedulingError as error:
             raise self._failed(ctx, _openai_error(error)) from None
 
@@ -447,18 +446,15 @@ class Director:
         self, ctx, request, body, body_changed, waited: bool = False
     ) -> RoutingDecision | Awaitable[RoutingDecision]:
         """The decision, or an awaitable of it while a PrepareData plugin works in a worker thread (tokenizing a
-        long prompt) or this replica waits for its turn to pick (`turn`). A preparation on the loop asks for the turn
-        first, so that the turn's round trip to the sequencer overlaps it (the turn is held meanwhile, a millisecond
-        or two at most); one in a worker thread, which may take much longer, asks once it is done. A request that
-        `waited` in flow control for its turn (a slot freed) goes to an endpoint that can start it now, not into a
-        full one's queue."""
-        scheduler = self.scheduler
-        in_thread = scheduler.prepares_in_thread(request)
-        turn = self.turn() if self.turn is not None and not in_thread else None
-        prepared = scheduler.prepare(request, in_thread)
-        if isinstance(prepared, CycleState) and turn is None:
-            return self._decide(ctx, request, body, body_changed, prepared, waited)
-        return self._schedule_prepared(ctx, request, body, body_changed, prepared, waited, turn)
+        long prompt) or this replica waits for its turn to pick (`turn`). A request that `waited` in flow control for
+        its turn (a slot freed) goes to an endpoint that can start it now, not into a full one's queue."""
+        prepared = self.scheduler.prepare(request)
+        if isinstance(prepared, CycleState):
+            turn = self.turn() if self.turn is not None else None
+            if turn is None:
+                return self._decide(ctx, request, body, body_changed, prepared, waited)
+            return self._schedule_prepared(ctx, request, body, body_changed, prepared, waited, turn)
+        return self._schedule_prepared(ctx, request, body, body_changed, prepared, waited)
 
     def _decide(
         self, ctx: RequestContext, request, body, body_changed, cycle_state: CycleState, waited: bool

@@ -292,23 +292,17 @@ class Scheduler:
         kv_events = index is not None and index.has_publishers
         return self._cycles[2 * kv_events + predicting]
 
-    def prepares_in_thread(self, request: SchedulingRequest) -> bool:
-        """Whether `prepare` runs the request's PrepareData plugins in a worker thread: one of them asked for it (a
-        long prompt to tokenize)."""
-        return any(p.in_thread(request) for p in self.cycle_plugins().prepare)
-
-    def prepare(self, request: SchedulingRequest, in_thread: bool | None = None) -> CycleState | Awaitable[CycleState]:
+    def prepare(self, request: SchedulingRequest) -> CycleState | Awaitable[CycleState]:
         """The request's cycle state after the PrepareData plugins (exact tokens, block hashes): returned as is, or
-        an awaitable of it when they run in a worker thread (`in_thread`, or `prepares_in_thread` when None)."""
+        an awaitable of it when a plugin asked for a worker thread (a long prompt)."""
         self.record_picks()
         cycle_state = CycleState()
         plugins = self.cycle_plugins().prepare
         if not plugins:
             return cycle_state
-        if in_thread is None:
-            in_thread = self.prepares_in_thread(request)
-        if in_thread:
-            return asyncio.to_thread(self._run_prepare, plugins, cycle_state, request)
+        for p in plugins:
+            if p.in_thread(request):
+                return asyncio.to_thread(self._run_prepare, plugins, cycle_state, request)
         return self._run_prepare(plugins, cycle_state, request)
 
     def _run_prepare(

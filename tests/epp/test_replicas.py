@@ -781,54 +781,6 @@ async def test_a_request_cancelled_while_waiting_for_the_turn_leaves_the_others_
     assert director.metrics.registry.get_sample_value("inference_extension_replica_turn_wait_seconds_count") == 2
 
 
-async def test_the_turn_is_asked_before_a_preparation_on_the_loop_and_after_one_in_a_worker_thread():
-    """On the loop, the turn's round trip overlaps the preparing; a worker thread's preparing may take much longer,
-    and a turn held that long would hold up the other replicas' picks."""
-    import json
-
-    from epp.scheduling.framework import CycleState
-    from tests.epp.helpers import ParsedStream
-    from tests.epp.test_server import BASE_HEADERS, body_message, headers_message, make_picker
-
-    director = make_picker()
-    loop = asyncio.get_running_loop()
-    events: list[str] = []
-
-    def turn():
-        events.append("turn asked")
-        granted = loop.create_future()
-        granted.set_result(None)
-        return granted
-
-    def prepare(request, in_thread=None):
-        events.append("preparing in a thread" if in_thread else "preparing on the loop")
-        if not in_thread:
-            return CycleState()
-
-        async def in_worker_thread():
-            events.append("prepared")
-            return CycleState()
-
-        return in_worker_thread()
-
-    director.turn, director.scheduler.prepare = turn, prepare
-    replies: list = []
-    for in_thread in (False, True):
-        director.scheduler.prepares_in_thread = lambda request, in_thread=in_thread: in_thread
-        stream = ParsedStream(director, replies.append)
-        stream.handle(headers_message(BASE_HEADERS))
-        stream.handle(body_message(json.dumps({"model": "m", "prompt": "hello"}).encode()))
-        await until(lambda expected=1 + in_thread: len(replies) == expected)
-    assert events == [
-        "turn asked",
-        "preparing on the loop",
-        "preparing in a thread",
-        "prepared",
-        "turn asked",
-    ]
-    assert all(answers[0].HasField("request_headers") for answers in replies)
-
-
 def test_a_grant_or_a_relayed_load_counts_only_from_the_sequencer_asked():
     a, _ = channel(A, [B, C])
     a.turns = True
