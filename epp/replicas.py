@@ -662,9 +662,9 @@ class ReplicaChannel(asyncio.DatagramProtocol):
         back (`_turn_came`)."""
         if not self.turns or not self.peers or self._loop is None:
             return None
-        if self._reader is not None:
-            self._drain()
         sequencer = self._sequencer()
+        if sequencer is None and self._reader is not None:
+            self._drain()
         if sequencer is not None and not self._turn_waiters and not self._peers_routing():
             self.turn_counts["alone"] += 1
             return None
@@ -875,12 +875,11 @@ class ReplicaChannel(asyncio.DatagramProtocol):
             self._reader.setblocking(False)
 
     def _drain(self) -> None:
-        """Before each pick (`turn`): the datagrams waiting in the socket are read now, not when the event loop gets
-        to them. In a burst every replica's loop is busy with its own share of the requests for milliseconds, while
-        its peers' asks for turns (at the sequencer), and its own grants (at the others), wait behind that work: on
-        the 2-core host a quarter of the bursts' turns ran out their TURN_WAIT_SECONDS. Read now, the sequencer
-        grants those asks and its own pick queues behind them, as it would behind asks its loop had read; another
-        replica takes its grant, and its waiting picks go in the loop's next pass."""
+        """Sequencer, before each of its own picks: the datagrams waiting in the socket are read now, not when the
+        event loop gets to them. In a burst the sequencer's loop is busy with its own share of the requests for
+        milliseconds, while its peers' asks for turns wait behind that work (on the 2-core host a quarter of the
+        bursts' turns ran out their TURN_WAIT_SECONDS): read now, they are granted, and the sequencer's own pick
+        queues behind them, as it would behind asks the loop had read."""
         reader = self._reader
         for _ in range(MAX_PEERS):
             try:
