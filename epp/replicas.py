@@ -502,7 +502,6 @@ class ReplicaChannel(asyncio.DatagramProtocol):
         self._unresolved: set[tuple[str, int]] = set()  # peers whose resolution failed (logged once)
         self.peers: dict[tuple[str, int], Peer] = {}  # source address -> what it said
         self._transport: asyncio.DatagramTransport | None = None
-        self._reader: socket.socket | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._flush_pending = False
         # the director's release of prompts whose prefill should be over; it returns when the next is due
@@ -663,8 +662,6 @@ class ReplicaChannel(asyncio.DatagramProtocol):
         if not self.turns or not self.peers or self._loop is None:
             return None
         sequencer = self._sequencer()
-        if sequencer is None and self._reader is not None:
-            self._drain()
         if sequencer is not None and not self._turn_waiters and not self._peers_routing():
             self.turn_counts["alone"] += 1
             return None
@@ -868,27 +865,6 @@ class ReplicaChannel(asyncio.DatagramProtocol):
     # -- receiving -----------------------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport
-        # a second handle on the same socket, read without waiting by the sequencer before it picks (`_drain`)
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            self._reader = socket.socket(self.family, socket.SOCK_DGRAM, fileno=os.dup(sock.fileno()))
-            self._reader.setblocking(False)
-
-    def _drain(self) -> None:
-        """Sequencer, before each of its own picks: the datagrams waiting in the socket are read now, not when the
-        event loop gets to them. In a burst the sequencer's loop is busy with its own share of the requests for
-        milliseconds, while its peers' asks for turns wait behind that work (on the 2-core host a quarter of the
-        bursts' turns ran out their TURN_WAIT_SECONDS): read now, they are granted, and the sequencer's own pick
-        queues behind them, as it would behind asks the loop had read."""
-        reader = self._reader
-        for _ in range(MAX_PEERS):
-            try:
-                data, address = reader.recvfrom(MAX_DATAGRAM_BYTES + 1)
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError:
-                return  # an error a datagram sent earlier left on the socket (a peer not there): as error_received
-            self.datagram_received(data, address)
 
     def error_received(self, exc: Exception) -> None:
         pass  # a peer that is not there (yet): its snapshots simply stop counting
@@ -1101,9 +1077,6 @@ class ReplicaChannel(asyncio.DatagramProtocol):
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._transport is not None:
             self._transport.close()
-        if self._reader is not None:
-            self._reader.close()
-            self._reader = None
         self._loop = None
 
     def collect(self):
