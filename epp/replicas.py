@@ -654,8 +654,9 @@ class ReplicaChannel(asyncio.DatagramProtocol):
         sequencer, which grants turns one at a time with the pool's load as it knows it, so each replica's picks see
         every pick granted before them. A replica none of whose peers picked within TURN_ROUTING_SECONDS routes alone
         and does not ask (a standby's or a shadow's sequencer would only add its round trip; a pool's first picks, or
-        its first after that long a quiet, go as without turns). Picks that arrive while a turn is asked for share it. A turn not granted
-        within TURN_WAIT_SECONDS (the sequencer gone, or slow) is taken anyway: the picks go ahead as without turns.
+        its first after that long a quiet, go as without turns). Picks that arrive while a turn is asked for share
+        it. A turn not granted within TURN_WAIT_SECONDS (the sequencer gone, or slow) is taken anyway: the picks go
+        ahead as without turns.
         Each pick gets a future of its own, so one whose request is cancelled leaves the others waiting; the
         caller awaits it directly, so its pick is made in the loop pass that grants the turn, before the turn goes
         back (`_turn_came`)."""

@@ -49,6 +49,7 @@ from protocol.metrics import DEFAULT_ENGINE
 
 DEMO_ADAPTERS = ("sql-lora", "chat-lora")
 ALLOW_EXPERIMENTAL_PLUGINS = "--allow-experimental-plugins"  # the EPP's flag for plugins of the Alpha level
+# the file in the stack's workdir Envoy writes each request's own timings to (StackConfig.gateway_timings)
 GATEWAY_TIMINGS = "gateway-timings.log"
 # an EPP's turns to pick by outcome, since it started (epp/replicas.py TURN_OUTCOMES), on its /metrics page
 REPLICA_TURNS = re.compile(r'^inference_extension_replica_turns_total\{outcome="(\w+)"\} (\S+)$', re.M)
