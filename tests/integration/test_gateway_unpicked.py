@@ -1,8 +1,11 @@
 """A request the processor answers without routing it (no destination in the envoy.lb metadata): FailClose answers
 503 in the OpenAI error shape and no model server sees it; FailOpen balances it over the pool (real Envoy, the
-pool's failureMode as harness.envoy renders it)."""
+pool's failureMode as harness.envoy renders it). And an EPP replica that stops accepting connections is ejected by
+the gateway after two refused streams, each of which started on another replica."""
 
+import asyncio
 import json
+import re
 
 import aiohttp
 import grpc
@@ -27,10 +30,7 @@ class Unrouting(pb_grpc.ExternalProcessorServicer):
                 yield pb.ProcessingResponse(**{kind: pb.TrailersResponse()})
 
 
-@pytest.mark.parametrize("fail_open", [False, True])
-async def test_a_request_the_epp_did_not_route(tmp_path, fail_open):
-    hits = []
-
+async def pool_server(port: int, hits: list[str]) -> web.AppRunner:
     async def echo(request: web.Request) -> web.Response:
         hits.append(request.path)
         return web.json_response({"ok": True})
@@ -39,12 +39,24 @@ async def test_a_request_the_epp_did_not_route(tmp_path, fail_open):
     app.router.add_get("/{tail:.*}", echo)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
-    server_port, processor_port, listener, admin = free_ports(4)
-    await web.TCPSite(runner, "127.0.0.1", server_port).start()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner
+
+
+async def unrouting_processor(port: int) -> grpc.aio.Server:
     processor = grpc.aio.server()
     pb_grpc.add_ExternalProcessorServicer_to_server(Unrouting(), processor)
-    processor.add_insecure_port(f"127.0.0.1:{processor_port}")
+    processor.add_insecure_port(f"127.0.0.1:{port}")
     await processor.start()
+    return processor
+
+
+@pytest.mark.parametrize("fail_open", [False, True])
+async def test_a_request_the_epp_did_not_route(tmp_path, fail_open):
+    hits = []
+    server_port, processor_port, listener, admin = free_ports(4)
+    runner = await pool_server(server_port, hits)
+    processor = await unrouting_processor(processor_port)
     config = tmp_path / "envoy.yaml"
     config.write_text(
         render_bootstrap(
@@ -71,4 +83,58 @@ async def test_a_request_the_epp_did_not_route(tmp_path, fail_open):
     finally:
         envoy.stop()
         await processor.stop(None)
+        await runner.cleanup()
+
+
+async def test_a_replica_that_refuses_streams_is_ejected(tmp_path):
+    """No active health checks here: outlier detection alone takes a dead replica out of the round robin."""
+    hits = []
+    server_port, first, second, listener, admin = free_ports(5)
+    runner = await pool_server(server_port, hits)
+    processors = [await unrouting_processor(first), await unrouting_processor(second)]
+    config = tmp_path / "envoy.yaml"
+    config.write_text(
+        render_bootstrap(
+            epp_host="127.0.0.1",
+            epp_port=first,
+            more_epp_endpoints=[f"127.0.0.1:{second}"],
+            fallback_endpoints=[f"127.0.0.1:{server_port}"],
+            listener_port=listener,
+            admin_port=admin,
+        )
+    )
+    envoy = EnvoyProcess(config, admin, tmp_path / "envoy.log")
+    envoy.start()
+    try:
+        await envoy.wait_ready()
+        await processors[0].stop(None)
+        async with aiohttp.ClientSession() as session:
+
+            async def refused() -> tuple[bool, int]:
+                """Whether the dead replica is ejected, and how many connections it refused."""
+                async with session.get(f"http://127.0.0.1:{admin}/clusters") as r:
+                    clusters = await r.text()
+                count = re.search(rf"epp::127.0.0.1:{first}::cx_connect_fail::(\d+)", clusters)
+                return f"epp::127.0.0.1:{first}::health_flags::/failed_outlier_check" in clusters, int(count.group(1))
+
+            async def send(requests: int) -> None:
+                for _ in range(requests):  # FailClose: each stream the dead replica refused was retried on the other
+                    async with session.get(f"http://127.0.0.1:{listener}/v1/models") as r:
+                        assert r.status == 503 and "did not route it" in await r.text()  # the processor routes nothing
+
+            for _ in range(20):
+                await send(1)
+                ejected, count = await refused()
+                if ejected:
+                    break
+            assert ejected and count >= 2, count
+            # Envoy's load balancer takes the ejection in at the detector's next interval (1 s); with Envoy's default
+            # max_ejection_percent (10 %) it never did: every other stream still tried the dead replica
+            await asyncio.sleep(1.2)
+            _, count = await refused()
+            await send(20)
+            assert await refused() == (True, count)  # no stream went there since
+    finally:
+        envoy.stop()
+        await processors[1].stop(None)
         await runner.cleanup()
