@@ -139,13 +139,12 @@ def render_bootstrap(
     predictor learns TTFT from without the response bodies passing through the EPP. Below 100 a runtime filter (runtime
     key ACCESS_LOG_RUNTIME_KEY) samples them.
 
-    `epp_session_headers` (for several EPP replicas, or one name that resolves to several): a session's requests go
-    to one replica while it is healthy. Envoy copies each of these request headers that a request carries into its
-    ext_proc stream's gRPC metadata and balances the EPP cluster by a hash of the first (MAGLEV with a cluster-level
-    hash policy; a request with none of them goes to a replica at random, and one whose replica is gone or unhealthy
-    to another). The replica that served a conversation's last turn has its prompt's tokens and block hashes cached
-    (the precise prefix scorer) and its own picks in flight (a parent's next turn and its subagent's first, which
-    arrive together, are picked by one replica).
+    `epp_session_headers` (with several EPP replicas): a session's requests go to one replica while it is healthy.
+    Envoy copies each of these request headers that a request carries into its ext_proc stream's gRPC metadata and
+    balances the EPP cluster by a hash of them (MAGLEV with a cluster-level hash policy; a request with none of them
+    goes to a replica at random, and a replica that goes unhealthy hands its sessions to the others). The replica
+    that served a conversation's last turn has its prompt's tokens and block hashes cached (the precise prefix
+    scorer) and its own picks in flight (a parent's next turn and its subagent's first, which arrive together).
 
     `timings_log`: a file Envoy writes each request's own timings to (TIMINGS_FORMAT; `gateway_timings` reads it):
     how long the gateway held it before its model server, and from then to its first response body byte.
@@ -182,7 +181,7 @@ def render_bootstrap(
     epp_endpoints = [f"{epp_host}:{epp_port}", *more_epp_endpoints]
     if epp_health_ports is not None and len(epp_health_ports) != len(epp_endpoints):
         raise ValueError(f"epp_health_ports needs one port per EPP endpoint ({len(epp_endpoints)})")
-    sessions = _session_affinity(epp_session_headers)
+    sessions = _session_affinity(epp_session_headers) if len(epp_endpoints) > 1 else ("", "", "")
     return string.Template(template.read_text()).substitute(
         BIND_ADDRESS=bind_address,
         LISTENER_PORT=listener_port,
