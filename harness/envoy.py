@@ -22,7 +22,7 @@ import yaml
 
 from epp.handlers.accesslog import STATUS_ATTRIBUTE, TTFT_ATTRIBUTE, UPSTREAM_ATTRIBUTE
 from epp.health import EXT_PROC_SERVICE
-from protocol.extproc import AGENT_SESSION_HEADERS, EPP_GRPC_HEALTH_PORT, EPP_GRPC_PORT, SESSION_ID_HEADER
+from protocol.extproc import EPP_GRPC_HEALTH_PORT, EPP_GRPC_PORT
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"  # package data: installed with the wheel
 TEMPLATE = TEMPLATES / "envoy.yaml.tmpl"
@@ -102,7 +102,6 @@ def render_bootstrap(
     otlp_traces_endpoint: str | None = None,
     records_forwarded: bool = False,
     timings_log: Path | None = None,
-    epp_session_headers: Sequence[str] = (),
 ) -> str:
     """The bootstrap YAML; `fallback_endpoints` are "host:port" strings of the pool (FailOpen routing);
     `more_epp_endpoints` ("host:port") are further EPP replicas beside epp_host:epp_port (round robin between them).
@@ -139,13 +138,6 @@ def render_bootstrap(
     predictor learns TTFT from without the response bodies passing through the EPP. Below 100 a runtime filter (runtime
     key ACCESS_LOG_RUNTIME_KEY) samples them.
 
-    `epp_session_headers` (with several EPP replicas): a session's requests go to one replica while it is healthy.
-    Envoy copies each of these request headers that a request carries into its ext_proc stream's gRPC metadata and
-    balances the EPP cluster by a hash of them (MAGLEV with a cluster-level hash policy; a request with none of them
-    goes to a replica at random, and a replica that goes unhealthy hands its sessions to the others). The replica
-    that served a conversation's last turn has its prompt's tokens and block hashes cached (the precise prefix
-    scorer) and its own picks in flight (a parent's next turn and its subagent's first, which arrive together).
-
     `timings_log`: a file Envoy writes each request's own timings to (TIMINGS_FORMAT; `gateway_timings` reads it):
     how long the gateway held it before its model server, and from then to its first response body byte.
 
@@ -181,16 +173,12 @@ def render_bootstrap(
     epp_endpoints = [f"{epp_host}:{epp_port}", *more_epp_endpoints]
     if epp_health_ports is not None and len(epp_health_ports) != len(epp_endpoints):
         raise ValueError(f"epp_health_ports needs one port per EPP endpoint ({len(epp_endpoints)})")
-    sessions = _session_affinity(epp_session_headers) if len(epp_endpoints) > 1 else ("", "", "")
     return string.Template(template.read_text()).substitute(
         BIND_ADDRESS=bind_address,
         LISTENER_PORT=listener_port,
         ADMIN_ADDRESS=admin_address or bind_address,
         ADMIN_PORT=admin_port,
         EPP_ENDPOINTS=_endpoints_yaml(epp_endpoints, epp_health_ports),
-        EPP_SESSION_METADATA=sessions[0],
-        EPP_LB_POLICY=sessions[1],
-        EPP_SESSION_HASH=sessions[2],
         EPP_HEALTH_CHECKS=_EPP_HEALTH_CHECKS if epp_health_ports is not None else "",
         FAILURE_MODE_ALLOW="true" if fail_open else "false",
         MESSAGE_TIMEOUT=f"{message_timeout:g}s",
@@ -305,28 +293,6 @@ def _access_log(percent: int, timings_log: Path | None) -> str:
           access_log:{loggers}"""
         if loggers
         else ""
-    )
-
-
-# The headers that name a request's session, first match wins, as session-affinity-scorer reads them by default
-SESSION_HEADERS = (SESSION_ID_HEADER, *AGENT_SESSION_HEADERS)
-
-
-def _session_affinity(headers: Sequence[str]) -> tuple[str, str, str]:
-    """The ext_proc stream's initial metadata (each header's value, left out when a request lacks it), the EPP
-    cluster's lb_policy and its hash policy (YAML lines after grpc_service's timeout, connect_timeout and the
-    cluster's HTTP/2 options), for `headers` (none: all three empty, streams round robin)."""
-    if not headers:
-        return "", "", ""
-    for name in headers:
-        if not name or name != name.lower() or not all(c.isalnum() or c in "-_" for c in name):
-            raise ValueError(f"a session header must be a lower-case HTTP header name, got {name!r}")
-    metadata = "".join(f'\n                - {{key: {name}, value: "%REQ({name})%"}}' for name in headers)
-    hashes = "".join(f"\n        - {{header: {{header_name: {name}}}, terminal: true}}" for name in headers)
-    return (
-        f"\n                initial_metadata:{metadata}",
-        "\n    lb_policy: MAGLEV",
-        f"\n        hash_policy:{hashes}",
     )
 
 

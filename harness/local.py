@@ -99,9 +99,6 @@ class StackConfig:
     # (scrapes, KV-event subscriptions, the replica channel) and get no request: what N replicas cost the machine
     # beyond their requests (epp-bench compare --replica-routing first)
     epp_shadows: bool = False
-    # With epp_replicas above 1: the requests that carry one of these headers (a session) go to one replica
-    # (harness.envoy.render_bootstrap's epp_session_headers); none: round robin
-    epp_session_headers: tuple[str, ...] = ()
     # An OpenTelemetry collector (OTLP/gRPC "host:port") Envoy exports its request traces to (harness.envoy); the EPP
     # and the model servers trace when their own --otlp-traces-endpoint flag is among epp_args / modelserver_args
     otlp_traces_endpoint: str | None = None
@@ -361,7 +358,6 @@ class LocalStack:
             otlp_traces_endpoint=c.otlp_traces_endpoint,
             records_forwarded=c.replica_sharing,
             timings_log=self.workdir / GATEWAY_TIMINGS if c.gateway_timings else None,
-            epp_session_headers=c.epp_session_headers,
         )
 
     def start_envoy(self) -> None:

@@ -30,7 +30,7 @@ from harness.bench.decision import scorers_only_config
 from harness.bench.overhead import cpu_seconds, percentile
 from harness.bench.peers import peer_command, start_router
 from harness.bench.workloads import load_workload, lora_names, requests
-from harness.envoy import SESSION_HEADERS, EnvoyProcess, gateway_timings, render_baseline
+from harness.envoy import EnvoyProcess, gateway_timings, render_baseline
 from harness.local import ALLOW_EXPERIMENTAL_PLUGINS, GATEWAY_TIMINGS, REPLICA_TURNS, LocalStack, StackConfig
 from protocol.extproc import canonical_headers
 
@@ -73,7 +73,6 @@ EPP_TARGETS = {
     "epp-whole-prompt": WHOLE_PROMPT_CONFIG,
     "epp-striped": STRIPED_CONFIG,
     "epp-no-turns": None,  # the default profile; sharing replicas pick without turns (--no-replica-turns)
-    "epp-session-replicas": None,  # the default profile; the gateway keeps a session's requests on one replica
     "queue-only": SINGLE_SCORER.format("queue-scorer"),
     "kv-only": SINGLE_SCORER.format("kv-cache-utilization-scorer"),
     "prefix-only": SINGLE_SCORER.format("prefix-cache-scorer"),
@@ -348,7 +347,6 @@ class Pool:
             replica_sharing=self.sharing,
             replica_turns=self.target != "epp-no-turns",
             epp_shadows=self.shadows,
-            epp_session_headers=SESSION_HEADERS if self.target == "epp-session-replicas" else (),
             gateway_timings=True,
             # the bench measures plugins of every stability level (epp-sessions: session-affinity-scorer is Alpha)
             epp_args=[ALLOW_EXPERIMENTAL_PLUGINS],
