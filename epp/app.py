@@ -16,6 +16,7 @@ import logging
 import os
 import socket
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 from aiohttp import web
@@ -26,7 +27,6 @@ from epp.config import ConfigError
 from epp.config.loader import load
 from epp.datalayer.datastore import Datastore, PoolCollector
 from epp.datalayer.endpoint import PoolState
-from epp.datalayer.kubernetes import KubernetesSource
 from epp.datalayer.kv_events import KVBlockIndex, KVEventSubscriber
 from epp.datalayer.pool_file import PoolFileSource
 from epp.datalayer.scraper import Scraper
@@ -37,7 +37,6 @@ from epp.handlers.budget import ByteBudget
 from epp.handlers.extproc import BufferedBodyCollector, stream_factory
 from epp.handlers.wire import ExtProcRequest
 from epp.health import HealthState
-from epp.leader import LeaseElector
 from epp.metrics import EPPMetrics, MetricsPage
 from epp.replicas import ReplicaChannel
 from epp.requestcontrol.director import Director
@@ -47,6 +46,9 @@ from epp.scheduling.scheduler import Scheduler
 from epp.status import StatusPage
 from epp.transport.grpcio import access_log_service, ext_proc_service
 from epp.transport.h2 import ExtProcServer, UnaryMethod
+
+if TYPE_CHECKING:
+    from epp.leader import LeaseElector
 
 log = logging.getLogger("epp")
 # Quiet endpoints (nothing running, waiting or in flight, and no request for that long) are scraped this many times
@@ -135,6 +137,11 @@ class EndpointPicker:
         if args.pool_file:
             source = PoolFileSource(args.pool_file)
             return source, source.initial(), None
+        # the Kubernetes client is a third of the EPP's import time: only an EPP that reads its pool from a cluster
+        # loads it
+        from epp.datalayer.kubernetes import KubernetesSource
+        from epp.leader import LeaseElector
+
         api = _kubernetes_api(args.kubeconfig)
         source = KubernetesSource(api, args.pool_name, args.pool_namespace, args.pool_group)
         elector = None

@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 
 import aiohttp
 import msgspec
-import openai
 import zmq
 import zmq.asyncio
 from prometheus_client.parser import text_string_to_metric_families
@@ -326,6 +325,8 @@ async def anthropic_messages(t: Target) -> None:
     "and maps errors to its exception types",
 )
 async def openai_sdk(t: Target) -> None:
+    import openai  # here only: the SDK is most of the import time of epp-local, which imports this module
+
     async with openai.AsyncOpenAI(base_url=t.url + "/v1", api_key="conformance", max_retries=0) as client:
         completion = await client.completions.create(model=t.model, prompt="Say hello.", max_tokens=4)
         expect(isinstance(completion.choices[0].text, str), "SDK: completion text is not a string")
