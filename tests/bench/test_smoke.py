@@ -160,6 +160,9 @@ def test_multi_turn_requests_carry_the_users_earlier_turns():
             assert later.startswith(earlier + "\nAnswer: ")
 
 
+# every target of the overhead bench (twelve gateways, six of them floors): a minute of both cores; make bench runs
+# it before `epp-bench overhead` itself
+@pytest.mark.slow
 def test_overhead_smoke():
     result = asyncio.run(
         overhead.measure(
