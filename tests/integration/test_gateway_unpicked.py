@@ -4,6 +4,7 @@ pool's failureMode as harness.envoy renders it). And an EPP replica that stops a
 the gateway after two refused streams, each of which started on another replica."""
 
 import asyncio
+import contextlib
 import json
 import re
 
@@ -28,6 +29,20 @@ class Unrouting(pb_grpc.ExternalProcessorServicer):
                 yield pb.ProcessingResponse(**{kind: pb.HeadersResponse()})
             elif kind in ("request_trailers", "response_trailers"):
                 yield pb.ProcessingResponse(**{kind: pb.TrailersResponse()})
+
+
+@contextlib.asynccontextmanager
+async def gateway(tmp_path, admin_port: int, **settings):
+    """Envoy with our bootstrap (render_bootstrap's `settings`), ready, then stopped."""
+    config = tmp_path / "envoy.yaml"
+    config.write_text(render_bootstrap(epp_host="127.0.0.1", admin_port=admin_port, **settings))
+    envoy = EnvoyProcess(config, admin_port, tmp_path / "envoy.log")
+    envoy.start()
+    try:
+        await envoy.wait_ready()
+        yield
+    finally:
+        envoy.stop()
 
 
 async def pool_server(port: int, hits: list[str]) -> web.AppRunner:
@@ -57,22 +72,20 @@ async def test_a_request_the_epp_did_not_route(tmp_path, fail_open):
     server_port, processor_port, listener, admin = free_ports(4)
     runner = await pool_server(server_port, hits)
     processor = await unrouting_processor(processor_port)
-    config = tmp_path / "envoy.yaml"
-    config.write_text(
-        render_bootstrap(
-            epp_host="127.0.0.1",
-            epp_port=processor_port,
-            fallback_endpoints=[f"127.0.0.1:{server_port}"],
-            listener_port=listener,
-            admin_port=admin,
-            fail_open=fail_open,
-        )
-    )
-    envoy = EnvoyProcess(config, admin, tmp_path / "envoy.log")
-    envoy.start()
+    pool = [f"127.0.0.1:{server_port}"]
     try:
-        await envoy.wait_ready()
-        async with aiohttp.ClientSession() as session, session.get(f"http://127.0.0.1:{listener}/v1/models") as r:
+        async with (
+            gateway(
+                tmp_path,
+                epp_port=processor_port,
+                fallback_endpoints=pool,
+                listener_port=listener,
+                admin_port=admin,
+                fail_open=fail_open,
+            ),
+            aiohttp.ClientSession() as session,
+            session.get(f"http://127.0.0.1:{listener}/v1/models") as r,
+        ):
             status, body = r.status, await r.read()
         if fail_open:
             assert status == 200 and hits == ["/v1/models"], (status, body)
@@ -81,47 +94,43 @@ async def test_a_request_the_epp_did_not_route(tmp_path, fail_open):
             error = json.loads(body)["error"]
             assert "the endpoint picker did not route it" in error["message"], error
     finally:
-        envoy.stop()
         await processor.stop(None)
         await runner.cleanup()
 
 
 async def test_a_replica_that_refuses_streams_is_ejected(tmp_path):
     """No active health checks here: outlier detection alone takes a dead replica out of the round robin."""
-    hits = []
     server_port, first, second, listener, admin = free_ports(5)
-    runner = await pool_server(server_port, hits)
+    runner = await pool_server(server_port, [])
     processors = [await unrouting_processor(first), await unrouting_processor(second)]
-    config = tmp_path / "envoy.yaml"
-    config.write_text(
-        render_bootstrap(
-            epp_host="127.0.0.1",
-            epp_port=first,
-            more_epp_endpoints=[f"127.0.0.1:{second}"],
-            fallback_endpoints=[f"127.0.0.1:{server_port}"],
-            listener_port=listener,
-            admin_port=admin,
-        )
-    )
-    envoy = EnvoyProcess(config, admin, tmp_path / "envoy.log")
-    envoy.start()
+    dead = f"epp::127.0.0.1:{first}::"
     try:
-        await envoy.wait_ready()
-        await processors[0].stop(None)
-        async with aiohttp.ClientSession() as session:
+        async with (
+            gateway(
+                tmp_path,
+                epp_port=first,
+                more_epp_endpoints=[f"127.0.0.1:{second}"],
+                fallback_endpoints=[f"127.0.0.1:{server_port}"],
+                listener_port=listener,
+                admin_port=admin,
+            ),
+            aiohttp.ClientSession() as session,
+        ):
 
             async def refused() -> tuple[bool, int]:
                 """Whether the dead replica is ejected, and how many connections it refused."""
                 async with session.get(f"http://127.0.0.1:{admin}/clusters") as r:
                     clusters = await r.text()
-                count = re.search(rf"epp::127.0.0.1:{first}::cx_connect_fail::(\d+)", clusters)
-                return f"epp::127.0.0.1:{first}::health_flags::/failed_outlier_check" in clusters, int(count.group(1))
+                count = int(re.search(rf"{dead}cx_connect_fail::(\d+)", clusters).group(1))
+                return f"{dead}health_flags::/failed_outlier_check" in clusters, count
 
             async def send(requests: int) -> None:
-                for _ in range(requests):  # FailClose: each stream the dead replica refused was retried on the other
+                """FailClose: each stream the dead replica refused was retried on the other, which routes nothing."""
+                for _ in range(requests):
                     async with session.get(f"http://127.0.0.1:{listener}/v1/models") as r:
-                        assert r.status == 503 and "did not route it" in await r.text()  # the processor routes nothing
+                        assert r.status == 503 and "did not route it" in await r.text()
 
+            await processors[0].stop(None)
             for _ in range(20):
                 await send(1)
                 ejected, count = await refused()
@@ -135,6 +144,5 @@ async def test_a_replica_that_refuses_streams_is_ejected(tmp_path):
             await send(20)
             assert await refused() == (True, count)  # no stream went there since
     finally:
-        envoy.stop()
         await processors[1].stop(None)
         await runner.cleanup()
