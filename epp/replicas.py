@@ -15,8 +15,9 @@ What is shared, over UDP on `--replica-port` (no external store):
   estimates of `epp.datalayer.load`, the saturation detector, the latency predictor's features) sees the pool's
   load with no change of its own, and the director's accounting stays its own.
 * **Turns to pick** (`--replica-turns`, on by default): replicas that pick at the same moment do not see each
-  other's picks however fast the snapshots travel (a shared memory channel measured no better: docs/replicas.md), so
-  picks take turns. The replica with the lowest instance id among those that take turns (their snapshots offer to)
+  other's picks however fast the snapshots travel (a shared memory channel measured no better:
+  docs/2026-11-30-replicas-notebook.md, "Sharing at once is not enough; picks in turn are"), so picks take turns. The
+  replica with the lowest instance id among those that take turns (their snapshots offer to)
   is the sequencer: it grants one turn at a time, with its own load and every peer's as it knows them, and a replica
   done with its turn gives it back with its load (`turn`). The sequencer picks at once when no turn is out; the
   others wait a round trip, TURN_WAIT_SECONDS at most, then pick as without turns, and pass over a sequencer that
@@ -37,7 +38,7 @@ What is shared, over UDP on `--replica-port` (no external store):
   than two scrape intervals stands for a replica's own scrape (`peer_page`); a later one (its reader died, its
   scrapes fail, a datagram was lost) makes the replica read the page itself, so no endpoint goes unread, and once
   a dead reader expires its endpoints move to the others. Scraping was most of each replica's CPU (three replicas
-  read every page three times; docs/replicas.md).
+  read every page three times; docs/2026-11-30-replicas-notebook.md, "What a replica costs in the background").
 
 Peers: `--replica-peers` is a comma list of host:port; a host that resolves to several addresses (a headless
 Service) means all of them, resolved again every RESOLVE_SECONDS. A replica finds itself among them when a datagram
@@ -53,8 +54,9 @@ entries to the prefix index, never crash the EPP or make it hold more than MAX_P
 Wire: a datagram is a HEADER and its sections (SECTION: a snapshot, a kind of delta's entries, a turn's message), so
 one datagram carries a snapshot and every delta waiting. Every datagram wakes each peer's event loop, which costs it
 more than the Python that reads the datagram: what sharing costs in CPU follows the datagrams (`epp-bench
-replica-channel`; docs/replicas.md has the counts). So only a pick goes out at once; falls and prefix picks wait up
-to HOLD_SECONDS, what trains the peers' predictors waits for the next datagram (`_queue`).
+replica-channel`; docs/2026-11-30-replicas-notebook.md, "What sharing costs in CPU", has the counts). So only a
+pick goes out at once; falls and prefix picks wait up to HOLD_SECONDS, what trains the peers' predictors waits for
+the next datagram (`_queue`).
 
 Cost: on the request path, one call per change (`load_changed`: a flag check, a callback when none is pending) and
 an encoded entry per recorded pick (`learned`); encoding and sending run in that one callback once the loop's pass is
@@ -98,8 +100,9 @@ DEFAULT_REPLICA_PORT = 9005
 HEARTBEAT_SECONDS = 0.5
 # What is not a pick (counts that only fell, deltas: prefix picks, access-log records, predictor observations) goes
 # out at most this long after it was made, with the next datagram if it is sooner. Every datagram wakes each peer
-# (the CPU sharing costs follows the datagrams: docs/replicas.md): at 10 ms the falls went alone, 2.9 datagrams a
-# request and peer at 24 req/s over 3 replicas; at 50 ms most ride with the next pick or each other.
+# (the CPU sharing costs follows the datagrams: docs/2026-11-30-replicas-notebook.md, "What sharing costs in CPU"):
+# at 10 ms the falls went alone, 2.9 datagrams a request and peer at 24 req/s over 3 replicas; at 50 ms most ride
+# with the next pick or each other.
 HOLD_SECONDS = 0.05
 # A peer's snapshot counts for this long after it came (4 heartbeats: one or two lost datagrams do not matter).
 EXPIRY_SECONDS = 2.0

@@ -128,7 +128,8 @@ def python_module(module: str) -> list[str]:
     """The start of a command line that runs `module` of this interpreter's environment: `-P` keeps the working
     directory off the module path, so that the process runs the code this harness imports, not a checkout that
     happens to be the directory it was started from (PYTHONPATH pointing at another checkout measured the
-    directory's code, docs/replicas.md)."""
+    directory's code: docs/2026-11-30-replicas-notebook.md, "Bursts on three replicas: 17 rounds of main, and two
+    tries")."""
     return [sys.executable, "-P", "-m", module]
 
 

@@ -34,7 +34,7 @@ then abstain and the other scorers decide. A target that later degrades past `ma
 and routing by those predictions was worse than the scorers alone, for one EPP (TTFT mean / p90 84-86 / 145-153
 against 80 / 136 ms) and more so for three sharing replicas (103 / 179 against 87 / 145 ms); on the workloads where
 the predictor earns its place (heterogeneous prompts, KV pressure) its error is 16-18 % and nothing changed
-(docs/replicas.md, the tries after stop 58's quiet runs).
+(docs/2026-11-30-replicas-notebook.md, "On a quiet host after the merges", the two tries after its runs).
 
 Trade-offs: one model for the whole pool assumes endpoints that differ only in prefill speed, if at all (TPOT is not
 scaled per endpoint: its features see the batch, not the GPU); a linear model in

@@ -58,7 +58,7 @@ WHOLE_PROMPT_CONFIG = DEFAULT_CONFIG.replace(
     "- type: precise-prefix-cache-scorer\n  parameters: {scoreBeyondShared: false}\n",
 )
 # The default profile with replica-stripe-picker: active-active replicas take different endpoints among near-equal
-# ones (docs/replicas.md); alone it is the default profile
+# ones (docs/2026-11-30-replicas-notebook.md, "Bursts split between replicas"); alone it is the default profile
 STRIPED_CONFIG = DEFAULT_CONFIG.replace("- type: max-score-picker\n", "- type: replica-stripe-picker\n").replace(
     "  - pluginRef: max-score-picker\n", "  - pluginRef: replica-stripe-picker\n"
 )

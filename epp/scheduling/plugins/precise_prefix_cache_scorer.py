@@ -11,8 +11,8 @@ the others, so a pool that mixes both works with both scorers in the profile. An
 yet (a server new to the pool, or never sent a request) is expected to hold what every publishing candidate holds,
 when at least two publish (`PromptBlocks.common`): a prefix every serving server holds (an agent's tools prompt) is
 a prefill each server pays once, and scored as a miss there it kept every new session on the servers that happened
-to get that prompt first (docs/replicas.md, "Agent sessions locked onto the first servers"). The same load guard as
-prefix-cache-scorer (`epp.scheduling.load.guard_load`).
+to get that prompt first (docs/2026-11-30-replicas-notebook.md, "Agent sessions locked onto the first servers").
+The same load guard as prefix-cache-scorer (`epp.scheduling.load.guard_load`).
 
 Tokenizing and hashing run in `prepare` (PrepareData), before the cycle, and only as far as the score needs: a
 segment at a time, up to the segment with the first block that no endpoint's run of leading blocks holds (blocks

@@ -230,7 +230,8 @@ class PrefixCacheScorer(
         every publishing candidate holds (`PromptBlocks.common`); 0 for the others. What the latency predictor
         predicts from when it compares candidates (`CandidatePredictions.get`), not what it learns from: such a
         server needs that prefix once to serve anything, and counted as a miss there it never gets new work while
-        the servers that happened to be sent it first stay within reach (docs/replicas.md)."""
+        the servers that happened to be sent it first stay within reach (docs/2026-11-30-replicas-notebook.md,
+        "Agent sessions locked onto the first servers")."""
         index, exact = self._kv_index, cycle_state.read(PROMPT_BLOCKS)
         counts = [0] * len(endpoints)
         if index is None or exact is None:

@@ -4,8 +4,9 @@ near-best ones so that a burst split between them does not land where one EPP wo
 Why: replicas that share their load (`epp.replicas`) still decide a burst's requests within the same milliseconds,
 before a peer's pick reaches them. Each sees the same scores, and a request that no prefix ties to one endpoint goes
 to the least loaded one: the same one from every replica. Measured (multi-turn-kv-pressure, 24 req/s in bursts of 8,
-three sharing replicas, docs/replicas.md): 10-13 % of the picks were decided by the load scorers and repeated an
-endpoint picked less than 10 ms before, nearly always by another replica; 2-6 % with one EPP.
+three sharing replicas, docs/2026-11-30-replicas-notebook.md, "Bursts split between replicas"): 10-13 % of the
+picks were decided by the load scorers and repeated an endpoint picked less than 10 ms before, nearly always by
+another replica; 2-6 % with one EPP.
 
 What it does: the endpoints are striped over the replicas (the candidates in address order, the i-th on stripe
 i mod N). Among the candidates whose total is within `margin` of the best, a replica takes the best-scored on its

@@ -359,12 +359,13 @@ def test_the_pieces_table_stays_within_its_capacity_and_its_answers_stay_exact()
 
 
 def test_a_server_new_to_the_pool_is_expected_to_hold_what_every_publisher_holds():
-    """The agentic workload's lock-in (docs/replicas.md): two servers hold the shared tools prompt (here the system
-    prompt) and are busy, two have never been sent a request. A new session's prompt differs from theirs only after
-    the shared prefix. Counted as a miss on the new servers (~10x the busy ones' TTFT for a long shared prompt),
-    the new session went to a busy holder, with the scorers alone and with a trained latency predictor (whose filter
-    then dropped the new servers), so the servers that happened to be sent that prompt first kept every new
-    session. The new servers are expected to hold what every publisher holds: the idle ones win."""
+    """The agentic workload's lock-in (docs/2026-11-30-replicas-notebook.md, "Agent sessions locked onto the first
+    servers"): two servers hold the shared tools prompt (here the system prompt) and are busy, two have never been sent
+    a request. A new session's prompt differs from theirs only after the shared prefix. Counted as a miss on the new
+    servers (~10x the busy ones' TTFT for a long shared prompt), the new session went to a busy holder, with the scorers
+    alone and with a trained latency predictor (whose filter then dropped the new servers), so the servers that happened
+    to be sent that prompt first kept every new session. The new servers are expected to hold what every publisher
+    holds: the idle ones win."""
     from tests.epp.predictor.conftest import train
 
     index = KVBlockIndex()
