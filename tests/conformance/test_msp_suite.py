@@ -1,75 +1,21 @@
-"""The Model Server Protocol suite: all checks pass against our server, sim and torch backends (console script,
-report YAML, pytest plugin), a server that breaks the protocol fails the right MUST checks, and a KV event publisher
-with gaps and broken parent chains fails the KV event checks."""
+"""The Model Server Protocol suite: all checks pass against our server's sim backend (console script, report YAML,
+pytest plugin; the torch backend's run is in tests/modelserver/torch/test_server.py), a server that breaks the
+protocol fails the right MUST checks, and a KV event publisher with gaps and broken parent chains fails the KV event
+checks."""
 
-import contextlib
 import json
-import os
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 
 import msgspec
 import pytest
-import yaml
 import zmq
 from aiohttp import web
 
 from protocol.kv_events import BlockStored, KVEventBatch
+from tests.conformance.helpers import FAST, model_server, run_the_whole_suite
 from tests.conftest import free_ports
-
-FAST = ["--sim-decode-base", "0.002", "--sim-prefill-time-per-token", "0.00001", "--sim-prefill-overhead", "0.001"]
-SERVER = ["--disable-log-stats", "--enable-lora", "--max-loras", "1", "--max-num-seqs", "8"]
-HASH_SEED = "7"  # the servers' PYTHONHASHSEED, which the suite needs to check block hashes exactly
-
-
-@dataclass
-class Served:
-    url: str
-    kv_options: list[str]  # msp-conformance's options for the server's KV events
-
-    def plugin_options(self) -> list[str]:
-        return [option.replace("--", "--msp-", 1) if option.startswith("--") else option for option in self.kv_options]
-
-
-@contextlib.contextmanager
-def model_server(*args: str):
-    """Our server publishing vLLM KV events: it connects to the suite's bound SUB socket (as llm-d points vLLM at
-    its EPP) and binds its replay socket."""
-    port, events, replay = free_ports(3)
-    kv_config = {
-        "enable_kv_cache_events": True,
-        "endpoint": f"tcp://127.0.0.1:{events}",
-        "replay_endpoint": f"tcp://127.0.0.1:{replay}",
-    }
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "modelserver",
-            "--port",
-            str(port),
-            *SERVER,
-            "--kv-events-config",
-            json.dumps(kv_config),
-            *args,
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        env={**os.environ, "PYTHONHASHSEED": HASH_SEED},
-    )
-    try:
-        lines = []
-        while not (line := process.stdout.readline().decode()).startswith("ready on"):
-            assert line, "the server exited: " + "".join(lines)
-            lines.append(line)
-        kv_options = ["--kv-events-bind", kv_config["endpoint"], "--kv-replay-endpoint", kv_config["replay_endpoint"]]
-        yield Served(f"http://127.0.0.1:{port}", [*kv_options, "--kv-hash-seed", HASH_SEED])
-    finally:
-        process.terminate()
-        process.wait(10)
-
 
 SIM = ["--lora-modules", "sql=/adapters/sql", "chat=/adapters/chat", "--num-gpu-blocks", "1024", *FAST]
 
@@ -80,69 +26,8 @@ def sim_server():
         yield served
 
 
-@pytest.fixture(params=["sim", "torch"])
-def our_server(request, tmp_path):
-    if request.param == "sim":
-        with model_server(*SIM) as served:
-            yield served
-        return
-    pytest.importorskip("torch")
-    from modelserver.torch.tiny import make_tiny_model
-
-    model = make_tiny_model(tmp_path / "tiny", lora_names=["sql", "chat"])
-    with model_server(
-        "--backend",
-        "torch",
-        "--model",
-        str(model),
-        "--served-model-name",
-        "tiny",
-        "--device",
-        "cpu",
-        "--num-gpu-blocks",
-        "512",
-        "--lora-modules",
-        f"sql={model}/loras/sql",
-        f"chat={model}/loras/chat",
-    ) as served:
-        yield served
-
-
-def test_our_server_conforms(our_server, tmp_path):
-    report = tmp_path / "report.yaml"
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "harness.conformance",
-            "--url",
-            our_server.url,
-            *our_server.kv_options,
-            "--lora-adapter",
-            "sql",
-            "--lora-adapter",
-            "chat",
-            "--load-requests",
-            "8",
-            "--report",
-            str(report),
-            "--project",
-            "llm-routing-reference",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    lines = [line for line in result.stdout.splitlines() if line.startswith(("PASS", "FAIL", "SKIP"))]
-    assert len(lines) == 26 and all(line.startswith("PASS") for line in lines), result.stdout
-    parsed = yaml.safe_load(report.read_text())
-    assert parsed["kind"] == "ConformanceReport" and parsed["GatewayAPIInferenceExtensionVersion"].startswith("v")
-    assert parsed["implementation"]["project"] == "llm-routing-reference"
-    profile = parsed["profiles"][0]
-    assert profile["name"] == "ModelServerProtocol"
-    assert profile["core"] == {"result": "success", "statistics": {"Failed": 0, "Passed": 14, "Skipped": 0}}
-    assert profile["extended"]["statistics"]["Passed"] == 12
+def test_our_server_conforms(sim_server, tmp_path):
+    run_the_whole_suite(sim_server, tmp_path / "report.yaml")
 
 
 def test_pytest_plugin_runs_every_check_with_the_servers_adapters(sim_server):
