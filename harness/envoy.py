@@ -418,12 +418,30 @@ def _endpoints_yaml(endpoints: list[str], health_ports: Sequence[int] | None = N
 
 
 class EnvoyProcess:
+    """One Envoy process: `launch` for one that must be up before the caller goes on; `start` then `wait_ready` to
+    start it beside other processes and wait for them together (the local stack)."""
+
     def __init__(self, config_path: Path, admin_port: int, log_path: Path, log_level: str = "warning"):
         self.config_path = config_path
         self.admin_port = admin_port
         self.log_path = log_path
         self.log_level = log_level
         self.process: subprocess.Popen | None = None
+
+    @classmethod
+    async def launch(cls, bootstrap: str, admin_port: int, workdir: Path, name: str = "envoy") -> EnvoyProcess:
+        """Envoy with this bootstrap (written to `workdir`/NAME.yaml, its log NAME.log), started and ready; stopped
+        again when it does not get ready."""
+        config = workdir / f"{name}.yaml"
+        config.write_text(bootstrap)
+        envoy = cls(config, admin_port, workdir / f"{name}.log")
+        envoy.start()
+        try:
+            await envoy.wait_ready()
+        except BaseException:
+            envoy.stop()
+            raise
+        return envoy
 
     def start(self) -> None:
         log = self.log_path.open("ab")

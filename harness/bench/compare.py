@@ -365,15 +365,10 @@ class Pool:
             return self
         if self.target in ENVOY_TARGETS:
             listener, admin = config.listener_port, config.admin_port  # the stack's, whose Envoy is not started
-            path = self.workdir / "baseline.yaml"
-            path.write_text(
-                render_baseline(
-                    endpoints=hostports, listener_port=listener, admin_port=admin, lb_policy=ENVOY_TARGETS[self.target]
-                )
+            baseline = render_baseline(
+                endpoints=hostports, listener_port=listener, admin_port=admin, lb_policy=ENVOY_TARGETS[self.target]
             )
-            self.envoy = EnvoyProcess(path, admin, self.workdir / "baseline-envoy.log")
-            self.envoy.start()
-            await self.envoy.wait_ready()
+            self.envoy = await EnvoyProcess.launch(baseline, admin, self.workdir, "baseline-envoy")
             self.url = f"http://127.0.0.1:{listener}"
             return self
         kind, policy = PEER_TARGETS[self.target]

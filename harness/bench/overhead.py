@@ -392,22 +392,17 @@ async def _start_floor(
     opened.append(process)
     if process.stdout.readline().strip() != b"ready":
         raise RuntimeError(f"the floor processor did not start; see {stack.workdir / f'{name}.log'}")
-    config = stack.workdir / f"{name}-envoy.yaml"
-    config.write_text(
-        render_bootstrap(
-            epp_host="127.0.0.1",
-            epp_port=floor_port,
-            listener_port=listener,
-            admin_port=admin,
-            request_body_mode=body_mode,
-            response_header_mode=response_header_mode,
-            fallback_endpoints=[u.removeprefix("http://") for u in stack.model_server_urls],
-        )
+    bootstrap = render_bootstrap(
+        epp_host="127.0.0.1",
+        epp_port=floor_port,
+        listener_port=listener,
+        admin_port=admin,
+        request_body_mode=body_mode,
+        response_header_mode=response_header_mode,
+        fallback_endpoints=[u.removeprefix("http://") for u in stack.model_server_urls],
     )
-    envoy = EnvoyProcess(config, admin, stack.workdir / f"{name}-envoy.log")
-    envoy.start()
+    envoy = await EnvoyProcess.launch(bootstrap, admin, stack.workdir, f"{name}-envoy")
     opened.append(envoy)
-    await envoy.wait_ready()
     return f"http://127.0.0.1:{listener}/v1/completions", {"envoy": envoy.process.pid, "processor": process.pid}
 
 
@@ -505,18 +500,13 @@ async def measure(
     await stack.start()
     opened: list = []
     try:
-        config = stack.workdir / "plain-envoy.yaml"
-        config.write_text(
-            render_baseline(
-                endpoints=[u.removeprefix("http://") for u in stack.model_server_urls],
-                listener_port=plain_listener,
-                admin_port=plain_admin,
-            )
+        baseline = render_baseline(
+            endpoints=[u.removeprefix("http://") for u in stack.model_server_urls],
+            listener_port=plain_listener,
+            admin_port=plain_admin,
         )
-        plain = EnvoyProcess(config, plain_admin, stack.workdir / "plain-envoy.log")
-        plain.start()
+        plain = await EnvoyProcess.launch(baseline, plain_admin, stack.workdir, "plain-envoy")
         opened.append(plain)
-        await plain.wait_ready()
         targets = {PLAIN: f"http://127.0.0.1:{plain_listener}/v1/completions"}
         pids: dict[str, dict[str, int]] = {PLAIN: {"envoy": plain.process.pid}}
         if with_floor:

@@ -34,12 +34,9 @@ class Unrouting(pb_grpc.ExternalProcessorServicer):
 @contextlib.asynccontextmanager
 async def gateway(tmp_path, admin_port: int, **settings):
     """Envoy with our bootstrap (render_bootstrap's `settings`), ready, then stopped."""
-    config = tmp_path / "envoy.yaml"
-    config.write_text(render_bootstrap(epp_host="127.0.0.1", admin_port=admin_port, **settings))
-    envoy = EnvoyProcess(config, admin_port, tmp_path / "envoy.log")
-    envoy.start()
+    bootstrap = render_bootstrap(epp_host="127.0.0.1", admin_port=admin_port, **settings)
+    envoy = await EnvoyProcess.launch(bootstrap, admin_port, tmp_path)
     try:
-        await envoy.wait_ready()
         yield
     finally:
         envoy.stop()

@@ -132,15 +132,10 @@ async def test_envoy_logs_the_endpoint_scores(make_stack, tmp_path):
         epp_args=["--refresh-metrics-interval", "20ms", "--emit-endpoint-scores"],
     )
     # the stack's Envoy again, with a file access log that writes the EPP's dynamic metadata
-    bootstrap = stack.workdir / "envoy.yaml"
-    edited = bootstrap.read_text().replace(
-        "stream_idle_timeout: 600s", "stream_idle_timeout: 600s" + SCORES_LOG.format(path=log), 1
-    )
+    idle = "stream_idle_timeout: 600s"
+    edited = (stack.workdir / "envoy.yaml").read_text().replace(idle, idle + SCORES_LOG.format(path=log), 1)
     stack.envoy.stop()
-    bootstrap.write_text(edited)
-    stack.envoy = EnvoyProcess(bootstrap, stack.config.admin_port, stack.workdir / "envoy-scores.log")
-    stack.envoy.start()
-    await stack.envoy.wait_ready(30)
+    stack.envoy = await EnvoyProcess.launch(edited, stack.config.admin_port, stack.workdir, "envoy-scores")
     async with (
         aiohttp.ClientSession() as session,
         session.post(f"{stack.gateway_url}/v1/completions", json=COMPLETION, headers={"x-request-id": "scored"}) as r,
