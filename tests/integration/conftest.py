@@ -5,7 +5,7 @@ import re
 import aiohttp
 import pytest
 
-from harness.local import LocalStack, StackConfig
+from harness.local import LocalStack, StackConfig, ready_endpoints
 from tests.conftest import free_port_block, free_ports
 
 TESTING_CONFIG = """\
@@ -49,8 +49,11 @@ def stack_config(tmp_path, servers=3, extra_modelserver_args=(), **overrides) ->
 
 
 async def started(config: StackConfig) -> LocalStack:
+    """The stack, once its EPP has read every server's metrics: a request sent at once sees the whole pool (a first
+    request once saw one of two servers as a candidate, the other not read yet)."""
     stack = LocalStack(config)
     await stack.start(timeout=60)
+    await ready_endpoints(stack, wait=30)
     return stack
 
 
