@@ -233,6 +233,46 @@ def test_events_count_only_from_the_endpoint_s_own_publisher():
         bound.shutdown()
 
 
+def test_every_publisher_of_a_large_pool_is_read_through_bursts_and_departures():
+    """64 servers, each sending a burst of batches at once, twice: every batch of every server is applied (the
+    subscriber waits on the sockets' FDs, which signal once per change: each signalled socket is read to the end),
+    and a server that left the pool is no longer read."""
+    index = KVBlockIndex()
+    subscriber = KVEventSubscriber(index, connect_port_offset=0)
+    ctx = zmq.Context()
+    servers = publishers(subscriber, ctx, 64)
+    try:
+        for burst in range(2):
+            for number, (hostport, pub) in enumerate(servers):
+                for step in range(5):
+                    seq = burst * 5 + step
+                    block = 1 + number * 1000 + seq
+                    batch = KVEventBatch(0.0, [BlockStored([block], None, [0] * 16, 16, None, "GPU")])
+                    pub.send_multipart(
+                        [f"kv@{hostport}@m".encode(), seq.to_bytes(8, "big"), msgspec.msgpack.encode(batch)]
+                    )
+            deadline = time.monotonic() + 10
+            while subscriber.batches < 64 * 5 * (burst + 1) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert subscriber.batches == 64 * 5 * (burst + 1) and subscriber.gaps == 0
+        assert all(index.entries(hostport) == 10 for hostport, _ in servers)
+        gone, pub = servers[0]
+        address, _, port = gone.rpartition(":")
+        subscriber.stop(Endpoint(EndpointSpec(gone, address, int(port))))
+        until_gone = time.monotonic() + 3
+        while index.entries(gone) and time.monotonic() < until_gone:
+            time.sleep(0.01)
+        batch = KVEventBatch(0.0, [BlockStored([99], None, [0] * 16, 16, None, "GPU")])
+        pub.send_multipart([f"kv@{gone}@m".encode(), (10).to_bytes(8, "big"), msgspec.msgpack.encode(batch)])
+        time.sleep(0.3)
+        assert index.entries(gone) == 0 and subscriber.batches == 640
+    finally:
+        for _, pub in servers:
+            pub.close(linger=0)
+        ctx.term()
+        subscriber.shutdown()
+
+
 def test_the_memory_cap_drops_the_largest_endpoint_s_oldest_entries_and_counts_them():
     index = KVBlockIndex(max_entries=4)
     index.store("a", [1, 2, 3])
