@@ -303,14 +303,11 @@ MMAP_THRESHOLD_BYTES = 128 << 10
 M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
 
 
-def give_large_blocks_back() -> bool:
-    """Fix glibc's mmap threshold at MMAP_THRESHOLD_BYTES (a fixed value also stops its dynamic rise). False where
-    the C library has no mallopt or refuses (not glibc): memory then comes back as that allocator returns it."""
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return False
-    return mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1
+def give_large_blocks_back() -> None:
+    """Fix glibc's mmap threshold at MMAP_THRESHOLD_BYTES (a fixed value also stops its dynamic rise). Nothing where
+    the C library has no mallopt or ignores it (not glibc): memory then comes back as that allocator returns it."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
 
 
 def main(argv: list[str] | None = None) -> None:
