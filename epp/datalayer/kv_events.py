@@ -62,9 +62,11 @@ from protocol.kv_events import (
 LAG_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0, 5.0)
 LAG_LES = bucket_bounds(LAG_BUCKETS)
 # The largest message taken from a publisher or a replay socket (zmq drops a longer one, and its connection, before
-# buffering it): a step's batch is KBs to ~1 MB (a block's hash and token ids per block stored), and the subscriber
-# binds on every interface by default.
-MAX_MESSAGE_BYTES = 16 << 20
+# buffering it). A batch is decoded whole while the subscriber holds the GIL, so this bounds the longest stall one
+# batch can cause (`epp-bench kv-index --cap N`, a batch of N hashes alone: 197 ms at 1,700,000, what 16 MiB let in,
+# 54 ms at 450,000; docs/kv-events.md). A step's batch is KBs to ~1 MB: ~60 bytes a block stored (its hash and 16
+# token ids), so 2 MiB is ~35,000 blocks, over half a million tokens stored in one engine step.
+MAX_MESSAGE_BYTES = 2 << 20
 # At most this many batches are asked of a replay socket (twice vLLM's default replay buffer, buffer_steps 10,000):
 # a larger gap could not be closed anyway, and what is replayed is held until it is all there.
 MAX_REPLAYED_BATCHES = 20_000
@@ -628,23 +630,29 @@ class KVEventSubscriber:
                         self.index.clear(endpoint)
                         self._next_seq.pop(endpoint, None)
 
+    def _warn_once(self, key: str, message: str, *args: object) -> None:
+        """Log `message` the first time `key` comes (up to MAX_WARNED_ENDPOINTS keys; after that, only counted)."""
+        if key not in self._warned and len(self._warned) < MAX_WARNED_ENDPOINTS:
+            self._warned.add(key)
+            log.warning(message, *args)
+
     def _unverified(self, endpoint: str, sender: str) -> None:
         self.unverified += 1
-        if f"unverified {endpoint}" not in self._warned and len(self._warned) < MAX_WARNED_ENDPOINTS:
-            self._warned.add(f"unverified {endpoint}")
-            log.warning(
-                "KV events for %s sent from %s are ignored: only its own address may speak for it", endpoint, sender
-            )
+        self._warn_once(
+            f"unverified {endpoint}",
+            "KV events for %s sent from %s are ignored: only its own address may speak for it",
+            endpoint,
+            sender,
+        )
 
     def _outside_pool(self, endpoint: str) -> None:
         self.outside_pool += 1
-        if endpoint not in self._warned and len(self._warned) < MAX_WARNED_ENDPOINTS:
-            self._warned.add(endpoint)
-            log.warning(
-                "KV events from %s, which is not in the pool, are ignored (a topic names the address:port the pool "
-                "lists for its server: kv@<address:port>@<model>)",
-                endpoint,
-            )
+        self._warn_once(
+            endpoint,
+            "KV events from %s, which is not in the pool, are ignored (a topic names the address:port the pool lists "
+            "for its server: kv@<address:port>@<model>)",
+            endpoint,
+        )
 
     def _receive(self, endpoint: str, model: str, seq: int, batch: IndexedBatch) -> None:
         expected = self._next_seq.get(endpoint)
@@ -661,6 +669,16 @@ class KVEventSubscriber:
             else:
                 self.gaps += 1  # missed batches: what we know of it may be stale
                 self.index.clear(endpoint)
+                self._warn_once(
+                    f"gap {endpoint}",
+                    "KV events from %s: batches %d to %d missed (a dropped connection, or a message over %d bytes, "
+                    "which zmq drops unread): its entries are dropped and relearnt from the events that follow "
+                    "(inference_extension_kv_events_gaps; warned once per endpoint)",
+                    endpoint,
+                    expected,
+                    seq - 1,
+                    MAX_MESSAGE_BYTES,
+                )
         self._apply(endpoint, model, seq, batch)
 
     def _apply(self, endpoint: str, model: str, seq: int, batch: IndexedBatch) -> None:

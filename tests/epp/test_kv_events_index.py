@@ -99,7 +99,7 @@ async def test_the_index_follows_each_server_s_cache_through_evictions():
         subscriber.shutdown()
 
 
-def test_a_gap_or_a_restart_drops_that_endpoint_only_and_resyncs():
+def test_a_gap_or_a_restart_drops_that_endpoint_only_and_resyncs(caplog):
     index = KVBlockIndex()
     subscriber = KVEventSubscriber(index, "tcp://127.0.0.1:*")
     try:
@@ -114,6 +114,11 @@ def test_a_gap_or_a_restart_drops_that_endpoint_only_and_resyncs():
         assert index.prefix_blocks([7], ["a:1"]) == {"a:1": 1}
         subscriber._receive("b:1", "m", 1, wire(KVEventBatch(0.0, [BlockRemoved([2], "GPU")])))
         assert index.prefix_blocks([1, 2], ["b:1"]) == {"b:1": 1}
+        # the gap is said once per endpoint, with the batches it missed, however many follow
+        subscriber._receive("a:1", "m", 5, wire(batch))
+        assert subscriber.gaps == 2
+        said = [r.getMessage() for r in caplog.records if "missed" in r.getMessage()]
+        assert said == [said[0]] and "a:1: batches 1 to 1 missed" in said[0], said
     finally:
         subscriber.shutdown()
 
