@@ -18,7 +18,10 @@ has them, the endpoint's entries are dropped and the index relearns it from the 
 block it still holds scores as a miss (a lost hit), never a block it evicted as a hit. A sequence that goes back (a
 restarted server), an AllBlocksCleared, and an endpoint that leaves the pool drop its entries too. A subscriber that
 joins after a server started (a new EPP replica) asks the replay socket, when known, for what it still buffers of
-the earlier batches; without one it knows only what is stored from then on.
+the earlier batches; without one it knows only what is stored from then on. A replay runs beside the live sockets
+on the subscriber's thread, the endpoint's own batches held until it ends (`replay_timeout` at most): a replay
+socket that is slow or absent delays that endpoint only (it blocked every server's events, a second per replay:
+a new EPP with a pool of 64 servers whose replay sockets did not answer applied their events after 64 s, now 1 s).
 Memory: `max_entries` caps the (block hash, endpoint) pairs over all endpoints; over it, the endpoint with the most
 entries loses its oldest, a few C operations each (`_Entries`: a list in the order stored, not an OrderedDict). At
 its cap an entry costs 116-151 bytes, 146-208 at the peak while the hash table is rebuilt (`epp-bench kv-index`,
@@ -70,6 +73,9 @@ MAX_MESSAGE_BYTES = 2 << 20
 # At most this many batches are asked of a replay socket (twice vLLM's default replay buffer, buffer_steps 10,000):
 # a larger gap could not be closed anyway, and what is replayed is held until it is all there.
 MAX_REPLAYED_BATCHES = 20_000
+# An endpoint's live batches held while its replay is under way (at most `replay_timeout`: a server publishes about
+# one a step); beyond this the replay is given up and they are applied as after a gap.
+MAX_HELD_BATCHES = 256
 # An index update (a batch's blocks stored, removed or cleared, the entries over the cap evicted) runs in chunks of
 # CHUNK_BLOCKS blocks (~0.1 ms), and lets the event loop's thread run once a slice of chunks has taken SLICE_SECONDS:
 # a batch of 150,000 new blocks at the cap then never stops routing for much longer than a slice. A request that
@@ -380,6 +386,26 @@ class KVBlockIndex:
         return matched
 
 
+class _Replay:
+    """Batches [start, until) asked of an endpoint's replay socket (`KVEventSubscriber._ask_replay`): those received
+    so far, and the endpoint's live batches that came meanwhile, applied once the replay ends."""
+
+    __slots__ = ("address", "deadline", "endpoint", "held", "model", "replayed", "socket", "start", "until", "whole")
+
+    def __init__(
+        self, endpoint: str, model: str, start: int, until: int, whole: bool, socket: zmq.Socket, address: str
+    ):
+        self.endpoint, self.model, self.start, self.until, self.whole = endpoint, model, start, until, whole
+        self.socket, self.address = socket, address
+        self.deadline = 0.0
+        self.replayed: list[tuple[int, IndexedBatch]] = []
+        self.held: list[tuple[str, int, IndexedBatch]] = []  # (model, seq, batch) from the live socket
+
+    @property
+    def complete(self) -> bool:
+        return bool(self.replayed) and self.replayed[-1][0] == self.until - 1
+
+
 class KVEventSubscriber:
     """An endpoint source (`epp.datalayer.source`) fed by the model servers' KV-event publishers; a receiver thread
     applies each batch to the index. An endpoint that leaves the pool loses its entries.
@@ -422,6 +448,11 @@ class KVEventSubscriber:
             self._bound = self._socket(endpoint, None, bind=True).getsockopt_string(zmq.LAST_ENDPOINT)
         self.replay_port_offset = replay_port_offset
         self.replay_timeout = replay_timeout
+        # Replays under way, by endpoint and by socket: each waits on its socket beside the live ones, so a replay
+        # socket that is slow or absent delays only its own endpoint's batches (they are held until it ends)
+        self._replays: dict[str, _Replay] = {}
+        self._replay_sockets: dict[zmq.Socket, _Replay] = {}
+        self._decode = msgspec.msgpack.Decoder(IndexedBatch).decode
         self._next_seq: dict[str, int] = {}
         self._forget: deque[str] = deque()  # endpoints that left the pool (appended on the loop, read by the thread)
         self.batches = 0
@@ -535,7 +566,7 @@ class KVEventSubscriber:
         self._stop.set()
         self._thread.join(timeout=2.0)
         self._selector.close()
-        for socket in self._sources:
+        for socket in (*self._sources, *self._replay_sockets):
             socket.close(linger=0)
         self._ctx.term()
 
@@ -571,11 +602,14 @@ class KVEventSubscriber:
                     log.warning("KV events: cannot connect to %s for %s: %s", address, endpoint, exc)
 
     def _run(self) -> None:
-        decode = msgspec.msgpack.Decoder(IndexedBatch).decode
+        decode = self._decode
         topics: dict[bytes, tuple[str, str]] = {}
         while not self._stop.is_set():
             while self._forget:
                 endpoint = self._forget.popleft()
+                replay = self._replays.get(endpoint)
+                if replay is not None:
+                    self._close_replay(replay)  # what it held goes with the endpoint
                 self.index.forget(endpoint)
                 self._next_seq.pop(endpoint, None)
                 self._verified.discard(endpoint)
@@ -586,13 +620,22 @@ class KVEventSubscriber:
             if not ready:
                 # A socket's FD signals that its state may have changed, once: each socket it names is read until
                 # it has nothing more (zmq.Again), or no later message would wake this thread.
-                ready = [
-                    key.data for key, _ in self._selector.select(IDLE_MS / 1000 if index.size > index.low_mark else 0.1)
-                ]
+                wait = IDLE_MS / 1000 if index.size > index.low_mark else 0.1
+                if self._replays:
+                    wait = min(wait, max(0.0, min(r.deadline for r in self._replays.values()) - time.monotonic()))
+                ready = [key.data for key, _ in self._selector.select(wait)]
+            if self._replays:
+                self._expire_replays()
             if not ready:
                 index.trim()  # no batch for a while: a slice of the cap's eviction, off the next batches' path
             for socket in ready:
-                source = self._sources[socket]
+                replay = self._replay_sockets.get(socket)
+                if replay is not None:
+                    self._settle(self._read_replay, replay)
+                    continue
+                source = self._sources.get(socket)
+                if source is None and socket not in self._sources:
+                    continue  # a replay's socket, closed since this wake named it
                 while True:  # drain what has arrived: one wake per burst, not per message
                     try:
                         frames = socket.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -655,31 +698,44 @@ class KVEventSubscriber:
         )
 
     def _receive(self, endpoint: str, model: str, seq: int, batch: IndexedBatch) -> None:
+        replay = self._replays.get(endpoint)
+        if replay is not None:  # applied after the replay, in order
+            replay.held.append((model, seq, batch))
+            if len(replay.held) > MAX_HELD_BATCHES:
+                log.warning(
+                    "KV events: replay from %s given up: %d batches came meanwhile", replay.address, len(replay.held)
+                )
+                self._end_replay(replay, False)
+            return
         expected = self._next_seq.get(endpoint)
-        if expected is None and seq > 0 and self._replay(endpoint, model, 0, seq, whole=False):
-            self.replays += 1  # a subscriber that joined late: what the server still buffers of its history
-        elif expected is not None and seq != expected:
+        if expected is None and seq > 0 and self._ask_replay(endpoint, model, 0, seq, False, batch):
+            return  # a subscriber that joined late: what the server still buffers of its history comes first
+        if expected is not None and seq != expected:
             if seq < expected:
                 self.restarts += 1  # its sequence started over: a new process whose cache starts empty
                 self.index.clear(endpoint)
                 self._verified.discard(endpoint)  # perhaps with another seed
                 self.mismatched.discard(endpoint)
-            elif self._replay(endpoint, model, expected, seq):
-                self.replays += 1
+            elif self._ask_replay(endpoint, model, expected, seq, True, batch):
+                return
             else:
-                self.gaps += 1  # missed batches: what we know of it may be stale
-                self.index.clear(endpoint)
-                self._warn_once(
-                    f"gap {endpoint}",
-                    "KV events from %s: batches %d to %d missed (a dropped connection, or a message over %d bytes, "
-                    "which zmq drops unread): its entries are dropped and relearnt from the events that follow "
-                    "(inference_extension_kv_events_gaps; warned once per endpoint)",
-                    endpoint,
-                    expected,
-                    seq - 1,
-                    MAX_MESSAGE_BYTES,
-                )
+                self._gap(endpoint, expected, seq)
         self._apply(endpoint, model, seq, batch)
+
+    def _gap(self, endpoint: str, expected: int, seq: int) -> None:
+        """Batches [expected, seq) of the endpoint were missed and not replayed: what we know of it may be stale."""
+        self.gaps += 1
+        self.index.clear(endpoint)
+        self._warn_once(
+            f"gap {endpoint}",
+            "KV events from %s: batches %d to %d missed (a dropped connection, or a message over %d bytes, which zmq "
+            "drops unread): its entries are dropped and relearnt from the events that follow "
+            "(inference_extension_kv_events_gaps; warned once per endpoint)",
+            endpoint,
+            expected,
+            seq - 1,
+            MAX_MESSAGE_BYTES,
+        )
 
     def _apply(self, endpoint: str, model: str, seq: int, batch: IndexedBatch) -> None:
         self._next_seq[endpoint] = seq + 1
@@ -732,10 +788,12 @@ class KVEventSubscriber:
             return False
         return True  # nothing to check in this batch: it is applied, and a later one is checked
 
-    def _replay(self, endpoint: str, model: str, start: int, until: int, whole: bool = True) -> bool:
-        """Fetch and apply batches [start, until) from the server's replay socket; False when there is none or it
-        does not have them all in time. With `whole` False (a late joiner's history) the latest run the server
-        still buffers will do: a suffix of its history adds no block it evicted, it only misses older ones."""
+    def _ask_replay(self, endpoint: str, model: str, start: int, until: int, whole: bool, batch: IndexedBatch) -> bool:
+        """Ask the server's replay socket for batches [start, until); False when none can be asked (no replay socket
+        known, a gap larger than any buffer). Otherwise the replay runs beside the live sockets (`_read_replay`),
+        `batch` (number `until`) and the endpoint's later batches are held until it ends (`_end_replay`), and only
+        this endpoint waits. With `whole` False (a late joiner's history) the latest run the server still buffers
+        will do: a suffix of its history adds no block it evicted, it only misses older ones."""
         if self.replay_port_offset is None:
             return False
         if until - start > MAX_REPLAYED_BATCHES:
@@ -744,38 +802,88 @@ class KVEventSubscriber:
             start = until - MAX_REPLAYED_BATCHES
         host, _, port = endpoint.rpartition(":")
         address = f"tcp://{host}:{int(port) + self.replay_port_offset}"
-        decode = msgspec.msgpack.Decoder(IndexedBatch).decode
         socket = self._ctx.socket(zmq.DEALER)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         try:
             socket.connect(address)
-            socket.send_multipart((b"", start.to_bytes(8, "big")))
-            deadline = time.monotonic() + self.replay_timeout
-            replayed: list[tuple[int, IndexedBatch]] = []
-            while True:
-                left = deadline - time.monotonic()
-                if left <= 0 or not socket.poll(int(left * 1000) + 1):
-                    log.warning("KV events: replay from %s timed out", address)
-                    return False
-                frames = socket.recv_multipart()
-                if len(frames) != 3 or frames[1] == END_SEQ:
-                    break
-                seq = int.from_bytes(frames[1], "big")
-                if seq >= until:
-                    continue
-                # consecutive from `start` (or, for a late joiner's history, from wherever its buffer begins)
-                expected = replayed[-1][0] + 1 if replayed else start
-                if seq != expected and (whole or replayed or seq < start):
-                    return False
-                replayed.append((seq, decode(frames[2])))
-            if not replayed or replayed[-1][0] != until - 1:
-                return False  # the server's buffer no longer holds them all
-            for seq, batch in replayed:
-                self._apply(endpoint, model, seq, batch)
-            return True
-        except (zmq.ZMQError, msgspec.DecodeError, ValueError) as exc:
+            socket.send_multipart((b"", start.to_bytes(8, "big")), zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
             log.warning("KV events: replay from %s failed: %s", address, exc)
-            return False
-        finally:
             socket.close(linger=0)
+            return False
+        replay = _Replay(endpoint, model, start, until, whole, socket, address)
+        replay.deadline = time.monotonic() + self.replay_timeout
+        replay.held.append((model, until, batch))
+        self._replays[endpoint] = self._replay_sockets[socket] = replay
+        self._selector.register(socket.getsockopt(zmq.FD), selectors.EVENT_READ, socket)
+        self._unread.append(socket)  # its FD may not signal what came before this wait
+        return True
+
+    def _read_replay(self, replay: _Replay) -> None:
+        """What the replay socket sent since the last read; the replay ends at its end marker, or at a batch out of
+        order or unreadable."""
+        while True:
+            try:
+                frames = replay.socket.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) != 3 or frames[1] == END_SEQ:
+                self._end_replay(replay, replay.complete)  # short of `until`: the buffer no longer holds them all
+                return
+            seq = int.from_bytes(frames[1], "big")
+            if seq >= replay.until:
+                continue
+            # consecutive from `start` (or, for a late joiner's history, from wherever its buffer begins)
+            expected = replay.replayed[-1][0] + 1 if replay.replayed else replay.start
+            if seq != expected and (replay.whole or replay.replayed or seq < replay.start):
+                self._end_replay(replay, False)
+                return
+            try:
+                replay.replayed.append((seq, self._decode(frames[2])))
+            except (msgspec.DecodeError, ValueError) as exc:
+                log.warning("KV events: replay from %s failed: %s", replay.address, exc)
+                self._end_replay(replay, False)
+                return
+
+    def _expire_replays(self) -> None:
+        now = time.monotonic()
+        for replay in [r for r in self._replays.values() if now >= r.deadline]:
+            log.warning("KV events: replay from %s timed out", replay.address)
+            self._settle(self._end_replay, replay, False)
+
+    def _settle(self, step, replay: _Replay, *args) -> None:
+        """Run one step of a replay; a bug in it (or in applying what it brought) costs that endpoint's sync, not
+        every server's events."""
+        try:
+            step(replay, *args)
+        except Exception:
+            log.exception("KV events: a replay for %s failed", replay.endpoint)
+            self._close_replay(replay)
+            self.index.clear(replay.endpoint)
+            self._next_seq.pop(replay.endpoint, None)
+
+    def _end_replay(self, replay: _Replay, ok: bool) -> None:
+        """Apply what was replayed (or, for a gap it could not close, drop the endpoint's entries), then the
+        endpoint's batches held meanwhile, in order."""
+        self._close_replay(replay)
+        endpoint = replay.endpoint
+        if ok:
+            self.replays += 1
+            for seq, batch in replay.replayed:
+                self._apply(endpoint, replay.model, seq, batch)
+        else:
+            if replay.whole:
+                self._gap(endpoint, replay.start, replay.until)
+            self._next_seq[endpoint] = replay.until  # the held batches go on from there
+        for model, seq, batch in replay.held:
+            self._receive(endpoint, model, seq, batch)
+
+    def _close_replay(self, replay: _Replay) -> None:
+        if self._replay_sockets.pop(replay.socket, None) is None:
+            return  # closed already
+        del self._replays[replay.endpoint]
+        self._selector.unregister(replay.socket.getsockopt(zmq.FD))
+        if replay.socket in self._unread:
+            self._unread.remove(replay.socket)
+        replay.socket.close(linger=0)
