@@ -136,6 +136,20 @@ def publishers(subscriber: KVEventSubscriber, ctx: zmq.Context, count: int) -> l
     return out
 
 
+def close(subscriber: KVEventSubscriber, ctx: zmq.Context, servers: list[tuple[str, zmq.Socket]]) -> None:
+    """A test's subscriber, its servers' sockets and their context, closed."""
+    for _, pub in servers:
+        pub.close(linger=0)
+    subscriber.shutdown()
+    ctx.term()
+
+
+def publish(pub: zmq.Socket, hostport: str, seq: int, batch: KVEventBatch) -> None:
+    """One batch on `pub` as a server's publisher sends it: its topic (kv@<address:port>@<model>), sequence number
+    and msgpack body."""
+    pub.send_multipart([f"kv@{hostport}@m".encode(), seq.to_bytes(8, "big"), msgspec.msgpack.encode(batch)])
+
+
 def test_malformed_messages_are_counted_and_do_not_stop_the_subscriber():
     index = KVBlockIndex()
     subscriber = KVEventSubscriber(index, connect_port_offset=0)
@@ -195,7 +209,7 @@ def test_events_count_only_from_the_endpoint_s_own_publisher():
     forger.bind_to_random_port("tcp://127.0.0.1")  # a publisher of its own, outside the pool
     try:
         stored = KVEventBatch(0.0, [BlockStored(list(range(1, 470)), None, [0] * 16, 16, None, "GPU")])
-        pub.send_multipart([f"kv@{victim}@m".encode(), (0).to_bytes(8, "big"), msgspec.msgpack.encode(stored)])
+        publish(pub, victim, 0, stored)
         deadline = time.monotonic() + 3
         while index.size < 469 and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -204,9 +218,7 @@ def test_events_count_only_from_the_endpoint_s_own_publisher():
         wipe = KVEventBatch(0.0, [AllBlocksCleared()])
         for sender in (forger, pub_other):
             for seq, batch in enumerate((lure, wipe)):
-                sender.send_multipart(
-                    [f"kv@{victim}@m".encode(), seq.to_bytes(8, "big"), msgspec.msgpack.encode(batch)]
-                )
+                publish(sender, victim, seq, batch)
         while subscriber.batches < 3 and time.monotonic() < deadline + 3:
             time.sleep(0.01)
         time.sleep(0.2)  # the forger's messages, had any arrived, would have been applied by now
@@ -253,9 +265,7 @@ def test_every_publisher_of_a_large_pool_is_read_through_bursts_and_departures()
                     seq = burst * 5 + step
                     block = 1 + number * 1000 + seq
                     batch = KVEventBatch(0.0, [BlockStored([block], None, [0] * 16, 16, None, "GPU")])
-                    pub.send_multipart(
-                        [f"kv@{hostport}@m".encode(), seq.to_bytes(8, "big"), msgspec.msgpack.encode(batch)]
-                    )
+                    publish(pub, hostport, seq, batch)
             deadline = time.monotonic() + 10
             while subscriber.batches < 64 * 5 * (burst + 1) and time.monotonic() < deadline:
                 time.sleep(0.01)
@@ -268,14 +278,11 @@ def test_every_publisher_of_a_large_pool_is_read_through_bursts_and_departures()
         while index.entries(gone) and time.monotonic() < until_gone:
             time.sleep(0.01)
         batch = KVEventBatch(0.0, [BlockStored([99], None, [0] * 16, 16, None, "GPU")])
-        pub.send_multipart([f"kv@{gone}@m".encode(), (10).to_bytes(8, "big"), msgspec.msgpack.encode(batch)])
+        publish(pub, gone, 10, batch)
         time.sleep(0.3)
         assert index.entries(gone) == 0 and subscriber.batches == 640
     finally:
-        for _, pub in servers:
-            pub.close(linger=0)
-        ctx.term()
-        subscriber.shutdown()
+        close(subscriber, ctx, servers)
 
 
 def test_the_memory_cap_drops_the_largest_endpoint_s_oldest_entries_and_counts_them():
@@ -414,9 +421,7 @@ class ReplayingServer:
         self.others = publishers(self.subscriber, ctx, others) if others else time.sleep(0.3) or []
 
     def publish(self, seq: int, batch: KVEventBatch, pub: zmq.Socket | None = None, endpoint: str | None = None):
-        (pub or self.pub).send_multipart(
-            [f"kv@{endpoint or self.endpoint}@m".encode(), seq.to_bytes(8, "big"), msgspec.msgpack.encode(batch)]
-        )
+        publish(pub or self.pub, endpoint or self.endpoint, seq, batch)
 
     def serve_replays(self, payloads, count: int = 1) -> threading.Thread:
         """Answers `count` replay requests, each with what `payloads(start)` gives ((seq, encoded batch) pairs),
@@ -436,10 +441,7 @@ class ReplayingServer:
         return thread
 
     def close(self, ctx: zmq.Context) -> None:
-        for socket in (self.pub, self.router, *(pub for _, pub in self.others)):
-            socket.close(linger=0)
-        self.subscriber.shutdown()
-        ctx.term()
+        close(self.subscriber, ctx, [(self.endpoint, self.pub), ("replay", self.router), *self.others])
 
 
 def stored(seq: int) -> KVEventBatch:
@@ -512,15 +514,12 @@ def test_a_new_subscriber_is_not_held_up_by_every_server_s_absent_replay_socket_
         started = time.monotonic()
         for number, (hostport, pub) in enumerate(servers):
             batch = KVEventBatch(0.0, [BlockStored([1000 + number], None, [0] * 16, 16, None, "GPU")])
-            pub.send_multipart([f"kv@{hostport}@m".encode(), (7).to_bytes(8, "big"), msgspec.msgpack.encode(batch)])
+            publish(pub, hostport, 7, batch)
         assert soon(lambda: all(index.entries(hostport) == 1 for hostport, _ in servers), timeout=8.0)
         took = time.monotonic() - started
         assert took < 2.0 and subscriber.gaps == 0 and subscriber.replays == 0, took
     finally:
-        for _, pub in servers:
-            pub.close(linger=0)
-        subscriber.shutdown()
-        ctx.term()
+        close(subscriber, ctx, servers)
 
 
 def test_a_late_subscriber_fetches_what_the_server_still_buffers():
