@@ -268,6 +268,12 @@ def build_parser() -> Parser:
     events_cmd.add_argument("--seconds", type=float, default=10.0, help="measuring window")
     events_cmd.add_argument("--num-gpu-blocks", type=int, default=20000, help="per server: evictions start past it")
     events_cmd.add_argument("--step-ms", type=float, default=20.0, help="engine step: one batch per step")
+    events_cmd.add_argument(
+        "--late-join",
+        action="store_true",
+        help="the servers ran before the EPP, whose replay offset leads nowhere: how long until every server's first "
+        "batch is in its index (each replay waits its 1 s timeout)",
+    )
     index_cmd = sub.add_parser("kv-index", help="prefix indexes: memory per entry, a huge KV event batch's loop stall")
     index_cmd.add_argument("--cap", type=int, default=150_000, help="the index's cap, and the big batch's hashes")
     index_cmd.add_argument("--entries", type=int, default=400_000, help="entries for the memory measurement")
@@ -361,7 +367,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "replica-channel":
         replica_channel.main(args.replicas, args.rates, args.duration, args.servers, args.blocks, args.rounds)
     if args.command == "kv-events":
-        kv_events.main(args.servers, args.rate, args.prompt_tokens, args.seconds, args.num_gpu_blocks, args.step_ms)
+        kv_events.main(
+            args.servers, args.rate, args.prompt_tokens, args.seconds, args.num_gpu_blocks, args.step_ms, args.late_join
+        )
     if args.command == "compare":
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 

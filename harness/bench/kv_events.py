@@ -8,6 +8,11 @@ blocks, parent hash and token ids, as vLLM sends them) and, once its `num_gpu_bl
 as many old blocks. Measured side by side in one EPP: its CPU over a window without events, then with them (the
 difference is the events' cost), and the delay from each batch's `ts` (stamped when the step ends) to its
 application in the index (the EPP's inference_extension_kv_events_lag_seconds histogram, read before and after).
+
+`late_join` instead: the servers ran before this EPP (each sends one batch, numbered LATE_SEQ) and it asks each one's
+replay socket for its history (`--kv-events-replay-port-offset`), which does not answer: measured, how long after
+the first of those batches was sent all of them were in the index. Replays that wait one after another took a replay
+timeout (1 s) per server; side by side, about one in all.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from protocol.kv_events import BlockRemoved, BlockStored, KVEventBatch, request_
 
 LAG = "inference_extension_kv_events_lag_seconds"
 HASH_SEED = "0"
+LATE_SEQ = 1000  # a late joiner's first sequence number heard from each server
 _GAUGE = re.compile(r"^(inference_extension_kv_events_\w+) (\S+)$", re.M)
 
 
@@ -57,6 +63,8 @@ def _publisher(
     step: float,
     until: float,
     seed: int,
+    first_seq: int = 0,
+    sent: list[float] | None = None,
 ) -> None:
     ctx = zmq.Context.instance()
     pub = ctx.socket(zmq.PUB)
@@ -69,7 +77,7 @@ def _publisher(
     # but a sequence's first block hashes as the EPP (PYTHONHASHSEED 0) hashes it: it checks a server's seed on it
     first = request_block_hashes(tokens[:16], 16, hash_seed=HASH_SEED)[0]
     held: list[int] = []
-    seq, next_arrival = 0, time.monotonic()
+    seq, next_arrival = first_seq, time.monotonic()
     while time.monotonic() < until:
         started = time.monotonic()
         events: list = []
@@ -84,11 +92,23 @@ def _publisher(
         if events:
             pub.send_multipart((topic.encode(), seq.to_bytes(8, "big"), encode(KVEventBatch(time.time(), events))))
             seq += 1
+            if sent is not None:  # a late joiner's test: this one batch, heard in mid-sequence
+                sent.append(time.monotonic())
+                break
         time.sleep(max(0.0, step - (time.monotonic() - started)))
+    time.sleep(max(0.0, until - time.monotonic()))
     pub.close(linger=1000)
 
 
-def measure(servers: int, rate: float, prompt_tokens: int, seconds: float, num_gpu_blocks: int, step_ms: float) -> dict:
+def measure(
+    servers: int,
+    rate: float,
+    prompt_tokens: int,
+    seconds: float,
+    num_gpu_blocks: int,
+    step_ms: float,
+    late_join: bool = False,
+) -> dict:
     with tempfile.TemporaryDirectory(prefix="epp-kv-events-") as tmp:
         workdir = Path(tmp)
         grpc, health, metrics = free_ports(3)
@@ -110,6 +130,8 @@ def measure(servers: int, rate: float, prompt_tokens: int, seconds: float, num_g
         # Nothing serves the pool's metrics pages: read every 50 ms, their refused connections were most of the EPP's
         # CPU with 256 endpoints (58-68 % of a core without events) and drowned the events' cost in their noise.
         argv += ["--kv-events-connect-port-offset", str(publisher_offset), "--refresh-metrics-interval", "5s"]
+        if late_join:  # where nothing listens: each replay runs to its timeout
+            argv += ["--kv-events-replay-port-offset", str(free_port_block(servers) - first)]
         epp = subprocess.Popen(
             argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONHASHSEED": HASH_SEED}
         )
@@ -119,9 +141,10 @@ def measure(servers: int, rate: float, prompt_tokens: int, seconds: float, num_g
             wait_until_serving(epp, url, workdir / "epp.log", timeout=30)
             time.sleep(1.0)
             cpu_before, started = cpu_seconds(epp.pid), time.monotonic()
-            time.sleep(seconds)
+            time.sleep(0.0 if late_join else seconds)  # (a late joiner's test measures no CPU)
             idle_cpu = (cpu_seconds(epp.pid) - cpu_before) / (time.monotonic() - started)
             until = time.monotonic() + 2.0 + seconds  # after the 2 s the publishers take to be connected to
+            sent: list[float] = []
             threads = [
                 threading.Thread(
                     target=_publisher,
@@ -134,6 +157,8 @@ def measure(servers: int, rate: float, prompt_tokens: int, seconds: float, num_g
                         step_ms / 1e3,
                         until,
                         i,
+                        LATE_SEQ if late_join else 0,
+                        sent if late_join else None,
                     ),
                 )
                 for i, p in enumerate(server_ports)
@@ -141,6 +166,7 @@ def measure(servers: int, rate: float, prompt_tokens: int, seconds: float, num_g
             for t in threads:
                 t.start()
             time.sleep(2.0)  # the publishers bound and connected to
+            all_in = _first_batches_applied(url, servers, until) if late_join else None
             before = _scrape(url)
             cpu_before, started = cpu_seconds(epp.pid), time.monotonic()
             for t in threads:
@@ -173,14 +199,41 @@ def measure(servers: int, rate: float, prompt_tokens: int, seconds: float, num_g
                 "cpu_events_core_share": events_cpu - idle_cpu,
                 "lag_p50_le_s": _lag_quantile(before, after, 0.5),
                 "lag_p99_le_s": _lag_quantile(before, after, 0.99),
+                "first_batches_applied_s": None if all_in is None or not sent else all_in - min(sent),
             }
         finally:
             epp.terminate()
             epp.wait(10)
 
 
-def main(servers: int, rate: float, prompt_tokens: int, seconds: float, num_gpu_blocks: int, step_ms: float) -> None:
-    r = measure(servers, rate, prompt_tokens, seconds, num_gpu_blocks, step_ms)
+def _first_batches_applied(url: str, servers: int, until: float) -> float | None:
+    """When (time.monotonic()) the EPP had applied `servers` batches, one from each server in a late joiner's test
+    (its batches counter polled every 10 ms); None if not before `until`."""
+    while time.monotonic() < until:
+        found = dict(_GAUGE.findall(_scrape(url)))
+        if float(found.get("inference_extension_kv_events_batches_total", 0)) >= servers:
+            return time.monotonic()
+        time.sleep(0.01)
+    return None
+
+
+def main(
+    servers: int,
+    rate: float,
+    prompt_tokens: int,
+    seconds: float,
+    num_gpu_blocks: int,
+    step_ms: float,
+    late_join: bool = False,
+) -> None:
+    r = measure(servers, rate, prompt_tokens, seconds, num_gpu_blocks, step_ms, late_join)
+    if late_join:
+        took = r["first_batches_applied_s"]
+        print(
+            f"late join, {r['servers']} servers, no replay socket answering: their first batches all in the index "
+            + ("not within the run" if took is None else f"{took:.2f} s after the first was sent")
+        )
+        return
     print(
         f"{r['servers']} servers x {r['rate_per_server']:g} req/s of {r['prompt_tokens']}-token prompts for "
         f"{r['seconds']:.1f} s: {r['batches_per_s']:.0f} batches/s, {r['events_per_s']:.0f} events/s, gaps "
