@@ -393,11 +393,18 @@ class _Replay:
     __slots__ = ("address", "deadline", "endpoint", "held", "model", "replayed", "socket", "start", "until", "whole")
 
     def __init__(
-        self, endpoint: str, model: str, start: int, until: int, whole: bool, socket: zmq.Socket, address: str
+        self,
+        endpoint: str,
+        model: str,
+        start: int,
+        until: int,
+        whole: bool,
+        socket: zmq.Socket,
+        address: str,
+        deadline: float,
     ):
         self.endpoint, self.model, self.start, self.until, self.whole = endpoint, model, start, until, whole
-        self.socket, self.address = socket, address
-        self.deadline = 0.0
+        self.socket, self.address, self.deadline = socket, address, deadline
         self.replayed: list[tuple[int, IndexedBatch]] = []
         self.held: list[tuple[str, int, IndexedBatch]] = []  # (model, seq, batch) from the live socket
 
@@ -437,7 +444,8 @@ class KVEventSubscriber:
         # for its state on each wake, a cost that grew with the pool (a bare loop at 150 messages a second: 259 us
         # a message over 8 sockets, 451 over 64, 1,061 over 256; through epoll 220, 230 and 257).
         self._selector = selectors.DefaultSelector()
-        self._unread: list[zmq.Socket] = []  # sockets to read before the next wait (new ones: their FD may not signal)
+        # what to read before the next wait (sockets, and replays: `_watch`), new ones: their FD may not signal
+        self._unread: list[zmq.Socket | _Replay] = []
         self._sources: dict[zmq.Socket, str | None] = {}  # socket -> the endpoint it hears (None: the bound one)
         self._connected: dict[str, zmq.Socket] = {}  # endpoint (address:port) -> its publisher's socket
         self.publisher_port = publisher_port
@@ -448,10 +456,9 @@ class KVEventSubscriber:
             self._bound = self._socket(endpoint, None, bind=True).getsockopt_string(zmq.LAST_ENDPOINT)
         self.replay_port_offset = replay_port_offset
         self.replay_timeout = replay_timeout
-        # Replays under way, by endpoint and by socket: each waits on its socket beside the live ones, so a replay
-        # socket that is slow or absent delays only its own endpoint's batches (they are held until it ends)
+        # Replays under way, by endpoint: each waits on its socket beside the live ones, so a replay socket that is
+        # slow or absent delays only its own endpoint's batches (they are held until it ends)
         self._replays: dict[str, _Replay] = {}
-        self._replay_sockets: dict[zmq.Socket, _Replay] = {}
         self._decode = msgspec.msgpack.Decoder(IndexedBatch).decode
         self._next_seq: dict[str, int] = {}
         self._forget: deque[str] = deque()  # endpoints that left the pool (appended on the loop, read by the thread)
@@ -566,7 +573,7 @@ class KVEventSubscriber:
         self._stop.set()
         self._thread.join(timeout=2.0)
         self._selector.close()
-        for socket in (*self._sources, *self._replay_sockets):
+        for socket in (*self._sources, *(replay.socket for replay in self._replays.values())):
             socket.close(linger=0)
         self._ctx.term()
 
@@ -580,9 +587,20 @@ class KVEventSubscriber:
         socket.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
         socket.bind(address) if bind else socket.connect(address)
         self._sources[socket] = source
-        self._selector.register(socket.getsockopt(zmq.FD), selectors.EVENT_READ, socket)
-        self._unread.append(socket)
+        self._watch(socket, socket)
         return socket
+
+    def _watch(self, socket: zmq.Socket, item: zmq.Socket | _Replay) -> None:
+        """Wait on `socket` beside the others: its ZMQ_FD in the selector, `item` what a wake names (the socket, or
+        the replay it serves); read once before the next wait, since its FD may not signal what came before."""
+        self._selector.register(socket.getsockopt(zmq.FD), selectors.EVENT_READ, item)
+        self._unread.append(item)
+
+    def _unwatch(self, socket: zmq.Socket, item: zmq.Socket | _Replay) -> None:
+        self._selector.unregister(socket.getsockopt(zmq.FD))
+        if item in self._unread:
+            self._unread.remove(item)
+        socket.close(linger=0)
 
     def _follow(self) -> None:
         """Open or close the sockets of the endpoints that joined or left (on the thread: sockets are its own)."""
@@ -590,11 +608,8 @@ class KVEventSubscriber:
             join, endpoint, address = self._targets.popleft()
             socket = self._connected.pop(endpoint, None)
             if socket is not None:
-                self._selector.unregister(socket.getsockopt(zmq.FD))
                 del self._sources[socket]
-                if socket in self._unread:
-                    self._unread.remove(socket)
-                socket.close(linger=0)
+                self._unwatch(socket, socket)
             if join:
                 try:
                     self._connected[endpoint] = self._socket(address, endpoint)
@@ -629,13 +644,10 @@ class KVEventSubscriber:
             if not ready:
                 index.trim()  # no batch for a while: a slice of the cap's eviction, off the next batches' path
             for socket in ready:
-                replay = self._replay_sockets.get(socket)
-                if replay is not None:
-                    self._settle(self._read_replay, replay)
+                if type(socket) is _Replay:
+                    self._settle(self._read_replay, socket)
                     continue
-                source = self._sources.get(socket)
-                if source is None and socket not in self._sources:
-                    continue  # a replay's socket, closed since this wake named it
+                source = self._sources[socket]
                 while True:  # drain what has arrived: one wake per burst, not per message
                     try:
                         frames = socket.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -670,8 +682,12 @@ class KVEventSubscriber:
                         self._receive(endpoint, parsed[1], int.from_bytes(seq_bytes, "big"), batch)
                     except Exception:  # a bug costs this batch (and the endpoint's sync), not every server's events
                         log.exception("KV events: applying a batch from %s failed", endpoint)
-                        self.index.clear(endpoint)
-                        self._next_seq.pop(endpoint, None)
+                        self._resync(endpoint)
+
+    def _resync(self, endpoint: str) -> None:
+        """Start the endpoint over after a bug: its entries dropped, its next batch taken as a late joiner's."""
+        self.index.clear(endpoint)
+        self._next_seq.pop(endpoint, None)
 
     def _warn_once(self, key: str, message: str, *args: object) -> None:
         """Log `message` the first time `key` comes (up to MAX_WARNED_ENDPOINTS keys; after that, only counted)."""
@@ -812,12 +828,10 @@ class KVEventSubscriber:
             log.warning("KV events: replay from %s failed: %s", address, exc)
             socket.close(linger=0)
             return False
-        replay = _Replay(endpoint, model, start, until, whole, socket, address)
-        replay.deadline = time.monotonic() + self.replay_timeout
+        replay = _Replay(endpoint, model, start, until, whole, socket, address, time.monotonic() + self.replay_timeout)
         replay.held.append((model, until, batch))
-        self._replays[endpoint] = self._replay_sockets[socket] = replay
-        self._selector.register(socket.getsockopt(zmq.FD), selectors.EVENT_READ, socket)
-        self._unread.append(socket)  # its FD may not signal what came before this wait
+        self._replays[endpoint] = replay
+        self._watch(socket, replay)
         return True
 
     def _read_replay(self, replay: _Replay) -> None:
@@ -853,15 +867,16 @@ class KVEventSubscriber:
             self._settle(self._end_replay, replay, False)
 
     def _settle(self, step, replay: _Replay, *args) -> None:
-        """Run one step of a replay; a bug in it (or in applying what it brought) costs that endpoint's sync, not
-        every server's events."""
+        """Run one step of a replay still under way (a wake may name one that ended since); a bug in it (or in
+        applying what it brought) costs that endpoint's sync, not every server's events."""
+        if self._replays.get(replay.endpoint) is not replay:
+            return
         try:
             step(replay, *args)
         except Exception:
             log.exception("KV events: a replay for %s failed", replay.endpoint)
             self._close_replay(replay)
-            self.index.clear(replay.endpoint)
-            self._next_seq.pop(replay.endpoint, None)
+            self._resync(replay.endpoint)
 
     def _end_replay(self, replay: _Replay, ok: bool) -> None:
         """Apply what was replayed (or, for a gap it could not close, drop the endpoint's entries), then the
@@ -880,10 +895,6 @@ class KVEventSubscriber:
             self._receive(endpoint, model, seq, batch)
 
     def _close_replay(self, replay: _Replay) -> None:
-        if self._replay_sockets.pop(replay.socket, None) is None:
-            return  # closed already
-        del self._replays[replay.endpoint]
-        self._selector.unregister(replay.socket.getsockopt(zmq.FD))
-        if replay.socket in self._unread:
-            self._unread.remove(replay.socket)
-        replay.socket.close(linger=0)
+        if self._replays.get(replay.endpoint) is replay:  # (not closed already)
+            del self._replays[replay.endpoint]
+            self._unwatch(replay.socket, replay)

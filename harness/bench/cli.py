@@ -367,8 +367,16 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "replica-channel":
         replica_channel.main(args.replicas, args.rates, args.duration, args.servers, args.blocks, args.rounds)
     if args.command == "kv-events":
-        kv_events.main(
-            args.servers, args.rate, args.prompt_tokens, args.seconds, args.num_gpu_blocks, args.step_ms, args.late_join
+        kv_events.report(
+            kv_events.measure(
+                args.servers,
+                args.rate,
+                args.prompt_tokens,
+                args.seconds,
+                args.num_gpu_blocks,
+                args.step_ms,
+                args.late_join,
+            )
         )
     if args.command == "compare":
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn

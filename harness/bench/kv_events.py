@@ -199,6 +199,7 @@ def measure(
                 "cpu_events_core_share": events_cpu - idle_cpu,
                 "lag_p50_le_s": _lag_quantile(before, after, 0.5),
                 "lag_p99_le_s": _lag_quantile(before, after, 0.99),
+                "late_join": late_join,
                 "first_batches_applied_s": None if all_in is None or not sent else all_in - min(sent),
             }
         finally:
@@ -217,17 +218,9 @@ def _first_batches_applied(url: str, servers: int, until: float) -> float | None
     return None
 
 
-def main(
-    servers: int,
-    rate: float,
-    prompt_tokens: int,
-    seconds: float,
-    num_gpu_blocks: int,
-    step_ms: float,
-    late_join: bool = False,
-) -> None:
-    r = measure(servers, rate, prompt_tokens, seconds, num_gpu_blocks, step_ms, late_join)
-    if late_join:
+def report(r: dict) -> None:
+    """What `measure` found, printed."""
+    if r["late_join"]:
         took = r["first_batches_applied_s"]
         print(
             f"late join, {r['servers']} servers, no replay socket answering: their first batches all in the index "
