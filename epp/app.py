@@ -36,7 +36,7 @@ from epp.handlers import accesslog
 from epp.handlers.budget import ByteBudget
 from epp.handlers.extproc import BufferedBodyCollector, stream_factory
 from epp.handlers.wire import ExtProcRequest
-from epp.health import HealthState
+from epp.health import SERVER_OPTIONS, HealthState
 from epp.metrics import EPPMetrics, MetricsPage
 from epp.replicas import ReplicaChannel
 from epp.requestcontrol.director import Director
@@ -46,6 +46,7 @@ from epp.scheduling.scheduler import Scheduler
 from epp.status import StatusPage
 from epp.transport.grpcio import access_log_service, ext_proc_service
 from epp.transport.h2 import ExtProcServer, UnaryMethod
+from epp.transport.http import KEEPALIVE_SECONDS, HttpListener
 
 if TYPE_CHECKING:
     from epp.leader import LeaseElector
@@ -122,10 +123,11 @@ class EndpointPicker:
         self.body_budget = ByteBudget(args.max_buffered_body_bytes)
         self.server = self._ext_proc_server()
         self.health = HealthState()
-        self.health_server = grpc.aio.server()
+        self.health_server = grpc.aio.server(options=SERVER_OPTIONS)
         health_pb2_grpc.add_HealthServicer_to_server(self.health.servicer, self.health_server)
         self._register_collectors()
         self.metrics_runner = self._metrics_page()
+        self.metrics_listener: HttpListener | None = None  # the metrics and status port, once started
         # Readiness: the pool is known (the pool file is read at start; Kubernetes: every resource listed once),
         # with leader election this replica serves, and it is not draining (stop). Recomputed whenever one changes.
         self.readiness = {"pool synced": bool(args.pool_file), "serving": self.elector is None, "not draining": True}
@@ -283,7 +285,7 @@ class EndpointPicker:
         app.router.add_get("/metrics", metrics_handler)
         status = StatusPage(self.pool_name, self.datastore, self.scheduler, self.flow_control, self.scheduler.decisions)
         status.add_routes(app)
-        return web.AppRunner(app, access_log=None)
+        return web.AppRunner(app, access_log=None, keepalive_timeout=KEEPALIVE_SECONDS)
 
     async def _report_health(self) -> None:
         await self.health.set(live=True, ready=all(self.readiness.values()))
@@ -314,7 +316,8 @@ class EndpointPicker:
         if self.replicas is not None:
             await self.replicas.start()
         await self.metrics_runner.setup()
-        await web.TCPSite(self.metrics_runner, args.bind_address, args.metrics_port).start()
+        self.metrics_listener = HttpListener(self.metrics_runner.server)
+        await self.metrics_listener.start(args.bind_address, args.metrics_port)
         await self._report_health()
         if self.elector is not None:
             self.elector.on_change = self._on_serving
@@ -346,6 +349,8 @@ class EndpointPicker:
         await self.health_server.stop(grace=None)
         if self.replicas is not None:
             await self.replicas.stop()
+        if self.metrics_listener is not None:
+            self.metrics_listener.close()
         await self.metrics_runner.cleanup()
         await self.datastore.close()
         await self.director.responses.close()

@@ -1,0 +1,116 @@
+"""The metrics and status port's listener (epp/transport/http.py): requests are served as aiohttp serves them
+(keep-alive, pipelined, a head split between reads), and a connection beyond the limit, a request head too slow or
+too large, each cost only that connection."""
+
+import asyncio
+
+import pytest
+from aiohttp import web
+
+from epp.transport import http
+from epp.transport.http import MAX_HEAD_BYTES, HttpListener
+from tests.conftest import free_ports
+
+
+@pytest.fixture
+async def listener():
+    app = web.Application()
+
+    async def hello(request: web.Request) -> web.Response:
+        return web.Response(text="hello")
+
+    app.router.add_get("/hello", hello)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    (port,) = free_ports(1)
+    served = HttpListener(runner.server, max_connections=4)
+    await served.start("127.0.0.1", port)
+    served.port, served.runner = port, runner
+    yield served
+    served.close()
+    await runner.cleanup()
+
+
+async def connect(listener: HttpListener) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    return await asyncio.open_connection("127.0.0.1", listener.port)
+
+
+async def response(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
+    """One response's status line and body (Content-Length framed)."""
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    length = int(
+        next(line for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")).split(b":")[1]
+    )
+    return head.split(b"\r\n")[0], await reader.readexactly(length)
+
+
+GET = b"GET /hello HTTP/1.1\r\nHost: x\r\n\r\n"
+
+
+async def closed(reader: asyncio.StreamReader) -> bool:
+    """Whether the listener closed the connection (an end of stream, or a reset when bytes it never read were left)."""
+    try:
+        return await asyncio.wait_for(reader.read(), 2) == b""
+    except ConnectionResetError:
+        return True
+
+
+async def test_keep_alive_pipelined_and_split_heads_are_served(listener):
+    reader, writer = await connect(listener)
+    writer.write(GET + GET)  # two requests in one write
+    assert [await response(reader) for _ in range(2)] == [(b"HTTP/1.1 200 OK", b"hello")] * 2
+    writer.write(GET[:-2])
+    await writer.drain()
+    await asyncio.sleep(0.05)
+    writer.write(GET[-2:])  # the blank line in the next read
+    assert await response(reader) == (b"HTTP/1.1 200 OK", b"hello")
+    assert len(listener.connections) == 1
+    writer.close()
+
+
+async def test_a_connection_beyond_the_limit_gets_503_and_the_others_go_on(listener):
+    held = [await connect(listener) for _ in range(4)]
+    reader, writer = await connect(listener)
+    status, body = await response(reader)
+    assert status == b"HTTP/1.1 503 Service Unavailable" and b"too many connections" in body
+    assert await closed(reader) and listener.refused.count == 1
+    held_reader, held_writer = held[0]
+    held_writer.write(GET)
+    assert await response(held_reader) == (b"HTTP/1.1 200 OK", b"hello")
+    for _, w in held:
+        w.close()
+    await asyncio.sleep(0.05)
+    reader, writer = await connect(listener)  # room again once they closed
+    writer.write(GET)
+    assert await response(reader) == (b"HTTP/1.1 200 OK", b"hello")
+    writer.close()
+
+
+async def test_a_slow_request_head_is_closed_and_an_idle_keep_alive_is_not(listener, monkeypatch):
+    monkeypatch.setattr(http, "HEAD_SECONDS", 0.3)
+    monkeypatch.setattr(http, "SWEEP_SECONDS", 0.05)
+    silent_reader, _silent = await connect(listener)  # never sends a byte
+    slow_reader, slow = await connect(listener)
+    served_reader, served = await connect(listener)
+    served.write(GET)
+    assert await response(served_reader) == (b"HTTP/1.1 200 OK", b"hello")
+    for line in (b"GET /hello HTTP/1.1\r\n", b"Host: x\r\n", b"X-Slow: 1\r\n"):  # never the blank line
+        slow.write(line)
+        await asyncio.sleep(0.15)
+    assert await closed(slow_reader) and await closed(silent_reader)
+    assert listener.slow.count == 2
+    assert len(listener.connections) == len(listener.runner.server.connections) == 1  # aiohttp let them go too
+    served.write(GET)  # idle past HEAD_SECONDS between requests: still open
+    assert await response(served_reader) == (b"HTTP/1.1 200 OK", b"hello")
+    served.close()
+
+
+async def test_a_request_head_over_the_limit_is_closed(listener):
+    reader, writer = await connect(listener)
+    writer.write(b"GET /hello HTTP/1.1\r\n" + b"".join(b"X-%d: %s\r\n" % (i, b"a" * 1000) for i in range(40)))
+    assert MAX_HEAD_BYTES < 40 * 1000
+    assert await closed(reader) and listener.slow.count == 1
+    reader, writer = await connect(listener)
+    writer.write(GET)
+    assert await response(reader) == (b"HTTP/1.1 200 OK", b"hello")
+    writer.close()
