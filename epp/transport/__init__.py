@@ -1,6 +1,7 @@
-"""The ext_proc transports: gRPC servers that drive the handlers of `epp.handlers` through its interface. `h2` is
-the EPP's own HTTP/2 server on the event loop (the default); `grpcio` is grpcio aio's (TLS, reflection). Here
-what both share: the counted warnings of what a peer can repeat at will (a refused message, connection, ...)."""
+"""The EPP's servers. The ext_proc transports are gRPC servers that drive the handlers of `epp.handlers` through its
+interface: `h2` is the EPP's own HTTP/2 server on the event loop (the default); `grpcio` is grpcio aio's (TLS,
+reflection). `http` is the metrics and status port's listener. Here what they share: the counted warnings of what a
+peer can repeat at will (a refused message, connection, ...)."""
 
 from __future__ import annotations
 
