@@ -252,7 +252,13 @@ class EndpointPicker:
             return ExtProcServer(
                 new_stream, {accesslog.EXPORT_PATH: export}, args.max_ext_proc_connections, ExtProcRequest, traced
             )
-        server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 * 1024 * 1024)])
+        server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+                ("grpc.max_allowed_incoming_connections", args.max_ext_proc_connections),
+                ("grpc.server_handshake_timeout_ms", 10_000),
+            ]
+        )
         server.add_generic_rpc_handlers(
             [ext_proc_service(new_stream, ExtProcRequest, traced), access_log_service(export_access_log)]
         )

@@ -179,8 +179,8 @@ def build_parser() -> Parser:
         "--max-ext-proc-connections",
         type=int,
         default=MAX_CONNECTIONS,
-        help="open connections the h2 transport accepts (ext_proc and access log together); beyond them a new "
-        "connection gets GOAWAY",
+        help="open connections the ext_proc port accepts (ext_proc and access log together); beyond them a new "
+        "connection gets GOAWAY (h2) or is closed (grpcio)",
     )
     p.add_argument(
         "--kv-events-port",
@@ -276,7 +276,6 @@ def flag_rules(p: Parser) -> None:
         p.needs(flag, kubernetes, lambda a: a.pool_name is not None)
     for flag in ("--replica-port", "--replica-secret-file", "--replica-share-pages", "--replica-turns"):
         p.needs(flag, "--replica-peers", lambda a: bool(a.replica_peers))
-    p.needs("--max-ext-proc-connections", "--ext-proc-transport h2", lambda a: a.ext_proc_transport == "h2")
     kv_flags = ("--kv-events-bind", "--kv-events-connect-port-offset", "--kv-events-replay-port-offset")
     for flag in (*kv_flags, "--kv-index-max-entries"):
         p.needs(flag, "KV events on (--kv-events-port not 0)", lambda a: bool(a.kv_events_port))

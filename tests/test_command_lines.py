@@ -60,7 +60,6 @@ def test_version(script, capsys):
         ("epp-local", ["--model-server", "3"], "unrecognized arguments: --model-server"),
         ("modelserver", ["--max-lora", "2"], "unrecognized arguments: --max-lora"),
         ("epp", ["--pool-file", "p.yaml", "--kubeconfig", "k"], "--kubeconfig needs --pool-name"),
-        ("epp", ["--pool-file", "p", "--ext-proc-transport", "grpcio", "--max-ext-proc-connections", "9"], "needs"),
         ("epp", ["--pool-file", "p", "--kv-events-port", "0", "--kv-events-replay-port-offset", "1"], "KV events on"),
         ("epp", ["--pool-file", "p", "--config-file", "a", "--config-text", "b"], "not allowed with"),
         ("epp-local", ["--once"], "--once needs --demo"),

@@ -66,3 +66,43 @@ async def test_a_replica_secret_file_that_cannot_be_read_or_is_empty_is_refused(
         flags = ["--pool-file", str(pool), "--replica-peers", "127.0.0.1:9005", "--replica-secret-file", str(secret)]
         with pytest.raises(ConfigError, match=says):
             EndpointPicker(build_parser().parse_args(flags))
+
+
+@pytest.mark.parametrize("transport", ["h2", "grpcio"])
+async def test_the_ext_proc_port_takes_at_most_max_ext_proc_connections_over_either_transport(tmp_path, transport):
+    """A connection beyond --max-ext-proc-connections is refused (h2: SETTINGS then GOAWAY; grpcio: closed at once);
+    those within get the server's SETTINGS."""
+    import asyncio
+
+    from epp.transport.h2 import GOAWAY, PREFACE, SETTINGS, frame
+
+    pool = tmp_path / "pool.yaml"
+    pool.write_text("endpoints:\n- {name: a, address: 127.0.0.1, port: 8000}\n")
+    grpc_port = free_port()
+    flags = ["--pool-file", str(pool), "--bind-address", "127.0.0.1", "--kv-events-port", "0"]
+    flags += ["--grpc-port", str(grpc_port), "--grpc-health-port", str(free_port()), "--metrics-port", str(free_port())]
+    flags += ["--ext-proc-transport", transport, "--max-ext-proc-connections", "4"]
+    picker = EndpointPicker(build_parser().parse_args(flags))
+    await picker.start()
+    connections = []
+    try:
+        for _ in range(7):
+            reader, writer = await asyncio.open_connection("127.0.0.1", grpc_port)
+            writer.write(PREFACE + frame(SETTINGS, 0, 0, b""))
+            connections.append((reader, writer))
+        heads = []  # each connection's first frame header (9 bytes), b"": closed without one
+        for reader, _ in connections:
+            try:
+                heads.append(await asyncio.wait_for(reader.readexactly(9), 2))
+            except (ConnectionError, asyncio.IncompleteReadError):
+                heads.append(b"")
+        kinds = [head[3] if head else None for head in heads]
+        assert kinds == [SETTINGS] * 4 + ([SETTINGS] * 3 if transport == "h2" else [None] * 3)
+        if transport == "h2":  # the refusal says why: a GOAWAY after the SETTINGS
+            reader = connections[4][0]
+            await reader.readexactly(int.from_bytes(heads[4][:3], "big"))
+            assert (await asyncio.wait_for(reader.readexactly(9), 2))[3] == GOAWAY
+    finally:
+        for _, writer in connections:
+            writer.close()
+        await picker.stop()
