@@ -29,9 +29,10 @@ HEAD_SECONDS = 10.0
 MAX_HEAD_BYTES = 32 << 10  # a browser's request head with its cookies is a few KB; Envoy's default limit is 60 KB
 KEEPALIVE_SECONDS = 75.0  # longer than Prometheus's usual scrape interval, so its connection is reused
 SWEEP_SECONDS = 1.0  # how often the heads in progress are checked against HEAD_SECONDS
+_TOO_MANY = b"too many connections to this EPP port\n"
 REFUSAL = (
-    b"HTTP/1.1 503 Service Unavailable\r\nConnection: close\r\nContent-Type: text/plain\r\nContent-Length: 38\r\n\r\n"
-    b"too many connections to this EPP port\n"
+    b"HTTP/1.1 503 Service Unavailable\r\nConnection: close\r\nContent-Type: text/plain\r\n"
+    b"Content-Length: %d\r\n\r\n%s" % (len(_TOO_MANY), _TOO_MANY)
 )
 HEAD_END = b"\r\n\r\n"
 
@@ -117,13 +118,15 @@ class _Limited(asyncio.Protocol):
         seen = self.tail + data
         end = seen.rfind(HEAD_END)
         if end >= 0:  # a head ended: what follows it starts the next one
-            after = len(seen) - end - len(HEAD_END)
+            start = end + len(HEAD_END)
+            after = len(seen) - start
             self.head_since, self.head_bytes = (time.monotonic() if after else None), after
+            self.tail = seen[max(start, len(seen) - 3) :]  # never the end just found
         else:
             if self.head_since is None:
                 self.head_since = time.monotonic()
             self.head_bytes += len(data)
-        self.tail = seen[-3:]
+            self.tail = seen[-3:]
         if self.head_bytes > MAX_HEAD_BYTES:
             self.listener.slow.note(HEAD_SECONDS, MAX_HEAD_BYTES)
             self.head_since = None
