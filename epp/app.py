@@ -36,7 +36,7 @@ from epp.handlers import accesslog
 from epp.handlers.budget import ByteBudget
 from epp.handlers.extproc import BufferedBodyCollector, stream_factory
 from epp.handlers.wire import ExtProcRequest
-from epp.health import SERVER_OPTIONS, HealthState
+from epp.health import HealthState, server_options
 from epp.metrics import EPPMetrics, MetricsPage
 from epp.replicas import ReplicaChannel
 from epp.requestcontrol.director import Director
@@ -123,7 +123,7 @@ class EndpointPicker:
         self.body_budget = ByteBudget(args.max_buffered_body_bytes)
         self.server = self._ext_proc_server()
         self.health = HealthState()
-        self.health_server = grpc.aio.server(options=SERVER_OPTIONS)
+        self.health_server = grpc.aio.server(options=server_options(args.max_ext_proc_connections))
         health_pb2_grpc.add_HealthServicer_to_server(self.health.servicer, self.health_server)
         self._register_collectors()
         self.metrics_runner = self._metrics_page()
