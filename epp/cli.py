@@ -24,6 +24,7 @@ from epp.handlers.extproc import DEFAULT_MAX_BODY_BYTES
 from epp.replicas import DEFAULT_REPLICA_PORT, parse_peers
 from epp.scheduling.decisions import DEFAULT_DECISIONS, DEFAULT_DECISIONS_PER_SECOND
 from epp.transport.h2 import MAX_CONNECTIONS
+from epp.transport.http import MAX_CONNECTIONS as MAX_HTTP_CONNECTIONS
 from protocol import extproc
 from protocol.cli import Parser, command_parser
 from protocol.kv_events import DEFAULT_SUBSCRIBER_PORT
@@ -284,8 +285,8 @@ def flag_rules(p: Parser) -> None:
 
 def raise_open_files_limit() -> int:
     """The soft limit on open files raised to the hard one, as Go's runtime does for GIE's EPP: the connections it
-    accepts (up to --max-ext-proc-connections) and the ones it opens (a scrape and a KV-event socket per endpoint)
-    must not hit a distribution's default soft limit of 1,024. Returns the limit in force."""
+    accepts (up to --max-ext-proc-connections on each gRPC port) and the ones it opens (a scrape and a KV-event
+    socket per endpoint) must not hit a distribution's default soft limit of 1,024. Returns the limit in force."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != hard:
         with contextlib.suppress(ValueError, OSError):
@@ -329,11 +330,15 @@ def main(argv: list[str] | None = None) -> None:
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_SECONDS)
     give_large_blocks_back()
     open_files = raise_open_files_limit()
-    if open_files != resource.RLIM_INFINITY and open_files < args.max_ext_proc_connections + 256:
+    # the ext_proc and health ports take --max-ext-proc-connections each, the metrics port MAX_HTTP_CONNECTIONS
+    wanted = 2 * args.max_ext_proc_connections + MAX_HTTP_CONNECTIONS + 256
+    if open_files != resource.RLIM_INFINITY and open_files < wanted:
         log.warning(
-            "open files are limited to %d: fewer than --max-ext-proc-connections (%d) and the EPP's own sockets",
+            "open files are limited to %d: fewer than the ext_proc and health ports' connections (2 x "
+            "--max-ext-proc-connections, %d), the metrics port's (%d) and the EPP's own sockets",
             open_files,
             args.max_ext_proc_connections,
+            MAX_HTTP_CONNECTIONS,
         )
     try:
         with contextlib.suppress(KeyboardInterrupt):
