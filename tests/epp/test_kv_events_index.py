@@ -404,9 +404,11 @@ def soon(condition, timeout: float = 5.0) -> bool:
 
 class ReplayingServer:
     """A server's publisher (PUB, bound) and replay socket (ROUTER, bound), and a subscriber in whose pool it is,
-    connected to the publisher, with the replay socket at the endpoint's port + its offset."""
+    connected to the publisher, with the replay socket at the endpoint's port + its offset; a context manager that
+    closes them all."""
 
-    def __init__(self, ctx: zmq.Context, replay_timeout: float = 1.0, others: int = 0):
+    def __init__(self, replay_timeout: float = 1.0, others: int = 0):
+        self.ctx = ctx = zmq.Context()
         self.pub = ctx.socket(zmq.PUB)
         self.router = ctx.socket(zmq.ROUTER)
         port = self.pub.bind_to_random_port("tcp://127.0.0.1")
@@ -440,22 +442,27 @@ class ReplayingServer:
         thread.start()
         return thread
 
-    def close(self, ctx: zmq.Context) -> None:
-        close(self.subscriber, ctx, [(self.endpoint, self.pub), ("replay", self.router), *self.others])
+    def __enter__(self) -> "ReplayingServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        close(self.subscriber, self.ctx, [(self.endpoint, self.pub), ("replay", self.router), *self.others])
 
 
 def stored(seq: int) -> KVEventBatch:
     return KVEventBatch(time.time(), [BlockStored([seq + 1], None, [seq] * 16, 16, None, "GPU")])
 
 
+def buffered(first: int, end: int):
+    """A replay socket's answers (`ReplayingServer.serve_replays`) when its buffer holds batches first..end-1: those
+    from the start asked."""
+    return lambda start: [(seq, msgspec.msgpack.encode(stored(seq))) for seq in range(max(first, start), end)]
+
+
 def test_a_gap_is_closed_from_the_server_s_replay_socket():
-    ctx = zmq.Context()
-    server = ReplayingServer(ctx)
-    index, subscriber, endpoint = server.index, server.subscriber, server.endpoint
-    try:
-        replaying = server.serve_replays(
-            lambda start: [(s, msgspec.msgpack.encode(stored(s))) for s in range(start, 4)]
-        )
+    with ReplayingServer() as server:
+        index, subscriber, endpoint = server.index, server.subscriber, server.endpoint
+        replaying = server.serve_replays(buffered(0, 4))
         server.publish(0, stored(0))
         assert soon(lambda: subscriber.batches == 1)
         server.publish(3, stored(3))  # 1 and 2 were lost: fetched from the replay socket
@@ -471,19 +478,15 @@ def test_a_gap_is_closed_from_the_server_s_replay_socket():
         assert soon(lambda: subscriber.gaps == 1)
         assert soon(lambda: index.prefix_blocks([10, 11], [endpoint]) == {endpoint: 2})
         assert index.prefix_blocks([4], [endpoint]) == {endpoint: 0} and subscriber.replays == 1
-    finally:
-        server.close(ctx)
 
 
 def test_a_replay_socket_that_does_not_answer_delays_its_own_endpoint_only():
     """While one server's replay is under way (its replay socket absent: it runs until its timeout), the other
     servers' batches are applied as they come; that server's own batches are held and applied, in order, once it
     ends."""
-    ctx = zmq.Context()
-    server = ReplayingServer(ctx, replay_timeout=1.5, others=1)
-    index, subscriber, endpoint = server.index, server.subscriber, server.endpoint
-    ((other, other_pub),) = server.others
-    try:
+    with ReplayingServer(replay_timeout=1.5, others=1) as server:
+        index, subscriber, endpoint = server.index, server.subscriber, server.endpoint
+        ((other, other_pub),) = server.others
         server.router.close(linger=0)  # nothing answers there now
         server.publish(0, stored(0))
         assert soon(lambda: subscriber.batches == 1)
@@ -497,8 +500,6 @@ def test_a_replay_socket_that_does_not_answer_delays_its_own_endpoint_only():
         assert soon(lambda: subscriber.gaps == 1)
         assert soon(lambda: index.prefix_blocks([3, 4], [endpoint]) == {endpoint: 2})
         assert index.prefix_blocks([1], [endpoint]) == {endpoint: 0}  # dropped with the gap
-    finally:
-        server.close(ctx)
 
 
 @pytest.mark.timing
@@ -523,32 +524,24 @@ def test_a_new_subscriber_is_not_held_up_by_every_server_s_absent_replay_socket_
 
 
 def test_a_late_subscriber_fetches_what_the_server_still_buffers():
-    ctx = zmq.Context()
-    server = ReplayingServer(ctx)
-    index, subscriber, endpoint = server.index, server.subscriber, server.endpoint
-    try:
+    with ReplayingServer() as server:
+        index, subscriber, endpoint = server.index, server.subscriber, server.endpoint
         # its buffer kept batches 2..5 (buffer_steps): 0 and 1 are gone
-        replaying = server.serve_replays(
-            lambda start: [(s, msgspec.msgpack.encode(stored(s))) for s in range(max(2, start), 6)]
-        )
+        replaying = server.serve_replays(buffered(2, 6))
         server.publish(5, stored(5))  # the first it hears of this server
         assert soon(lambda: subscriber.batches == 4)
         replaying.join(timeout=5)
         assert server.asked == [0] and subscriber.replays == 1 and subscriber.gaps == 0
         assert [index.prefix_blocks([h], [endpoint])[endpoint] for h in range(1, 7)] == [0, 0, 1, 1, 1, 1]
-    finally:
-        server.close(ctx)
 
 
 @pytest.mark.timing
 def test_a_replay_socket_that_sends_garbage_or_a_sequence_far_ahead_costs_that_endpoint_only():
     """A malformed batch from a replay socket, or a sequence number ~2^62 ahead (a gap no buffer could close), is a
     gap for that server: counted, its entries dropped, nothing held for the range, and the subscriber goes on."""
-    ctx = zmq.Context()
-    server = ReplayingServer(ctx, replay_timeout=2.0)
-    index, subscriber, endpoint = server.index, server.subscriber, server.endpoint
-    first = msgspec.msgpack.encode(stored(0))
-    try:
+    with ReplayingServer(replay_timeout=2.0) as server:
+        index, subscriber, endpoint = server.index, server.subscriber, server.endpoint
+        first = msgspec.msgpack.encode(stored(0))
         # garbage first, then the batch asked for (and nothing after it)
         answers = iter(([(1, b"\xc1garbage")], None))
         replaying = server.serve_replays(lambda start: next(answers) or [(start, first)], count=2)
@@ -565,8 +558,6 @@ def test_a_replay_socket_that_sends_garbage_or_a_sequence_far_ahead_costs_that_e
         replaying.join(timeout=5)
         assert server.asked == [1, (1 << 62) + 1]
         assert index.prefix_blocks([1], [endpoint]) == {endpoint: 1}  # relearnt from the batch that came
-    finally:
-        server.close(ctx)
 
 
 def test_only_the_pools_servers_are_indexed_and_a_server_that_leaves_is_forgotten():
