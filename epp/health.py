@@ -13,19 +13,6 @@ READINESS = "readiness"
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 
 
-def server_options(max_connections: int) -> list[tuple[str, int]]:
-    """The health port's server (grpcio), bounded like the other ports (epp/transport/http.py): by default grpcio
-    takes any number of connections and waits 120 s for each handshake; 3,000 connections that each sent a preface
-    and 16 KB left the EPP's RSS 56 MB above idle after they closed. Its clients are kubelet's probes and the
-    gateways that health-check the EPP, as many as connect to ext_proc: `max_connections` is
-    --max-ext-proc-connections."""
-    return [
-        ("grpc.max_allowed_incoming_connections", max_connections),
-        ("grpc.server_handshake_timeout_ms", 10_000),
-        ("grpc.max_connection_idle_ms", 75_000),
-    ]
-
-
 class HealthState:
     def __init__(self) -> None:
         self.servicer = health.aio.HealthServicer()
