@@ -1,6 +1,7 @@
 """The application object (epp/app.py): the EndpointPickerConfig is read once and each part gets its sections,
 every part's collector reaches the metrics page, and its servers' ports are not held until it starts."""
 
+import asyncio
 import socket
 
 import pytest
@@ -9,6 +10,7 @@ from prometheus_client import generate_latest
 from epp.app import EndpointPicker
 from epp.cli import build_parser
 from epp.config import ConfigError, loader
+from epp.transport.h2 import GOAWAY, PREFACE, SETTINGS, frame
 
 
 def free_port() -> int:
@@ -72,10 +74,6 @@ async def test_a_replica_secret_file_that_cannot_be_read_or_is_empty_is_refused(
 async def test_the_ext_proc_port_takes_at_most_max_ext_proc_connections_over_either_transport(tmp_path, transport):
     """A connection beyond --max-ext-proc-connections is refused (h2: SETTINGS then GOAWAY; grpcio: closed at once);
     those within get the server's SETTINGS."""
-    import asyncio
-
-    from epp.transport.h2 import GOAWAY, PREFACE, SETTINGS, frame
-
     pool = tmp_path / "pool.yaml"
     pool.write_text("endpoints:\n- {name: a, address: 127.0.0.1, port: 8000}\n")
     grpc_port = free_port()
