@@ -93,7 +93,7 @@ test: $(STAMP) system-deps
 	$(STEP) "test: ruff and the package boundaries (lint-imports), about 10 s"
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
-	$(STEP) "test: pytest on $(TEST_WORKERS) workers, 6 to 7 min on 2 cores (a dot per test; F: a failure)"
+	$(STEP) "test: pytest on $(TEST_WORKERS) workers, 6 to 8 min on 2 cores (a dot per test; F: a failure)"
 	$(PYTEST) -n $(TEST_WORKERS) --dist loadfile -m "not slow and not timing"
 	$(STEP) "test: the tests that bound a wall-clock time, one at a time, about 1 min"
 	$(PYTEST) -m "timing and not slow"
