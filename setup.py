@@ -50,6 +50,7 @@ COMPILED = [
     "epp/datalayer/datastore.py",
     "protocol/openai.py",
     "protocol/extproc.py",
+    "protocol/limits.py",
 ]
 
 

@@ -33,7 +33,6 @@ from epp.datalayer.scraper import Scraper
 from epp.datalayer.source import PoolSource
 from epp.flowcontrol import FlowControlCollector, FlowControlConfig, FlowController
 from epp.handlers import accesslog
-from epp.handlers.budget import ByteBudget
 from epp.handlers.extproc import BufferedBodyCollector, stream_factory
 from epp.handlers.wire import ExtProcRequest
 from epp.health import HealthState
@@ -46,7 +45,8 @@ from epp.scheduling.scheduler import Scheduler
 from epp.status import StatusPage
 from epp.transport.grpcio import access_log_service, ext_proc_service
 from epp.transport.h2 import ExtProcServer, UnaryMethod
-from epp.transport.http import KEEPALIVE_SECONDS, HttpListener
+from protocol.http_listener import HttpListener
+from protocol.limits import ByteBudget
 
 if TYPE_CHECKING:
     from epp.leader import LeaseElector
@@ -56,6 +56,9 @@ log = logging.getLogger("epp")
 # less often until a request arrives (epp/datalayer/scraper.py): any traffic keeps the busy interval, so routing
 # under load reads pages as fresh as before, and an idle EPP scrapes 5x less (`epp-bench idle`).
 IDLE_INTERVAL_FACTOR = 5
+# The metrics port's idle keep-alive connections are closed after this (aiohttp's default keeps them an hour): longer
+# than Prometheus's usual scrape interval, so its connection is reused.
+METRICS_KEEPALIVE_SECONDS = 75.0
 
 
 def _kubernetes_api(kubeconfig: str | None):
@@ -137,8 +140,8 @@ class EndpointPicker:
         self.health_server = grpc.aio.server(options=[*grpc_limits(args.max_ext_proc_connections), idle])
         health_pb2_grpc.add_HealthServicer_to_server(self.health.servicer, self.health_server)
         self._register_collectors()
+        self.metrics_listener = HttpListener("the metrics port", "epp.metrics_port")
         self.metrics_runner = self._metrics_page()
-        self.metrics_listener: HttpListener | None = None  # the metrics and status port, once started
         # Readiness: the pool is known (the pool file is read at start; Kubernetes: every resource listed once),
         # with leader election this replica serves, and it is not draining (stop). Recomputed whenever one changes.
         self.readiness = {"pool synced": bool(args.pool_file), "serving": self.elector is None, "not draining": True}
@@ -294,11 +297,11 @@ class EndpointPicker:
         async def metrics_handler(request: web.Request) -> web.Response:
             return web.Response(body=await page.get(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
-        app = web.Application()
+        app = web.Application(middlewares=[self.metrics_listener.middleware])
         app.router.add_get("/metrics", metrics_handler)
         status = StatusPage(self.pool_name, self.datastore, self.scheduler, self.flow_control, self.scheduler.decisions)
         status.add_routes(app)
-        return web.AppRunner(app, access_log=None, keepalive_timeout=KEEPALIVE_SECONDS)
+        return web.AppRunner(app, access_log=None, keepalive_timeout=METRICS_KEEPALIVE_SECONDS)
 
     async def _report_health(self) -> None:
         await self.health.set(live=True, ready=all(self.readiness.values()))
@@ -329,8 +332,7 @@ class EndpointPicker:
         if self.replicas is not None:
             await self.replicas.start()
         await self.metrics_runner.setup()
-        self.metrics_listener = HttpListener(self.metrics_runner.server)
-        await self.metrics_listener.start(args.bind_address, args.metrics_port)
+        await self.metrics_listener.start(self.metrics_runner.server, args.bind_address, args.metrics_port)
         await self._report_health()
         if self.elector is not None:
             self.elector.on_change = self._on_serving

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import ctypes
 import logging
 import re
 import resource
@@ -24,10 +23,11 @@ from epp.handlers.extproc import DEFAULT_MAX_BODY_BYTES
 from epp.replicas import DEFAULT_REPLICA_PORT, parse_peers
 from epp.scheduling.decisions import DEFAULT_DECISIONS, DEFAULT_DECISIONS_PER_SECOND
 from epp.transport.h2 import MAX_CONNECTIONS
-from epp.transport.http import MAX_CONNECTIONS as MAX_HTTP_CONNECTIONS
 from protocol import extproc
 from protocol.cli import Parser, command_parser
+from protocol.http_listener import MAX_CONNECTIONS as MAX_HTTP_CONNECTIONS
 from protocol.kv_events import DEFAULT_SUBSCRIBER_PORT
+from protocol.limits import give_large_blocks_back, raise_open_files_limit
 
 log = logging.getLogger("epp")
 # How long a thread that runs Python (a long prompt's tokenizing and block hashing in a worker, the KV-event
@@ -281,33 +281,6 @@ def flag_rules(p: Parser) -> None:
     for flag in (*kv_flags, "--kv-index-max-entries"):
         p.needs(flag, "KV events on (--kv-events-port not 0)", lambda a: bool(a.kv_events_port))
     p.needs("--kv-events-connect-port-offset", "no --kv-events-bind (it binds instead)", lambda a: not a.kv_events_bind)
-
-
-def raise_open_files_limit() -> int:
-    """The soft limit on open files raised to the hard one, as Go's runtime does for GIE's EPP: the connections it
-    accepts (up to --max-ext-proc-connections on each gRPC port) and the ones it opens (a scrape and a KV-event
-    socket per endpoint) must not hit a distribution's default soft limit of 1,024. Returns the limit in force."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft != hard:
-        with contextlib.suppress(ValueError, OSError):
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-
-
-# Allocations of at least this many bytes (request bodies, KV-event batches, long prompts' token lists) are mapped
-# from the system apart and unmapped when freed. glibc's default threshold rises to the largest block freed so far (up
-# to 32 MiB), after which 1 MiB bodies came from the heap, which fragmentation kept from shrinking: after 400 unfinished
-# 1 MiB bodies' connections closed, RSS stayed at 158-328 MB for 10 s in 6 of 9 runs, idle being 83
-# (tests/integration/test_memory_after_flood.py); with the threshold fixed, 85 MB within 0.2 s in 5 of 5.
-MMAP_THRESHOLD_BYTES = 128 << 10
-M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
-
-
-def give_large_blocks_back() -> None:
-    """Fix glibc's mmap threshold at MMAP_THRESHOLD_BYTES (a fixed value also stops its dynamic rise). Nothing where
-    the C library has no mallopt or ignores it (not glibc): memory then comes back as that allocator returns it."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None).mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -161,16 +161,17 @@ def last_line(log: Path) -> str:
     return next((line.strip() for line in reversed(lines) if line.strip()), "(its log is empty)")
 
 
-def wait_until_serving(epp: subprocess.Popen, metrics_url: str, log: Path, timeout: float = 60.0) -> None:
-    """Until the EPP answers on its metrics port; RuntimeError naming its log if it exits or times out first."""
+def wait_until_serving(process: subprocess.Popen, url: str, log: Path, timeout: float = 60.0) -> None:
+    """Until the process (an EPP: its metrics page) answers a GET of `url`; RuntimeError naming its log if it exits or
+    times out first."""
     deadline = time.monotonic() + timeout
     while True:
         try:
-            urllib.request.urlopen(metrics_url, timeout=1).read()
+            urllib.request.urlopen(url, timeout=1).read()
             return
         except OSError:
-            if epp.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"epp did not start serving; see {log}") from None
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"no answer from {url}: see {log}") from None
             time.sleep(0.1)
 
 

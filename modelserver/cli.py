@@ -12,13 +12,13 @@ import errno
 import importlib.util
 import logging
 import math
+import resource
 import signal
 import sys
 from dataclasses import fields, replace
 from pathlib import Path
 
 import uvloop
-from aiohttp import web
 
 from modelserver.api.server import ModelServer, ServerSettings, runtime_lora_updating_from_env
 from modelserver.engine.config import EngineConfig
@@ -30,6 +30,7 @@ from modelserver.tracing import RequestTracer
 from protocol import tracing
 from protocol.cli import Parser, command_parser, positive_int
 from protocol.kv_events import DEFAULT_HASH_ALGO, HASH_ALGOS, KVEventsConfig, default_topic
+from protocol.limits import give_large_blocks_back, raise_open_files_limit
 from protocol.tokenizer import load_tokenizer
 
 log = logging.getLogger("modelserver")
@@ -131,6 +132,19 @@ def build_parser() -> Parser:
     p.add_argument("--kv-cache-metrics-sample", type=float, default=0.0, help="fraction of KV blocks sampled")
     p.add_argument(
         "--max-request-body-bytes", type=int, default=32 * 1024 * 1024, help="larger request bodies are answered 413"
+    )
+    p.add_argument(
+        "--max-buffered-body-bytes",
+        type=positive_int,
+        default=8 * 32 * 1024 * 1024,
+        help="request body bytes each server receives at once, all connections together; a request that would go "
+        "over it is answered 503",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=positive_int,
+        default=ServerSettings.max_connections,
+        help="HTTP connections each server's port takes at once; one beyond is answered 503 and closed",
     )
     p.add_argument(
         "--max-stored-responses",
@@ -267,7 +281,7 @@ def build_tracer(args: argparse.Namespace) -> RequestTracer | None:
 
 async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     tokenizer = load_tokenizer(args.model if args.backend == "torch" else None)
-    runners: list[web.AppRunner] = []
+    servers: list[ModelServer] = []
     engines: list[AsyncEngine] = []
     try:
         for index in range(args.replicas):
@@ -282,25 +296,30 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
                 lora_roots=args.lora_root,
                 allow_runtime_lora_updating=args.allow_runtime_lora_updating or runtime_lora_updating_from_env(),
                 max_request_body_bytes=args.max_request_body_bytes,
+                max_buffered_body_bytes=args.max_buffered_body_bytes,
+                max_connections=args.max_connections,
                 max_stored_responses=args.max_stored_responses,
                 max_stored_response_bytes=args.max_stored_response_bytes,
             )
             server = ModelServer(engine, tokenizer, settings)
-            runner = web.AppRunner(server.app, access_log=None, handler_cancellation=True)
-            await runner.setup()
-            runners.append(runner)
-            await web.TCPSite(runner, args.host, args.port + index, backlog=1024).start()
+            servers.append(server)
+            await server.start(args.host, args.port + index)
             print(f"ready on http://{args.host}:{args.port + index}", flush=True)
         await stop.wait()
     finally:
-        for runner in runners:
-            await runner.cleanup()
+        for server in servers:
+            await server.stop()
         for engine in engines:
             await engine.stop()
 
 
 def check_arguments(args: argparse.Namespace) -> str | None:
     """The mistake, in one line naming the fix, that the parsed flags make before anything starts; None if none."""
+    if args.max_buffered_body_bytes < args.max_request_body_bytes:
+        return (
+            f"--max-buffered-body-bytes {args.max_buffered_body_bytes} is below --max-request-body-bytes "
+            f"{args.max_request_body_bytes}: a body of the largest size allowed could never be received"
+        )
     if not all(math.isfinite(speed) and speed > 0 for speed in args.sim_speed):
         return f"--sim-speed: every speed must be a finite number > 0, got {args.sim_speed}"
     if args.backend != "torch":
@@ -346,6 +365,16 @@ def main(argv: list[str] | None = None) -> None:
             loop.add_signal_handler(sig, stop.set)
         await serve(args, stop)
 
+    give_large_blocks_back()
+    open_files = raise_open_files_limit()
+    wanted = args.replicas * args.max_connections + 256  # each server's port, and the process's own files
+    if open_files != resource.RLIM_INFINITY and open_files < wanted:
+        log.warning(
+            "open files are limited to %d: fewer than --max-connections (%d) on each of %d servers' ports",
+            open_files,
+            args.max_connections,
+            args.replicas,
+        )
     try:
         with contextlib.suppress(KeyboardInterrupt):
             uvloop.run(run())  # cheaper callbacks when many replicas share one loop

@@ -34,13 +34,13 @@ from google.protobuf import duration_pb2
 from prometheus_client.core import GaugeMetricFamily
 
 from epp.handlers import Reply
-from epp.handlers.budget import ByteBudget
 from epp.handlers.wire import ExtProcRequest, field, key, nesting, processing_request
 from epp.metrics import unlabelled
 from epp.requestcontrol.director import Director, RequestContext
 from epp.requestcontrol.types import RoutingDecision
 from epp.wireformat import varint
 from protocol import extproc, tracing
+from protocol.limits import ByteBudget
 from protocol.openai import OpenAIError, load_json_body
 
 FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED

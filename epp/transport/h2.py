@@ -32,9 +32,9 @@ from hpack.exceptions import HPACKError
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from epp.handlers import NewHandler
-from epp.handlers.budget import ByteBudget
 from epp.metrics import unlabelled
-from epp.transport import RepeatedWarning, oversized_messages
+from epp.transport import oversized_messages
+from protocol.limits import ByteBudget, RepeatedWarning
 
 log = logging.getLogger("epp.transport.h2")
 

@@ -53,7 +53,6 @@ from epp.datalayer.endpoint import EndpointSpec, PoolState
 from epp.datalayer.kv_events import KVBlockIndex
 from epp.flowcontrol import FlowControlConfig, FlowController
 from epp.handlers import accesslog
-from epp.handlers.budget import ByteBudget
 from epp.handlers.extproc import RequestStream
 from epp.handlers.wire import ExtProcRequest
 from epp.metrics import EPPMetrics
@@ -79,6 +78,7 @@ from epp.transport.h2 import (
 )
 from harness.bench import build
 from protocol import extproc
+from protocol.limits import ByteBudget
 from protocol.metrics import EndpointMetrics
 
 ENDPOINTS = 4

@@ -28,12 +28,12 @@ class MessagesAPI:
         router.add_post("/v1/messages/count_tokens", self.count_tokens)
 
     async def count_tokens(self, request: web.Request) -> web.Response:
-        parsed = parse_messages_request(load_json_body(await request.read()), counting=True)
+        parsed = parse_messages_request(load_json_body(await self.server.read_body(request)), counting=True)
         (ids,) = await self.server._prompt_ids(parsed)
         return web.json_response({"input_tokens": len(ids)})
 
     async def create(self, request: web.Request) -> web.StreamResponse:
-        parsed = parse_messages_request(load_json_body(await request.read()))
+        parsed = parse_messages_request(load_json_body(await self.server.read_body(request)))
         message_id = "msg_" + uuid.uuid4().hex
         choice, deltas = await self.server.start_chat(parsed, message_id)
         head = {"id": message_id, "type": "message", "role": "assistant", "model": parsed.model}

@@ -113,7 +113,7 @@ class ResponsesAPI:
         return web.json_response({"id": response_id, "object": "response", "deleted": True})
 
     async def create(self, request: web.Request) -> web.StreamResponse:
-        body = load_json_body(await request.read())
+        body = load_json_body(await self.server.read_body(request))
         previous = body.get("previous_response_id")
         prior: list[dict[str, Any]] = []
         if previous is not None:

@@ -28,6 +28,8 @@ from modelserver.engine.lora import LoRAError
 from modelserver.engine.request import FinishReason, SamplingParams
 from modelserver.lora_files import resolve_adapter_path
 from modelserver.metrics import prometheus_logger
+from protocol.http_listener import HttpListener
+from protocol.limits import ByteBudget
 from protocol.openai import (
     CompletionRequest,
     OpenAIError,
@@ -43,6 +45,9 @@ from protocol.tracing import TRACEPARENT_HEADER, TRACESTATE_HEADER
 
 log = logging.getLogger("modelserver.api")
 VERSION = "0.1.0"
+# A request body must arrive whole within this of its handler's start (nginx gives 60 s between two reads; Envoy,
+# the usual client, forwards a body as fast as it gets it): a slower one is answered 408 and its bytes let go.
+BODY_SECONDS = 60.0
 TOKENIZE_IN_THREAD_CHARS = 4096  # ~1 µs of tokenizing per character: longer texts go to a worker thread
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
@@ -56,6 +61,11 @@ class ServerSettings:
     lora_roots: list[str] = field(default_factory=list)
     allow_runtime_lora_updating: bool = False
     max_request_body_bytes: int = 32 * 1024 * 1024
+    max_buffered_body_bytes: int = 256 * 1024 * 1024  # request bodies being received, all connections together
+    # open on the server's port at once. Envoy opens a connection for each request in flight to a server (HTTP/1.1),
+    # from each worker thread of each gateway pod: a few gateways at a server's --max-num-seqs and its waiting
+    # requests stay well under it
+    max_connections: int = 4096
     max_stored_responses: int = 4096  # stored Responses (previous_response_id), oldest dropped first
     max_stored_response_bytes: int = 256 * 1024 * 1024
     extra_info: dict = field(default_factory=dict)
@@ -68,7 +78,8 @@ def runtime_lora_updating_from_env() -> bool:
 def _error_response(error: OpenAIError, path: str = "") -> web.Response:
     """The error in the shape of the API its path belongs to (error_style)."""
     error.style = error_style(path)
-    return web.Response(status=error.status, body=error.to_json(), content_type="application/json")
+    headers = {"Retry-After": str(error.retry_after)} if error.retry_after is not None else None
+    return web.Response(status=error.status, body=error.to_json(), content_type="application/json", headers=headers)
 
 
 @web.middleware
@@ -82,8 +93,7 @@ async def openai_errors(request: web.Request, handler):
     except web.HTTPException as http:
         if http.status < 400:
             raise
-        message = "request body too large" if http.status == 413 else (http.reason or "error")
-        return _error_response(OpenAIError(message, http.status), request.path)
+        return _error_response(OpenAIError(http.reason or "error", http.status), request.path)
     except asyncio.CancelledError:
         raise
     except Exception as exc:
@@ -130,7 +140,12 @@ class ModelServer:
         self.tokenizer = tokenizer
         self.settings = settings
         self.created = int(time.time())
-        self.app = web.Application(middlewares=[openai_errors], client_max_size=settings.max_request_body_bytes)
+        self.bodies = ByteBudget(settings.max_buffered_body_bytes)
+        self.listener = HttpListener("the model server's port", "modelserver.http", settings.max_connections)
+        self.app = web.Application(middlewares=[self.listener.middleware, openai_errors])
+        # aiohttp's keep-alive (3,630 s) outlasts Envoy's upstream idle timeout (1 h): Envoy closes an idle connection
+        # first, so it never sends a request on one the server is closing
+        self.runner = web.AppRunner(self.app, access_log=None, handler_cancellation=True)
         self.app.router.add_post("/v1/completions", self.completions)
         self.app.router.add_post("/v1/chat/completions", self.chat_completions)
         self.app.router.add_get("/v1/models", self.models)
@@ -151,6 +166,41 @@ class ModelServer:
         )
         ResponsesAPI(self, store).add_routes(self.app.router)
         MessagesAPI(self).add_routes(self.app.router)
+
+    async def start(self, host: str, port: int) -> None:
+        """Serve on host:port, within the listener's limits (protocol/http_listener.py)."""
+        await self.runner.setup()
+        await self.listener.start(self.runner.server, host, port, backlog=1024)
+
+    async def stop(self) -> None:
+        self.listener.close()
+        await self.runner.cleanup()
+
+    async def read_body(self, request: web.Request) -> bytes:
+        """The request's body, read within the server's limits: at most max_request_body_bytes (413), arriving whole
+        within BODY_SECONDS (408), its bytes counted while it arrives against max_buffered_body_bytes, shared by all
+        connections (503 to the request that would go over it). Counted as received, not as declared: a client that
+        declares a large body and sends nothing holds no budget. Without these, 375 connections each sending 8 MiB
+        of a body and never the rest took the server from 55 MB to 5.5 GB."""
+        limit = self.settings.max_request_body_bytes
+        if request.content_length is not None and request.content_length > limit:
+            raise OpenAIError("request body too large", 413)
+        body = bytearray()
+        try:
+            async with asyncio.timeout(BODY_SECONDS):
+                while chunk := await request.content.readany():
+                    if len(body) + len(chunk) > limit:
+                        raise OpenAIError("request body too large", 413)
+                    if not self.bodies.reserve(len(chunk)):
+                        raise OpenAIError(
+                            "the server is receiving too many request bodies at once; retry", 503, retry_after=1
+                        )
+                    body += chunk
+        except TimeoutError:
+            raise OpenAIError(f"request body not received within {BODY_SECONDS:g} s", 408) from None
+        finally:
+            self.bodies.release(len(body))
+        return bytes(body)
 
     # -- info endpoints ----------------------------------------------------------------------------------------
     async def health(self, request: web.Request) -> web.Response:
@@ -228,7 +278,7 @@ class ModelServer:
         )
 
     async def tokenize(self, request: web.Request) -> web.Response:
-        payload = load_json_body(await request.read())
+        payload = load_json_body(await self.read_body(request))
         if "messages" in payload:
             chat = parse_request({"model": self.settings.served_model_name, **payload}, RequestKind.CHAT)
             text = self.tokenizer.apply_chat_template(
@@ -242,7 +292,7 @@ class ModelServer:
         return web.json_response({"tokens": tokens, "count": len(tokens), "max_model_len": self.settings.max_model_len})
 
     async def detokenize(self, request: web.Request) -> web.Response:
-        tokens = load_json_body(await request.read()).get("tokens")
+        tokens = load_json_body(await self.read_body(request)).get("tokens")
         if not isinstance(tokens, list) or not all(
             type(t) is int and 0 <= t < self.tokenizer.vocab_size for t in tokens
         ):
@@ -262,7 +312,7 @@ class ModelServer:
 
     async def load_lora_adapter(self, request: web.Request) -> web.Response:
         self._check_lora_admin()
-        payload = load_json_body(await request.read())
+        payload = load_json_body(await self.read_body(request))
         name = payload.get("lora_name")
         if not isinstance(name, str) or not name or "," in name or name != name.strip():
             raise OpenAIError("`lora_name` must be a non-empty name without commas or spaces", param="lora_name")
@@ -277,7 +327,7 @@ class ModelServer:
 
     async def unload_lora_adapter(self, request: web.Request) -> web.Response:
         self._check_lora_admin()
-        name = load_json_body(await request.read()).get("lora_name")
+        name = load_json_body(await self.read_body(request)).get("lora_name")
         if not isinstance(name, str) or not name:
             raise OpenAIError("`lora_name` is required", param="lora_name")
         try:
@@ -366,7 +416,7 @@ class ModelServer:
     async def _generate(self, request: web.Request, kind: RequestKind) -> web.StreamResponse:
         if self.engine.is_dead:
             raise OpenAIError("engine is dead", 503)
-        parsed = parse_request(await request.read(), kind)
+        parsed = parse_request(await self.read_body(request), kind)
         lora = self._resolve_model(parsed.model)
         sequences = (1 if kind is RequestKind.CHAT else len(parsed.prompts)) * parsed.n
         if sequences > self.engine.config.max_num_seqs:

@@ -13,7 +13,7 @@ def test_the_open_files_soft_limit_is_raised_to_the_hard_one():
     """A distribution's default soft limit (1,024) would stop accepting connections below --max-ext-proc-connections."""
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     script = (
-        "import resource; from epp.cli import raise_open_files_limit; "
+        "import resource; from protocol.limits import raise_open_files_limit; "
         "print(resource.getrlimit(resource.RLIMIT_NOFILE)[0], raise_open_files_limit())"
     )
     low = min(256, hard)

@@ -576,7 +576,7 @@ async def test_a_requests_time_per_output_token_is_read_off_its_servers_scraped_
     from modelserver.engine.sim import SimTiming
     from tests.modelserver.conftest import MODEL, start_server
 
-    running, runner = await start_server(tmp_path, SimTiming(prefill_overhead=0.002, decode_base=0.015))
+    running = await start_server(tmp_path, SimTiming(prefill_overhead=0.002, decode_base=0.015))
     endpoint, extractor = Endpoint(EndpointSpec("s", "127.0.0.1", 1)), PrometheusExtractor()
     try:
         async with aiohttp.ClientSession() as session:
@@ -605,8 +605,7 @@ async def test_a_requests_time_per_output_token_is_read_off_its_servers_scraped_
                 pairs += await asyncio.gather(*(streamed(tokens + 5 * i) for i in range(4)))
             scraper.cancel()
     finally:
-        await runner.cleanup()
-        await running.engine.stop()
+        await running.stop()
     errors = [abs(seen - client) / client for client, seen in pairs if seen is not None]
     assert len(errors) >= 10, pairs
     assert sum(errors) / len(errors) < 0.15, pairs

@@ -12,10 +12,10 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from epp.handlers.budget import ByteBudget
 from epp.handlers.extproc import RequestStream
 from harness.bench.handler_cpu import _director
 from protocol import extproc
+from protocol.limits import ByteBudget
 
 BODY = json.dumps({"model": "sim-llama-8b", "prompt": "Say hello. " * 8, "max_tokens": 4}).encode()
 HEADERS = (

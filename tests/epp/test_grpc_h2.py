@@ -11,13 +11,13 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from prometheus_client import generate_latest
 
 from epp.handlers import accesslog
-from epp.handlers.budget import ByteBudget
 from epp.handlers.extproc import BufferedBodyCollector
 from epp.metrics import EPPMetrics
 from epp.transport import h2
 from epp.transport.h2 import MAX_RECEIVE_FRAME, PREFACE, ExtProcServer, UnaryMethod, frame, grpc_message
 from harness.bench.chaos import goaway_code
 from harness.bench.handler_cpu import CountingTransport
+from protocol.limits import ByteBudget
 from tests.epp.test_transports import PROCESS, EchoHandler, body, headers
 
 

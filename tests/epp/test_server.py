@@ -11,11 +11,11 @@ from google.protobuf import struct_pb2
 
 from epp.datalayer.datastore import Datastore
 from epp.datalayer.endpoint import EndpointSpec, ModelRewrite, PoolState
-from epp.handlers.budget import ByteBudget
 from epp.handlers.extproc import MESSAGE_ENVELOPE_BYTES
 from epp.metrics import MAX_LABEL_VALUES, BoundedLabel, EPPMetrics
 from epp.requestcontrol.director import Director
 from epp.scheduling.scheduler import Scheduler
+from protocol.limits import ByteBudget
 from protocol.metrics import EndpointMetrics
 from tests.epp.helpers import ParsedStream
 

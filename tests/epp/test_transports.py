@@ -13,13 +13,13 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from epp.handlers import accesslog
-from epp.handlers.budget import ByteBudget
 from epp.handlers.extproc import RequestStream
 from epp.handlers.wire import ExtProcRequest
 from epp.transport.grpcio import access_log_service, ext_proc_service
 from epp.transport.h2 import ExtProcServer, UnaryMethod
 from harness.bench.handler_cpu import _director
 from protocol import extproc
+from protocol.limits import ByteBudget
 from tests.epp.helpers import until
 
 PROCESS = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"

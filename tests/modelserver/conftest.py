@@ -3,7 +3,6 @@
 from dataclasses import dataclass
 
 import pytest
-from aiohttp import web
 
 from modelserver.api.server import ModelServer, ServerSettings
 from modelserver.engine.config import EngineConfig
@@ -22,10 +21,18 @@ class RunningServer:
     engine: AsyncEngine
     server: ModelServer
 
+    async def stop(self) -> None:
+        await self.server.stop()
+        await self.engine.stop()
+
 
 async def start_server(
-    tmp_path, timing: SimTiming | None = None, max_request_body_bytes: int = 2 * 1024 * 1024, **config
-) -> tuple[RunningServer, web.AppRunner]:
+    tmp_path,
+    timing: SimTiming | None = None,
+    max_request_body_bytes: int = 2 * 1024 * 1024,
+    max_buffered_body_bytes: int = 256 * 1024 * 1024,
+    **config,
+) -> RunningServer:
     tokenizer = load_tokenizer(None)
     cfg = EngineConfig(**{"num_gpu_blocks": 2048, "max_model_len": 4096, "enable_lora": True, "max_loras": 1, **config})
     timing = timing or SimTiming(prefill_overhead=0.001, prefill_time_per_token=0.00002, decode_base=0.002)
@@ -46,20 +53,18 @@ async def start_server(
         lora_roots=[str(tmp_path / "loras")],
         allow_runtime_lora_updating=True,
         max_request_body_bytes=max_request_body_bytes,
+        max_buffered_body_bytes=max_buffered_body_bytes,
     )
     server = ModelServer(engine, tokenizer, settings)
-    runner = web.AppRunner(server.app, access_log=None, handler_cancellation=True)
-    await runner.setup()
     (port,) = free_ports(1)
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    return RunningServer(f"http://127.0.0.1:{port}", engine, server), runner
+    await server.start("127.0.0.1", port)
+    return RunningServer(f"http://127.0.0.1:{port}", engine, server)
 
 
 @pytest.fixture
 async def model_server(tmp_path):
-    running, runner = await start_server(tmp_path)
+    running = await start_server(tmp_path)
     try:
         yield running
     finally:
-        await runner.cleanup()
-        await running.engine.stop()
+        await running.stop()

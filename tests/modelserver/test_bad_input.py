@@ -39,7 +39,7 @@ bodies = st.fixed_dictionaries(
 
 
 async def test_generated_bodies_never_500(tmp_path):
-    running, runner = await start_server(tmp_path)
+    running = await start_server(tmp_path)
     url = running.url
     try:
         async with aiohttp.ClientSession() as session:
@@ -65,8 +65,7 @@ async def test_generated_bodies_never_500(tmp_path):
             async with session.get(f"{url}/health") as r:
                 assert r.status == 200
     finally:
-        await runner.cleanup()
-        await running.engine.stop()
+        await running.stop()
 
 
 async def post(session, url, body) -> int:
@@ -108,7 +107,7 @@ async def test_raw_garbage_bodies(model_server):
 
 
 async def test_dead_engine_answers_503(tmp_path):
-    running, runner = await start_server(tmp_path)
+    running = await start_server(tmp_path)
     try:
         running.engine.is_dead = True
         async with aiohttp.ClientSession() as session:
@@ -118,12 +117,11 @@ async def test_dead_engine_answers_503(tmp_path):
             async with session.get(f"{running.url}/health") as r:
                 assert r.status == 503
     finally:
-        await runner.cleanup()
-        await running.engine.stop()
+        await running.stop()
 
 
 async def test_an_adapter_whose_files_are_gone_fails_its_request_alone(tmp_path):
-    running, runner = await start_server(tmp_path)
+    running = await start_server(tmp_path)
     executor = running.engine.executor
 
     def load_lora(slot, name, path):
@@ -142,8 +140,7 @@ async def test_an_adapter_whose_files_are_gone_fails_its_request_alone(tmp_path)
             async with session.post(f"{running.url}/v1/completions", json={**body, "model": MODEL}) as r:
                 assert r.status == 200
     finally:
-        await runner.cleanup()
-        await running.engine.stop()
+        await running.stop()
 
 
 async def test_bad_lora_paths_are_400(model_server, tmp_path):
@@ -158,7 +155,7 @@ async def test_bad_lora_paths_are_400(model_server, tmp_path):
 
 @pytest.mark.timing
 async def test_oversized_prompts_are_rejected_before_tokenizing_and_metrics_never_wait(tmp_path):
-    running, runner = await start_server(tmp_path, max_request_body_bytes=64 * 1024 * 1024)
+    running = await start_server(tmp_path, max_request_body_bytes=64 * 1024 * 1024)
     url = running.url
     try:
         async with aiohttp.ClientSession() as session:
@@ -193,8 +190,7 @@ async def test_oversized_prompts_are_rejected_before_tokenizing_and_metrics_neve
                     assert r.status in (200, 400)
             assert worst < 0.6, worst
     finally:
-        await runner.cleanup()
-        await running.engine.stop()
+        await running.stop()
 
 
 async def test_sequences_per_request_are_bounded(model_server):
@@ -207,3 +203,54 @@ async def test_sequences_per_request_are_bounded(model_server):
         body = {"model": MODEL, "prompt": ["a"] * 2, "n": 4, "max_tokens": 2}
         async with session.post(f"{model_server.url}/v1/completions", json=body) as r:
             assert r.status == 200 and len((await r.json())["choices"]) == 8
+
+
+async def test_request_bodies_are_bounded_in_size_pace_and_all_together(tmp_path, monkeypatch):
+    """A body is read within --max-request-body-bytes (413, declared or chunked), within BODY_SECONDS (408), and counted
+    as it arrives against --max-buffered-body-bytes, which all connections share (503 to the one that would go over
+    it, while a small request goes on); what a body held is let go however it ended."""
+    from modelserver.api import server as api
+
+    monkeypatch.setattr(api, "BODY_SECONDS", 0.5)
+    running = await start_server(tmp_path, max_request_body_bytes=2 << 20, max_buffered_body_bytes=3 << 20)
+    host, port = running.url.removeprefix("http://").split(":")
+
+    async def unfinished(declared: int, sent: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % declared)
+        writer.write(b" " * sent)
+        await writer.drain()
+        return reader, writer
+
+    async def answer(reader: asyncio.StreamReader) -> tuple[bytes, dict]:
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        lines = head.decode().split("\r\n")
+        headers = dict(line.lower().split(": ", 1) for line in lines[1:] if line)
+        body = await reader.readexactly(int(headers["content-length"]))
+        return lines[0].encode(), {**headers, "error": json.loads(body)["error"]["message"]}
+
+    try:
+        first = await unfinished(2 << 20, (2 << 20) - 1)  # holds 2 MiB of the 3
+        await asyncio.sleep(0.1)
+        assert running.server.bodies.held == (2 << 20) - 1
+        second_reader, _second = await unfinished(2 << 20, (2 << 20) - 1)
+        status, headers = await answer(second_reader)
+        assert status == b"HTTP/1.1 503 Service Unavailable" and headers["retry-after"] == "1", headers
+        async with aiohttp.ClientSession() as session:
+            body = {"model": MODEL, "prompt": "small", "max_tokens": 2}
+            async with session.post(f"{running.url}/v1/completions", json=body) as r:
+                assert r.status == 200  # a body that fits goes on beside them
+            status, headers = await answer(first[0])  # the first never ended its body: timed out
+            assert status == b"HTTP/1.1 408 Request Timeout" and "not received within" in headers["error"]
+
+            async def chunks():
+                for _ in range(3):
+                    yield b" " * (1 << 20)
+
+            async with session.post(f"{running.url}/v1/completions", data=chunks()) as r:  # chunked, no length
+                assert r.status == 413
+            async with session.post(f"{running.url}/v1/completions", data=b" " * (3 << 20)) as r:  # declared
+                assert r.status == 413
+        assert running.server.bodies.held == 0
+    finally:
+        await running.stop()

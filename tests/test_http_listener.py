@@ -1,30 +1,34 @@
-"""The metrics and status port's listener (epp/transport/http.py): requests are served as aiohttp serves them
-(keep-alive, pipelined, a head split between reads), and a connection beyond the limit, a request head too slow or
-too large, each cost only that connection."""
+"""The HTTP listener of the EPP's metrics port and the model server's port (protocol/http_listener.py): requests are
+served as aiohttp serves them (keep-alive, pipelined, a head split between reads, bodies of any size and pace), and a
+connection beyond the limit, a request head too slow or too large, each cost only that connection."""
 
 import asyncio
 
 import pytest
 from aiohttp import web
 
-from epp.transport import http
-from epp.transport.http import MAX_HEAD_BYTES, HttpListener
+from protocol import http_listener as http
+from protocol.http_listener import MAX_HEAD_BYTES, HttpListener
 from tests.conftest import free_ports
 
 
 @pytest.fixture
 async def listener():
-    app = web.Application()
+    served = HttpListener("the test port", "tests.http", max_connections=4)
+    app = web.Application(middlewares=[served.middleware])
 
     async def hello(request: web.Request) -> web.Response:
         return web.Response(text="hello")
 
+    async def length(request: web.Request) -> web.Response:
+        return web.Response(text=str(len(await request.read())))
+
     app.router.add_get("/hello", hello)
+    app.router.add_post("/length", length)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     (port,) = free_ports(1)
-    served = HttpListener(runner.server, max_connections=4)
-    await served.start("127.0.0.1", port)
+    await served.start(runner.server, "127.0.0.1", port)
     served.port, served.runner = port, runner
     yield served
     served.close()
@@ -114,3 +118,27 @@ async def test_a_request_head_over_the_limit_is_closed(listener):
     writer.write(GET)
     assert await response(reader) == (b"HTTP/1.1 200 OK", b"hello")
     writer.close()
+
+
+def post(body: bytes) -> bytes:
+    return b"POST /length HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+
+
+async def test_a_body_is_not_a_head_whatever_its_size_and_pace_and_the_next_head_is_timed_again(listener, monkeypatch):
+    monkeypatch.setattr(http, "HEAD_SECONDS", 0.3)
+    monkeypatch.setattr(http, "SWEEP_SECONDS", 0.05)
+    reader, writer = await connect(listener)
+    big = b"x" * (4 * MAX_HEAD_BYTES)
+    writer.write(post(big) + post(b"yz"))  # a body over the head limit, and a pipelined request after it
+    assert [await response(reader) for _ in range(2)] == [
+        (b"HTTP/1.1 200 OK", str(len(big)).encode()),
+        (b"HTTP/1.1 200 OK", b"2"),
+    ]
+    slow = post(b"z" * 30)
+    writer.write(slow[:-30])
+    for _ in range(30):  # a body slower than HEAD_SECONDS: its reader's business, not the listener's
+        writer.write(b"z")
+        await asyncio.sleep(0.02)
+    assert await response(reader) == (b"HTTP/1.1 200 OK", b"30")
+    writer.write(b"GET /hello HTTP/1.1\r\n")  # the next head, never ended
+    assert await closed(reader) and listener.slow.count == 1
