@@ -66,10 +66,12 @@ class HttpListener:
 
         @web.middleware
         async def middleware(request: web.Request, handler):
+            connection = self.connections.get(request.transport)
+            if connection is not None:  # a head is over (one the listener did not read: pipelined behind another)
+                connection.in_request, connection.head_since, connection.head_bytes = True, None, 0
             try:
                 return await handler(request)
             finally:
-                connection = self.connections.get(request.transport)
                 # a body its handler left unread is still arriving (aiohttp reads it away after the response): its
                 # bytes are not a head, and the connection stays in the request until the next one ends
                 if connection is not None and request.content.at_eof():

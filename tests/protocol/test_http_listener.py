@@ -142,3 +142,20 @@ async def test_a_body_is_not_a_head_whatever_its_size_and_pace_and_the_next_head
     assert await response(reader) == (b"HTTP/1.1 200 OK", b"30")
     writer.write(b"GET /hello HTTP/1.1\r\n")  # the next head, never ended
     assert await closed(reader) and listener.slow.count == 1
+
+
+async def test_a_pipelined_requests_body_is_not_a_head(listener, monkeypatch):
+    """A request pipelined behind another, its head in the same read as the first's (which the listener does not read
+    past) and its body still arriving when the first ends: its handler's start says its head is over."""
+    monkeypatch.setattr(http, "HEAD_SECONDS", 0.2)
+    monkeypatch.setattr(http, "SWEEP_SECONDS", 0.05)
+    reader, writer = await connect(listener)
+    second = post(b"z" * 40)
+    writer.write(post(b"first") + second[:-40])
+    assert await response(reader) == (b"HTTP/1.1 200 OK", b"5")
+    for _ in range(8):  # the second's body takes 0.4 s, twice HEAD_SECONDS
+        writer.write(b"z" * 5)
+        await asyncio.sleep(0.05)
+    assert await response(reader) == (b"HTTP/1.1 200 OK", b"40")
+    assert listener.slow.count == 0
+    writer.close()
