@@ -131,12 +131,15 @@ def build_parser() -> Parser:
     )
     p.add_argument("--kv-cache-metrics-sample", type=float, default=0.0, help="fraction of KV blocks sampled")
     p.add_argument(
-        "--max-request-body-bytes", type=int, default=32 * 1024 * 1024, help="larger request bodies are answered 413"
+        "--max-request-body-bytes",
+        type=positive_int,
+        default=ServerSettings.max_request_body_bytes,
+        help="larger request bodies are answered 413",
     )
     p.add_argument(
         "--max-buffered-body-bytes",
         type=positive_int,
-        default=8 * 32 * 1024 * 1024,
+        default=ServerSettings.max_buffered_body_bytes,
         help="request body bytes each server receives at once, all connections together; a request that would go "
         "over it is answered 503",
     )
