@@ -30,7 +30,7 @@ from modelserver.engine.request import FinishReason, SamplingParams
 from modelserver.lora_files import resolve_adapter_path
 from modelserver.metrics import prometheus_logger
 from protocol.http_listener import HttpListener
-from protocol.limits import ByteBudget
+from protocol.limits import ByteBudget, RepeatedWarning
 from protocol.openai import (
     CompletionRequest,
     OpenAIError,
@@ -142,6 +142,11 @@ class ModelServer:
         self.settings = settings
         self.created = int(time.time())
         self.bodies = ByteBudget(settings.max_buffered_body_bytes)
+        self.bodies_refused = RepeatedWarning(
+            "modelserver.http",
+            "answered 503: request bodies being received hold %d of --max-buffered-body-bytes %d; %d so far",
+        )
+        self.bodies_late = RepeatedWarning("modelserver.http", "answered 408: a request body took over %g s; %d so far")
         self.listener = HttpListener("the model server's port", "modelserver.http", settings.max_connections)
         self.app = web.Application(middlewares=[self.listener.middleware, openai_errors])
         # aiohttp's keep-alive (3,630 s) outlasts Envoy's upstream idle timeout (1 h): Envoy closes an idle connection
@@ -195,11 +200,13 @@ class ModelServer:
                     if len(body) + len(chunk) > limit:
                         raise OpenAIError("request body too large", 413)
                     if not self.bodies.reserve(len(chunk)):
+                        self.bodies_refused.note(self.bodies.held, self.bodies.limit)
                         raise OpenAIError(
                             "the server is receiving too many request bodies at once; retry", 503, retry_after=1
                         )
                     body += chunk
         except TimeoutError:
+            self.bodies_late.note(BODY_SECONDS)
             raise OpenAIError(f"request body not received within {BODY_SECONDS:g} s", 408) from None
         finally:
             self.bodies.release(len(body))

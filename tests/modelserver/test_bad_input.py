@@ -252,5 +252,6 @@ async def test_request_bodies_are_bounded_in_size_pace_and_all_together(tmp_path
             async with session.post(f"{running.url}/v1/completions", data=b" " * (3 << 20)) as r:  # declared
                 assert r.status == 413
         assert running.server.bodies.held == 0
+        assert running.server.bodies_refused.count == running.server.bodies_late.count == 1
     finally:
         await running.stop()
