@@ -219,6 +219,20 @@ def _flags(container: dict) -> dict[str, str]:
     return dict(arg.removeprefix("--").split("=", 1) if "=" in arg else (arg[2:], "") for arg in container["args"])
 
 
+def test_the_kv_events_doc_s_policy_lets_only_the_epp_reach_a_model_server_s_publisher():
+    """docs/kv-events.md's NetworkPolicy for the model servers (a publisher queues up to `hwm` messages for each
+    subscriber): valid, the API port open to all, the KV-event and replay ports to the EPP's Pods only."""
+    text = (MANIFESTS.parent / "docs" / "kv-events.md").read_text()
+    (policy,) = [yaml.safe_load(b.split("```")[0]) for b in text.split("```yaml\n")[1:]]
+    kubernetes_validate.validate(policy, K8S_VERSION, strict=True)
+    base = build("base")
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= _pod_labels(base, "model-server").items()
+    epp = _pod_labels(base, "epp")
+    assert _admits(policy, {"app": "anything"}, False, 8000)
+    for port in (DEFAULT_SUBSCRIBER_PORT, 5558):  # the publisher, and the replay socket of the doc's example
+        assert _admits(policy, epp, True, port) and not _admits(policy, {"app": "anything"}, True, port)
+
+
 def test_epp_replicas_behind_headless_services_with_a_disruption_budget():
     """Several active-active replicas: the gateway's Service is headless (its name resolves to every ready pod, which
     the Envoy gateway balances stream by stream); the replicas find each other through a second headless Service that
