@@ -30,12 +30,15 @@ def should_bind(endpoint: str) -> bool:
 class ZmqEventPublisher:
     """vLLM's ZmqEventPublisher. Bounded everywhere: `publish` never blocks (a full queue of `max_queue_size` drops
     the batch and counts it; subscribers see the gap and ask for a replay), the PUB socket drops what a slow or absent
-    subscriber has not taken beyond `hwm` messages, and the replay buffer keeps the last `buffer_steps` payloads."""
+    subscriber has not taken beyond `hwm` messages, and the replay buffer keeps the last `buffer_steps` payloads (with a
+    replay socket; without one, none)."""
 
     def __init__(self, config: KVEventsConfig, topic: str, context: zmq.Context | None = None):
         self._ctx = context or zmq.Context.instance()
         self._queue: queue.Queue[KVEventBatch] = queue.Queue(maxsize=config.max_queue_size)
-        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
+        # kept only for a replay socket to serve: a step's batch of a long prompt is kilobytes, and 10,000 of them
+        # (vLLM's buffer_steps) held 36-62 MB of a sim server under load with nothing to read them
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps if config.replay_endpoint else 0)
         self._topic = topic.encode()
         self._stopping = threading.Event()
         self.dropped_batches = 0

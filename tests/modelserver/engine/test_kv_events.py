@@ -274,10 +274,13 @@ async def test_sequence_numbers_are_gapless_and_replay_answers_as_vllm_even_afte
 
 
 @pytest.mark.timing
-def test_publishing_never_blocks_and_stays_bounded_when_nobody_reads():
+@pytest.mark.parametrize("replay", [False, True])
+def test_publishing_never_blocks_and_stays_bounded_when_nobody_reads(replay):
+    """The replay buffer keeps the last buffer_steps batches for a replay socket, and none without one."""
+    replay_endpoint = ', "replay_endpoint": "tcp://127.0.0.1:*"' if replay else ""
     config = KVEventsConfig.from_json(
         '{"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:*", "hwm": 10, "buffer_steps": 50,'
-        ' "max_queue_size": 100}'
+        f' "max_queue_size": 100{replay_endpoint}}}'
     )
     ctx = zmq.Context()
     publisher = ZmqEventPublisher(config, "t", ctx)
@@ -296,7 +299,7 @@ def test_publishing_never_blocks_and_stays_bounded_when_nobody_reads():
         while publisher.next_seq + publisher.dropped_batches < 20_000:
             assert time.monotonic() < deadline, "the publisher thread stalled"
             time.sleep(0.01)
-        assert publisher.next_seq > 0 and len(publisher._buffer) == 50
+        assert publisher.next_seq > 0 and len(publisher._buffer) == (50 if replay else 0)
         assert publisher._queue.qsize() == 0
     finally:
         publisher.close()
