@@ -364,8 +364,7 @@ class EndpointPicker:
         await self.health_server.stop(grace=None)
         if self.replicas is not None:
             await self.replicas.stop()
-        if self.metrics_listener is not None:
-            self.metrics_listener.close()
+        self.metrics_listener.close()
         await self.metrics_runner.cleanup()
         await self.datastore.close()
         await self.director.responses.close()
