@@ -27,10 +27,14 @@ entries loses its oldest, a few C operations each (`_Entries`: a list in the ord
 its cap an entry costs 116-151 bytes, 146-208 at the peak while the hash table is rebuilt (`epp-bench kv-index`,
 tracemalloc, caps of 2,500,000 and 400,000 over 8 servers, each entry evicted once; 78-96 just filled): the default
 cap, 2,500,000 entries, peaks under ~500 MiB, within a budget of 512 MiB (a quarter of the manifest's 2 GiB limit),
-and holds 80 servers of 31,250 blocks. Updates run in slices (`pace`), so a huge batch never stops the event loop
-for long. While no batch comes, the subscriber trims the index a 64th below its cap (`trim`, a slice at a time), so
-that the batches that follow only insert; a store over the cap still evicts at once. The EPP exports the index size, the entries the cap dropped, events applied, gaps, replays and the delay
-from a batch's step (its `ts`) to its application (inference_extension_kv_events_*).
+and holds 80 servers of 31,250 blocks. What waits to be applied is bounded as well: QUEUED_MESSAGES a socket (the
+rest waits in TCP and the server's own queue), MAX_REPLAY_BYTES over the replays under way; and a socket is read
+READ_TURN_SECONDS at a time while others wait, so a server that publishes faster than its batches are applied
+delays only itself. Updates run in slices (`pace`), so a huge batch never stops the event loop for long. While no
+batch comes, the subscriber trims the index a 64th below its cap (`trim`, a slice at a time), so that the batches
+that follow only insert; a store over the cap still evicts at once. The EPP exports the index size, the entries the
+cap dropped, events applied, gaps, replays and the delay from a batch's step (its `ts`) to its application
+(inference_extension_kv_events_*).
 """
 
 from __future__ import annotations
@@ -76,6 +80,20 @@ MAX_REPLAYED_BATCHES = 20_000
 # An endpoint's live batches held while its replay is under way (at most `replay_timeout`: a server publishes about
 # one a step); beyond this the replay is given up and they are applied as after a gap.
 MAX_HELD_BATCHES = 256
+# What the replays under way hold, all endpoints together: the batches replayed and the live ones held meanwhile,
+# counted as the bytes of their messages (decoded, a batch of hashes takes up to ~5x that). The replay that would go
+# over is given up, as after a gap: a new EPP whose pool's servers all replay 10,000 buffered batches (vLLM's
+# buffer_steps) must not hold them all at once.
+MAX_REPLAY_BYTES = 32 << 20
+# Messages one socket queues in this process (zmq's receive high-water mark; its default, 1,000): past it zmq stops
+# reading that connection, TCP holds the next ones, and a server that goes on publishing keeps them in its own
+# queue (vLLM's hwm, 100,000) or drops them, a gap here. So one endpoint costs at most QUEUED_MESSAGES x
+# MAX_MESSAGE_BYTES here however fast it publishes: with the default, one server publishing 2 MB batches faster than
+# they were applied took the subscriber from 31 to 1,841 MB, kept after (docs/kv-events.md).
+QUEUED_MESSAGES = 16
+# One socket is read for at most this long while others are ready: a server that publishes faster than its batches
+# are applied must not hold every other server's events back (they waited until it stopped).
+READ_TURN_SECONDS = 0.002
 # An index update (a batch's blocks stored, removed or cleared, the entries over the cap evicted) runs in chunks of
 # CHUNK_BLOCKS blocks (~0.1 ms), and lets the event loop's thread run once a slice of chunks has taken SLICE_SECONDS:
 # a batch of 150,000 new blocks at the cap then never stops routing for much longer than a slice. A request that
@@ -390,7 +408,19 @@ class _Replay:
     """Batches [start, until) asked of an endpoint's replay socket (`KVEventSubscriber._ask_replay`): those received
     so far, and the endpoint's live batches that came meanwhile, applied once the replay ends."""
 
-    __slots__ = ("address", "deadline", "endpoint", "held", "model", "replayed", "socket", "start", "until", "whole")
+    __slots__ = (
+        "address",
+        "bytes",
+        "deadline",
+        "endpoint",
+        "held",
+        "model",
+        "replayed",
+        "socket",
+        "start",
+        "until",
+        "whole",
+    )
 
     def __init__(
         self,
@@ -406,7 +436,8 @@ class _Replay:
         self.endpoint, self.model, self.start, self.until, self.whole = endpoint, model, start, until, whole
         self.socket, self.address, self.deadline = socket, address, deadline
         self.replayed: list[tuple[int, IndexedBatch]] = []
-        self.held: list[tuple[str, int, IndexedBatch]] = []  # (model, seq, batch) from the live socket
+        self.held: list[tuple[str, int, IndexedBatch, int]] = []  # (model, seq, batch, its bytes) from the live socket
+        self.bytes = 0  # the messages of both, counted against MAX_REPLAY_BYTES
 
     @property
     def complete(self) -> bool:
@@ -459,6 +490,7 @@ class KVEventSubscriber:
         # Replays under way, by endpoint: each waits on its socket beside the live ones, so a replay socket that is
         # slow or absent delays only its own endpoint's batches (they are held until it ends)
         self._replays: dict[str, _Replay] = {}
+        self._replay_bytes = 0  # what they hold (`_Replay.bytes`), all together
         self._decode = msgspec.msgpack.Decoder(IndexedBatch).decode
         self._next_seq: dict[str, int] = {}
         self._forget: deque[str] = deque()  # endpoints that left the pool (appended on the loop, read by the thread)
@@ -582,6 +614,7 @@ class KVEventSubscriber:
         socket.setsockopt(zmq.SUBSCRIBE, b"kv@")
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        socket.setsockopt(zmq.RCVHWM, QUEUED_MESSAGES)
         # a server not up yet is retried less and less often, at most a second apart (what it publishes before the
         # connection is made is replayed from its replay socket, when known: a late joiner's history)
         socket.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
@@ -632,7 +665,9 @@ class KVEventSubscriber:
             self._follow()
             index = self.index
             ready, self._unread = self._unread, []
-            if not ready:
+            if ready:  # new sockets, or some whose turn ran out: those that woke meanwhile are read too
+                ready += [key.data for key, _ in self._selector.select(0) if key.data not in ready]
+            else:
                 # A socket's FD signals that its state may have changed, once: each socket it names is read until
                 # it has nothing more (zmq.Again), or no later message would wake this thread.
                 wait = IDLE_MS / 1000 if index.size > index.low_mark else 0.1
@@ -648,7 +683,11 @@ class KVEventSubscriber:
                     self._settle(self._read_replay, socket)
                     continue
                 source = self._sources[socket]
+                turn_ends = time.perf_counter() + READ_TURN_SECONDS
                 while True:  # drain what has arrived: one wake per burst, not per message
+                    if time.perf_counter() > turn_ends:
+                        self._unread.append(socket)  # the others ready go first
+                        break
                     try:
                         frames = socket.recv_multipart(zmq.NOBLOCK, copy=False)
                     except zmq.Again:
@@ -679,7 +718,7 @@ class KVEventSubscriber:
                         log.debug("ignoring a malformed KV event message: %s", exc)
                         continue
                     try:
-                        self._receive(endpoint, parsed[1], int.from_bytes(seq_bytes, "big"), batch)
+                        self._receive(endpoint, parsed[1], int.from_bytes(seq_bytes, "big"), batch, len(frames[2]))
                     except Exception:  # a bug costs this batch (and the endpoint's sync), not every server's events
                         log.exception("KV events: applying a batch from %s failed", endpoint)
                         self._resync(endpoint)
@@ -713,18 +752,15 @@ class KVEventSubscriber:
             endpoint,
         )
 
-    def _receive(self, endpoint: str, model: str, seq: int, batch: IndexedBatch) -> None:
+    def _receive(self, endpoint: str, model: str, seq: int, batch: IndexedBatch, size: int) -> None:
+        """A batch of the endpoint's (its message `size` bytes) from its live socket."""
         replay = self._replays.get(endpoint)
         if replay is not None:  # applied after the replay, in order
-            replay.held.append((model, seq, batch))
-            if len(replay.held) > MAX_HELD_BATCHES:
-                log.warning(
-                    "KV events: replay from %s given up: %d batches came meanwhile", replay.address, len(replay.held)
-                )
-                self._end_replay(replay, False)
+            replay.held.append((model, seq, batch, size))
+            self._hold(replay, size)
             return
         expected = self._next_seq.get(endpoint)
-        if expected is None and seq > 0 and self._ask_replay(endpoint, model, 0, seq, False, batch):
+        if expected is None and seq > 0 and self._ask_replay(endpoint, model, 0, seq, False, batch, size):
             return  # a subscriber that joined late: what the server still buffers of its history comes first
         if expected is not None and seq != expected:
             if seq < expected:
@@ -732,7 +768,7 @@ class KVEventSubscriber:
                 self.index.clear(endpoint)
                 self._verified.discard(endpoint)  # perhaps with another seed
                 self.mismatched.discard(endpoint)
-            elif self._ask_replay(endpoint, model, expected, seq, True, batch):
+            elif self._ask_replay(endpoint, model, expected, seq, True, batch, size):
                 return
             else:
                 self._gap(endpoint, expected, seq)
@@ -804,12 +840,15 @@ class KVEventSubscriber:
             return False
         return True  # nothing to check in this batch: it is applied, and a later one is checked
 
-    def _ask_replay(self, endpoint: str, model: str, start: int, until: int, whole: bool, batch: IndexedBatch) -> bool:
+    def _ask_replay(
+        self, endpoint: str, model: str, start: int, until: int, whole: bool, batch: IndexedBatch, size: int
+    ) -> bool:
         """Ask the server's replay socket for batches [start, until); False when none can be asked (no replay socket
         known, a gap larger than any buffer). Otherwise the replay runs beside the live sockets (`_read_replay`),
-        `batch` (number `until`) and the endpoint's later batches are held until it ends (`_end_replay`), and only
-        this endpoint waits. With `whole` False (a late joiner's history) the latest run the server still buffers
-        will do: a suffix of its history adds no block it evicted, it only misses older ones."""
+        `batch` (number `until`, `size` bytes) and the endpoint's later batches are held until it ends
+        (`_end_replay`), and only this endpoint waits. With `whole` False (a late joiner's history) the latest run
+        the server still buffers will do: a suffix of its history adds no block it evicted, it only misses older
+        ones."""
         if self.replay_port_offset is None:
             return False
         if until - start > MAX_REPLAYED_BATCHES:
@@ -821,6 +860,7 @@ class KVEventSubscriber:
         socket = self._ctx.socket(zmq.DEALER)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        socket.setsockopt(zmq.RCVHWM, QUEUED_MESSAGES)
         try:
             socket.connect(address)
             socket.send_multipart((b"", start.to_bytes(8, "big")), zmq.NOBLOCK)
@@ -829,15 +869,40 @@ class KVEventSubscriber:
             socket.close(linger=0)
             return False
         replay = _Replay(endpoint, model, start, until, whole, socket, address, time.monotonic() + self.replay_timeout)
-        replay.held.append((model, until, batch))
+        replay.held.append((model, until, batch, size))
         self._replays[endpoint] = replay
         self._watch(socket, replay)
+        self._hold(replay, size)
         return True
+
+    def _hold(self, replay: _Replay, size: int) -> bool:
+        """`size` bytes more held by the replay; whether it goes on. Over MAX_REPLAY_BYTES (all replays together) or
+        MAX_HELD_BATCHES live batches it is given up, as after a gap."""
+        replay.bytes += size
+        self._replay_bytes += size
+        if self._replay_bytes <= MAX_REPLAY_BYTES and len(replay.held) <= MAX_HELD_BATCHES:
+            return True
+        log.warning(
+            "KV events: replay from %s given up: it held %d replayed and %d live batches, %d bytes (replays under way "
+            "hold at most %d bytes and %d live batches each)",
+            replay.address,
+            len(replay.replayed),
+            len(replay.held),
+            replay.bytes,
+            MAX_REPLAY_BYTES,
+            MAX_HELD_BATCHES,
+        )
+        self._end_replay(replay, False)
+        return False
 
     def _read_replay(self, replay: _Replay) -> None:
         """What the replay socket sent since the last read; the replay ends at its end marker, or at a batch out of
         order or unreadable."""
+        turn_ends = time.perf_counter() + READ_TURN_SECONDS
         while True:
+            if time.perf_counter() > turn_ends:
+                self._unread.append(replay)  # the others ready go first
+                return
             try:
                 frames = replay.socket.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
@@ -858,6 +923,8 @@ class KVEventSubscriber:
             except (msgspec.DecodeError, ValueError) as exc:
                 log.warning("KV events: replay from %s failed: %s", replay.address, exc)
                 self._end_replay(replay, False)
+                return
+            if not self._hold(replay, len(frames[2])):
                 return
 
     def _expire_replays(self) -> None:
@@ -891,10 +958,11 @@ class KVEventSubscriber:
             if replay.whole:
                 self._gap(endpoint, replay.start, replay.until)
             self._next_seq[endpoint] = replay.until  # the held batches go on from there
-        for model, seq, batch in replay.held:
-            self._receive(endpoint, model, seq, batch)
+        for model, seq, batch, size in replay.held:
+            self._receive(endpoint, model, seq, batch, size)
 
     def _close_replay(self, replay: _Replay) -> None:
         if self._replays.get(replay.endpoint) is replay:  # (not closed already)
             del self._replays[replay.endpoint]
+            self._replay_bytes -= replay.bytes
             self._unwatch(replay.socket, replay)

@@ -38,9 +38,10 @@ from protocol.kv_events import (
 from tests.epp.helpers import until
 
 
-def wire(batch: KVEventBatch) -> IndexedBatch:
-    """A batch as the subscriber decodes it from the wire."""
-    return msgspec.msgpack.decode(msgspec.msgpack.encode(batch), type=IndexedBatch)
+def receive(subscriber: KVEventSubscriber, endpoint: str, seq: int, batch: KVEventBatch) -> None:
+    """The batch as if it came on the endpoint's live socket (model m), decoded as the subscriber decodes it."""
+    message = msgspec.msgpack.encode(batch)
+    subscriber._receive(endpoint, "m", seq, msgspec.msgpack.decode(message, type=IndexedBatch), len(message))
 
 
 def in_pool(subscriber: KVEventSubscriber, *hostports: str) -> None:
@@ -104,18 +105,16 @@ def test_a_gap_or_a_restart_drops_that_endpoint_only_and_resyncs(caplog):
     subscriber = KVEventSubscriber(index, "tcp://127.0.0.1:*")
     try:
         batch = KVEventBatch(0.0, [BlockStored([1, 2], None, list(range(32)), 16, None, "GPU")])
-        subscriber._receive("a:1", "m", 0, wire(batch))
-        subscriber._receive("b:1", "m", 0, wire(batch))
-        subscriber._receive(
-            "a:1", "m", 2, wire(KVEventBatch(0.0, [BlockStored([7], None, list(range(16)), 16, None, "GPU")]))
-        )
+        receive(subscriber, "a:1", 0, batch)
+        receive(subscriber, "b:1", 0, batch)
+        receive(subscriber, "a:1", 2, KVEventBatch(0.0, [BlockStored([7], None, list(range(16)), 16, None, "GPU")]))
         assert subscriber.gaps == 1
         assert index.prefix_blocks([1, 2], ["a:1", "b:1"]) == {"a:1": 0, "b:1": 2}
         assert index.prefix_blocks([7], ["a:1"]) == {"a:1": 1}
-        subscriber._receive("b:1", "m", 1, wire(KVEventBatch(0.0, [BlockRemoved([2], "GPU")])))
+        receive(subscriber, "b:1", 1, KVEventBatch(0.0, [BlockRemoved([2], "GPU")]))
         assert index.prefix_blocks([1, 2], ["b:1"]) == {"b:1": 1}
         # the gap is said once per endpoint, with the batches it missed, however many follow
-        subscriber._receive("a:1", "m", 5, wire(batch))
+        receive(subscriber, "a:1", 5, batch)
         assert subscriber.gaps == 2
         said = [r.getMessage() for r in caplog.records if "missed" in r.getMessage()]
         assert said == [said[0]] and "a:1: batches 1 to 1 missed" in said[0], said
@@ -285,6 +284,56 @@ def test_every_publisher_of_a_large_pool_is_read_through_bursts_and_departures()
         close(subscriber, ctx, servers)
 
 
+def flooded(pub: zmq.Socket, hostport: str, blocks: int, seconds: float) -> threading.Thread:
+    """A thread that publishes batches of `blocks` blocks each (block hashes 0..blocks-1, every batch the same, a
+    parent so that no hash check applies) on `pub` as fast as it can for `seconds`."""
+    batch = KVEventBatch(
+        0.0, [BlockStored(list(range(blocks)), 1, [100_000 + t for t in range(16)] * blocks, 16, None, "GPU")]
+    )
+    message = msgspec.msgpack.encode(batch)
+    assert len(message) < MAX_MESSAGE_BYTES
+
+    def flood() -> None:
+        seq, end = 0, time.monotonic() + seconds
+        while time.monotonic() < end:
+            pub.send_multipart([f"kv@{hostport}@m".encode(), seq.to_bytes(8, "big"), message])
+            seq += 1
+            if seq % 8 == 0:
+                time.sleep(0.001)
+
+    thread = threading.Thread(target=flood, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_server_that_publishes_faster_than_its_batches_are_applied_does_not_hold_back_the_others():
+    """One server floods batches of 20,000 blocks (each ~10 ms to apply) for 3 s; another publishes a batch every
+    100 ms meanwhile: each of those is in the index within a few of the flood's batches. The subscriber read a socket
+    until it had nothing more, so the quiet server's batches waited until the flood ended (5 s and more)."""
+    index = KVBlockIndex()
+    subscriber = KVEventSubscriber(index, connect_port_offset=0)
+    ctx = zmq.Context()
+    servers = publishers(subscriber, ctx, 2)
+    (loud, loud_pub), (quiet, quiet_pub) = servers
+    try:
+        flooding = flooded(loud_pub, loud, 20_000, 3.0)
+        assert soon(lambda: index.entries(loud) > 0)
+        waits = []
+        for seq in range(10):
+            publish(
+                quiet_pub, quiet, seq, KVEventBatch(0.0, [BlockStored([10**9 + seq], None, [0] * 16, 16, None, "GPU")])
+            )
+            sent = time.monotonic()
+            assert soon(lambda seq=seq: index.entries(quiet) == seq + 1, timeout=5.0)
+            waits.append(time.monotonic() - sent)
+            time.sleep(0.1)
+        assert flooding.is_alive(), "the flood ended before the quiet server's batches: nothing was measured"
+        assert max(waits) < 0.5, waits
+        flooding.join()
+    finally:
+        close(subscriber, ctx, servers)
+
+
 def test_the_memory_cap_drops_the_largest_endpoint_s_oldest_entries_and_counts_them():
     index = KVBlockIndex(max_entries=4)
     index.store("a", [1, 2, 3])
@@ -380,11 +429,9 @@ def test_a_restarted_server_is_dropped_and_counted_apart_from_gaps():
     try:
         stored = KVEventBatch(time.time(), [BlockStored([1, 2], None, list(range(32)), 16, None, "GPU")])
         for seq in range(3):
-            subscriber._receive("a:1", "m", seq, wire(stored))
+            receive(subscriber, "a:1", seq, stored)
         assert index.publishes("a:1") and not index.publishes("b:1") and index.block_size == 16
-        subscriber._receive(
-            "a:1", "m", 0, wire(KVEventBatch(time.time(), [BlockStored([5], None, [0] * 16, 16, None, None)]))
-        )
+        receive(subscriber, "a:1", 0, KVEventBatch(time.time(), [BlockStored([5], None, [0] * 16, 16, None, None)]))
         assert subscriber.restarts == 1 and subscriber.gaps == 0
         assert index.prefix_blocks([1], ["a:1"]) == {"a:1": 0} and index.prefix_blocks([5], ["a:1"]) == {"a:1": 1}
         assert subscriber.batches == 4 and subscriber.events_applied == 4 and sum(subscriber.lag_buckets) == 4
@@ -521,6 +568,31 @@ def test_a_new_subscriber_is_not_held_up_by_every_server_s_absent_replay_socket_
         assert took < 2.0 and subscriber.gaps == 0 and subscriber.replays == 0, took
     finally:
         close(subscriber, ctx, servers)
+
+
+def test_a_replay_that_would_hold_more_than_its_byte_budget_is_given_up_as_a_gap(monkeypatch):
+    """What replays hold (the batches replayed and the live ones held meanwhile) is bounded in bytes, all replays
+    together: a replay that would go over is given up, its endpoint's entries dropped as after a gap, and the live
+    batches it held applied; nothing stays counted."""
+    monkeypatch.setattr(kv_events, "MAX_REPLAY_BYTES", 4_000)
+    with ReplayingServer() as server:
+        index, subscriber, endpoint = server.index, server.subscriber, server.endpoint
+        replaying = server.serve_replays(buffered(0, 200))  # ~60 bytes a batch: 198 of them are over 4,000
+        server.publish(0, stored(0))
+        assert soon(lambda: subscriber.batches == 1)
+        server.publish(199, stored(199))
+        assert soon(lambda: subscriber.gaps == 1)
+        replaying.join(timeout=5)
+        assert server.asked == [1] and subscriber.replays == 0 and subscriber._replay_bytes == 0
+        assert soon(lambda: index.prefix_blocks([200], [endpoint]) == {endpoint: 1})  # the live batch, applied
+        assert index.prefix_blocks([1], [endpoint]) == {endpoint: 0}  # dropped with the gap
+        # within the budget, the next gap is closed from the replay socket as usual
+        replaying = server.serve_replays(buffered(0, 204))
+        server.publish(203, stored(203))
+        assert soon(lambda: subscriber.replays == 1)
+        replaying.join(timeout=5)
+        assert subscriber.gaps == 1 and subscriber._replay_bytes == 0
+        assert all(index.prefix_blocks([h], [endpoint]) == {endpoint: 1} for h in (201, 202, 203, 204))
 
 
 def test_a_late_subscriber_fetches_what_the_server_still_buffers():
@@ -695,20 +767,20 @@ def test_a_server_hashing_with_another_seed_is_found_out_and_left_to_the_approxi
     subscriber = KVEventSubscriber(index, connect_port_offset=0)
     tokens = list(range(32))
 
-    def stored(seed: str) -> IndexedBatch:
+    def stored(seed: str) -> KVEventBatch:
         hashes = request_block_hashes(tokens, 16, hash_seed=seed)
-        return wire(KVEventBatch(time.time(), [BlockStored(hashes, None, tokens, 16, None, "GPU")]))
+        return KVEventBatch(time.time(), [BlockStored(hashes, None, tokens, 16, None, "GPU")])
 
     try:
-        subscriber._receive("a:1", "m", 0, stored("1"))
-        subscriber._receive("a:1", "m", 1, stored("1"))
+        receive(subscriber, "a:1", 0, stored("1"))
+        receive(subscriber, "a:1", 1, stored("1"))
         assert subscriber.mismatched == {"a:1"} and index.size == 0 and not index.publishes("a:1")
         gauge = next(m for m in subscriber.collect() if m.name.endswith("hash_mismatched_endpoints"))
         assert gauge.samples[0].value == 1
         assert sum("another PYTHONHASHSEED" in r.getMessage() for r in caplog.records) == 1
-        subscriber._receive("b:1", "m", 0, stored("0"))
+        receive(subscriber, "b:1", 0, stored("0"))
         assert index.publishes("b:1") and index.size == 2
-        subscriber._receive("a:1", "m", 0, stored("0"))  # restarted, now with the pool's seed
+        receive(subscriber, "a:1", 0, stored("0"))  # restarted, now with the pool's seed
         assert subscriber.mismatched == set() and index.publishes("a:1") and index.size == 4
     finally:
         subscriber.shutdown()

@@ -13,23 +13,27 @@ import subprocess
 import time
 import urllib.request
 
+import msgspec
+import zmq
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from hpack import Encoder
 
 from epp.transport.h2 import DATA, HEADERS, PREFACE, SETTINGS, frame, grpc_message
 from harness.bench.chaos import REQUEST_HEADERS, rss_mb
 from harness.local import epp_command, python_module, wait_until_serving
+from protocol.kv_events import BlockStored, KVEventBatch
 from tests.conftest import free_ports
 
 
 @contextlib.contextmanager
-def idle_epp(tmp_path):
-    """An EPP on a one-endpoint pool, started and idle: (its process, its grpc, health and metrics ports)."""
+def idle_epp(tmp_path, kv_events_port: int = 0):
+    """An EPP on a one-endpoint pool (127.0.0.1:1; its KV-event publisher at `kv_events_port`, 0: none), started and
+    idle: (its process, its grpc, health and metrics ports)."""
     grpc, health, metrics = free_ports(3)
     pool = tmp_path / "pool.yaml"
     pool.write_text("endpoints:\n- {name: a, address: 127.0.0.1, port: 1}\n")
     log = tmp_path / "epp.log"
-    argv = epp_command(str(pool), "127.0.0.1", grpc, health, metrics, 0)
+    argv = epp_command(str(pool), "127.0.0.1", grpc, health, metrics, kv_events_port)
     with log.open("wb") as out:
         epp = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONHASHSEED": "0"})
     try:
@@ -168,3 +172,43 @@ def test_the_model_servers_rss_returns_near_idle_after_unfinished_heads_and_bodi
         assert idle + 40 < during < idle + budget / (1 << 20) + 64, ("bodies", idle, during)  # held, within budget
         assert after <= idle + 64, ("bodies", idle, during, after)
         complete(port)
+
+
+def test_rss_stays_near_idle_while_a_server_publishes_kv_events_faster_than_they_are_applied(tmp_path):
+    """The pool's server publishes batches of 24,000 blocks (2 MB each, under the message limit) as fast as it can
+    for 4 s: the EPP queues only a few of them (TCP and the publisher hold the rest) and applies them as it can.
+    With zmq's default queue (1,000 messages a socket) the EPP went from 31 to 1,841 MB, and stayed there after."""
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.SNDHWM, 64)  # this process's own queue: what does not fit is dropped here (a gap there)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    blocks = 24_000
+    message = msgspec.msgpack.encode(
+        KVEventBatch(
+            0.0, [BlockStored(list(range(blocks)), 1, [100_000 + t for t in range(16)] * blocks, 16, None, None)]
+        )
+    )
+    try:
+        with idle_epp(tmp_path, kv_events_port=port) as (epp, _, _, metrics):
+            idle = rss_mb(epp.pid)
+            peak, seq, end = idle, 0, time.monotonic() + 4
+            while time.monotonic() < end:
+                pub.send_multipart([b"kv@127.0.0.1:1@m", seq.to_bytes(8, "big"), message])
+                seq += 1
+                if seq % 16 == 0:
+                    peak = max(peak, rss_mb(epp.pid))
+                    time.sleep(0.005)
+            with urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=5) as page:
+                applied = next(
+                    float(line.split()[-1])
+                    for line in page.read().decode().splitlines()
+                    if line.startswith("inference_extension_kv_events_batches_total")
+                )
+            assert applied > 0, "no batch was applied: the flood tested nothing"
+            assert peak <= idle + 96, (idle, peak, seq, applied)
+            pub.close(linger=0)
+            time.sleep(1)
+            assert rss_mb(epp.pid) <= idle + 64, (idle, peak, rss_mb(epp.pid))
+    finally:
+        pub.close(linger=0)
+        ctx.term()
