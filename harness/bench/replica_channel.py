@@ -36,7 +36,7 @@ from harness.bench.ports import free_ports
 FIRST_BYTE_SECONDS = 0.04
 END_SECONDS = 0.25
 PROMPT_TOKENS = 3000
-START_SECONDS = 1.0  # for the replicas to hear each other (and themselves) before the measured run
+START_SECONDS = 1.0  # once all are up, for the replicas to hear each other (and themselves) before the measured run
 SECRET = b"epp-bench replica-channel"
 
 
@@ -57,7 +57,7 @@ def _cpu() -> float:
 
 
 async def _replica(
-    index: int, ports: list[int], sharing: bool, rate: float, duration: float, servers: int, blocks: int
+    index: int, ports: list[int], sharing: bool, rate: float, duration: float, servers: int, blocks: int, ready
 ):
     datastore = Datastore([])
     datastore.apply(PoolState(endpoints=tuple(EndpointSpec(f"e{i}", "127.0.0.1", 8000 + i) for i in range(servers))))
@@ -68,6 +68,9 @@ async def _replica(
         channel = ReplicaChannel(datastore, prefix, ports[index], peers, "127.0.0.1", SECRET)
         predictor.observed = channel.observed
         await channel.start()
+    # every replica's socket bound before any measures: a process that started late (a busy host) missed what its
+    # peers sent it meanwhile
+    await asyncio.to_thread(ready.wait, 60)
     loop = asyncio.get_running_loop()
     rng = random.Random(index)
     conversations = [[rng.getrandbits(64) for _ in range(blocks)] for _ in range(16)]
@@ -116,19 +119,19 @@ async def _replica(
     return result
 
 
-def _process(index, ports, sharing, rate, duration, servers, blocks, results) -> None:
+def _process(index, ports, sharing, rate, duration, servers, blocks, ready, results) -> None:
     import uvloop
 
-    results.put((index, uvloop.run(_replica(index, ports, sharing, rate, duration, servers, blocks))))
+    results.put((index, uvloop.run(_replica(index, ports, sharing, rate, duration, servers, blocks, ready))))
 
 
 def run(replicas: int, sharing: bool, rate: float, duration: float, servers: int, blocks: int) -> list[Replica]:
     """One measured run: `replicas` processes, sharing or not; each one's Replica."""
     context = multiprocessing.get_context("spawn")
-    results = context.Queue()
+    results, ready = context.Queue(), context.Barrier(replicas)
     ports = free_ports(replicas)
     processes = [
-        context.Process(target=_process, args=(i, ports, sharing, rate, duration, servers, blocks, results))
+        context.Process(target=_process, args=(i, ports, sharing, rate, duration, servers, blocks, ready, results))
         for i in range(replicas)
     ]
     for p in processes:
