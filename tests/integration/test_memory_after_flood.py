@@ -1,8 +1,9 @@
 """Memory an attack made the EPP or the model server hold is given back when it ends, whichever port it came through:
 400 unfinished 1 MiB request bodies straight to the EPP's ext_proc port (each stream's body buffered, most of them
 answered 413 over --max-buffered-body-bytes), thousands of connections to the EPP's metrics and health ports and to
-the model server's port that never finish a request head, unfinished request bodies to the model server. Once the
-attackers' connections close, the process's RSS is within 64 MB of idle."""
+the model server's port that never finish a request head, unfinished request bodies to the model server, a pool
+server publishing KV events faster than the EPP applies them. Once the attack ends, the process's RSS is within 64 MB
+of idle."""
 
 import contextlib
 import json
