@@ -471,6 +471,10 @@ class KVEventSubscriber:
             raise ValueError("KV events: either a bound endpoint or the servers' publisher port (or offset)")
         self.index = index
         self._ctx = zmq.Context()
+        # one SUB socket an endpoint (and one a replay under way): zmq's default of 1,023 sockets a context left a pool's
+        # endpoints past the 1,023rd without events ("Too many open files"); the process's open-files limit (raised to
+        # its hard limit at start) is what bounds them now
+        self._ctx.set(zmq.MAX_SOCKETS, self._ctx.get(zmq.SOCKET_LIMIT))
         # The sockets' ZMQ_FDs in the kernel's readiness set (epoll), not a zmq.Poller: zmq_poll asks every socket
         # for its state on each wake, a cost that grew with the pool (a bare loop at 150 messages a second: 259 us
         # a message over 8 sockets, 451 over 64, 1,061 over 256; through epoll 220, 230 and 257).

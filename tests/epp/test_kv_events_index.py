@@ -1,6 +1,8 @@
 """The EPP's KV event subscriber and index against the model server's real publisher and block manager."""
 
 import asyncio
+import itertools
+import resource
 import sys
 import threading
 import time
@@ -332,6 +334,32 @@ def test_a_server_that_publishes_faster_than_its_batches_are_applied_does_not_ho
         flooding.join()
     finally:
         close(subscriber, ctx, servers)
+
+
+def test_a_pool_larger_than_zmq_s_default_socket_count_is_heard_whole():
+    """1,100 endpoints, one SUB socket each (zmq's default allows 1,023 a context: the endpoints past it got none, and
+    their events were never heard); the last one's publisher is real, and its batch reaches the index. The others'
+    addresses lead nowhere (their sockets retry in the background)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    needed = 2 * 1100 + 512  # each SUB socket's mailbox and connection, and room for the test's own
+    if hard != resource.RLIM_INFINITY and hard < needed:
+        pytest.skip(f"the hard open-files limit ({hard}) is under {needed}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, needed), hard))
+    index = KVBlockIndex()
+    subscriber = KVEventSubscriber(index, connect_port_offset=0)
+    ctx = zmq.Context()
+    servers = []
+    try:
+        in_pool(subscriber, *(f"127.0.0.{2 + n // 250}:{1 + n % 250}" for n in range(1099)))
+        servers = publishers(subscriber, ctx, 1)
+        ((last, pub),) = servers
+        assert soon(lambda: len(subscriber._connected) == 1100)
+        batch, seqs = KVEventBatch(0.0, [BlockStored([7], None, [0] * 16, 16, None, "GPU")]), itertools.count()
+        # published until heard (a subscription takes a moment to reach the publisher)
+        assert soon(lambda: publish(pub, last, next(seqs), batch) or index.entries(last) == 1, timeout=10.0)
+    finally:
+        close(subscriber, ctx, servers)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 def test_the_memory_cap_drops_the_largest_endpoint_s_oldest_entries_and_counts_them():
