@@ -178,7 +178,7 @@ def test_the_model_servers_rss_returns_near_idle_after_unfinished_heads_and_bodi
 def test_rss_stays_near_idle_while_a_server_publishes_kv_events_faster_than_they_are_applied(tmp_path):
     """The pool's server publishes batches of 24,000 blocks (2 MB each, under the message limit) as fast as it can
     for 4 s: the EPP queues only a few of them (TCP and the publisher hold the rest) and applies them as it can.
-    With zmq's default queue (1,000 messages a socket) the EPP went from 31 to 1,841 MB, and stayed there after."""
+    With zmq's default queue (1,000 messages a socket) the EPP went from 84 to 1,679 MB."""
     ctx = zmq.Context()
     pub = ctx.socket(zmq.PUB)
     pub.setsockopt(zmq.SNDHWM, 64)  # this process's own queue: what does not fit is dropped here (a gap there)
