@@ -1,8 +1,27 @@
-"""Shared test helpers: free loopback ports (the same helpers the benchmarks use) and epp-local's port arguments."""
+"""Shared test helpers: free loopback ports (the same helpers the benchmarks use), epp-local's port arguments, a metric
+read off a Prometheus page, and an HTTP/1.1 response read off a raw connection."""
+
+import asyncio
+import re
 
 from harness.bench.ports import free_port_block, free_ports
 
-__all__ = ["epp_local_ports", "free_port_block", "free_ports"]
+__all__ = ["epp_local_ports", "free_port_block", "free_ports", "metric_value", "read_response"]
+
+
+def metric_value(page: str, name: str) -> float:
+    """The value of the unlabelled sample `name` on a Prometheus text page; 0 when the page has none."""
+    match = re.search(rf"^{name} (\S+)$", page, re.M)
+    return float(match.group(1)) if match else 0.0
+
+
+async def read_response(reader: asyncio.StreamReader) -> tuple[bytes, dict[str, str], bytes]:
+    """One response off a raw connection: its status line, its headers (names in lower case) and its body
+    (Content-Length framed)."""
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    status, *lines = head.decode().split("\r\n")
+    headers = {name.lower(): value for name, value in (line.split(": ", 1) for line in lines if line)}
+    return status.encode(), headers, await reader.readexactly(int(headers["content-length"]))
 
 
 def epp_local_ports() -> tuple[list[str], list[int]]:

@@ -11,6 +11,7 @@ import signal
 import aiohttp
 import pytest
 
+from tests.conftest import metric_value
 from tests.integration.conftest import FAST_SIM
 
 _QUEUED = re.compile(r"^vllm:num_requests_(?:running|waiting)\{[^}]*\} (\S+)$", re.M)
@@ -19,8 +20,7 @@ CONTEXT = "You are a helpful assistant. Answer the question concisely and accura
 
 async def epp_metric(session: aiohttp.ClientSession, url: str, name: str) -> float:
     async with session.get(url) as r:
-        match = re.search(rf"^{name} (\S+)$", await r.text(), re.M)
-    return float(match.group(1)) if match else 0.0
+        return metric_value(await r.text(), name)
 
 
 async def server_loads(session: aiohttp.ClientSession, urls: list[str]) -> list[int]:

@@ -23,7 +23,7 @@ from epp.transport.h2 import DATA, HEADERS, PREFACE, SETTINGS, frame, grpc_messa
 from harness.bench.chaos import REQUEST_HEADERS, rss_mb
 from harness.local import epp_command, python_module, wait_until_serving
 from protocol.kv_events import BlockStored, KVEventBatch
-from tests.conftest import free_ports
+from tests.conftest import free_ports, metric_value
 
 
 @contextlib.contextmanager
@@ -200,11 +200,7 @@ def test_rss_stays_near_idle_while_a_server_publishes_kv_events_faster_than_they
                     peak = max(peak, rss_mb(epp.pid))
                     time.sleep(0.005)
             with urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=5) as page:
-                applied = next(
-                    float(line.split()[-1])
-                    for line in page.read().decode().splitlines()
-                    if line.startswith("inference_extension_kv_events_batches_total")
-                )
+                applied = metric_value(page.read().decode(), "inference_extension_kv_events_batches_total")
             assert applied > 0, "no batch was applied: the flood tested nothing"
             assert peak <= idle + 96, (idle, peak, seq, applied)
             pub.close(linger=0)

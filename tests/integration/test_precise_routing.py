@@ -6,6 +6,7 @@ import re
 
 import aiohttp
 
+from tests.conftest import metric_value
 from tests.integration.conftest import FAST_SIM
 
 PRECISE_ONLY = """\
@@ -21,8 +22,7 @@ CONTEXT = "You are a helpful assistant. Answer the question concisely and accura
 
 async def epp_metric(session: aiohttp.ClientSession, stack, name: str) -> float:
     async with session.get(stack.epp_metrics_url) as r:
-        match = re.search(rf"^{name} (\S+)$", await r.text(), re.M)
-    return float(match.group(1)) if match else 0.0
+        return metric_value(await r.text(), name)
 
 
 async def epp_running(session: aiohttp.ClientSession, stack) -> float:

@@ -30,7 +30,7 @@ async def start_server(
     tmp_path,
     timing: SimTiming | None = None,
     max_request_body_bytes: int = 2 * 1024 * 1024,
-    max_buffered_body_bytes: int = 256 * 1024 * 1024,
+    max_buffered_body_bytes: int = ServerSettings.max_buffered_body_bytes,
     **config,
 ) -> RunningServer:
     tokenizer = load_tokenizer(None)

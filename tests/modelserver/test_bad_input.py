@@ -9,6 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.conftest import read_response
 from tests.modelserver.conftest import MODEL, start_server
 
 json_values = st.recursive(
@@ -223,11 +224,8 @@ async def test_request_bodies_are_bounded_in_size_pace_and_all_together(tmp_path
         return reader, writer
 
     async def answer(reader: asyncio.StreamReader) -> tuple[bytes, dict]:
-        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
-        lines = head.decode().split("\r\n")
-        headers = dict(line.lower().split(": ", 1) for line in lines[1:] if line)
-        body = await reader.readexactly(int(headers["content-length"]))
-        return lines[0].encode(), {**headers, "error": json.loads(body)["error"]["message"]}
+        status, headers, body = await read_response(reader)
+        return status, {**headers, "error": json.loads(body)["error"]["message"]}
 
     try:
         first = await unfinished(2 << 20, (2 << 20) - 1)  # holds 2 MiB of the 3

@@ -9,7 +9,7 @@ from aiohttp import web
 
 from protocol import http_listener as http
 from protocol.http_listener import MAX_HEAD_BYTES, HttpListener
-from tests.conftest import free_ports
+from tests.conftest import free_ports, read_response
 
 
 @pytest.fixture
@@ -40,12 +40,9 @@ async def connect(listener: HttpListener) -> tuple[asyncio.StreamReader, asyncio
 
 
 async def response(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
-    """One response's status line and body (Content-Length framed)."""
-    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
-    length = int(
-        next(line for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")).split(b":")[1]
-    )
-    return head.split(b"\r\n")[0], await reader.readexactly(length)
+    """One response's status line and body."""
+    status, _, body = await read_response(reader)
+    return status, body
 
 
 GET = b"GET /hello HTTP/1.1\r\nHost: x\r\n\r\n"
