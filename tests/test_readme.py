@@ -180,7 +180,10 @@ def test_readme_walkthrough(tmp_path):
     copy_checkout(tmp_path)
     if subprocess.run(["make", "-q", ".venv/.installed-demo"], cwd=tmp_path).returncode != 0:
         pytest.skip("the checkout's .venv is older than pyproject.toml or setup.py: `make demo` would reinstall it")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "COV_"))}
+    # As a newcomer runs it, without pytest's variables, but for the worker's share of free ports
+    # (harness/bench/ports.py): from the whole range, the demo's servers took ports another worker had handed out.
+    share = ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT")
+    env = {k: v for k, v in os.environ.items() if k in share or not k.startswith(("PYTEST_", "COV_"))}
     env["PYTHONUNBUFFERED"] = "1"
     running: list[Background] = []
     section = None
