@@ -191,26 +191,28 @@ class ModelServer:
         limit = self.settings.max_request_body_bytes
         if request.content_length is not None and request.content_length > limit:
             raise OpenAIError("request body too large", 413)
-        body = bytearray()
+        chunks: list[bytes] = []
+        size = 0
         # a body that came whole with its head (a small one) has nothing to wait for: no timer (10 µs a request)
         arriving = contextlib.nullcontext() if request.content.is_eof() else asyncio.timeout(BODY_SECONDS)
         try:
             async with arriving:
                 while chunk := await request.content.readany():
-                    if len(body) + len(chunk) > limit:
+                    if size + len(chunk) > limit:
                         raise OpenAIError("request body too large", 413)
                     if not self.bodies.reserve(len(chunk)):
                         self.bodies_refused.note(self.bodies.held, self.bodies.limit)
                         raise OpenAIError(
                             "the server is receiving too many request bodies at once; retry", 503, retry_after=1
                         )
-                    body += chunk
+                    chunks.append(chunk)
+                    size += len(chunk)
         except TimeoutError:
             self.bodies_late.note(BODY_SECONDS)
             raise OpenAIError(f"request body not received within {BODY_SECONDS:g} s", 408) from None
         finally:
-            self.bodies.release(len(body))
-        return bytes(body)
+            self.bodies.release(size)
+        return b"".join(chunks)  # a body of one chunk (most) is that chunk, not a copy
 
     # -- info endpoints ----------------------------------------------------------------------------------------
     async def health(self, request: web.Request) -> web.Response:
