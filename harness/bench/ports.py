@@ -54,7 +54,7 @@ def _bindable(ports: range, held: list[socket.socket]) -> bool:
         for port in ports:
             s = socket.socket()
             held.append(s)
-            s.bind(("127.0.0.1", port))
+            s.bind(("", port))  # every address: a model server's KV-event publisher binds tcp://*
         return True
     except OSError:
         for s in held[start:]:
@@ -77,7 +77,7 @@ def _blocks(count: int, size: int) -> list[int]:
             if high <= low:  # no room in our share below the ephemeral range: let the kernel choose
                 s = socket.socket()
                 held.append(s)
-                s.bind(("127.0.0.1", 0))
+                s.bind(("", 0))
                 base = s.getsockname()[1]
                 if size == 1 or _bindable(range(base + 1, base + size), held):
                     starts.append(base)
@@ -92,7 +92,7 @@ def _blocks(count: int, size: int) -> list[int]:
 
 
 def free_ports(count: int) -> list[int]:
-    """Distinct free TCP ports on 127.0.0.1."""
+    """Distinct TCP ports free on every address."""
     return _blocks(count, 1)
 
 
