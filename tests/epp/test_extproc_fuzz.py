@@ -9,7 +9,7 @@ import json
 
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from epp.handlers.extproc import RequestStream
@@ -73,7 +73,7 @@ records = st.tuples(
 )
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=150)
 @given(
     st.lists(
         st.tuples(st.lists(messages(), max_size=8), st.booleans(), st.lists(records, max_size=2)),

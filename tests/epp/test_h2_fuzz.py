@@ -153,7 +153,7 @@ def connections(draw) -> tuple[bytes, list[int]]:
     return wire, cuts
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(max_examples=300, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(connections())
 def test_no_byte_stream_raises_or_breaks_the_connections_bounds(client):
     wire, cuts = client

@@ -165,7 +165,7 @@ class _Ignored:
         pass
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=300)
 @given(chunked_bodies(), st.lists(st.integers(1, 200), max_size=4))
 def test_any_chunked_body_is_read_refused_or_awaited_and_never_stalls_the_loop(chunked_body, cuts):
     """Whatever a server sends as a chunked page, in reads cut anywhere, each read returns at once: the page, an

@@ -40,7 +40,7 @@ def token_ids(tokenizer: PromptTokenizer, payload: dict) -> list[int] | None:
     return None if prompt is None else encode(tokenizer, prompt)
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=400)
 @given(first=TEXT, second=TEXT, third=TEXT)
 def test_the_cached_segments_give_exactly_the_whole_text_s_tokens(builtin, first, second, third):
     whole = builtin.tokenizer.encode
@@ -162,7 +162,7 @@ def _trained(split: str | None, vocab_size: int = 600) -> Tokenizer:
 PIPELINES = {"gpt2": _trained(None), "llama3": _trained(LLAMA3_SPLIT), "qwen2": _trained(QWEN2_SPLIT)}
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=300)
 @given(text=ASCII_TEXT, again=ASCII_TEXT)
 def test_the_pre_token_cache_gives_the_tokenizer_s_ids_for_gpt2_llama3_and_qwen2_splits(text, again):
     for tokenizer in PIPELINES.values():

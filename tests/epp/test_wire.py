@@ -116,7 +116,7 @@ _NAMES = st.sampled_from([":path", ":method", "Content-Type", "x-request-id", "X
 _HEADER = st.tuples(_NAMES | st.text(max_size=20), st.text(max_size=300), st.binary(max_size=300))
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=300)
 @given(st.lists(_HEADER, max_size=12), st.booleans())
 def test_the_headers_read_are_what_the_message_classes_read(headers, unknown_field):
     message = base_pb2.HeaderMap()
@@ -149,7 +149,7 @@ _KEYS = st.sampled_from([accesslog.TTFT_ATTRIBUTE, accesslog.STATUS_ATTRIBUTE, a
 _RECORD = st.tuples(_VALUE, st.lists(st.tuples(_KEYS, _VALUE), max_size=5), st.integers(0, 2**64 - 1))
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=300)
 @given(st.lists(st.lists(st.lists(_RECORD, max_size=4), max_size=3), max_size=3))
 def test_log_records_reads_what_the_message_classes_read(resources):
     request = accesslog.ExportRequest()
@@ -170,7 +170,7 @@ def test_log_records_reads_what_the_message_classes_read(resources):
 
 
 @pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
-@settings(max_examples=2000, deadline=None)
+@settings(max_examples=2000)
 @given(st.binary(max_size=200), st.integers(0, 199))
 def test_the_readers_refuse_malformed_bytes_as_the_message_classes_do(noise, cut):
     """Bytes that are not a message raise DecodeError (the transports answer INVALID_ARGUMENT), never another
@@ -230,7 +230,7 @@ def _as_the_classes_read_it(message: pb.ProcessingRequest) -> tuple:
 _KIND = st.sampled_from((*wire.REQUEST_KINDS[2:], ""))
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=300)
 @given(
     _KIND,
     st.lists(_HEADER, max_size=6),

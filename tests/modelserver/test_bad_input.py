@@ -49,7 +49,7 @@ async def test_generated_bodies_never_500(tmp_path):
             )
             statuses = []
 
-            @settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
+            @settings(max_examples=120, suppress_health_check=list(HealthCheck))
             @given(body=bodies, path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]))
             def probe(body, path):
                 body = {**body, "max_tokens": 3} if isinstance(body.get("max_tokens"), int) else body

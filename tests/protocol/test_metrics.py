@@ -220,7 +220,7 @@ def _escape(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=300)
 @given(
     labels=st.dictionaries(label_names, label_values, max_size=5),
     value=st.one_of(st.floats(allow_nan=False), st.integers(-(2**53), 2**53)),

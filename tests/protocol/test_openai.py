@@ -228,7 +228,7 @@ json_values = st.recursive(
 )
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=300)
 @given(
     kind=st.sampled_from([COMPLETION, CHAT]),
     body=st.dictionaries(
@@ -244,7 +244,7 @@ def test_arbitrary_bodies_raise_only_openai_errors(kind, body):
     prompt_text(body)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=300)
 @given(
     st.one_of(
         st.binary(max_size=64),

@@ -7,7 +7,7 @@ import itertools
 import json
 import random
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from epp.datalayer.kv_events import KVBlockIndex
@@ -294,7 +294,7 @@ def test_the_latency_predictor_s_cached_tokens_come_from_the_kv_index_for_publis
 WORDS = ["the", "weather", "today", "is", "sunny,", "line", "déjà", "vu", "🙂", "\n", "x" * 40, "42", "a-b"]
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=60)
 @given(
     words=st.lists(st.sampled_from(WORDS), min_size=1, max_size=1200),
     runs=st.lists(st.tuples(st.integers(0, 200), st.integers(0, 200)), min_size=1, max_size=3),

@@ -29,7 +29,7 @@ def check_block_accounting(kv: KVCacheManager, live: list[Request]) -> None:
     assert 0.0 <= kv.usage <= 1.0
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=150, suppress_health_check=list(HealthCheck))
 @given(
     workload=st.lists(request_strategy, min_size=1, max_size=12),
     num_blocks=st.integers(4, 24),
