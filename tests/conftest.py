@@ -1,5 +1,6 @@
 """Shared test helpers: free loopback ports (the same helpers the benchmarks use), epp-local's port arguments, a metric
-read off a Prometheus page, and an HTTP/1.1 response read off a raw connection; Hypothesis without timing checks."""
+read off a Prometheus page, an HTTP/1.1 response read off a raw connection, a large KV-event batch; Hypothesis without
+timing checks."""
 
 import asyncio
 import re
@@ -7,6 +8,7 @@ import re
 from hypothesis import HealthCheck, settings
 
 from harness.bench.ports import free_port_block, free_ports
+from protocol.kv_events import BlockStored, KVEventBatch
 
 # Hypothesis' timing checks (200 ms an example, inputs generated within a second) measure the machine, not the code:
 # under `make test` the property tests share two cores with the servers other workers start, and one draw that
@@ -14,7 +16,7 @@ from harness.bench.ports import free_port_block, free_ports
 settings.register_profile("shared-machine", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("shared-machine")
 
-__all__ = ["epp_local_ports", "free_port_block", "free_ports", "metric_value", "read_response"]
+__all__ = ["epp_local_ports", "flood_batch", "free_port_block", "free_ports", "metric_value", "read_response"]
 
 
 def metric_value(page: str, name: str) -> float:
@@ -30,6 +32,14 @@ async def read_response(reader: asyncio.StreamReader) -> tuple[bytes, dict[str, 
     status, *lines = head.decode().split("\r\n")
     headers = {name.lower(): value for name, value in (line.split(": ", 1) for line in lines if line)}
     return status.encode(), headers, await reader.readexactly(int(headers["content-length"]))
+
+
+def flood_batch(blocks: int) -> KVEventBatch:
+    """A batch storing `blocks` blocks (hashes 0..blocks-1), the same each time it is sent; its parent makes it one
+    that no hash check applies to, so a subscriber applies every copy. 24,000 blocks encode to ~2 MB."""
+    return KVEventBatch(
+        0.0, [BlockStored(list(range(blocks)), 1, [100_000 + t for t in range(16)] * blocks, 16, None, "GPU")]
+    )
 
 
 def epp_local_ports() -> tuple[list[str], list[int]]:

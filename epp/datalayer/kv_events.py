@@ -670,7 +670,7 @@ class KVEventSubscriber:
             index = self.index
             ready, self._unread = self._unread, []
             if ready:  # new sockets, or some whose turn ran out: those that woke meanwhile are read too
-                ready += [key.data for key, _ in self._selector.select(0) if key.data not in ready]
+                ready = list(dict.fromkeys([*ready, *(key.data for key, _ in self._selector.select(0))]))
             else:
                 # A socket's FD signals that its state may have changed, once: each socket it names is read until
                 # it has nothing more (zmq.Again), or no later message would wake this thread.

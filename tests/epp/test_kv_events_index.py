@@ -37,6 +37,7 @@ from protocol.kv_events import (
     external_block_hash,
     request_block_hashes,
 )
+from tests.conftest import flood_batch
 from tests.epp.helpers import until
 
 
@@ -287,12 +288,8 @@ def test_every_publisher_of_a_large_pool_is_read_through_bursts_and_departures()
 
 
 def flooded(pub: zmq.Socket, hostport: str, blocks: int, seconds: float) -> threading.Thread:
-    """A thread that publishes batches of `blocks` blocks each (block hashes 0..blocks-1, every batch the same, a
-    parent so that no hash check applies) on `pub` as fast as it can for `seconds`."""
-    batch = KVEventBatch(
-        0.0, [BlockStored(list(range(blocks)), 1, [100_000 + t for t in range(16)] * blocks, 16, None, "GPU")]
-    )
-    message = msgspec.msgpack.encode(batch)
+    """A thread that publishes `flood_batch(blocks)` on `pub` as fast as it can for `seconds`."""
+    message = msgspec.msgpack.encode(flood_batch(blocks))
     assert len(message) < MAX_MESSAGE_BYTES
 
     def flood() -> None:
@@ -691,7 +688,7 @@ def test_only_the_pools_servers_are_indexed_and_a_server_that_leaves_is_forgotte
         subscriber.shutdown()
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=300)
 @given(
     operations=st.lists(
         st.tuples(
@@ -759,7 +756,7 @@ def test_blocks_stored_and_removed_over_and_over_keep_their_endpoint_s_log_short
     assert 1 <= len(compactions) <= 4 * 300 // kv_events.CHUNK_BLOCKS
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=300)
 @given(
     held=st.lists(st.sets(st.integers(0, 11), max_size=12), min_size=1, max_size=5),
     removed=st.lists(st.tuples(st.integers(0, 4), st.integers(0, 11)), max_size=6),

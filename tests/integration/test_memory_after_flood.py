@@ -22,8 +22,7 @@ from hpack import Encoder
 from epp.transport.h2 import DATA, HEADERS, PREFACE, SETTINGS, frame, grpc_message
 from harness.bench.chaos import REQUEST_HEADERS, rss_mb
 from harness.local import epp_command, python_module, wait_until_serving
-from protocol.kv_events import BlockStored, KVEventBatch
-from tests.conftest import free_ports, metric_value
+from tests.conftest import flood_batch, free_ports, metric_value
 
 
 @contextlib.contextmanager
@@ -183,12 +182,7 @@ def test_rss_stays_near_idle_while_a_server_publishes_kv_events_faster_than_they
     pub = ctx.socket(zmq.PUB)
     pub.setsockopt(zmq.SNDHWM, 64)  # this process's own queue: what does not fit is dropped here (a gap there)
     port = pub.bind_to_random_port("tcp://127.0.0.1")
-    blocks = 24_000
-    message = msgspec.msgpack.encode(
-        KVEventBatch(
-            0.0, [BlockStored(list(range(blocks)), 1, [100_000 + t for t in range(16)] * blocks, 16, None, None)]
-        )
-    )
+    message = msgspec.msgpack.encode(flood_batch(24_000))
     try:
         with idle_epp(tmp_path, kv_events_port=port) as (epp, _, _, metrics):
             idle = rss_mb(epp.pid)
