@@ -673,7 +673,8 @@ class KVEventSubscriber:
                 ready = list(dict.fromkeys([*ready, *(key.data for key, _ in self._selector.select(0))]))
             else:
                 # A socket's FD signals that its state may have changed, once: each socket it names is read until
-                # it has nothing more (zmq.Again), or no later message would wake this thread.
+                # it has nothing more (zmq.Again), or no later message would wake this thread; one whose turn ends
+                # first is kept in _unread and read again on the next pass.
                 wait = IDLE_MS / 1000 if index.size > index.low_mark else 0.1
                 if self._replays:
                     wait = min(wait, max(0.0, min(r.deadline for r in self._replays.values()) - time.monotonic()))
